@@ -1,0 +1,92 @@
+"""What capture hands to writers: a :class:`CapturePlan` first, then :class:`Batch` after batch.
+
+Example:
+    >>> import torch, numpy as np
+    >>> b = Batch(acts={"resid.0": torch.zeros(2, 3, 4)}, example_ids=np.array([0, 1]))
+    >>> b.n_examples, b.n_tokens, b.d_model
+    (2, 3, 4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .sites import Site
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """Activations of ``B`` examples of ``T`` tokens, keyed by site name (``"resid.3"``)."""
+
+    acts: dict[str, torch.Tensor]
+    """site name -> CPU tensor ``[B, T, D]`` in the capture dtype."""
+    example_ids: np.ndarray
+    """int64 ``[B]``: global example indices, increasing."""
+    token_ids: np.ndarray | None = None
+    """int ``[B, T]`` token ids (text models), else None."""
+    token_mask: np.ndarray | None = None
+    """bool ``[B, T]``: True for tokens to keep (None: keep all)."""
+    labels: np.ndarray | None = None
+    """int64 ``[B]`` class labels (image folders with class subfolders), else None."""
+    texts: list[str] | None = None
+    """The source text of each example, when there is one."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Format-specific per-example fields (e.g. prompt/response lengths)."""
+
+    @property
+    def n_examples(self) -> int:
+        return int(self.example_ids.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(next(iter(self.acts.values())).shape[1])
+
+    @property
+    def d_model(self) -> int:
+        return int(next(iter(self.acts.values())).shape[2])
+
+    def select(self, keep: np.ndarray) -> Batch:
+        """The sub-batch of examples where the boolean mask ``keep`` ([B]) is True."""
+        index = torch.from_numpy(np.flatnonzero(keep))
+        pick = lambda a: None if a is None else a[keep]  # noqa: E731
+        return Batch(
+            acts={k: v.index_select(0, index) for k, v in self.acts.items()},
+            example_ids=self.example_ids[keep],
+            token_ids=pick(self.token_ids),
+            token_mask=pick(self.token_mask),
+            labels=pick(self.labels),
+            texts=None if self.texts is None else [t for t, k in zip(self.texts, keep) if k],
+            extras={
+                k: (v[keep] if isinstance(v, np.ndarray) else [x for x, m in zip(v, keep) if m])
+                for k, v in self.extras.items()
+            },
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapturePlan:
+    """Everything a writer needs to know before the first batch arrives."""
+
+    ckpt: str
+    family: str
+    modality: str
+    sites: tuple[Site, ...]
+    n_model_layers: int
+    d_model: int
+    tokens_per_example: int
+    has_cls: bool
+    n_examples: int
+    dataset_root: str
+    data: dict[str, Any]
+    classes: list[str] | None
+    has_labels: bool
+    has_tokens: bool
+    batch_size: int
+
+    @property
+    def layers(self) -> list[int]:
+        return [s.layer for s in self.sites]

@@ -1,0 +1,87 @@
+"""Hand batches to a writer on a background thread through a bounded queue.
+
+The forward loop calls :meth:`BackgroundWriter.put`; a full queue blocks it (back-pressure),
+so no batch is ever dropped and memory stays bounded at ``queue_size`` batches. A writer
+error is re-raised in the forward loop at its next ``put`` or at :meth:`close`.
+
+Example:
+    >>> with BackgroundWriter(writer, queue_size=4) as bg:  # doctest: +SKIP
+    ...     for batch in batches:
+    ...         bg.put(batch)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any
+
+from ..batch import Batch
+from ..errors import CaptureError
+from ..formats.base import Writer
+
+_DONE = object()
+
+
+class BackgroundWriter:
+    """Runs ``writer.write`` on its own thread; ``close()`` returns ``writer.close()``."""
+
+    def __init__(self, writer: Writer, *, queue_size: int = 4) -> None:
+        if queue_size < 1:
+            raise ValueError("queue_size must be at least 1")
+        self.writer = writer
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="actstore-writer", daemon=True)
+        self._thread.start()
+        #: Seconds the forward loop spent blocked on a full queue (back-pressure).
+        self.blocked_s = 0.0
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _DONE:
+                return
+            if self._error is not None:
+                continue  # drain so the producer never blocks forever
+            try:
+                self.writer.write(item)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the producer
+                self._error = err
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise CaptureError(f"the writer failed: {self._error}") from self._error
+
+    def put(self, batch: Batch) -> None:
+        """Queue ``batch`` for writing; blocks while the queue is full."""
+        self._raise_if_failed()
+        start = time.perf_counter()
+        while True:
+            try:
+                self._queue.put(batch, timeout=0.5)
+                break
+            except queue.Full:
+                self._raise_if_failed()
+        self.blocked_s += time.perf_counter() - start
+
+    def close(self) -> Any:
+        """Wait for queued batches, then close the writer (publishing its output)."""
+        self._queue.put(_DONE)
+        self._thread.join()
+        self._raise_if_failed()
+        return self.writer.close()
+
+    def abort(self) -> None:
+        """Stop after the batches already queued, without publishing."""
+        self._queue.put(_DONE)
+        self._thread.join()
+        self.writer.abort()
+
+    def __enter__(self) -> BackgroundWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self._thread.is_alive():
+            self.abort()

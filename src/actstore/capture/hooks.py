@@ -1,0 +1,84 @@
+"""Record activations at chosen sites with forward hooks, stopping after the last block needed.
+
+The recorder hooks the block (residual stream), attention and MLP sub-modules. When the last
+block that any requested site needs has run, its hook raises :class:`StopForward`, so no
+compute is spent on the rest of the model (nor on an LM head, which is never loaded).
+
+Example:
+    >>> with ActivationRecorder(model, [Site("resid", 2)]) as rec:  # doctest: +SKIP
+    ...     acts = rec.run({"input_ids": ids})  # {"resid.2": tensor[B, T, D]}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..sites import Site
+from .models import LoadedModel
+
+
+class StopForward(Exception):
+    """Raised inside a hook to end the forward pass early (caught by the recorder)."""
+
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    """Hooked modules return a tensor or a tuple whose first item is the hidden states."""
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+class ActivationRecorder:
+    """Context manager holding the hooks for ``sites`` on ``model``."""
+
+    def __init__(self, model: LoadedModel, sites: Sequence[Site]) -> None:
+        self.model = model
+        self.sites = [s.resolve(model.n_layers) for s in sites]
+        self.last_layer = max(s.layer for s in self.sites)
+        self._acts: dict[str, torch.Tensor] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> ActivationRecorder:
+        for site in self.sites:
+            self._handles.append(self._register(site))
+        stop_block = self.model.blocks[self.last_layer]
+        self._handles.append(stop_block.register_forward_hook(self._stop))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _register(self, site: Site) -> torch.utils.hooks.RemovableHandle:
+        name = str(site)
+
+        def save_output(_module, _args, output):
+            self._acts[name] = _first_tensor(output)
+
+        def save_input(_module, args, kwargs):
+            self._acts[name] = args[0] if args else kwargs["hidden_states"]
+
+        if site.kind == "resid":
+            return self.model.blocks[site.layer].register_forward_hook(save_output)
+        module = self.model.submodule(site.layer, site.kind.split("_")[0])
+        if site.kind.endswith("_out"):
+            return module.register_forward_hook(save_output)
+        return module.register_forward_pre_hook(save_input, with_kwargs=True)
+
+    def _stop(self, *_: object) -> None:
+        raise StopForward
+
+    def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Forward ``inputs`` and return ``{site name: tensor[B, T, D]}`` on the model device."""
+        self._acts = {}
+        extra = {"use_cache": False} if self.model.modality == "text" else {}
+        try:
+            self.model.module(**inputs, **extra)
+        except StopForward:
+            pass
+        acts, self._acts = self._acts, {}
+        missing = [str(s) for s in self.sites if str(s) not in acts]
+        assert not missing, f"hooks did not fire for {missing}"
+        return acts

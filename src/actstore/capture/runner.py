@@ -1,0 +1,167 @@
+"""The capture loop: model + dataset -> batches -> a format writer on a background thread.
+
+Example:
+    >>> cfg = CaptureConfig(model="embedded", dataset="embedded", sites=("resid.3",))
+    >>> result = capture(cfg, lambda plan: SaevWriter.open(plan, dump_to="out"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..batch import Batch, CapturePlan
+from ..errors import ConfigError
+from ..sites import Site
+from .background import BackgroundWriter
+from .data import ExampleSource, open_source
+from .hooks import ActivationRecorder
+from .models import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureConfig:
+    """What to run and over what. Storage options belong to the format's writer."""
+
+    model: str = "embedded"
+    """Hugging Face model id, local model directory, or ``embedded``."""
+    dataset: str = "embedded"
+    """Image folder, .txt/.jsonl file, saved HF dataset directory, or ``embedded``."""
+    sites: tuple[str, ...] = ("resid.-1",)
+    """Sites as ``kind.layer`` (``resid.6``, ``mlp_out.-1``); see :mod:`actstore.sites`."""
+    batch_size: int = 32
+    device: str = "cpu"
+    dtype: str = "float32"
+    """Compute dtype: float32, bfloat16 or float16 (stores cast as their format says)."""
+    context_length: int = 128
+    """Tokens per packed text context (text models only)."""
+    max_examples: int | None = None
+    split: str = "train"
+    text_field: str = "text"
+    num_workers: int = 0
+    """DataLoader workers decoding images."""
+    queue_size: int = 4
+    """Batches buffered between the forward pass and the writer thread."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, not {self.batch_size}")
+        if self.context_length < 2:
+            raise ConfigError(f"context_length must be >= 2, not {self.context_length}")
+        if not self.sites:
+            raise ConfigError("give at least one site (e.g. resid.-1)")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ConfigError("max_examples must be >= 1")
+        for site in self.sites:
+            Site.parse(site)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureResult:
+    """What happened: where the data is and how long it took."""
+
+    output: Any
+    """The writer's manifest (a path for local formats)."""
+    plan: CapturePlan
+    n_examples_run: int
+    resumed_from: int
+    already_complete: bool
+    seconds: float
+    """Wall time of the forward loop (model loading and tokenisation excluded)."""
+    setup_seconds: float
+    """Time spent loading the model and preparing the dataset."""
+    writer_wait_s: float
+    """Time the forward loop was blocked on a full writer queue."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _probe_tokens(model: LoadedModel, source: ExampleSource, sites: list[Site]) -> int:
+    if getattr(source, "token_ids", None) is not None:
+        return int(source.token_ids.shape[1])
+    first = next(source.batches(0, 1))
+    with torch.inference_mode(), ActivationRecorder(model, sites[:1]) as rec:
+        return int(next(iter(rec.run(first.inputs).values())).shape[1])
+
+
+def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
+    """Load the model and dataset and work out the shapes the store will have."""
+    model = load_model(config.model, device=config.device, dtype=config.dtype)
+    sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
+    if len(set(sites)) != len(sites):
+        raise ConfigError(f"sites {list(config.sites)} name the same site twice")
+    source = open_source(
+        config.dataset, model, context_length=config.context_length,
+        max_examples=config.max_examples, split=config.split, text_field=config.text_field,
+    )  # fmt: skip
+    plan = CapturePlan(
+        ckpt=model.ckpt, family=model.family, modality=model.modality, sites=tuple(sites),
+        n_model_layers=model.n_layers, d_model=model.d_model,
+        tokens_per_example=_probe_tokens(model, source, sites), has_cls=model.has_cls,
+        n_examples=source.n_examples, dataset_root=source.root, data=source.describe(),
+        classes=source.classes, has_labels=getattr(source, "labels", None) is not None,
+        has_tokens=getattr(source, "token_ids", None) is not None, batch_size=config.batch_size,
+    )  # fmt: skip
+    return model, source, plan
+
+
+def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) -> CaptureResult:
+    """Run ``config.model`` over ``config.dataset`` and write the activations.
+
+    ``open_writer(plan)`` returns a writer with ``resume_from`` (examples already durable)
+    and ``complete`` (already published) attributes. Batches always start at multiples of
+    ``batch_size``, so a resumed run computes exactly the batches an uninterrupted one
+    would (bitwise-identical activations on deterministic hardware).
+    """
+    t0 = time.perf_counter()
+    model, source, plan = plan_capture(config)
+    writer = open_writer(plan)
+    setup_seconds = time.perf_counter() - t0
+    if getattr(writer, "complete", False):
+        output = writer.close()
+        log.info("already captured: %s", output)
+        return CaptureResult(output=output, plan=plan, n_examples_run=0,
+                             resumed_from=plan.n_examples, already_complete=True, seconds=0.0,
+                             setup_seconds=setup_seconds, writer_wait_s=0.0)  # fmt: skip
+    resume_from = int(getattr(writer, "resume_from", 0))
+    first = (resume_from // config.batch_size) * config.batch_size
+    if resume_from:
+        log.info("resuming at example %d of %d", resume_from, plan.n_examples)
+    n_run = 0
+    names = [str(s) for s in plan.sites]
+    t_loop = time.perf_counter()
+    with (
+        torch.inference_mode(),
+        ActivationRecorder(model, list(plan.sites)) as recorder,
+        BackgroundWriter(writer, queue_size=config.queue_size) as background,
+        tqdm(total=plan.n_examples, initial=resume_from, unit="ex", desc="capture",
+             disable=not config.progress, dynamic_ncols=True) as bar,
+    ):  # fmt: skip
+        for source_batch in source.batches(first, config.batch_size, config.num_workers):
+            acts = recorder.run(source_batch.inputs)
+            batch = Batch(
+                acts={name: acts[name].to("cpu") for name in names},
+                example_ids=source_batch.example_ids,
+                token_ids=source_batch.token_ids,
+                labels=source_batch.labels,
+            )
+            background.put(batch)
+            fresh = int(np.count_nonzero(source_batch.example_ids >= resume_from))
+            n_run += fresh
+            bar.update(fresh)
+        output = background.close()
+    seconds = time.perf_counter() - t_loop
+    log.info("captured %d examples in %.1fs (writer back-pressure %.1fs)", n_run, seconds,
+             background.blocked_s)  # fmt: skip
+    return CaptureResult(output=output, plan=plan, n_examples_run=n_run, resumed_from=resume_from,
+                         already_complete=False, seconds=seconds, setup_seconds=setup_seconds,
+                         writer_wait_s=background.blocked_s)  # fmt: skip

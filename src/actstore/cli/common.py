@@ -1,0 +1,35 @@
+"""Small helpers shared by the CLI commands."""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+
+def parse_int_list(text: str, option: str) -> list[int]:
+    """Parse ``"3,5,-1"`` into ``[3, 5, -1]``.
+
+    Example:
+        >>> parse_int_list("3, -1", "--layers")
+        [3, -1]
+    """
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"{option} takes comma-separated integers like 3,5,-1, not {text!r}")
+    if not values:
+        raise ConfigError(f"{option} needs at least one value")
+    return values
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``.
+
+    Example:
+        >>> human_bytes(3 * 2**30)
+        '3.0 GiB'
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError

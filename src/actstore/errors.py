@@ -1,0 +1,83 @@
+"""One error hierarchy for actstore.
+
+Every error raised on purpose derives from :class:`ActstoreError`; most also inherit
+the builtin a caller would naturally catch (``FileNotFoundError``, ``ValueError``, ...).
+Messages name the problem and what to do about it.
+
+Example:
+    >>> try:
+    ...     raise LayerNotStoredError("layer 7 is not stored; stored layers: [3, 5]")
+    ... except KeyError as err:
+    ...     print(type(err).__name__)
+    LayerNotStoredError
+"""
+
+from __future__ import annotations
+
+
+class ActstoreError(Exception):
+    """Base class of every error actstore raises deliberately."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep ours readable.
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class ConfigError(ActstoreError, ValueError):
+    """A configuration value is invalid (bad layer, unknown site, impossible size...)."""
+
+
+class MissingDependencyError(ActstoreError, ImportError):
+    """An optional dependency is needed for this feature; the message says which extra."""
+
+
+class StoreNotFoundError(ActstoreError, FileNotFoundError):
+    """A store, shard or file that should exist does not."""
+
+
+class CorruptStoreError(ActstoreError, ValueError):
+    """Stored data fails validation: bad JSON, wrong size, checksum mismatch, ..."""
+
+
+class ProtocolVersionError(ActstoreError, ValueError):
+    """The store was written with an incompatible (major) protocol version."""
+
+
+class LayerNotStoredError(ActstoreError, KeyError):
+    """A layer or site was requested that the store does not hold."""
+
+
+class IndexOutOfRangeError(ActstoreError, IndexError):
+    """An example, token or row index is outside the stored range."""
+
+
+class StoreExistsError(ActstoreError, FileExistsError):
+    """The destination already holds a published store (nothing was overwritten)."""
+
+
+class UnsafeDataError(ActstoreError, ValueError):
+    """Loading would execute untrusted code (pickle) and the caller did not opt in."""
+
+
+class CaptureError(ActstoreError, RuntimeError):
+    """Capture failed (model, dataset, or writer thread error)."""
+
+
+class StorageError(ActstoreError, OSError):
+    """Reading or writing bytes failed (local disk or object storage) after retries."""
+
+
+def require(module: str, extra: str):
+    """Import an optional dependency or raise a helpful :class:`MissingDependencyError`.
+
+    Example:
+        >>> np = require("numpy", "core")
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"{module!r} is needed for this feature; install it with "
+            f"`pip install 'actstore[{extra}]'`"
+        ) from err

@@ -1,0 +1,74 @@
+"""Contracts every storage format implements: :class:`Block`, :class:`Reader`, :class:`Writer`.
+
+A *block* is a contiguous run of rows (one row = one token's vector at one site) that costs
+one sequential read. Readers list blocks per site; the loader, conversion and verification
+are written once against blocks. Blocks at the same position of ``blocks(site)`` for two
+sites of one store cover the same tokens (so crosscoder batches can align sites).
+
+Example:
+    >>> Block(site=3, n_rows=197, loc=(0, 5)).n_rows
+    197
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ..batch import Batch
+    from ..stats import RunningStats
+
+
+@dataclass(frozen=True)
+class Block:
+    """``n_rows`` contiguous rows of ``site``; ``loc`` is the format's own locator."""
+
+    site: Hashable
+    n_rows: int
+    loc: tuple[int, ...]
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """Read side of a format. Implementations are cheap to pickle (they reopen lazily)."""
+
+    @property
+    def sites(self) -> Sequence[Hashable]:
+        """The sites stored, in the format's own naming (saev: layer ints)."""
+        ...
+
+    @property
+    def d_model(self) -> int: ...
+
+    def blocks(self, site: Hashable) -> list[Block]:
+        """Every row of ``site`` exactly once, as contiguous blocks, in storage order."""
+        ...
+
+    def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``block`` as ``[n_rows, D]`` (into ``out`` when given)."""
+        ...
+
+    def statistics(self, site: Hashable) -> RunningStats | None:
+        """Stored running statistics for ``site``, if the store has them."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """Write side of a format. Nothing is visible to readers until :meth:`close` publishes."""
+
+    def write(self, batch: Batch) -> None: ...
+
+    def close(self) -> Any:
+        """Finish, publish atomically, and return the manifest (format-specific)."""
+        ...
+
+    def abort(self) -> None:
+        """Stop without publishing; durable progress is kept for a later resume."""
+        ...

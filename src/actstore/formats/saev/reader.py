@@ -1,0 +1,425 @@
+"""Open and read a saev protocol 2.1 directory (either dialect).
+
+Opening validates metadata.json against shards.json and every shard's file size, so a
+missing or truncated shard is reported up front with the file named. Random access goes
+through read-only memmaps advised for random reads (no readahead of whole files); block
+reads for training use ``pread`` straight into the caller's buffer.
+
+Example:
+    >>> r = SaevReader("/scratch/acts/3f1c...")  # doctest: +SKIP
+    >>> r[12, 6, 0].shape           # (example, layer, token) -> [d_model]  # doctest: +SKIP
+    (768,)
+    >>> r[0:4, 6].shape             # examples 0..3, all tokens  # doctest: +SKIP
+    (4, 197, 768)
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import (
+    CorruptStoreError,
+    IndexOutOfRangeError,
+    StoreNotFoundError,
+    UnsafeDataError,
+)
+from ...stats import RunningStats
+from ...storage import FileHasher, read_json
+from ...storage.local import IO_CHUNK
+from ..base import Block
+from .layout import SaevMetadata, shard_name
+from .writer import CHECKSUMS, STATISTICS
+
+_HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of :meth:`SaevReader.verify`: ``faults`` make it fail, ``notes`` inform."""
+
+    path: Path
+    faults: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults
+
+
+class SaevReader:
+    """Read access to one saev directory. Picklable: worker processes reopen files lazily."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path).expanduser()
+        if self.path.name.endswith(".partial"):
+            raise CorruptStoreError(
+                f"{self.path} is an unfinished capture (a .partial directory): rerun the same "
+                "capture command to resume and publish it"
+            )
+        if not self.path.is_dir():
+            raise StoreNotFoundError(f"{self.path} is not a directory of saev shards")
+        self.metadata = SaevMetadata.from_json_dict(
+            read_json(self.path / "metadata.json"), source=str(self.path / "metadata.json")
+        )
+        self.shard_counts = self._read_shards_json()
+        self._check_sizes()
+        self._memmaps: dict[int, np.memmap] = {}
+        self._fds: dict[int, int] = {}
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ validation
+
+    def _read_shards_json(self) -> list[int]:
+        md, source = self.metadata, self.path / "shards.json"
+        doc = read_json(source)
+        if not isinstance(doc, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str)
+            and isinstance(e.get("n_examples"), int) for e in doc
+        ):  # fmt: skip
+            raise CorruptStoreError(f"{source} must be a list of {{name, n_examples}} objects")
+        if len(doc) != md.n_shards:
+            raise CorruptStoreError(
+                f"{source} lists {len(doc)} shards; metadata ({md.n_examples} examples, "
+                f"{md.examples_per_shard} per shard) implies {md.n_shards}"
+            )
+        for i, entry in enumerate(doc):
+            if entry["name"] != shard_name(i) or entry["n_examples"] != md.shard_examples(i):
+                raise CorruptStoreError(
+                    f"{source} entry {i} is {entry}; expected name {shard_name(i)} with "
+                    f"{md.shard_examples(i)} examples"
+                )
+        return [e["n_examples"] for e in doc]
+
+    def _check_sizes(self) -> None:
+        md = self.metadata
+        for i in range(md.n_shards):
+            path = self.path / shard_name(i)
+            if not path.exists():
+                raise StoreNotFoundError(f"shard {path} is missing; restore it or re-capture")
+            size, want = path.stat().st_size, md.shard_nbytes(i)
+            if size != want:
+                raise CorruptStoreError(
+                    f"shard {path} has {size} bytes, expected {want} "
+                    f"({'truncated' if size < want else 'too long'}); restore it or re-capture"
+                )
+        for name, row in (("tokens.bin", md.tokens_per_ex * 4), ("labels.bin", md.patches_per_ex)):
+            path = self.path / name
+            if path.exists() and path.stat().st_size != md.n_examples * row:
+                raise CorruptStoreError(
+                    f"{path} has {path.stat().st_size} bytes, expected {md.n_examples * row}"
+                )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def dialect(self) -> str:
+        """``"protocol"`` (the document) or ``"saev"`` (saev's released code)."""
+        return self.metadata.dialect
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.metadata.layers
+
+    @property
+    def sites(self) -> tuple[int, ...]:
+        """Sites of this format are the stored residual-stream layers."""
+        return self.metadata.layers
+
+    @property
+    def d_model(self) -> int:
+        return self.metadata.d_model
+
+    @property
+    def n_examples(self) -> int:
+        return self.metadata.n_examples
+
+    @property
+    def tokens_per_ex(self) -> int:
+        return self.metadata.tokens_per_ex
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """The logical tensor ``(n_examples, L, T, D)``."""
+        md = self.metadata
+        return (md.n_examples, len(md.layers), md.tokens_per_ex, md.d_model)
+
+    def __len__(self) -> int:
+        return self.metadata.n_examples
+
+    def __repr__(self) -> str:
+        n, layers, t, d = self.shape
+        return (f"SaevReader({str(self.path)!r}, dialect={self.dialect!r}, n_examples={n}, "
+                f"layers={list(self.layers)}, tokens={t}, d_model={d})")  # fmt: skip
+
+    # ------------------------------------------------------------------ file handles
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:  # forked: handles belong to the parent
+            self._memmaps, self._fds, self._pid = {}, {}, os.getpid()
+
+    def _memmap(self, shard: int) -> np.memmap:
+        self._check_pid()
+        mm = self._memmaps.get(shard)
+        if mm is None:
+            md = self.metadata
+            shape = (md.shard_file_examples(shard), len(md.layers), md.tokens_per_ex, md.d_model)
+            mm = np.memmap(self.path / shard_name(shard), dtype="<f4", mode="r", shape=shape)
+            try:  # random access: do not read ahead whole files
+                mm._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]
+            except (AttributeError, OSError):
+                pass
+            self._memmaps[shard] = mm
+        return mm
+
+    def _fd(self, shard: int) -> int:
+        self._check_pid()
+        fd = self._fds.get(shard)
+        if fd is None:
+            fd = os.open(self.path / shard_name(shard), os.O_RDONLY)
+            self._fds[shard] = fd
+        return fd
+
+    def close(self) -> None:
+        """Release memmaps and file descriptors (reopened on next use)."""
+        if os.getpid() == self._pid:
+            for fd in self._fds.values():
+                os.close(fd)
+        self._memmaps, self._fds = {}, {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_memmaps": {}, "_fds": {}}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------------ random access
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """``reader[example, layer, token]``; example and token take ints, slices or int
+        arrays; layer takes a stored layer value or ``:`` for all layers."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if len(key) > 3:
+            raise IndexError("index as reader[example, layer, token]")
+        ex, layer, token = (*key, *(slice(None),) * (3 - len(key)))
+        md = self.metadata
+        examples = _as_indices(ex, md.n_examples, "example")
+        if isinstance(layer, slice):
+            if layer != slice(None):
+                raise IndexError("layers are selected by value (reader[ex, 6]) or all (:)")
+            layer_sel: Any = slice(None)
+        else:
+            layer_sel = md.layer_index(int(layer))
+        token_sel: Any = token
+        if isinstance(token, (int, np.integer)):
+            if not -md.tokens_per_ex <= token < md.tokens_per_ex:
+                raise IndexOutOfRangeError(
+                    f"token {token} out of range (0..{md.tokens_per_ex - 1})"
+                )
+        out = []
+        shard_of = examples // md.examples_per_shard
+        for shard in np.unique(shard_of):
+            rows = examples[shard_of == shard] - shard * md.examples_per_shard
+            part = self._memmap(int(shard))[rows, layer_sel]  # copies just these rows
+            out.append(part[:, :, token_sel] if isinstance(layer_sel, slice) else part[:, token_sel])
+        result = np.concatenate(out) if len(out) > 1 else out[0]
+        if len(out) > 1:  # restore the caller's order
+            order = np.argsort(np.argsort(shard_of, kind="stable"), kind="stable")
+            result = result[order]
+        return result[0] if isinstance(ex, (int, np.integer)) else result
+
+    def vector(self, example: int, layer: int, token: int) -> np.ndarray:
+        """One activation vector via the spec's offset arithmetic (section 4.2)."""
+        shard, offset = self.metadata.locate(example, layer, token)
+        out = np.empty(self.metadata.d_model, dtype="<f4")
+        _pread_into(self._fd(shard), out, offset)
+        return out
+
+    @property
+    def tokens(self) -> np.ndarray | None:
+        """Token ids ``[n_examples, T]`` (int32 memmap) for text captures, else None."""
+        path = self.path / "tokens.bin"
+        if not path.exists():
+            return None
+        return np.memmap(path, dtype="<i4", mode="r", shape=(self.n_examples, self.tokens_per_ex))
+
+    @property
+    def labels(self) -> np.ndarray | None:
+        """Per-patch labels ``[n_examples, patches_per_ex]`` (uint8 memmap), else None."""
+        path = self.path / "labels.bin"
+        if not path.exists():
+            return None
+        md = self.metadata
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(md.n_examples, md.patches_per_ex))
+
+    @property
+    def classes(self) -> list[str] | None:
+        path = self.path / "classes.json"
+        return read_json(path) if path.exists() else None
+
+    def statistics(self, site: int) -> RunningStats | None:
+        """Running statistics of stored layer ``site`` (None if the file is absent)."""
+        path = self.path / STATISTICS
+        if not path.exists():
+            return None
+        self.metadata.layer_index(int(site))
+        return RunningStats.from_dict(read_json(path)["sites"][str(int(site))])
+
+    def dataset_description(self, *, allow_pickle: bool = False) -> Any:
+        """Decode metadata's ``data`` field. It is a pickle, and unpickling can run code,
+        so this refuses unless ``allow_pickle=True`` (only for stores you trust)."""
+        if not allow_pickle:
+            raise UnsafeDataError(
+                "the 'data' field is a base64 pickle and unpickling it can run arbitrary "
+                "code; pass allow_pickle=True only if you trust this store"
+            )
+        import base64
+
+        return pickle.loads(base64.b64decode(self.metadata.data))  # noqa: S301 - opted in
+
+    # ------------------------------------------------------------------ blocks (loader)
+
+    def blocks(self, site: int, *, target_bytes: int = 1 << 20) -> list[Block]:
+        """Blocks of layer ``site``: one per example (its ``T`` tokens are contiguous); with a
+        single stored layer consecutive examples are contiguous too and are grouped up to
+        ``target_bytes``. ``loc = (shard, first example in shard, n examples, layer index)``."""
+        md = self.metadata
+        layer_idx = md.layer_index(int(site))
+        per_block = 1
+        if len(md.layers) == 1:
+            per_block = max(1, target_bytes // (md.tokens_per_ex * md.d_model * 4))
+        out = []
+        for shard, count in enumerate(self.shard_counts):
+            for first in range(0, count, per_block):
+                n = min(per_block, count - first)
+                out.append(Block(site=int(site), n_rows=n * md.tokens_per_ex,
+                                 loc=(shard, first, n, layer_idx)))  # fmt: skip
+        return out
+
+    def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``block`` as ``[n_rows, D]`` float32, read with one ``pread``."""
+        md = self.metadata
+        shard, first, n, layer_idx = block.loc
+        if out is None:
+            out = np.empty((block.n_rows, md.d_model), dtype="<f4")
+        vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
+        _pread_into(self._fd(shard), out, vectors * md.d_model * 4)
+        return out
+
+    def block_rows(self, block: Block) -> tuple[np.ndarray, np.ndarray]:
+        """(example index, token index) of every row of ``block``."""
+        md = self.metadata
+        shard, first, n, _ = block.loc
+        examples = shard * md.examples_per_shard + first + np.arange(n)
+        return np.repeat(examples, md.tokens_per_ex), np.tile(np.arange(md.tokens_per_ex), n)
+
+    # ------------------------------------------------------------------ verify
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Re-hash every file listed in checksums.sha256, check metadata consistency, the
+        directory name against the content hash, zero padding (saev dialect) and
+        non-finite values. ``progress(n_bytes)`` is called as data is read."""
+        md, report = self.metadata, VerifyReport(self.path)
+        expected_hash = md.content_hash()
+        if _HASH_NAME.match(self.path.name) and self.path.name != expected_hash:
+            report.faults.append(
+                f"directory name {self.path.name} differs from the metadata hash "
+                f"{expected_hash}: metadata.json was edited after publication"
+            )
+        listing = self.path / CHECKSUMS
+        if not listing.exists():
+            report.notes.append(f"no {CHECKSUMS}: sizes checked, contents not verifiable")
+            return report
+        expected = {}
+        for line in listing.read_text().splitlines():
+            digest, _, name = line.partition("  ")
+            expected[name.strip()] = digest.strip()
+        for i in range(md.n_shards):
+            if shard_name(i) not in expected:
+                report.faults.append(f"{shard_name(i)} has no checksum in {CHECKSUMS}")
+        non_finite = 0
+        for name, digest in expected.items():
+            path = self.path / name
+            if not path.exists():
+                report.faults.append(f"{name} is listed in {CHECKSUMS} but missing")
+                continue
+            is_shard = name.startswith("acts") and name.endswith(".bin")
+            valid_bytes = None
+            if is_shard:
+                index = int(name[4:10])
+                valid_bytes = self.shard_counts[index] * md.example_nbytes
+            actual, bad, pad_ok = _scan(path, check_floats=is_shard, valid_bytes=valid_bytes,
+                                        progress=progress)  # fmt: skip
+            non_finite += bad
+            report.files_checked += 1
+            report.bytes_checked += path.stat().st_size
+            if actual != digest:
+                report.faults.append(f"{name}: checksum mismatch (stored data was changed)")
+            if not pad_ok:
+                report.faults.append(f"{name}: padding after the last example is not zero")
+        if non_finite:
+            report.notes.append(f"{non_finite} activation values are NaN or infinite")
+        return report
+
+
+def _as_indices(index: Any, n: int, what: str) -> np.ndarray:
+    if isinstance(index, slice):
+        return np.arange(n)[index]
+    arr = np.asarray(index)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise IndexError(f"{what} index must be an int, slice or int array")
+    arr = np.atleast_1d(arr).astype(np.int64)
+    bad = (arr < -n) | (arr >= n)
+    if bad.any():
+        raise IndexOutOfRangeError(
+            f"{what} {int(arr[bad][0])} out of range (0..{n - 1}; negatives count from the end)"
+        )
+    return np.where(arr < 0, arr + n, arr)
+
+
+def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptStoreError(f"unexpected end of file at byte {offset + done}")
+        done += n
+
+
+def _scan(path: Path, *, check_floats: bool, valid_bytes: int | None,
+          progress: Callable[[int], None] | None) -> tuple[str, int, bool]:  # fmt: skip
+    """sha256 of a file, its count of non-finite float32 values, and whether any bytes past
+    ``valid_bytes`` are zero; one sequential read."""
+    hasher = FileHasher("sha256")
+    buf = bytearray(IO_CHUNK)
+    view = memoryview(buf)
+    non_finite, pad_ok, pos = 0, True, 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            chunk = view[:n]
+            hasher.update(chunk)
+            if check_floats:
+                valid = n if valid_bytes is None else max(0, min(n, valid_bytes - pos))
+                values = np.frombuffer(chunk[: valid - valid % 4], dtype="<f4")
+                non_finite += int(values.size - np.count_nonzero(np.isfinite(values)))
+                if valid < n and np.frombuffer(chunk[valid:], dtype=np.uint8).any():
+                    pad_ok = False
+            pos += n
+            if progress is not None:
+                progress(n)
+    return hasher.hexdigest(), non_finite, pad_ok

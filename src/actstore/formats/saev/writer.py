@@ -1,0 +1,354 @@
+"""Write a saev protocol 2.1 directory, crash-safely and resumably.
+
+Shards are appended sequentially into ``<dump_to>/.<HASH>.partial/``. When a shard is full
+it is fsynced, hashed, and recorded (with its statistics) in ``progress.json``; a crashed
+capture rerun with the same config finds that directory, re-verifies the finished shards,
+drops the unfinished one and resumes at the next shard. ``close()`` writes shards.json,
+statistics.json and checksums.sha256, then renames the directory to ``<dump_to>/<HASH>``
+and makes its files read-only. Readers never accept a ``.partial`` directory.
+
+Files besides the spec's: ``statistics.json`` (per-layer mean/variance/norm),
+``checksums.sha256`` (``sha256sum -c`` format), ``tokens.bin`` (int32 ``[n_examples, T]``
+token ids, text models) and ``classes.json`` (label names, when labels.bin holds classes).
+
+Example:
+    >>> w = SaevWriter(metadata, dump_to="/scratch/acts")  # doctest: +SKIP
+    >>> for batch in batches: w.write(batch)  # doctest: +SKIP
+    >>> w.close()  # doctest: +SKIP
+    PosixPath('/scratch/acts/3f1c...')
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...batch import Batch, CapturePlan
+from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
+from ...stats import RunningStats, merge_all
+from ...storage import (
+    FileHasher,
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    hash_file,
+    make_read_only,
+    publish_dir,
+    read_json,
+)
+from .layout import (
+    DEFAULT_PATCHES_PER_SHARD,
+    SaevMetadata,
+    encode_data,
+    encode_saev_img_folder,
+    shard_name,
+)
+
+log = logging.getLogger(__name__)
+
+PROGRESS = "progress.json"
+CHECKSUMS = "checksums.sha256"
+STATISTICS = "statistics.json"
+
+
+def saev_metadata(plan: CapturePlan, *, dialect: str = "protocol",
+                  patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD) -> SaevMetadata:  # fmt: skip
+    """The metadata a capture ``plan`` produces (the content hash depends on all of it)."""
+    if any(site.kind != "resid" for site in plan.sites):
+        raise ConfigError(
+            "the saev protocol stores the residual stream only (its 'layers'); capture "
+            "attention/MLP sites into the zarr, activault or pickle formats"
+        )
+    if dialect == "saev" and plan.data.get("kind") == "image_folder":
+        data = encode_saev_img_folder(plan.dataset_root)
+    else:
+        data = encode_data(plan.data)
+    return SaevMetadata(
+        family=plan.family, ckpt=plan.ckpt, layers=tuple(plan.layers),
+        patches_per_ex=plan.tokens_per_example - (1 if plan.has_cls else 0),
+        cls_token=plan.has_cls, d_model=plan.d_model, n_examples=plan.n_examples,
+        patches_per_shard=patches_per_shard, data=data, dataset=plan.dataset_root,
+        dialect=dialect,
+    )  # fmt: skip
+
+
+def store_dir(metadata: SaevMetadata, dump_to: str | os.PathLike) -> Path:
+    """Where the published directory goes: ``<dump_to>/<HASH>`` or, for the saev dialect,
+    ``<dump_to>/saev/shards/<h8>`` (saev's readers require the ``saev/shards`` parents)."""
+    root = Path(dump_to).expanduser().resolve()
+    if metadata.dialect == "saev" and root.parts[-2:] != ("saev", "shards"):
+        root = root / "saev" / "shards"
+    return root / metadata.content_hash()
+
+
+class SaevWriter:
+    """Writer for one saev directory; see the module docstring for the crash protocol."""
+
+    def __init__(self, metadata: SaevMetadata, dump_to: str | os.PathLike, *,
+                 has_tokens: bool = False, classes: list[str] | None = None,
+                 has_labels: bool = False) -> None:  # fmt: skip
+        self.metadata = metadata
+        self.final_dir = store_dir(metadata, dump_to)
+        self.partial_dir = self.final_dir.parent / f".{self.final_dir.name}.partial"
+        self.has_tokens, self.has_labels, self.classes = has_tokens, has_labels, classes
+        if has_labels and classes is not None and len(classes) > 256:
+            raise ConfigError(f"labels.bin holds uint8 labels; {len(classes)} classes do not fit")
+        self.complete = False
+        self.resume_from = 0
+        self._shards: list[dict[str, Any]] = []
+        self._file = None
+        self._hasher: FileHasher | None = None
+        self._stats: list[RunningStats] = []
+        self._in_shard = 0
+        self._written = 0  # examples written by this process (after resume_from)
+        self._side_files: dict[str, Any] = {}
+        self._open()
+
+    @classmethod
+    def from_plan(cls, plan: CapturePlan, dump_to: str | os.PathLike, *,
+                  dialect: str = "protocol",
+                  patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD) -> SaevWriter:  # fmt: skip
+        """The writer for a capture plan (used as ``open_writer`` by capture)."""
+        metadata = saev_metadata(plan, dialect=dialect, patches_per_shard=patches_per_shard)
+        return cls(metadata, dump_to, has_tokens=plan.has_tokens, classes=plan.classes,
+                   has_labels=plan.has_labels)  # fmt: skip
+
+    # ------------------------------------------------------------------ open / resume
+
+    def _open(self) -> None:
+        md = self.metadata
+        if self.final_dir.exists():
+            self._check_existing(self.final_dir)
+            self.complete = True
+            self.resume_from = md.n_examples
+            log.info("%s is already published; nothing to write", self.final_dir)
+            return
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        if self.partial_dir.exists():
+            self._check_existing(self.partial_dir)
+            self._resume()
+        else:
+            self.partial_dir.mkdir()
+            atomic_write_bytes(self.partial_dir / "metadata.json", md.to_json_text().encode())
+            atomic_write_json(self.partial_dir / PROGRESS, {"shards": []})
+        for name, needed in (("tokens.bin", self.has_tokens), ("labels.bin", self.has_labels)):
+            if needed:
+                f = open(self.partial_dir / name, "r+b" if self.resume_from else "wb")
+                f.truncate(self.resume_from * self._side_row_bytes(name))
+                f.seek(0, os.SEEK_END)
+                self._side_files[name] = f
+
+    def _side_row_bytes(self, name: str) -> int:
+        md = self.metadata
+        return md.tokens_per_ex * 4 if name == "tokens.bin" else md.patches_per_ex
+
+    def _check_existing(self, directory: Path) -> None:
+        found = read_json(directory / "metadata.json")
+        if found != self.metadata.to_json_dict():
+            raise StoreExistsError(
+                f"{directory} exists with different metadata (a hash collision or an edited "
+                "file); move it away or choose another output directory"
+            )
+
+    def _resume(self) -> None:
+        """Keep finished shards whose checksum still matches; drop everything after them."""
+        progress = read_json(self.partial_dir / PROGRESS)
+        kept: list[dict[str, Any]] = []
+        for entry in progress.get("shards", []):
+            path = self.partial_dir / entry["name"]
+            expected = self.metadata.shard_nbytes(len(kept))
+            if not path.exists() or path.stat().st_size != expected:
+                break
+            if hash_file(path) != entry["sha256"]:
+                log.warning("%s fails its checksum; rewriting from there", path)
+                break
+            kept.append(entry)
+        keep_names = {e["name"] for e in kept} | {"metadata.json", PROGRESS, "tokens.bin",
+                                                   "labels.bin"}  # fmt: skip
+        for child in self.partial_dir.iterdir():
+            if child.name not in keep_names:
+                child.unlink()
+        self._shards = kept
+        self.resume_from = sum(e["n_examples"] for e in kept)
+        for name in ("tokens.bin", "labels.bin"):
+            side = self.partial_dir / name
+            need = self.resume_from * self._side_row_bytes(name)
+            if side.exists() and side.stat().st_size < need:
+                raise CorruptStoreError(f"{side} is shorter than its finished shards; "
+                                        f"delete {self.partial_dir} and capture again")  # fmt: skip
+        atomic_write_json(self.partial_dir / PROGRESS, {"shards": kept})
+        log.info("resuming %s: %d finished shards (%d examples) kept",
+                 self.partial_dir, len(kept), self.resume_from)  # fmt: skip
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, batch: Batch) -> None:
+        """Append ``batch``'s examples (those not already stored) in order."""
+        if self.complete:
+            raise CaptureError(f"{self.final_dir} is already published")
+        md = self.metadata
+        start = self.resume_from + self._written
+        keep = batch.example_ids >= start
+        if not keep.all():
+            batch = batch.select(keep)
+        if batch.n_examples == 0:
+            return
+        expected = np.arange(start, start + batch.n_examples)
+        if not np.array_equal(batch.example_ids, expected):
+            raise CaptureError(
+                f"batches must arrive in example order: expected ids from {start}, "
+                f"got {batch.example_ids[:4].tolist()}..."
+            )
+        if start + batch.n_examples > md.n_examples:
+            raise CaptureError(f"more examples than the {md.n_examples} the metadata declares")
+        acts = _stack_layers(batch, md)  # [B, L, T, D] float32
+        if acts.shape[1:] != (len(md.layers), md.tokens_per_ex, md.d_model):
+            raise CaptureError(
+                f"batch activations have shape {acts.shape[1:]}, metadata says "
+                f"{(len(md.layers), md.tokens_per_ex, md.d_model)}"
+            )
+        self._write_side(batch, md)
+        row = 0
+        while row < batch.n_examples:
+            if self._file is None:
+                self._start_shard()
+            room = md.examples_per_shard - self._in_shard
+            part = acts[row : row + room]
+            self._append(part)
+            row += part.shape[0]
+            if self._in_shard == md.examples_per_shard:
+                self._finish_shard()
+        self._written += batch.n_examples
+
+    def _write_side(self, batch: Batch, md: SaevMetadata) -> None:
+        if "tokens.bin" in self._side_files:
+            if batch.token_ids is None:
+                raise CaptureError("this store keeps token ids but the batch has none")
+            self._side_files["tokens.bin"].write(batch.token_ids.astype("<i4").tobytes())
+        if "labels.bin" in self._side_files:
+            if batch.labels is None:
+                raise CaptureError("this store keeps labels but the batch has none")
+            if batch.labels.min() < 0 or batch.labels.max() > 255:
+                raise CaptureError("labels must lie in 0..255 to fit labels.bin (uint8)")
+            per_patch = np.repeat(batch.labels.astype(np.uint8)[:, None], md.patches_per_ex, 1)
+            self._side_files["labels.bin"].write(per_patch.tobytes())
+
+    def _start_shard(self) -> None:
+        index = len(self._shards)
+        self._file = open(self.partial_dir / shard_name(index), "wb")
+        self._hasher = FileHasher("sha256")
+        self._stats = [RunningStats(self.metadata.d_model) for _ in self.metadata.layers]
+        self._in_shard = 0
+
+    def _append(self, part: np.ndarray) -> None:
+        view = memoryview(part).cast("B")
+        self._file.write(view)
+        self._hasher.update(view)
+        for layer_idx, stats in enumerate(self._stats):
+            stats.update(part[:, layer_idx])
+        self._in_shard += part.shape[0]
+
+    def _finish_shard(self) -> None:
+        """Pad (saev dialect), fsync and record the current shard as finished."""
+        md = self.metadata
+        index = len(self._shards)
+        pad = md.shard_nbytes(index) - self._in_shard * md.example_nbytes
+        if pad:
+            zeros = bytes(pad)
+            self._file.write(zeros)
+            self._hasher.update(zeros)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        for f in self._side_files.values():
+            f.flush()
+            os.fsync(f.fileno())
+        self._shards.append({
+            "name": shard_name(index),
+            "n_examples": self._in_shard,
+            "sha256": self._hasher.hexdigest(),
+            "stats": [s.to_dict() for s in self._stats],
+        })  # fmt: skip
+        atomic_write_json(self.partial_dir / PROGRESS, {"shards": self._shards}, indent=None)
+
+    # ------------------------------------------------------------------ publish
+
+    def close(self) -> Path:
+        """Finish the last shard, write the index files and publish the directory."""
+        if self.complete:
+            return self.final_dir
+        md = self.metadata
+        if self._file is not None:
+            self._finish_shard()
+        total = sum(e["n_examples"] for e in self._shards)
+        if total != md.n_examples:
+            self.abort()
+            raise CaptureError(
+                f"only {total} of {md.n_examples} examples were written; rerun the same "
+                f"capture to resume from {self.partial_dir}"
+            )
+        for f in self._side_files.values():
+            f.close()
+        self._side_files.clear()
+        d = self.partial_dir
+        shards = [{"name": e["name"], "n_examples": e["n_examples"]} for e in self._shards]
+        atomic_write_json(d / "shards.json", shards)
+        atomic_write_json(d / STATISTICS, {"sites": {
+            str(layer): merge_all([RunningStats.from_dict(e["stats"][i]) for e in self._shards])
+            .to_dict() for i, layer in enumerate(md.layers)}}, indent=None)  # fmt: skip
+        if self.classes is not None and self.has_labels:
+            atomic_write_json(d / "classes.json", self.classes)
+        lines = [f"{e['sha256']}  {e['name']}" for e in self._shards]
+        for name in ("tokens.bin", "labels.bin", "shards.json", STATISTICS):
+            if (d / name).exists():
+                lines.append(f"{hash_file(d / name)}  {name}")
+        atomic_write_bytes(d / CHECKSUMS, ("\n".join(lines) + "\n").encode())
+        (d / PROGRESS).unlink()
+        fsync_dir(d)
+        publish_dir(d, self.final_dir)
+        make_read_only(self.final_dir)
+        self.complete = True
+        log.info("published %s (%d shards, %d examples)", self.final_dir, len(shards), total)
+        return self.final_dir
+
+    def abort(self) -> None:
+        """Close files without publishing; finished shards stay for a resume."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        for f in self._side_files.values():
+            f.close()
+        self._side_files.clear()
+
+    def __enter__(self) -> SaevWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _stack_layers(batch: Batch, md: SaevMetadata) -> np.ndarray:
+    """``[B, L, T, D]`` float32 C-order from the batch's ``resid.<layer>`` tensors."""
+    try:
+        tensors = [batch.acts[f"resid.{layer}"] for layer in md.layers]
+    except KeyError as err:
+        raise CaptureError(f"batch lacks site {err}; it has {sorted(batch.acts)}") from None
+    stacked = torch.stack([t.to(torch.float32) for t in tensors], dim=1)
+    return np.ascontiguousarray(stacked.numpy(), dtype="<f4")
+
+
+def remove_partial(final_dir: Path) -> None:
+    """Delete the resumable partial directory of ``final_dir`` (to start over)."""
+    partial = final_dir.parent / f".{final_dir.name}.partial"
+    if partial.exists():
+        shutil.rmtree(partial)

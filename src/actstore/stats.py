@@ -1,0 +1,135 @@
+"""Exact, mergeable running statistics of activation vectors.
+
+:class:`RunningStats` keeps ``count``, the per-dimension ``mean`` and ``m2`` (sum of squared
+deviations) and the mean L2 norm, all in float64. Chunks are folded in with the parallel
+form of Welford's algorithm (Chan, Golub & LeVeque 1979): the within-chunk variance is
+included, so merging the statistics of several writers gives the statistics of all their
+rows, up to float64 rounding.
+
+Example:
+    >>> import numpy as np
+    >>> a, b = RunningStats.of(np.ones((2, 3))), RunningStats.of(np.zeros((2, 3)))
+    >>> merged = a.merge(b)
+    >>> merged.count, merged.mean.tolist(), merged.var.tolist()
+    (4, [0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, CorruptStoreError
+
+#: Rows folded in at a time; bounds the float64 temporary to CHUNK_ROWS x D.
+CHUNK_ROWS = 16384
+
+
+@dataclass
+class RunningStats:
+    """Running count, mean, M2 and mean L2 norm over rows of width ``d``."""
+
+    d: int
+    count: int = 0
+    mean: np.ndarray = field(default=None)  # type: ignore[assignment]
+    m2: np.ndarray = field(default=None)  # type: ignore[assignment]
+    norm_mean: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mean is None:
+            self.mean = np.zeros(self.d, dtype=np.float64)
+        if self.m2 is None:
+            self.m2 = np.zeros(self.d, dtype=np.float64)
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> RunningStats:
+        """Statistics of ``rows`` (any shape ``[..., d]``)."""
+        stats = cls(d=rows.shape[-1])
+        stats.update(rows)
+        return stats
+
+    @property
+    def var(self) -> np.ndarray:
+        """Population variance per dimension (``m2 / count``)."""
+        return self.m2 / max(self.count, 1)
+
+    @property
+    def std(self) -> np.ndarray:
+        """Population standard deviation per dimension."""
+        return np.sqrt(self.var)
+
+    def update(self, rows: np.ndarray) -> None:
+        """Fold ``rows`` (shape ``[..., d]``) into the statistics, in place."""
+        flat = np.asarray(rows).reshape(-1, rows.shape[-1])
+        if flat.shape[1] != self.d:
+            raise ConfigError(f"rows have width {flat.shape[1]}, statistics expect {self.d}")
+        for start in range(0, flat.shape[0], CHUNK_ROWS):
+            chunk = flat[start : start + CHUNK_ROWS].astype(np.float64)
+            n = chunk.shape[0]
+            mean = chunk.mean(axis=0)
+            centred = chunk - mean
+            m2 = np.einsum("nd,nd->d", centred, centred)
+            norm_mean = float(np.sqrt(np.einsum("nd,nd->n", chunk, chunk)).mean())
+            self._merge_moments(n, mean, m2, norm_mean)
+
+    def merge(self, other: RunningStats) -> RunningStats:
+        """Return the statistics of the union of both row sets (neither is modified)."""
+        if other.d != self.d:
+            raise ConfigError(f"cannot merge statistics of width {self.d} and {other.d}")
+        out = RunningStats(self.d, self.count, self.mean.copy(), self.m2.copy(), self.norm_mean)
+        out._merge_moments(other.count, other.mean, other.m2, other.norm_mean)
+        return out
+
+    def _merge_moments(self, n_b: int, mean_b: np.ndarray, m2_b: np.ndarray, norm_b: float):
+        if n_b == 0:
+            return
+        n_a = self.count
+        n = n_a + n_b
+        delta = mean_b - self.mean
+        self.mean = self.mean + delta * (n_b / n)
+        self.m2 = self.m2 + m2_b + delta * delta * (n_a * n_b / n)
+        self.norm_mean = self.norm_mean + (norm_b - self.norm_mean) * (n_b / n)
+        self.count = n
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict; floats keep full float64 precision through ``json``."""
+        return {
+            "count": self.count,
+            "d": self.d,
+            "mean": self.mean.tolist(),
+            "m2": self.m2.tolist(),
+            "var": self.var.tolist(),
+            "norm_mean": self.norm_mean,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunningStats:
+        """Inverse of :meth:`to_dict`."""
+        try:
+            mean = np.asarray(data["mean"], dtype=np.float64)
+            return cls(
+                d=int(data["d"]),
+                count=int(data["count"]),
+                mean=mean,
+                m2=np.asarray(data["m2"], dtype=np.float64),
+                norm_mean=float(data["norm_mean"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptStoreError(f"malformed statistics record: {err!r}") from err
+
+
+def merge_all(parts: list[RunningStats]) -> RunningStats:
+    """Merge statistics in list order (order fixes the float rounding, so it is kept).
+
+    Example:
+        >>> merge_all([RunningStats.of(np.ones((1, 2)))]).count
+        1
+    """
+    if not parts:
+        raise ConfigError("merge_all needs at least one RunningStats")
+    out = parts[0]
+    for part in parts[1:]:
+        out = out.merge(part)
+    return out

@@ -1,0 +1,149 @@
+"""Local files with crash-safe publication.
+
+Every file a reader may trust is written to a temporary name in the same directory,
+flushed and fsynced, then renamed over its final name; directories are published the same
+way. A crash leaves either the old state or the new one, never a half-written file under
+a final name.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> atomic_write_json(d / "x.json", {"a": 1})
+    >>> read_json(d / "x.json")
+    {'a': 1}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptStoreError, StoreExistsError, StoreNotFoundError
+
+#: Read size for hashing and copying: large enough for sequential disk speed.
+IO_CHUNK = 8 << 20
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a directory entry (after a rename or create) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+#: Permissions of new files: what open() would give (mkstemp alone gives 0600).
+_FILE_MODE = 0o666 & ~_umask()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename + dir fsync)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, _FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> None:
+    """Serialise ``obj`` as UTF-8 JSON and write it atomically."""
+    text = json.dumps(obj, indent=indent, ensure_ascii=False)
+    atomic_write_bytes(path, (text + "\n").encode("utf-8"))
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Read a JSON file, turning a missing file or bad JSON into actstore errors."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as err:
+        raise StoreNotFoundError(f"{path} does not exist") from err
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise CorruptStoreError(
+            f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); "
+            "the store is damaged: re-create it or restore this file"
+        ) from err
+
+
+class FileHasher:
+    """Incremental digest, by algorithm name ("sha256" or "xxh128").
+
+    Example:
+        >>> h = FileHasher("sha256"); h.update(b"abc"); h.hexdigest()[:8]
+        'ba7816bf'
+    """
+
+    def __init__(self, algorithm: str = "sha256") -> None:
+        if algorithm == "sha256":
+            self._h = hashlib.sha256()
+        elif algorithm == "xxh128":
+            import xxhash
+
+            self._h = xxhash.xxh3_128()
+        else:
+            raise ValueError(f"unknown checksum algorithm {algorithm!r}; use sha256 or xxh128")
+        self.algorithm = algorithm
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._h.update(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def hash_file(path: str | os.PathLike, algorithm: str = "sha256") -> str:
+    """Hex digest of a file's bytes, read in large sequential chunks."""
+    hasher = FileHasher(algorithm)
+    buf = bytearray(IO_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            hasher.update(view[:n])
+    return hasher.hexdigest()
+
+
+def publish_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> None:
+    """Rename a finished temporary directory to its final name, atomically.
+
+    Refuses (``StoreExistsError``) if ``final_dir`` already exists: nothing is overwritten.
+    """
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    if final_dir.exists():
+        raise StoreExistsError(f"{final_dir} already exists; refusing to overwrite it")
+    for child in tmp_dir.iterdir():
+        if child.is_file():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(tmp_dir)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+
+
+def make_read_only(directory: str | os.PathLike) -> None:
+    """Remove write permission from every file in ``directory`` (not recursive)."""
+    mask = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+    for child in Path(directory).iterdir():
+        if child.is_file():
+            child.chmod(child.stat().st_mode & mask)

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny real models and datasets, built once per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from tiny_models import make_image_folder, save_text_model, save_vision_model  # noqa: E402
+
+TEXT_KINDS = ("gpt2", "llama", "qwen2")
+VISION_KINDS = ("clip", "siglip", "dinov2")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """``model_dir(kind)`` -> path of a saved tiny model of that architecture."""
+    cache: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in cache:
+            directory = tmp_path_factory.mktemp(f"model-{kind}")
+            if kind in TEXT_KINDS:
+                save_text_model(kind, directory)
+            else:
+                save_vision_model(kind, directory)
+            cache[kind] = directory
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory) -> Path:
+    """15 images in 3 class subfolders."""
+    return make_image_folder(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """A .txt file of real English lines (the Python language reference)."""
+    import pydoc_data.topics as topics
+
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    lines = [line for k in sorted(topics.topics)[:12] for line in topics.topics[k].splitlines()]
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path

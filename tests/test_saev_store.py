@@ -1,0 +1,254 @@
+"""saev store round trips, reader errors, atomic publication and verification."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+
+import numpy as np
+import pytest
+import torch
+
+from actstore.batch import Batch
+from actstore.errors import (
+    CaptureError,
+    CorruptStoreError,
+    IndexOutOfRangeError,
+    LayerNotStoredError,
+    ProtocolVersionError,
+    StoreExistsError,
+    StoreNotFoundError,
+    UnsafeDataError,
+)
+from actstore.formats import open_store
+from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev.layout import encode_data
+from actstore.stats import RunningStats
+
+N, LAYERS, T, D = 23, (2, 5), 6, 8
+
+
+def make_metadata(dialect="protocol", n=N, per_shard=5):
+    return SaevMetadata(
+        family="clip" if dialect == "saev" else "gpt2", ckpt="tiny", layers=LAYERS,
+        patches_per_ex=T - 1, cls_token=True, d_model=D, n_examples=n,
+        patches_per_shard=per_shard * T * len(LAYERS), data=encode_data({"kind": "test"}),
+        dataset="/nowhere", dialect=dialect,
+    )  # fmt: skip
+
+
+def make_acts(n=N, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, len(LAYERS), T, D)).astype(np.float32)
+
+
+def batches(acts, size=4, start=0):
+    for lo in range(start, len(acts), size):
+        part = acts[lo : lo + size]
+        yield Batch(
+            acts={f"resid.{layer}": torch.from_numpy(part[:, i]) for i, layer in enumerate(LAYERS)},
+            example_ids=np.arange(lo, lo + len(part)),
+            token_ids=np.arange(lo * T, (lo + len(part)) * T, dtype=np.int32).reshape(-1, T),
+        )
+
+
+def write_store(root, acts, dialect="protocol", **kw):
+    writer = SaevWriter(make_metadata(dialect, n=len(acts), **kw), root, has_tokens=True)
+    for batch in batches(acts):
+        writer.write(batch)
+    return writer.close()
+
+
+@pytest.mark.parametrize("dialect", ["protocol", "saev"])
+def test_round_trip_exact(tmp_path, dialect):
+    acts = make_acts()
+    path = write_store(tmp_path, acts, dialect)
+    reader = open_store(path)
+    assert isinstance(reader, SaevReader) and reader.dialect == dialect
+    np.testing.assert_array_equal(reader[:], acts)
+    np.testing.assert_array_equal(reader[7, 5, 3], acts[7, 1, 3])
+    np.testing.assert_array_equal(reader.vector(22, 2, 0), acts[22, 0, 0])
+    np.testing.assert_array_equal(reader[[22, 0, 11], 2], acts[[22, 0, 11], 0])
+    np.testing.assert_array_equal(reader[-1, :, 1:3], acts[-1, :, 1:3])
+    np.testing.assert_array_equal(reader.tokens, np.arange(N * T).reshape(N, T))
+    for i, layer in enumerate(LAYERS):
+        got = reader.statistics(layer)
+        want = acts[:, i].reshape(-1, D).astype(np.float64)
+        assert got.count == N * T
+        np.testing.assert_allclose(got.mean, want.mean(0), rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(got.var, want.var(0), rtol=1e-10)
+        np.testing.assert_allclose(got.norm_mean, np.linalg.norm(want, axis=1).mean(), rtol=1e-12)
+    assert reader.verify().ok
+
+
+def test_files_match_the_spec_bytes(tmp_path):
+    acts = make_acts()
+    path = write_store(tmp_path, acts)
+    md = json.loads((path / "metadata.json").read_text())
+    assert path.name == SaevMetadata.from_json_dict(md).content_hash()
+    shards = json.loads((path / "shards.json").read_text())
+    assert shards == [{"name": f"acts{i:06d}.bin", "n_examples": n}
+                      for i, n in enumerate([5, 5, 5, 5, 3])]  # fmt: skip
+    # raw little-endian float32, C order (S, L, T, D), split along examples
+    raw = np.concatenate([np.fromfile(path / s["name"], dtype="<f4") for s in shards])
+    np.testing.assert_array_equal(raw, acts.reshape(-1))
+    assert (path / "acts000004.bin").stat().st_size == 3 * len(LAYERS) * T * D * 4
+    for f in path.iterdir():  # published files are read-only
+        assert not f.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+    listed = dict(line.split("  ")[::-1] for line in (path / "checksums.sha256").read_text().split("\n") if line)
+    assert set(listed) >= {s["name"] for s in shards} | {"tokens.bin"}
+
+
+def test_saev_dialect_layout(tmp_path):
+    acts = make_acts()
+    path = write_store(tmp_path, acts, "saev")
+    assert path.parent == (tmp_path / "saev" / "shards").resolve() and len(path.name) == 8
+    doc = json.loads((path / "metadata.json").read_text())
+    assert list(doc) == ["family", "ckpt", "layers", "content_tokens_per_example", "cls_token",
+                         "d_model", "n_examples", "max_tokens_per_shard", "data", "dataset",
+                         "pixel_agg", "dtype", "protocol"]  # fmt: skip
+    assert doc["pixel_agg"] == "majority" and doc["protocol"] == "2.1"
+    full = 5 * len(LAYERS) * T * D * 4
+    assert (path / "acts000004.bin").stat().st_size == full  # last shard zero-padded
+    tail = np.fromfile(path / "acts000004.bin", dtype="<f4")
+    assert not tail[3 * len(LAYERS) * T * D :].any()
+    assert json.loads((path / "shards.json").read_text())[-1] == {"name": "acts000004.bin",
+                                                                  "n_examples": 3}
+
+
+def test_second_writer_with_same_config_reports_published_store(tmp_path):
+    acts = make_acts()
+    path = write_store(tmp_path, acts)
+    before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+    again = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    assert again.complete and again.close() == path
+    with pytest.raises(CaptureError, match="already published"):
+        again.write(next(batches(acts)))
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == before
+
+
+def test_unfinished_writer_publishes_nothing_and_resumes(tmp_path):
+    acts = make_acts()
+    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    for batch in list(batches(acts))[:3]:  # 12 examples: 2 finished shards + 2 examples
+        writer.write(batch)
+    writer.abort()
+    assert not any(p.name[0] != "." for p in tmp_path.iterdir())  # only the .partial dir
+    partial = next(tmp_path.iterdir())
+    with pytest.raises(CorruptStoreError, match="unfinished capture"):
+        SaevReader(partial)
+    resumed = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    assert resumed.resume_from == 10
+    for batch in batches(acts, start=8):  # overlapping batch: rows before 10 are skipped
+        resumed.write(batch)
+    path = resumed.close()
+    reference = write_store(tmp_path / "ref", acts)
+    for f in reference.iterdir():
+        assert (path / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_close_before_all_examples_refuses_to_publish(tmp_path):
+    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    writer.write(next(batches(make_acts())))
+    with pytest.raises(CaptureError, match="only 4 of 23"):
+        writer.close()
+    assert [p.name for p in tmp_path.iterdir()][0].startswith(".")
+
+
+def test_out_of_order_batches_are_rejected(tmp_path):
+    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    with pytest.raises(CaptureError, match="example order"):
+        writer.write(list(batches(make_acts()))[1])
+
+
+def _writable_copy(path, dest):
+    shutil.copytree(path, dest)
+    for f in dest.iterdir():
+        f.chmod(0o644)
+    return dest
+
+
+def test_reader_errors_name_the_problem(tmp_path):
+    path = write_store(tmp_path / "s", make_acts())
+    reader = SaevReader(path)
+    with pytest.raises(LayerNotStoredError, match="layer 3 is not stored"):
+        reader[0, 3, 0]
+    with pytest.raises(IndexOutOfRangeError, match="example 23 out of range"):
+        reader[23, 2, 0]
+    with pytest.raises(IndexOutOfRangeError, match="token 6 out of range"):
+        reader[0, 2, 6]
+    with pytest.raises(StoreNotFoundError):
+        SaevReader(tmp_path / "missing")
+
+    missing = _writable_copy(path, tmp_path / "missing-shard")
+    (missing / "acts000002.bin").unlink()
+    with pytest.raises(StoreNotFoundError, match="acts000002.bin is missing"):
+        SaevReader(missing)
+
+    truncated = _writable_copy(path, tmp_path / "truncated")
+    with open(truncated / "acts000001.bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CorruptStoreError, match="acts000001.bin has 100 bytes.*truncated"):
+        SaevReader(truncated)
+
+    bad_json = _writable_copy(path, tmp_path / "bad-json")
+    (bad_json / "shards.json").write_text("[{")
+    with pytest.raises(CorruptStoreError, match="shards.json is not valid JSON"):
+        SaevReader(bad_json)
+
+    future = _writable_copy(path, tmp_path / "future")
+    doc = json.loads((future / "metadata.json").read_text())
+    (future / "metadata.json").write_text(json.dumps({**doc, "protocol": "3.0"}))
+    with pytest.raises(ProtocolVersionError, match="major"):
+        SaevReader(future)
+
+    with pytest.raises(UnsafeDataError, match="allow_pickle=True"):
+        reader.dataset_description()
+    assert reader.dataset_description(allow_pickle=True) == {"kind": "test"}
+
+
+def test_verify_detects_changed_bytes_and_edited_metadata(tmp_path):
+    path = write_store(tmp_path, make_acts())
+    flipped = _writable_copy(path, tmp_path / path.name.replace(path.name[:4], "0000"))
+    with open(flipped / "acts000003.bin", "r+b") as f:
+        f.seek(17)
+        f.write(b"\xff")
+    report = SaevReader(flipped).verify()
+    assert not report.ok and any("acts000003.bin: checksum mismatch" in x for x in report.faults)
+    assert any("differs from the metadata hash" in x for x in report.faults)
+
+
+def test_existing_directory_with_other_metadata_is_never_overwritten(tmp_path):
+    path = write_store(tmp_path, make_acts())
+    md_path = path / "metadata.json"
+    md_path.chmod(0o644)
+    md_path.write_text(md_path.read_text().replace('"tiny"', '"other"'))
+    before = (path / "acts000000.bin").read_bytes()
+    with pytest.raises(StoreExistsError, match="different metadata"):
+        SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    assert (path / "acts000000.bin").read_bytes() == before
+
+
+def test_running_stats_merge_matches_numpy():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1000, 7)) * 5 + 3
+    parts = [RunningStats.of(x[a:b]) for a, b in ((0, 1), (1, 400), (400, 1000))]
+    merged = parts[0].merge(parts[1]).merge(parts[2])
+    np.testing.assert_allclose(merged.mean, x.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(merged.var, x.var(0), rtol=1e-12)
+    assert merged.count == 1000
+    assert RunningStats.from_dict(json.loads(json.dumps(merged.to_dict()))) .mean.tolist() == merged.mean.tolist()
+
+
+def test_block_reads_cover_every_row_once(tmp_path):
+    acts = make_acts()
+    reader = SaevReader(write_store(tmp_path, acts))
+    for i, layer in enumerate(LAYERS):
+        blocks = reader.blocks(layer)
+        assert sum(b.n_rows for b in blocks) == N * T
+        rows = np.concatenate([reader.read_block(b) for b in blocks])
+        np.testing.assert_array_equal(rows, acts[:, i].reshape(-1, D))
+        ex, tok = zip(*(reader.block_rows(b) for b in blocks))
+        np.testing.assert_array_equal(np.concatenate(ex), np.repeat(np.arange(N), T))
+    assert os.getpid()  # reader handles are per process; see test_loader for workers
