@@ -1,9 +1,11 @@
-"""``actstore inspect`` and ``actstore verify``: what a store holds, and is it intact."""
+"""``actstore inspect`` and ``actstore verify``: what a store holds, and is it intact.
+
+Both work on any registered format: they call the reader's ``describe()`` and ``verify()``.
+"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import typer
@@ -12,11 +14,25 @@ from . import app
 from .common import human_bytes
 
 
+def _site_summary(reader, site, values: int) -> dict:
+    out: dict = {}
+    stats = reader.statistics(site)
+    if stats is not None:
+        out.update(count=stats.count, mean_norm=round(stats.norm_mean, 6),
+                   mean_var=round(float(stats.var.mean()), 6))  # fmt: skip
+    blocks = reader.blocks(site)
+    if blocks:
+        first = reader.read_block(blocks[0])[0, :values]
+        out["first_row"] = [round(float(v), 6) for v in np.asarray(first, dtype=np.float64)]
+    out["rows"] = sum(b.n_rows for b in blocks)
+    return out
+
+
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., help="A store directory (e.g. actstore-data/<hash>)."),
+    location: str = typer.Argument(..., help="A store: directory or URL (s3://bucket/run/hook)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary instead."),
-    values: int = typer.Option(6, help="How many leading values of a sample vector to show."),
+    values: int = typer.Option(6, help="Leading values of each site's first row to show."),
 ) -> None:
     """Show what a store holds: format, model, shapes, sizes, statistics and a few values.
 
@@ -24,73 +40,35 @@ def inspect(
     """
     from ..formats import open_store
 
-    reader = open_store(path)
-    md = reader.metadata
-    files = sorted(p for p in reader.path.iterdir() if p.is_file())
-    summary = {
-        "path": str(reader.path),
-        "format": "saev protocol " + md.protocol,
-        "dialect": reader.dialect,
-        "family": md.family,
-        "ckpt": md.ckpt,
-        "layers": list(md.layers),
-        "n_examples": md.n_examples,
-        "tokens_per_example": md.tokens_per_ex,
-        "cls_token": md.cls_token,
-        "d_model": md.d_model,
-        "n_shards": md.n_shards,
-        "examples_per_shard": md.examples_per_shard,
-        "dataset": md.dataset,
-        "bytes": sum(p.stat().st_size for p in files),
-        "files": [p.name for p in files],
-        "statistics": {},
-    }
-    for layer in md.layers:
-        stats = reader.statistics(layer)
-        if stats is not None:
-            summary["statistics"][str(layer)] = {
-                "count": stats.count,
-                "mean_norm": round(stats.norm_mean, 6),
-                "mean_abs_mean": round(float(np.abs(stats.mean).mean()), 6),
-                "mean_var": round(float(stats.var.mean()), 6),
-            }
-    sample = reader[0, md.layers[0], 0][:values] if md.n_examples else np.zeros(0)
-    summary["sample"] = {"example": 0, "layer": md.layers[0], "token": 0,
-                         "values": [round(float(v), 6) for v in sample]}  # fmt: skip
-    tokens = reader.tokens
-    if tokens is not None and md.n_examples:
-        summary["sample"]["token_ids"] = tokens[0, :16].tolist()
+    reader = open_store(location)
+    summary = reader.describe()
+    summary["per_site"] = {str(s): _site_summary(reader, s, values) for s in reader.sites}
     if as_json:
-        typer.echo(json.dumps(summary, indent=2))
+        typer.echo(json.dumps(summary, indent=2, default=str))
         return
-    typer.echo(f"{summary['path']}\n  {summary['format']}, dialect {summary['dialect']}")
-    typer.echo(f"  model     {md.ckpt} ({md.family})")
-    typer.echo(f"  dataset   {md.dataset}")
-    typer.echo(
-        f"  shape     {md.n_examples} examples x {len(md.layers)} layers {list(md.layers)} x "
-        f"{md.tokens_per_ex} tokens{' (CLS at 0)' if md.cls_token else ''} x {md.d_model} dims"
-    )
-    typer.echo(
-        f"  shards    {md.n_shards} x up to {md.examples_per_shard} examples, "
-        f"{human_bytes(summary['bytes'])} on disk in {len(files)} files"
-    )
-    for layer, s in summary["statistics"].items():
-        typer.echo(
-            f"  layer {layer:>3} mean L2 norm {s['mean_norm']:.4g}, mean variance "
-            f"{s['mean_var']:.4g} over {s['count']} vectors"
-        )
-    typer.echo(f"  [0, {md.layers[0]}, 0][:{values}] = {summary['sample']['values']}")
-    if "token_ids" in summary["sample"]:
-        typer.echo(f"  token ids of example 0: {summary['sample']['token_ids']} ...")
+    typer.echo(summary.pop("path", location))
+    per_site = summary.pop("per_site")
+    files = summary.pop("files", None)
+    for key, value in summary.items():
+        if key == "bytes":
+            value = human_bytes(value) + (f" in {len(files)} files" if files else "")
+        typer.echo(f"  {key:<18} {value}")
+    for site, s in per_site.items():
+        line = f"  site {site:<13} {s['rows']} rows"
+        if "mean_norm" in s:
+            line += f", mean L2 norm {s['mean_norm']:.4g}, mean variance {s['mean_var']:.4g}"
+        typer.echo(line)
+        if "first_row" in s:
+            typer.echo(f"  {'':<18} first row: {s['first_row']} ...")
 
 
 @app.command()
 def verify(
-    path: Path = typer.Argument(..., help="A store directory."),
+    location: str = typer.Argument(..., help="A store: directory or URL."),
     progress: bool = typer.Option(True, help="Show a progress bar while hashing."),
 ) -> None:
-    """Check a store's integrity: metadata vs shards.json vs file sizes, every checksum,
-    the content hash, zero padding and NaN/Inf values. Exits 1 on any fault.
+    """Check a store's integrity: metadata against the index and file sizes, every
+    checksum, content hash and NaN/Inf values. Exits 1 on any fault.
 
     Example: actstore verify actstore-data/3f1c0e...
     """
@@ -100,11 +78,11 @@ def verify(
     from ..formats import open_store
 
     try:
-        reader = open_store(path)
+        reader = open_store(location)
     except ActstoreError as err:
         typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
-    total = sum(p.stat().st_size for p in reader.path.iterdir() if p.is_file())
+    total = reader.describe().get("bytes")
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
         report = reader.verify(progress=bar.update)
     for note in report.notes:
@@ -115,6 +93,6 @@ def verify(
         raise typer.Exit(1)
     typer.secho(
         f"OK: {report.files_checked} files, {human_bytes(report.bytes_checked)} checked in "
-        f"{reader.path}",
+        f"{report.location}",
         fg=typer.colors.GREEN,
     )

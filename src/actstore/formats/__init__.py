@@ -1,6 +1,5 @@
-"""Storage formats. Each module owns one on-disk layout: its constants, Writer and Reader.
-
-:func:`open_store` finds the format of a path and returns its reader.
+"""Storage formats. Each package ``actstore.formats.<name>`` owns one on-disk layout (its
+constants, Writer and Reader) and registers itself as ``FORMAT`` (see :mod:`.registry`).
 
 Example:
     >>> reader = open_store("actstore-data/3f1c...")  # doctest: +SKIP
@@ -9,34 +8,24 @@ Example:
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from ..errors import StoreNotFoundError
 from .base import Block, Reader, Writer
+from .registry import FormatSpec, available_formats, detect_format, get_format
 
 
-def detect_format(path: str | os.PathLike) -> str:
-    """Name of the format stored at ``path`` (``"saev"``, ...)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise StoreNotFoundError(f"{p} does not exist")
-    if (p / "metadata.json").is_file() and (p / "shards.json").is_file():
-        return "saev"
-    raise StoreNotFoundError(
-        f"{p} is not an actstore-readable store (a saev directory holds metadata.json "
-        "and shards.json)"
-    )
+def open_store(location: str | os.PathLike, **kwargs: Any) -> Reader:
+    """Open the store at ``location`` (a path or URL) with the reader of its format."""
+    return detect_format(str(location)).open_reader(str(location), **kwargs)
 
 
-def open_store(path: str | os.PathLike, **kwargs: Any) -> Reader:
-    """Open the store at ``path`` with the reader of its format."""
-    fmt = detect_format(path)
-    if fmt == "saev":
-        from .saev import SaevReader
-
-        return SaevReader(path, **kwargs)
-    raise AssertionError(fmt)
-
-
-__all__ = ["Block", "Reader", "Writer", "detect_format", "open_store"]
+__all__ = [
+    "Block",
+    "FormatSpec",
+    "Reader",
+    "Writer",
+    "available_formats",
+    "detect_format",
+    "get_format",
+    "open_store",
+]

@@ -12,8 +12,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -32,6 +33,21 @@ class Block:
     loc: tuple[int, ...]
 
 
+@dataclass
+class VerifyReport:
+    """Outcome of ``Reader.verify()``: any ``faults`` make it fail; ``notes`` inform."""
+
+    location: str | Path
+    faults: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults
+
+
 @runtime_checkable
 class Reader(Protocol):
     """Read side of a format. Implementations are cheap to pickle (they reopen lazily)."""
@@ -44,6 +60,11 @@ class Reader(Protocol):
     @property
     def d_model(self) -> int: ...
 
+    @property
+    def dtype(self) -> np.dtype:
+        """numpy dtype of the rows :meth:`read_block` returns."""
+        ...
+
     def blocks(self, site: Hashable) -> list[Block]:
         """Every row of ``site`` exactly once, as contiguous blocks, in storage order."""
         ...
@@ -54,6 +75,14 @@ class Reader(Protocol):
 
     def statistics(self, site: Hashable) -> RunningStats | None:
         """Stored running statistics for ``site``, if the store has them."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary for ``actstore inspect`` (format, model, shapes, sizes...)."""
+        ...
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Full integrity check (checksums, sizes, metadata); ``progress(n_bytes)``."""
         ...
 
     def close(self) -> None: ...

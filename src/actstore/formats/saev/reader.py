@@ -20,7 +20,6 @@ import os
 import pickle
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,26 +34,11 @@ from ...errors import (
 from ...stats import RunningStats
 from ...storage import FileHasher, read_json
 from ...storage.local import IO_CHUNK
-from ..base import Block
+from ..base import Block, VerifyReport
 from .layout import SaevMetadata, shard_name
 from .writer import CHECKSUMS, STATISTICS
 
 _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
-
-
-@dataclass
-class VerifyReport:
-    """Outcome of :meth:`SaevReader.verify`: ``faults`` make it fail, ``notes`` inform."""
-
-    path: Path
-    faults: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    files_checked: int = 0
-    bytes_checked: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.faults
 
 
 class SaevReader:
@@ -139,6 +123,10 @@ class SaevReader:
     @property
     def d_model(self) -> int:
         return self.metadata.d_model
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype("<f4")
 
     @property
     def n_examples(self) -> int:
@@ -327,13 +315,41 @@ class SaevReader:
         examples = shard * md.examples_per_shard + first + np.arange(n)
         return np.repeat(examples, md.tokens_per_ex), np.tile(np.arange(md.tokens_per_ex), n)
 
+    def describe(self) -> dict[str, Any]:
+        """Summary for ``actstore inspect``."""
+        md = self.metadata
+        files = sorted(p for p in self.path.iterdir() if p.is_file())
+        out: dict[str, Any] = {
+            "path": str(self.path),
+            "format": f"saev protocol {md.protocol} ({self.dialect} dialect)",
+            "model": f"{md.ckpt} ({md.family})",
+            "dataset": md.dataset,
+            "sites": [f"layer {layer}" for layer in md.layers],
+            "shape": (f"{md.n_examples} examples x {len(md.layers)} layers {list(md.layers)} x "
+                      f"{md.tokens_per_ex} tokens{' (CLS at 0)' if md.cls_token else ''} x "
+                      f"{md.d_model} dims"),  # fmt: skip
+            "n_examples": md.n_examples,
+            "layers": list(md.layers),
+            "tokens_per_example": md.tokens_per_ex,
+            "cls_token": md.cls_token,
+            "d_model": md.d_model,
+            "shards": f"{md.n_shards} x up to {md.examples_per_shard} examples",
+            "bytes": sum(p.stat().st_size for p in files),
+            "files": [p.name for p in files],
+        }
+        if self.tokens is not None and md.n_examples:
+            out["token_ids[0][:16]"] = self.tokens[0, :16].tolist()
+        if self.classes is not None:
+            out["classes"] = self.classes
+        return out
+
     # ------------------------------------------------------------------ verify
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Re-hash every file listed in checksums.sha256, check metadata consistency, the
         directory name against the content hash, zero padding (saev dialect) and
         non-finite values. ``progress(n_bytes)`` is called as data is read."""
-        md, report = self.metadata, VerifyReport(self.path)
+        md, report = self.metadata, VerifyReport(str(self.path))
         expected_hash = md.content_hash()
         if _HASH_NAME.match(self.path.name) and self.path.name != expected_hash:
             report.faults.append(
