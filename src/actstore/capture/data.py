@@ -192,7 +192,8 @@ class TextSource(ExampleSource):
             )
 
 
-def pack_documents(docs: Sequence[str], tokenizer, context_length: int) -> tuple[np.ndarray, int]:
+def pack_documents(docs: Sequence[str], tokenizer, context_length: int, *,
+                   progress: bool = True) -> tuple[np.ndarray, int]:
     """Tokenise ``docs`` and pack them into ``[n, context_length]`` int32 windows.
 
     Returns the windows and the number of trailing tokens dropped.
@@ -212,7 +213,7 @@ def pack_documents(docs: Sequence[str], tokenizer, context_length: int) -> tuple
     from .models import quiet_transformers
 
     with quiet_transformers(), tqdm(total=len(docs), desc="tokenising", unit="doc",
-                                     leave=False) as bar:  # fmt: skip
+                                    leave=False, disable=not progress) as bar:  # fmt: skip
         for lo in range(0, len(docs), step):
             encoded = tokenizer(list(docs[lo : lo + step]), add_special_tokens=False)
             for ids in encoded["input_ids"]:
@@ -239,10 +240,11 @@ def _start_tokens(tokenizer) -> list[int]:
 
 
 def _text_source(docs: Sequence[str], root: str, description: dict[str, Any], model: LoadedModel,
-                 context_length: int, max_examples: int | None) -> TextSource:  # fmt: skip
+                 context_length: int, max_examples: int | None,
+                 progress: bool = True) -> TextSource:  # fmt: skip
     if not docs:
         raise ConfigError(f"{root} holds no text documents")
-    windows, dropped = pack_documents(docs, model.tokenizer, context_length)
+    windows, dropped = pack_documents(docs, model.tokenizer, context_length, progress=progress)
     if len(windows) == 0:
         raise ConfigError(
             f"{root} has fewer tokens than one context of {context_length}; "
@@ -303,7 +305,7 @@ def _load_hf(path: str, split: str | None):
 
 
 def _hf_source(path: Path, model: LoadedModel, split: str, text_field: str, context_length: int,
-               max_examples: int | None) -> ExampleSource:  # fmt: skip
+               max_examples: int | None, progress: bool = True) -> ExampleSource:  # fmt: skip
     ds = _load_hf(str(path), split)
     columns = ds.column_names
     description = {"kind": "hf_dataset", "root": str(path), "split": split}
@@ -325,7 +327,8 @@ def _hf_source(path: Path, model: LoadedModel, split: str, text_field: str, cont
                           "choose one with --text-field")  # fmt: skip
     docs = [str(t) for t in ds[text_field]]
     description["text_field"] = text_field
-    return _text_source(docs, str(path), description, model, context_length, max_examples)
+    return _text_source(docs, str(path), description, model, context_length, max_examples,
+                        progress)
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -333,20 +336,22 @@ def _hf_source(path: Path, model: LoadedModel, split: str, text_field: str, cont
 
 def open_source(dataset: str, model: LoadedModel, *, context_length: int = 128,
                 max_examples: int | None = None, split: str = "train",
-                text_field: str = "text") -> ExampleSource:  # fmt: skip
+                text_field: str = "text", progress: bool = True) -> ExampleSource:  # fmt: skip
     """Open ``dataset`` (path or ``"embedded"``) for ``model``'s modality."""
     if dataset == EMBEDDED_DATASET:
         if model.modality != "text":
             raise ConfigError("the embedded dataset is text; give an image folder for a ViT")
         docs, root = embedded_documents()
         description = {"kind": "embedded", "name": "python-language-reference"}
-        return _text_source(docs, root, description, model, context_length, max_examples)
+        return _text_source(docs, root, description, model, context_length, max_examples,
+                            progress)
     path = Path(dataset).expanduser().resolve()
     if not path.exists():
         raise StoreNotFoundError(f"dataset {dataset!r} does not exist")
     is_hf = (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
     if path.is_dir() and is_hf:
-        source = _hf_source(path, model, split, text_field, context_length, max_examples)
+        source = _hf_source(path, model, split, text_field, context_length, max_examples,
+                            progress)
     elif path.is_dir():
         if model.modality != "image":
             raise ConfigError(
@@ -359,7 +364,8 @@ def open_source(dataset: str, model: LoadedModel, *, context_length: int = 128,
             raise ConfigError(f"{path} is text but {model.ckpt} is an image model")
         docs = _read_text_file(path, text_field)
         description = {"kind": "text_file", "path": str(path), "text_field": text_field}
-        return _text_source(docs, str(path), description, model, context_length, max_examples)
+        return _text_source(docs, str(path), description, model, context_length, max_examples,
+                            progress)
     else:
         raise ConfigError(
             f"cannot tell what kind of dataset {path} is: give an image folder, a .txt or "

@@ -102,6 +102,7 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
     source = open_source(
         config.dataset, model, context_length=config.context_length,
         max_examples=config.max_examples, split=config.split, text_field=config.text_field,
+        progress=config.progress,
     )  # fmt: skip
     plan = CapturePlan(
         ckpt=model.ckpt, family=model.family, modality=model.modality, sites=tuple(sites),
