@@ -43,12 +43,11 @@ class BackgroundWriter:
             item = self._queue.get()
             if item is _DONE:
                 return
-            if self._error is not None:
-                continue  # drain so the producer never blocks forever
             try:
                 self.writer.write(item)
             except BaseException as err:  # noqa: BLE001 - re-raised in the producer
                 self._error = err
+                return  # the producer sees the error at its next put/close
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -56,32 +55,41 @@ class BackgroundWriter:
 
     def put(self, batch: Batch) -> None:
         """Queue ``batch`` for writing; blocks while the queue is full."""
-        self._raise_if_failed()
         start = time.perf_counter()
-        while True:
-            try:
-                self._queue.put(batch, timeout=0.5)
-                break
-            except queue.Full:
-                self._raise_if_failed()
+        self._put(batch)
         self.blocked_s += time.perf_counter() - start
+
+    def _put(self, item: Any) -> None:
+        while True:
+            self._raise_if_failed()
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _finish(self) -> None:
+        if self._thread.is_alive() and self._error is None:
+            try:
+                self._put(_DONE)
+            except CaptureError:
+                pass
+        self._thread.join()
 
     def close(self) -> Any:
         """Wait for queued batches, then close the writer (publishing its output)."""
-        self._queue.put(_DONE)
-        self._thread.join()
+        self._finish()
         self._raise_if_failed()
         return self.writer.close()
 
     def abort(self) -> None:
         """Stop after the batches already queued, without publishing."""
-        self._queue.put(_DONE)
-        self._thread.join()
+        self._finish()
         self.writer.abort()
 
     def __enter__(self) -> BackgroundWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and self._thread.is_alive():
+        if exc_type is not None:
             self.abort()
