@@ -86,6 +86,9 @@ class CapturePlan:
     has_labels: bool
     has_tokens: bool
     batch_size: int
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Facts a format needs up front, e.g. every example's ``prompt_lengths`` and
+    ``response_lengths`` for a prompt/response capture (see actstore.capture.prompts)."""
 
     @property
     def layers(self) -> list[int]:

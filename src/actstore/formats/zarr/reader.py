@@ -1,0 +1,656 @@
+"""Read prompt/response activation stores: one ``activations.zarr`` or a sharded run
+(``manifest.json`` + ``shards/shard-XXXX.zarr``) through the same :class:`ZarrReader`.
+
+Opening parses the consolidated metadata (``.zmetadata``) and checks every array against the
+layout the attributes declare (dtype ``<f2``, no compressor, no filters, C order, chunks
+``(1, 1, T_chunk, H)``), then loads the small per-sample arrays with zarr-python (read-only,
+consolidated). Because the activation arrays are uncompressed Zarr v2, a chunk file holds
+exactly ``T_chunk * H`` float16 values in C order; :meth:`ZarrReader.read` therefore reads the
+``ceil(len / T_chunk)`` chunk files of one ``(sample, layer)`` straight into the output buffer
+(``pread``), touching no other chunk and no other file. A missing chunk is the fill value 0,
+as in zarr. The reader holds no open files between calls, so it pickles into DataLoader
+workers and each worker reads independently.
+
+Example:
+    >>> r = ZarrReader("out/activations.zarr")  # doctest: +SKIP
+    >>> r.read(12, 6, "response").shape        # sample 12, resid.6: (response_len[12], H)  # doctest: +SKIP
+    (41, 4096)
+    >>> batch = r.random_batch(32, np.random.default_rng(0))  # 32 samples x 2 random layers  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ...errors import (
+    ConfigError,
+    CorruptStoreError,
+    IndexOutOfRangeError,
+    ProtocolVersionError,
+    StoreNotFoundError,
+)
+from ...stats import RunningStats, merge_all
+from ...storage import read_json
+from ..base import Block, VerifyReport
+from .layout import (
+    ACT_DTYPE,
+    ACTIVATIONS,
+    DIGEST,
+    FORMAT_TAG,
+    FULL_LENGTHS,
+    LENGTHS,
+    PARTS,
+    RUN_FORMAT_TAG,
+    SAMPLE_KEY,
+    SCHEMA_VERSION,
+    STATISTICS_FILE,
+    STORE_NAME,
+    TEXT_FILES,
+    TOKEN_IDS,
+    ZarrLayout,
+    chunk_key,
+    parse_chunk_key,
+)
+from .store import OPTIONAL_ARRAYS, zarr_module
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class StoreInfo:
+    """One published store, validated; the unit a run is made of."""
+
+    path: Path
+    attrs: dict[str, Any]
+    layout: ZarrLayout
+    separators: dict[str, str]
+    """Chunk key separator of each activation array (``.`` as written; ``/`` is accepted)."""
+    offset: int = 0
+    """Global index of this store's first sample."""
+    lengths: dict[str, np.ndarray] = field(default_factory=dict)
+    """Stored (capped) token lengths per part, int32 ``[n_samples]``."""
+
+    @property
+    def n_samples(self) -> int:
+        return self.layout.n_samples
+
+    def chunk_path(self, part: str, indices: Sequence[int]) -> str:
+        return f"{self.path}/{ACTIVATIONS[part]}/{chunk_key(indices, self.separators[part])}"
+
+
+def open_store_info(path: Path, *, offset: int = 0) -> StoreInfo:
+    """Validate the store at ``path`` from its consolidated metadata and load its lengths."""
+    if path.name.endswith(".partial"):
+        raise CorruptStoreError(f"{path} is an unfinished write (a .partial directory); "
+                                "rerun the capture to produce a published store")  # fmt: skip
+    if not path.is_dir():
+        raise StoreNotFoundError(f"{path} does not exist or is not a directory")
+    zmeta_path = path / ".zmetadata"
+    if not zmeta_path.exists():
+        raise CorruptStoreError(f"{path} has no consolidated metadata (.zmetadata): it is not a "
+                                "finished actstore zarr store; re-create it")  # fmt: skip
+    zmeta = read_json(zmeta_path)
+    meta = zmeta.get("metadata") if isinstance(zmeta, dict) else None
+    if not isinstance(meta, dict):
+        raise CorruptStoreError(f"{zmeta_path} has no 'metadata' mapping; re-create the store")
+    attrs = meta.get(".zattrs") or {}
+    if attrs.get("format") != FORMAT_TAG:
+        raise CorruptStoreError(f"{path} is a zarr store but not an actstore prompt/response "
+                                f"store (attribute format={attrs.get('format')!r})")  # fmt: skip
+    version = str(attrs.get("schema_version", ""))
+    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        raise ProtocolVersionError(f"{path} has schema_version {version!r}; this actstore reads "
+                                   f"{SCHEMA_VERSION.split('.')[0]}.x; upgrade actstore")  # fmt: skip
+    layout = ZarrLayout.from_dict(attrs.get("layout", {}), source=f"{path}/.zattrs")
+    separators = {}
+    for part in PARTS:
+        separators[part] = _check_zarray(meta, ACTIVATIONS[part], layout.shape(part),
+                                         list(layout.chunk_shape(part)), path)  # fmt: skip
+    info = StoreInfo(path=path, attrs=attrs, layout=layout, separators=separators, offset=offset)
+    group = zarr_module().open_consolidated(str(path), mode="r", zarr_format=2)
+    for part in PARTS:
+        lengths = np.asarray(_array(group, LENGTHS[part], path)[:], dtype=np.int32)
+        cap = layout.max_len(part)
+        if lengths.shape != (layout.n_samples,) or lengths.min() < 0 or lengths.max() > cap:
+            raise CorruptStoreError(f"{path}/{LENGTHS[part]} must hold {layout.n_samples} lengths "
+                                    f"in 0..{cap}; it does not")  # fmt: skip
+        info.lengths[part] = lengths
+    return info
+
+
+def _check_zarray(meta: dict, name: str, shape: tuple, chunks: list, path: Path) -> str:
+    zarray = meta.get(f"{name}/.zarray")
+    if not isinstance(zarray, dict):
+        raise CorruptStoreError(f"{path} lacks the array {name}; re-create the store")
+    want = {"shape": list(shape), "chunks": chunks, "dtype": ACT_DTYPE.str, "compressor": None,
+            "filters": None, "order": "C", "zarr_format": 2}  # fmt: skip
+    for key, value in want.items():
+        if zarray.get(key) != value:
+            raise CorruptStoreError(f"{path}/{name}: {key} is {zarray.get(key)!r}, the layout "
+                                    f"requires {value!r}; the store was altered")  # fmt: skip
+    separator = zarray.get("dimension_separator", ".")
+    if separator not in (".", "/"):
+        raise CorruptStoreError(f"{path}/{name}: unknown dimension_separator {separator!r}")
+    return separator
+
+
+def _array(group: Any, name: str, path: Path) -> Any:
+    try:
+        return group[name]
+    except KeyError:
+        raise CorruptStoreError(f"{path} lacks the array {name}; re-create the store") from None
+
+
+def resolve_location(location: str | os.PathLike) -> tuple[Path, bool]:
+    """``(path, is_run)``: a store, a run directory, or a folder holding activations.zarr."""
+    path = Path(location).expanduser()
+    if (path / MANIFEST).is_file():
+        return path, True
+    if not (path / ".zgroup").exists() and (path / STORE_NAME).is_dir():
+        return path / STORE_NAME, False
+    return path, False
+
+
+class ZarrReader:
+    """Random access, training batches and loader blocks over one store or a sharded run.
+
+    Sites are named as captured (``"resid.6"``); wherever a layer is asked for, give the
+    site name or, for the residual stream, the block index (``6``).
+    """
+
+    def __init__(self, location: str | os.PathLike) -> None:
+        path, is_run = resolve_location(location)
+        self.path = path
+        self.manifest: dict[str, Any] | None = None
+        if is_run:
+            self.manifest, self.stores = _open_run(path)
+        else:
+            self.stores = [open_store_info(path)]
+        first = self.stores[0]
+        self.layout = first.layout.with_samples(sum(s.n_samples for s in self.stores))
+        self._starts = np.array([s.offset for s in self.stores], dtype=np.int64)
+        self.prompt_len = np.concatenate([s.lengths["prompt"] for s in self.stores])
+        self.response_len = np.concatenate([s.lengths["response"] for s in self.stores])
+        self._groups: dict[int, Any] = {}
+        self._text_index: dict[tuple[int, str], np.ndarray] = {}
+        self._stats: dict[str, RunningStats] = {}
+        self._pid = os.getpid()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        """Global attributes (of the first store, for a run)."""
+        return self.stores[0].attrs
+
+    @property
+    def sites(self) -> tuple[str, ...]:
+        return self.layout.sites
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.layout.layers
+
+    @property
+    def d_model(self) -> int:
+        return self.layout.hidden_size
+
+    @property
+    def dtype(self) -> np.dtype:
+        return ACT_DTYPE
+
+    @property
+    def n_samples(self) -> int:
+        return self.layout.n_samples
+
+    def __len__(self) -> int:
+        return self.layout.n_samples
+
+    def lengths(self, part: str) -> np.ndarray:
+        """Stored (capped) lengths of ``part`` for every sample."""
+        if part not in PARTS:
+            raise ConfigError(f"part must be 'prompt' or 'response', not {part!r}")
+        return self.prompt_len if part == "prompt" else self.response_len
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (f"ZarrReader({str(self.path)!r}, n_samples={lay.n_samples}, sites={list(lay.sites)}, "
+                f"P_max={lay.p_max}, R_max={lay.r_max}, H={lay.hidden_size}, "
+                f"stores={len(self.stores)})")  # fmt: skip
+
+    # ------------------------------------------------------------------ locating
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(store number, local index)`` of global sample ``index`` (the manifest mapping)."""
+        n = self.layout.n_samples
+        if not -n <= index < n:
+            raise IndexOutOfRangeError(f"sample {index} out of range (0..{n - 1})")
+        index = int(index) % n
+        k = int(np.searchsorted(self._starts, index, side="right")) - 1
+        return k, index - self.stores[k].offset
+
+    # ------------------------------------------------------------------ random access
+
+    def read(self, i: int, layer: int | str, part: str = "prompt", *, trim: bool = True,
+             out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """Activations of sample ``i`` at ``layer`` for ``part``: ``(len_i, H)`` float16 with
+        ``trim`` (the stored real tokens), else ``(P_max or R_max, H)`` zero-padded.
+
+        Reads only the chunks of this ``(sample, layer)`` that hold the requested tokens.
+
+        Example:
+            >>> reader.read(0, "resid.3", "response").shape  # doctest: +SKIP
+            (17, 4096)
+        """
+        return self.read_index(i, self.layout.layer_index(layer), part, trim=trim, out=out)
+
+    def read_index(self, i: int, layer_idx: int, part: str = "prompt", *, trim: bool = True,
+                   out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+        """:meth:`read` with the position on the ``L`` axis instead of the site."""
+        lay = self.layout
+        if not 0 <= layer_idx < lay.n_layers:
+            raise IndexOutOfRangeError(f"layer position {layer_idx} out of range (0..{lay.n_layers - 1})")
+        k, local = self.locate(i)
+        store = self.stores[k]
+        n_rows = int(store.lengths[part][local]) if trim else lay.max_len(part)
+        if out is None:
+            out = np.empty((n_rows, lay.hidden_size), dtype=ACT_DTYPE)
+        elif out.shape != (n_rows, lay.hidden_size) or out.dtype != ACT_DTYPE or not out.flags.c_contiguous:
+            raise ConfigError(f"out must be a C-contiguous float16 array of shape "
+                              f"{(n_rows, lay.hidden_size)}, not {out.dtype} {out.shape}")  # fmt: skip
+        _read_rows(store, part, local, layer_idx, out)
+        return out
+
+    def read_batch(self, samples: Sequence[int] | np.ndarray, layers: Sequence[Sequence[int | str]] | np.ndarray,
+                   part: str = "response", *, trim: bool = False) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """Stack ``read(samples[j], layers[j][m], part)`` into ``acts[b, k, T, H]`` (zero-padded
+        to ``P_max``/``R_max``, or to the longest of these samples with ``trim``) and return it
+        with the lengths ``[b]``. ``layers`` is ``[b, k]`` sites or block indices."""
+        samples = np.asarray(samples, dtype=np.int64).reshape(-1)
+        layer_idx = np.array([[self.layout.layer_index(x) for x in row] for row in layers],
+                             dtype=np.int64).reshape(len(samples), -1)  # fmt: skip
+        return self._read_batch_idx(samples, layer_idx, part, trim)
+
+    def random_batch(self, b: int, rng: np.random.Generator, *, n_layers: int = 2,
+                     part: str = "response", trim: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
+        """The training pattern: ``b`` random samples, ``n_layers`` distinct random layers each.
+
+        Returns ``acts [b, n_layers, T, H]``, ``lengths [b]``, ``samples [b]`` and
+        ``layers [b, n_layers]`` (block indices; ``sites`` gives the names).
+        """
+        lay = self.layout
+        if not 1 <= n_layers <= lay.n_layers:
+            raise ConfigError(f"n_layers must lie in 1..{lay.n_layers}, not {n_layers}")
+        samples = rng.integers(0, lay.n_samples, size=b)
+        layer_idx = np.stack([rng.choice(lay.n_layers, size=n_layers, replace=False)
+                              for _ in range(b)])  # fmt: skip
+        acts, lengths = self._read_batch_idx(samples, layer_idx, part, trim)
+        return {"acts": acts, "lengths": lengths, "samples": samples,
+                "layers": np.asarray(lay.layers)[layer_idx],
+                "sites": np.asarray(lay.sites)[layer_idx]}  # fmt: skip
+
+    def _read_batch_idx(self, samples: np.ndarray, layer_idx: np.ndarray, part: str,
+                        trim: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        lengths = self.lengths(part)[samples]
+        width = int(lengths.max(initial=0)) if trim else self.layout.max_len(part)
+        acts = np.zeros((len(samples), layer_idx.shape[1], width, self.layout.hidden_size),
+                        dtype=ACT_DTYPE)  # fmt: skip
+        for j, i in enumerate(samples):
+            for m, idx in enumerate(layer_idx[j]):
+                target = acts[j, m, : lengths[j]] if trim else acts[j, m]
+                self.read_index(int(i), int(idx), part, trim=trim, out=target)
+        return acts, lengths
+
+    def dataset(self, part: str = "response", *, n_layers: int = 2, seed: int = 0,
+                trim: bool = False) -> ZarrPairDataset:  # fmt: skip
+        """A torch map-style Dataset of the training pattern (see :class:`ZarrPairDataset`)."""
+        return ZarrPairDataset(self, part=part, n_layers=n_layers, seed=seed, trim=trim)
+
+    # ------------------------------------------------------------------ per-sample fields
+
+    def group(self, store: int = 0) -> Any:
+        """The zarr-python group of store ``store`` (read-only, consolidated), for raw access."""
+        self._check_pid()
+        if store not in self._groups:
+            self._groups[store] = zarr_module().open_consolidated(
+                str(self.stores[store].path), mode="r", zarr_format=2)
+        return self._groups[store]
+
+    def _concat(self, name: str) -> np.ndarray | None:
+        parts = []
+        for k in range(len(self.stores)):
+            try:
+                parts.append(np.asarray(self.group(k)[name][:]))
+            except KeyError:
+                return None
+        return np.concatenate(parts)
+
+    def array(self, name: str) -> np.ndarray | None:
+        """A per-sample array over all samples (``"sample_key"``, ``"hallu_label"``, ``"split"``,
+        ``"prompt_len_full"``, ``"prompt_token_ids"``...), or None if the store lacks it."""
+        return self._concat(f"arrays/{name}")
+
+    @property
+    def sample_keys(self) -> list[str]:
+        keys = self._concat(SAMPLE_KEY)
+        return [k.decode("ascii") for k in keys]
+
+    def token_ids(self, i: int, part: str = "prompt") -> np.ndarray | None:
+        """Stored token ids of sample ``i``'s ``part`` (its real tokens), or None."""
+        k, local = self.locate(i)
+        try:
+            row = self.group(k)[TOKEN_IDS[part]][local]
+        except KeyError:
+            return None
+        return np.asarray(row[: self.stores[k].lengths[part][local]])
+
+    def text(self, i: int, part: str = "prompt") -> str | None:
+        """The prompt or response text of sample ``i`` (from ``text/*.jsonl``), or None."""
+        k, local = self.locate(i)
+        path = self.stores[k].path / TEXT_FILES[part]
+        if not path.exists():
+            return None
+        offsets = self._text_index.get((k, part))
+        if offsets is None:
+            offsets = _line_offsets(path)
+            if len(offsets) != self.stores[k].n_samples:
+                raise CorruptStoreError(f"{path} has {len(offsets)} lines for "
+                                        f"{self.stores[k].n_samples} samples")  # fmt: skip
+            self._text_index[(k, part)] = offsets
+        with open(path, "rb") as f:
+            f.seek(int(offsets[local]))
+            record = json.loads(f.readline())
+        return record[part]
+
+    # ------------------------------------------------------------------ blocks (loader)
+
+    def blocks(self, site: int | str) -> list[Block]:
+        """One block per (sample, part) with at least one stored token, in storage order
+        (sample 0 prompt, sample 0 response, sample 1 prompt, ...): the same list, up to the
+        site, for every site. ``loc = (store, local sample, part 0/1, layer position)``."""
+        layer_idx = self.layout.layer_index(site)
+        name = self.layout.sites[layer_idx]
+        out = []
+        for k, store in enumerate(self.stores):
+            p, r = store.lengths["prompt"], store.lengths["response"]
+            for local in range(store.n_samples):
+                if p[local]:
+                    out.append(Block(site=name, n_rows=int(p[local]), loc=(k, local, 0, layer_idx)))
+                if r[local]:
+                    out.append(Block(site=name, n_rows=int(r[local]), loc=(k, local, 1, layer_idx)))
+        return out
+
+    def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``block`` as ``[n_rows, H]`` float16."""
+        k, local, part_idx, layer_idx = block.loc
+        store = self.stores[k]
+        if out is None:
+            out = np.empty((block.n_rows, self.layout.hidden_size), dtype=ACT_DTYPE)
+        _read_rows(store, PARTS[part_idx], local, layer_idx, out)
+        return out
+
+    def block_rows(self, block: Block) -> tuple[np.ndarray, np.ndarray]:
+        """(global sample index, token position within its part) of each row of ``block``."""
+        k, local, _, _ = block.loc
+        return (np.full(block.n_rows, self.stores[k].offset + local, dtype=np.int64),
+                np.arange(block.n_rows, dtype=np.int64))  # fmt: skip
+
+    # ------------------------------------------------------------------ statistics
+
+    def statistics(self, site: int | str) -> RunningStats | None:
+        """Exact running statistics of ``site`` over every stored token (merged over shards)."""
+        name = self.layout.sites[self.layout.layer_index(site)]
+        if name not in self._stats:
+            parts = []
+            for store in self.stores:
+                path = store.path / STATISTICS_FILE
+                if not path.exists():
+                    return None
+                doc = read_json(path)
+                try:
+                    parts.append(RunningStats.from_dict(doc["sites"][name]))
+                except (KeyError, TypeError) as err:
+                    raise CorruptStoreError(f"{path} has no statistics for {name}") from err
+            self._stats[name] = merge_all(parts)
+        return self._stats[name]
+
+    # ------------------------------------------------------------------ summary / verify
+
+    def describe(self) -> dict[str, Any]:
+        """Summary for ``actstore inspect``."""
+        lay, attrs = self.layout, self.attrs
+        n_files, n_bytes = 0, 0
+        for store in self.stores:
+            for dirpath, _, names in os.walk(store.path):
+                n_files += len(names)
+                n_bytes += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names)
+        trunc = {p: sum(s.attrs.get(f"{p}_truncated_count", 0) for s in self.stores) for p in PARTS}
+        out = {
+            "path": str(self.path),
+            "format": f"zarr v2 prompt/response store ({FORMAT_TAG} {attrs.get('schema_version')})",
+            "model": f"{attrs.get('model_id')} ({attrs.get('model_family')})",
+            "dataset": attrs.get("dataset"),
+            "sites": list(lay.sites),
+            "shape": (f"{lay.n_samples} samples x {lay.n_layers} sites {list(lay.sites)} x "
+                      f"(P_max {lay.p_max} + R_max {lay.r_max}) tokens x {lay.hidden_size} dims "
+                      "float16"),  # fmt: skip
+            "n_samples": lay.n_samples,
+            "P_max": lay.p_max,
+            "R_max": lay.r_max,
+            "chunks": f"prompt (1, 1, {lay.t_chunk_prompt}, {lay.hidden_size}), response "
+                      f"(1, 1, {lay.t_chunk_response}, {lay.hidden_size})",
+            "truncated": f"{trunc['prompt']} prompts, {trunc['response']} responses",
+            "stored_tokens": f"{int(self.prompt_len.sum())} prompt, {int(self.response_len.sum())} "
+                             "response",
+            "stores": len(self.stores),
+            "bytes": n_bytes,
+            "n_files": n_files,
+        }  # fmt: skip
+        return out
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Check every chunk file (name, grid position, exact size), every sample's content
+        digest, the per-sample arrays, the text files and non-finite values."""
+        report = VerifyReport(str(self.path))
+        non_finite = 0
+        for k, store in enumerate(self.stores):
+            non_finite += _verify_store(store, self.group(k), report, progress)
+        if non_finite:
+            report.notes.append(f"{non_finite} activation values are NaN or infinite")
+        return report
+
+    # ------------------------------------------------------------------ handles
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:  # a forked worker: rebuild zarr handles in this process
+            self._groups, self._pid = {}, os.getpid()
+
+    def close(self) -> None:
+        """Drop zarr handles (reopened on next use). Activation reads hold no open files."""
+        self._groups = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_groups": {}}
+
+
+class ZarrPairDataset(torch.utils.data.Dataset):
+    """torch map-style Dataset of the training pattern: item ``i`` is sample ``i`` at
+    ``n_layers`` distinct layers drawn from ``(seed, epoch, i)``.
+
+    Items are ``{"acts": float16 [n_layers, T, H], "length": int, "layers": int64
+    [n_layers], "index": int}``, with ``T = R_max``/``P_max`` (fixed shape; the default
+    collate stacks them) or the sample's own length with ``trim``. Call :meth:`set_epoch`
+    to draw new layers each epoch. With ``DataLoader(ds, batch_size=b, shuffle=True,
+    num_workers=W)`` each worker gets its own pickled copy of the reader.
+
+    Example:
+        >>> loader = torch.utils.data.DataLoader(reader.dataset("response"), batch_size=32,
+        ...                                      shuffle=True, num_workers=4)  # doctest: +SKIP
+    """
+
+    def __init__(self, reader: ZarrReader, *, part: str = "response", n_layers: int = 2,
+                 seed: int = 0, trim: bool = False) -> None:  # fmt: skip
+        if part not in PARTS:
+            raise ConfigError(f"part must be 'prompt' or 'response', not {part!r}")
+        if not 1 <= n_layers <= reader.layout.n_layers:
+            raise ConfigError(f"n_layers must lie in 1..{reader.layout.n_layers}, not {n_layers}")
+        self.reader, self.part, self.n_layers = reader, part, n_layers
+        self.seed, self.trim, self.epoch = seed, trim, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def layers_of(self, i: int) -> np.ndarray:
+        """Layer positions drawn for item ``i`` this epoch."""
+        rng = np.random.default_rng((self.seed, self.epoch, int(i)))
+        return rng.choice(self.reader.layout.n_layers, size=self.n_layers, replace=False)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        idx = self.layers_of(i)
+        acts, lengths = self.reader._read_batch_idx(np.array([i]), idx[None], self.part, self.trim)
+        return {"acts": torch.from_numpy(acts[0]), "length": int(lengths[0]),
+                "layers": torch.from_numpy(np.asarray(self.reader.layout.layers)[idx]),
+                "index": int(i)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray) -> None:
+    """Fill ``out`` (``[n, H]`` float16, C order) with tokens ``0..n`` of one (sample, layer),
+    reading chunk files directly; a missing chunk is zeros (the fill value)."""
+    n_rows = out.shape[0]
+    t_chunk = store.layout.t_chunk(part)
+    view = memoryview(out.reshape(-1)).cast("B")
+    row_bytes = store.layout.hidden_size * ACT_DTYPE.itemsize
+    for c in range(math.ceil(n_rows / t_chunk)):
+        r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
+        path = store.chunk_path(part, (local, layer_idx, c, 0))
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            out[r0:r1] = 0
+            continue
+        try:
+            target = view[r0 * row_bytes : r1 * row_bytes]
+            done = 0
+            while done < len(target):
+                got = os.preadv(fd, [target[done:]], done)
+                if got == 0:
+                    raise CorruptStoreError(
+                        f"chunk {path} ends after {done} bytes; it should hold "
+                        f"{store.layout.chunk_nbytes(part)} (truncated): restore or re-capture")
+                done += got
+        finally:
+            os.close(fd)
+
+
+def _line_offsets(path: Path) -> np.ndarray:
+    offsets, pos = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                offsets.append(pos)
+            pos += len(line)
+    return np.asarray(offsets, dtype=np.int64)
+
+
+def _open_run(path: Path) -> tuple[dict[str, Any], list[StoreInfo]]:
+    manifest = read_json(path / MANIFEST)
+    if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT_TAG:
+        raise CorruptStoreError(f"{path / MANIFEST} is not an actstore zarr run manifest")
+    try:
+        entries = list(manifest["shards"])
+        total = int(manifest["n_samples"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptStoreError(f"{path / MANIFEST} lacks {err}; re-create the manifest") from None
+    stores, start = [], 0
+    for entry in entries:
+        info = open_store_info(path / entry["path"], offset=start)
+        if int(entry["start"]) != start or int(entry["n_samples"]) != info.n_samples:
+            raise CorruptStoreError(f"{path / MANIFEST}: shard {entry['path']} should start at "
+                                    f"{start} with {info.n_samples} samples; it says {entry}")  # fmt: skip
+        if stores and not info.layout.same_bytes_as(stores[0].layout):
+            raise CorruptStoreError(f"{info.path} has another layout than {stores[0].path}")
+        stores.append(info)
+        start += info.n_samples
+    if not stores or start != total:
+        raise CorruptStoreError(f"{path / MANIFEST} declares {total} samples; its shards hold {start}")
+    return manifest, stores
+
+
+def _verify_store(store: StoreInfo, group: Any, report: VerifyReport,
+                  progress: Callable[[int], None] | None) -> int:  # fmt: skip
+    lay, where = store.layout, store.path
+    for part in PARTS:
+        directory = store.path / ACTIVATIONS[part]
+        grid = (lay.n_samples, lay.n_layers, lay.n_chunks(part), 1)
+        want = lay.chunk_nbytes(part)
+        for dirpath, _, names in os.walk(directory):
+            for name in names:
+                rel = os.path.relpath(os.path.join(dirpath, name), directory)
+                if rel in (".zarray", ".zattrs"):
+                    continue
+                key = parse_chunk_key(rel.replace(os.sep, "/"), store.separators[part])
+                if key is None or len(key) != 4 or any(k >= g for k, g in zip(key, grid)):
+                    report.faults.append(f"{directory}/{rel}: not a chunk of this array")
+                    continue
+                size = os.path.getsize(os.path.join(dirpath, name))
+                report.files_checked += 1
+                if size != want:
+                    report.faults.append(f"{directory}/{rel}: {size} bytes, expected {want}")
+    try:
+        digests = np.asarray(group[DIGEST][:])
+        full = {p: np.asarray(group[FULL_LENGTHS[p]][:]) for p in PARTS}
+    except KeyError as err:
+        report.faults.append(f"{where} lacks the array {err}")
+        return 0
+    for part in PARTS:
+        bad = np.flatnonzero(np.minimum(full[part], lay.max_len(part)) != store.lengths[part])
+        if bad.size:
+            report.faults.append(f"{where}/{LENGTHS[part]} disagrees with the full lengths at "
+                                 f"samples {bad[:5].tolist()}")  # fmt: skip
+    non_finite = 0
+    prompt = np.empty((lay.n_layers, lay.p_max, lay.hidden_size), dtype=ACT_DTYPE)
+    response = np.empty((lay.n_layers, lay.r_max, lay.hidden_size), dtype=ACT_DTYPE)
+    for local in range(lay.n_samples):
+        h = xxhash.xxh3_128()
+        for part, slab in (("prompt", prompt), ("response", response)):
+            for layer_idx in range(lay.n_layers):
+                try:
+                    _read_rows(store, part, local, layer_idx, slab[layer_idx])
+                except CorruptStoreError as err:
+                    report.faults.append(str(err))
+                    slab[layer_idx] = 0
+            h.update(memoryview(slab.reshape(-1)).cast("B"))
+            non_finite += int(slab.size - np.count_nonzero(np.isfinite(slab)))
+        report.bytes_checked += prompt.nbytes + response.nbytes
+        if progress is not None:
+            progress(prompt.nbytes + response.nbytes)
+        if h.hexdigest().encode("ascii") != digests[local]:
+            report.faults.append(f"{where}: sample {local} does not match its stored digest "
+                                 "(activation data was changed or lost)")  # fmt: skip
+    for part in PARTS:
+        path = store.path / TEXT_FILES[part]
+        if path.exists():
+            report.files_checked += 1
+            lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+            if [rec.get("i") for rec in lines] != list(range(lay.n_samples)):
+                report.faults.append(f"{path}: expected one record per sample, i = 0..{lay.n_samples - 1}")
+    for name in store.attrs.get("optional_arrays", []):
+        if OPTIONAL_ARRAYS[name][0] not in group:
+            report.faults.append(f"{where} lacks {OPTIONAL_ARRAYS[name][0]} its attributes list")
+    return non_finite

@@ -1,0 +1,456 @@
+"""Write one prompt/response store (``activations.zarr``) from capture batches.
+
+Each batch holds ``B`` samples laid out as prompt tokens then response tokens (then padding)
+along the token axis, with ``Batch.extras["prompt_len"]`` and ``["response_len"]`` giving the
+full lengths. A batch without them is stored as prompts only (response length 0), so any
+capture or conversion can target this format. The writer truncates to ``P_max``/``R_max``,
+casts to float16, and writes ``(B, L, P_max, H)`` and ``(B, L, R_max, H)`` slabs: whole
+chunks, since chunks are ``(1, 1, T_chunk, H)``. Chunks that would hold only padding are not
+stored (zarr's default; readers return the fill value 0 for them, bit-exactly).
+
+Besides the spec's arrays the writer keeps the untruncated lengths, token ids (fill -1),
+an xxh3-128 digest per sample (``verify`` recomputes it), and exact running statistics per
+site in ``meta/statistics.json``, computed from the activations as captured (before the
+float16 cast) over every stored (unpadded) prompt and response token.
+
+Example:
+    >>> writer = ZarrWriter.from_plan(plan, "out", ZarrOptions(r_max=64))  # doctest: +SKIP
+    >>> for batch in batches: writer.write(batch)  # doctest: +SKIP
+    >>> writer.close()  # doctest: +SKIP
+    PosixPath('out/activations.zarr')
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ... import __version__
+from ...batch import Batch, CapturePlan
+from ...errors import CaptureError, ConfigError, StoreExistsError
+from ...stats import RunningStats
+from ...storage import atomic_write_json
+from .layout import (
+    ACT_DTYPE,
+    ACTIVATIONS,
+    CONFIG_FILE,
+    DIGEST,
+    FORMAT_TAG,
+    FULL_LENGTHS,
+    LENGTHS,
+    PARTS,
+    SAMPLE_KEY,
+    SCHEMA_VERSION,
+    SPLITS,
+    STATISTICS_FILE,
+    STORE_NAME,
+    TEXT_FILES,
+    TOKEN_IDS,
+    ZarrLayout,
+    choose_layout,
+    sample_key,
+)
+from .options import ZarrOptions
+from .store import OPTIONAL_ARRAYS, RowAppender, create_arrays, new_partial_dir, publish
+
+log = logging.getLogger(__name__)
+
+
+def store_path(out: str | Path) -> Path:
+    """``out`` itself if it ends in ``.zarr``, else ``out/activations.zarr``."""
+    out = Path(out).expanduser()
+    return out if out.suffix == ".zarr" else out / STORE_NAME
+
+
+def plan_lengths(plan: CapturePlan) -> tuple[np.ndarray, np.ndarray]:
+    """Full prompt and response lengths of every sample of ``plan``.
+
+    A prompt/response source puts them in ``plan.extras``; otherwise every example is a
+    prompt of ``tokens_per_example`` tokens with no response.
+    """
+    if "prompt_lengths" in plan.extras:
+        return (np.asarray(plan.extras["prompt_lengths"], dtype=np.int64),
+                np.asarray(plan.extras["response_lengths"], dtype=np.int64))  # fmt: skip
+    return (np.full(plan.n_examples, plan.tokens_per_example, dtype=np.int64),
+            np.zeros(plan.n_examples, dtype=np.int64))  # fmt: skip
+
+
+def store_attrs(plan: CapturePlan, options: ZarrOptions, choice_attrs: dict[str, Any],
+                layout: ZarrLayout) -> dict[str, Any]:  # fmt: skip
+    """The global attributes (``.zattrs``) of a store captured by ``plan``.
+
+    The writer adds the truncation record of the samples it stored and the creation time.
+    """
+    dataset = options.dataset_name or Path(plan.dataset_root).name or plan.dataset_root
+    attrs = {
+        "format": FORMAT_TAG,
+        "schema_version": SCHEMA_VERSION,
+        "model_id": plan.ckpt,
+        "model_family": plan.family,
+        "model_num_layers": plan.n_model_layers,
+        "num_layers": layout.n_layers,
+        "layers": list(layout.layers),
+        "sites": list(layout.sites),
+        "hidden_size": layout.hidden_size,
+        "dtype": "float16",
+        "n_samples": layout.n_samples,
+        "P_max": layout.p_max,
+        "R_max": layout.r_max,
+        "T_max": layout.p_max + layout.r_max,
+        "T_chunk_prompt": layout.t_chunk_prompt,
+        "T_chunk_response": layout.t_chunk_response,
+        "chunks": {p: list(layout.chunk_shape(p)) for p in PARTS},
+        "prompt_keep": layout.prompt_keep,
+        "dataset": dataset,
+        "dataset_root": plan.dataset_root,
+        "statistics": STATISTICS_FILE,
+        "config": CONFIG_FILE,
+        "actstore_version": __version__,
+        "git_commit": _git_commit(),
+        **choice_attrs,
+    }
+    attrs["fingerprint"] = fingerprint(attrs, plan.data, options)
+    return attrs
+
+
+def fingerprint(attrs: dict[str, Any], data: dict[str, Any], options: ZarrOptions) -> str:
+    """sha256 of what determines a store's content (a rerun with the same one is a no-op)."""
+    keep = {k: v for k, v in attrs.items() if k not in ("git_commit", "actstore_version",
+                                                         "fingerprint", "shard")}  # fmt: skip
+    text = json.dumps({"attrs": keep, "data": data, "options": options.__dict__},
+                      sort_keys=True, default=str)  # fmt: skip
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _git_commit() -> str | None:
+    """The git commit of the actstore checkout that wrote the store, when it is one."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+class ZarrWriter:
+    """Writes one store; nothing is visible at ``path`` until :meth:`close` publishes it.
+
+    ``id_offset`` is the global id of this store's first sample (shards of a run); batches
+    must arrive in id order. ``complete`` is True when ``path`` already holds a store with
+    the same fingerprint (the capture is done); any other existing store is refused.
+    """
+
+    def __init__(self, layout: ZarrLayout, path: str | Path, *, attrs: dict[str, Any],
+                 config: dict[str, Any] | None = None, id_offset: int = 0,
+                 token_ids: bool = True, optional: tuple[str, ...] = ()) -> None:  # fmt: skip
+        self.layout = layout
+        self.final_path = Path(path).expanduser().resolve()
+        self.attrs = dict(attrs)
+        self.config = config or {}
+        self.id_offset = int(id_offset)
+        self.token_ids = token_ids
+        for name in optional:
+            if name not in OPTIONAL_ARRAYS:
+                raise ConfigError(f"unknown optional array {name!r}; known: {list(OPTIONAL_ARRAYS)}")
+        self.optional = tuple(optional)
+        self.complete = False
+        self.resume_from = 0
+        self._written = 0
+        self._tmp: Path | None = None
+        if self.final_path.exists():
+            self._check_existing()
+            return
+        self._warn_stale_partials()
+        self._tmp = new_partial_dir(self.final_path)
+        self._root = create_arrays(self._tmp, layout, token_ids=token_ids, optional=self.optional)
+        arrays = self._root["arrays"]
+        self._acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
+        self._rows = {path: RowAppender(arrays[path.split("/", 1)[1]])
+                      for path in self._sample_array_paths()}  # fmt: skip
+        self._stats = [RunningStats(layout.hidden_size) for _ in layout.sites]
+        self._truncated = {p: 0 for p in PARTS}
+        self._texts: dict[str, Any] | None = None
+
+    @classmethod
+    def from_plan(cls, plan: CapturePlan, out: str | Path,
+                  options: ZarrOptions | None = None) -> ZarrWriter:  # fmt: skip
+        """The writer for a capture plan: ``out/activations.zarr`` (or ``out`` if it ends in
+        ``.zarr``), with ``P_max``/``R_max``/``T_chunk`` chosen from the plan's lengths."""
+        options = options or ZarrOptions()
+        layout, attrs, config = plan_store(plan, options)
+        optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
+        return cls(layout, store_path(out), attrs=attrs, config=config,
+                   token_ids=plan.has_tokens, optional=optional)  # fmt: skip
+
+    def _sample_array_paths(self) -> list[str]:
+        from .store import sample_arrays
+
+        return list(sample_arrays(self.layout, token_ids=self.token_ids, optional=self.optional))
+
+    def _check_existing(self) -> None:
+        from .reader import ZarrReader
+
+        found = ZarrReader(self.final_path).attrs.get("fingerprint")
+        if found != self.attrs.get("fingerprint"):
+            raise StoreExistsError(
+                f"{self.final_path} already holds a different store (another model, dataset, "
+                "layout or options); choose another --out or move it away"
+            )
+        self.complete = True
+        self.resume_from = self.id_offset + self.layout.n_samples
+        log.info("%s is already published with the same fingerprint; nothing to write",
+                 self.final_path)  # fmt: skip
+
+    def _warn_stale_partials(self) -> None:
+        parent = self.final_path.parent
+        if parent.is_dir():
+            stale = sorted(parent.glob(f".{self.final_path.name}.*.partial"))
+            if stale:
+                log.warning("unfinished writes of %s found (a crashed or running writer): %s; "
+                            "delete them once no writer uses them", self.final_path,
+                            ", ".join(p.name for p in stale))  # fmt: skip
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, batch: Batch) -> None:
+        """Store ``batch``'s samples (ids must continue where the last batch ended)."""
+        if self.complete:
+            raise CaptureError(f"{self.final_path} is already published")
+        if self._tmp is None:
+            raise CaptureError("this writer was closed or aborted")
+        lay = self.layout
+        n = batch.n_examples
+        lo = self._written
+        expected = np.arange(self.id_offset + lo, self.id_offset + lo + n)
+        if not np.array_equal(batch.example_ids, expected):
+            raise CaptureError(f"batches must arrive in sample order: expected ids from "
+                               f"{self.id_offset + lo}, got {batch.example_ids[:4].tolist()}...")  # fmt: skip
+        if lo + n > lay.n_samples:
+            raise CaptureError(f"more samples than the {lay.n_samples} this store was sized for")
+        p_full, r_full = _batch_lengths(batch)
+        kept = [lay.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
+        index = _token_index(kept)
+        prompt = np.zeros((n, lay.n_layers, lay.p_max, lay.hidden_size), dtype=ACT_DTYPE)
+        response = np.zeros((n, lay.n_layers, lay.r_max, lay.hidden_size), dtype=ACT_DTYPE)
+        rows_b = np.concatenate([index["prompt"][0], index["response"][0]])
+        rows_t = np.concatenate([index["prompt"][1], index["response"][1]])
+        for layer_idx, site in enumerate(lay.sites):
+            tensor = batch.acts.get(site)
+            if tensor is None:
+                raise CaptureError(f"batch lacks site {site}; it has {sorted(batch.acts)}")
+            if tuple(tensor.shape) != (n, batch.n_tokens, lay.hidden_size):
+                raise CaptureError(f"site {site} has shape {tuple(tensor.shape)}; expected "
+                                   f"({n}, {batch.n_tokens}, {lay.hidden_size})")  # fmt: skip
+            half = tensor.detach().to(torch.float16).numpy()
+            for part, slab in (("prompt", prompt), ("response", response)):
+                b, t, dest = index[part]
+                slab[b, layer_idx, dest] = half[b, t]
+            exact = tensor.detach()
+            if exact.dtype not in (torch.float32, torch.float64):
+                exact = exact.to(torch.float32)
+            self._stats[layer_idx].update(exact.numpy()[rows_b, rows_t])
+        self._acts["prompt"][lo : lo + n] = prompt
+        self._acts["response"][lo : lo + n] = response
+        self._append_sample_rows(batch, lo, p_full, r_full, kept, prompt, response)
+        self._truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
+        self._truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
+        self._written += n
+
+    def _append_sample_rows(self, batch: Batch, lo: int, p_full: np.ndarray, r_full: np.ndarray,
+                            kept: list[tuple[int, int, int, int]], prompt: np.ndarray,
+                            response: np.ndarray) -> None:  # fmt: skip
+        n, lay, extras = batch.n_examples, self.layout, batch.extras
+        rows = self._rows
+        rows[LENGTHS["prompt"]].append(np.array([k[1] for k in kept], dtype=np.int32))
+        rows[LENGTHS["response"]].append(np.array([k[3] for k in kept], dtype=np.int32))
+        rows[FULL_LENGTHS["prompt"]].append(p_full.astype(np.int32))
+        rows[FULL_LENGTHS["response"]].append(r_full.astype(np.int32))
+        if self.token_ids:
+            if batch.token_ids is None:
+                raise CaptureError("this store keeps token ids but the batch has none")
+            for part, width in (("prompt", lay.p_max), ("response", lay.r_max)):
+                ids = np.full((n, width), -1, dtype=np.int32)
+                for b, (p0, pk, r0, rk) in enumerate(kept):
+                    start, count = (p0, pk) if part == "prompt" else (r0, rk)
+                    ids[b, :count] = batch.token_ids[b, start : start + count]
+                rows[TOKEN_IDS[part]].append(ids)
+        prompts, responses = _batch_texts(batch)
+        keys = extras.get("sample_key")
+        if keys is None:
+            keys = [sample_key(
+                prompt=None if prompts is None else prompts[b],
+                response=None if responses is None else responses[b],
+                prompt_ids=None if batch.token_ids is None else batch.token_ids[b, :p_full[b]],
+                response_ids=None if batch.token_ids is None
+                else batch.token_ids[b, p_full[b] : p_full[b] + r_full[b]],
+                fallback=str(int(batch.example_ids[b])),
+            ) for b in range(n)]  # fmt: skip
+        keys = [k if isinstance(k, bytes) else str(k).encode("ascii") for k in keys]
+        rows[SAMPLE_KEY].append(np.array(keys, dtype="|S64"))
+        digests = [_digest(prompt[b], response[b]) for b in range(n)]
+        rows[DIGEST].append(np.array(digests, dtype="|S32"))
+        for name in self.optional:
+            values = extras.get(name)
+            if values is None:
+                raise CaptureError(f"this store keeps {name} but the batch has none")
+            if name == "split":
+                values = [SPLITS.get(v, v) if isinstance(v, str) else v for v in values]
+            rows[OPTIONAL_ARRAYS[name][0]].append(np.asarray(values, dtype=np.int8))
+        self._write_texts(lo, keys, prompts, responses)
+
+    def _write_texts(self, lo: int, keys: list[bytes], prompts: list[str] | None,
+                     responses: list[str] | None) -> None:  # fmt: skip
+        if self._texts is None:  # the first batch decides which text files exist
+            self._texts = {}
+            for part, texts in (("prompt", prompts), ("response", responses)):
+                if texts is not None:
+                    path = self._tmp / TEXT_FILES[part]
+                    path.parent.mkdir(exist_ok=True)
+                    self._texts[part] = path.open("w", encoding="utf-8")
+        for part, texts in (("prompt", prompts), ("response", responses)):
+            f = self._texts.get(part)
+            if f is None:
+                continue
+            if texts is None:
+                raise CaptureError(f"earlier batches had {part} texts but this one has none")
+            for b, text in enumerate(texts):
+                record = {"i": lo + b, "sample_key": keys[b].decode(), part: text}
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    # ------------------------------------------------------------------ publish
+
+    def close(self) -> Path:
+        """Write the remaining rows, metadata and statistics; consolidate and publish."""
+        if self.complete:
+            return self.final_path
+        if self._tmp is None:
+            raise CaptureError("this writer was aborted; nothing to publish")
+        lay = self.layout
+        if self._written != lay.n_samples:
+            self.abort()
+            raise CaptureError(f"only {self._written} of {lay.n_samples} samples were written; "
+                               "nothing was published (rerun the capture)")  # fmt: skip
+        for appender in self._rows.values():
+            appender.close()
+        for f in (self._texts or {}).values():
+            f.close()
+        self._texts = {}
+        (self._tmp / "meta").mkdir(exist_ok=True)
+        atomic_write_json(self._tmp / STATISTICS_FILE, {"sites": {
+            site: self._stats[i].to_dict() for i, site in enumerate(lay.sites)}}, indent=None)  # fmt: skip
+        atomic_write_json(self._tmp / CONFIG_FILE, self.config)
+        attrs = dict(self.attrs)
+        attrs.update(truncation_attrs_from_counts(self._truncated, lay.n_samples))
+        attrs["layout"] = lay.to_dict()
+        attrs["n_samples"] = lay.n_samples
+        attrs["created_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        attrs["optional_arrays"] = list(self.optional)
+        attrs["text_files"] = [TEXT_FILES[p] for p in PARTS if (self._tmp / TEXT_FILES[p]).exists()]
+        self._root.attrs.update(attrs)
+        tmp, self._tmp = self._tmp, None
+        publish(tmp, self.final_path)
+        self.complete = True
+        log.info("published %s (%d samples, P_max %d, R_max %d)", self.final_path,
+                 lay.n_samples, lay.p_max, lay.r_max)  # fmt: skip
+        return self.final_path
+
+    def abort(self) -> None:
+        """Stop without publishing and delete the temporary store."""
+        for f in (self._texts or {}).values():
+            f.close()
+        self._texts = {}
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> ZarrWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict, dict]:
+    """Layout, attributes and ``meta/config.json`` content of the store for ``plan``."""
+    prompt_lengths, response_lengths = plan_lengths(plan)
+    choice = choose_layout(
+        n_samples=plan.n_examples, sites=[str(s) for s in plan.sites], layers=plan.layers,
+        hidden_size=plan.d_model, prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths, p_max=options.p_max, r_max=options.r_max,
+        quantile=options.quantile, t_chunk_prompt=options.t_chunk_prompt,
+        t_chunk_response=options.t_chunk_response, prompt_keep=options.prompt_keep,
+    )  # fmt: skip
+    attrs = store_attrs(plan, options, choice.attrs, choice.layout)
+    config = {
+        "model": {"ckpt": plan.ckpt, "family": plan.family, "modality": plan.modality,
+                  "n_layers": plan.n_model_layers, "d_model": plan.d_model},
+        "sites": [str(s) for s in plan.sites],
+        "dataset": {"root": plan.dataset_root, **plan.data},
+        "options": dict(options.__dict__),
+        "layout": choice.layout.to_dict(),
+        "batch_size": plan.batch_size,
+    }  # fmt: skip
+    return choice.layout, attrs, config
+
+
+def truncation_attrs_from_counts(counts: dict[str, int], n: int) -> dict[str, Any]:
+    """The spec's truncation record from per-part counts over ``n`` samples."""
+    return {f"{p}_truncated_{k}": (counts[p] if k == "count" else counts[p] / n)
+            for p in PARTS for k in ("count", "fraction")}  # fmt: skip
+
+
+def _digest(prompt: np.ndarray, response: np.ndarray) -> bytes:
+    h = xxhash.xxh3_128()
+    h.update(memoryview(np.ascontiguousarray(prompt)).cast("B"))
+    h.update(memoryview(np.ascontiguousarray(response)).cast("B"))
+    return h.hexdigest().encode("ascii")
+
+
+def _batch_lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
+    n, t = batch.n_examples, batch.n_tokens
+    if "prompt_len" in batch.extras:
+        p = np.asarray(batch.extras["prompt_len"], dtype=np.int64).reshape(n)
+        r = np.asarray(batch.extras.get("response_len", np.zeros(n)), dtype=np.int64).reshape(n)
+    else:
+        p, r = np.full(n, t, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    if (p < 0).any() or (r < 0).any() or (p + r > t).any():
+        raise CaptureError(f"prompt_len + response_len must fit the batch's {t} tokens; got "
+                           f"{p.tolist()} + {r.tolist()}")  # fmt: skip
+    return p, r
+
+
+def _token_index(kept: list[tuple[int, int, int, int]]) -> dict[str, tuple[np.ndarray, ...]]:
+    """(batch row, source token, destination token) index arrays of the kept tokens."""
+    out = {}
+    for part in PARTS:
+        b, src, dest = [], [], []
+        for row, (p0, pk, r0, rk) in enumerate(kept):
+            start, count = (p0, pk) if part == "prompt" else (r0, rk)
+            b.append(np.full(count, row))
+            src.append(np.arange(start, start + count))
+            dest.append(np.arange(count))
+        out[part] = tuple(np.concatenate(x).astype(np.int64) for x in (b, src, dest))
+    return out
+
+
+def _batch_texts(batch: Batch) -> tuple[list[str] | None, list[str] | None]:
+    prompts = batch.extras.get("prompt_text", batch.texts)
+    responses = batch.extras.get("response_text")
+    return (None if prompts is None else [str(t) for t in prompts],
+            None if responses is None else [str(t) for t in responses])  # fmt: skip
+
+
+__all__ = ["ZarrWriter", "plan_store", "store_attrs", "store_path"]
