@@ -122,21 +122,28 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
     and ``complete`` (already published) attributes. Batches always start at multiples of
     ``batch_size``, so a resumed run computes exactly the batches an uninterrupted one
     would (bitwise-identical activations on deterministic hardware).
+
+    A writer with an ``example_range = (start, stop)`` attribute (one part of a distributed
+    capture, see :mod:`actstore.dist`) gets only the examples ``start <= id < stop``, with
+    their global example ids. A writer with ``wants_texts = True`` also gets each example's
+    decoded text (text models).
     """
     t0 = time.perf_counter()
     model, source, plan = plan_capture(config)
     writer = open_writer(plan)
     setup_seconds = time.perf_counter() - t0
+    start, stop = getattr(writer, "example_range", (0, plan.n_examples))
     if getattr(writer, "complete", False):
         output = writer.close()
         log.info("already captured: %s", output)
         return CaptureResult(output=output, plan=plan, n_examples_run=0,
-                             resumed_from=plan.n_examples, already_complete=True, seconds=0.0,
+                             resumed_from=stop, already_complete=True, seconds=0.0,
                              setup_seconds=setup_seconds, writer_wait_s=0.0)  # fmt: skip
-    resume_from = int(getattr(writer, "resume_from", 0))
+    resume_from = max(int(getattr(writer, "resume_from", 0)), start)
     first = (resume_from // config.batch_size) * config.batch_size
-    if resume_from:
+    if resume_from > start:
         log.info("resuming at example %d of %d", resume_from, plan.n_examples)
+    decode = model.tokenizer if getattr(writer, "wants_texts", False) else None
     n_run = 0
     names = [str(s) for s in plan.sites]
     t_loop = time.perf_counter()
@@ -144,19 +151,25 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
         torch.inference_mode(),
         ActivationRecorder(model, list(plan.sites)) as recorder,
         BackgroundWriter(writer, queue_size=config.queue_size) as background,
-        tqdm(total=plan.n_examples, initial=resume_from, unit="ex", desc="capture",
+        tqdm(total=stop - start, initial=resume_from - start, unit="ex", desc="capture",
              disable=not config.progress, dynamic_ncols=True) as bar,
     ):  # fmt: skip
         for source_batch in source.batches(first, config.batch_size, config.num_workers):
+            if source_batch.example_ids[0] >= stop:
+                break
             acts = recorder.run(source_batch.inputs)
             batch = Batch(
                 acts={name: acts[name].to("cpu") for name in names},
                 example_ids=source_batch.example_ids,
                 token_ids=source_batch.token_ids,
                 labels=source_batch.labels,
+                texts=None if decode is None or source_batch.token_ids is None
+                else decode.batch_decode(source_batch.token_ids),
             )
+            if source_batch.example_ids[-1] >= stop:
+                batch = batch.select(batch.example_ids < stop)
             background.put(batch)
-            fresh = int(np.count_nonzero(source_batch.example_ids >= resume_from))
+            fresh = int(np.count_nonzero(batch.example_ids >= resume_from))
             n_run += fresh
             bar.update(fresh)
         output = background.close()

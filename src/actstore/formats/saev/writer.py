@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 PROGRESS = "progress.json"
 CHECKSUMS = "checksums.sha256"
 STATISTICS = "statistics.json"
+PART = "part.json"
 
 
 def saev_metadata(plan: CapturePlan, *, dialect: str = "protocol",
@@ -88,19 +90,32 @@ def store_dir(metadata: SaevMetadata, dump_to: str | os.PathLike) -> Path:
 
 
 class SaevWriter:
-    """Writer for one saev directory; see the module docstring for the crash protocol."""
+    """Writer for one saev directory; see the module docstring for the crash protocol.
+
+    With ``example_range=(start, stop)`` it writes one part of a distributed capture
+    instead: examples ``[start, stop)`` of the store ``metadata`` describes (``start`` on a
+    shard boundary, shards numbered globally) into the directory ``dump_to`` itself, which
+    it publishes with a ``part.json`` manifest; :func:`merge_parts` joins the parts.
+    """
 
     def __init__(self, metadata: SaevMetadata, dump_to: str | os.PathLike, *,
                  has_tokens: bool = False, classes: list[str] | None = None,
-                 has_labels: bool = False) -> None:  # fmt: skip
+                 has_labels: bool = False,
+                 example_range: tuple[int, int] | None = None) -> None:  # fmt: skip
         self.metadata = metadata
-        self.final_dir = store_dir(metadata, dump_to)
+        self.is_part = example_range is not None
+        self.example_range = _check_part_range(metadata, example_range)
+        self._first_shard = self.example_range[0] // metadata.examples_per_shard
+        if self.is_part:
+            self.final_dir = Path(dump_to).expanduser().resolve()
+        else:
+            self.final_dir = store_dir(metadata, dump_to)
         self.partial_dir = self.final_dir.parent / f".{self.final_dir.name}.partial"
         self.has_tokens, self.has_labels, self.classes = has_tokens, has_labels, classes
         if has_labels and classes is not None and len(classes) > 256:
             raise ConfigError(f"labels.bin holds uint8 labels; {len(classes)} classes do not fit")
         self.complete = False
-        self.resume_from = 0
+        self.resume_from = self.example_range[0]
         self._shards: list[dict[str, Any]] = []
         self._file = None
         self._hasher: FileHasher | None = None
@@ -126,7 +141,7 @@ class SaevWriter:
         if self.final_dir.exists():
             self._check_existing(self.final_dir)
             self.complete = True
-            self.resume_from = md.n_examples
+            self.resume_from = self.example_range[1]
             log.info("%s is already published; nothing to write", self.final_dir)
             return
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -139,8 +154,9 @@ class SaevWriter:
             atomic_write_json(self.partial_dir / PROGRESS, {"shards": []})
         for name, needed in (("tokens.bin", self.has_tokens), ("labels.bin", self.has_labels)):
             if needed:
-                f = open(self.partial_dir / name, "r+b" if self.resume_from else "wb")
-                f.truncate(self.resume_from * self._side_row_bytes(name))
+                done = self.resume_from - self.example_range[0]
+                f = open(self.partial_dir / name, "r+b" if done else "wb")
+                f.truncate(done * self._side_row_bytes(name))
                 f.seek(0, os.SEEK_END)
                 self._side_files[name] = f
 
@@ -162,7 +178,7 @@ class SaevWriter:
         kept: list[dict[str, Any]] = []
         for entry in progress.get("shards", []):
             path = self.partial_dir / entry["name"]
-            expected = self.metadata.shard_nbytes(len(kept))
+            expected = self.metadata.shard_nbytes(self._first_shard + len(kept))
             if not path.exists() or path.stat().st_size != expected:
                 break
             if hash_file(path) != entry["sha256"]:
@@ -175,10 +191,10 @@ class SaevWriter:
             if child.name not in keep_names:
                 child.unlink()
         self._shards = kept
-        self.resume_from = sum(e["n_examples"] for e in kept)
+        self.resume_from = self.example_range[0] + sum(e["n_examples"] for e in kept)
         for name in ("tokens.bin", "labels.bin"):
             side = self.partial_dir / name
-            need = self.resume_from * self._side_row_bytes(name)
+            need = (self.resume_from - self.example_range[0]) * self._side_row_bytes(name)
             if side.exists() and side.stat().st_size < need:
                 raise CorruptStoreError(f"{side} is shorter than its finished shards; "
                                         f"delete {self.partial_dir} and capture again")  # fmt: skip
@@ -205,8 +221,10 @@ class SaevWriter:
                 f"batches must arrive in example order: expected ids from {start}, "
                 f"got {batch.example_ids[:4].tolist()}..."
             )
-        if start + batch.n_examples > md.n_examples:
-            raise CaptureError(f"more examples than the {md.n_examples} the metadata declares")
+        if start + batch.n_examples > self.example_range[1]:
+            raise CaptureError(
+                f"examples beyond {self.example_range[1]}, the end of what this writer holds"
+            )
         acts = _stack_layers(batch, md)  # [B, L, T, D] float32
         if acts.shape[1:] != (len(md.layers), md.tokens_per_ex, md.d_model):
             raise CaptureError(
@@ -240,7 +258,7 @@ class SaevWriter:
             self._side_files["labels.bin"].write(per_patch.tobytes())
 
     def _start_shard(self) -> None:
-        index = len(self._shards)
+        index = self._first_shard + len(self._shards)
         self._file = open(self.partial_dir / shard_name(index), "wb")
         self._hasher = FileHasher("sha256")
         self._stats = [RunningStats(self.metadata.d_model) for _ in self.metadata.layers]
@@ -257,7 +275,7 @@ class SaevWriter:
     def _finish_shard(self) -> None:
         """Pad (saev dialect), fsync and record the current shard as finished."""
         md = self.metadata
-        index = len(self._shards)
+        index = self._first_shard + len(self._shards)
         pad = md.shard_nbytes(index) - self._in_shard * md.example_nbytes
         if pad:
             zeros = bytes(pad)
@@ -288,34 +306,30 @@ class SaevWriter:
         if self._file is not None:
             self._finish_shard()
         total = sum(e["n_examples"] for e in self._shards)
-        if total != md.n_examples:
+        start, stop = self.example_range
+        if total != stop - start:
             self.abort()
             raise CaptureError(
-                f"only {total} of {md.n_examples} examples were written; rerun the same "
+                f"only {total} of {stop - start} examples were written; rerun the same "
                 f"capture to resume from {self.partial_dir}"
             )
         for f in self._side_files.values():
             f.close()
         self._side_files.clear()
         d = self.partial_dir
-        shards = [{"name": e["name"], "n_examples": e["n_examples"]} for e in self._shards]
-        atomic_write_json(d / "shards.json", shards)
-        atomic_write_json(d / STATISTICS, {"sites": {
-            str(layer): merge_all([RunningStats.from_dict(e["stats"][i]) for e in self._shards])
-            .to_dict() for i, layer in enumerate(md.layers)}}, indent=None)  # fmt: skip
-        if self.classes is not None and self.has_labels:
-            atomic_write_json(d / "classes.json", self.classes)
-        lines = [f"{e['sha256']}  {e['name']}" for e in self._shards]
-        for name in ("tokens.bin", "labels.bin", "shards.json", STATISTICS):
-            if (d / name).exists():
-                lines.append(f"{hash_file(d / name)}  {name}")
-        atomic_write_bytes(d / CHECKSUMS, ("\n".join(lines) + "\n").encode())
+        if self.is_part:
+            atomic_write_json(d / PART, {"example_range": [start, stop], "shards": self._shards},
+                              indent=None)  # fmt: skip
+            if self.classes is not None and self.has_labels:
+                atomic_write_json(d / "classes.json", self.classes)
+        else:
+            _write_index(d, md, self._shards, self.classes if self.has_labels else None)
         (d / PROGRESS).unlink()
         fsync_dir(d)
         publish_dir(d, self.final_dir)
         make_read_only(self.final_dir)
         self.complete = True
-        log.info("published %s (%d shards, %d examples)", self.final_dir, len(shards), total)
+        log.info("published %s (%d shards, %d examples)", self.final_dir, len(self._shards), total)
         return self.final_dir
 
     def abort(self) -> None:
@@ -352,3 +366,117 @@ def remove_partial(final_dir: Path) -> None:
     partial = final_dir.parent / f".{final_dir.name}.partial"
     if partial.exists():
         shutil.rmtree(partial)
+
+
+def _write_index(directory: Path, md: SaevMetadata, shards: list[dict[str, Any]],
+                 classes: list[str] | None) -> None:  # fmt: skip
+    """shards.json, statistics.json, classes.json and checksums.sha256 of a finished store,
+    from the shard records (name, n_examples, sha256, per-layer stats) in shard order."""
+    d = directory
+    atomic_write_json(d / "shards.json", [{"name": e["name"], "n_examples": e["n_examples"]}
+                                          for e in shards])  # fmt: skip
+    atomic_write_json(d / STATISTICS, {"sites": {
+        str(layer): merge_all([RunningStats.from_dict(e["stats"][i]) for e in shards])
+        .to_dict() for i, layer in enumerate(md.layers)}}, indent=None)  # fmt: skip
+    if classes is not None:
+        atomic_write_json(d / "classes.json", classes)
+    lines = [f"{e['sha256']}  {e['name']}" for e in shards]
+    for name in ("tokens.bin", "labels.bin", "shards.json", STATISTICS):
+        if (d / name).exists():
+            lines.append(f"{hash_file(d / name)}  {name}")
+    atomic_write_bytes(d / CHECKSUMS, ("\n".join(lines) + "\n").encode())
+
+
+# ---------------------------------------------------------------------- distributed parts
+
+
+def _check_part_range(md: SaevMetadata, example_range: tuple[int, int] | None) -> tuple[int, int]:
+    if example_range is None:
+        return (0, md.n_examples)
+    start, stop = (int(x) for x in example_range)
+    per = md.examples_per_shard
+    if not 0 <= start < stop <= md.n_examples:
+        raise ConfigError(f"example range [{start}, {stop}) is empty or outside "
+                          f"[0, {md.n_examples})")  # fmt: skip
+    if start % per or (stop != md.n_examples and stop % per):
+        raise ConfigError(
+            f"a saev part must cover whole shards of {per} examples; [{start}, {stop}) does "
+            "not (split the dataset with actstore.dist.split_examples)"
+        )
+    return (start, stop)
+
+
+def read_part(part_dir: str | os.PathLike) -> tuple[SaevMetadata, dict[str, Any]]:
+    """Metadata and ``part.json`` manifest of a published part directory."""
+    part_dir = Path(part_dir)
+    md = SaevMetadata.from_json_dict(read_json(part_dir / "metadata.json"),
+                                     source=str(part_dir / "metadata.json"))  # fmt: skip
+    manifest = read_json(part_dir / PART)
+    try:
+        start, stop = (int(x) for x in manifest["example_range"])
+        held = sum(int(e["n_examples"]) for e in manifest["shards"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptStoreError(f"{part_dir / PART} is malformed ({err!r}); re-capture this "
+                                "part") from err  # fmt: skip
+    if held != stop - start:
+        raise CorruptStoreError(f"{part_dir / PART} lists {held} examples for the range "
+                                f"[{start}, {stop}); re-capture this part")  # fmt: skip
+    return md, manifest
+
+
+def merge_parts(part_dirs: Sequence[str | os.PathLike], final_dir: str | os.PathLike) -> Path:
+    """Join published parts, in example order and together covering every example, into
+    the store ``final_dir``. Shards are hard-linked (copied across file systems), token
+    and label files concatenated, statistics merged shard by shard in order: the result is
+    byte-identical to a single-process capture of the same activations.
+
+    Example:
+        >>> merge_parts(sorted(parts_root.glob("part-*")), "/scratch/acts/3f1c...")  # doctest: +SKIP
+    """
+    final_dir = Path(final_dir)
+    if final_dir.exists():
+        raise StoreExistsError(f"{final_dir} already exists; refusing to overwrite it")
+    parts = [Path(p) for p in part_dirs]
+    if not parts:
+        raise ConfigError("merge_parts needs at least one part")
+    md, _ = read_part(parts[0])
+    shards: list[dict[str, Any]] = []
+    expected_start = 0
+    for part in parts:
+        part_md, manifest = read_part(part)
+        if part_md != md:
+            raise ConfigError(f"{part} belongs to a different capture than {parts[0]}")
+        start, stop = manifest["example_range"]
+        if start != expected_start:
+            raise ConfigError(f"{part} starts at example {start}, expected {expected_start}")
+        expected_start = stop
+        shards.extend(manifest["shards"])
+    if expected_start != md.n_examples:
+        raise ConfigError(f"the parts end at example {expected_start} of {md.n_examples}")
+    work = final_dir.parent / f".{final_dir.name}.merging"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    shutil.copyfile(parts[0] / "metadata.json", work / "metadata.json")
+    for part in parts:
+        for entry in read_part(part)[1]["shards"]:
+            _link_or_copy(part / entry["name"], work / entry["name"])
+    for name in ("tokens.bin", "labels.bin"):
+        if (parts[0] / name).exists():
+            with open(work / name, "wb") as out:
+                for part in parts:
+                    with open(part / name, "rb") as f:
+                        shutil.copyfileobj(f, out, 8 << 20)
+    classes = read_json(parts[0] / "classes.json") if (parts[0] / "classes.json").exists() else None
+    _write_index(work, md, shards, classes)
+    publish_dir(work, final_dir)
+    make_read_only(final_dir)
+    log.info("merged %d parts into %s (%d shards)", len(parts), final_dir, len(shards))
+    return final_dir
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

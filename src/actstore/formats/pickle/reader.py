@@ -1,0 +1,397 @@
+"""Read a pkl.gz store safely: checksums verified, a restricted unpickler, ids checked.
+
+Opening validates ``metadata.json`` (required fields, disjoint sample id ranges, every
+listed shard present with its recorded size). Loading a shard reads it once, hashing the
+bytes as they stream through gzip into :mod:`actstore.safe_pickle` (which refuses
+anything but arrays, plain containers and scalars), then compares the sha256 with the
+metadata and checks the shard's structure: every layer lists the same sample ids, inside
+the declared range, without repeats. The last decoded shard is cached, so reading the
+blocks of every layer of one shard decodes it once.
+
+Example:
+    >>> r = PickleReader("acts-pkl")  # doctest: +SKIP
+    >>> for item in r.items(15):  # the spec's iter_activations, verified  # doctest: +SKIP
+    ...     item["activation"].shape, item["sample_idx"]
+"""
+
+from __future__ import annotations
+
+import bisect
+import gzip
+import os
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ... import safe_pickle
+from ...batch import Batch, CapturePlan
+from ...errors import (
+    ConfigError,
+    CorruptStoreError,
+    IndexOutOfRangeError,
+    LayerNotStoredError,
+    StoreNotFoundError,
+    UnsafeDataError,
+)
+from ...stats import RunningStats
+from ...storage import FileHasher, read_json
+from ...storage.local import IO_CHUNK
+from ..base import Block, VerifyReport
+from .layout import METADATA, PROGRESS, PickleMetadata, ShardInfo, layer_key, plan_sites
+
+
+class _HashingReader:
+    """Read-only file wrapper hashing every byte read (what gzip and pickle read from)."""
+
+    def __init__(self, raw, progress: Callable[[int], None] | None = None) -> None:
+        self.raw, self.hasher, self.progress = raw, FileHasher("sha256"), progress
+
+    def _seen(self, data) -> None:
+        self.hasher.update(data)
+        if self.progress is not None:
+            self.progress(len(data))
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self._seen(data)
+        return data
+
+    def readinto(self, buffer) -> int:
+        n = self.raw.readinto(buffer)
+        self._seen(memoryview(buffer)[:n])
+        return n
+
+    def readline(self, limit: int = -1) -> bytes:
+        data = self.raw.readline(limit)
+        self._seen(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(IO_CHUNK):
+            pass
+
+
+class PickleReader:
+    """Read access to one pkl.gz store; picklable (the shard cache is not carried)."""
+
+    def __init__(self, path: str | os.PathLike, *, cache_shards: int = 1) -> None:
+        self.path = Path(path).expanduser()
+        meta = self.path / METADATA
+        if not self.path.is_dir():
+            raise StoreNotFoundError(f"{self.path} is not a directory of pkl.gz shards")
+        if not meta.exists():
+            if (self.path / PROGRESS).exists():
+                raise CorruptStoreError(
+                    f"{self.path} is an unfinished capture (no metadata.json yet): rerun the "
+                    "same capture command to resume and publish it"
+                )
+            raise StoreNotFoundError(f"{meta} does not exist; is {self.path} a pkl.gz store?")
+        self.metadata = PickleMetadata.from_json_dict(read_json(meta), source=str(meta))
+        self.shards = sorted(self.metadata.shards, key=lambda s: s.sample_id_range)
+        for info in self.shards:
+            file = self.path / info.filename
+            if not file.exists():
+                raise StoreNotFoundError(f"shard {file} is missing; restore it or re-capture")
+            if file.stat().st_size != info.size_bytes:
+                raise CorruptStoreError(
+                    f"shard {file} has {file.stat().st_size} bytes, metadata.json says "
+                    f"{info.size_bytes}: it is truncated or was replaced; restore it"
+                )
+        self._firsts = [s.sample_id_range[0] for s in self.shards]
+        self._cache_size = max(1, cache_shards)
+        self._cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._rows: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def sites(self) -> tuple[int, ...]:
+        """The stored layers (``layer_{idx}`` keys), as ints like the saev reader's."""
+        return self.metadata.layers
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.metadata.layers
+
+    @property
+    def d_model(self) -> int:
+        hidden = (self.metadata.extraction_config.get("model_params") or {}).get("hidden_size")
+        if isinstance(hidden, int):
+            return hidden
+        if not self.shards:
+            raise CorruptStoreError(f"{self.path}: no shards and no model_params.hidden_size")
+        first = self.load_shard(0)[layer_key(self.shards[0].layers[0])][0]
+        return int(first["activation"].shape[1])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype("<f4")
+
+    @property
+    def n_examples(self) -> int:
+        return self.metadata.n_samples
+
+    def __len__(self) -> int:
+        return self.metadata.n_samples
+
+    def __repr__(self) -> str:
+        return (f"PickleReader({str(self.path)!r}, samples={self.n_examples}, "
+                f"layers={list(self.layers)}, shards={len(self.shards)})")  # fmt: skip
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_cache": OrderedDict()}
+
+    def close(self) -> None:
+        """Drop cached shards."""
+        self._cache.clear()
+
+    # ------------------------------------------------------------------ shards
+
+    def load_shard(self, index: int, *,
+                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Shard ``index`` (in sample id order) as the spec's dict, checksum- and
+        structure-checked, through the restricted unpickler."""
+        cached = self._cache.get(index)
+        if cached is not None:
+            self._cache.move_to_end(index)
+            return cached
+        info = self.shards[index]
+        data = self._read(info, progress)
+        self._cache[index] = data
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return data
+
+    def _read(self, info: ShardInfo, progress: Callable[[int], None] | None) -> dict[str, Any]:
+        file = self.path / info.filename
+        try:
+            with open(file, "rb") as raw:
+                tee = _HashingReader(raw, progress)
+                if info.compressed:
+                    with gzip.GzipFile(fileobj=tee, mode="rb") as gz:
+                        data = safe_pickle.load(gz)
+                        while gz.read(IO_CHUNK):  # to the end: checks gzip's CRC too
+                            pass
+                else:
+                    data = safe_pickle.load(tee)
+                tee.drain()
+        except (OSError, EOFError, zlib.error) as err:
+            raise CorruptStoreError(f"shard {file} cannot be decompressed ({err}); it is "
+                                    "damaged: restore it or re-capture") from err  # fmt: skip
+        except CorruptStoreError as err:
+            raise CorruptStoreError(f"shard {file}: {err}") from err
+        if tee.hasher.hexdigest() != info.sha256:
+            raise CorruptStoreError(
+                f"shard {file} fails its checksum (metadata.json has {info.checksum}); the file "
+                "was changed after it was written: restore it or re-capture"
+            )
+        self._check_structure(data, info, file)
+        return data
+
+    def _check_structure(self, data: Any, info: ShardInfo, file: Path) -> None:
+        if not isinstance(data, dict):
+            raise CorruptStoreError(f"shard {file} holds a {type(data).__name__}, not a dict")
+        reference: list[int] | None = None
+        lo, hi = info.sample_id_range
+        for layer in info.layers:
+            items = data.get(layer_key(layer))
+            if not isinstance(items, list) or len(items) != info.num_samples:
+                raise CorruptStoreError(
+                    f"shard {file}: {layer_key(layer)} must list {info.num_samples} samples"
+                )
+            ids = []
+            for item in items:
+                if not isinstance(item, dict) or not isinstance(item.get("activation"), np.ndarray):
+                    raise CorruptStoreError(f"shard {file}: {layer_key(layer)} has an item "
+                                            "without an activation array")  # fmt: skip
+                act = item["activation"]
+                if act.ndim != 2 or act.dtype.kind != "f" or tuple(item.get("shape", ())) != act.shape:
+                    raise CorruptStoreError(
+                        f"shard {file}: sample {item.get('sample_idx')} has activation "
+                        f"{act.dtype}{list(act.shape)} and shape {item.get('shape')}; expected "
+                        "a float [seq_len, hidden] array matching 'shape'"
+                    )
+                ids.append(item.get("sample_idx"))
+            if not all(isinstance(i, int) and lo <= i <= hi for i in ids):
+                raise CorruptStoreError(f"shard {file}: sample ids outside the declared range "
+                                        f"[{lo}, {hi}]")  # fmt: skip
+            if len(set(ids)) != len(ids):
+                raise CorruptStoreError(f"shard {file}: {layer_key(layer)} repeats sample ids")
+            if reference is None:
+                reference = ids
+            elif ids != reference:
+                raise CorruptStoreError(f"shard {file}: layers list different samples")
+
+    def shard_rows(self, index: int) -> int:
+        """Rows (tokens) per layer in shard ``index``."""
+        info = self.shards[index]
+        if info.num_tokens is not None:
+            return info.num_tokens
+        if index not in self._rows:
+            items = self.load_shard(index)[layer_key(info.layers[0])]
+            self._rows[index] = sum(int(item["activation"].shape[0]) for item in items)
+        return self._rows[index]
+
+    # ------------------------------------------------------------------ blocks
+
+    def _layer(self, site: Any) -> int:
+        layer = int(site)
+        if layer not in self.metadata.layers:
+            raise LayerNotStoredError(
+                f"layer {layer} is not stored here; stored layers: {list(self.metadata.layers)}"
+            )
+        return layer
+
+    def blocks(self, site: Any) -> list[Block]:
+        """One block per shard holding ``site``: its samples' rows, in sample id order."""
+        layer = self._layer(site)
+        return [Block(site=layer, n_rows=self.shard_rows(i), loc=(i,))
+                for i, info in enumerate(self.shards) if layer in info.layers]  # fmt: skip
+
+    def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``block`` as ``[n_rows, D]`` float32."""
+        (index,) = block.loc
+        items = self.load_shard(index)[layer_key(int(block.site))]
+        if out is None:
+            out = np.empty((block.n_rows, self.d_model), dtype=self.dtype)
+        np.concatenate([item["activation"] for item in items], out=out, casting="same_kind")
+        return out
+
+    def statistics(self, site: Any) -> RunningStats | None:
+        """Exact running statistics of layer ``site`` (None in stores that lack them)."""
+        layer = self._layer(site)
+        record = (self.metadata.statistics.get("activation_statistics") or {}).get(layer_key(layer))
+        return None if record is None else RunningStats.from_dict(record)
+
+    # ------------------------------------------------------------------ spec-level access
+
+    def items(self, layer: int) -> Iterator[dict[str, Any]]:
+        """Every item of ``layer`` in sample id order: the spec's ``iter_activations``."""
+        key = layer_key(self._layer(layer))
+        for i, info in enumerate(self.shards):
+            if int(layer) in info.layers:
+                yield from self.load_shard(i)[key]
+
+    def item(self, sample_idx: int, layer: int) -> dict[str, Any]:
+        """The item of global sample id ``sample_idx`` at ``layer``."""
+        key = layer_key(self._layer(layer))
+        index = bisect.bisect_right(self._firsts, sample_idx) - 1
+        if index >= 0 and sample_idx <= self.shards[index].sample_id_range[1]:
+            for item in self.load_shard(index)[key]:
+                if item["sample_idx"] == sample_idx:
+                    return item
+        raise IndexOutOfRangeError(f"sample id {sample_idx} is not stored in {self.path}")
+
+    # ------------------------------------------------------------------ conversion
+
+    def capture_plan(self) -> CapturePlan:
+        """The capture plan that produced this store (best effort for foreign stores)."""
+        md, own = self.metadata, self.metadata.actstore
+        config = md.extraction_config
+        params = config.get("model_params") or {}
+        tokens = own.get("tokens_per_example") or config.get("max_seq_length")
+        if not isinstance(tokens, int):
+            raise ConfigError(f"{self.path}: metadata gives no sequence length; cannot convert")
+        return CapturePlan(
+            ckpt=str(config.get("model_name", "unknown")),
+            family=str(config.get("model_architecture", "unknown")),
+            modality=own.get("modality", "text"), sites=plan_sites(self.layers),
+            n_model_layers=int(params.get("num_hidden_layers") or max(self.layers) + 1),
+            d_model=self.d_model, tokens_per_example=tokens, has_cls=bool(own.get("has_cls")),
+            n_examples=md.n_samples, dataset_root=str(config.get("dataset_name") or ""),
+            data=own.get("data") or {}, classes=own.get("classes"),
+            has_labels=bool(own.get("has_labels")), has_tokens=bool(own.get("has_tokens")),
+            batch_size=int(config.get("batch_size") or 32),
+        )  # fmt: skip
+
+    def example_batches(self, batch_size: int, start: int = 0) -> Iterator[Batch]:
+        """The stored samples as capture batches (example ids ``0..n-1`` in sample id order),
+        starting at example ``start``: what conversion feeds to another format's writer."""
+        position = 0
+        for index, info in enumerate(self.shards):
+            if position + info.num_samples <= start:
+                position += info.num_samples
+                continue
+            shard = self.load_shard(index)
+            columns = [shard[layer_key(layer)] for layer in self.layers]
+            for lo in range(max(0, start - position), info.num_samples, batch_size):
+                hi = min(lo + batch_size, info.num_samples)
+                yield self._batch(columns, lo, hi, position)
+            position += info.num_samples
+
+    def _batch(self, columns: list[list[dict]], lo: int, hi: int, position: int) -> Batch:
+        try:
+            acts = {f"resid.{layer}": torch.from_numpy(np.stack(
+                [item["activation"] for item in items[lo:hi]]).astype(np.float32, copy=False))
+                for layer, items in zip(self.layers, columns)}  # fmt: skip
+        except ValueError as err:
+            raise ConfigError(f"{self.path}: samples have different lengths; only fixed-length "
+                              "stores convert to other formats") from err  # fmt: skip
+        first = columns[0][lo:hi]
+        metas = [item.get("metadata") or {} for item in first]
+        tokens = labels = None
+        if all("token_ids" in m for m in metas):
+            tokens = np.stack([np.asarray(m["token_ids"], dtype=np.int32) for m in metas])
+        if all("label" in m for m in metas):
+            labels = np.asarray([m["label"] for m in metas], dtype=np.int64)
+        return Batch(acts=acts, example_ids=np.arange(position + lo, position + hi),
+                     token_ids=tokens, labels=labels,
+                     texts=[str(item.get("text_preview", "")) for item in first])  # fmt: skip
+
+    # ------------------------------------------------------------------ inspect / verify
+
+    def describe(self) -> dict[str, Any]:
+        """Summary for ``actstore inspect``."""
+        md = self.metadata
+        config = md.extraction_config
+        files = [self.path / METADATA] + [self.path / s.filename for s in self.shards]
+        out: dict[str, Any] = {
+            "path": str(self.path),
+            "format": f"pkl.gz activation shards v{md.version}",
+            "model": f"{config.get('model_name')} ({config.get('model_architecture')})",
+            "dataset": config.get("dataset_name"),
+            "sites": [f"layer {layer}" for layer in md.layers],
+            "shape": (f"{md.n_samples} samples x {len(md.layers)} layers {list(md.layers)} x "
+                      f"{config.get('max_seq_length')} tokens x {self.d_model} dims"),  # fmt: skip
+            "n_examples": md.n_samples,
+            "layers": list(md.layers),
+            "d_model": self.d_model,
+            "shards": f"{len(self.shards)} ({'gzip' if any(s.compressed for s in self.shards) else 'plain pickle'})",
+            "created_at": md.created_at,
+            "distributed": {k: md.distributed_config.get(k) for k in
+                            ("machine_id", "total_machines") if k in md.distributed_config},
+            "bytes": sum(f.stat().st_size for f in files),
+            "files": [f.name for f in files],
+        }
+        return out
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Re-read every shard: checksum, safe unpickling, structure, NaN/Inf values, and
+        the statistics' totals against the shards. ``progress(n_bytes)`` as data is read."""
+        report = VerifyReport(str(self.path))
+        non_finite = 0
+        for index, info in enumerate(self.shards):
+            self._cache.pop(index, None)
+            try:
+                data = self.load_shard(index, progress=progress)
+            except (CorruptStoreError, UnsafeDataError) as err:
+                report.faults.append(str(err))
+                continue
+            report.files_checked += 1
+            report.bytes_checked += info.size_bytes
+            for layer in info.layers:
+                for item in data[layer_key(layer)]:
+                    non_finite += int(item["activation"].size
+                                      - np.count_nonzero(np.isfinite(item["activation"])))
+        totals = self.metadata.statistics
+        if totals.get("total_samples", self.n_examples) != self.n_examples:
+            report.faults.append(f"statistics.total_samples is {totals['total_samples']} but the "
+                                 f"shards hold {self.n_examples} samples")  # fmt: skip
+        if non_finite:
+            report.notes.append(f"{non_finite} activation values are NaN or infinite")
+        return report

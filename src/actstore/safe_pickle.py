@@ -1,0 +1,134 @@
+"""Load pickles of activation data without running code: a restricted unpickler.
+
+A pickle names the callables that rebuild its objects, and plain :func:`pickle.load` calls
+whatever it names, so a crafted file can run any code. :func:`load` admits only what
+activation shards are made of: numpy arrays and scalars of numeric dtypes, and plain
+containers and scalars (dict, list, tuple, set, str, bytes, int, float, complex, bool,
+None). Any other class or function named in the stream raises
+:class:`~actstore.errors.UnsafeDataError` naming it, before anything is called.
+
+Example:
+    >>> import io, pickle, numpy as np
+    >>> data = pickle.dumps({"layer_3": [{"activation": np.ones((2, 4), np.float32)}]})
+    >>> load(io.BytesIO(data))["layer_3"][0]["activation"].shape
+    (2, 4)
+    >>> class Evil:
+    ...     def __reduce__(self):
+    ...         return (print, ("pwned",))
+    >>> load(io.BytesIO(pickle.dumps(Evil())))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    actstore.errors.UnsafeDataError: refusing to unpickle builtins.print: ...
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import io
+import pickle
+from collections.abc import Callable
+from typing import IO, Any
+
+import numpy as np
+
+from .errors import CorruptStoreError, UnsafeDataError
+
+#: dtype kinds an array may have: bool, integers, floats, complex (no objects, no records).
+_NUMERIC_KINDS = frozenset("biufc")
+
+
+def _checked_dtype(*args: Any) -> np.dtype:
+    dtype = np.dtype(*args)
+    if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None:
+        raise UnsafeDataError(
+            f"refusing to unpickle an array of dtype {dtype!s}: only numeric arrays are "
+            "allowed in activation data"
+        )
+    return dtype
+
+
+def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
+    """What protocol 2 pickles call to rebuild ``bytes`` (``_codecs.encode``)."""
+    if encoding not in ("latin1", "latin-1"):
+        raise UnsafeDataError(f"refusing _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
+
+
+def _numpy_allowed() -> dict[tuple[str, str], Callable[..., Any]]:
+    from numpy._core import multiarray, numeric  # the names numpy >= 2 pickles refer to
+
+    rebuild = {
+        "_reconstruct": multiarray._reconstruct,
+        "scalar": multiarray.scalar,
+    }
+    out: dict[tuple[str, str], Callable[..., Any]] = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): _checked_dtype,
+    }
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        for name, fn in rebuild.items():
+            out[(module, name)] = fn
+    for module in ("numpy._core.numeric", "numpy.core.numeric"):
+        out[(module, "_frombuffer")] = numeric._frombuffer
+    return out
+
+
+_ALLOWED: dict[tuple[str, str], Callable[..., Any]] = {
+    **_numpy_allowed(),
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytes"): bytes,
+    ("_codecs", "encode"): _latin1_encode,
+}
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """An :class:`pickle.Unpickler` whose ``find_class`` admits only :data:`_ALLOWED`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Python 2 names (protocol 0-2 pickles, e.g. __builtin__.set), mapped as pickle does
+        module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        allowed = _ALLOWED.get((module, name))
+        if allowed is None:
+            raise UnsafeDataError(
+                f"refusing to unpickle {module}.{name}: activation shards may hold only numpy "
+                "arrays, plain containers and scalars, and loading other objects can run "
+                "arbitrary code. If you trust this file and need the object, load it with "
+                "the pickle module yourself"
+            )
+        return allowed
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeDataError("refusing a pickle with persistent ids (not activation data)")
+
+
+def load(file: IO[bytes]) -> Any:
+    """Unpickle one object from a binary file object, refusing anything but plain data.
+
+    Raises :class:`UnsafeDataError` for disallowed objects and :class:`CorruptStoreError`
+    for a truncated or malformed stream.
+    """
+    try:
+        return RestrictedUnpickler(file).load()
+    except UnsafeDataError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+            IndexError, KeyError, OverflowError, MemoryError) as err:  # fmt: skip
+        name = getattr(file, "name", "") or "the pickle stream"
+        raise CorruptStoreError(
+            f"{name} is not a readable pickle ({type(err).__name__}: {err}); the file is "
+            "damaged or truncated: restore it or re-create the store"
+        ) from err
+
+
+def loads(data: bytes | bytearray | memoryview) -> Any:
+    """:func:`load` from bytes.
+
+    Example:
+        >>> loads(pickle.dumps([1, (2.5, "x"), {"k": None}]))
+        [1, (2.5, 'x'), {'k': None}]
+    """
+    return load(io.BytesIO(data))
