@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,8 @@ class SourceBatch:
     inputs: dict[str, torch.Tensor]
     token_ids: np.ndarray | None = None
     labels: np.ndarray | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Per-example fields for ``Batch.extras`` (prompt/response lengths, texts...)."""
 
 
 class ExampleSource:

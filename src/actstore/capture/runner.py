@@ -52,6 +52,17 @@ class CaptureConfig:
     queue_size: int = 4
     """Batches buffered between the forward pass and the writer thread."""
     progress: bool = True
+    mode: str = "packed"
+    """``packed``: text packed into fixed contexts; ``prompt_response``: one example per
+    prompt/response record, for the zarr format (see :mod:`actstore.capture.prompts`)."""
+    prompt_field: str = "prompt"
+    """prompt_response mode: the records' prompt field."""
+    response_field: str = "response"
+    """prompt_response mode: the records' response field (unless responses are generated)."""
+    generate_max_new_tokens: int | None = None
+    """prompt_response mode: generate responses greedily, up to this many new tokens."""
+    chat_template: bool = True
+    """prompt_response mode: apply the tokenizer's chat template when it has one."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -64,6 +75,10 @@ class CaptureConfig:
             raise ConfigError("max_examples must be >= 1")
         for site in self.sites:
             Site.parse(site)
+        if self.mode not in ("packed", "prompt_response"):
+            raise ConfigError(f"mode must be 'packed' or 'prompt_response', not {self.mode!r}")
+        if self.generate_max_new_tokens is not None and self.generate_max_new_tokens < 1:
+            raise ConfigError("generate_max_new_tokens must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +101,8 @@ class CaptureResult:
 
 
 def _probe_tokens(model: LoadedModel, source: ExampleSource, sites: list[Site]) -> int:
+    if getattr(source, "tokens_per_example", None) is not None:
+        return int(source.tokens_per_example)
     if getattr(source, "token_ids", None) is not None:
         return int(source.token_ids.shape[1])
     first = next(source.batches(0, 1))
@@ -99,18 +116,24 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
     sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
     if len(set(sites)) != len(sites):
         raise ConfigError(f"sites {list(config.sites)} name the same site twice")
-    source = open_source(
-        config.dataset, model, context_length=config.context_length,
-        max_examples=config.max_examples, split=config.split, text_field=config.text_field,
-        progress=config.progress,
-    )  # fmt: skip
+    if config.mode == "prompt_response":
+        from .prompts import open_prompt_source
+
+        source = open_prompt_source(config, model)
+    else:
+        source = open_source(
+            config.dataset, model, context_length=config.context_length,
+            max_examples=config.max_examples, split=config.split, text_field=config.text_field,
+            progress=config.progress,
+        )  # fmt: skip
     plan = CapturePlan(
         ckpt=model.ckpt, family=model.family, modality=model.modality, sites=tuple(sites),
         n_model_layers=model.n_layers, d_model=model.d_model,
         tokens_per_example=_probe_tokens(model, source, sites), has_cls=model.has_cls,
         n_examples=source.n_examples, dataset_root=source.root, data=source.describe(),
         classes=source.classes, has_labels=getattr(source, "labels", None) is not None,
-        has_tokens=getattr(source, "token_ids", None) is not None, batch_size=config.batch_size,
+        has_tokens=getattr(source, "has_tokens", getattr(source, "token_ids", None) is not None),
+        batch_size=config.batch_size, extras=getattr(source, "plan_extras", {}),
     )  # fmt: skip
     return model, source, plan
 
@@ -163,6 +186,7 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
                 example_ids=source_batch.example_ids,
                 token_ids=source_batch.token_ids,
                 labels=source_batch.labels,
+                extras=source_batch.extras,
                 texts=None if decode is None or source_batch.token_ids is None
                 else decode.batch_decode(source_batch.token_ids),
             )

@@ -20,6 +20,11 @@ Examples:
 \b
   # a language model over a JSONL file, 256-token packed contexts
   actstore capture --model gpt2 --dataset corpus.jsonl --layers 6 --context-length 256
+
+\b
+  # prompt/response pairs (chat template applied) into a Zarr v2 store, R_max = 64
+  actstore capture --model Qwen/Qwen2.5-0.5B-Instruct --dataset qa.jsonl --layers 8,16 \\
+      --mode prompt-response --format zarr --opt r_max=64 --out acts
 """
 
 
@@ -76,6 +81,18 @@ def capture(
     split: str = typer.Option("train", help="Split of a saved HF DatasetDict."),
     text_field: str = typer.Option("text", help="Text field of JSONL records / HF datasets."),
     progress: bool = typer.Option(True, help="Show progress bars."),
+    mode: str = typer.Option(
+        "packed", help="'packed': text packed into --context-length contexts; "
+        "'prompt-response': one sample per JSONL/HF record of a prompt and a response, prompt "
+        "and response tokens stored apart (use with --format zarr)."),
+    prompt_field: str = typer.Option("prompt", help="prompt-response: the prompt field."),
+    response_field: str = typer.Option(
+        "response", help="prompt-response: the field holding given responses."),
+    generate_max_new_tokens: int = typer.Option(
+        None, help="prompt-response: generate the responses with the model (greedy, up to "
+        "this many new tokens) instead of reading them."),
+    chat_template: bool = typer.Option(
+        True, help="prompt-response: apply the tokenizer's chat template when it has one."),
 ) -> None:
     """Run a model over a dataset and store its activations.
 
@@ -102,6 +119,8 @@ def capture(
         model=model, dataset=dataset, sites=site_list, batch_size=batch_size, device=device,
         dtype=dtype, context_length=context_length, max_examples=max_examples,
         num_workers=num_workers, split=split, text_field=text_field, progress=progress,
+        mode=mode.replace("-", "_"), prompt_field=prompt_field, response_field=response_field,
+        generate_max_new_tokens=generate_max_new_tokens, chat_template=chat_template,
     )  # fmt: skip
     result = run_capture(config, lambda plan: spec.writer_for_plan(plan, out, options))
     location = result.output
