@@ -156,6 +156,9 @@ def resolve_location(location: str | os.PathLike) -> tuple[Path, bool]:
     path = Path(location).expanduser()
     if (path / MANIFEST).is_file():
         return path, True
+    if (path / "shards").is_dir() and not (path / ".zgroup").exists():
+        raise CorruptStoreError(f"{path} has shards but no manifest.json (no manifest yet: a "
+                                "writer is missing or unfinished); write it with write_manifest")  # fmt: skip
     if not (path / ".zgroup").exists() and (path / STORE_NAME).is_dir():
         return path / STORE_NAME, False
     return path, False
@@ -258,11 +261,12 @@ class ZarrReader:
                    out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
         """:meth:`read` with the position on the ``L`` axis instead of the site."""
         lay = self.layout
+        max_len = lay.max_len(part)  # checks part
         if not 0 <= layer_idx < lay.n_layers:
             raise IndexOutOfRangeError(f"layer position {layer_idx} out of range (0..{lay.n_layers - 1})")
         k, local = self.locate(i)
         store = self.stores[k]
-        n_rows = int(store.lengths[part][local]) if trim else lay.max_len(part)
+        n_rows = int(store.lengths[part][local]) if trim else max_len
         if out is None:
             out = np.empty((n_rows, lay.hidden_size), dtype=ACT_DTYPE)
         elif out.shape != (n_rows, lay.hidden_size) or out.dtype != ACT_DTYPE or not out.flags.c_contiguous:
@@ -536,6 +540,7 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
     t_chunk = store.layout.t_chunk(part)
     view = memoryview(out.reshape(-1)).cast("B")
     row_bytes = store.layout.hidden_size * ACT_DTYPE.itemsize
+    chunk_bytes = store.layout.chunk_nbytes(part)
     for c in range(math.ceil(n_rows / t_chunk)):
         r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
         path = store.chunk_path(part, (local, layer_idx, c, 0))
@@ -545,14 +550,17 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
             out[r0:r1] = 0
             continue
         try:
+            size = os.fstat(fd).st_size
+            if size != chunk_bytes:
+                raise CorruptStoreError(
+                    f"chunk {path} has {size} bytes, expected {chunk_bytes} "
+                    f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture")
             target = view[r0 * row_bytes : r1 * row_bytes]
             done = 0
             while done < len(target):
                 got = os.preadv(fd, [target[done:]], done)
                 if got == 0:
-                    raise CorruptStoreError(
-                        f"chunk {path} ends after {done} bytes; it should hold "
-                        f"{store.layout.chunk_nbytes(part)} (truncated): restore or re-capture")
+                    raise CorruptStoreError(f"chunk {path} shrank while being read")
                 done += got
         finally:
             os.close(fd)

@@ -59,7 +59,7 @@ from .layout import (
 )
 from .reader import MANIFEST, ZarrReader, open_store_info
 from .store import RowAppender, create_arrays, new_partial_dir, publish, sample_arrays
-from .writer import ZarrWriter, truncation_attrs_from_counts
+from .writer import ZarrWriter, layout_attrs, truncation_attrs_from_counts
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def run_shard_job(job: ShardJob) -> dict[str, Any]:
         except BaseException:
             writer.abort()
             raise
-    return {"index": job.index, "path": str(writer.final_path),
+    return {"index": job.index, "path": str(writer.final_path), "pid": os.getpid(),
             "n_samples": writer.layout.n_samples, "seconds": time.perf_counter() - t0}  # fmt: skip
 
 
@@ -271,7 +271,8 @@ def merge_run(run_dir: str | Path, dest: str | Path | None = None, *,
         attrs = {k: v for k, v in stores[0].attrs.items() if k != "shard"}
         counts = {p: sum(int(s.attrs.get(f"{p}_truncated_count", 0)) for s in stores) for p in PARTS}
         attrs.update(truncation_attrs_from_counts(counts, lay.n_samples))
-        attrs.update(layout=lay.to_dict(), n_samples=lay.n_samples, merged_from=str(run_dir),
+        attrs.update(layout_attrs(lay))
+        attrs.update(merged_from=str(run_dir),
                      created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
         root.attrs.update(attrs)
         publish(tmp, dest)

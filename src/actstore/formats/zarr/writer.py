@@ -61,7 +61,14 @@ from .layout import (
     sample_key,
 )
 from .options import ZarrOptions
-from .store import OPTIONAL_ARRAYS, RowAppender, create_arrays, new_partial_dir, publish
+from .store import (
+    OPTIONAL_ARRAYS,
+    RowAppender,
+    create_arrays,
+    new_partial_dir,
+    publish,
+    sample_arrays,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +100,27 @@ def store_attrs(plan: CapturePlan, options: ZarrOptions, choice_attrs: dict[str,
     """
     dataset = options.dataset_name or Path(plan.dataset_root).name or plan.dataset_root
     attrs = {
-        "format": FORMAT_TAG,
-        "schema_version": SCHEMA_VERSION,
         "model_id": plan.ckpt,
         "model_family": plan.family,
         "model_num_layers": plan.n_model_layers,
+        "dataset": dataset,
+        "dataset_root": plan.dataset_root,
+        "statistics": STATISTICS_FILE,
+        "config": CONFIG_FILE,
+        "actstore_version": __version__,
+        "git_commit": _git_commit(),
+        **choice_attrs,
+        **layout_attrs(layout),
+    }
+    attrs["fingerprint"] = fingerprint(attrs, plan.data, options)
+    return attrs
+
+
+def layout_attrs(layout: ZarrLayout) -> dict[str, Any]:
+    """The attributes every store carries about its layout (the writer always sets them)."""
+    return {
+        "format": FORMAT_TAG,
+        "schema_version": SCHEMA_VERSION,
         "num_layers": layout.n_layers,
         "layers": list(layout.layers),
         "sites": list(layout.sites),
@@ -111,16 +134,8 @@ def store_attrs(plan: CapturePlan, options: ZarrOptions, choice_attrs: dict[str,
         "T_chunk_response": layout.t_chunk_response,
         "chunks": {p: list(layout.chunk_shape(p)) for p in PARTS},
         "prompt_keep": layout.prompt_keep,
-        "dataset": dataset,
-        "dataset_root": plan.dataset_root,
-        "statistics": STATISTICS_FILE,
-        "config": CONFIG_FILE,
-        "actstore_version": __version__,
-        "git_commit": _git_commit(),
-        **choice_attrs,
+        "layout": layout.to_dict(),
     }
-    attrs["fingerprint"] = fingerprint(attrs, plan.data, options)
-    return attrs
 
 
 def fingerprint(attrs: dict[str, Any], data: dict[str, Any], options: ZarrOptions) -> str:
@@ -192,9 +207,26 @@ class ZarrWriter:
         return cls(layout, store_path(out), attrs=attrs, config=config,
                    token_ids=plan.has_tokens, optional=optional)  # fmt: skip
 
-    def _sample_array_paths(self) -> list[str]:
-        from .store import sample_arrays
+    @classmethod
+    def for_shard(cls, plan: CapturePlan, run_dir: str | Path, index: int, n_shards: int,
+                  options: ZarrOptions | None = None) -> ZarrWriter:  # fmt: skip
+        """The writer of shard ``index`` of ``n_shards`` of a sharded run of ``plan``: the
+        layout is chosen from the whole plan, so every shard agrees; the writer takes the
+        examples of its :attr:`example_range` (capture feeds it only those)."""
+        from .shards import shard_writer
 
+        options = options or ZarrOptions()
+        layout, attrs, config = plan_store(plan, options)
+        optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
+        return shard_writer(layout, run_dir, index, n_shards, attrs=attrs, config=config,
+                            token_ids=plan.has_tokens, optional=optional)  # fmt: skip
+
+    @property
+    def example_range(self) -> tuple[int, int]:
+        """Global ids ``(start, stop)`` of the samples this store holds."""
+        return self.id_offset, self.id_offset + self.layout.n_samples
+
+    def _sample_array_paths(self) -> list[str]:
         return list(sample_arrays(self.layout, token_ids=self.token_ids, optional=self.optional))
 
     def _check_existing(self) -> None:
@@ -349,10 +381,8 @@ class ZarrWriter:
         atomic_write_json(self._tmp / STATISTICS_FILE, {"sites": {
             site: self._stats[i].to_dict() for i, site in enumerate(lay.sites)}}, indent=None)  # fmt: skip
         atomic_write_json(self._tmp / CONFIG_FILE, self.config)
-        attrs = dict(self.attrs)
+        attrs = {**self.attrs, **layout_attrs(lay)}
         attrs.update(truncation_attrs_from_counts(self._truncated, lay.n_samples))
-        attrs["layout"] = lay.to_dict()
-        attrs["n_samples"] = lay.n_samples
         attrs["created_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         attrs["optional_arrays"] = list(self.optional)
         attrs["text_files"] = [TEXT_FILES[p] for p in PARTS if (self._tmp / TEXT_FILES[p]).exists()]
