@@ -10,9 +10,18 @@ from __future__ import annotations
 
 from .errors import ActstoreError
 from .formats import open_store
+from .loader import ActivationDataLoader, ActivationLoader
 from .sites import Site
 from .stats import RunningStats
 
 __version__ = "0.1.0"
 
-__all__ = ["ActstoreError", "RunningStats", "Site", "__version__", "open_store"]
+__all__ = [
+    "ActivationDataLoader",
+    "ActivationLoader",
+    "ActstoreError",
+    "RunningStats",
+    "Site",
+    "__version__",
+    "open_store",
+]

@@ -50,7 +50,18 @@ class VerifyReport:
 
 @runtime_checkable
 class Reader(Protocol):
-    """Read side of a format. Implementations are cheap to pickle (they reopen lazily)."""
+    """Read side of a format. Implementations are cheap to pickle (they reopen lazily).
+
+    ``read_block`` may be called from several threads of one process at once (the loader
+    reads a window's blocks in parallel). Two optional hooks, found with ``getattr``:
+
+    - ``cls_rows(block) -> int ndarray``: rows of ``block`` that hold a CLS token; needed
+      for the loader's ``drop_cls``.
+    - ``read_block_scatter(block, out, rows) -> None``: write row ``i`` of ``block`` into
+      ``out[rows[i]]``, skipping rows where ``rows[i] < 0``; ``out`` is ``[n, D]`` of
+      ``dtype`` with contiguous rows (possibly strided between rows). Without it the loader
+      reads the block into a scratch buffer and copies each row into place.
+    """
 
     @property
     def sites(self) -> Sequence[Hashable]:

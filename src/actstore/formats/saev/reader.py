@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import os
 import pickle
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import (
+    ConfigError,
     CorruptStoreError,
     IndexOutOfRangeError,
     StoreNotFoundError,
@@ -39,6 +42,14 @@ from .layout import SaevMetadata, shard_name
 from .writer import CHECKSUMS, STATISTICS
 
 _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
+
+#: Gaps up to this many bytes between gathered rows are read and discarded, not skipped.
+GAP_BYTES = 1 << 16
+_TRASH = np.empty(GAP_BYTES, dtype=np.uint8)  # destination of discarded bytes (any thread)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.preadv.restype = ctypes.c_ssize_t
+_LIBC.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
 
 
 class SaevReader:
@@ -173,9 +184,12 @@ class SaevReader:
     def _fd(self, shard: int) -> int:
         self._check_pid()
         fd = self._fds.get(shard)
-        if fd is None:
+        if fd is None:  # loader threads may race here: keep the first fd, close the other
             fd = os.open(self.path / shard_name(shard), os.O_RDONLY)
-            self._fds[shard] = fd
+            kept = self._fds.setdefault(shard, fd)
+            if kept != fd:
+                os.close(fd)
+            fd = kept
         return fd
 
     def close(self) -> None:
@@ -308,6 +322,91 @@ class SaevReader:
         _pread_into(self._fd(shard), out, vectors * md.d_model * 4)
         return out
 
+    def read_block_scatter(self, block: Block, out: np.ndarray, rows: np.ndarray) -> None:
+        """Row ``i`` of ``block`` into ``out[rows[i]]`` (skipped where ``rows[i] < 0``) with
+        vectored preads straight into place: the loader's shuffle costs no extra copy."""
+        md = self.metadata
+        shard, first, _, layer_idx = block.loc
+        if (len(rows) != block.n_rows or out.dtype != np.float32 or out.ndim != 2
+                or out.shape[1] != md.d_model or out.strides[1] != 4
+                or (len(rows) and rows.max() >= out.shape[0])):  # fmt: skip
+            raise ConfigError(f"read_block_scatter needs one destination row (< {len(out)}) "
+                              f"per block row and a float32 [n, {md.d_model}] out with "
+                              "contiguous rows")  # fmt: skip
+        row_bytes = md.d_model * 4
+        addr = np.where(rows >= 0, out.ctypes.data + rows * out.strides[0], _trash_addr())
+        iov = np.empty((block.n_rows, 2), dtype=np.uint64)
+        iov[:, 0], iov[:, 1] = addr, row_bytes
+        vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
+        _preadv(self._fd(shard), iov, vectors * row_bytes)
+
+    def cls_rows(self, block: Block) -> np.ndarray:
+        """Rows of ``block`` holding a CLS token (token 0 of each example, if stored)."""
+        if not self.metadata.cls_token:
+            return np.empty(0, dtype=np.int64)
+        return np.arange(0, block.n_rows, self.metadata.tokens_per_ex, dtype=np.int64)
+
+    def gather(self, indices: Any, layer: int | None = None, *, max_gap: int = GAP_BYTES
+               ) -> np.ndarray:  # fmt: skip
+        """Rows of stored ``layer`` at ``indices``, in the caller's order: ``[*shape, D]``.
+
+        ``indices`` are flat rows ``example * T + token`` (an int array of any shape, as the
+        loader's ``return_index`` gives them) or an ``(examples, tokens)`` pair of arrays.
+        Reads are sorted and coalesced: rows less than ``max_gap`` bytes apart in a shard
+        become one vectored read (gap bytes are discarded), each row is read once however
+        often it is asked for, and it lands directly in its output slot.
+
+        Example:
+            >>> reader.gather([5, 0, 5], layer=6).shape  # doctest: +SKIP
+            (3, 768)
+            >>> reader.gather((np.array([2, 9]), np.array([0, 0])), 6)  # CLS of ex 2, 9  # doctest: +SKIP
+        """
+        md = self.metadata
+        if layer is None:
+            if len(md.layers) != 1:
+                raise ConfigError(f"name the layer to gather from: one of {list(md.layers)}")
+            layer = md.layers[0]
+        layer_idx, n_tok = md.layer_index(int(layer)), md.tokens_per_ex
+        if isinstance(indices, tuple):
+            examples = _as_indices(np.asarray(indices[0]), md.n_examples, "example")
+            tokens = _as_indices(np.asarray(indices[1]), n_tok, "token")
+            examples, tokens = np.broadcast_arrays(examples, tokens)
+            flat = examples * n_tok + tokens
+            shape = flat.shape
+        else:
+            given = np.asarray(indices)
+            shape = given.shape
+            if given.size == 0:  # np.asarray([]) is float64
+                given = given.astype(np.int64)
+            flat = _as_indices(given.reshape(-1), md.n_examples * n_tok, "row")
+        flat = flat.reshape(-1)
+        row_bytes = md.d_model * 4
+        out = np.empty((len(flat), md.d_model), dtype=np.float32)
+        order = np.argsort(flat, kind="stable")
+        ranked = flat[order]
+        first = np.ones(len(ranked), dtype=bool)
+        first[1:] = ranked[1:] != ranked[:-1]
+        rows, slots = ranked[first], order[first]
+        example, token = np.divmod(rows, n_tok)
+        shard, in_shard = np.divmod(example, md.examples_per_shard)
+        offset = ((in_shard * len(md.layers) + layer_idx) * n_tok + token) * row_bytes
+        gap_bytes = np.diff(offset) - row_bytes
+        new_run = np.ones(len(rows), dtype=bool)
+        new_run[1:] = (shard[1:] != shard[:-1]) | (gap_bytes > min(max_gap, GAP_BYTES))
+        starts = np.flatnonzero(new_run)
+        for lo, hi in zip(starts, [*starts[1:], len(rows)]):
+            gaps = gap_bytes[lo : hi - 1]
+            iov = np.zeros((2 * (hi - lo) - 1, 2), dtype=np.uint64)
+            iov[0::2, 0] = out.ctypes.data + slots[lo:hi] * row_bytes
+            iov[0::2, 1] = row_bytes
+            iov[1::2, 0], iov[1::2, 1] = _trash_addr(), gaps
+            iov = iov[iov[:, 1] > 0]
+            _preadv(self._fd(int(shard[lo])), iov, int(offset[lo]))
+        if not first.all():  # repeated rows: copy from the slot that was read
+            source = np.maximum.accumulate(np.where(first, np.arange(len(ranked)), 0))
+            out[order[~first]] = out[order[source[~first]]]
+        return out.reshape(*shape, md.d_model)
+
     def block_rows(self, block: Block) -> tuple[np.ndarray, np.ndarray]:
         """(example index, token index) of every row of ``block``."""
         md = self.metadata
@@ -415,6 +514,35 @@ def _pread_into(fd: int, out: np.ndarray, offset: int) -> None:
         if n == 0:
             raise CorruptStoreError(f"unexpected end of file at byte {offset + done}")
         done += n
+
+
+def _trash_addr() -> int:
+    return _TRASH.ctypes.data
+
+
+def _preadv(fd: int, iov: np.ndarray, offset: int) -> None:
+    """Fill the ``(address, length)`` rows of ``iov`` (uint64 ``[n, 2]``, modified) from
+    consecutive file bytes at ``offset``: libc ``preadv`` without the GIL, ``IOV_MAX`` at a
+    time, resuming after short reads."""
+    i = 0
+    while i < len(iov):
+        chunk = iov[i : i + _IOV_MAX]
+        got = _LIBC.preadv(fd, chunk.ctypes.data, len(chunk), offset)
+        if got < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise OSError(err, f"preadv failed at byte {offset}: {os.strerror(err)}")
+        if got == 0:
+            raise CorruptStoreError(f"unexpected end of file at byte {offset}")
+        offset += got
+        ends = np.cumsum(chunk[:, 1])
+        full = int(np.searchsorted(ends, got, side="right"))
+        i += full
+        if full < len(chunk):  # short read inside iovec `full`: advance it past the bytes read
+            done = got - (int(ends[full - 1]) if full else 0)
+            iov[i, 0] += np.uint64(done)
+            iov[i, 1] -= np.uint64(done)
 
 
 def _scan(path: Path, *, check_floats: bool, valid_bytes: int | None,

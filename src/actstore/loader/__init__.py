@@ -1,0 +1,28 @@
+"""The training read path: one shuffled, resumable, multi-worker loader over blocks.
+
+- :class:`ActivationLoader` (a torch ``IterableDataset``): batches of rows of one site or
+  several aligned sites, shuffled within windows of whole blocks, exact across ranks and
+  workers, resumable with ``state_dict()``.
+- :class:`ActivationDataLoader`: runs it in DataLoader worker processes and counts what
+  they deliver, so ``state_dict()`` stays exact.
+- :mod:`actstore.loader.order`: the order as pure functions (plan, windows, splits).
+
+Example:
+    >>> from actstore.loader import ActivationLoader
+    >>> loader = ActivationLoader("acts/3f1c...", site=6, batch_size=4096)  # doctest: +SKIP
+    >>> for acts in loader: ...  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from .dataloader import ActivationDataLoader
+from .dataset import DEFAULT_POOL_BYTES, ActivationLoader, LoaderConfig
+from .pipeline import LoaderBatch
+
+__all__ = [
+    "DEFAULT_POOL_BYTES",
+    "ActivationDataLoader",
+    "ActivationLoader",
+    "LoaderBatch",
+    "LoaderConfig",
+]

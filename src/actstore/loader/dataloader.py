@@ -1,0 +1,77 @@
+""":class:`ActivationDataLoader`: a torch ``DataLoader`` over an :class:`ActivationLoader`
+that counts the batches it delivers, so ``state_dict()`` is exact with worker processes.
+
+Example:
+    >>> data = ActivationDataLoader(ActivationLoader(path, site=6), num_workers=2)  # doctest: +SKIP
+    >>> for step, acts in enumerate(data): ...  # doctest: +SKIP
+    >>> torch.save({"sae": sae.state_dict(), "data": data.state_dict()}, "ckpt.pt")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from ..errors import ConfigError
+from .dataset import ActivationLoader
+from .pipeline import LoaderBatch
+
+_FIXED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
+
+
+class ActivationDataLoader(DataLoader):
+    """Runs an :class:`ActivationLoader` in ``num_workers`` worker processes.
+
+    Each worker reads its own contiguous run of the rank's batches (with its own
+    ``io_threads``); the DataLoader interleaves them round-robin, which this class counts
+    to give an exact :meth:`state_dict`. Pinning and the move to ``device`` happen in the
+    main process. Batching, shuffling and ``drop_last`` belong to the ActivationLoader;
+    ``persistent_workers`` is refused because workers would keep an old epoch's position.
+    """
+
+    def __init__(self, dataset: ActivationLoader, *, num_workers: int = 0, **kwargs: Any) -> None:
+        if not isinstance(dataset, ActivationLoader):
+            raise ConfigError(f"ActivationDataLoader wraps an ActivationLoader, not "
+                              f"{type(dataset).__name__}")  # fmt: skip
+        fixed = [k for k in _FIXED if k in kwargs]
+        if fixed:
+            raise ConfigError(f"{fixed} are set on the ActivationLoader (batch_size, "
+                              "drop_last, seed), not on the DataLoader")  # fmt: skip
+        if kwargs.pop("persistent_workers", False):
+            raise ConfigError("persistent_workers would keep each worker's copy of the loader "
+                              "at its first position; leave it off")  # fmt: skip
+        finish = dataset._finish
+        pin = kwargs.pop("pin_memory", False) or finish.pin_memory
+        super().__init__(dataset, batch_size=None, num_workers=num_workers,
+                         pin_memory=pin and num_workers > 0, **kwargs)  # fmt: skip
+        self._device = finish.device if num_workers > 0 else None
+        dataset._device_in_main = num_workers > 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        loader: ActivationLoader = self.dataset  # type: ignore[assignment]
+        if self.num_workers == 0:  # the loader runs here and counts its own batches
+            yield from super().__iter__()
+            return
+        loader._begin(self.num_workers)
+        epoch = loader.epoch
+        for batch in super().__iter__():
+            loader._batches_done += 1
+            yield batch if self._device is None else _to_device(batch, self._device)
+        if loader.epoch == epoch:
+            loader.set_epoch(epoch + 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position counted in batches delivered by this DataLoader."""
+        return self.dataset.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` was taken (same options and ``num_workers``)."""
+        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def _to_device(batch: Any, device: Any) -> Any:
+    if isinstance(batch, LoaderBatch):
+        return LoaderBatch(batch.acts.to(device, non_blocking=True), batch.rows.to(device))
+    return batch.to(device, non_blocking=True)

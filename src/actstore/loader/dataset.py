@@ -1,0 +1,351 @@
+""":class:`ActivationLoader`: shuffled, resumable batches of activation rows from any store.
+
+Example:
+    >>> loader = ActivationLoader("acts/3f1c...", site=6, batch_size=4096, seed=0)  # doctest: +SKIP
+    >>> for acts in loader:            # float32 [4096, d_model], one epoch  # doctest: +SKIP
+    ...     loss = sae.step(acts)
+    >>> state = loader.state_dict()    # resume later with loader.load_state_dict(state)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ..errors import ConfigError
+from ..formats import open_store
+from .order import batches_done_by_worker, plan_epoch, rank_span, worker_span
+from .pipeline import Consumer, Finish, Layout, first_rows, kept_rows
+
+log = logging.getLogger(__name__)
+
+#: Bytes of one shuffle window when ``pool_blocks`` is not given.
+DEFAULT_POOL_BYTES = 256 << 20
+NORMALIZE = ("standardize", "mean_norm")
+OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """Options of :class:`ActivationLoader` (all keyword-only)."""
+
+    site: Hashable | None = None
+    """The site to read, in the reader's naming (saev: the layer int). None: the store's
+    only site. Batches are ``[B, D]``."""
+    sites: tuple[Hashable, ...] | None = None
+    """Several sites aligned on the same tokens (crosscoders): batches ``[B, len(sites), D]``."""
+    batch_size: int = 4096
+    pool_blocks: int | None = None
+    """Blocks per shuffle window (K). None: as many as fit in 256 MiB. Memory is about
+    ``2 x K x block bytes x n_sites`` per consumer (one window served, one being read)."""
+    seed: int = 0
+    epoch: int = 0
+    """The epoch to start at (see :meth:`ActivationLoader.set_epoch`)."""
+    drop_cls: bool = False
+    """Leave out CLS-token rows (needs a reader that marks them, e.g. saev ViT stores)."""
+    drop_last: bool = False
+    """Serve only full batches; every rank then serves the same number of batches."""
+    dtype: str = "float32"
+    """Output dtype: ``float32``, ``bfloat16`` or ``float16``."""
+    normalize: str | None = None
+    """None, ``"standardize"`` (``(x - mean) / std`` per dimension, stored statistics) or
+    ``"mean_norm"`` (every row times ``sqrt(D) / mean L2 norm``, so the mean norm is sqrt(D))."""
+    rank: int | None = None
+    """This process's rank; None: ``torch.distributed``'s if initialised, else 0."""
+    world_size: int | None = None
+    """Number of ranks; None: ``torch.distributed``'s if initialised, else 1."""
+    io_threads: int = 4
+    """Threads reading blocks in parallel (per consumer process)."""
+    return_index: bool = False
+    """Yield :class:`LoaderBatch` ``(acts, rows)`` with each row's storage index."""
+    pin_memory: bool = False
+    """Yield batches in pinned memory (needs CUDA)."""
+    device: str | None = None
+    """Move batches there (``"cuda"``), from pinned memory with ``non_blocking=True``."""
+
+    def __post_init__(self) -> None:
+        if self.site is not None and self.sites is not None:
+            raise ConfigError("give site (one) or sites (several), not both")
+        if self.sites is not None:
+            sites = tuple(self.sites)
+            if not sites or len(set(sites)) != len(sites):
+                raise ConfigError(f"sites must be distinct and non-empty, not {list(sites)}")
+            object.__setattr__(self, "sites", sites)
+        for name in ("batch_size", "io_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.pool_blocks is not None and self.pool_blocks < 1:
+            raise ConfigError(f"pool_blocks must be >= 1, not {self.pool_blocks}")
+        if self.seed < 0 or self.epoch < 0:
+            raise ConfigError("seed and epoch must be >= 0")
+        if self.dtype not in OUT_DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(OUT_DTYPES)}, not {self.dtype!r}")
+        if self.normalize is not None and self.normalize not in NORMALIZE:
+            raise ConfigError(f"normalize must be None or one of {NORMALIZE}, not {self.normalize!r}")
+        if (self.pin_memory or (self.device and torch.device(self.device).type == "cuda")) \
+                and not torch.cuda.is_available():  # fmt: skip
+            raise ConfigError("pin_memory and device='cuda' need CUDA, which is not available")
+
+
+class ActivationLoader(IterableDataset):
+    """Uniformly shuffled batches of activation rows, at sequential-read speed.
+
+    Reads whole blocks (one sequential read each) in a shuffled order and shuffles rows
+    within a window of ``pool_blocks`` blocks; the order is a pure function of (block
+    sizes, seed, epoch), so it is reproducible, splits exactly across ranks and DataLoader
+    workers, and resumes in O(1) from :meth:`state_dict`. Works with any reader of the
+    :class:`~actstore.formats.base.Reader` contract.
+
+    Iterate it directly (it reads with ``io_threads`` background threads), or wrap it in
+    :class:`~actstore.loader.ActivationDataLoader` for worker processes. Iteration always
+    continues from the current position: one epoch ends after its last batch and the next
+    iteration starts the next epoch.
+
+    Batches are views of the loader's buffers and stay valid for as long as you hold them
+    (buffers are reused only once unreferenced).
+
+    Example:
+        >>> loader = ActivationLoader(path, site=6, batch_size=4096, seed=0)  # doctest: +SKIP
+        >>> next(iter(loader)).shape  # doctest: +SKIP
+        torch.Size([4096, 768])
+    """
+
+    def __init__(self, source: Any, config: LoaderConfig | None = None, **options: Any) -> None:
+        if config is None:
+            config = LoaderConfig(**options)
+        elif options:
+            raise ConfigError("pass a LoaderConfig or keyword options, not both")
+        self.config = config
+        self.reader = open_store(source) if isinstance(source, (str, os.PathLike)) else source
+        reader = self.reader
+        if config.sites is not None:
+            self.sites: tuple[Hashable, ...] = config.sites
+        elif config.site is not None:
+            self.sites = (config.site,)
+        elif len(reader.sites) == 1:
+            self.sites = (reader.sites[0],)
+        else:
+            raise ConfigError(f"this store holds several sites {list(reader.sites)}; choose one "
+                              "with site=... (or several with sites=[...])")  # fmt: skip
+        blocks = tuple(reader.blocks(site) for site in self.sites)
+        sizes = [b.n_rows for b in blocks[0]]
+        for site, other in zip(self.sites[1:], blocks[1:]):
+            if [b.n_rows for b in other] != sizes:
+                raise ConfigError(f"blocks of site {site!r} do not align with {self.sites[0]!r}")
+        cls_rows = getattr(reader, "cls_rows", None)
+        if config.drop_cls and cls_rows is None:
+            raise ConfigError(f"drop_cls needs a reader that marks CLS rows; "
+                              f"{type(reader).__name__} does not")  # fmt: skip
+        self.layout = Layout(reader=reader, blocks=blocks, drop_cls=config.drop_cls,
+                             kept_rows=kept_rows(reader, blocks[0], config.drop_cls, cls_rows),
+                             first_row=first_rows(blocks[0]), d_model=int(reader.d_model),
+                             dtype=np.dtype(reader.dtype))  # fmt: skip
+        if config.pool_blocks is not None:
+            self.pool_blocks = config.pool_blocks
+        else:
+            block_bytes = max(sizes, default=1) * reader.d_model * self.layout.dtype.itemsize
+            self.pool_blocks = max(1, DEFAULT_POOL_BYTES // max(block_bytes * len(self.sites), 1))
+        self.rank, self.world_size = _rank_and_world(config)
+        self._finish = self._make_finish()
+        self.epoch = config.epoch
+        self._batches_done = 0
+        self._saved_workers: int | None = None  # consumers the position was counted with
+        self._device_in_main = False  # set by ActivationDataLoader: workers skip pin/device
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def n_rows(self) -> int:
+        """Rows in one epoch of all ranks (CLS rows excluded with ``drop_cls``)."""
+        return int(self.layout.kept_rows.sum())
+
+    @property
+    def d_model(self) -> int:
+        return self.layout.d_model
+
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    def __len__(self) -> int:
+        """Batches this rank serves per epoch."""
+        return self._rank_span().n_batches
+
+    @property
+    def memory_bytes(self) -> int:
+        """Upper bound of the pool memory one consumer holds: 2 windows of the largest blocks."""
+        largest = max((b.n_rows for b in self.layout.blocks[0]), default=0)
+        return 2 * self.pool_blocks * largest * len(self.sites) * self.d_model * self.layout.dtype.itemsize
+
+    def _rank_span(self):
+        return rank_span(self.n_rows, rank=self.rank, world_size=self.world_size,
+                         batch_size=self.config.batch_size, drop_last=self.config.drop_last)
+
+    # ------------------------------------------------------------------ normalisation
+
+    def _make_finish(self) -> Finish:
+        cfg = self.config
+        shift = scale = None
+        if cfg.normalize is not None:
+            stats = [self.reader.statistics(site) for site in self.sites]
+            missing = [site for site, s in zip(self.sites, stats) if s is None]
+            if missing:
+                raise ConfigError(f"normalize={cfg.normalize!r} needs stored statistics, and "
+                                  f"sites {missing} have none; use normalize=None")  # fmt: skip
+            if cfg.normalize == "standardize":
+                shift = torch.tensor(np.stack([s.mean for s in stats]), dtype=torch.float32)
+                std = np.stack([np.sqrt(s.var) for s in stats])
+                scale = torch.tensor(1.0 / np.maximum(std, 1e-6), dtype=torch.float32)
+            else:
+                factors = [math.sqrt(self.d_model) / max(s.norm_mean, 1e-12) for s in stats]
+                scale = torch.tensor(factors, dtype=torch.float32).reshape(-1, 1)
+        device = torch.device(cfg.device) if cfg.device is not None else None
+        pin = cfg.pin_memory or (device is not None and device.type == "cuda")
+        return Finish(out_dtype=OUT_DTYPES[cfg.dtype], shift=shift, scale=scale,
+                      single_site=cfg.sites is None, pin_memory=pin, device=device,
+                      return_index=cfg.return_index)  # fmt: skip
+
+    @property
+    def normalization(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(shift, scale)`` applied as ``(x - shift) * scale`` (``[n_sites, D]`` or
+        ``[n_sites, 1]``; None where unused); invert with ``x / scale + shift``."""
+        return self._finish.shift, self._finish.scale
+
+    # ------------------------------------------------------------------ epochs and state
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning at the next iteration."""
+        if epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, not {epoch}")
+        self.epoch, self._batches_done, self._saved_workers = int(epoch), 0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank stands: epoch and batches served, plus what the order depends on.
+
+        Under worker processes take the state from :class:`ActivationDataLoader` (it
+        counts the batches the workers delivered); a plain ``DataLoader`` cannot."""
+        return {
+            "version": STATE_VERSION,
+            "epoch": self.epoch,
+            "batches": self._batches_done,
+            "num_workers": self._saved_workers or 1,
+            **self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where ``state`` was taken (O(1): no reads are replayed)."""
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(f"loader state version {state.get('version')!r} is not "
+                              f"{STATE_VERSION}; it was saved by another actstore version")  # fmt: skip
+        mine = self._fingerprint()
+        wrong = [f"{k}={state.get(k)!r} (this loader: {v!r})" for k, v in mine.items()
+                 if state.get(k) != v]  # fmt: skip
+        if wrong:
+            raise ConfigError("the saved state belongs to a different order: "
+                              + "; ".join(wrong) + ". Build the loader with the same options")
+        if not 0 <= state["batches"] <= len(self):
+            raise ConfigError(f"state says {state['batches']} batches served of {len(self)}")
+        self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
+        self._saved_workers = int(state["num_workers"])
+
+    def _fingerprint(self) -> dict[str, Any]:
+        cfg = self.config
+        sizes = self.layout.kept_rows.astype("<i8").tobytes()
+        return {
+            "seed": cfg.seed, "batch_size": cfg.batch_size, "pool_blocks": self.pool_blocks,
+            "world_size": self.world_size, "drop_last": cfg.drop_last, "drop_cls": cfg.drop_cls,
+            "sites": [str(s) for s in self.sites],
+            "blocks": hashlib.sha256(sizes).hexdigest()[:16],
+        }  # fmt: skip
+
+    def __repr__(self) -> str:
+        return (f"ActivationLoader(sites={list(self.sites)}, rows={self.n_rows}, "
+                f"batch_size={self.batch_size}, pool_blocks={self.pool_blocks}, "
+                f"seed={self.config.seed}, epoch={self.epoch}, rank={self.rank}/{self.world_size})")  # fmt: skip
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        if info is None:
+            return self._iterate(worker=0, num_workers=1, count=True)
+        # The DataLoader's round-robin starts at worker 0; after k delivered batches the
+        # next one belongs to run k % N, so DataLoader worker i serves run (i + k) % N.
+        n = info.num_workers
+        return self._iterate(worker=(info.id + self._batches_done) % n, num_workers=n,
+                             count=False)  # fmt: skip
+
+    def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
+        """This consumer's batches from the current position (``count``: advance it)."""
+        if count:
+            self._begin(num_workers)
+        else:
+            self._check_workers(num_workers)
+        return self._generate(worker, num_workers, count)
+
+    def _check_workers(self, num_workers: int) -> None:
+        if self._batches_done and self._saved_workers not in (None, num_workers):
+            raise ConfigError(
+                f"this position was reached with {self._saved_workers} consumer(s) and cannot "
+                f"continue with {num_workers}: the order of batches depends on the number of "
+                "DataLoader workers (num_workers=0 counts as 1); resume with the same number"
+            )
+
+    def _begin(self, num_workers: int) -> None:
+        """Called in the main process before ``num_workers`` consumers start."""
+        self._check_workers(num_workers)
+        if self._batches_done >= len(self) > 0:  # the last epoch was served completely
+            self.set_epoch(self.epoch + 1)
+        self._saved_workers = num_workers
+
+    def _generate(self, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
+        cfg, epoch = self.config, self.epoch
+        plan = plan_epoch(self.layout.kept_rows, pool_blocks=self.pool_blocks, seed=cfg.seed,
+                          epoch=epoch)  # fmt: skip
+        span = worker_span(self._rank_span(), worker=worker, num_workers=num_workers,
+                           batch_size=cfg.batch_size)  # fmt: skip
+        skip = batches_done_by_worker(self._batches_done, worker=worker, num_workers=num_workers)
+        start = min(span.start + skip * cfg.batch_size, span.stop)
+        finish = self._finish
+        if get_worker_info() is not None and (finish.pin_memory or finish.device is not None):
+            if not self._device_in_main:
+                raise ConfigError("pin_memory/device act in the main process: wrap the loader "
+                                  "in ActivationDataLoader, or use DataLoader(pin_memory=True)")
+            finish = replace(finish, pin_memory=False, device=None)
+        consumer = Consumer(self.layout, plan, batch_size=cfg.batch_size,
+                            pool_blocks=self.pool_blocks, io_threads=cfg.io_threads,
+                            finish=finish)  # fmt: skip
+        log.debug("epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop)
+        try:
+            for batch in consumer.batches(start, span.stop):
+                if count:
+                    self._batches_done += 1
+                yield batch
+            if count and self.epoch == epoch:
+                self.set_epoch(epoch + 1)
+        finally:
+            consumer.close()
+
+
+def _rank_and_world(config: LoaderConfig) -> tuple[int, int]:
+    rank, world = config.rank, config.world_size
+    if rank is None or world is None:
+        dist = torch.distributed
+        initialised = dist.is_available() and dist.is_initialized()
+        if rank is None:
+            rank = dist.get_rank() if initialised else 0
+        if world is None:
+            world = dist.get_world_size() if initialised else 1
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world}")
+    return rank, world

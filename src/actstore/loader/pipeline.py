@@ -1,0 +1,321 @@
+"""One consumer's read path: windows read into reusable pools, batches served from them.
+
+A window's blocks are read by a small thread pool straight into the rows where the
+window's permutation puts them (``read_block_scatter`` when the reader has it), so the
+pool holds the window in serving order and a batch is a contiguous slice of it, handed
+out as a zero-copy tensor view. While one window is served the next is read into a
+second pool. Pools and output buffers are reused only once nothing refers to them any
+more (CPython reference counts), so a batch stays valid for as long as it is referenced.
+
+Example:
+    >>> buffers = Buffers((4, 2), np.float32)
+    >>> i = buffers.acquire(); view = buffers[i][:2]; buffers.release(i)
+    >>> buffers.acquire() == i  # still referenced by ``view``: a new array is made
+    False
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ..formats.base import Block
+from .order import EpochPlan
+
+_PAGE = mmap.PAGESIZE
+#: numpy arrays that hold each output dtype (bfloat16 lives in uint16 arrays, viewed).
+_NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16,
+                  torch.bfloat16: np.uint16}  # fmt: skip
+
+
+class LoaderBatch(NamedTuple):
+    """A batch with the storage row of each activation (``return_index=True``)."""
+
+    acts: torch.Tensor
+    """``[B, D]`` (one site) or ``[B, n_sites, D]``."""
+    rows: torch.Tensor
+    """int64 ``[B]``: each row's position in ``blocks(site)`` read in storage order (for a
+    saev store ``example * T + token``; ``reader.gather(rows, layer)`` reads it again)."""
+
+
+class Buffers:
+    """Arrays of one shape and dtype, reused only once no view of them is alive."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: np.dtype | type) -> None:
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self._arrays: list[np.ndarray] = []
+        self._roots: list[np.ndarray] = []  # the array every view's ``.base`` points to
+        self._idle_refs: list[int] = []  # references to a root when no view is alive
+        self._busy: list[bool] = []
+
+    def acquire(self, *, allocate: bool = True) -> int | None:
+        """Index of a free array (allocating one if none is free and ``allocate``)."""
+        for i in range(len(self._arrays)):
+            if not self._busy[i] and sys.getrefcount(self._roots[i]) == self._idle_refs[i]:
+                self._busy[i] = True
+                return i
+        if not allocate:
+            return None
+        root = _allocate(int(np.prod(self.shape)), self.dtype)
+        self._roots.append(root)
+        self._arrays.append(root.reshape(self.shape))
+        del root
+        self._idle_refs.append(sys.getrefcount(self._roots[-1]))
+        self._busy.append(True)
+        return len(self._arrays) - 1
+
+    def release(self, i: int) -> None:
+        """The pipeline is done with array ``i`` (it is reused once its views are gone)."""
+        self._busy[i] = False
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self._arrays[i]
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+
+def _allocate(count: int, dtype: np.dtype) -> np.ndarray:
+    """``count`` items of anonymous memory advised for transparent huge pages (the first
+    touch of fresh memory dominates the cost of a new buffer; huge pages fault less)."""
+    nbytes = max(count * dtype.itemsize, 1)
+    memory = mmap.mmap(-1, -(-nbytes // _PAGE) * _PAGE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(memory, dtype=dtype, count=count)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What a consumer reads: per-site blocks and how many rows each block serves."""
+
+    reader: Any
+    blocks: tuple[Sequence[Block], ...]
+    """``blocks[s][i]``: block ``i`` of site ``s`` (aligned across sites)."""
+    kept_rows: np.ndarray
+    """int64 ``[n_blocks]``: rows block ``i`` serves (its rows minus dropped CLS rows)."""
+    first_row: np.ndarray
+    """int64 ``[n_blocks]``: storage row of block ``i``'s first row."""
+    drop_cls: bool
+    d_model: int
+    dtype: np.dtype
+
+    @property
+    def n_sites(self) -> int:
+        return len(self.blocks)
+
+    def kept_mask(self, i: int) -> np.ndarray | None:
+        """Rows of block ``i`` that are served (None: all of them)."""
+        block = self.blocks[0][i]
+        if not self.drop_cls or self.kept_rows[i] == block.n_rows:
+            return None
+        mask = np.ones(block.n_rows, dtype=bool)
+        mask[self.reader.cls_rows(block)] = False
+        return mask
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finish:
+    """How a float batch becomes what the user gets (dtype, normalisation, device)."""
+
+    out_dtype: torch.dtype
+    shift: torch.Tensor | None
+    """``[n_sites, D]`` subtracted first (None: nothing)."""
+    scale: torch.Tensor | None
+    """``[n_sites, D]`` or ``[n_sites, 1]`` multiplied after the shift (None: nothing)."""
+    single_site: bool
+    pin_memory: bool
+    device: torch.device | None
+    return_index: bool
+
+
+class Consumer:
+    """Serves stream rows ``[start, stop)`` of one epoch plan in batches; owns its threads
+    and buffers for the duration of one iteration."""
+
+    def __init__(self, layout: Layout, plan: EpochPlan, *, batch_size: int,
+                 pool_blocks: int, io_threads: int, finish: Finish) -> None:  # fmt: skip
+        self.layout, self.plan, self.finish = layout, plan, finish
+        self.batch_size = batch_size
+        max_block = max((b.n_rows for b in layout.blocks[0]), default=0)
+        self._pools = Buffers((max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model),
+                              layout.dtype)  # fmt: skip
+        row_shape = (batch_size, layout.n_sites, layout.d_model)
+        self._carry = Buffers(row_shape, layout.dtype)
+        self._stage = Buffers(row_shape, np.float32)
+        self._out = Buffers(row_shape, _NUMPY_STORAGE[finish.out_dtype])
+        self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="actstore-io")
+        self._scratch = threading.local()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ reading windows
+
+    def _submit(self, w: int, pool: int) -> list[Future]:
+        """Start reading window ``w`` into pool ``pool``; returns the block futures."""
+        plan, layout = self.plan, self.layout
+        perm = plan.window_permutation(w)
+        slot = np.empty_like(perm)
+        slot[perm] = np.arange(len(perm))
+        futures, offset = [], 0
+        for i in plan.window_blocks(w):
+            i = int(i)
+            n_kept = int(layout.kept_rows[i])
+            mask = layout.kept_mask(i)
+            if mask is None:
+                dest = slot[offset : offset + n_kept]
+            else:
+                dest = np.full(len(mask), -1, dtype=np.int64)
+                dest[mask] = slot[offset : offset + n_kept]
+            offset += n_kept
+            for s in range(layout.n_sites):
+                out = self._pools[pool][:, s, :]
+                futures.append(self._io.submit(self._read, layout.blocks[s][i], out, dest))
+        return futures
+
+    def _read(self, block: Block, out: np.ndarray, dest: np.ndarray) -> None:
+        scatter = getattr(self.layout.reader, "read_block_scatter", None)
+        if scatter is not None:
+            scatter(block, out, dest)
+            return
+        scratch = getattr(self._scratch, "rows", None)
+        if scratch is None or len(scratch) < block.n_rows:
+            scratch = np.empty((block.n_rows, self.layout.d_model), dtype=self.layout.dtype)
+            self._scratch.rows = scratch
+        rows = self.layout.reader.read_block(block, scratch[: block.n_rows])
+        keep = dest >= 0
+        out[dest[keep]] = rows[keep]
+
+    def _row_ids(self, w: int) -> np.ndarray:
+        """Storage row of each served position of window ``w``."""
+        layout, parts = self.layout, []
+        for i in self.plan.window_blocks(w):
+            i = int(i)
+            local = np.arange(layout.blocks[0][i].n_rows, dtype=np.int64)
+            mask = layout.kept_mask(i)
+            parts.append(layout.first_row[i] + (local if mask is None else local[mask]))
+        ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        return ids[self.plan.window_permutation(w)]
+
+    # ------------------------------------------------------------------ serving batches
+
+    def batches(self, start: int, stop: int) -> Iterator[Any]:
+        """Batches of ``batch_size`` stream rows from ``start`` (the last one ends at
+        ``stop`` and may be short)."""
+        plan, size = self.plan, self.batch_size
+        if start >= stop:
+            return
+        first, last = plan.window_of(start), plan.window_of(stop - 1)
+        todo = deque(w for w in range(first, last + 1) if plan.window_rows(w))
+        loaded: deque[tuple[int, int, list[Future]]] = deque()
+
+        def prefetch() -> None:
+            # Keep the window being served and the next one in pools. Two pools are made;
+            # a third only if nothing is left to serve while the user still holds a batch
+            # from both (it would otherwise be overwritten).
+            while todo and len(loaded) < 2:
+                pool = self._pools.acquire(allocate=not loaded or len(self._pools) < 2)
+                if pool is None:
+                    return
+                w = todo.popleft()
+                loaded.append((w, pool, self._submit(w, pool)))
+
+        carry: tuple[int, int] | None = None  # (carry buffer, rows filled)
+        carry_ids: list[np.ndarray] = []
+        prefetch()
+        while loaded:
+            w, pool, futures = loaded[0]
+            for future in futures:
+                future.result()
+            ids = self._row_ids(w) if self.finish.return_index else None
+            base = int(plan.row_starts[w])
+            pos = max(start, base) - base
+            end = min(stop, int(plan.row_starts[w + 1])) - base
+            rows = self._pools[pool]
+            while pos < end:
+                prefetch()
+                if carry is None and (end - pos >= size or base + end == stop):
+                    n = min(size, end - pos)
+                    yield self._finish(rows[pos : pos + n], None if ids is None else ids[pos : pos + n])
+                    pos += n
+                    continue
+                if carry is None:
+                    carry = (self._carry.acquire(), 0)
+                buf, filled = carry
+                n = min(size - filled, end - pos)
+                self._carry[buf][filled : filled + n] = rows[pos : pos + n]
+                if ids is not None:
+                    carry_ids.append(ids[pos : pos + n])
+                pos, filled = pos + n, filled + n
+                carry = (buf, filled)
+                if filled == size or base + pos == stop:
+                    batch_ids = np.concatenate(carry_ids) if ids is not None else None
+                    yield self._finish(self._carry[buf][:filled], batch_ids)
+                    self._carry.release(buf)
+                    carry, carry_ids = None, []
+            del rows
+            loaded.popleft()
+            self._pools.release(pool)
+            prefetch()
+
+    def _finish(self, rows: np.ndarray, ids: np.ndarray | None) -> Any:
+        """Rows ``[n, S, D]`` (a pool or carry view) -> the batch the user gets."""
+        fin, n = self.finish, len(rows)
+        acts = torch.from_numpy(rows)
+        if fin.shift is not None or fin.scale is not None:
+            if acts.dtype != torch.float32:
+                stage = self._stage.acquire()
+                staged = torch.from_numpy(self._stage[stage][:n])
+                self._stage.release(stage)
+                acts = staged.copy_(acts)
+            if fin.shift is not None:
+                acts.sub_(fin.shift)
+            if fin.scale is not None:
+                acts.mul_(fin.scale)
+        if acts.dtype != fin.out_dtype:
+            out = self._out.acquire()
+            target = torch.from_numpy(self._out[out][:n])
+            self._out.release(out)
+            if fin.out_dtype == torch.bfloat16:
+                target = target.view(torch.bfloat16)
+            acts = target.copy_(acts)
+        if fin.single_site:
+            acts = acts.view(n, -1)
+        if fin.pin_memory:
+            acts = acts.pin_memory()
+        if fin.device is not None:
+            acts = acts.to(fin.device, non_blocking=fin.pin_memory)
+        if not fin.return_index:
+            return acts
+        rows_t = torch.from_numpy(np.ascontiguousarray(ids))
+        if fin.device is not None:
+            rows_t = rows_t.to(fin.device, non_blocking=False)
+        return LoaderBatch(acts, rows_t)
+
+
+def first_rows(blocks: Sequence[Block]) -> np.ndarray:
+    """Storage row of each block's first row (blocks listed in storage order)."""
+    sizes = np.fromiter((b.n_rows for b in blocks), dtype=np.int64, count=len(blocks))
+    return np.concatenate([[0], np.cumsum(sizes)])[:-1].astype(np.int64)
+
+
+def kept_rows(reader: Any, blocks: Sequence[Block], drop_cls: bool,
+              cls_rows: Callable[[Block], np.ndarray] | None) -> np.ndarray:  # fmt: skip
+    """Rows each block serves: all of them, or all but its CLS rows."""
+    if not drop_cls or cls_rows is None:
+        return np.fromiter((b.n_rows for b in blocks), dtype=np.int64, count=len(blocks))
+    return np.fromiter((b.n_rows - len(cls_rows(b)) for b in blocks), dtype=np.int64,
+                       count=len(blocks))  # fmt: skip

@@ -1,0 +1,348 @@
+"""ActivationLoader on real saev stores: exactly once across ranks and workers, exact values,
+determinism, resume (also with real DataLoader worker processes), options and errors."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actstore.batch import Batch
+from actstore.errors import ConfigError, LayerNotStoredError
+from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev.layout import encode_data
+from actstore.loader import ActivationDataLoader, ActivationLoader, LoaderBatch
+from actstore.loader.pipeline import Buffers
+
+T, D = 6, 8
+STORE = settings(max_examples=25, deadline=None,
+                 suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+
+
+def write_store(root, *, n=37, layers=(2, 5), cls=True, per_shard=5, seed=0, dialect="protocol"):
+    """A published saev store whose row values name themselves: column 0 is the example,
+    1 the token, 2 the layer; the rest is noise. Returns (reader, acts[n, L, T, D])."""
+    md = SaevMetadata(family="clip" if dialect == "saev" else "gpt2", ckpt="tiny", layers=layers,
+                      dialect=dialect,
+                      patches_per_ex=T - 1 if cls else T, cls_token=cls, d_model=D,
+                      n_examples=n, patches_per_shard=per_shard * T * len(layers),
+                      data=encode_data({"kind": "test"}), dataset="/nowhere")  # fmt: skip
+    acts = np.random.default_rng(seed).standard_normal((n, len(layers), T, D)).astype(np.float32)
+    acts[..., 0] = np.arange(n)[:, None, None]
+    acts[..., 1] = np.arange(T)
+    acts[..., 2] = np.array(layers)[:, None]
+    writer = SaevWriter(md, root)
+    for lo in range(0, n, 4):
+        part = acts[lo : lo + 4]
+        writer.write(Batch(acts={f"resid.{l}": torch.from_numpy(part[:, i])
+                                 for i, l in enumerate(layers)},
+                           example_ids=np.arange(lo, lo + len(part))))  # fmt: skip
+    return SaevReader(writer.close()), acts
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Two layers with CLS: one block per example (T rows)."""
+    return write_store(tmp_path_factory.mktemp("two-layers"))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """One layer without CLS: blocks group a shard's examples (sizes 7x6 rows and a short one)."""
+    return write_store(tmp_path_factory.mktemp("one-layer"), n=45, layers=(3,), cls=False,
+                       per_shard=7)  # fmt: skip
+
+
+def expected(acts, rows, layer_pos):
+    ex, tok = np.divmod(np.asarray(rows), T)
+    return acts[ex, layer_pos, tok]
+
+
+def collect(iterator):
+    return [(b.acts.numpy().copy(), b.rows.numpy().copy()) for b in iterator]
+
+
+def all_consumers(reader, world, workers, **options):
+    """Every batch of one epoch, consumer by consumer (rank, worker), as (acts, rows)."""
+    out = {}
+    for rank in range(world):
+        loader = ActivationLoader(reader, rank=rank, world_size=world, return_index=True, **options)
+        for j in range(workers):
+            out[rank, j] = collect(loader._iterate(worker=j, num_workers=workers, count=False))
+    return out
+
+
+# ---------------------------------------------------------------------- exactly once
+
+
+@STORE
+@given(batch=st.integers(1, 50), pool=st.integers(1, 9), seed=st.integers(0, 2**32),
+       world=st.integers(1, 4), workers=st.integers(1, 4), drop_cls=st.booleans(),
+       multi=st.booleans())  # fmt: skip
+def test_every_row_once_across_ranks_and_workers(store, batch, pool, seed, world, workers,
+                                                 drop_cls, multi):  # fmt: skip
+    reader, acts = store
+    site = {"sites": [5, 2]} if multi else {"site": 5}
+    parts = all_consumers(reader, world, workers, batch_size=batch, pool_blocks=pool, seed=seed,
+                          drop_cls=drop_cls, **site)  # fmt: skip
+    rows = np.concatenate([r for part in parts.values() for _, r in part])
+    want = [e * T + t for e in range(len(acts)) for t in range(T) if not (drop_cls and t == 0)]
+    assert sorted(rows.tolist()) == want
+    for part in parts.values():
+        for i, (x, r) in enumerate(part):
+            assert len(r) == batch or i == len(part) - 1  # only a consumer's last may be short
+            if multi:
+                np.testing.assert_array_equal(x[:, 0], expected(acts, r, 1))
+                np.testing.assert_array_equal(x[:, 1], expected(acts, r, 0))
+            else:
+                np.testing.assert_array_equal(x, expected(acts, r, 1))
+
+
+@STORE
+@given(batch=st.integers(1, 40), pool=st.integers(1, 5), world=st.integers(1, 4),
+       workers=st.integers(1, 3))  # fmt: skip
+def test_drop_last_gives_every_rank_the_same_full_batches(single, batch, pool, world, workers):
+    reader, _ = single
+    parts = all_consumers(reader, world, workers, batch_size=batch, pool_blocks=pool, drop_last=True)
+    per_rank = [sum(len(parts[r, j]) for j in range(workers)) for r in range(world)]
+    assert len(set(per_rank)) == 1
+    assert per_rank[0] == (45 * T // world) // batch
+    rows = [r for part in parts.values() for _, r in part]
+    assert all(len(r) == batch for r in rows)
+    flat = np.concatenate(rows) if rows else np.empty(0)
+    assert len(set(flat.tolist())) == len(flat)
+
+
+def test_blocks_of_a_single_layer_store_vary_in_size(single):
+    reader, acts = single
+    sizes = [b.n_rows for b in reader.blocks(3)]
+    assert len(set(sizes)) > 1  # the property tests above cover uneven blocks
+    loader = ActivationLoader(reader, batch_size=16, pool_blocks=2, return_index=True)
+    x, r = zip(*collect(loader))
+    np.testing.assert_array_equal(np.concatenate(x), expected(acts, np.concatenate(r), 0))
+
+
+# ---------------------------------------------------------------------- determinism
+
+
+def test_order_is_deterministic_and_changes_with_seed_and_epoch(store):
+    reader, _ = store
+
+    def rows(**kw):
+        loader = ActivationLoader(reader, site=2, batch_size=9, pool_blocks=4, return_index=True, **kw)
+        return np.concatenate([b.rows.numpy() for b in loader])
+
+    first = rows(seed=3)
+    assert np.array_equal(first, rows(seed=3))
+    assert not np.array_equal(first, rows(seed=4))
+    assert not np.array_equal(first, rows(seed=3, epoch=1))
+    # a batch mixes rows of several examples (window of 4 blocks = 4 examples)
+    assert len(set((first[:9] // T).tolist())) > 1
+
+
+def test_iteration_continues_into_the_next_epoch(store):
+    reader, _ = store
+    options = dict(site=5, batch_size=10, pool_blocks=3, seed=1, return_index=True)
+    loader = ActivationLoader(reader, **options)
+    epoch0 = collect(loader)
+    assert loader.epoch == 1 and loader.state_dict()["batches"] == 0
+    epoch1 = collect(loader)
+    fresh = ActivationLoader(reader, epoch=1, **options)
+    assert [r.tolist() for _, r in epoch1] == [r.tolist() for _, r in collect(fresh)]
+    assert [r.tolist() for _, r in epoch0] != [r.tolist() for _, r in epoch1]
+    loader.set_epoch(0)
+    assert [r.tolist() for _, r in collect(loader)] == [r.tolist() for _, r in epoch0]
+    # a state taken right after an epoch's last batch resumes with the next epoch
+    loader.set_epoch(0)
+    it = iter(loader)
+    for _ in range(len(loader)):
+        next(it)
+    resumed = ActivationLoader(reader, **options)
+    resumed.load_state_dict(loader.state_dict())
+    assert [r.tolist() for _, r in collect(resumed)] == [r.tolist() for _, r in epoch1]
+
+
+# ---------------------------------------------------------------------- resume
+
+
+@STORE
+@given(stop=st.integers(0, 40), batch=st.integers(3, 30), pool=st.integers(1, 6),
+       seed=st.integers(0, 1000))  # fmt: skip
+def test_resume_equals_uninterrupted(store, stop, batch, pool, seed):
+    reader, _ = store
+    options = dict(site=5, batch_size=batch, pool_blocks=pool, seed=seed, return_index=True)
+    whole = [r.tolist() for _, r in collect(ActivationLoader(reader, **options))]
+    stop = min(stop, len(whole) - 1)  # (a state taken after the last batch: next test)
+    first = ActivationLoader(reader, **options)
+    it = iter(first)
+    head = [next(it).rows.tolist() for _ in range(stop)]
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    del it
+    resumed = ActivationLoader(reader, **options)
+    resumed.load_state_dict(state)
+    tail = [r.tolist() for _, r in collect(resumed)]
+    assert head + tail == whole
+
+
+def test_resume_with_dataloader_workers(store):
+    reader, _ = store
+    options = dict(site=5, batch_size=7, pool_blocks=3, seed=11, return_index=True)
+    whole = [b.rows.tolist() for b in ActivationDataLoader(ActivationLoader(reader, **options),
+                                                           num_workers=2)]  # fmt: skip
+    # the DataLoader interleaves the workers' contiguous runs round-robin
+    loader = ActivationLoader(reader, **options)
+    runs = [[r.tolist() for _, r in collect(loader._iterate(worker=j, num_workers=2, count=False))]
+            for j in range(2)]  # fmt: skip
+    interleaved = [run[k] for k in range(len(runs[0])) for run in runs if k < len(run)]
+    assert whole == interleaved
+    direct = [r.tolist() for _, r in collect(ActivationLoader(reader, **options))]
+    assert sorted(whole) == sorted(direct)  # the same batches, whatever the worker count
+
+    data = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
+    head = []
+    for batch in data:
+        head.append(batch.rows.tolist())
+        if len(head) == 13:
+            break
+    state = data.state_dict()
+    assert state["batches"] == 13 and state["num_workers"] == 2
+    again = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
+    again.load_state_dict(state)
+    assert head + [b.rows.tolist() for b in again] == whole
+    assert again.dataset.epoch == 1
+    with pytest.raises(ConfigError, match="same number"):
+        other = ActivationLoader(reader, **options)
+        other.load_state_dict(state)
+        iter(other)
+
+
+def test_state_from_a_different_order_is_refused(store):
+    reader, _ = store
+    loader = ActivationLoader(reader, site=5, batch_size=8, seed=1)
+    next(iter(loader))
+    state = loader.state_dict()
+    with pytest.raises(ConfigError, match="batch_size=8"):
+        ActivationLoader(reader, site=5, batch_size=16, seed=1).load_state_dict(state)
+    with pytest.raises(ConfigError, match="version"):
+        loader.load_state_dict({**state, "version": 99})
+
+
+# ---------------------------------------------------------------------- options
+
+
+def test_normalisation_uses_stored_statistics(store):
+    reader, acts = store
+    stats = reader.statistics(5)
+    std = ActivationLoader(reader, site=5, batch_size=50, normalize="standardize", return_index=True)
+    x, r = next(iter(std))
+    # column 2 (the layer number) is constant: its std is 0 and the loader keeps it at 0
+    want = (expected(acts, r.numpy(), 1) - stats.mean) / np.maximum(np.sqrt(stats.var), 1e-6)
+    np.testing.assert_allclose(x.numpy(), want, rtol=1e-5, atol=1e-5)
+    shift, scale = std.normalization
+    np.testing.assert_allclose((x / scale + shift).numpy(), expected(acts, r.numpy(), 1), atol=1e-5)
+    norm = ActivationLoader(reader, site=5, batch_size=50, normalize="mean_norm", return_index=True)
+    x, r = next(iter(norm))
+    factor = np.sqrt(D) / stats.norm_mean
+    np.testing.assert_allclose(x.numpy(), expected(acts, r.numpy(), 1) * factor, rtol=1e-6)
+    norm.set_epoch(0)  # iteration continues where it stopped: rewind to see all rows
+    everything = torch.cat([b.acts for b in norm])
+    assert len(everything) == 37 * T
+    assert everything.norm(dim=1).mean().item() == pytest.approx(np.sqrt(D), rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_output_dtype(store, dtype):
+    reader, acts = store
+    loader = ActivationLoader(reader, sites=[2, 5], batch_size=20, dtype=dtype, return_index=True,
+                              normalize="mean_norm")  # fmt: skip
+    for x, r in loader:
+        assert x.dtype == getattr(torch, dtype) and x.shape == (len(r), 2, D)
+        want = np.stack([expected(acts, r, 0), expected(acts, r, 1)], axis=1)
+        scale = loader.normalization[1].numpy()[None]
+        torch.testing.assert_close(x, torch.from_numpy(want * scale).to(x.dtype))
+
+
+def test_batches_stay_valid_while_held(single):
+    reader, acts = single
+    loader = ActivationLoader(reader, batch_size=5, pool_blocks=1, return_index=True)
+    held = list(loader)  # every batch kept: buffers must not be reused under them
+    for x, r in held:
+        np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
+
+
+def test_buffers_are_reused_once_released():
+    buffers = Buffers((4, 2), np.float32)
+    i = buffers.acquire()
+    view = torch.from_numpy(buffers[i][:2])
+    buffers.release(i)
+    assert buffers.acquire(allocate=False) is None  # a batch still refers to it
+    del view
+    assert buffers.acquire(allocate=False) == i and len(buffers) == 1
+
+
+def test_plain_iteration_yields_tensors(store):
+    reader, _ = store
+    loader = ActivationLoader(reader, site=2, batch_size=64)
+    batches = list(loader)
+    assert all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 for b in batches)
+    assert [len(b) for b in batches] == [64] * (len(loader) - 1) + [37 * T - 64 * (len(loader) - 1)]
+    assert loader.memory_bytes == 2 * loader.pool_blocks * T * D * 4
+
+
+def test_loader_pickles(store):
+    reader, _ = store
+    loader = ActivationLoader(reader, site=5, batch_size=9, seed=2, return_index=True)
+    clone = pickle.loads(pickle.dumps(loader))
+    assert [r.tolist() for _, r in collect(clone)] == [r.tolist() for _, r in collect(loader)]
+
+
+def test_opens_a_path_and_plain_dataloader_with_workers(store):
+    reader, _ = store
+    loader = ActivationLoader(str(reader.path), site=5, batch_size=16, drop_cls=True)
+    rows = sum(len(b) for b in torch.utils.data.DataLoader(loader, batch_size=None, num_workers=2))
+    assert rows == 37 * (T - 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_transfer_from_pinned_memory(store):
+    reader, acts = store
+    for workers in (0, 2):
+        loader = ActivationLoader(reader, site=5, batch_size=16, device="cuda", return_index=True)
+        for x, r in ActivationDataLoader(loader, num_workers=workers):
+            assert x.is_cuda
+            np.testing.assert_array_equal(x.cpu().numpy(), expected(acts, r.cpu().numpy(), 1))
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def test_configuration_errors(store):
+    reader, _ = store
+    with pytest.raises(ConfigError, match="several sites"):
+        ActivationLoader(reader)
+    with pytest.raises(LayerNotStoredError):
+        ActivationLoader(reader, site=7)
+    with pytest.raises(ConfigError, match="not both"):
+        ActivationLoader(reader, site=2, sites=[2, 5])
+    with pytest.raises(ConfigError, match="batch_size"):
+        ActivationLoader(reader, site=2, batch_size=0)
+    with pytest.raises(ConfigError, match="dtype"):
+        ActivationLoader(reader, site=2, dtype="int8")
+    with pytest.raises(ConfigError, match="normalize"):
+        ActivationLoader(reader, site=2, normalize="whiten")
+    with pytest.raises(ConfigError, match="rank"):
+        ActivationLoader(reader, site=2, rank=3, world_size=2)
+    with pytest.raises(ConfigError, match="ActivationLoader"):
+        ActivationDataLoader(reader)
+    loader = ActivationLoader(reader, site=2)
+    with pytest.raises(ConfigError, match="batch_size"):
+        ActivationDataLoader(loader, batch_size=4)
+    with pytest.raises(ConfigError, match="persistent_workers"):
+        ActivationDataLoader(loader, num_workers=1, persistent_workers=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="CUDA"):
+            ActivationLoader(reader, site=2, pin_memory=True)
