@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,13 +78,22 @@ class StoreInfo:
     """Global index of this store's first sample."""
     lengths: dict[str, np.ndarray] = field(default_factory=dict)
     """Stored (capped) token lengths per part, int32 ``[n_samples]``."""
+    geometry: dict[str, tuple[str, str, int, int, int]] = field(init=False, repr=False)
+    """Per part: (array directory + "/", key separator, T_chunk, chunk bytes, row bytes)."""
+
+    def __post_init__(self) -> None:
+        row = self.layout.hidden_size * ACT_DTYPE.itemsize
+        self.geometry = {part: (f"{self.path}/{ACTIVATIONS[part]}/", self.separators[part],
+                                self.layout.t_chunk(part), self.layout.chunk_nbytes(part), row)
+                         for part in PARTS}  # fmt: skip
 
     @property
     def n_samples(self) -> int:
         return self.layout.n_samples
 
     def chunk_path(self, part: str, indices: Sequence[int]) -> str:
-        return f"{self.path}/{ACTIVATIONS[part]}/{chunk_key(indices, self.separators[part])}"
+        prefix, separator = self.geometry[part][:2]
+        return prefix + chunk_key(indices, separator)
 
 
 def open_store_info(path: Path, *, offset: int = 0) -> StoreInfo:
@@ -239,6 +247,8 @@ class ZarrReader:
         if not -n <= index < n:
             raise IndexOutOfRangeError(f"sample {index} out of range (0..{n - 1})")
         index = int(index) % n
+        if len(self.stores) == 1:
+            return 0, index
         k = int(np.searchsorted(self._starts, index, side="right")) - 1
         return k, index - self.stores[k].offset
 
@@ -266,13 +276,15 @@ class ZarrReader:
             raise IndexOutOfRangeError(f"layer position {layer_idx} out of range (0..{lay.n_layers - 1})")
         k, local = self.locate(i)
         store = self.stores[k]
-        n_rows = int(store.lengths[part][local]) if trim else max_len
+        n_real = int(store.lengths[part][local])
+        n_rows = n_real if trim else max_len
         if out is None:
             out = np.empty((n_rows, lay.hidden_size), dtype=ACT_DTYPE)
         elif out.shape != (n_rows, lay.hidden_size) or out.dtype != ACT_DTYPE or not out.flags.c_contiguous:
             raise ConfigError(f"out must be a C-contiguous float16 array of shape "
                               f"{(n_rows, lay.hidden_size)}, not {out.dtype} {out.shape}")  # fmt: skip
-        _read_rows(store, part, local, layer_idx, out)
+        _read_rows(store, part, local, layer_idx, out[:n_real])
+        out[n_real:] = 0  # padding is zeros (the writer stores it so; verify checks it)
         return out
 
     def read_batch(self, samples: Sequence[int] | np.ndarray, layers: Sequence[Sequence[int | str]] | np.ndarray,
@@ -283,7 +295,7 @@ class ZarrReader:
         samples = np.asarray(samples, dtype=np.int64).reshape(-1)
         layer_idx = np.array([[self.layout.layer_index(x) for x in row] for row in layers],
                              dtype=np.int64).reshape(len(samples), -1)  # fmt: skip
-        return self._read_batch_idx(samples, layer_idx, part, trim)
+        return self.read_batch_index(samples, layer_idx, part, trim)
 
     def random_batch(self, b: int, rng: np.random.Generator, *, n_layers: int = 2,
                      part: str = "response", trim: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
@@ -298,21 +310,22 @@ class ZarrReader:
         samples = rng.integers(0, lay.n_samples, size=b)
         layer_idx = np.stack([rng.choice(lay.n_layers, size=n_layers, replace=False)
                               for _ in range(b)])  # fmt: skip
-        acts, lengths = self._read_batch_idx(samples, layer_idx, part, trim)
+        acts, lengths = self.read_batch_index(samples, layer_idx, part, trim)
         return {"acts": acts, "lengths": lengths, "samples": samples,
                 "layers": np.asarray(lay.layers)[layer_idx],
                 "sites": np.asarray(lay.sites)[layer_idx]}  # fmt: skip
 
-    def _read_batch_idx(self, samples: np.ndarray, layer_idx: np.ndarray, part: str,
-                        trim: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def read_batch_index(self, samples: np.ndarray, layer_idx: np.ndarray, part: str = "response",
+                         trim: bool = False) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """:meth:`read_batch` with positions on the ``L`` axis (``layer_idx [b, k]``)."""
         lengths = self.lengths(part)[samples]
         width = int(lengths.max(initial=0)) if trim else self.layout.max_len(part)
         acts = np.zeros((len(samples), layer_idx.shape[1], width, self.layout.hidden_size),
                         dtype=ACT_DTYPE)  # fmt: skip
         for j, i in enumerate(samples):
+            k, local = self.locate(int(i))
             for m, idx in enumerate(layer_idx[j]):
-                target = acts[j, m, : lengths[j]] if trim else acts[j, m]
-                self.read_index(int(i), int(idx), part, trim=trim, out=target)
+                _read_rows(self.stores[k], part, local, int(idx), acts[j, m, : lengths[j]])
         return acts, lengths
 
     def dataset(self, part: str = "response", *, n_layers: int = 2, seed: int = 0,
@@ -524,7 +537,7 @@ class ZarrPairDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         idx = self.layers_of(i)
-        acts, lengths = self.reader._read_batch_idx(np.array([i]), idx[None], self.part, self.trim)
+        acts, lengths = self.reader.read_batch_index(np.array([i]), idx[None], self.part, self.trim)
         return {"acts": torch.from_numpy(acts[0]), "length": int(lengths[0]),
                 "layers": torch.from_numpy(np.asarray(self.reader.layout.layers)[idx]),
                 "index": int(i)}  # fmt: skip
@@ -533,17 +546,17 @@ class ZarrPairDataset(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray) -> None:
+def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray) -> int:
     """Fill ``out`` (``[n, H]`` float16, C order) with tokens ``0..n`` of one (sample, layer),
-    reading chunk files directly; a missing chunk is zeros (the fill value)."""
+    reading chunk files directly; a missing chunk is zeros (the fill value). Returns the
+    number of bytes read from files."""
     n_rows = out.shape[0]
-    t_chunk = store.layout.t_chunk(part)
+    prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
     view = memoryview(out.reshape(-1)).cast("B")
-    row_bytes = store.layout.hidden_size * ACT_DTYPE.itemsize
-    chunk_bytes = store.layout.chunk_nbytes(part)
-    for c in range(math.ceil(n_rows / t_chunk)):
+    n_read = 0
+    for c in range(-(-n_rows // t_chunk)):
         r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
-        path = store.chunk_path(part, (local, layer_idx, c, 0))
+        path = f"{prefix}{local}{sep}{layer_idx}{sep}{c}{sep}0"
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -562,8 +575,10 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
                 if got == 0:
                     raise CorruptStoreError(f"chunk {path} shrank while being read")
                 done += got
+            n_read += done
         finally:
             os.close(fd)
+    return n_read
 
 
 def _line_offsets(path: Path) -> np.ndarray:
@@ -636,18 +651,19 @@ def _verify_store(store: StoreInfo, group: Any, report: VerifyReport,
     response = np.empty((lay.n_layers, lay.r_max, lay.hidden_size), dtype=ACT_DTYPE)
     for local in range(lay.n_samples):
         h = xxhash.xxh3_128()
+        n_read = 0
         for part, slab in (("prompt", prompt), ("response", response)):
             for layer_idx in range(lay.n_layers):
                 try:
-                    _read_rows(store, part, local, layer_idx, slab[layer_idx])
+                    n_read += _read_rows(store, part, local, layer_idx, slab[layer_idx])
                 except CorruptStoreError as err:
                     report.faults.append(str(err))
                     slab[layer_idx] = 0
             h.update(memoryview(slab.reshape(-1)).cast("B"))
             non_finite += int(slab.size - np.count_nonzero(np.isfinite(slab)))
-        report.bytes_checked += prompt.nbytes + response.nbytes
+        report.bytes_checked += n_read
         if progress is not None:
-            progress(prompt.nbytes + response.nbytes)
+            progress(n_read)
         if h.hexdigest().encode("ascii") != digests[local]:
             report.faults.append(f"{where}: sample {local} does not match its stored digest "
                                  "(activation data was changed or lost)")  # fmt: skip

@@ -255,14 +255,20 @@ class ZarrWriter:
     # ------------------------------------------------------------------ writing
 
     def write(self, batch: Batch) -> None:
-        """Store ``batch``'s samples (ids must continue where the last batch ended)."""
+        """Store ``batch``'s samples (ids must continue where the last batch ended; samples
+        before that, e.g. before a shard's range, are skipped)."""
         if self.complete:
             raise CaptureError(f"{self.final_path} is already published")
         if self._tmp is None:
             raise CaptureError("this writer was closed or aborted")
         lay = self.layout
-        n = batch.n_examples
         lo = self._written
+        keep = batch.example_ids >= self.id_offset + lo  # rows before this store's range
+        if not keep.all():
+            batch = batch.select(keep)
+        n = batch.n_examples
+        if n == 0:
+            return
         expected = np.arange(self.id_offset + lo, self.id_offset + lo + n)
         if not np.array_equal(batch.example_ids, expected):
             raise CaptureError(f"batches must arrive in sample order: expected ids from "
@@ -271,11 +277,8 @@ class ZarrWriter:
             raise CaptureError(f"more samples than the {lay.n_samples} this store was sized for")
         p_full, r_full = _batch_lengths(batch)
         kept = [lay.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
-        index = _token_index(kept)
         prompt = np.zeros((n, lay.n_layers, lay.p_max, lay.hidden_size), dtype=ACT_DTYPE)
         response = np.zeros((n, lay.n_layers, lay.r_max, lay.hidden_size), dtype=ACT_DTYPE)
-        rows_b = np.concatenate([index["prompt"][0], index["response"][0]])
-        rows_t = np.concatenate([index["prompt"][1], index["response"][1]])
         for layer_idx, site in enumerate(lay.sites):
             tensor = batch.acts.get(site)
             if tensor is None:
@@ -284,13 +287,16 @@ class ZarrWriter:
                 raise CaptureError(f"site {site} has shape {tuple(tensor.shape)}; expected "
                                    f"({n}, {batch.n_tokens}, {lay.hidden_size})")  # fmt: skip
             half = tensor.detach().to(torch.float16).numpy()
-            for part, slab in (("prompt", prompt), ("response", response)):
-                b, t, dest = index[part]
-                slab[b, layer_idx, dest] = half[b, t]
             exact = tensor.detach()
             if exact.dtype not in (torch.float32, torch.float64):
                 exact = exact.to(torch.float32)
-            self._stats[layer_idx].update(exact.numpy()[rows_b, rows_t])
+            exact = exact.numpy()
+            real = []  # the stored tokens as captured, for the statistics
+            for b, (p0, pk, r0, rk) in enumerate(kept):
+                prompt[b, layer_idx, :pk] = half[b, p0 : p0 + pk]
+                response[b, layer_idx, :rk] = half[b, r0 : r0 + rk]
+                real += [exact[b, p0 : p0 + pk], exact[b, r0 : r0 + rk]]
+            self._stats[layer_idx].update(np.concatenate(real))
         self._acts["prompt"][lo : lo + n] = prompt
         self._acts["response"][lo : lo + n] = response
         self._append_sample_rows(batch, lo, p_full, r_full, kept, prompt, response)
@@ -460,20 +466,6 @@ def _batch_lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         raise CaptureError(f"prompt_len + response_len must fit the batch's {t} tokens; got "
                            f"{p.tolist()} + {r.tolist()}")  # fmt: skip
     return p, r
-
-
-def _token_index(kept: list[tuple[int, int, int, int]]) -> dict[str, tuple[np.ndarray, ...]]:
-    """(batch row, source token, destination token) index arrays of the kept tokens."""
-    out = {}
-    for part in PARTS:
-        b, src, dest = [], [], []
-        for row, (p0, pk, r0, rk) in enumerate(kept):
-            start, count = (p0, pk) if part == "prompt" else (r0, rk)
-            b.append(np.full(count, row))
-            src.append(np.arange(start, start + count))
-            dest.append(np.arange(count))
-        out[part] = tuple(np.concatenate(x).astype(np.int64) for x in (b, src, dest))
-    return out
 
 
 def _batch_texts(batch: Batch) -> tuple[list[str] | None, list[str] | None]:
