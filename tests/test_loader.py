@@ -126,6 +126,59 @@ def test_blocks_of_a_single_layer_store_vary_in_size(single):
     np.testing.assert_array_equal(np.concatenate(x), expected(acts, np.concatenate(r), 0))
 
 
+def format_cases():
+    """The conformance suite's cases of the formats whose readers work without a server."""
+    from test_saev_conformance import SaevCase
+
+    cases = [pytest.param(SaevCase(), id="saev")]
+    try:
+        from test_zarr_conformance import ZarrCase  # float16 rows, no scatter hook
+    except ImportError:
+        return cases
+    return [*cases, pytest.param(ZarrCase(t_chunk=2), id="zarr")]
+
+
+@pytest.mark.parametrize("case", format_cases())
+def test_any_format_through_the_reader_contract(case, tmp_path):
+    from conformance import make_acts, make_batches, make_plan
+
+    plan = make_plan()
+    acts = make_acts(plan)
+    reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, acts)))
+    sites = [case.site_name(s) for s in plan.sites]
+    want = [case.expected_rows(plan, acts, s).astype(case.stored_dtype) for s in plan.sites]
+    for workers in (1, 3):
+        for stream in range(workers):
+            loader = ActivationLoader(reader, sites=sites, batch_size=7, pool_blocks=3,
+                                      return_index=True, normalize="mean_norm")  # fmt: skip
+            factors = loader.normalization[1].numpy()
+            for x, r in loader._iterate(worker=stream, num_workers=workers, count=False):
+                assert x.dtype == torch.float32 and x.shape[1:] == (2, plan.d_model)
+                for k in range(2):
+                    np.testing.assert_allclose(x[:, k].numpy(), want[k][r.numpy()] * factors[k],
+                                               rtol=1e-6)  # fmt: skip
+    plain = ActivationLoader(reader, site=sites[0], batch_size=5, pool_blocks=2, return_index=True)
+    rows = np.concatenate([r.numpy() for _, r in plain])
+    assert sorted(rows.tolist()) == list(range(plan.n_examples * plan.tokens_per_example))
+
+
+class _NoHooks(SaevReader):
+    """A saev reader without the optional hooks: the loader's generic path."""
+
+    read_block_scatter = None
+    cls_rows = None
+
+
+def test_readers_without_optional_hooks(store):
+    reader, acts = store
+    plain = _NoHooks(reader.path)
+    loader = ActivationLoader(plain, site=5, batch_size=11, pool_blocks=2, return_index=True)
+    for x, r in loader:
+        np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 1))
+    with pytest.raises(ConfigError, match="drop_cls needs"):
+        ActivationLoader(plain, site=5, drop_cls=True)
+
+
 # ---------------------------------------------------------------------- determinism
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import ConfigError
 from ..formats import open_store
 from .order import batches_done_by_worker, plan_epoch, rank_span, worker_span
-from .pipeline import Consumer, Finish, Layout, first_rows, kept_rows
+from .pipeline import BufferSet, Consumer, Finish, Layout, first_rows, kept_rows
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,7 @@ class ActivationLoader(IterableDataset):
         self._batches_done = 0
         self._saved_workers: int | None = None  # consumers the position was counted with
         self._device_in_main = False  # set by ActivationDataLoader: workers skip pin/device
+        self._buffers: tuple[int, BufferSet] | None = None  # (pid, buffers), never pickled
 
     # ------------------------------------------------------------------ sizes
 
@@ -275,6 +276,17 @@ class ActivationLoader(IterableDataset):
 
     # ------------------------------------------------------------------ iteration
 
+    def _buffer_set(self) -> BufferSet:
+        """This process's buffers, made on first use and kept across epochs."""
+        if self._buffers is None or self._buffers[0] != os.getpid():
+            self._buffers = (os.getpid(), BufferSet(self.layout, batch_size=self.batch_size,
+                                                    pool_blocks=self.pool_blocks,
+                                                    out_dtype=self._finish.out_dtype))  # fmt: skip
+        return self._buffers[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_buffers": None}
+
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         if info is None:
@@ -322,9 +334,8 @@ class ActivationLoader(IterableDataset):
                 raise ConfigError("pin_memory/device act in the main process: wrap the loader "
                                   "in ActivationDataLoader, or use DataLoader(pin_memory=True)")
             finish = replace(finish, pin_memory=False, device=None)
-        consumer = Consumer(self.layout, plan, batch_size=cfg.batch_size,
-                            pool_blocks=self.pool_blocks, io_threads=cfg.io_threads,
-                            finish=finish)  # fmt: skip
+        consumer = Consumer(self.layout, plan, self._buffer_set(), batch_size=cfg.batch_size,
+                            io_threads=cfg.io_threads, finish=finish)  # fmt: skip
         log.debug("epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop)
         try:
             for batch in consumer.batches(start, span.stop):

@@ -141,21 +141,32 @@ class Finish:
     return_index: bool
 
 
-class Consumer:
-    """Serves stream rows ``[start, stop)`` of one epoch plan in batches; owns its threads
-    and buffers for the duration of one iteration."""
+class BufferSet:
+    """The buffers of one consumer process, kept across epochs (fresh memory is slow to
+    touch the first time): window pools, batches assembled across windows, a float32
+    stage (normalising non-float32 rows) and the output dtype."""
 
-    def __init__(self, layout: Layout, plan: EpochPlan, *, batch_size: int,
-                 pool_blocks: int, io_threads: int, finish: Finish) -> None:  # fmt: skip
+    def __init__(self, layout: Layout, *, batch_size: int, pool_blocks: int,
+                 out_dtype: torch.dtype) -> None:  # fmt: skip
+        max_block = max((b.n_rows for b in layout.blocks[0]), default=0)
+        self.pools = Buffers((max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model),
+                             layout.dtype)  # fmt: skip
+        row_shape = (batch_size, layout.n_sites, layout.d_model)
+        self.carry = Buffers(row_shape, layout.dtype)
+        self.stage = Buffers(row_shape, np.float32)
+        self.out = Buffers(row_shape, _NUMPY_STORAGE[out_dtype])
+
+
+class Consumer:
+    """Serves stream rows ``[start, stop)`` of one epoch plan in batches; owns its read
+    threads for the duration of one iteration."""
+
+    def __init__(self, layout: Layout, plan: EpochPlan, buffers: BufferSet, *, batch_size: int,
+                 io_threads: int, finish: Finish) -> None:  # fmt: skip
         self.layout, self.plan, self.finish = layout, plan, finish
         self.batch_size = batch_size
-        max_block = max((b.n_rows for b in layout.blocks[0]), default=0)
-        self._pools = Buffers((max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model),
-                              layout.dtype)  # fmt: skip
-        row_shape = (batch_size, layout.n_sites, layout.d_model)
-        self._carry = Buffers(row_shape, layout.dtype)
-        self._stage = Buffers(row_shape, np.float32)
-        self._out = Buffers(row_shape, _NUMPY_STORAGE[finish.out_dtype])
+        self._pools, self._carry = buffers.pools, buffers.carry
+        self._stage, self._out = buffers.stage, buffers.out
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="actstore-io")
         self._scratch = threading.local()
 
@@ -164,10 +175,10 @@ class Consumer:
 
     # ------------------------------------------------------------------ reading windows
 
-    def _submit(self, w: int, pool: int) -> list[Future]:
-        """Start reading window ``w`` into pool ``pool``; returns the block futures."""
+    def _submit(self, w: int, pool: int, perm: np.ndarray) -> list[Future]:
+        """Start reading window ``w`` into pool ``pool`` so that position ``p`` holds window
+        row ``perm[p]``; returns the block futures."""
         plan, layout = self.plan, self.layout
-        perm = plan.window_permutation(w)
         slot = np.empty_like(perm)
         slot[perm] = np.arange(len(perm))
         futures, offset = [], 0
@@ -199,7 +210,7 @@ class Consumer:
         keep = dest >= 0
         out[dest[keep]] = rows[keep]
 
-    def _row_ids(self, w: int) -> np.ndarray:
+    def _row_ids(self, w: int, perm: np.ndarray) -> np.ndarray:
         """Storage row of each served position of window ``w``."""
         layout, parts = self.layout, []
         for i in self.plan.window_blocks(w):
@@ -208,7 +219,7 @@ class Consumer:
             mask = layout.kept_mask(i)
             parts.append(layout.first_row[i] + (local if mask is None else local[mask]))
         ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
-        return ids[self.plan.window_permutation(w)]
+        return ids[perm]
 
     # ------------------------------------------------------------------ serving batches
 
@@ -220,7 +231,7 @@ class Consumer:
             return
         first, last = plan.window_of(start), plan.window_of(stop - 1)
         todo = deque(w for w in range(first, last + 1) if plan.window_rows(w))
-        loaded: deque[tuple[int, int, list[Future]]] = deque()
+        loaded: deque[tuple[int, int, np.ndarray, list[Future]]] = deque()
 
         def prefetch() -> None:
             # Keep the window being served and the next one in pools. Two pools are made;
@@ -231,16 +242,17 @@ class Consumer:
                 if pool is None:
                     return
                 w = todo.popleft()
-                loaded.append((w, pool, self._submit(w, pool)))
+                perm = plan.window_permutation(w)
+                loaded.append((w, pool, perm, self._submit(w, pool, perm)))
 
         carry: tuple[int, int] | None = None  # (carry buffer, rows filled)
         carry_ids: list[np.ndarray] = []
         prefetch()
         while loaded:
-            w, pool, futures = loaded[0]
+            w, pool, perm, futures = loaded[0]
             for future in futures:
                 future.result()
-            ids = self._row_ids(w) if self.finish.return_index else None
+            ids = self._row_ids(w, perm) if self.finish.return_index else None
             base = int(plan.row_starts[w])
             pos = max(start, base) - base
             end = min(stop, int(plan.row_starts[w + 1])) - base

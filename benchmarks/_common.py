@@ -1,0 +1,79 @@
+"""Small helpers shared by the benchmark scripts: timing, page-cache eviction, tables.
+
+Example:
+    >>> with Timer() as t:
+    ...     sum(range(10))
+    45
+    >>> t.seconds >= 0
+    True
+    >>> print(table(["what", "GB/s"], [["read", 1.5]]))
+    what | GB/s
+    ---- | ----
+    read | 1.50
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+
+class Timer:
+    """``with Timer() as t: ...`` then ``t.seconds`` (wall clock, perf_counter)."""
+
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        self.seconds = 0.0
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = self.elapsed()
+
+    def elapsed(self) -> float:
+        """Seconds since the ``with`` block began (also inside it)."""
+        return time.perf_counter() - self.start
+
+
+def evict(paths: Iterable[str | os.PathLike]) -> None:
+    """Drop ``paths`` from the page cache (``POSIX_FADV_DONTNEED``; needs no root, works on
+    clean pages), so the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: str | os.PathLike, pattern: str = "*") -> list[Path]:
+    """Regular files under ``root`` matching ``pattern``, sorted."""
+    return sorted(p for p in Path(root).rglob(pattern) if p.is_file())
+
+
+def sequential_read(paths: Sequence[str | os.PathLike], chunk: int = 8 << 20) -> tuple[int, float]:
+    """``dd``-style read of ``paths`` into one reused buffer: (bytes, seconds)."""
+    buf = bytearray(chunk)
+    total = 0
+    with Timer() as t:
+        for path in paths:
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    total += n
+    return total, t.seconds
+
+
+def fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.2f}"
+    return str(value)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A Markdown table (pipes, aligned columns) of ``rows`` under ``header``."""
+    cells = [list(header)] + [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, " | ".join("-" * w for w in widths))
+    return "\n".join(lines)

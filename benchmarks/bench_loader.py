@@ -1,0 +1,302 @@
+"""Benchmark the training loader against the physical limit and the naive approach.
+
+On one synthetic saev store (written once with SaevWriter, then reused), in one run:
+
+- sequential read of the shard files (``dd``-style ``readinto`` of a reused 8 MiB buffer):
+  the physical limit every ratio is measured against;
+- ``ActivationLoader`` iterated in-process (blocks read by ``--io-threads`` threads) and
+  under ``ActivationDataLoader`` with ``--workers`` worker processes: one epoch each,
+  rows/s, MB/s, ratio to sequential (target >= 0.7);
+- the naive approach: a map-style Dataset indexing a memmap per row under
+  ``DataLoader(shuffle=True)``, for ``--naive-seconds`` (target: the loader >= 10x);
+- time to first batch (open the store, build the loader, first batch; target < 2 s),
+  and resume cost (``load_state_dict`` to first batch, mid-epoch);
+- shuffle quality: the fraction of same-example row pairs in a batch, measured, against
+  the formula ``(T-1)/(R-1)`` for a window of R rows and the ideal uniform shuffle.
+
+"cold" runs evict the shard files from the page cache first (``POSIX_FADV_DONTNEED``);
+"warm" runs read them from the page cache. Keep the store below free RAM for warm runs.
+
+Usage:
+    python benchmarks/bench_loader.py                 # 3 GiB store, a few minutes
+    python benchmarks/bench_loader.py --gib 8 --workers 0,2,4 --naive-seconds 20
+    python benchmarks/bench_loader.py --gib 0.5 --skip-naive   # quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Timer, evict, files_under, sequential_read, table  # noqa: E402
+
+from actstore.batch import Batch  # noqa: E402
+from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter  # noqa: E402
+from actstore.formats.saev.layout import encode_data  # noqa: E402
+from actstore.loader import ActivationDataLoader, ActivationLoader  # noqa: E402
+
+SAEV_PUBLISHED = 3500  # saev's shuffled loader, patches/s (its docs), for context only
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Results go to stdout as Markdown tables (and --json). The store is reused "
+               "across runs when the same size options are given.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--data-dir", type=Path, default=Path("/tmp/actstore-bench-loader"),
+                   help="where the synthetic store is written (and found again)")
+    p.add_argument("--gib", type=float, default=3.0, help="size of the store in GiB")
+    p.add_argument("--d-model", type=int, default=1024, help="activation width D")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per example T")
+    p.add_argument("--layers", type=int, default=1,
+                   help="layers stored; with 1 a block groups examples (1 MiB), with more "
+                        "a block is one example of one layer")
+    p.add_argument("--shard-gib", type=float, default=1.0, help="size of one shard file")
+    p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--pool-mib", type=int, default=256, help="shuffle window size")
+    p.add_argument("--io-threads", type=int, default=4, help="read threads per consumer")
+    p.add_argument("--workers", default="2",
+                   help="comma-separated ActivationDataLoader worker counts to measure "
+                        "(in-process iteration is always measured)")
+    p.add_argument("--naive-seconds", type=float, default=10.0,
+                   help="time budget for each naive baseline run")
+    p.add_argument("--naive-workers", default="0,2", help="DataLoader workers for the naive run")
+    p.add_argument("--skip-naive", action="store_true")
+    p.add_argument("--skip-cold", action="store_true", help="warm (page cache) runs only")
+    p.add_argument("--mixing-pools", default="16,64,256",
+                   help="window sizes (MiB) for the shuffle-quality measurement")
+    p.add_argument("--json", type=Path, help="also write all results here")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------- the store
+
+
+def build_store(args: argparse.Namespace) -> Path:
+    """Write (or find) a saev store of about ``--gib`` GiB of float32 activations."""
+    d, t, n_layers = args.d_model, args.tokens, args.layers
+    example_bytes = n_layers * t * d * 4
+    n_examples = max(1, int(args.gib * 2**30 // example_bytes))
+    per_shard = max(1, int(args.shard_gib * 2**30 // example_bytes))
+    md = SaevMetadata(family="gpt2", ckpt="synthetic-bench", layers=tuple(range(n_layers)),
+                      patches_per_ex=t, cls_token=False, d_model=d, n_examples=n_examples,
+                      patches_per_shard=per_shard * t * n_layers,
+                      data=encode_data({"kind": "synthetic"}), dataset="synthetic")  # fmt: skip
+    writer = SaevWriter(md, args.data_dir)
+    if writer.complete:
+        return writer.final_dir
+    rng = np.random.default_rng(0)
+    chunk = 16
+    base = rng.standard_normal((chunk, t, d)).astype(np.float32)
+    with tqdm(total=n_examples * example_bytes, unit="B", unit_scale=True,
+              desc="writing the benchmark store") as bar:  # fmt: skip
+        for lo in range(writer.resume_from - writer.resume_from % chunk, n_examples, chunk):
+            n = min(chunk, n_examples - lo)
+            acts = base[:n] + np.arange(lo, lo + n, dtype=np.float32)[:, None, None] * 1e-3
+            acts[:, :, 0] = np.arange(lo, lo + n)[:, None]  # column 0 names the example
+            tensor = torch.from_numpy(acts)
+            writer.write(Batch(acts={f"resid.{layer}": tensor for layer in range(n_layers)},
+                               example_ids=np.arange(lo, lo + n)))  # fmt: skip
+            bar.update(n * example_bytes)
+    return writer.close()
+
+
+# ---------------------------------------------------------------------- measurements
+
+
+def run_epoch(make_iterable, row_bytes: int) -> dict[str, float]:
+    """One epoch: rows, seconds, time to first batch (from building the iterable)."""
+    rows = 0
+    with Timer() as t:
+        iterable = make_iterable()
+        it = iter(iterable)
+        first = next(it)
+        first_s = t.elapsed()
+        rows += len(first)
+        del first
+        for batch in it:
+            rows += len(batch)
+    return {"rows": rows, "seconds": t.seconds, "first_batch_s": first_s,
+            "rows_per_s": rows / t.seconds, "mb_per_s": rows * row_bytes / t.seconds / 1e6}  # fmt: skip
+
+
+class NaiveRows(Dataset):
+    """What a user writes first: one memmap row per ``__getitem__``, shuffled by the
+    DataLoader (its ``default_collate`` stacks the rows)."""
+
+    def __init__(self, path: Path, layer: int) -> None:
+        self.reader = SaevReader(path)
+        self.layer = self.reader.metadata.layer_index(layer)
+        self.t = self.reader.tokens_per_ex
+        self.maps: list[np.memmap] | None = None
+
+    def __len__(self) -> int:
+        return self.reader.n_examples * self.t
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.maps is None:
+            self.maps = [self.reader._memmap(s) for s in range(self.reader.metadata.n_shards)]
+        example, token = divmod(i, self.t)
+        shard, row = divmod(example, self.reader.metadata.examples_per_shard)
+        return torch.from_numpy(np.array(self.maps[shard][row, self.layer, token]))
+
+
+def run_naive(path: Path, layer: int, batch: int, workers: int, seconds: float,
+              row_bytes: int) -> dict[str, float]:  # fmt: skip
+    data = DataLoader(NaiveRows(path, layer), batch_size=batch, shuffle=True,
+                      num_workers=workers, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    rows = 0
+    with Timer() as t:
+        for x in data:
+            rows += len(x)
+            if t.elapsed() > seconds:
+                break
+    return {"rows": rows, "seconds": t.seconds, "rows_per_s": rows / t.seconds,
+            "mb_per_s": rows * row_bytes / t.seconds / 1e6}  # fmt: skip
+
+
+def same_example_fraction(rows: np.ndarray, tokens: int) -> tuple[float, float]:
+    """(fraction of row pairs of one batch from the same example, distinct examples)."""
+    _, counts = np.unique(rows // tokens, return_counts=True)
+    pairs = len(rows) * (len(rows) - 1) / 2
+    return float((counts * (counts - 1) / 2).sum() / pairs), float(len(counts))
+
+
+def measure_mixing(path: Path, args: argparse.Namespace, layer: int, n_batches: int = 24
+                   ) -> list[list[object]]:  # fmt: skip
+    out = []
+    reader = SaevReader(path)
+    t, n_rows = reader.tokens_per_ex, reader.n_examples * reader.tokens_per_ex
+    ideal = (t - 1) / (n_rows - 1)
+    for mib in [int(x) for x in args.mixing_pools.split(",") if x]:
+        loader = make_loader(path, args, layer, pool_mib=mib, return_index=True)
+        window = min(loader.pool_blocks * (reader.blocks(layer)[0].n_rows), n_rows)
+        fractions, distinct = [], []
+        for i, batch in enumerate(loader):
+            f, k = same_example_fraction(batch.rows.numpy(), t)
+            fractions.append(f)
+            distinct.append(k)
+            if i + 1 == n_batches:
+                break
+        formula = (t - 1) / (window - 1)
+        b = args.batch_size
+        distinct_formula = (window / t) * (1 - math.exp(t * math.log1p(-min(b / window, 1 - 1e-12))))
+        out.append([f"{mib} MiB ({loader.pool_blocks} blocks, {window:,} rows)",
+                    float(np.mean(fractions)), formula, ideal, float(np.mean(distinct)),
+                    distinct_formula])  # fmt: skip
+    return out
+
+
+def make_loader(path, args, layer, *, pool_mib=None, **options) -> ActivationLoader:
+    reader = SaevReader(path)
+    block_bytes = reader.blocks(layer)[0].n_rows * reader.d_model * 4
+    pool_blocks = max(1, ((pool_mib or args.pool_mib) << 20) // block_bytes)
+    return ActivationLoader(reader, site=layer, batch_size=args.batch_size, pool_blocks=pool_blocks,
+                            io_threads=args.io_threads, **options)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    path = build_store(args)
+    files = files_under(path, "acts*.bin")
+    layer = 0
+    reader = SaevReader(path)
+    row_bytes = reader.d_model * 4
+    total_bytes = sum(f.stat().st_size for f in files)
+    print(f"store: {path} ({total_bytes / 2**30:.2f} GiB in {len(files)} shards, "
+          f"{reader.n_examples:,} examples x {reader.tokens_per_ex} tokens x D={reader.d_model}, "
+          f"{len(reader.blocks(layer)):,} blocks)\n")
+    caches = ["warm"] if args.skip_cold else ["cold", "warm"]
+    worker_counts = [int(x) for x in args.workers.split(",") if x.strip()]
+    results: dict[str, dict] = {}
+    rows_table = []
+    for cache in caches:
+        if cache == "cold":
+            evict(files)
+        else:
+            sequential_read(files)  # make sure every page is cached
+        nbytes, seconds = sequential_read(files)
+        seq = {"rows": nbytes // row_bytes, "seconds": seconds, "rows_per_s": nbytes / row_bytes / seconds,
+               "mb_per_s": nbytes / seconds / 1e6}  # fmt: skip
+        results[f"sequential/{cache}"] = seq
+        rows_table.append(["sequential read (dd-style)", cache, seq["rows_per_s"], seq["mb_per_s"], 1.0, ""])
+        configs = [("ActivationLoader in-process", None)] + [
+            (f"ActivationDataLoader, {n} workers", n) for n in worker_counts if n > 0]
+        for name, workers in configs:
+            if cache == "cold":
+                evict(files)
+
+            def make(workers=workers):
+                loader = make_loader(path, args, layer)
+                return loader if workers is None else ActivationDataLoader(loader, num_workers=workers)
+
+            res = run_epoch(make, row_bytes)
+            results[f"{name}/{cache}"] = res
+            rows_table.append([name, cache, res["rows_per_s"], res["mb_per_s"],
+                               res["mb_per_s"] / seq["mb_per_s"], ">= 0.7"])  # fmt: skip
+        if not args.skip_naive:
+            best = results[f"ActivationLoader in-process/{cache}"]["rows_per_s"]
+            for workers in [int(x) for x in args.naive_workers.split(",") if x.strip()]:
+                if cache == "cold":
+                    evict(files)
+                res = run_naive(path, layer, args.batch_size, workers, args.naive_seconds, row_bytes)
+                results[f"naive {workers} workers/{cache}"] = res
+                rows_table.append([f"naive map-style + DataLoader(shuffle=True), {workers} workers",
+                                   cache, res["rows_per_s"], res["mb_per_s"],
+                                   res["mb_per_s"] / seq["mb_per_s"],
+                                   f"loader is {best / res['rows_per_s']:.0f}x (>= 10x)"])  # fmt: skip
+    print(table(["what", "cache", "rows/s", "MB/s", "vs sequential", "target"], rows_table))
+
+    # time to first batch and resume cost, cold (the worst case)
+    latency = []
+    evict(files)
+    with Timer() as t:
+        loader = make_loader(path, args, layer)
+        next(iter(loader))
+    latency.append(["time to first batch (open store, build loader, first batch)", "cold", t.seconds, "< 2 s"])
+    loader = make_loader(path, args, layer)
+    it = iter(loader)
+    for _ in range(len(loader) // 2):
+        next(it)
+    state = loader.state_dict()
+    del it
+    for cache in caches:
+        if cache == "cold":
+            evict(files)
+        resumed = make_loader(path, args, layer)
+        with Timer() as t:
+            resumed.load_state_dict(state)
+            next(iter(resumed))
+        latency.append([f"resume at batch {state['batches']:,} of {len(loader):,} "
+                        "(load_state_dict to first batch)", cache, t.seconds, "O(1 window)"])  # fmt: skip
+    results["latency"] = {row[0] + "/" + row[1]: row[2] for row in latency}
+    print()
+    print(table(["what", "cache", "seconds", "target"], latency))
+    print(f"\nmemory bound per consumer: {loader.memory_bytes / 2**20:.0f} MiB "
+          f"(2 windows x {loader.pool_blocks} blocks x block bytes)")
+    best = results[f"ActivationLoader in-process/{caches[-1]}"]["rows_per_s"]
+    print(f"saev's published shuffled loader: ~{SAEV_PUBLISHED:,} patches/s (context only; "
+          f"other hardware); this run: {best:,.0f} rows/s {caches[-1]}")
+
+    mixing = measure_mixing(path, args, layer)
+    results["mixing"] = mixing
+    print()
+    print(table(["window", "same-example pairs (measured)", "formula (T-1)/(R-1)",
+                 "ideal uniform", "distinct examples/batch", "formula"], mixing))  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
