@@ -60,16 +60,25 @@ class TokenText:
             return cls(None)
 
     def pieces(self, ids: list[int] | np.ndarray) -> list[str]:
-        """The text of each token, whitespace made visible."""
+        """The text each token adds in context (spaces included), whitespace made visible.
+
+        Each piece is what decoding one more token appends, so word-piece, byte-level and
+        sentencepiece tokenizers all show their real spacing; where the decoded prefix
+        changes (a multi-byte character split over tokens) the token is shown alone.
+        """
         ids = [int(i) for i in ids]
         if self.tokenizer is None:
             return [f"<{i}>" for i in ids]
-        out = []
-        for token in self.tokenizer.convert_ids_to_tokens(ids):
-            text = self.tokenizer.convert_tokens_to_string([token])
-            if token in self.tokenizer.all_special_tokens:
-                text = token
-            out.append("".join(_VISIBLE.get(ch, ch) for ch in text) or "∅")
+        tokens = self.tokenizer.convert_ids_to_tokens(ids)
+        out, before = [], ""
+        for i, token in enumerate(tokens):
+            text = self.tokenizer.decode(ids[: i + 1], clean_up_tokenization_spaces=False)
+            if text.startswith(before):
+                piece = text[len(before) :]
+            else:
+                piece = self.tokenizer.convert_tokens_to_string([token])
+            before = text
+            out.append("".join(_VISIBLE.get(ch, ch) for ch in piece) or "∅")
         return out
 
 
