@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -231,19 +231,31 @@ def evaluate(sae: SparseAutoencoder, reader, layer: int, *, tokens: str = "conte
             "dead_fraction": float((~fired).float().mean()), "rows": stats.n}  # fmt: skip
 
 
-def training_batches(reader, layer: int, config: TrainConfig) -> Iterable[torch.Tensor]:
-    """Shuffled ``[batch_size, d_model]`` batches of ``layer``, endlessly (epoch after epoch)."""
-    # TEMPORARY until actstore.loader lands: whole layer in RAM, reshuffled every epoch.
-    import numpy as np
+def training_batches(reader, layer: int, config: TrainConfig) -> Iterator[torch.Tensor]:
+    """Shuffled ``[batch_size, d_model]`` batches of ``layer`` from the shared loader,
+    epoch after epoch (each epoch in a fresh order), without end.
 
-    rows = np.concatenate([r.acts for r in ordered_rows(reader, layer, tokens=config.tokens)])
-    if len(rows) < config.batch_size:
-        raise ConfigError(f"{len(rows)} rows cannot fill one batch of {config.batch_size}")
-    rng = np.random.default_rng(config.seed)
+    ``config.loader`` passes extra :class:`~actstore.loader.LoaderConfig` options
+    (``pool_blocks``, ``io_threads``...). On CUDA, batches arrive pinned and on the device.
+    """
+    from ..loader import ActivationLoader, LoaderConfig
+
+    device = resolve_device(config.device)
+    options = {"device": str(device)} if device.type == "cuda" else {}
+    loader = ActivationLoader(reader, LoaderConfig(
+        site=layer, batch_size=config.batch_size, seed=config.seed, drop_last=True,
+        drop_cls=config.tokens == "content" and reader.metadata.cls_token,
+        **{**options, **config.loader},
+    ))  # fmt: skip
+    if len(loader) == 0:
+        raise ConfigError(
+            f"{loader.n_rows} training rows cannot fill one batch of {config.batch_size}; "
+            "lower --batch-size or capture more examples"
+        )
+    log.info("loader: %d rows per epoch, %d batches, shuffle window of %d blocks (%.0f MiB)",
+             loader.n_rows, len(loader), loader.pool_blocks, loader.memory_bytes / 2**20)  # fmt: skip
     while True:
-        order = rng.permutation(len(rows))
-        for lo in range(0, len(order) - config.batch_size + 1, config.batch_size):
-            yield torch.from_numpy(rows[order[lo : lo + config.batch_size]])
+        yield from loader
 
 
 def train_run(run, config: TrainConfig, *, progress: bool = True) -> TrainResult:
