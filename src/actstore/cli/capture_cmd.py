@@ -81,6 +81,17 @@ def capture(
     split: str = typer.Option("train", help="Split of a saved HF DatasetDict."),
     text_field: str = typer.Option("text", help="Text field of JSONL records / HF datasets."),
     progress: bool = typer.Option(True, help="Show progress bars."),
+    ray: str = typer.Option(
+        None, help="Distributed: run --workers Ray tasks, one slice of the dataset each, then "
+        "merge. 'local' starts a private cluster on this machine (127.0.0.1 only); 'auto', "
+        "HOST:PORT or ray://HOST:PORT joins a running one (shared file system needed)."),
+    workers: int = typer.Option(2, help="Distributed with --ray: number of workers (slices)."),
+    retries: int = typer.Option(2, help="Distributed with --ray: retries of a failed slice."),
+    machine_id: int = typer.Option(
+        None, help="Distributed without Ray: capture slice MACHINE_ID of --num-machines "
+        "(default: SLURM_ARRAY_TASK_ID); the last machine to finish merges."),
+    num_machines: int = typer.Option(
+        None, help="Distributed without Ray: number of slices (default: SLURM_ARRAY_TASK_COUNT)."),
     mode: str = typer.Option(
         "packed", help="'packed': text packed into --context-length contexts; "
         "'prompt-response': one sample per JSONL/HF record of a prompt and a response, prompt "
@@ -122,6 +133,14 @@ def capture(
         mode=mode.replace("-", "_"), prompt_field=prompt_field, response_field=response_field,
         generate_max_new_tokens=generate_max_new_tokens, chat_template=chat_template,
     )  # fmt: skip
+    from ..dist import slurm_machine
+
+    if ray is not None or machine_id is not None or num_machines is not None or slurm_machine():
+        from .dist_cmd import run_distributed_capture
+
+        run_distributed_capture(config, fmt, out, options, ray=ray, workers=workers,
+                                retries=retries, machine_id=machine_id, num_machines=num_machines)
+        return
     result = run_capture(config, lambda plan: spec.writer_for_plan(plan, out, options))
     location = result.output
     reader = open_store(location)

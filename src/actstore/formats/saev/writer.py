@@ -200,7 +200,7 @@ class SaevWriter:
                                         f"delete {self.partial_dir} and capture again")  # fmt: skip
         atomic_write_json(self.partial_dir / PROGRESS, {"shards": kept})
         log.info("resuming %s: %d finished shards (%d examples) kept",
-                 self.partial_dir, len(kept), self.resume_from)  # fmt: skip
+                 self.partial_dir, len(kept), self.resume_from - self.example_range[0])  # fmt: skip
 
     # ------------------------------------------------------------------ writing
 
