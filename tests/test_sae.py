@@ -51,6 +51,18 @@ def test_topk_keeps_exactly_k_and_matches_a_dense_reference():
     torch.testing.assert_close(x_hat, f @ sae.W_dec + sae.b_dec)
 
 
+def test_topk_codes_are_the_sparse_form_of_encode():
+    sae = make_sae(k=5)
+    x = torch.randn(40, 8)
+    values, indices = sae.topk_codes(x)
+    assert values.shape == indices.shape == (40, 5)
+    assert (indices.diff(dim=1) > 0).all()  # ascending within each row
+    dense = torch.zeros(40, 32).scatter_(1, indices, values)
+    assert torch.equal(dense, sae.encode(x))
+    with pytest.raises(ConfigError, match="topk"):
+        make_sae("relu").topk_codes(x)
+
+
 def test_relu_variant_is_relu_of_the_affine_map():
     sae = make_sae("relu")
     x = torch.randn(16, 8)

@@ -71,18 +71,27 @@ def encode_store(sae: SparseAutoencoder, reader: SaevReader, layer: int, *, toke
         for rows in ordered_rows(reader, layer, tokens=tokens, batch_rows=batch_rows):
             for lo in range(0, len(rows.acts), batch_rows):
                 x = torch.from_numpy(rows.acts[lo : lo + batch_rows]).to(device)
-                parts.append(_to_csr(sae.encode(x)))
+                parts.append(_encode_csr(sae, x))
                 bar.update(len(x))
     return SparseActs.concatenate(parts, sae.config.d_sae)
 
 
-def _to_csr(f: torch.Tensor) -> SparseActs:
-    """CSR of dense latents ``f`` (``nonzero`` lists entries row by row, columns ascending)."""
-    rows, cols = f.nonzero(as_tuple=True)
-    indptr = torch.zeros(f.shape[0] + 1, dtype=torch.int64, device=f.device)
-    torch.cumsum(torch.bincount(rows, minlength=f.shape[0]), 0, out=indptr[1:])
-    return SparseActs(f[rows, cols].float().cpu().numpy(), cols.to(torch.int32).cpu().numpy(),
-                      indptr.cpu().numpy(), f.shape[1])  # fmt: skip
+def _encode_csr(sae: SparseAutoencoder, x: torch.Tensor) -> SparseActs:
+    """CSR of the latents of ``x``: TopK straight from its k codes per row, ReLU from the
+    dense latents (``nonzero`` lists entries row by row, columns ascending)."""
+    if sae.config.kind == "topk":
+        values, indices = sae.topk_codes(x)
+        keep = values > 0
+        counts = keep.sum(1)
+        cols, vals = indices[keep], values[keep]  # row-major, so rows stay in order
+    else:
+        f = sae.encode(x)
+        rows, cols = f.nonzero(as_tuple=True)
+        vals, counts = f[rows, cols], torch.bincount(rows, minlength=f.shape[0])
+    indptr = torch.zeros(x.shape[0] + 1, dtype=torch.int64, device=x.device)
+    torch.cumsum(counts, 0, out=indptr[1:])
+    return SparseActs(vals.float().cpu().numpy(), cols.to(torch.int32).cpu().numpy(),
+                      indptr.cpu().numpy(), sae.config.d_sae)  # fmt: skip
 
 
 def infer_run(run: Run, shards: str = "val", config: InferenceConfig | None = None, *,

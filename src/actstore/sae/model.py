@@ -115,6 +115,16 @@ class SparseAutoencoder(nn.Module):
         values, indices = pre.topk(self.config.k, dim=-1, sorted=False)
         return torch.zeros_like(pre).scatter_(-1, indices, values)
 
+    def topk_codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TopK only: ``(values, indices)`` ``[B, k]`` of the latents of raw ``x``, indices
+        ascending within each row (values may be 0 where fewer than k are positive)."""
+        if self.config.kind != "topk":
+            raise ConfigError("topk_codes needs a topk SAE")
+        pre = torch.relu((self.normalise(x) - self.b_dec) @ self.W_enc + self.b_enc)
+        values, indices = pre.topk(self.config.k, dim=-1, sorted=False)
+        indices, order = indices.sort(dim=-1)
+        return values.gather(-1, order), indices
+
     def decode_normalised(self, f: torch.Tensor) -> torch.Tensor:
         return f @ self.W_dec + self.b_dec
 
