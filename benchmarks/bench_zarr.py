@@ -153,24 +153,31 @@ def bench_queries(reader: ZarrReader, plain, queries: np.ndarray, part: str) -> 
 def bench_batches(reader: ZarrReader, plain, b: int, n_batches: int, part: str) -> dict[str, dict]:
     array = plain[f"arrays/{part}_activations"]
     lay = reader.layout
+    lens = reader.lengths(part)
     rng = np.random.default_rng(1)
-    times = {"actstore": [], "zarr-python": [], "raw numpy": []}
-    for _ in range(n_batches):
-        samples = rng.integers(0, lay.n_samples, b)
-        layer_idx = np.stack([rng.choice(lay.n_layers, 2, replace=False) for _ in range(b)])
-        t0 = time.perf_counter_ns()
-        reader.read_batch_index(samples, layer_idx, part, trim=False)
-        times["actstore"].append(time.perf_counter_ns() - t0)
-        t0 = time.perf_counter_ns()
-        np.stack([np.stack([array[int(i), int(k)] for k in row]) for i, row in zip(samples, layer_idx)])
-        times["zarr-python"].append(time.perf_counter_ns() - t0)
-        t0 = time.perf_counter_ns()
+
+    def zarr_python(samples, layer_idx):
+        return np.stack([np.stack([array[int(i), int(k)] for k in row])
+                         for i, row in zip(samples, layer_idx)])  # fmt: skip
+
+    def raw(samples, layer_idx):
         out = np.zeros((b, 2, lay.max_len(part), lay.hidden_size), dtype=ACT_DTYPE)
-        lens = reader.lengths(part)
         for j, (i, row) in enumerate(zip(samples, layer_idx)):
             for m, k in enumerate(row):
                 raw_read(reader, int(i), int(k), part, int(lens[i]), out[j, m, : lens[i]])
-        times["raw numpy"].append(time.perf_counter_ns() - t0)
+        return out
+
+    methods = [("actstore", lambda s, li: reader.read_batch_index(s, li, part)),
+               ("zarr-python", zarr_python), ("raw numpy", raw)]  # fmt: skip
+    times = {name: [] for name, _ in methods}
+    for n in range(n_batches):
+        samples = rng.integers(0, lay.n_samples, b)
+        layer_idx = np.stack([rng.choice(lay.n_layers, 2, replace=False) for _ in range(b)])
+        for name, fn in methods[n % 3 :] + methods[: n % 3]:  # rotate the order
+            t0 = time.perf_counter_ns()
+            result = fn(samples, layer_idx)
+            times[name].append(time.perf_counter_ns() - t0)
+            del result
     return {name: summary(ns) for name, ns in times.items()}
 
 

@@ -478,3 +478,18 @@ def test_manifest_refuses_a_missing_shard(tmp_path):
         write_manifest(run)
     with pytest.raises(CorruptStoreError, match="no manifest"):
         ZarrReader(run)
+
+
+def test_shared_loader_serves_every_stored_token_once_aligned_across_sites(store):
+    from actstore.loader import ActivationLoader
+
+    reader = ZarrReader(store)
+    loader = ActivationLoader(reader, sites=("resid.1", "mlp_out.3"), batch_size=7, pool_blocks=3,
+                              dtype="float16", return_index=True)  # fmt: skip
+    acts, rows = zip(*[(b.acts, b.rows) for b in loader])
+    acts, rows = torch.cat(acts).numpy(), torch.cat(rows).numpy()
+    stored = {site: np.concatenate([reader.read_block(b) for b in reader.blocks(site)])
+              for site in ("resid.1", "mlp_out.3")}  # fmt: skip
+    assert sorted(rows.tolist()) == list(range(len(stored["resid.1"])))
+    np.testing.assert_array_equal(acts[:, 0], stored["resid.1"][rows])
+    np.testing.assert_array_equal(acts[:, 1], stored["mlp_out.3"][rows])
