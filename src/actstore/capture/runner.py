@@ -63,6 +63,9 @@ class CaptureConfig:
     """prompt_response mode: generate responses greedily, up to this many new tokens."""
     chat_template: bool = True
     """prompt_response mode: apply the tokenizer's chat template when it has one."""
+    clean_tokens: bool = False
+    """Store no special, added or chat-template tokens (sets ``Batch.token_mask``, see
+    :mod:`actstore.capture.cleaning`); formats that honour the mask pack the rest."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -167,6 +170,13 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
     if resume_from > start:
         log.info("resuming at example %d of %d", resume_from, plan.n_examples)
     decode = model.tokenizer if getattr(writer, "wants_texts", False) else None
+    cleaner = None
+    if config.clean_tokens and model.tokenizer is None:
+        log.warning("token cleaning applies to text models; %s keeps every token", model.ckpt)
+    elif config.clean_tokens:
+        from .cleaning import TokenCleaner
+
+        cleaner = TokenCleaner.from_tokenizer(model.tokenizer)
     n_run = 0
     names = [str(s) for s in plan.sites]
     t_loop = time.perf_counter()
@@ -185,6 +195,8 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
                 acts={name: acts[name].to("cpu") for name in names},
                 example_ids=source_batch.example_ids,
                 token_ids=source_batch.token_ids,
+                token_mask=None if cleaner is None or source_batch.token_ids is None
+                else cleaner.mask(source_batch.token_ids),
                 labels=source_batch.labels,
                 extras=source_batch.extras,
                 texts=None if decode is None or source_batch.token_ids is None

@@ -104,6 +104,10 @@ def capture(
         "this many new tokens) instead of reading them."),
     chat_template: bool = typer.Option(
         True, help="prompt-response: apply the tokenizer's chat template when it has one."),
+    clean: bool = typer.Option(
+        None, "--clean/--no-clean", help="Store no special, added or chat-template tokens "
+        "(text models; the rest is packed into full rows). Default: on for --format activault, "
+        "as Activault does; formats that store every token position ignore it."),
 ) -> None:
     """Run a model over a dataset and store its activations.
 
@@ -132,6 +136,7 @@ def capture(
         num_workers=num_workers, split=split, text_field=text_field, progress=progress,
         mode=mode.replace("-", "_"), prompt_field=prompt_field, response_field=response_field,
         generate_max_new_tokens=generate_max_new_tokens, chat_template=chat_template,
+        clean_tokens=(fmt == "activault") if clean is None else clean,
     )  # fmt: skip
     from ..dist import slurm_machine
 

@@ -1,0 +1,119 @@
+"""``actstore ls``: what an object-store (or local) location holds, Activault-aware.
+
+Works on damaged or unfinished runs too: it only lists and reads the small JSON files.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from . import app
+from .common import human_bytes
+
+
+def _hook_summary(store, prefix: str) -> dict[str, Any]:
+    from ..formats.activault.layout import METADATA, STATISTICS, parse_data_file
+    from ..storage.object import join_key
+
+    files, strays = [], []
+    for obj in store.list(prefix + "/"):
+        name = obj.key[len(prefix) + 1 :]
+        if name in (METADATA, STATISTICS) or name.endswith("cfg.json"):
+            continue
+        (files if parse_data_file(name) is not None else strays).append((name, obj.size))
+    out: dict[str, Any] = {"files": len(files), "bytes": sum(s for _, s in files)}
+    md_key = join_key(prefix, METADATA)
+    if store.size(md_key) is not None:
+        md = store.get_json(md_key)
+        out.update(shape=md.get("shape"), dtype=md.get("dtype"),
+                   bytes_per_file=md.get("bytes_per_file"))  # fmt: skip
+        wrong = [n for n, s in files if s != md.get("bytes_per_file")]
+        if wrong:
+            out["wrong_size"] = wrong
+    if strays:
+        out["not_megabatches"] = [n for n, _ in strays]
+    out["listing"] = files
+    return out
+
+
+@app.command("ls")
+def ls(
+    location: str = typer.Argument(..., help="s3://bucket[/run[/hook]], file:///path or a path."),
+    show_all: bool = typer.Option(False, "--all", help="List every file, not the first 10."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    endpoint_url: str = typer.Option(
+        None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."),
+) -> None:
+    """List runs, hooks and megabatch files of an Activault layout (or any prefix).
+
+    \b
+    Examples:
+      actstore ls s3://bucket                    # runs in the bucket
+      actstore ls s3://bucket/run                # hooks: files, sizes, shapes, progress
+      actstore ls s3://bucket/run/models.layers.6.post --all
+    """
+    from ..formats.activault.layout import CFG, METADATA
+    from ..storage.object import S3Config, join_key, open_location
+
+    store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
+    if hasattr(store, "check_bucket"):
+        store.check_bucket()
+    if store.size(join_key(prefix, METADATA)) is not None:
+        summary = {"hook": store.url(prefix), **_hook_summary(store, prefix)}
+        _print_hook(summary, show_all, as_json)
+        return
+    dirs = store.list_dirs(prefix)
+    cfg = store.get_json(join_key(prefix, CFG)) if store.size(join_key(prefix, CFG)) else None
+    hooks = {d: _hook_summary(store, join_key(prefix, d)) for d in dirs
+             if store.size(join_key(prefix, d, METADATA)) is not None}  # fmt: skip
+    if cfg is None and not hooks:
+        objects = [o for o in store.list(prefix.rstrip("/") + "/" if prefix else "")][:1000]
+        out = {"location": store.url(prefix), "folders": dirs,
+               "objects": len(objects), "bytes": sum(o.size for o in objects)}  # fmt: skip
+        if as_json:
+            typer.echo(json.dumps(out, indent=2))
+            return
+        typer.echo(f"{out['location']}: {len(dirs)} folders, {out['objects']} objects "
+                   f"({human_bytes(out['bytes'])})")  # fmt: skip
+        for d in dirs:
+            typer.echo(f"  {d}/")
+        return
+    _print_run(store.url(prefix), cfg, hooks, as_json)
+
+
+def _print_hook(summary: dict[str, Any], show_all: bool, as_json: bool) -> None:
+    listing = summary.pop("listing")
+    if as_json:
+        typer.echo(json.dumps({**summary, "listing": listing}, indent=2))
+        return
+    typer.echo(f"{summary['hook']}: {summary['files']} files, {human_bytes(summary['bytes'])}, "
+               f"shape {summary.get('shape')} {summary.get('dtype')}, "
+               f"{summary.get('bytes_per_file')} bytes per file")  # fmt: skip
+    for name, size in listing if show_all else listing[:10]:
+        typer.echo(f"  {size:>14,}  {name}")
+    if not show_all and len(listing) > 10:
+        typer.echo(f"  ... {len(listing) - 10} more (--all lists them)")
+    for key in ("wrong_size", "not_megabatches"):
+        if key in summary:
+            typer.secho(f"  {key.replace('_', ' ')}: {summary[key][:5]}", fg=typer.colors.RED)
+
+
+def _print_run(url: str, cfg: dict | None, hooks: dict[str, dict], as_json: bool) -> None:
+    record = (cfg or {}).get("actstore") or {}
+    if as_json:
+        typer.echo(json.dumps({"run": url, "cfg": cfg, "hooks": hooks}, indent=2, default=str))
+        return
+    model = ((cfg or {}).get("transformer_config") or {}).get("model_name")
+    state = ("complete" if record.get("complete") else "unfinished") if record else "Activault run"
+    typer.echo(f"{url}: model {model}, {(cfg or {}).get('total_tokens', '?')} tokens, "
+               f"{(cfg or {}).get('n_total_files', '?')} files per hook, {state}")  # fmt: skip
+    for hook, s in hooks.items():
+        line = (f"  {hook:<32} {s['files']:>6} files {human_bytes(s['bytes']):>10}  "
+                f"{s.get('shape')} {s.get('dtype')}")  # fmt: skip
+        typer.echo(line)
+        for key in ("wrong_size", "not_megabatches"):
+            if key in s:
+                typer.secho(f"    {key.replace('_', ' ')}: {s[key][:5]}", fg=typer.colors.RED)

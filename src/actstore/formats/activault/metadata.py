@@ -1,0 +1,241 @@
+"""The three JSON documents of an Activault run: metadata.json, statistics.json, cfg.json.
+
+``metadata.json`` (per hook) keeps Activault's keys in Activault's order; its reader needs
+``shape``, ``input_ids_shape``, ``dtype`` and ``bytes_per_file``. ``statistics.json`` keeps
+Activault's ``mean``, ``std``, ``norm``, ``M2`` and adds ``count``, which makes it exact and
+mergeable (Activault's own file has no count and its ``std`` omits within-batch variance).
+``cfg.json`` (per run) keeps Activault's keys and adds an ``actstore`` section: the commit
+record that makes resume exact.
+
+Example:
+    >>> md = HookMetadata.for_shape(rows=4, seq=6, d=8, dtype="torch.bfloat16", batches_per_file=1)
+    >>> md.with_bytes(2405).to_dict()["bytes_per_file"]
+    2405
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from ...errors import CorruptStoreError
+from ...stats import RunningStats
+from .layout import parse_dtype
+
+#: Version of the ``actstore`` section in cfg.json.
+RUN_RECORD_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class HookMetadata:
+    """One hook's ``metadata.json`` (megabatch shape, dtype and exact file size)."""
+
+    batch_size: int
+    """Rows per megabatch file (Activault's final metadata holds the megabatch row count)."""
+    sequence_length: int
+    dtype: str
+    """``"torch.bfloat16"`` style (Activault's reader ``eval``s it)."""
+    d_in: int
+    batches_per_file: int
+    bytes_per_file: int | None = None
+    """Exact size of every data file; absent until the first file is uploaded."""
+
+    @classmethod
+    def for_shape(cls, *, rows: int, seq: int, d: int, dtype: str, batches_per_file: int
+                  ) -> HookMetadata:  # fmt: skip
+        return cls(batch_size=rows, sequence_length=seq, dtype=dtype, d_in=d,
+                   batches_per_file=batches_per_file)  # fmt: skip
+
+    def with_bytes(self, n: int) -> HookMetadata:
+        return replace(self, bytes_per_file=n)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.batch_size, self.sequence_length, self.d_in)
+
+    @property
+    def input_ids_shape(self) -> tuple[int, int]:
+        return (self.batch_size, self.sequence_length)
+
+    @property
+    def tokens_per_file(self) -> int:
+        return self.batch_size * self.sequence_length
+
+    def to_dict(self) -> dict[str, Any]:
+        """Activault's key order: batch_size, sequence_length, dtype, d_in,
+        batches_per_file, shape, input_ids_shape, bytes_per_file."""
+        out: dict[str, Any] = {
+            "batch_size": self.batch_size,
+            "sequence_length": self.sequence_length,
+            "dtype": self.dtype,
+            "d_in": self.d_in,
+            "batches_per_file": self.batches_per_file,
+            "shape": list(self.shape),
+            "input_ids_shape": list(self.input_ids_shape),
+        }
+        if self.bytes_per_file is not None:
+            out["bytes_per_file"] = self.bytes_per_file
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, source: str) -> HookMetadata:
+        """Validate what a reader needs; ``shape`` wins over the per-batch fields."""
+        if not isinstance(doc, dict):
+            raise CorruptStoreError(f"{source} is not a JSON object")
+        missing = [k for k in ("shape", "dtype", "bytes_per_file") if k not in doc]
+        if missing:
+            hint = (" (Activault writes bytes_per_file after the first upload of a run; "
+                    "a restarted Activault job leaves it out until its next upload)"
+                    if missing == ["bytes_per_file"] else "")  # fmt: skip
+            raise CorruptStoreError(f"{source} lacks {', '.join(missing)}{hint}")
+        try:
+            shape = [int(x) for x in doc["shape"]]
+            if len(shape) != 3 or min(shape) < 1:
+                raise ValueError(f"shape {shape} is not [rows, seq, d]")
+            ids_shape = [int(x) for x in doc.get("input_ids_shape", shape[:2])]
+            if ids_shape != shape[:2]:
+                raise ValueError(f"input_ids_shape {ids_shape} does not match shape {shape}")
+            nbytes = int(doc["bytes_per_file"])
+            if nbytes < 1:
+                raise ValueError(f"bytes_per_file {nbytes} is not positive")
+            parse_dtype(doc["dtype"])
+            return cls(batch_size=shape[0], sequence_length=shape[1], d_in=shape[2],
+                       dtype=str(doc["dtype"]), bytes_per_file=nbytes,
+                       batches_per_file=int(doc.get("batches_per_file", 1)))  # fmt: skip
+        except (TypeError, ValueError) as err:
+            raise CorruptStoreError(f"{source} is malformed: {err}") from err
+
+
+def statistics_to_dict(stats: RunningStats) -> dict[str, Any]:
+    """``statistics.json``: Activault's keys (mean, std, norm, M2) plus ``count``.
+
+    Example:
+        >>> sorted(statistics_to_dict(RunningStats.of(np.ones((2, 3)))))
+        ['M2', 'count', 'mean', 'norm', 'std']
+    """
+    return {
+        "mean": stats.mean.tolist(),
+        "std": stats.std.tolist(),
+        "norm": stats.norm_mean,
+        "M2": stats.m2.tolist(),
+        "count": stats.count,
+    }
+
+
+def statistics_from_dict(doc: Any, *, source: str) -> RunningStats | None:
+    """Inverse of :func:`statistics_to_dict`; None for Activault's count-less files."""
+    if not isinstance(doc, dict) or "count" not in doc:
+        return None
+    try:
+        mean = np.asarray(doc["mean"], dtype=np.float64)
+        m2 = np.asarray(doc["M2"], dtype=np.float64)
+        if mean.shape != m2.shape or mean.ndim != 1:
+            raise ValueError("mean and M2 must be equal-length lists")
+        return RunningStats(d=mean.shape[0], count=int(doc["count"]), mean=mean, m2=m2,
+                            norm_mean=float(doc["norm"]))  # fmt: skip
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptStoreError(f"{source} is malformed: {err!r}") from err
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """The ``actstore`` section of cfg.json: what was captured and what is committed."""
+
+    run_id: str
+    """Random uuid of the run; group uuids derive from it."""
+    hooks: dict[str, str]
+    """Hook folder name -> actstore site name."""
+    rows_per_file: int
+    sequence_length: int
+    dtype: str
+    plan: dict[str, Any]
+    """The capture plan (model, sites, dataset, shapes): a resume must match it."""
+    groups: int = 0
+    """Groups committed: files ``group_uuid(run_id, g)--{g+1}.pt`` for g < groups exist in
+    every hook folder."""
+    next_example: int = 0
+    next_skip: int = 0
+    """Kept tokens of ``next_example`` already stored (a file can end mid-example)."""
+    token_mask: bool | None = None
+    """Whether batches carried a token mask (cleaning); None before the first batch."""
+    complete: bool = False
+    dropped_tokens: int = 0
+    """Kept tokens after the last full file, not stored (files must be equal size)."""
+    num_runs: int = 1
+
+    @property
+    def tokens_per_file(self) -> int:
+        return self.rows_per_file * self.sequence_length
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "activault",
+            "version": RUN_RECORD_VERSION,
+            "run_id": self.run_id,
+            "complete": self.complete,
+            "groups": self.groups,
+            "next_example": self.next_example,
+            "next_skip": self.next_skip,
+            "token_mask": self.token_mask,
+            "dropped_tokens": self.dropped_tokens,
+            "rows_per_file": self.rows_per_file,
+            "sequence_length": self.sequence_length,
+            "dtype": self.dtype,
+            "hooks": self.hooks,
+            "plan": self.plan,
+            "num_runs": self.num_runs,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, source: str) -> RunRecord:
+        try:
+            if int(doc["version"]) > RUN_RECORD_VERSION:
+                raise CorruptStoreError(
+                    f"{source} was written by a newer actstore (record version {doc['version']}); "
+                    "upgrade actstore"
+                )
+            return cls(
+                run_id=str(doc["run_id"]), hooks=dict(doc["hooks"]),
+                rows_per_file=int(doc["rows_per_file"]),
+                sequence_length=int(doc["sequence_length"]), dtype=str(doc["dtype"]),
+                plan=dict(doc["plan"]), groups=int(doc["groups"]),
+                next_example=int(doc["next_example"]), next_skip=int(doc["next_skip"]),
+                token_mask=doc.get("token_mask"), complete=bool(doc["complete"]),
+                dropped_tokens=int(doc.get("dropped_tokens", 0)),
+                num_runs=int(doc.get("num_runs", 1)),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptStoreError(f"{source}: malformed 'actstore' section ({err!r})") from err
+
+
+def run_cfg(record: RunRecord, *, run_name: str, bucket: str, batch_size: int,
+            batches_per_file: int) -> dict[str, Any]:  # fmt: skip
+    """cfg.json: Activault's ``Config.to_dict()`` keys, then the ``actstore`` record."""
+    plan = record.plan
+    tokens = record.groups * record.tokens_per_file
+    return {
+        "run_name": run_name,
+        "transformer_config": {"model_name": plan.get("ckpt"), "dtype": record.dtype},
+        "data_config": {
+            "bucket_name": bucket,
+            "data_key": plan.get("dataset_root"),
+            "n_batches": math.ceil(int(plan.get("n_examples", 0)) / max(batch_size, 1)),
+            "seq_length": record.sequence_length,
+            "batch_size": batch_size,
+            "seed": 0,
+            "skip_cache": False,
+            "start_batch": 0,
+            "clean_added_tokens": bool(record.token_mask),
+            "clean_default_system_prompt": bool(record.token_mask),
+        },
+        "upload_config": {"batches_per_upload": batches_per_file, "hooks": list(record.hooks)},
+        "total_tokens": tokens,
+        "d_model": plan.get("d_model"),
+        "n_total_files": record.groups,
+        "batches_processed": record.next_example // max(batch_size, 1),
+        "num_runs": record.num_runs,
+        "actstore": record.to_dict(),
+    }

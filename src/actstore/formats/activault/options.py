@@ -1,0 +1,56 @@
+"""Writer options of the activault format (``--opt key=value`` on the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...errors import ConfigError
+from ...storage.object import S3Config
+from .layout import DTYPES
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivaultOptions:
+    """How a capture is cut into megabatch files and uploaded.
+
+    Example:
+        >>> ActivaultOptions(rows_per_file=64, dtype="float16").dtype
+        'float16'
+    """
+
+    dtype: str = field(default="bfloat16", metadata={
+        "help": "stored activation dtype: bfloat16, float16 or float32"})
+    rows_per_file: int = field(default=0, metadata={
+        "help": "rows (sequences) per megabatch file; 0: 8 x the capture batch size"})
+    sequence_length: int = field(default=0, metadata={
+        "help": "tokens per stored row; 0: the capture's tokens per example"})
+    upload_threads: int = field(default=2, metadata={
+        "help": "upload threads per hook (each hook has its own client)"})
+    queue_files: int = field(default=2, metadata={
+        "help": "megabatches queued per hook before the capture waits"})
+    endpoint_url: str = field(default="", metadata={
+        "help": "S3 endpoint; empty: $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL, else AWS"})
+    region: str = field(default="", metadata={"help": "S3 region; empty: $AWS_REGION"})
+    max_attempts: int = field(default=8, metadata={
+        "help": "tries per S3 request before the capture fails"})
+    part_size_mb: int = field(default=32, metadata={
+        "help": "multipart part size in MiB (files above 2 parts use multipart uploads)"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        for name in ("rows_per_file", "sequence_length"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, not {getattr(self, name)}")
+        for name in ("upload_threads", "queue_files", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
+        if self.part_size_mb < 5:
+            raise ConfigError("part_size_mb must be >= 5 (an S3 limit)")
+
+    def s3_config(self) -> S3Config:
+        """The client settings these options describe."""
+        part = self.part_size_mb << 20
+        return S3Config(endpoint_url=self.endpoint_url or None, region=self.region or None,
+                        max_attempts=self.max_attempts, part_size=part,
+                        multipart_threshold=2 * part)  # fmt: skip

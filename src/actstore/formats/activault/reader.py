@@ -1,0 +1,476 @@
+"""Read an Activault run (or one hook of it) from S3 or a local directory.
+
+Opening lists each hook's folder once and checks what Activault's reader silently assumes:
+``metadata.json`` is complete, every data file is exactly ``bytes_per_file`` bytes, no hook
+folder name is a prefix of a sibling's, and (for runs actstore wrote) every committed file
+is present and the capture is complete. Files are downloaded with concurrent ranged GETs
+and loaded with ``torch.load(weights_only=True)`` only.
+
+Blocks are whole megabatch files (one file = ``rows x seq`` rows of one hook); block ``i``
+of every hook holds the same tokens (the same group uuid).
+
+Example:
+    >>> r = ActivaultReader("s3://bucket/run")  # doctest: +SKIP
+    >>> r.sites  # doctest: +SKIP
+    ['models.layers.1.post', 'models.layers.1.mlp.post']
+    >>> rows = r.read_block(r.blocks("resid.1")[0])  # [rows*seq, d] float32  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import (
+    ConfigError,
+    CorruptStoreError,
+    LayerNotStoredError,
+    StoreNotFoundError,
+)
+from ...sites import Site
+from ...stats import RunningStats
+from ...storage.object import (
+    MiB,
+    ObjectStore,
+    S3Config,
+    S3Store,
+    base_name,
+    join_key,
+    open_location,
+    parent_key,
+)
+from ..base import Block, VerifyReport
+from .layout import (
+    CFG,
+    METADATA,
+    STATISTICS,
+    DataFile,
+    data_file_name,
+    group_uuid,
+    hook_name,
+    hook_site,
+    load_megabatch,
+    numpy_dtype,
+    parse_data_file,
+    parse_dtype,
+)
+from .metadata import HookMetadata, RunRecord, statistics_from_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StoredFile:
+    """One megabatch file of a hook."""
+
+    key: str
+    size: int
+    name: DataFile
+
+
+@dataclass(frozen=True)
+class HookListing:
+    """What one hook folder holds."""
+
+    hook: str
+    prefix: str
+    metadata: HookMetadata
+    files: tuple[StoredFile, ...]
+    strays: tuple[str, ...]
+    """Other objects under the folder (Activault's reader would read them as data)."""
+    uncommitted: tuple[str, ...]
+    """Data files of groups the commit record does not list (a crashed capture's)."""
+
+
+def resolve_hook(hooks: Sequence[str], site: Hashable) -> str:
+    """The stored hook ``site`` names: a hook name, an actstore site string, or a Site.
+
+    Example:
+        >>> resolve_hook(["models.layers.1.post"], "resid.1")
+        'models.layers.1.post'
+    """
+    if isinstance(site, str) and site in hooks:
+        return site
+    try:
+        name = hook_name(Site.parse(site))  # type: ignore[arg-type]
+    except (ConfigError, TypeError, ValueError):
+        name = None
+    if name is not None and name in hooks:
+        return name
+    raise LayerNotStoredError(f"{site!r} is not stored; stored hooks: {', '.join(hooks)}")
+
+
+class ActivaultReader:
+    """Read access to an Activault run or hook folder; picklable (clients reopen lazily)."""
+
+    def __init__(self, location: str | os.PathLike, *, allow_incomplete: bool = False,
+                 s3: S3Config | None = None, endpoint_url: str | None = None,
+                 chunk_size: int = 8 * MiB, concurrency: int = 8) -> None:  # fmt: skip
+        if endpoint_url:
+            s3 = S3Config(**{**_config_fields(s3), "endpoint_url": endpoint_url})
+        self.location = str(location)
+        self.chunk_size, self.concurrency = chunk_size, concurrency
+        self.store, prefix = open_location(location, s3)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+        if isinstance(self.store, S3Store):
+            self.store.check_bucket()
+        if self.store.size(join_key(prefix, METADATA)) is not None:
+            self.run_prefix, hook_names = parent_key(prefix), [base_name(prefix)]
+        else:
+            self.run_prefix, hook_names = prefix, None
+        self.cfg: dict[str, Any] = {}
+        self.record: RunRecord | None = None
+        cfg_key = join_key(self.run_prefix, CFG)
+        if self.store.size(cfg_key) is not None:
+            doc = self.store.get_json(cfg_key)
+            self.cfg = doc if isinstance(doc, dict) else {}
+            if "actstore" in self.cfg:
+                self.record = RunRecord.from_dict(self.cfg["actstore"], source=self.store.url(cfg_key))
+        if self.record is not None and not self.record.complete and not allow_incomplete:
+            raise CorruptStoreError(
+                f"{self.store.url(self.run_prefix)} is an unfinished capture "
+                f"({self.record.groups} files per hook committed so far): rerun the same capture "
+                "command to resume and complete it, or pass allow_incomplete=True to read the "
+                "committed files"
+            )
+        siblings = self.store.list_dirs(self.run_prefix)
+        if hook_names is None:
+            if self.record is not None:
+                hook_names = list(self.record.hooks)
+            else:
+                hook_names = [h for h in siblings
+                              if self.store.size(join_key(self.run_prefix, h, METADATA)) is not None]
+        if not hook_names:
+            raise StoreNotFoundError(
+                f"{self.location} holds no Activault hook folders ({{hook}}/metadata.json); give "
+                "a run (s3://bucket/run) or one of its hook folders"
+            )
+        for hook in hook_names:
+            clash = [s for s in siblings if s != hook and s.startswith(hook)]
+            if clash:
+                raise CorruptStoreError(
+                    f"hook folder {hook!r} in {self.store.url(self.run_prefix)} is a prefix of "
+                    f"{clash[0]!r}: Activault's reader would mix their files; rename or move "
+                    f"{clash[0]!r}"
+                )
+        self.listings = {h: self._list_hook(h) for h in hook_names}
+        self.notes: list[str] = []
+        self._check_alignment()
+
+    # ------------------------------------------------------------------ listing
+
+    def _list_hook(self, hook: str) -> HookListing:
+        prefix = join_key(self.run_prefix, hook)
+        md_key = join_key(prefix, METADATA)
+        if self.store.size(md_key) is None:
+            if self.record is not None and self.record.groups == 0:
+                raise CorruptStoreError(f"{self.store.url(prefix)} has no file committed yet")
+            raise StoreNotFoundError(f"{self.store.url(md_key)} does not exist")
+        md = HookMetadata.from_dict(self.store.get_json(md_key), source=self.store.url(md_key))
+        found: dict[str, StoredFile] = {}
+        strays = []
+        for obj in self.store.list(prefix + "/"):
+            name = obj.key[len(prefix) + 1 :]
+            if name in (METADATA, STATISTICS) or name.endswith(CFG):
+                continue
+            parsed = parse_data_file(name)
+            if parsed is None or "/" in name:
+                strays.append(name)
+                continue
+            found[name] = StoredFile(obj.key, obj.size, parsed)
+        uncommitted: list[str] = []
+        if self.record is not None:
+            rec = self.record
+            names = [data_file_name(group_uuid(rec.run_id, g), g + 1) for g in range(rec.groups)]
+            missing = [n for n in names if n not in found]
+            if missing:
+                raise CorruptStoreError(
+                    f"{self.store.url(prefix)} lacks {len(missing)} committed files (first: "
+                    f"{missing[0]}); the run is damaged: capture it again"
+                )
+            uncommitted = sorted(set(found) - set(names))
+            files = [found[n] for n in names]
+        else:
+            files = sorted(found.values(), key=lambda f: f.name.sort_key)
+        for f in files:
+            if f.size != md.bytes_per_file:
+                raise CorruptStoreError(
+                    f"{self.store.url(f.key)} is {f.size} bytes but metadata.json says every file "
+                    f"is {md.bytes_per_file} (bytes_per_file): the file is truncated or foreign; "
+                    "delete or re-create it"
+                )
+        if strays:
+            log.warning("%s holds %d objects that are not megabatch files (e.g. %s); Activault's "
+                        "reader would read them as data", self.store.url(prefix), len(strays),
+                        strays[0])  # fmt: skip
+        return HookListing(hook, prefix, md, tuple(files), tuple(strays), tuple(uncommitted))
+
+    def _check_alignment(self) -> None:
+        """Record whether block i of every hook is the same group of tokens."""
+        uuids = {h: [f.name.uuid for f in lst.files] for h, lst in self.listings.items()}
+        first = next(iter(uuids.values()))
+        self.aligned = all(u == first for u in uuids.values())
+        if not self.aligned:
+            self.notes.append(
+                "hooks hold different groups of files; block i of one hook is not the same "
+                "tokens as block i of another"
+            )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def sites(self) -> list[str]:
+        """Stored hook names (``models.layers.{L}.{...}``), in capture order."""
+        return list(self.listings)
+
+    def site_of(self, hook: str) -> Site | None:
+        """The actstore site a hook stores, when its name follows Activault's convention."""
+        return hook_site(hook)
+
+    def metadata(self, site: Hashable) -> HookMetadata:
+        return self.listings[resolve_hook(self.sites, site)].metadata
+
+    @property
+    def d_model(self) -> int:
+        return next(iter(self.listings.values())).metadata.d_in
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """Dtype of the stored states."""
+        return parse_dtype(next(iter(self.listings.values())).metadata.dtype)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """numpy dtype of rows from :meth:`read_block` (bfloat16 widens exactly to float32)."""
+        return numpy_dtype(self.torch_dtype)
+
+    @property
+    def model_name(self) -> str | None:
+        return (self.cfg.get("transformer_config") or {}).get("model_name")
+
+    def files(self, site: Hashable) -> tuple[StoredFile, ...]:
+        return self.listings[resolve_hook(self.sites, site)].files
+
+    def __len__(self) -> int:
+        return len(next(iter(self.listings.values())).files)
+
+    def __repr__(self) -> str:
+        md = next(iter(self.listings.values())).metadata
+        return (f"ActivaultReader({self.location!r}, hooks={self.sites}, files={len(self)}, "
+                f"shape={list(md.shape)}, dtype={md.dtype})")  # fmt: skip
+
+    # ------------------------------------------------------------------ reading
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pid != os.getpid():
+            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="actstore-get")
+            self._pid = os.getpid()
+        return self._pool
+
+    def fetch(self, site: Hashable, index: int) -> bytearray:
+        """The raw bytes of file ``index`` of ``site`` (concurrent ranged GETs)."""
+        listing = self.listings[resolve_hook(self.sites, site)]
+        f = listing.files[index]
+        out = bytearray(listing.metadata.bytes_per_file)
+        self.store.get_into(f.key, out, chunk_size=self.chunk_size, pool=self._thread_pool())
+        return out
+
+    def decode(self, site: Hashable, index: int, data: bytes | bytearray) -> dict[str, torch.Tensor]:
+        """Load fetched bytes and check them against ``metadata.json``."""
+        listing = self.listings[resolve_hook(self.sites, site)]
+        return check_megabatch(load_megabatch(data, source=self.store.url(listing.files[index].key)),
+                               listing.metadata, self.store.url(listing.files[index].key))
+
+    def megabatch(self, site: Hashable, index: int) -> dict[str, torch.Tensor]:
+        """File ``index`` of ``site``: ``{"states": [rows, seq, d], "input_ids": [rows, seq]}``
+        in the stored dtypes."""
+        return self.decode(site, index, self.fetch(site, index))
+
+    def blocks(self, site: Hashable) -> list[Block]:
+        """One block per megabatch file; ``loc = (file index,)``."""
+        hook = resolve_hook(self.sites, site)
+        listing = self.listings[hook]
+        n = listing.metadata.tokens_per_file
+        return [Block(site=hook, n_rows=n, loc=(i,)) for i in range(len(listing.files))]
+
+    def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``block`` as ``[rows*seq, d]`` (float32 for bfloat16 stores)."""
+        states = self.megabatch(block.site, block.loc[0])["states"]
+        flat = states.reshape(-1, states.shape[-1])
+        if out is None:
+            out = np.empty(flat.shape, dtype=self.dtype)
+        if out.shape != tuple(flat.shape):
+            raise ConfigError(f"out has shape {out.shape}, the block is {tuple(flat.shape)}")
+        torch.from_numpy(out).copy_(flat)
+        return out
+
+    def statistics(self, site: Hashable) -> RunningStats | None:
+        """Exact statistics from statistics.json; None if absent or written by Activault
+        (its file has no count, and its std leaves out within-batch variance)."""
+        listing = self.listings[resolve_hook(self.sites, site)]
+        key = join_key(listing.prefix, STATISTICS)
+        if self.store.size(key) is None:
+            return None
+        return statistics_from_dict(self.store.get_json(key), source=self.store.url(key))
+
+    # ------------------------------------------------------------------ summaries
+
+    def describe(self) -> dict[str, Any]:
+        """Summary for ``actstore inspect`` (no data is downloaded except for ``text``)."""
+        first = next(iter(self.listings.values()))
+        md = first.metadata
+        n_files = len(first.files)
+        total = sum(f.size for lst in self.listings.values() for f in lst.files)
+        out: dict[str, Any] = {
+            "path": self.store.url(self.run_prefix) if len(self.listings) > 1 or self.record
+            else self.store.url(first.prefix),
+            "format": "activault (torch.save megabatches, one folder per hook)",
+            "model": self.model_name,
+            "run": self.store.url(self.run_prefix),
+            "sites": {h: str(hook_site(h) or "?") for h in self.listings},
+            "shape": (f"{n_files} files x [{md.batch_size} rows, {md.sequence_length} tokens, "
+                      f"{md.d_in} dims] per hook ({n_files * md.tokens_per_file} tokens)"),
+            "dtype": md.dtype,
+            "bytes_per_file": md.bytes_per_file,
+            "bytes": total,
+            "n_files": n_files * len(self.listings),
+        }  # fmt: skip
+        if self.record is not None:
+            out["complete"] = self.record.complete
+            out["written_by"] = "actstore"
+            if self.record.dropped_tokens:
+                out["dropped_tail_tokens"] = self.record.dropped_tokens
+        else:
+            out["written_by"] = "Activault (no actstore record in cfg.json)"
+        text = self.sample_text()
+        if text:
+            out["text"] = text
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+    def sample_text(self, n_rows: int = 2, n_tokens: int = 32, max_bytes: int = 64 * MiB
+                    ) -> list[str] | None:  # fmt: skip
+        """Decoded tokens of the first rows of the first file, when the model's tokenizer is
+        available locally and the file is at most ``max_bytes``."""
+        first = next(iter(self.listings.values()))
+        if not first.files or first.metadata.bytes_per_file > max_bytes:
+            return None
+        tokenizer = _local_tokenizer(self.model_name)
+        if tokenizer is None:
+            return None
+        ids = self.megabatch(first.hook, 0)["input_ids"]
+        if ids is None:
+            return None
+        rows = ids[:n_rows, :n_tokens].tolist()
+        return [tokenizer.decode([t for t in row if t >= 0]) for row in rows]
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Download every file; check size, loadability, shapes, dtypes, NaN/Inf, the
+        statistics against the data, stray objects and group alignment across hooks."""
+        report = VerifyReport(self.store.url(self.run_prefix))
+        report.notes.extend(self.notes)
+        for hook, listing in self.listings.items():
+            for name in listing.strays:
+                report.faults.append(
+                    f"{hook}/{name} is not a megabatch file; Activault's reader would read it "
+                    "as one: remove it"
+                )
+            for name in listing.uncommitted:
+                report.faults.append(
+                    f"{hook}/{name} belongs to no committed group (left by an interrupted "
+                    "capture); rerun that capture to clean it up, or delete it"
+                )
+            stats = RunningStats(listing.metadata.d_in)
+            non_finite = 0
+            for i, f in enumerate(listing.files):
+                try:
+                    mb = self.megabatch(hook, i)
+                except CorruptStoreError as err:
+                    report.faults.append(str(err))
+                    continue
+                finally:
+                    report.files_checked += 1
+                    report.bytes_checked += f.size
+                    if progress is not None:
+                        progress(f.size)
+                states = mb["states"].reshape(-1, listing.metadata.d_in).to(torch.float32)
+                non_finite += int((~torch.isfinite(states)).sum())
+                stats.update(states.numpy())
+            if non_finite:
+                report.notes.append(f"{hook}: {non_finite} activation values are NaN or infinite")
+            stored = self.statistics(hook)
+            if stored is None:
+                report.notes.append(f"{hook}: no exact statistics.json (count missing) to check")
+            elif stored.count != stats.count or not (
+                np.allclose(stored.mean, stats.mean, rtol=1e-6, atol=1e-9)
+                and np.allclose(stored.m2, stats.m2, rtol=1e-6, atol=1e-9)
+            ):
+                report.faults.append(
+                    f"{hook}/statistics.json does not match the data (count {stored.count} vs "
+                    f"{stats.count} tokens stored)"
+                )
+        return report
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._pool is not None and self._pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._pool = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def check_megabatch(mb: dict[str, torch.Tensor], md: HookMetadata, source: str
+                    ) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Raise :class:`CorruptStoreError` unless ``mb`` matches ``md``'s shape and dtype."""
+    states, ids = mb["states"], mb["input_ids"]
+    if tuple(states.shape) != md.shape or states.dtype != parse_dtype(md.dtype):
+        raise CorruptStoreError(
+            f"{source} holds states {tuple(states.shape)} {states.dtype}, metadata.json says "
+            f"{list(md.shape)} {md.dtype}"
+        )
+    if ids is not None and (tuple(ids.shape) != md.input_ids_shape or ids.dtype != torch.int64):
+        raise CorruptStoreError(
+            f"{source} holds input_ids {tuple(ids.shape)} {ids.dtype}, expected "
+            f"{list(md.input_ids_shape)} torch.int64"
+        )
+    return mb
+
+
+def _config_fields(config: S3Config | None) -> dict[str, Any]:
+    import dataclasses
+
+    return {} if config is None else {f.name: getattr(config, f.name)
+                                      for f in dataclasses.fields(config)}  # fmt: skip
+
+
+def _local_tokenizer(model_name: str | None) -> Any:
+    """The model's tokenizer if it is on this machine (never downloads), else None."""
+    if not model_name:
+        return None
+    try:
+        from ...capture.models import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
+        from transformers import AutoTokenizer
+
+        name = resolve_checkpoint(EMBEDDED_MODEL) if model_name == EMBEDDED_MODEL_ID else model_name
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - no tokenizer simply means no decoded text
+        return None

@@ -1,0 +1,590 @@
+"""Write an Activault run: per-hook background uploaders, exact resume after a crash.
+
+Data flow. ``write(batch)`` casts each site's activations to the stored dtype, drops the
+tokens the batch's ``token_mask`` rejects (token cleaning), and appends the kept tokens to
+one stream per hook. Every ``rows_per_file x sequence_length`` tokens form a *group*: one
+megabatch per hook, all named with the same group uuid (so crosscoders can match tokens
+across layers). Each hook's megabatches go through a bounded queue to that hook's
+:class:`HookUploader`, which serialises (``torch.save``) and uploads them on its own
+threads with its own client; the caller waits only when a queue is full.
+
+Commit protocol (what makes resume exact). A group is committed once every hook's file of
+it is uploaded, in group order: the first commit writes each hook's ``metadata.json``
+(with ``bytes_per_file``), then ``cfg.json`` records ``groups`` and the stream position
+where the next group starts (example, kept tokens already stored of that example), then
+each hook's ``statistics.json`` is updated. Files are whole or absent (single PUT, or a
+multipart upload completed only when every part is in). A rerun of the same capture finds
+``cfg.json``, deletes files of uncommitted groups and unfinished uploads, folds any
+statistics that lag the commit record back in from the committed files, and resumes at
+the recorded position: no token is stored twice or missed.
+
+Example:
+    >>> w = ActivaultWriter(plan, "s3://bucket/run", ActivaultOptions())  # doctest: +SKIP
+    >>> for batch in batches: w.write(batch)  # doctest: +SKIP
+    >>> w.close()  # doctest: +SKIP
+    's3://bucket/run'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+import uuid as uuid_lib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...batch import Batch, CapturePlan
+from ...errors import ActstoreError, CaptureError, CorruptStoreError, StoreExistsError
+from ...stats import RunningStats
+from ...storage.object import (
+    LocalStore,
+    ObjectStore,
+    S3Store,
+    base_name,
+    join_key,
+    open_location,
+)
+from .layout import (
+    CFG,
+    DTYPES,
+    METADATA,
+    STATISTICS,
+    check_hook_prefixes,
+    data_file_name,
+    dtype_name,
+    group_uuid,
+    hook_name,
+    load_megabatch,
+    parse_data_file,
+    serialize_megabatch,
+)
+from .metadata import (
+    HookMetadata,
+    RunRecord,
+    run_cfg,
+    statistics_from_dict,
+    statistics_to_dict,
+)
+from .options import ActivaultOptions
+
+log = logging.getLogger(__name__)
+
+
+def location_of(store: ObjectStore, prefix: str) -> str:
+    """The user-facing location of ``prefix`` in ``store`` (URL or absolute path)."""
+    return store.url(prefix)
+
+
+def plan_record(plan: CapturePlan) -> dict[str, Any]:
+    """The capture plan as plain JSON (what a resumed capture must match)."""
+    raw = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+    raw["sites"] = [str(s) for s in plan.sites]
+    return json.loads(json.dumps(raw, default=str))
+
+
+@dataclass
+class _Job:
+    group: int
+    uuid: str
+    states: torch.Tensor
+    input_ids: torch.Tensor
+
+
+class HookUploader:
+    """Serialises and uploads one hook's megabatches on its own threads and client.
+
+    ``submit`` blocks only while ``queue_files`` megabatches already wait. Errors are
+    reported through ``on_error`` and stop further uploads of this hook.
+    """
+
+    def __init__(self, hook: str, prefix: str, store: ObjectStore, *, threads: int,
+                 queue_files: int, expected_bytes: int | None,
+                 on_done: Callable[[int, str, int], None],
+                 on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
+        self.hook, self.prefix, self.store = hook, prefix, store
+        self.expected_bytes = expected_bytes
+        self.on_done, self.on_error = on_done, on_error
+        self.files = 0
+        self.bytes = 0
+        self.busy_s = 0.0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_files)
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"actstore-upload-{hook}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: _Job) -> float:
+        """Queue ``job``; returns the seconds spent waiting for room."""
+        start = time.perf_counter()
+        self._queue.put(job)
+        return time.perf_counter() - start
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._stop.is_set():
+                continue
+            try:
+                self._upload(job)
+            except BaseException as err:  # noqa: BLE001 - reported to the writer
+                self._stop.set()
+                self.on_error(err)
+
+    def _upload(self, job: _Job) -> None:
+        start = time.perf_counter()
+        buffer = serialize_megabatch(job.states, job.input_ids)
+        data = buffer.getbuffer()
+        key = join_key(self.prefix, data_file_name(job.uuid, job.group + 1))
+        with self._lock:
+            if self.expected_bytes is None:
+                self.expected_bytes = len(data)
+            expected = self.expected_bytes
+        if len(data) != expected:
+            raise CaptureError(
+                f"torch.save produced {len(data)} bytes for {key}, but this hook's files are "
+                f"{expected} bytes (bytes_per_file); Activault's reader needs every file of a "
+                "hook to be exactly the same size"
+            )
+        self.store.put(key, data)
+        del data
+        with self._lock:
+            self.files += 1
+            self.bytes += expected
+            self.busy_s += time.perf_counter() - start
+        self.on_done(job.group, self.hook, expected)
+
+    def close(self, *, abort: bool = False) -> None:
+        """Finish queued uploads (or skip them with ``abort``) and stop the threads."""
+        if abort:
+            self._stop.set()
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+
+class _Position:
+    """Where the head of the token stream is: an example and how many of its kept tokens
+    lie before the head. Entries are ``[example id, kept tokens left, kept tokens before]``."""
+
+    def __init__(self, example: int, skip: int) -> None:
+        self.example, self.skip = example, skip
+        self._pending: deque[list[int]] = deque()
+
+    def add(self, example_ids: np.ndarray, kept: np.ndarray) -> None:
+        for eid, n in zip(example_ids.tolist(), kept.tolist()):
+            before = self.skip if not self._pending and eid == self.example else 0
+            self._pending.append([eid, n, before])
+
+    def advance(self, n_tokens: int) -> tuple[int, int]:
+        """Consume ``n_tokens`` from the head; return the new head position."""
+        while self._pending and (n_tokens > 0 or self._pending[0][1] == 0):
+            entry = self._pending[0]
+            take = min(entry[1], n_tokens)
+            n_tokens -= take
+            if take == entry[1]:
+                self._pending.popleft()
+                self.example, self.skip = entry[0] + 1, 0
+            else:
+                entry[1] -= take
+                entry[2] += take
+                self.example, self.skip = entry[0], entry[2]
+        assert n_tokens == 0, "advanced past the buffered tokens"
+        return self.example, self.skip
+
+
+class ActivaultWriter:
+    """Writer for one Activault run (``s3://bucket/run``, ``file://...`` or a directory).
+
+    Attributes ``resume_from`` (examples whose kept tokens are all stored, or the example a
+    committed file ends in) and ``complete`` tell capture where to restart.
+    """
+
+    def __init__(self, plan: CapturePlan, out: str, options: ActivaultOptions | None = None
+                 ) -> None:  # fmt: skip
+        options = options or ActivaultOptions()
+        self.plan, self.options = plan, options
+        self._s3 = options.s3_config()
+        self.store, self.run_prefix = open_location(out, self._s3)
+        self.location = location_of(self.store, self.run_prefix)
+        self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
+        check_hook_prefixes(self.hooks)
+        self.dtype = DTYPES[options.dtype]
+        self.rows = options.rows_per_file or 8 * plan.batch_size
+        self.seq = options.sequence_length or plan.tokens_per_example
+        self.batches_per_file = max(1, self.rows // plan.batch_size)
+        self.tokens_per_file = self.rows * self.seq
+        self.complete = False
+        self.resume_from = 0
+        #: Seconds ``write`` waited for room in an uploader queue (back-pressure).
+        self.blocked_s = 0.0
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()  # guards commits and the run record
+        self._committed = threading.Condition(self._lock)
+        self._uploaders: dict[str, HookUploader] = {}
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._metadata_bytes: dict[str, int] = {}
+        self._buffers: dict[str, list[torch.Tensor]] = {h: [] for h in self.hooks}
+        self._id_buffer: list[torch.Tensor] = []
+        self._buffered = 0
+        self._stats: dict[str, RunningStats] | None = None
+        self._open()
+
+    # ------------------------------------------------------------------ open / resume
+
+    def _hook_prefix(self, hook: str) -> str:
+        return join_key(self.run_prefix, hook)
+
+    def _key(self, *parts: str) -> str:
+        return join_key(self.run_prefix, *parts)
+
+    def _new_record(self) -> RunRecord:
+        return RunRecord(run_id=str(uuid_lib.uuid4()), hooks=self.hooks,
+                         rows_per_file=self.rows, sequence_length=self.seq,
+                         dtype=self.options.dtype, plan=plan_record(self.plan))  # fmt: skip
+
+    def _open(self) -> None:
+        if not self.run_prefix:
+            raise CaptureError(f"{self.location}: give a run name, e.g. s3://bucket/my-run")
+        if isinstance(self.store, S3Store):
+            self.store.check_bucket()
+        cfg_key = self._key(CFG)
+        if self.store.size(cfg_key) is None:
+            self._start_new_run()
+        else:
+            self._resume(cfg_key)
+        self._position = _Position(self.record.next_example, self.record.next_skip)
+        self._next_example = self.record.next_example
+        self._skip = self.record.next_skip
+        self._emitted = self.record.groups
+        if self._stats is None:
+            self._stats = {h: RunningStats(self.plan.d_model) for h in self.hooks}
+
+    def _start_new_run(self) -> None:
+        existing = self.store.list_dirs(self.run_prefix)
+        check_hook_prefixes([*existing, *(h for h in self.hooks if h not in existing)])
+        if next(iter(self.store.list(self.run_prefix + "/")), None) is not None:
+            raise StoreExistsError(
+                f"{self.location} already holds objects but no cfg.json, so it is not a run "
+                "actstore can resume; choose a new run name"
+            )
+        self.record = self._new_record()
+        self._write_cfg()
+        log.info("new Activault run %s (hooks: %s)", self.location, ", ".join(self.hooks))
+
+    def _resume(self, cfg_key: str) -> None:
+        doc = self.store.get_json(cfg_key)
+        if not isinstance(doc, dict) or "actstore" not in doc:
+            raise StoreExistsError(
+                f"{self.location} is an Activault run not written by actstore; it cannot be "
+                "resumed or extended: choose a new run name"
+            )
+        record = RunRecord.from_dict(doc["actstore"], source=self.store.url(cfg_key))
+        expected = self._new_record()
+        differ = [name for name in ("hooks", "rows_per_file", "sequence_length", "dtype", "plan")
+                  if getattr(record, name) != getattr(expected, name)]  # fmt: skip
+        if differ:
+            detail = ""
+            if "plan" in differ:
+                keys = [k for k in expected.plan if record.plan.get(k) != expected.plan.get(k)]
+                detail = f" (plan fields: {', '.join(keys)})"
+            raise StoreExistsError(
+                f"{self.location} holds a capture with a different {', '.join(differ)}{detail}; "
+                "rerun with the same model, dataset, sites and options to resume it, or choose "
+                "a new run name"
+            )
+        self.record = record
+        if record.complete:
+            self.complete = True
+            self.resume_from = self.plan.n_examples
+            log.info("%s is already complete; nothing to write", self.location)
+            return
+        aborted = self.store.abort_incomplete(self.run_prefix + "/")
+        self._stats = {h: self._recover_hook(h, record) for h in self.hooks}
+        self.record = replace(record, num_runs=record.num_runs + 1)
+        self._write_cfg()
+        self.resume_from = record.next_example
+        log.info("resuming %s after %d committed files per hook (example %d, %d tokens into it; "
+                 "%d unfinished uploads aborted)", self.location, record.groups,
+                 record.next_example, record.next_skip, aborted)  # fmt: skip
+
+    def _recover_hook(self, hook: str, record: RunRecord) -> RunningStats:
+        """Delete files of uncommitted groups; check committed ones; catch statistics up."""
+        prefix = self._hook_prefix(hook)
+        keep = {data_file_name(group_uuid(record.run_id, g), g + 1): g for g in range(record.groups)}
+        sizes: dict[str, int] = {}
+        for obj in self.store.list(prefix + "/"):
+            name = obj.key[len(prefix) + 1 :]
+            if name in keep:
+                sizes[name] = obj.size
+            elif parse_data_file(name) is not None:
+                log.info("deleting %s (uploaded after the last commit)", self.store.url(obj.key))
+                self.store.delete(obj.key)
+        if record.groups == 0:
+            return RunningStats(self.plan.d_model)
+        md = HookMetadata.from_dict(self.store.get_json(join_key(prefix, METADATA)),
+                                    source=self.store.url(join_key(prefix, METADATA)))  # fmt: skip
+        self._metadata_bytes[hook] = md.bytes_per_file
+        for name, g in keep.items():
+            if sizes.get(name) != md.bytes_per_file:
+                raise CorruptStoreError(
+                    f"{self.store.url(join_key(prefix, name))} (committed group {g}) is "
+                    f"{'missing' if name not in sizes else f'{sizes[name]} bytes'}, expected "
+                    f"{md.bytes_per_file} bytes; the run is damaged: capture into a new run"
+                )
+        stats_key = join_key(prefix, STATISTICS)
+        stats = None
+        if self.store.size(stats_key) is not None:
+            stats = statistics_from_dict(self.store.get_json(stats_key),
+                                         source=self.store.url(stats_key))  # fmt: skip
+        stats = stats or RunningStats(self.plan.d_model)
+        done, rest = divmod(stats.count, self.tokens_per_file)
+        if rest or done > record.groups:
+            raise CorruptStoreError(
+                f"{self.store.url(stats_key)} counts {stats.count} tokens, which is not the "
+                f"{record.groups} committed files of {self.tokens_per_file} tokens; the run is "
+                "damaged: capture into a new run"
+            )
+        for g in range(done, record.groups):  # statistics lag the commit by at most a group
+            name = data_file_name(group_uuid(record.run_id, g), g + 1)
+            key = join_key(prefix, name)
+            states = load_megabatch(self.store.get(key), source=self.store.url(key))["states"]
+            _fold(stats, states)
+        return stats
+
+    # ------------------------------------------------------------------ writing
+
+    def _fail(self, err: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = err
+            self._committed.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, ActstoreError):
+                raise CaptureError(f"uploading to {self.location} failed: {err}") from err
+            raise CaptureError(f"uploading to {self.location} failed: {err!r}") from err
+
+    def _make_store(self) -> ObjectStore:
+        if isinstance(self.store, S3Store):
+            return S3Store(self.store.bucket, self._s3)  # its own client and connection pool
+        assert isinstance(self.store, LocalStore)
+        return LocalStore(self.store.root)
+
+    def _start_uploaders(self) -> None:
+        opts = self.options
+        for hook in self.hooks:
+            self._uploaders[hook] = HookUploader(
+                hook, self._hook_prefix(hook), self._make_store(), threads=opts.upload_threads,
+                queue_files=opts.queue_files, expected_bytes=self._metadata_bytes.get(hook),
+                on_done=self._uploaded, on_error=self._fail,
+            )  # fmt: skip
+
+    def write(self, batch: Batch) -> None:
+        """Append the kept tokens of ``batch``'s examples not already stored."""
+        if self.complete:
+            raise CaptureError(f"{self.location} is already complete")
+        self._raise_if_failed()
+        ids = batch.example_ids
+        keep = ids >= self._next_example
+        if not keep.all():
+            batch = batch.select(keep)
+            ids = batch.example_ids
+        if batch.n_examples == 0:
+            return
+        expected = np.arange(self._next_example, self._next_example + batch.n_examples)
+        if not np.array_equal(ids, expected):
+            raise CaptureError(
+                f"batches must arrive in example order: expected ids from {self._next_example}, "
+                f"got {ids[:4].tolist()}..."
+            )
+        b, t = batch.n_examples, batch.n_tokens
+        if batch.d_model != self.plan.d_model or set(batch.acts) != set(self.hooks.values()):
+            raise CaptureError(
+                f"batch has sites {sorted(batch.acts)} of width {batch.d_model}; this run stores "
+                f"{sorted(self.hooks.values())} of width {self.plan.d_model}"
+            )
+        has_mask = batch.token_mask is not None
+        if self.record.token_mask is None:
+            with self._lock:
+                self.record = replace(self.record, token_mask=has_mask)
+        elif self.record.token_mask != has_mask:
+            raise CaptureError(
+                f"{self.location} was started {'with' if self.record.token_mask else 'without'} "
+                "token cleaning; resume it with the same cleaning setting"
+            )
+        mask = (np.ones((b, t), dtype=bool) if batch.token_mask is None
+                else np.array(batch.token_mask, dtype=bool, copy=True))  # fmt: skip
+        if self._skip:  # the first kept tokens of this example are stored already
+            row = mask[0]
+            row[np.flatnonzero(row)[: self._skip]] = False
+            self._skip = 0
+        kept = mask.sum(axis=1)
+        self._position.add(ids, kept)
+        flat = np.flatnonzero(mask.reshape(-1))
+        index = None if flat.size == b * t else torch.from_numpy(flat)
+        for hook, site in self.hooks.items():
+            rows = batch.acts[site].to(self.dtype).reshape(b * t, -1)
+            self._buffers[hook].append(rows if index is None else rows.index_select(0, index))
+        if batch.token_ids is not None:
+            token_ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).reshape(-1)
+        else:
+            token_ids = torch.full((b * t,), -1, dtype=torch.int64)
+        self._id_buffer.append(token_ids if index is None else token_ids.index_select(0, index))
+        self._buffered += int(flat.size)
+        self._next_example += b
+        while self._buffered >= self.tokens_per_file:
+            self._emit_group()
+            self._raise_if_failed()
+
+    def _emit_group(self) -> None:
+        if not self._uploaders:
+            self._start_uploaders()
+        n = self.tokens_per_file
+        group = self._emitted
+        self._emitted += 1
+        name = group_uuid(self.record.run_id, group)
+        jobs: dict[str, _Job] = {}
+        ids = _take(self._id_buffer, n).reshape(self.rows, self.seq)
+        snapshots = {}
+        for hook in self.hooks:
+            states = _take(self._buffers[hook], n).reshape(self.rows, self.seq, -1)
+            _fold(self._stats[hook], states)
+            snapshots[hook] = statistics_to_dict(self._stats[hook])
+            jobs[hook] = _Job(group, name, states, ids)
+        self._buffered -= n
+        position = self._position.advance(n)
+        with self._lock:
+            self._pending[group] = {"left": set(self.hooks), "position": position,
+                                    "stats": snapshots}  # fmt: skip
+        for hook, job in jobs.items():
+            self.blocked_s += self._uploaders[hook].submit(job)
+
+    def _uploaded(self, group: int, hook: str, nbytes: int) -> None:
+        """Called on an uploader thread when ``hook``'s file of ``group`` is stored."""
+        try:
+            with self._lock:
+                self._metadata_bytes.setdefault(hook, nbytes)
+                self._pending[group]["left"].discard(hook)
+                while True:  # commit finished groups in order
+                    head = self._pending.get(self.record.groups)
+                    if head is None or head["left"]:
+                        break
+                    self._commit(self._pending.pop(self.record.groups))
+                self._committed.notify_all()
+        except BaseException as err:  # noqa: BLE001 - reported to the writer
+            self._fail(err)
+
+    def _commit(self, pending: dict[str, Any]) -> None:
+        """Publish one finished group: metadata (first time), cfg.json, statistics."""
+        group = self.record.groups
+        if group == 0:
+            for hook in self.hooks:
+                md = HookMetadata.for_shape(
+                    rows=self.rows, seq=self.seq, d=self.plan.d_model,
+                    dtype=dtype_name(self.dtype), batches_per_file=self.batches_per_file,
+                ).with_bytes(self._metadata_bytes[hook])  # fmt: skip
+                self.store.put_json(join_key(self._hook_prefix(hook), METADATA), md.to_dict())
+        example, skip = pending["position"]
+        self.record = replace(self.record, groups=group + 1, next_example=example, next_skip=skip)
+        self._write_cfg()
+        for hook, stats in pending["stats"].items():
+            self.store.put_json(join_key(self._hook_prefix(hook), STATISTICS), stats)
+
+    def _write_cfg(self) -> None:
+        bucket = self.store.bucket if isinstance(self.store, S3Store) else ""
+        doc = run_cfg(self.record, run_name=base_name(self.run_prefix), bucket=bucket,
+                      batch_size=self.plan.batch_size, batches_per_file=self.batches_per_file)
+        self.store.put_json(self._key(CFG), doc, indent=2)
+
+    # ------------------------------------------------------------------ finish
+
+    def flush(self) -> None:
+        """Wait until every full file handed over so far is uploaded and committed."""
+        with self._committed:
+            self._committed.wait_for(lambda: self.record.groups >= self._emitted
+                                     or self._error is not None)  # fmt: skip
+        self._raise_if_failed()
+
+    def close(self) -> str:
+        """Upload what is queued, mark the run complete, and return its location.
+
+        Kept tokens after the last full file are dropped (every file must be the same
+        size, as Activault's reader requires); the count is logged and recorded.
+        """
+        if self.complete:
+            return self.location
+        self._raise_if_failed()
+        dropped = self._buffered
+        for uploader in self._uploaders.values():
+            uploader.close()
+        self._raise_if_failed()
+        if self.record.groups == 0:
+            raise CaptureError(
+                f"the capture kept {dropped} tokens, fewer than one file of "
+                f"{self.tokens_per_file} ({self.rows} rows x {self.seq} tokens); lower "
+                "--opt rows_per_file or capture more examples"
+            )
+        if dropped:
+            log.warning("dropped the last %d tokens: fewer than one file of %d tokens "
+                        "(Activault files must all be the same size)", dropped,
+                        self.tokens_per_file)  # fmt: skip
+        with self._lock:
+            self.record = replace(self.record, complete=True, dropped_tokens=dropped)
+            self._write_cfg()
+        self.complete = True
+        log.info("published %s: %d files per hook, %d tokens each", self.location,
+                 self.record.groups, self.tokens_per_file)  # fmt: skip
+        return self.location
+
+    def abort(self) -> None:
+        """Stop without marking the run complete; committed files stay for a resume."""
+        for uploader in self._uploaders.values():
+            uploader.close(abort=True)
+
+    def __enter__(self) -> ActivaultWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _take(chunks: list[torch.Tensor], n: int) -> torch.Tensor:
+    """Remove and return the first ``n`` rows of a list of row chunks (contiguous copy)."""
+    taken, have = [], 0
+    while have < n:
+        chunk = chunks[0]
+        need = n - have
+        if chunk.shape[0] <= need:
+            taken.append(chunks.pop(0))
+            have += chunk.shape[0]
+        else:
+            taken.append(chunk[:need])
+            chunks[0] = chunk[need:]
+            have = n
+    return torch.cat(taken) if len(taken) > 1 else taken[0].clone()
+
+
+def _fold(stats: RunningStats, states: torch.Tensor) -> None:
+    """Fold stored values (exactly as a reader sees them) into ``stats``."""
+    stats.update(states.reshape(-1, states.shape[-1]).to(torch.float32).numpy())
