@@ -29,7 +29,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ import torch
 
 from actstore.batch import Batch
 from actstore.formats.zarr import ZarrLayout, ZarrReader, ZarrWriter, write_shards
-from actstore.formats.zarr.layout import ACT_DTYPE, choose_t_chunk
+from actstore.formats.zarr.layout import ACT_DTYPE
 
 ATTRS = {"model_id": "synthetic", "dataset": "synthetic", "fingerprint": "bench"}
 
@@ -138,10 +137,11 @@ def bench_queries(reader: ZarrReader, plain, queries: np.ndarray, part: str) -> 
     buf = np.empty((reader.layout.max_len(part), reader.d_model), dtype=ACT_DTYPE)
     for q, (i, k) in enumerate(queries):
         n = int(lengths_[i])
+        i, k = int(i), int(k)
         methods = [
-            ("actstore", lambda: reader.read_index(int(i), int(k), part)),
-            ("zarr-python", lambda: arrays[part][int(i), int(k), :n]),
-            ("raw numpy", lambda: raw_read(reader, int(i), int(k), part, n, buf[:n])),
+            ("actstore", lambda i=i, k=k: reader.read_index(i, k, part)),
+            ("zarr-python", lambda i=i, k=k, n=n: arrays[part][i, k, :n]),
+            ("raw numpy", lambda i=i, k=k, n=n: raw_read(reader, i, k, part, n, buf[:n])),
         ]
         for name, fn in methods[q % 3 :] + methods[: q % 3]:  # rotate the order
             t0 = time.perf_counter_ns()

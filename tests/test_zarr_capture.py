@@ -247,7 +247,7 @@ def test_sharded_capture_reads_like_a_single_capture(model_dir, qa_file, tmp_pat
                         mode="prompt_response", progress=False)  # fmt: skip
     run = tmp_path / "run"
     for index in range(2):
-        result = capture(cfg, lambda plan: ZarrWriter.for_shard(plan, run, index, 2))
+        result = capture(cfg, lambda plan, index=index: ZarrWriter.for_shard(plan, run, index, 2))
         assert result.n_examples_run == (3 if index == 0 else 2)
     write_manifest(run)
     sharded = ZarrReader(run)

@@ -54,8 +54,8 @@ ATTRS = {"model_id": "synthetic", "dataset": "synthetic", "fingerprint": "test"}
 
 
 def layout(n=N, **kw) -> ZarrLayout:
-    values = dict(n_samples=n, sites=SITES, layers=LAYERS, hidden_size=H, p_max=8, r_max=6,
-                  t_chunk_prompt=3, t_chunk_response=6)  # fmt: skip
+    values = {"n_samples": n, "sites": SITES, "layers": LAYERS, "hidden_size": H, "p_max": 8,
+              "r_max": 6, "t_chunk_prompt": 3, "t_chunk_response": 6}
     values.update(kw)
     return ZarrLayout(**values)
 
@@ -130,6 +130,7 @@ def test_t_chunk_stays_in_the_byte_range_when_the_length_allows(max_len, hidden)
 def test_t_chunk_matches_the_spec_examples():
     assert [choose_t_chunk(n, 4096) for n in (64, 128, 256, 1024)] == [64, 128, 128, 128]
     assert choose_t_chunk(100, 32) == 100  # tiny H: one chunk per (sample, layer)
+    assert choose_t_chunk(0, 4096) == 1  # an empty part has no chunks; Zarr needs a length
 
 
 @settings(max_examples=200, deadline=None)
@@ -140,7 +141,7 @@ def test_max_len_is_the_smallest_length_covering_the_quantile(lengths, q):
     values = np.array(lengths)
     assert np.mean(values <= m) >= q - 1e-12
     smaller = values[values < m]
-    assert m == 1 or smaller.size == 0 or np.mean(values <= smaller.max()) < q
+    assert smaller.size == 0 or np.mean(values <= smaller.max()) < q
 
 
 def test_choose_layout_records_truncation():
@@ -234,7 +235,7 @@ def test_plain_zarr_python_reads_the_store_without_actstore(store, tmp_path):
         print("ok", prompt.shape, prompt.dtype)
     """)  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", script, str(store), str(tmp_path / "want.npz")],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok (11, 3, 8, 8) float16")
 
@@ -367,7 +368,8 @@ def test_a_killed_writer_leaves_nothing_a_reader_accepts(tmp_path):
             if k == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
     """)  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
+                          check=False)  # fmt: skip
     assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "activations.zarr").exists()
     assert len(list(tmp_path.glob(".activations.zarr.*.partial"))) == 1
@@ -453,7 +455,7 @@ def test_parallel_shards_manifest_multi_shard_reader_and_merge(store, tmp_path):
     assert merged == run / "merged" / "activations.zarr"
     assert json.loads((run / "manifest.json").read_text())["merged"] == "merged/activations.zarr"
     # same chunking, and every array file byte-identical to the single-writer store
-    files = lambda root: {p.relative_to(root).as_posix(): p.read_bytes()  # noqa: E731
+    files = lambda root: {p.relative_to(root).as_posix(): p.read_bytes()
                           for p in (root / "arrays").rglob("*") if p.is_file()}  # fmt: skip
     assert files(merged) == files(store)
     for name in ("text/prompts.jsonl", "text/responses.jsonl"):
@@ -493,3 +495,26 @@ def test_shared_loader_serves_every_stored_token_once_aligned_across_sites(store
     assert sorted(rows.tolist()) == list(range(len(stored["resid.1"])))
     np.testing.assert_array_equal(acts[:, 0], stored["resid.1"][rows])
     np.testing.assert_array_equal(acts[:, 1], stored["mlp_out.3"][rows])
+
+
+def test_batches_without_prompt_response_lengths_store_prompts_only(tmp_path):
+    """Packed captures and conversions carry no split: all tokens are the prompt, R_max = 0."""
+    from conformance import make_acts, make_batches, make_plan
+
+    plan = make_plan()
+    acts = make_acts(plan)
+    writer = ZarrWriter.from_plan(plan, tmp_path)
+    for batch in make_batches(plan, acts):
+        writer.write(batch)
+    reader = ZarrReader(writer.close())
+    assert (reader.layout.p_max, reader.layout.r_max) == (plan.tokens_per_example, 0)
+    assert reader.read(3, "resid.1", "response").shape == (0, plan.d_model)
+    np.testing.assert_array_equal(reader.read(3, "resid.3", "prompt"),
+                                  acts["resid.3"][3].astype(np.float16))  # fmt: skip
+    assert reader.random_batch(4, np.random.default_rng(0))["acts"].shape == (4, 2, 0, plan.d_model)
+    assert not list((reader.path / "arrays/response_activations").glob("*.*.*.*"))
+    assert reader.verify().ok and reader.text(5) == "example 5"
+    import zarr
+
+    root = zarr.open_consolidated(str(reader.path), mode="r")
+    assert root["arrays/response_activations"].shape == (plan.n_examples, 2, 0, plan.d_model)

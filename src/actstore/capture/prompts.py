@@ -98,10 +98,10 @@ def read_records(dataset: str, *, prompt_field: str = "prompt", response_field: 
         raise StoreNotFoundError(f"dataset {dataset!r} does not exist")
     if path.is_dir():
         rows: Sequence[dict[str, Any]] = _load_hf(str(path), split)
-        where = lambda i: f"{path} row {i}"  # noqa: E731
+        where = lambda i: f"{path} row {i}"
     elif path.suffix == ".jsonl":
         rows = _read_jsonl(path)
-        where = lambda i: f"{path}:{i + 1}"  # noqa: E731
+        where = lambda i: f"{path}:{i + 1}"
     else:
         raise ConfigError(f"prompt/response datasets are .jsonl files or directories saved by "
                           f"datasets' save_to_disk; {path} is neither")  # fmt: skip

@@ -84,28 +84,32 @@ PROMPT_KEEP = ("first", "last")
 
 def choose_max_len(lengths: Sequence[int] | np.ndarray, *, quantile: float = DEFAULT_QUANTILE,
                    given: int | None = None) -> int:  # fmt: skip
-    """``given`` if set, else the ``quantile`` of ``lengths`` (an observed length, at least 1).
+    """``given`` if set, else the ``quantile`` of ``lengths``: the smallest observed length
+    that at least that fraction of samples fit (0 when they are all empty, e.g. no responses).
 
     Example:
         >>> choose_max_len([10, 20, 30], quantile=1.0), choose_max_len([], given=64)
         (30, 64)
     """
     if given is not None:
-        if given < 1:
-            raise ConfigError(f"a maximum length must be >= 1, not {given}")
+        if given < 0:
+            raise ConfigError(f"a maximum length must be >= 0, not {given}")
         return int(given)
     if not 0.0 < quantile <= 1.0:
         raise ConfigError(f"the length quantile must lie in (0, 1], not {quantile}")
     values = np.asarray(lengths, dtype=np.int64)
     if values.size == 0:
         raise ConfigError("cannot choose a maximum length from no samples; give it explicitly")
-    return max(1, int(np.quantile(values, quantile, method="inverted_cdf")))
+    return int(np.quantile(values, quantile, method="inverted_cdf"))
 
 
 def choose_t_chunk(max_len: int, hidden_size: int, *, target_bytes: int = TARGET_CHUNK_BYTES) -> int:
-    """Tokens per chunk for a padded length ``max_len`` (see the module docstring)."""
-    if max_len < 1 or hidden_size < 1:
-        raise ConfigError(f"need max_len >= 1 and hidden_size >= 1, not {max_len}, {hidden_size}")
+    """Tokens per chunk for a padded length ``max_len`` (see the module docstring); 1 for an
+    empty part (a zero-length axis has no chunks, but Zarr needs a chunk length >= 1)."""
+    if max_len < 0 or hidden_size < 1:
+        raise ConfigError(f"need max_len >= 0 and hidden_size >= 1, not {max_len}, {hidden_size}")
+    if max_len == 0:
+        return 1
     per_chunk = max(1, target_bytes // (hidden_size * ITEMSIZE))
     n_chunks = math.ceil(max_len / per_chunk)
     return math.ceil(max_len / n_chunks)
@@ -123,7 +127,7 @@ def length_summary(lengths: Sequence[int] | np.ndarray) -> dict[str, int]:
     values = np.asarray(lengths, dtype=np.int64)
     if values.size == 0:
         return {}
-    q = lambda p: int(np.quantile(values, p, method="inverted_cdf"))  # noqa: E731
+    q = lambda p: int(np.quantile(values, p, method="inverted_cdf"))
     return {"p50": q(0.5), "p95": q(0.95), "p99": q(0.99), "max": int(values.max())}
 
 
@@ -174,12 +178,14 @@ class ZarrLayout:
             raise ConfigError(f"sites {self.sites} and layers {self.layers} must pair up")
         if len(set(self.sites)) != len(self.sites):
             raise ConfigError(f"sites {self.sites} name the same site twice")
-        if self.hidden_size < 1 or self.p_max < 1 or self.r_max < 1:
-            raise ConfigError("hidden_size, p_max and r_max must be >= 1")
+        if self.hidden_size < 1 or self.p_max < 0 or self.r_max < 0:
+            raise ConfigError("hidden_size must be >= 1, p_max and r_max >= 0")
+        if self.p_max + self.r_max == 0:
+            raise ConfigError("p_max and r_max are both 0: nothing would be stored")
         for name, t, cap in (("t_chunk_prompt", self.t_chunk_prompt, self.p_max),
                              ("t_chunk_response", self.t_chunk_response, self.r_max)):  # fmt: skip
-            if not 1 <= t <= cap:
-                raise ConfigError(f"{name}={t} must lie in 1..{cap} (the padded length)")
+            if not 1 <= t <= max(cap, 1):
+                raise ConfigError(f"{name}={t} must lie in 1..{max(cap, 1)} (the padded length)")
         if self.prompt_keep not in PROMPT_KEEP:
             raise ConfigError(f"prompt_keep must be one of {PROMPT_KEEP}, not {self.prompt_keep!r}")
 
@@ -303,8 +309,9 @@ def choose_layout(*, n_samples: int, sites: Sequence[str], layers: Sequence[int]
     layout = ZarrLayout(
         n_samples=n_samples, sites=tuple(sites), layers=tuple(layers), hidden_size=hidden_size,
         p_max=p, r_max=r,
-        t_chunk_prompt=min(t_chunk_prompt, p) if t_chunk_prompt else choose_t_chunk(p, hidden_size),
-        t_chunk_response=min(t_chunk_response, r) if t_chunk_response else r,
+        t_chunk_prompt=(min(t_chunk_prompt, max(p, 1)) if t_chunk_prompt
+                        else choose_t_chunk(p, hidden_size)),
+        t_chunk_response=min(t_chunk_response, max(r, 1)) if t_chunk_response else max(r, 1),
         prompt_keep=prompt_keep,
     )  # fmt: skip
     attrs: dict[str, Any] = {

@@ -21,7 +21,7 @@ class ZarrOptions:
         "stored prompt tokens per sample (pad/truncate); None: the length quantile")})
     r_max: int | None = field(default=None, metadata={"help": (
         "stored response tokens per sample (pad/truncate); None: the length quantile "
-        "(the spec's QA default is 64)")})
+        "(the spec's QA default is 64); 0 stores prompts only")})
     quantile: float = field(default=DEFAULT_QUANTILE, metadata={"help": (
         "length quantile that sets P_max/R_max when they are not given")})
     t_chunk_prompt: int | None = field(default=None, metadata={"help": (
@@ -38,7 +38,8 @@ class ZarrOptions:
             raise ConfigError(f"prompt_keep must be one of {PROMPT_KEEP}, not {self.prompt_keep!r}")
         if not 0.0 < self.quantile <= 1.0:
             raise ConfigError(f"quantile must lie in (0, 1], not {self.quantile}")
-        for name in ("p_max", "r_max", "t_chunk_prompt", "t_chunk_response"):
+        for name, least in (("p_max", 0), ("r_max", 0), ("t_chunk_prompt", 1),
+                            ("t_chunk_response", 1)):  # fmt: skip
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be >= 1 (or None), not {value}")
+            if value is not None and value < least:
+                raise ConfigError(f"{name} must be >= {least} (or None), not {value}")

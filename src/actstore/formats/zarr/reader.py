@@ -60,7 +60,7 @@ from .layout import (
     chunk_key,
     parse_chunk_key,
 )
-from .store import OPTIONAL_ARRAYS, zarr_module
+from .store import OPTIONAL_ARRAYS, byte_view, zarr_module
 
 MANIFEST = "manifest.json"
 
@@ -413,6 +413,9 @@ class ZarrReader:
         store = self.stores[k]
         if out is None:
             out = np.empty((block.n_rows, self.layout.hidden_size), dtype=ACT_DTYPE)
+        elif out.shape != (block.n_rows, self.layout.hidden_size) or out.dtype != ACT_DTYPE:
+            raise ConfigError(f"out must be float16 of shape {(block.n_rows, self.layout.hidden_size)}, "
+                              f"not {out.dtype} {out.shape}")  # fmt: skip
         _read_rows(store, PARTS[part_idx], local, layer_idx, out)
         return out
 
@@ -460,7 +463,7 @@ class ZarrReader:
             "sites": list(lay.sites),
             "shape": (f"{lay.n_samples} samples x {lay.n_layers} sites {list(lay.sites)} x "
                       f"(P_max {lay.p_max} + R_max {lay.r_max}) tokens x {lay.hidden_size} dims "
-                      "float16"),  # fmt: skip
+                      "float16"),
             "n_samples": lay.n_samples,
             "P_max": lay.p_max,
             "R_max": lay.r_max,
@@ -472,7 +475,7 @@ class ZarrReader:
             "stores": len(self.stores),
             "bytes": n_bytes,
             "n_files": n_files,
-        }  # fmt: skip
+        }
         return out
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
@@ -552,7 +555,7 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
     number of bytes read from files."""
     n_rows = out.shape[0]
     prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
-    view = memoryview(out.reshape(-1)).cast("B")
+    view = byte_view(out)
     n_read = 0
     for c in range(-(-n_rows // t_chunk)):
         r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
@@ -659,7 +662,7 @@ def _verify_store(store: StoreInfo, group: Any, report: VerifyReport,
                 except CorruptStoreError as err:
                     report.faults.append(str(err))
                     slab[layer_idx] = 0
-            h.update(memoryview(slab.reshape(-1)).cast("B"))
+            h.update(byte_view(slab))
             non_finite += int(slab.size - np.count_nonzero(np.isfinite(slab)))
         report.bytes_checked += n_read
         if progress is not None:

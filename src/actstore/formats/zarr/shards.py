@@ -42,7 +42,6 @@ from tqdm.auto import tqdm
 
 from ...batch import Batch
 from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
-from ...stats import merge_all
 from ...storage import atomic_write_json
 from .layout import (
     ACTIVATIONS,
@@ -210,7 +209,7 @@ def write_manifest(run_dir: str | Path) -> dict[str, Any]:
     manifest = {
         "format": RUN_FORMAT_TAG,
         "schema_version": SCHEMA_VERSION,
-        "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "n_samples": start,
         "model_id": first.attrs.get("model_id"),
         "sites": list(first.layout.sites),
@@ -273,7 +272,7 @@ def merge_run(run_dir: str | Path, dest: str | Path | None = None, *,
         attrs.update(truncation_attrs_from_counts(counts, lay.n_samples))
         attrs.update(layout_attrs(lay))
         attrs.update(merged_from=str(run_dir),
-                     created_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))  # fmt: skip
+                     created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))  # fmt: skip
         root.attrs.update(attrs)
         publish(tmp, dest)
     except BaseException:

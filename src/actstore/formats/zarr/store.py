@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import os
 import stat
-from concurrent.futures import ThreadPoolExecutor
 import tempfile
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ...errors import require
+from ...errors import ConfigError, require
 from ...storage import fsync_dir, publish_dir
 from .layout import (
     ACT_DTYPE,
@@ -48,6 +48,13 @@ from .layout import (
 FSYNC_THREADS = 8
 #: Per-sample arrays a store may hold besides the required ones, with their dtype.
 OPTIONAL_ARRAYS = {"hallu_label": (HALLU_LABEL, np.dtype("i1")), "split": (SPLIT, np.dtype("i1"))}
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (also for zero-size arrays)."""
+    if not array.flags.c_contiguous:
+        raise ConfigError("the output array must be C-contiguous")
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def zarr_module():

@@ -64,6 +64,7 @@ from .options import ZarrOptions
 from .store import (
     OPTIONAL_ARRAYS,
     RowAppender,
+    byte_view,
     create_arrays,
     new_partial_dir,
     publish,
@@ -389,7 +390,7 @@ class ZarrWriter:
         atomic_write_json(self._tmp / CONFIG_FILE, self.config)
         attrs = {**self.attrs, **layout_attrs(lay)}
         attrs.update(truncation_attrs_from_counts(self._truncated, lay.n_samples))
-        attrs["created_at"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        attrs["created_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         attrs["optional_arrays"] = list(self.optional)
         attrs["text_files"] = [TEXT_FILES[p] for p in PARTS if (self._tmp / TEXT_FILES[p]).exists()]
         self._root.attrs.update(attrs)
@@ -450,8 +451,8 @@ def truncation_attrs_from_counts(counts: dict[str, int], n: int) -> dict[str, An
 
 def _digest(prompt: np.ndarray, response: np.ndarray) -> bytes:
     h = xxhash.xxh3_128()
-    h.update(memoryview(np.ascontiguousarray(prompt)).cast("B"))
-    h.update(memoryview(np.ascontiguousarray(response)).cast("B"))
+    h.update(byte_view(np.ascontiguousarray(prompt)))
+    h.update(byte_view(np.ascontiguousarray(response)))
     return h.hexdigest().encode("ascii")
 
 
