@@ -116,14 +116,14 @@ def test_merge_refuses_a_missing_slice(config, tmp_path):
     (parts_dir,) = out.glob(".*.parts")
     final = out / parts_dir.name[1:-6]
     with pytest.raises(MissingPartsError, match=r"examples \[8, 16\) of 22"):
-        merge_store(final)
+        merge_store(final, "saev")
     assert not final.exists()
     result = runner.invoke(app, ["merge", str(out)])
     assert result.exit_code == 1 and "[8, 16)" in result.output
     # a part from another splitting overlaps: refused rather than guessed at
     capture_part(config, "saev", str(out), SAEV, machine_id=1, n_machines=2)  # [12, 22)
     with pytest.raises(ConfigError, match="parts overlap"):
-        merge_store(final)
+        merge_store(final, "saev")
 
 
 def test_more_machines_than_shards_leaves_some_idle(config, saev_single, tmp_path):
@@ -208,3 +208,35 @@ def test_slurm_script_checks_the_capture_arguments():
     assert bad.exit_code != 0 and "No such option: --modle" in str(bad.exception)
     with pytest.raises(ConfigError, match="leave --machine-id out"):
         sbatch_script(["--machine-id", "3"], num_machines=4)
+
+
+# ---------------------------------------------------------------- zarr
+
+
+def test_zarr_shards_publish_as_one_run(config, tmp_path):
+    from actstore.formats.zarr import ZarrOptions
+
+    options = ZarrOptions()
+    spec = get_format("zarr")
+    single = open_store(capture(config, lambda plan: spec.writer_for_plan(
+        plan, str(tmp_path / "one"), options)).output)
+    out = tmp_path / "acts"
+    first = capture_distributed(config, "zarr", str(out), options, machine_id=2, n_machines=3)
+    assert first.published is None and first.waiting_for == [(0, 15)]
+    with pytest.raises(FileNotFoundError):  # shards without a manifest are not a store
+        open_store(out)
+    for machine in (0, 1):
+        done = capture_distributed(config, "zarr", str(out), options, machine_id=machine,
+                                   n_machines=3)
+    assert [done.part.slice.start, done.part.slice.stop] == [8, 15]  # zarr's balanced split
+    run = open_store(done.published)
+    assert len(run.stores) == 3 and run.n_samples == N_EXAMPLES
+    for site in run.sites:
+        got = np.concatenate([run.read_block(b) for b in run.blocks(site)])
+        want = np.concatenate([single.read_block(b) for b in single.blocks(site)])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(run.statistics(site).mean, single.statistics(site).mean,
+                                   rtol=1e-12)
+    assert [run.token_ids(i).tolist() for i in range(N_EXAMPLES)] == [
+        single.token_ids(i).tolist() for i in range(N_EXAMPLES)]
+    assert run.verify().ok

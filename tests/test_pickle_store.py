@@ -401,3 +401,40 @@ def test_capture_into_pickle_matches_the_saev_store(model_dir, text_file, tmp_pa
     plan = reader.capture_plan()
     assert (plan.ckpt, plan.family, plan.n_examples, plan.tokens_per_example) == (
         str(model_dir("gpt2")), "gpt2", 10, 128)
+
+
+# ---------------------------------------------------------------- the spec's torch Dataset
+
+
+def test_spec_dataset_serves_every_sample_once_per_epoch_decoding_each_shard_once(tmp_path):
+    import torch
+
+    from actstore.formats.pickle import ActivationDataset
+
+    out, plan, acts = write(tmp_path / "acts")
+    dataset = ActivationDataset(out, layer_idx=3, seed=7, pool_shards=2)
+    decoded = []
+    read = dataset.reader._read
+    dataset.reader._read = lambda info, progress: decoded.append(info.shard_id) or read(info, progress)
+    epoch0 = list(dataset)
+    assert len(epoch0) == len(dataset) == 23
+    assert sorted(decoded) == [1, 2, 3, 4, 5]  # each shard once, not once per item
+    ids = [item["sample_idx"] for item in epoch0]
+    assert sorted(ids) == list(range(23)) and ids != list(range(23))
+    for item in epoch0:
+        np.testing.assert_array_equal(item["activation"].numpy(), acts["resid.3"][item["sample_idx"]])
+        assert item["text"] == f"example {item['sample_idx']}"
+    assert [i["sample_idx"] for i in dataset] == ids  # a pure function of (seed, epoch)
+    dataset.set_epoch(1)
+    assert [i["sample_idx"] for i in dataset] != ids
+    # DataLoader workers split the epoch between them; batches collate as in the spec
+    dataset.set_epoch(0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2)
+    batches = list(loader)
+    assert batches[0]["activation"].shape == (4, plan.tokens_per_example, plan.d_model)
+    assert sorted(int(i) for b in batches for i in b["sample_idx"]) == list(range(23))
+    ordered = ActivationDataset(out, layer_idx=1, shuffle=False)
+    assert [i["sample_idx"] for i in ordered] == list(range(23))
+    halves = [ActivationDataset(out, 1, rank=r, world_size=2) for r in (0, 1)]
+    assert [len(h) for h in halves] == [12, 11]
+    assert sorted(i["sample_idx"] for h in halves for i in h) == list(range(23))

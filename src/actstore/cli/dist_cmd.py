@@ -152,9 +152,9 @@ def merge(
         finals = find_unmerged(location)
         if not finals:
             typer.echo(f"{location}: no distributed capture waiting to be merged")
-        for final in finals:
+        for final, fmt in finals:
             try:
-                typer.echo(f"published {merge_store(final)}")
+                typer.echo(f"published {merge_store(final, fmt)}")
             except MissingPartsError as err:
                 typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
                 failed = True

@@ -12,7 +12,15 @@ Example:
     Slice(machine_id=2, n_machines=3, start=8, stop=10, per_machine=4)
 """
 
-from .parts import MissingPartsError, PartFormat, find_unmerged, merge_store, part_format
+from .parts import (
+    MissingPartsError,
+    PartFormat,
+    PartInfo,
+    find_unmerged,
+    merge_store,
+    part_format,
+    part_formats,
+)
 from .ray_runner import RayCaptureResult, capture_on_ray, init_local_ray
 from .run import DistributedResult, PartResult, capture_distributed, capture_part
 from .slurm import SlurmOptions, sbatch_script
@@ -22,6 +30,7 @@ __all__ = [
     "DistributedResult",
     "MissingPartsError",
     "PartFormat",
+    "PartInfo",
     "PartResult",
     "RayCaptureResult",
     "Slice",
@@ -33,6 +42,7 @@ __all__ = [
     "init_local_ray",
     "merge_store",
     "part_format",
+    "part_formats",
     "sbatch_script",
     "slurm_machine",
     "split_examples",

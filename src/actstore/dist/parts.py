@@ -1,12 +1,24 @@
 """Parts of a distributed capture, per format, and the merge that publishes them.
 
-Every machine writes its slice as a *part*: a directory ``part-<start>-<stop>`` under
-``<final>.parts`` (hidden: ``<dir>/.<name>.parts``) next to where the finished store will
-be. The merge checks that the published parts tile ``[0, n_examples)`` exactly and come
-from one capture configuration, then lets the format join them (saev: shards hard-linked
-under one index; pkl.gz: shards linked under one merged metadata.json) and removes the
-parts. A missing slice stops it with :class:`MissingPartsError`, naming the machines to
-rerun: a store with a hole is never published.
+Every machine writes its slice as a *part* next to where the finished store will be, and
+the merge publishes the store once the published parts tile ``[0, n_examples)`` exactly
+and come from one capture configuration. A missing slice stops it with
+:class:`MissingPartsError`, naming the examples to rerun: a store with a hole is never
+published. Per format:
+
+========  ==================================  ==========================================
+format    parts                               merge
+========  ==================================  ==========================================
+saev      ``<out>/.<hash>.parts/part-A-B/``   shards hard-linked into ``<out>/<hash>``
+          (whole shards, global numbering)    under one index: byte-identical to a
+                                              single-process capture
+pickle    ``<dir>/.<out>.parts/part-A-B/``    shards linked into ``<out>`` under one
+          (each a pkl.gz store, one per       merged ``metadata.json`` (the spec's
+          machine, spec sample ids)           "merge metadata files")
+zarr      ``<out>/shards/shard-K.zarr``       ``<out>/manifest.json`` over the shards,
+          (the format's sharded run)          read in place (no copy; ``merge_run``
+                                              consolidates into one store if wanted)
+========  ==================================  ==========================================
 
 Example:
     >>> merge_store("/scratch/acts/3f1c...")  # doctest: +SKIP
@@ -25,7 +37,7 @@ from typing import Any
 
 from ..batch import CapturePlan
 from ..errors import CaptureError, ConfigError, StoreNotFoundError
-from .split import Slice
+from .split import Slice, split_examples
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +69,48 @@ class PartFormat:
     """How one storage format captures and merges in parts."""
 
     name: str
-    alignment: Callable[[CapturePlan, Any], int]
-    """Examples per shard: every part but the last holds a multiple of this."""
+    slices: Callable[[CapturePlan, Any, int], list[Slice]]
+    """The slices of ``(plan, options, n_machines)``, one per machine."""
     final_location: Callable[[CapturePlan, str, Any], Path]
-    """Where the merged store goes for ``(plan, out, options)``."""
+    """Where the published store goes for ``(plan, out, options)``."""
     part_writer: Callable[[CapturePlan, Path, Any, Slice], Any]
-    """A writer of one slice into the part directory it is given."""
-    is_part: Callable[[Path], bool]
-    read_part: Callable[[Path], PartInfo]
-    merge: Callable[[list[Path], Path], Path]
-    """Join parts (tiling ``[0, n)`` in order) into the final location; returns it."""
+    """A writer of one slice of the store at ``final`` (it knows where its part goes)."""
+    list_parts: Callable[[Path], list[PartInfo]]
+    """The published parts of the store at ``final``."""
+    merge: Callable[[list[PartInfo], Path], Path]
+    """Publish the store at ``final`` from its parts (in example order, tiling it) and
+    remove what is no longer needed; returns the store's location."""
+    pending: Callable[[Path], list[Path]]
+    """Final locations under an output directory whose parts are waiting for a merge."""
+
+
+# ---------------------------------------------------------------------- part directories
+
+
+def parts_root(final: Path) -> Path:
+    """``<dir>/.<name>.parts``: where the parts of the store ``final`` live (saev, pickle)."""
+    return final.parent / f".{final.name}.parts"
+
+
+def part_dir(final: Path, sl: Slice) -> Path:
+    """The part directory of slice ``sl`` (named by its example range)."""
+    return parts_root(final) / f"part-{sl.start:010d}-{sl.stop:010d}"
+
+
+def _dir_parts(final: Path, is_part: Callable[[Path], bool],
+               read: Callable[[Path], PartInfo]) -> list[PartInfo]:  # fmt: skip
+    root = parts_root(final)
+    if not root.is_dir():
+        return []
+    return [read(p) for p in sorted(root.iterdir())
+            if p.is_dir() and p.name.startswith("part-") and is_part(p)]  # fmt: skip
+
+
+def _aligned_slices(alignment: Callable[[CapturePlan, Any], int]):
+    def slices(plan: CapturePlan, options: Any, n_machines: int) -> list[Slice]:
+        return split_examples(plan.n_examples, n_machines, align=alignment(plan, options))
+
+    return slices
 
 
 # ---------------------------------------------------------------------- saev
@@ -80,10 +124,10 @@ def _saev() -> PartFormat:
         return saev_metadata(plan, dialect=options.dialect,
                              patches_per_shard=options.patches_per_shard)  # fmt: skip
 
-    def part_writer(plan, part_dir, options, sl):
-        return SaevWriter(metadata(plan, options), part_dir, has_tokens=plan.has_tokens,
-                          classes=plan.classes, has_labels=plan.has_labels,
-                          example_range=(sl.start, sl.stop))  # fmt: skip
+    def part_writer(plan, final, options, sl):
+        return SaevWriter(metadata(plan, options), part_dir(final, sl),
+                          has_tokens=plan.has_tokens, classes=plan.classes,
+                          has_labels=plan.has_labels, example_range=(sl.start, sl.stop))  # fmt: skip
 
     def info(path):
         md, manifest = read_part(path)
@@ -91,14 +135,24 @@ def _saev() -> PartFormat:
         return PartInfo(path=path, start=start, stop=stop, n_examples=md.n_examples,
                         identity=md.to_json_dict())  # fmt: skip
 
+    def merge(parts, final):
+        location = merge_parts([p.path for p in parts], final)
+        shutil.rmtree(parts_root(final))
+        return location
+
+    def pending(out):
+        roots = list(out.glob(".*.parts")) + list((out / "saev" / "shards").glob(".*.parts"))
+        return [r.parent / r.name[1 : -len(".parts")] for r in sorted(roots)
+                if any((p / PART).is_file() for p in r.iterdir())]  # fmt: skip
+
     return PartFormat(
         name="saev",
-        alignment=lambda plan, options: metadata(plan, options).examples_per_shard,
+        slices=_aligned_slices(lambda plan, options: metadata(plan, options).examples_per_shard),
         final_location=lambda plan, out, options: store_dir(metadata(plan, options), out),
         part_writer=part_writer,
-        is_part=lambda path: (path / PART).is_file(),
-        read_part=info,
-        merge=merge_parts,
+        list_parts=lambda final: _dir_parts(final, lambda p: (p / PART).is_file(), info),
+        merge=merge,
+        pending=pending,
     )
 
 
@@ -107,18 +161,15 @@ def _saev() -> PartFormat:
 
 def _pickle() -> PartFormat:
     from ..formats.pickle import PickleReader, PickleWriter, merge_stores
-    from ..formats.pickle.layout import samples_per_shard_for
+    from ..formats.pickle.layout import METADATA, samples_per_shard_for
 
     def per_shard(plan, options):
         return options.samples_per_shard or samples_per_shard_for(plan, options.shard_mb)
 
-    def part_writer(plan, part_dir, options, sl):
-        return PickleWriter(plan, part_dir, options, example_range=(sl.start, sl.stop),
-                            machine_id=sl.machine_id, total_machines=sl.n_machines,
-                            samples_per_machine=sl.per_machine)  # fmt: skip
-
-    def is_part(path):
-        return (path / "metadata.json").is_file() and path.name.startswith("part-")
+    def part_writer(plan, final, options, sl):
+        return PickleWriter(plan, part_dir(final, sl), options,
+                            example_range=(sl.start, sl.stop), machine_id=sl.machine_id,
+                            total_machines=sl.n_machines, samples_per_machine=sl.per_machine)  # fmt: skip
 
     def info(path):
         md = PickleReader(path).metadata
@@ -127,18 +178,78 @@ def _pickle() -> PartFormat:
                         n_examples=md.actstore.get("n_examples", stop),
                         identity=md.extraction_config)  # fmt: skip
 
+    def merge(parts, final):
+        location = merge_stores([p.path for p in parts], final)
+        shutil.rmtree(parts_root(final))
+        return location
+
+    def pending(out):
+        root = parts_root(out)
+        waiting = root.is_dir() and any((p / METADATA).is_file() for p in root.iterdir())
+        return [out] if waiting else []
+
     return PartFormat(
         name="pickle",
-        alignment=per_shard,
+        slices=_aligned_slices(per_shard),
         final_location=lambda plan, out, options: Path(out).expanduser().resolve(),
         part_writer=part_writer,
-        is_part=is_part,
-        read_part=info,
-        merge=lambda parts, final: merge_stores(parts, final),
+        list_parts=lambda final: _dir_parts(final, lambda p: (p / METADATA).is_file(), info),
+        merge=merge,
+        pending=pending,
     )
 
 
-_FACTORIES: dict[str, Callable[[], PartFormat]] = {"saev": _saev, "pickle": _pickle}
+# ---------------------------------------------------------------------- zarr
+
+
+def _zarr() -> PartFormat:
+    from ..formats.zarr import ZarrWriter, shard_ranges, write_manifest
+    from ..formats.zarr.layout import CONFIG_FILE
+    from ..formats.zarr.reader import MANIFEST, open_store_info
+    from ..formats.zarr.shards import SHARDS_DIR
+    from ..storage import read_json
+
+    def slices(plan, options, n_machines):
+        # the format's own split (sizes differing by at most one); machines beyond the
+        # number of samples get nothing
+        used = min(n_machines, plan.n_examples)
+        ranges = shard_ranges(plan.n_examples, used) if used else []
+        ranges += [(plan.n_examples, plan.n_examples)] * (n_machines - used)
+        per = max((b - a for a, b in ranges), default=0)
+        return [Slice(machine_id=i, n_machines=n_machines, start=a, stop=b, per_machine=per)
+                for i, (a, b) in enumerate(ranges)]  # fmt: skip
+
+    def part_writer(plan, final, options, sl):
+        used = min(sl.n_machines, plan.n_examples)
+        return ZarrWriter.for_shard(plan, final, sl.machine_id, used, options)
+
+    def info(path):
+        store = open_store_info(path)
+        shard = store.attrs.get("shard") or {}
+        total = read_json(path / CONFIG_FILE)["layout"]["n_samples"]
+        return PartInfo(path=path, start=shard["start"], stop=shard["stop"], n_examples=total,
+                        identity=store.attrs.get("fingerprint"))  # fmt: skip
+
+    def list_parts(final):
+        shards = final / SHARDS_DIR
+        if not shards.is_dir():
+            return []
+        return [info(p) for p in sorted(shards.glob("shard-*.zarr")) if p.is_dir()]
+
+    def merge(parts, final):
+        write_manifest(final)
+        return final
+
+    def pending(out):
+        return [out] if (out / SHARDS_DIR).is_dir() and not (out / MANIFEST).exists() else []
+
+    return PartFormat(name="zarr", slices=slices,
+                      final_location=lambda plan, out, options: Path(out).expanduser().resolve(),
+                      part_writer=part_writer, list_parts=list_parts, merge=merge,
+                      pending=pending)  # fmt: skip
+
+
+_FACTORIES: dict[str, Callable[[], PartFormat]] = {"saev": _saev, "pickle": _pickle, "zarr": _zarr}
 
 
 def part_format(name: str) -> PartFormat:
@@ -163,27 +274,7 @@ def part_formats() -> list[PartFormat]:
     return out
 
 
-# ---------------------------------------------------------------------- locations
-
-
-def parts_root(final: Path) -> Path:
-    """``<dir>/.<name>.parts``: where the parts of the store ``final`` live."""
-    return final.parent / f".{final.name}.parts"
-
-
-def part_dir(final: Path, sl: Slice) -> Path:
-    """The part directory of slice ``sl`` (named by its example range)."""
-    return parts_root(final) / f"part-{sl.start:010d}-{sl.stop:010d}"
-
-
-def published_parts(final: Path, fmt: PartFormat) -> list[PartInfo]:
-    """The published parts of ``final``, in example order."""
-    root = parts_root(final)
-    if not root.is_dir():
-        return []
-    parts = [fmt.read_part(p) for p in sorted(root.iterdir())
-             if p.is_dir() and p.name.startswith("part-") and fmt.is_part(p)]  # fmt: skip
-    return sorted(parts, key=lambda p: (p.start, p.stop))
+# ---------------------------------------------------------------------- merge
 
 
 def missing_ranges(parts: list[PartInfo], n_examples: int) -> list[tuple[int, int]]:
@@ -195,7 +286,7 @@ def missing_ranges(parts: list[PartInfo], n_examples: int) -> list[tuple[int, in
         [(3, 6)]
     """
     gaps, at = [], 0
-    for part in parts:
+    for part in sorted(parts, key=lambda p: (p.start, p.stop)):
         if part.start < at:
             raise ConfigError(
                 f"parts overlap at example {part.start} ({part.path.name}): they come from "
@@ -210,33 +301,32 @@ def missing_ranges(parts: list[PartInfo], n_examples: int) -> list[tuple[int, in
     return gaps
 
 
-def merge_store(final: str | Path, fmt: str | PartFormat | None = None) -> Path:
-    """Merge the parts of the store ``final`` and publish it; returns its location.
+def merge_store(final: str | Path, fmt: str | PartFormat) -> Path:
+    """Publish the store ``final`` of format ``fmt`` from its parts; returns its location.
 
     Raises :class:`MissingPartsError` if a slice has no published part (then nothing is
-    published). An already merged store is returned as it is. Machines finishing together
-    queue on a lock file; the later ones then find the store published.
+    published). An already published store is returned as it is. Machines finishing
+    together queue on a lock file; the later ones then find the store published.
     """
+    from ..formats import get_format
+
     final = Path(final).expanduser().resolve()
-    spec = _format_of(final, fmt)
-    root = parts_root(final)
-    try:
-        if _published(final, spec):
-            return final
-        lock = open(root / ".merge.lock", "a")
-    except FileNotFoundError:
-        if _published(final, spec):  # another machine merged and removed the parts just now
-            return final
-        raise StoreNotFoundError(f"{final} has no parts to merge (looked for {root})") from None
-    with lock:
+    layout = fmt if isinstance(fmt, PartFormat) else part_format(fmt)
+    detect = get_format(layout.name).detect
+    if detect(str(final)):
+        return final
+    lock_path = final.parent / f".{final.name}.merge.lock"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if _published(final, spec):
+        if detect(str(final)):
             return final
-        parts = published_parts(final, spec)
+        parts = sorted(layout.list_parts(final), key=lambda p: (p.start, p.stop))
         if not parts:
-            raise MissingPartsError(f"no part of {final} is published yet in {root}")
+            raise MissingPartsError(f"no part of {final} is published yet")
         if len({repr(p.identity) for p in parts}) > 1 or len({p.n_examples for p in parts}) > 1:
-            raise ConfigError(f"{root} holds parts of different captures; delete the stale ones")
+            raise ConfigError(f"the parts of {final} come from different captures; delete the "
+                              "stale ones")  # fmt: skip
         gaps = missing_ranges(parts, parts[0].n_examples)
         if gaps:
             raise MissingPartsError(
@@ -244,45 +334,15 @@ def merge_store(final: str | Path, fmt: str | PartFormat | None = None) -> Path:
                 + ", ".join(f"[{a}, {b})" for a, b in gaps)
                 + f" of {parts[0].n_examples}. Rerun the machines of those slices (the same "
                 "capture command with their --machine-id, or the Ray run again: finished "
-                f"slices are kept), then `actstore merge {final}`", gaps
+                f"slices are kept), then `actstore merge {final.parent}`", gaps
             )
-        location = Path(spec.merge([p.path for p in parts], final))
-        shutil.rmtree(root)
+        location = Path(layout.merge(parts, final))
+        lock_path.unlink(missing_ok=True)
     log.info("published %s from %d parts", location, len(parts))
     return location
 
 
-def _published(final: Path, spec: PartFormat) -> bool:
-    from ..formats import get_format
-
-    return get_format(spec.name).detect(str(final))
-
-
-def _format_of(final: Path, fmt: str | PartFormat | None) -> PartFormat:
-    if isinstance(fmt, PartFormat):
-        return fmt
-    if fmt is not None:
-        return part_format(fmt)
-    root = parts_root(final)
-    for spec in part_formats():
-        if root.is_dir() and any(spec.is_part(p) for p in root.iterdir() if p.is_dir()):
-            return spec
-        if _published(final, spec):
-            return spec
-    raise StoreNotFoundError(f"{final} has no parts of a distributed capture (looked in {root})")
-
-
-def find_unmerged(out: str | Path) -> list[Path]:
-    """Final locations with parts waiting under ``out``: ``out`` itself (pkl.gz) or stores
-    inside it (saev: ``out/<hash>``)."""
+def find_unmerged(out: str | Path) -> list[tuple[Path, PartFormat]]:
+    """``(final location, format)`` of every capture under ``out`` whose parts are waiting."""
     out = Path(out).expanduser().resolve()
-    found = []
-    if parts_root(out).is_dir():
-        found.append(out)
-    if out.is_dir():
-        for root in sorted(out.glob(".*.parts")):
-            found.append(out / root.name[1 : -len(".parts")])
-        saev_root = out / "saev" / "shards"  # the saev dialect's layout
-        if saev_root.is_dir():
-            found += [saev_root / r.name[1:-6] for r in sorted(saev_root.glob(".*.parts"))]
-    return found
+    return [(final, fmt) for fmt in part_formats() for final in fmt.pending(out)]

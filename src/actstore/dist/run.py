@@ -22,8 +22,8 @@ from typing import Any
 from ..capture import CaptureConfig, capture
 from ..errors import ConfigError
 from ..formats.registry import get_format
-from .parts import MissingPartsError, merge_store, part_dir, part_format
-from .split import Slice, split_examples
+from .parts import MissingPartsError, merge_store, part_format
+from .split import Slice
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,7 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
 
     def open_writer(plan):
         final = layout.final_location(plan, out, options)
-        sl = split_examples(plan.n_examples, n_machines,
-                            align=layout.alignment(plan, options))[machine_id]  # fmt: skip
+        sl = layout.slices(plan, options, n_machines)[machine_id]
         seen.update(final=final, slice=sl, n=plan.n_examples)
         if spec.detect(str(final)):  # merged already: the format's writer checks it is ours
             log.info("%s is already published; machine %d has nothing to do", final, machine_id)
@@ -80,8 +79,8 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
         if sl.empty:
             log.info("%s: nothing to capture (the other machines' slices cover the dataset)", sl)
             return _NothingToWrite((sl.start, sl.stop))
-        log.info("capturing %s into %s", sl, part_dir(final, sl))
-        return layout.part_writer(plan, part_dir(final, sl), options, sl)
+        log.info("capturing %s of %s", sl, final)
+        return layout.part_writer(plan, final, options, sl)
 
     result = capture(config, open_writer)
     sl, final = seen["slice"], seen["final"]

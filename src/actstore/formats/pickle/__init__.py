@@ -39,8 +39,19 @@ FORMAT = FormatSpec(
     writer_for_plan=_writer_for_plan,
 )
 
+def __getattr__(name: str):
+    # The torch Dataset uses the loader's order functions; imported on first use so the
+    # format package does not pull in the loader.
+    if name == "ActivationDataset":
+        from .dataset import ActivationDataset
+
+        return ActivationDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "FORMAT",
+    "ActivationDataset",
     "VERSION",
     "PickleMetadata",
     "PickleOptions",

@@ -1,0 +1,337 @@
+"""Convert a store from any format to any other, streaming, then verify the result.
+
+Conversion is written once against the contracts every format keeps: the source reader's
+blocks (rows example-major, then token; blocks at the same index of two sites cover the
+same tokens) become capture batches of ``batch_size`` examples for the target format's
+writer (``FormatSpec.writer_for_plan``), so a new format converts to and from every other
+without code here. Memory stays bounded by one batch plus what the target writer buffers
+(one shard at most). The target keeps every value its dtype can hold: float32 to float32
+is exact, float32 to float16 rounds (the largest absolute error introduced is reported),
+float16 to float32 is exact. Verification then re-reads both stores block by block and
+checks every row equals the source row cast to the target dtype.
+
+A reader may offer two optional hooks that make conversion richer:
+
+* ``capture_plan() -> CapturePlan``: the capture the store came from (model, sites,
+  dataset description...). Without it the plan is pieced together from the reader's
+  attributes (``n_examples``, ``tokens_per_ex``, ``metadata`` fields, ``tokens``...).
+* ``example_batches(batch_size, start) -> Iterator[Batch]``: the stored examples as
+  batches (token ids, labels and texts included). Without it batches are built from blocks,
+  with token ids from ``reader.tokens`` and labels from ``reader.labels`` when present.
+
+Example:
+    >>> result = convert("acts/3f1c...", "acts-pkl", to="pickle")  # doctest: +SKIP
+    >>> result.location, result.max_abs_error  # doctest: +SKIP
+    (PosixPath('/abs/acts-pkl'), {'resid.3': 0.0})
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from . import safe_pickle
+from .batch import Batch, CapturePlan
+from .errors import ConfigError, CorruptStoreError, UnsafeDataError
+from .formats import open_store
+from .formats.registry import detect_format, get_format
+from .sites import Site
+
+log = logging.getLogger(__name__)
+
+#: Model families whose stores hold image patches (the rest are text).
+_VISION_FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "fake-clip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConvertResult:
+    """What a conversion wrote and what verification found."""
+
+    location: Any
+    """The target store (what its writer's ``close()`` returned)."""
+    source_format: str
+    target_format: str
+    n_examples: int
+    rows: dict[str, int]
+    """Rows (tokens) per site, checked in both stores."""
+    max_abs_error: dict[str, float]
+    """Per site: the largest ``|source - target|`` (0.0 where the conversion is exact)."""
+    verified: bool
+    already_complete: bool
+    seconds: float
+
+    @property
+    def lossless(self) -> bool:
+        return all(err == 0.0 for err in self.max_abs_error.values())
+
+
+# ---------------------------------------------------------------------- the source side
+
+
+def site_of(reader: Any, name: Hashable) -> Site:
+    """A reader's site name as a :class:`Site`: through the reader's own ``site_of`` when
+    it names sites its way (Activault hooks), else parsed (ints: residual-stream layers)."""
+    own = getattr(reader, "site_of", None)
+    site = own(name) if callable(own) else None
+    if site is not None:
+        return site
+    return name if isinstance(name, Site) else Site.parse(str(name))
+
+
+def source_plan(reader: Any) -> CapturePlan:
+    """The capture plan a store was written from (see the module docstring)."""
+    plan_fn = getattr(reader, "capture_plan", None)
+    if callable(plan_fn):
+        return plan_fn()
+    sites = tuple(site_of(reader, s) for s in reader.sites)
+    n = _first_attr(reader, ("n_examples", "n_samples"))
+    if n is None:
+        n = len(reader)
+    first_site = list(reader.sites)[0]
+    rows = sum(b.n_rows for b in reader.blocks(first_site))
+    tokens_per = _first_attr(reader, ("tokens_per_ex", "tokens_per_example"))
+    if tokens_per is None:
+        if n == 0 or rows % n:
+            raise ConfigError(
+                f"{getattr(reader, 'path', reader)} holds {rows} rows for {n} examples: its "
+                "examples differ in length, and only fixed-length stores convert"
+            )
+        tokens_per = rows // n
+    md = getattr(reader, "metadata", None)
+    attrs = getattr(reader, "attrs", None) or {}
+    family = str(getattr(md, "family", None) or attrs.get("model_family") or "unknown")
+    tokens = getattr(reader, "tokens", None)
+    labels = getattr(reader, "labels", None)
+    return CapturePlan(
+        ckpt=str(getattr(md, "ckpt", None) or attrs.get("model_id")
+                 or reader.describe().get("model", "unknown")),
+        family=family, modality="image" if family in _VISION_FAMILIES else "text",
+        sites=sites,
+        n_model_layers=int(attrs.get("model_num_layers") or max(s.layer for s in sites) + 1),
+        d_model=int(reader.d_model), tokens_per_example=int(tokens_per),
+        has_cls=bool(getattr(md, "cls_token", False)), n_examples=int(n),
+        dataset_root=str(getattr(md, "dataset", None) or attrs.get("dataset_root") or ""),
+        data=_dataset_description(md), classes=getattr(reader, "classes", None),
+        has_labels=labels is not None, has_tokens=tokens is not None, batch_size=32,
+    )  # fmt: skip
+
+
+def _first_attr(obj: Any, names: tuple[str, ...]) -> Any:
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _dataset_description(md: Any) -> dict[str, Any]:
+    """The dataset description a store recorded; saev's ``data`` (a base64 pickle) is
+    decoded with the restricted unpickler, so a store cannot run code through it."""
+    data = getattr(md, "data", None)
+    if isinstance(data, dict):
+        return data
+    if isinstance(data, str) and data:
+        try:
+            decoded = safe_pickle.loads(base64.b64decode(data))
+        except (UnsafeDataError, CorruptStoreError, ValueError):
+            decoded = None  # e.g. saev's own ImgFolder object: keep nothing rather than run it
+        if isinstance(decoded, dict):
+            return decoded
+    return {}
+
+
+def example_batches(reader: Any, plan: CapturePlan, batch_size: int,
+                    start: int = 0) -> Iterator[Batch]:  # fmt: skip
+    """The stored examples ``start, start + 1, ...`` as batches of ``batch_size``."""
+    native = getattr(reader, "example_batches", None)
+    if callable(native):
+        yield from native(batch_size, start)
+        return
+    names = _reader_sites(reader, plan)
+    blocks = [reader.blocks(name) for name in names]
+    if len({len(b) for b in blocks}) > 1:
+        raise CorruptStoreError("the sites of this store have different block lists")
+    t, d = plan.tokens_per_example, plan.d_model
+    tokens, labels = getattr(reader, "tokens", None), getattr(reader, "labels", None)
+    if labels is not None and np.ndim(labels) == 2:  # saev: one label per patch
+        labels = np.asarray(labels)[:, 0]
+    pending: list[list[np.ndarray]] = [[] for _ in names]
+    pending_rows, row = 0, 0  # rows held in `pending`; global row of the next block
+    first_example = start
+    for i in range(len(blocks[0])):
+        n_rows = blocks[0][i].n_rows
+        if row + n_rows <= start * t:
+            row += n_rows
+            continue
+        skip = max(0, start * t - row)
+        for k, name in enumerate(names):
+            pending[k].append(reader.read_block(blocks[k][i])[skip:])
+        pending_rows += n_rows - skip
+        row += n_rows
+        while pending_rows >= batch_size * t or (i == len(blocks[0]) - 1 and pending_rows):
+            if pending_rows % t and pending_rows < batch_size * t:
+                raise ConfigError(f"{getattr(reader, 'path', reader)}: rows do not divide into "
+                                  f"examples of {t} tokens; only fixed-length stores convert")  # fmt: skip
+            take = min(batch_size, pending_rows // t)
+            acts = {}
+            for k, site in enumerate(plan.sites):
+                rows = np.concatenate(pending[k]) if len(pending[k]) > 1 else pending[k][0]
+                acts[str(site)] = torch.from_numpy(np.ascontiguousarray(rows[: take * t]).reshape(
+                    take, t, d))  # fmt: skip
+                pending[k] = [rows[take * t :]] if rows.shape[0] > take * t else []
+            pending_rows -= take * t
+            ids = np.arange(first_example, first_example + take, dtype=np.int64)
+            yield Batch(acts=acts, example_ids=ids,
+                        token_ids=None if tokens is None else np.asarray(tokens[ids[0]: ids[-1] + 1]),
+                        labels=None if labels is None else np.asarray(labels[ids], dtype=np.int64))  # fmt: skip
+            first_example += take
+
+
+def _reader_sites(reader: Any, plan: CapturePlan) -> list[Hashable]:
+    """The reader's own site names, in the plan's site order."""
+    by_site = {site_of(reader, name): name for name in reader.sites}
+    return [by_site[site] for site in plan.sites]
+
+
+# ---------------------------------------------------------------------- convert
+
+
+def convert(source: str | Path, target: str | Path, *, to: str, options: Any = None,
+            batch_size: int = 64, verify: bool = True, progress: bool = True) -> ConvertResult:  # fmt: skip
+    """Convert the store at ``source`` into format ``to`` at ``target`` (that format's
+    ``--out``: a directory, or a URL for object storage). Rerunning an interrupted
+    conversion resumes it; a finished one is only verified."""
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
+    t0 = time.perf_counter()
+    src_spec = detect_format(str(source))
+    dst_spec = get_format(to)
+    reader = src_spec.open_reader(str(source))
+    plan = source_plan(reader)
+    options = options if options is not None else dst_spec.options()
+    writer = dst_spec.writer_for_plan(plan, str(target), options)
+    already = bool(getattr(writer, "complete", False))
+    if already:
+        location = writer.close()
+        log.info("%s already holds this conversion; verifying it", location)
+    else:
+        start = int(getattr(writer, "resume_from", 0))
+        if start:
+            log.info("resuming the conversion at example %d of %d", start, plan.n_examples)
+        try:
+            with tqdm(total=plan.n_examples, initial=start, unit="ex", desc=f"convert to {to}",
+                      disable=not progress, dynamic_ncols=True) as bar:  # fmt: skip
+                for batch in example_batches(reader, plan, batch_size, start):
+                    writer.write(batch)
+                    bar.update(batch.n_examples)
+        except BaseException:
+            writer.abort()
+            raise
+        location = writer.close()
+    rows, errors = {}, {}
+    if verify:
+        target_reader = open_store(location)
+        rows, errors = compare_stores(reader, target_reader, plan,
+                                      stored_dtype=stored_dtype(target_reader, dst_spec.stored_dtype),
+                                      progress=progress)  # fmt: skip
+    result = ConvertResult(
+        location=location, source_format=src_spec.name, target_format=dst_spec.name,
+        n_examples=plan.n_examples, rows=rows, max_abs_error=errors, verified=verify,
+        already_complete=already, seconds=time.perf_counter() - t0,
+    )  # fmt: skip
+    log.info("converted %s (%s) to %s (%s) in %.1fs", source, src_spec.name, location,
+             dst_spec.name, result.seconds)  # fmt: skip
+    return result
+
+
+def compare_stores(source: Any, target: Any, plan: CapturePlan | None = None, *,
+                   stored_dtype: str | None = None,
+                   progress: bool = False) -> tuple[dict[str, int], dict[str, float]]:  # fmt: skip
+    """Check that every row of every site of ``source`` is in ``target``, in order, equal to
+    the source row rounded to the dtype the target stores (``stored_dtype``, e.g.
+    ``"bfloat16"``; default: the target reader's dtype). Returns rows and the max abs
+    error per site; raises :class:`CorruptStoreError` naming the first difference."""
+    plan = plan or source_plan(source)
+    stored = stored_dtype or np.dtype(target.dtype).name
+    src_names, dst_names = _reader_sites(source, plan), _reader_sites(target, plan)
+    rows: dict[str, int] = {}
+    errors: dict[str, float] = {}
+    total = sum(b.n_rows for name in src_names for b in source.blocks(name))
+    with tqdm(total=total, unit="row", desc="verify", disable=not progress,
+              dynamic_ncols=True) as bar:  # fmt: skip
+        for site, src_name, dst_name in zip(plan.sites, src_names, dst_names):
+            worst, at = 0.0, 0
+            for a, b in _aligned(_row_chunks(source, src_name), _row_chunks(target, dst_name)):
+                expected, got = as_stored(a, stored), b.astype(np.float32)
+                if not np.array_equal(expected, got, equal_nan=True):
+                    bad = int(np.flatnonzero((expected != got).any(axis=1))[0])
+                    raise CorruptStoreError(
+                        f"site {site}: row {at + bad} differs between the stores beyond "
+                        f"rounding to {stored}; the conversion is not faithful"
+                    )
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+                if diff.size:
+                    worst = max(worst, float(np.nanmax(diff)))
+                at += a.shape[0]
+                bar.update(a.shape[0])
+            rows[str(site)], errors[str(site)] = at, worst
+    return rows, errors
+
+
+def stored_dtype(reader: Any, default: str = "float32") -> str:
+    """The dtype a store holds its values in: the reader's ``torch_dtype`` when it widens
+    what it returns (bfloat16 read as float32), else its ``dtype``."""
+    torch_dtype = getattr(reader, "torch_dtype", None)
+    if isinstance(torch_dtype, torch.dtype):
+        return str(torch_dtype).removeprefix("torch.")
+    try:
+        return np.dtype(reader.dtype).name
+    except (AttributeError, TypeError):
+        return default
+
+
+def as_stored(rows: np.ndarray, dtype: str) -> np.ndarray:
+    """``rows`` rounded to ``dtype`` (``bfloat16`` through torch), returned as float32.
+
+    Example:
+        >>> as_stored(np.array([[1.0001]], dtype=np.float32), "float16")
+        array([[1.]], dtype=float32)
+    """
+    if dtype == "bfloat16":
+        tensor = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
+        return tensor.to(torch.bfloat16).to(torch.float32).numpy()
+    return np.asarray(rows).astype(dtype).astype(np.float32)
+
+
+def _row_chunks(reader: Any, site: Hashable) -> Iterator[np.ndarray]:
+    for block in reader.blocks(site):
+        yield reader.read_block(block)
+
+
+def _aligned(left: Iterator[np.ndarray],
+             right: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+    """Pairs of equally long row runs from two streams of row chunks, which must end
+    together (else the stores hold different numbers of rows)."""
+    a = b = np.empty((0, 0))
+    while True:
+        if a is not None and not len(a):
+            a = next(left, None)
+        if b is not None and not len(b):
+            b = next(right, None)
+        if a is None and b is None:
+            return
+        if a is None or b is None:
+            raise CorruptStoreError("the stores hold different numbers of rows")
+        n = min(len(a), len(b))
+        if n:
+            yield a[:n], b[:n]
+        a, b = a[n:], b[n:]
