@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import pytest
 from conformance import make_acts, make_batches, make_plan
+from s3_server import s3, s3_server  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
 from actstore.cli import app
@@ -191,3 +192,17 @@ def test_convert_command(tmp_path):
         assert "max abs error" in half.output and "float16 rounding" in half.output
     help_text = runner.invoke(app, ["convert", "--help"]).output
     assert "--to" in help_text and "pickle" in help_text and "Examples" in help_text
+
+
+def test_convert_to_and_from_object_storage(s3, tmp_path):
+    plan = make_plan()
+    acts = make_acts(plan)
+    src = write_store("pickle", tmp_path / "src", plan, acts)
+    up = convert(src, s3.url("run"), to="activault", options=options("activault"),
+                 progress=False)
+    assert up.location == s3.url("run") and up.verified
+    assert max(up.max_abs_error.values()) > 0  # bfloat16
+    down = convert(up.location, tmp_path / "back", to="pickle", progress=False)
+    assert down.lossless and down.rows == up.rows
+    np.testing.assert_array_equal(rows_of(open_store(down.location), plan.sites[0]),
+                                  as_stored(acts["resid.1"].reshape(-1, plan.d_model), "bfloat16"))

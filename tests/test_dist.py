@@ -6,6 +6,7 @@ array task); the merged store must equal a single-process capture of the same da
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from actstore.cli import app
 from actstore.dist import (
     MissingPartsError,
     capture_distributed,
+    find_unmerged,
     capture_part,
     merge_store,
     sbatch_script,
@@ -32,6 +34,7 @@ from actstore.errors import ConfigError
 from actstore.formats import get_format, open_store
 from actstore.formats.pickle import PickleOptions, PickleReader
 from actstore.formats.saev import SaevOptions
+from s3_server import s3, s3_server  # noqa: F401 - fixtures
 
 N_EXAMPLES, CONTEXT, BATCH = 22, 16, 3
 SAEV = SaevOptions(patches_per_shard=4 * CONTEXT * 2)  # 4 examples per shard (2 layers)
@@ -240,3 +243,37 @@ def test_zarr_shards_publish_as_one_run(config, tmp_path):
     assert [run.token_ids(i).tolist() for i in range(N_EXAMPLES)] == [
         single.token_ids(i).tolist() for i in range(N_EXAMPLES)]
     assert run.verify().ok
+
+
+# ---------------------------------------------------------------- activault
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_activault_parts_merge_into_one_run(config, tmp_path, request, where):
+    from actstore.formats.activault import ActivaultOptions
+
+    options = ActivaultOptions(rows_per_file=2)  # files of 2 examples: slices align on them
+    cfg = dataclasses.replace(config, sites=("resid.1", "mlp_out.2"))
+    if where == "s3":
+        s3 = request.getfixturevalue("s3")
+        out, single_out = s3.url("acts"), s3.url("one")
+    else:
+        out, single_out = str(tmp_path / "acts"), str(tmp_path / "one")
+    spec = get_format("activault")
+    single = open_store(capture(cfg, lambda plan: spec.writer_for_plan(plan, single_out,
+                                                                       options)).output)
+    results = [capture_distributed(cfg, "activault", out, options, machine_id=i, n_machines=3)
+               for i in (1, 2, 0)]
+    assert [r.published is None for r in results] == [True, True, False]
+    assert [(r.part.slice.start, r.part.slice.stop) for r in results] == [(8, 16), (16, 22),
+                                                                          (0, 8)]
+    run = open_store(results[-1].published)
+    assert run.record.complete and run.record.groups == 11 and run.record.dropped_tokens == 0
+    for site in run.sites:
+        got = np.concatenate([run.read_block(b) for b in run.blocks(site)])
+        want = np.concatenate([single.read_block(b) for b in single.blocks(site)])
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(run.statistics(site).mean, single.statistics(site).mean,
+                                   rtol=1e-12)
+    assert run.verify().ok
+    assert find_unmerged(out) == []  # the parts are gone

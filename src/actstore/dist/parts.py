@@ -18,7 +18,17 @@ pickle    ``<dir>/.<out>.parts/part-A-B/``    shards linked into ``<out>`` under
 zarr      ``<out>/shards/shard-K.zarr``       ``<out>/manifest.json`` over the shards,
           (the format's sharded run)          read in place (no copy; ``merge_run``
                                               consolidates into one store if wanted)
+activault ``<parent>/.<run>.parts/part-A-B``  files copied (server-side on S3, hard links
+          (each an Activault run, local or    locally) into ``<run>`` with one group
+          ``s3://``)                          numbering, merged statistics, ``cfg.json``
+                                              last; parts deleted
 ========  ==================================  ==========================================
+
+Parts of the saev, pickle and activault formats are whole shards/files (slices aligned
+on them), so the merged store holds exactly what one process would have written; with
+Activault's token cleaning the kept tokens per example vary, and each machine then drops
+its own last partial file, as Activault's own distributed runs do (``dropped_tokens`` in
+``cfg.json`` adds them up).
 
 Example:
     >>> merge_store("/scratch/acts/3f1c...")  # doctest: +SKIP
@@ -27,16 +37,20 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
+import math
+import os
 import shutil
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..batch import CapturePlan
-from ..errors import CaptureError, ConfigError, StoreNotFoundError
+from ..batch import Batch, CapturePlan
+from ..errors import ActstoreError, CaptureError, ConfigError
 from .split import Slice, split_examples
 
 log = logging.getLogger(__name__)
@@ -55,7 +69,8 @@ class MissingPartsError(CaptureError):
 class PartInfo:
     """What a published part says about itself."""
 
-    path: Path
+    path: Path | str
+    """Its directory, or its URL for object storage."""
     start: int
     stop: int
     n_examples: int
@@ -71,17 +86,19 @@ class PartFormat:
     name: str
     slices: Callable[[CapturePlan, Any, int], list[Slice]]
     """The slices of ``(plan, options, n_machines)``, one per machine."""
-    final_location: Callable[[CapturePlan, str, Any], Path]
-    """Where the published store goes for ``(plan, out, options)``."""
+    final_location: Callable[[CapturePlan, str, Any], Path | str]
+    """Where the published store goes for ``(plan, out, options)`` (a path, or a URL)."""
     part_writer: Callable[[CapturePlan, Path, Any, Slice], Any]
     """A writer of one slice of the store at ``final`` (it knows where its part goes)."""
     list_parts: Callable[[Path], list[PartInfo]]
     """The published parts of the store at ``final``."""
-    merge: Callable[[list[PartInfo], Path], Path]
+    merge: Callable[[list[PartInfo], Any], Path | str]
     """Publish the store at ``final`` from its parts (in example order, tiling it) and
     remove what is no longer needed; returns the store's location."""
     pending: Callable[[Path], list[Path]]
     """Final locations under an output directory whose parts are waiting for a merge."""
+    remote: bool = False
+    """Whether finals may be object-storage URLs (merged without a local lock)."""
 
 
 # ---------------------------------------------------------------------- part directories
@@ -249,7 +266,164 @@ def _zarr() -> PartFormat:
                       pending=pending)  # fmt: skip
 
 
-_FACTORIES: dict[str, Callable[[], PartFormat]] = {"saev": _saev, "pickle": _pickle, "zarr": _zarr}
+# ---------------------------------------------------------------------- activault
+
+
+class _Rebased:
+    """Writer adapter for one slice of an Activault part: the part is a run of its own, so
+    example ids are shifted to start at 0 (the runner sends global ids)."""
+
+    def __init__(self, inner: Any, start: int, stop: int) -> None:
+        self.inner, self.example_range = inner, (start, stop)
+        self.wants_texts = getattr(inner, "wants_texts", False)
+
+    @property
+    def complete(self) -> bool:
+        return self.inner.complete
+
+    @property
+    def resume_from(self) -> int:
+        start, stop = self.example_range
+        return stop if self.inner.complete else start + self.inner.resume_from
+
+    def write(self, batch: Batch) -> None:
+        self.inner.write(dataclasses.replace(batch, example_ids=batch.example_ids
+                                             - self.example_range[0]))  # fmt: skip
+
+    def close(self) -> Any:
+        return self.inner.close()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def _activault() -> PartFormat:
+    from ..formats.activault import ActivaultWriter
+    from ..formats.activault.layout import CFG, METADATA, STATISTICS, data_file_name, group_uuid
+    from ..formats.activault.metadata import (
+        HookMetadata,
+        RunRecord,
+        run_cfg,
+        statistics_from_dict,
+        statistics_to_dict,
+    )
+    from ..stats import merge_all
+    from ..storage.object import LocalStore, S3Store, base_name, join_key, open_location
+    from ..storage.object import parent_key
+
+    def root_of(prefix: str) -> str:
+        return join_key(parent_key(prefix), f".{base_name(prefix)}.parts")
+
+    def examples_per_file(plan, options):
+        tokens = (options.rows_per_file or 8 * plan.batch_size) * (
+            options.sequence_length or plan.tokens_per_example)
+        return math.lcm(tokens, plan.tokens_per_example) // plan.tokens_per_example
+
+    def final_location(plan, out, options):
+        store, prefix = open_location(out, options.s3_config())
+        return store.url(prefix)
+
+    def part_writer(plan, final, options, sl):
+        store, prefix = open_location(final, options.s3_config())
+        url = store.url(join_key(root_of(prefix), f"part-{sl.start:010d}-{sl.stop:010d}"))
+        return _Rebased(ActivaultWriter(plan, url, options), sl.start, sl.stop)
+
+    def read_record(store, run_prefix):
+        doc = store.get_json(join_key(run_prefix, CFG))
+        return RunRecord.from_dict(doc["actstore"], source=store.url(join_key(run_prefix, CFG)))
+
+    def list_parts(final):
+        store, prefix = open_location(final)
+        root, out = root_of(prefix), []
+        for name in store.list_dirs(root):
+            if not name.startswith("part-") or store.size(join_key(root, name, CFG)) is None:
+                continue
+            record = read_record(store, join_key(root, name))
+            if not record.complete:
+                continue
+            _, start, stop = name.split("-")
+            identity = {k: v for k, v in record.to_dict().items() if k in (
+                "hooks", "rows_per_file", "sequence_length", "dtype", "plan", "token_mask")}
+            out.append(PartInfo(path=store.url(join_key(root, name)), start=int(start),
+                                stop=int(stop), n_examples=int(record.plan["n_examples"]),
+                                identity=identity))  # fmt: skip
+        return out
+
+    def copy(store, src: str, dst: str) -> None:
+        if isinstance(store, LocalStore):
+            target = Path(store.url(dst))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            try:
+                os.link(store.url(src), target)
+            except OSError:
+                shutil.copyfile(store.url(src), target)
+        elif isinstance(store, S3Store):  # server-side copy (multipart for large objects)
+            store.client.copy({"Bucket": store.bucket, "Key": src}, store.bucket, dst)
+        else:
+            store.put(dst, store.get(src))
+
+    def merge(parts, final):
+        store, prefix = open_location(final)
+        runs = [join_key(root_of(prefix), base_name(str(p.path))) for p in parts]
+        records = [read_record(store, r) for r in runs]
+        merged_id = str(uuid.uuid5(uuid.NAMESPACE_URL, "|".join(r.run_id for r in records)))
+        first = records[0]
+        record = dataclasses.replace(
+            first, run_id=merged_id, groups=sum(r.groups for r in records),
+            next_example=parts[0].n_examples, next_skip=0, complete=False,
+            dropped_tokens=sum(r.dropped_tokens for r in records),
+            num_runs=sum(r.num_runs for r in records))  # fmt: skip
+        plan = first.plan
+        bucket = store.bucket if isinstance(store, S3Store) else ""
+        rows_per_batch = max(1, first.rows_per_file // max(int(plan.get("batch_size", 1)), 1))
+
+        def write_cfg(rec):
+            store.put_json(join_key(prefix, CFG), run_cfg(
+                rec, run_name=base_name(prefix), bucket=bucket,
+                batch_size=int(plan.get("batch_size", 1)), batches_per_file=rows_per_batch),
+                indent=2)  # fmt: skip
+
+        write_cfg(record)  # incomplete: readers refuse the run until the end
+        for hook in first.hooks:
+            metas = [store.get_json(join_key(r, hook, METADATA)) for r in runs]
+            if any(m != metas[0] for m in metas):
+                raise ConfigError(f"the parts of {final} disagree on {hook}/metadata.json")
+            HookMetadata.from_dict(metas[0], source=store.url(join_key(runs[0], hook, METADATA)))
+            group = 0
+            for run, rec in zip(runs, records):
+                for g in range(rec.groups):
+                    copy(store, join_key(run, hook, data_file_name(group_uuid(rec.run_id, g), g + 1)),
+                         join_key(prefix, hook, data_file_name(group_uuid(merged_id, group),
+                                                               group + 1)))  # fmt: skip
+                    group += 1
+            stats = [statistics_from_dict(store.get_json(join_key(r, hook, STATISTICS)),
+                                          source=store.url(join_key(r, hook, STATISTICS)))
+                     for r in runs]  # fmt: skip
+            store.put_json(join_key(prefix, hook, METADATA), metas[0])
+            if None not in stats:
+                store.put_json(join_key(prefix, hook, STATISTICS),
+                               statistics_to_dict(merge_all(stats)))  # fmt: skip
+        write_cfg(dataclasses.replace(record, complete=True))  # publishes the run
+        for obj in list(store.list(root_of(prefix) + "/")):
+            store.delete(obj.key)
+        if isinstance(store, LocalStore):
+            shutil.rmtree(store.url(root_of(prefix)), ignore_errors=True)
+        return final
+
+    def pending(out):
+        store, prefix = open_location(out)
+        root = root_of(prefix)
+        waiting = any(store.size(join_key(root, d, CFG)) is not None for d in store.list_dirs(root))
+        return [store.url(prefix)] if waiting else []
+
+    return PartFormat(name="activault", slices=_aligned_slices(examples_per_file),
+                      final_location=final_location, part_writer=part_writer,
+                      list_parts=list_parts, merge=merge, pending=pending, remote=True)  # fmt: skip
+
+
+_FACTORIES: dict[str, Callable[[], PartFormat]] = {
+    "saev": _saev, "pickle": _pickle, "zarr": _zarr, "activault": _activault}
 
 
 def part_format(name: str) -> PartFormat:
@@ -289,7 +463,7 @@ def missing_ranges(parts: list[PartInfo], n_examples: int) -> list[tuple[int, in
     for part in sorted(parts, key=lambda p: (p.start, p.stop)):
         if part.start < at:
             raise ConfigError(
-                f"parts overlap at example {part.start} ({part.path.name}): they come from "
+                f"parts overlap at example {part.start} ({part.path}): they come from "
                 "captures with different --num-machines or shard sizes; delete the parts of "
                 "one of them"
             )
@@ -301,48 +475,88 @@ def missing_ranges(parts: list[PartInfo], n_examples: int) -> list[tuple[int, in
     return gaps
 
 
-def merge_store(final: str | Path, fmt: str | PartFormat) -> Path:
+def is_published(final: Path | str, fmt: str | PartFormat) -> bool:
+    """True when the store at ``final`` opens with its format's reader (a half-merged or
+    unmerged store does not)."""
+    from ..formats import get_format
+
+    name = fmt.name if isinstance(fmt, PartFormat) else fmt
+    spec = get_format(name)
+    if not spec.detect(str(final)):
+        return False
+    try:
+        reader = spec.open_reader(str(final))
+    except ActstoreError:
+        return False
+    close = getattr(reader, "close", None)
+    if callable(close):
+        close()
+    return True
+
+
+def merge_store(final: Path | str, fmt: str | PartFormat) -> Path | str:
     """Publish the store ``final`` of format ``fmt`` from its parts; returns its location.
 
     Raises :class:`MissingPartsError` if a slice has no published part (then nothing is
     published). An already published store is returned as it is. Machines finishing
-    together queue on a lock file; the later ones then find the store published.
+    together queue on a lock file next to a local store; for object storage the merge is
+    idempotent (a second merger finding the store published just returns it).
     """
-    from ..formats import get_format
-
-    final = Path(final).expanduser().resolve()
     layout = fmt if isinstance(fmt, PartFormat) else part_format(fmt)
-    detect = get_format(layout.name).detect
-    if detect(str(final)):
+    if "://" not in str(final):
+        final = Path(final).expanduser().resolve()
+    if is_published(final, layout):
         return final
+    if isinstance(final, str):
+        try:
+            return _merge(final, layout)
+        except ActstoreError:
+            if is_published(final, layout):
+                return final
+            raise
     lock_path = final.parent / f".{final.name}.merge.lock"
     final.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if detect(str(final)):
+        if is_published(final, layout):
             return final
-        parts = sorted(layout.list_parts(final), key=lambda p: (p.start, p.stop))
-        if not parts:
-            raise MissingPartsError(f"no part of {final} is published yet")
-        if len({repr(p.identity) for p in parts}) > 1 or len({p.n_examples for p in parts}) > 1:
-            raise ConfigError(f"the parts of {final} come from different captures; delete the "
-                              "stale ones")  # fmt: skip
-        gaps = missing_ranges(parts, parts[0].n_examples)
-        if gaps:
-            raise MissingPartsError(
-                f"cannot publish {final}: no finished part holds examples "
-                + ", ".join(f"[{a}, {b})" for a, b in gaps)
-                + f" of {parts[0].n_examples}. Rerun the machines of those slices (the same "
-                "capture command with their --machine-id, or the Ray run again: finished "
-                f"slices are kept), then `actstore merge {final.parent}`", gaps
-            )
-        location = Path(layout.merge(parts, final))
+        location = _merge(final, layout)
         lock_path.unlink(missing_ok=True)
+    return location
+
+
+def _merge(final: Path | str, layout: PartFormat) -> Path | str:
+    parts = sorted(layout.list_parts(final), key=lambda p: (p.start, p.stop))
+    if not parts:
+        raise MissingPartsError(f"no part of {final} is published yet")
+    if len({repr(p.identity) for p in parts}) > 1 or len({p.n_examples for p in parts}) > 1:
+        raise ConfigError(f"the parts of {final} come from different captures; delete the "
+                          "stale ones")  # fmt: skip
+    gaps = missing_ranges(parts, parts[0].n_examples)
+    if gaps:
+        raise MissingPartsError(
+            f"cannot publish {final}: no finished part holds examples "
+            + ", ".join(f"[{a}, {b})" for a, b in gaps)
+            + f" of {parts[0].n_examples}. Rerun the machines of those slices (the same "
+            "capture command with their --machine-id, or the Ray run again: finished "
+            "slices are kept), then `actstore merge` the output", gaps
+        )
+    location = layout.merge(parts, final)
     log.info("published %s from %d parts", location, len(parts))
     return location
 
 
-def find_unmerged(out: str | Path) -> list[tuple[Path, PartFormat]]:
-    """``(final location, format)`` of every capture under ``out`` whose parts are waiting."""
-    out = Path(out).expanduser().resolve()
-    return [(final, fmt) for fmt in part_formats() for final in fmt.pending(out)]
+def find_unmerged(out: str | Path) -> list[tuple[Path | str, PartFormat]]:
+    """``(final location, format)`` of every capture under ``out`` (a directory, or an
+    ``s3://`` run for Activault) whose parts are waiting."""
+    if "://" not in str(out):
+        out = Path(out).expanduser().resolve()
+    found = []
+    for fmt in part_formats():
+        if isinstance(out, str) and not fmt.remote:
+            continue
+        try:
+            found += [(final, fmt) for final in fmt.pending(out)]
+        except ActstoreError:
+            continue
+    return found

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class RayCaptureResult:
     """The published store and what each worker did."""
 
-    location: Path
+    location: Path | str
     parts: list[PartResult]
 
 

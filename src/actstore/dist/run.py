@@ -22,7 +22,7 @@ from typing import Any
 from ..capture import CaptureConfig, capture
 from ..errors import ConfigError
 from ..formats.registry import get_format
-from .parts import MissingPartsError, merge_store, part_format
+from .parts import MissingPartsError, is_published, merge_store, part_format
 from .split import Slice
 
 log = logging.getLogger(__name__)
@@ -50,10 +50,10 @@ class PartResult:
     """What one machine did."""
 
     slice: Slice
-    part: Path | None
+    part: Path | str | None
     """The published part (None for an empty slice or an already merged store)."""
-    final: Path
-    """Where the merged store goes."""
+    final: Path | str
+    """Where the merged store goes (a path, or a URL for object storage)."""
     store_examples: int
     """Examples in the whole store (all slices)."""
     n_examples_run: int
@@ -73,7 +73,7 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
         final = layout.final_location(plan, out, options)
         sl = layout.slices(plan, options, n_machines)[machine_id]
         seen.update(final=final, slice=sl, n=plan.n_examples)
-        if spec.detect(str(final)):  # merged already: the format's writer checks it is ours
+        if is_published(final, layout):  # merged already: the format's writer checks it is ours
             log.info("%s is already published; machine %d has nothing to do", final, machine_id)
             return spec.writer_for_plan(plan, out, options)
         if sl.empty:
@@ -84,7 +84,7 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
 
     result = capture(config, open_writer)
     sl, final = seen["slice"], seen["final"]
-    part = None if result.output in (None, final) else Path(result.output)
+    part = None if result.output is None or str(result.output) == str(final) else result.output
     return PartResult(slice=sl, part=part, final=final, store_examples=seen["n"],
                       n_examples_run=result.n_examples_run,
                       seconds=result.seconds, already_complete=result.already_complete)  # fmt: skip
@@ -95,7 +95,7 @@ class DistributedResult:
     """One machine's work and, if it completed the set, the published store."""
 
     part: PartResult
-    published: Path | None
+    published: Path | str | None
     """The merged store, or None while other slices are still missing."""
     waiting_for: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     """Example ranges ``[start, stop)`` other machines have not finished yet."""
