@@ -182,19 +182,34 @@ def bench_batches(reader: ZarrReader, plain, b: int, n_batches: int, part: str) 
 
 
 def bench_loader(reader: ZarrReader, path: str, b: int, n_batches: int, workers: int) -> dict[str, float]:
-    """Samples/s in steady state (timed from the first batch, so worker start-up is out)."""
+    """Samples/s in steady state (timed from the first batch, so worker start-up is out).
+
+    ``actstore`` and ``zarr-python`` are per-item Datasets under the default collate (which
+    stacks the items: the same copy for both); ``actstore batched`` reads whole batches
+    into one array (``ZarrPairDataset.loader``).
+    """
+    ours = reader.dataset("response", n_layers=2, seed=0)
+    plain = PlainZarrPairs(path, len(reader), reader.layout.n_layers, reader.layout.r_max, 0)
+    n = b * (n_batches + 1)
+
+    def sampler(ds):
+        return torch.utils.data.RandomSampler(ds, replacement=True, num_samples=n,
+                                              generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    def per_item(ds):
+        return torch.utils.data.DataLoader(ds, batch_size=b, sampler=sampler(ds), num_workers=workers)
+
+    def batched(ds):
+        return torch.utils.data.DataLoader(ds, sampler=torch.utils.data.BatchSampler(sampler(ds), b, False),
+                                           batch_size=None, num_workers=workers)  # fmt: skip
+
     out = {}
-    datasets = {
-        "actstore": reader.dataset("response", n_layers=2, seed=0),
-        "zarr-python": PlainZarrPairs(path, len(reader), reader.layout.n_layers, reader.layout.r_max, 0),
-    }  # fmt: skip
-    for name, ds in datasets.items():
-        sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=b * (n_batches + 1),
-                                                 generator=torch.Generator().manual_seed(0))  # fmt: skip
-        loader = iter(torch.utils.data.DataLoader(ds, batch_size=b, sampler=sampler, num_workers=workers))
-        next(loader)
+    for name, loader in (("actstore", per_item(ours)), ("actstore batched", batched(ours)),
+                         ("zarr-python", per_item(plain))):  # fmt: skip
+        batches = iter(loader)
+        next(batches)
         t0 = time.perf_counter()
-        count = sum(len(batch["index"]) for batch in loader)
+        count = sum(len(batch["index"]) for batch in batches)
         out[name] = count / (time.perf_counter() - t0)
     return out
 
@@ -226,9 +241,17 @@ def main() -> None:
     ap.add_argument("--workers", default="0,4,8", help="DataLoader worker counts")
     ap.add_argument("--writers", default="1,2", help="writer process counts (sharded runs)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--torch-threads", type=int, default=1, help=(
+        "torch intra-op threads of this process (DataLoader workers use 1); on a small shared "
+        "machine OpenMP spin-waiting makes the collate's torch.stack slow and erratic"))
     args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
+
+    import warnings
 
     import zarr
+
+    warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # 8 workers on 2 cores
 
     scratch = Path(args.out or tempfile.mkdtemp(prefix="bench-zarr-"))
     scratch.mkdir(parents=True, exist_ok=True)
@@ -330,8 +353,10 @@ def report(entry: dict, lay: ZarrLayout) -> None:
     if "loader_samples_per_s" in entry:
         print("   DataLoader (b x 2 random layers, response, samples/s):")
         for workers, s in entry["loader_samples_per_s"].items():
-            print(f"     workers={workers}: actstore {s['actstore']:.0f}, zarr-python {s['zarr-python']:.0f}"
-                  f"  ratio {s['actstore'] / s['zarr-python']:.2f}x")
+            z = s["zarr-python"]
+            print(f"     workers={workers}: zarr-python {z:.0f}, actstore {s['actstore']:.0f} "
+                  f"({s['actstore'] / z:.2f}x), actstore batched {s['actstore batched']:.0f} "
+                  f"({s['actstore batched'] / z:.2f}x)")
     if "writers" in entry:
         base = entry["writers"]["single writer (in process)"]["MB_per_s"]
         print("   writers:")

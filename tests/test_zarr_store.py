@@ -314,6 +314,12 @@ def test_dataloader_workers_read_the_same_values(store):
                 np.testing.assert_array_equal(batch["acts"][j, m].numpy(), want)
             seen += 1
     assert seen == N and batch["acts"].dtype == torch.float16
+    batches = list(dataset.loader(4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(0)))
+    assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(N))
+    for b in batches:
+        items = [dataset[int(i)] for i in b["index"]]
+        np.testing.assert_array_equal(b["acts"].numpy(), np.stack([x["acts"].numpy() for x in items]))
+        assert b["layers"].tolist() == [x["layers"].tolist() for x in items]
 
 
 def test_blocks_and_statistics(store):

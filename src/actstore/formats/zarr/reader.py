@@ -509,13 +509,16 @@ class ZarrPairDataset(torch.utils.data.Dataset):
 
     Items are ``{"acts": float16 [n_layers, T, H], "length": int, "layers": int64
     [n_layers], "index": int}``, with ``T = R_max``/``P_max`` (fixed shape; the default
-    collate stacks them) or the sample's own length with ``trim``. Call :meth:`set_epoch`
-    to draw new layers each epoch. With ``DataLoader(ds, batch_size=b, shuffle=True,
-    num_workers=W)`` each worker gets its own pickled copy of the reader.
+    collate stacks them) or the sample's own length with ``trim``. Indexing with a list of
+    indices returns the batch directly (``acts [b, n_layers, T, H]``, read into one array,
+    no stacking): :meth:`loader` builds that DataLoader. Call :meth:`set_epoch` to draw new
+    layers each epoch. DataLoader workers each get their own pickled copy of the reader.
 
     Example:
-        >>> loader = torch.utils.data.DataLoader(reader.dataset("response"), batch_size=32,
-        ...                                      shuffle=True, num_workers=4)  # doctest: +SKIP
+        >>> ds = reader.dataset("response")  # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True,
+        ...                                      num_workers=4)  # per item  # doctest: +SKIP
+        >>> loader = ds.loader(32, num_workers=4)  # per batch, faster  # doctest: +SKIP
     """
 
     def __init__(self, reader: ZarrReader, *, part: str = "response", n_layers: int = 2,
@@ -538,12 +541,26 @@ class ZarrPairDataset(torch.utils.data.Dataset):
         rng = np.random.default_rng((self.seed, self.epoch, int(i)))
         return rng.choice(self.reader.layout.n_layers, size=self.n_layers, replace=False)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        idx = self.layers_of(i)
-        acts, lengths = self.reader.read_batch_index(np.array([i]), idx[None], self.part, self.trim)
-        return {"acts": torch.from_numpy(acts[0]), "length": int(lengths[0]),
-                "layers": torch.from_numpy(np.asarray(self.reader.layout.layers)[idx]),
-                "index": int(i)}  # fmt: skip
+    def __getitem__(self, index: int | Sequence[int]) -> dict[str, Any]:
+        single = isinstance(index, (int, np.integer))
+        samples = np.atleast_1d(np.asarray(index, dtype=np.int64))
+        idx = np.stack([self.layers_of(i) for i in samples])
+        acts, lengths = self.reader.read_batch_index(samples, idx, self.part, self.trim)
+        layers = np.asarray(self.reader.layout.layers)[idx]
+        if single:
+            return {"acts": torch.from_numpy(acts[0]), "length": int(lengths[0]),
+                    "layers": torch.from_numpy(layers[0]), "index": int(index)}  # fmt: skip
+        return {"acts": torch.from_numpy(acts), "length": torch.from_numpy(lengths.astype(np.int64)),
+                "layers": torch.from_numpy(layers), "index": torch.from_numpy(samples)}  # fmt: skip
+
+    def loader(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
+               generator: torch.Generator | None = None, **kwargs: Any) -> torch.utils.data.DataLoader:
+        """A DataLoader whose workers read whole batches (one array each, no collate copy);
+        ``kwargs`` go to DataLoader (``num_workers``, ``pin_memory``...)."""
+        order = (torch.utils.data.RandomSampler(self, generator=generator) if shuffle
+                 else torch.utils.data.SequentialSampler(self))  # fmt: skip
+        batches = torch.utils.data.BatchSampler(order, batch_size, drop_last)
+        return torch.utils.data.DataLoader(self, sampler=batches, batch_size=None, **kwargs)
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -202,11 +202,8 @@ class ZarrWriter:
                   options: ZarrOptions | None = None) -> ZarrWriter:  # fmt: skip
         """The writer for a capture plan: ``out/activations.zarr`` (or ``out`` if it ends in
         ``.zarr``), with ``P_max``/``R_max``/``T_chunk`` chosen from the plan's lengths."""
-        options = options or ZarrOptions()
-        layout, attrs, config = plan_store(plan, options)
-        optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
-        return cls(layout, store_path(out), attrs=attrs, config=config,
-                   token_ids=plan.has_tokens, optional=optional)  # fmt: skip
+        layout, kwargs = _plan_writer_args(plan, options or ZarrOptions())
+        return cls(layout, store_path(out), **kwargs)
 
     @classmethod
     def for_shard(cls, plan: CapturePlan, run_dir: str | Path, index: int, n_shards: int,
@@ -216,11 +213,8 @@ class ZarrWriter:
         examples of its :attr:`example_range` (capture feeds it only those)."""
         from .shards import shard_writer
 
-        options = options or ZarrOptions()
-        layout, attrs, config = plan_store(plan, options)
-        optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
-        return shard_writer(layout, run_dir, index, n_shards, attrs=attrs, config=config,
-                            token_ids=plan.has_tokens, optional=optional)  # fmt: skip
+        layout, kwargs = _plan_writer_args(plan, options or ZarrOptions())
+        return shard_writer(layout, run_dir, index, n_shards, **kwargs)
 
     @property
     def example_range(self) -> tuple[int, int]:
@@ -234,7 +228,7 @@ class ZarrWriter:
         from .reader import ZarrReader
 
         found = ZarrReader(self.final_path).attrs.get("fingerprint")
-        if found != self.attrs.get("fingerprint"):
+        if found is None or found != self.attrs.get("fingerprint"):
             raise StoreExistsError(
                 f"{self.final_path} already holds a different store (another model, dataset, "
                 "layout or options); choose another --out or move it away"
@@ -441,6 +435,13 @@ def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dic
         "batch_size": plan.batch_size,
     }  # fmt: skip
     return choice.layout, attrs, config
+
+
+def _plan_writer_args(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict[str, Any]]:
+    layout, attrs, config = plan_store(plan, options)
+    optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
+    return layout, {"attrs": attrs, "config": config, "token_ids": plan.has_tokens,
+                    "optional": optional}  # fmt: skip
 
 
 def truncation_attrs_from_counts(counts: dict[str, int], n: int) -> dict[str, Any]:
