@@ -20,42 +20,56 @@ import torch
 
 
 class ReconstructionStats:
-    """Exact running sums for explained variance, MSE and L0."""
+    """Exact running sums for explained variance, MSE and L0.
+
+    The sums stay on the inputs' device (float64) and are read only when a property is
+    asked for, so accumulating never synchronises a GPU.
+    """
 
     def __init__(self, d_model: int) -> None:
+        self.d_model = d_model
         self.n = 0
-        self.sse = 0.0
-        self.sum_x = torch.zeros(d_model, dtype=torch.float64)
-        self.sum_sq = 0.0
-        self.active = 0
+        self._sums: dict[str, torch.Tensor] = {}
 
     def update(self, x: torch.Tensor, x_hat: torch.Tensor, f: torch.Tensor) -> None:
         """Add a batch: inputs ``x``, reconstructions ``x_hat``, latents ``f``."""
         x64 = x.detach().double()
+        parts = {
+            "sse": (x64 - x_hat.detach().double()).square().sum(),
+            "sum_x": x64.sum(0),
+            "sum_sq": x64.square().sum(),
+            "active": (f.detach() > 0).sum(dtype=torch.float64),
+        }
+        for key, value in parts.items():
+            self._sums[key] = self._sums[key] + value if key in self._sums else value
         self.n += x.shape[0]
-        self.sse += float((x64 - x_hat.detach().double()).square().sum())
-        self.sum_x += x64.sum(0).cpu()
-        self.sum_sq += float(x64.square().sum())
-        self.active += int((f.detach() > 0).sum())
+
+    def _get(self, key: str) -> float:
+        return float(self._sums[key]) if key in self._sums else 0.0
+
+    @property
+    def sse(self) -> float:
+        return self._get("sse")
 
     @property
     def sst(self) -> float:
         if self.n == 0:
             return 0.0
-        return self.sum_sq - float(self.sum_x.square().sum()) / self.n
+        return self._get("sum_sq") - float(self._sums["sum_x"].square().sum()) / self.n
 
     @property
     def explained_variance(self) -> float:
-        return 1.0 - self.sse / self.sst if self.sst > 0 else float("nan")
+        sst = self.sst
+        return 1.0 - self.sse / sst if sst > 0 else float("nan")
 
     @property
     def mse(self) -> float:
         """Mean squared error per element, in the input's units."""
-        return self.sse / max(self.n * self.sum_x.numel(), 1)
+        return self.sse / max(self.n * self.d_model, 1)
 
     @property
     def l0(self) -> float:
-        return self.active / max(self.n, 1)
+        return self._get("active") / max(self.n, 1)
 
 
 class DeadLatents:

@@ -155,7 +155,7 @@ def train_sae(
     window = ReconstructionStats(d_model)
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
-    step, loss_sum = 0, 0.0
+    step, loss_sum = 0, torch.zeros((), device=device)
     bar = tqdm(total=config.steps, desc=f"train {config.kind}", unit="step",
                disable=not progress, dynamic_ncols=True)  # fmt: skip
     with bar:
@@ -175,12 +175,12 @@ def train_sae(
             sae.normalise_decoder()
             window.update(x_n, x_hat, f)
             dead.update(f)
-            loss_sum += loss.item()
+            loss_sum += loss.detach()
             step += 1
             bar.update(1)
             if step % config.log_every == 0 or step == config.steps:
                 n_steps = step - (history[-1]["step"] if history else 0)
-                entry = {"step": step, "loss": loss_sum / n_steps,
+                entry = {"step": step, "loss": float(loss_sum) / n_steps,
                          "explained_variance": window.explained_variance, "l0": window.l0,
                          "dead_fraction": dead.fraction,
                          "lr": schedule.get_last_lr()[0]}  # fmt: skip
@@ -194,7 +194,7 @@ def train_sae(
                     l0=f"{entry['l0']:.1f}",
                     dead=f"{entry['dead_fraction']:.1%}",
                 )
-                window, loss_sum = ReconstructionStats(d_model), 0.0
+                window, loss_sum = ReconstructionStats(d_model), torch.zeros((), device=device)
             if step >= config.steps:
                 break
     if step < config.steps:
@@ -253,7 +253,8 @@ def training_batches(reader, layer: int, config: TrainConfig) -> Iterator[torch.
             "lower --batch-size or capture more examples"
         )
     log.info("loader: %d rows per epoch, %d batches, shuffle window of %d blocks (%.0f MiB)",
-             loader.n_rows, len(loader), loader.pool_blocks, loader.memory_bytes / 2**20)  # fmt: skip
+             loader.n_rows, len(loader), loader.pool_blocks,
+             loader.memory_bytes / 2**20)  # fmt: skip
     while True:
         yield from loader
 
