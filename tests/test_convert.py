@@ -154,12 +154,15 @@ def test_interrupted_conversion_resumes(tmp_path):
 
 def test_verification_catches_a_different_store(tmp_path):
     plan = make_plan()
-    a = open_store(write_store("pickle", tmp_path / "a", plan, make_acts(plan, seed=1)))
-    b = open_store(write_store("pickle", tmp_path / "b", plan, make_acts(plan, seed=2)))
-    with pytest.raises(CorruptStoreError, match="site resid.1: row 0 differs"):
+    acts = make_acts(plan, seed=1)
+    a = open_store(write_store("pickle", tmp_path / "a", plan, acts))
+    changed = {k: v.copy() for k, v in acts.items()}
+    changed["resid.3"][10, 2, 5] += 1e-3
+    b = open_store(write_store("pickle", tmp_path / "b", plan, changed))
+    with pytest.raises(CorruptStoreError, match="site resid.3: row 62 differs"):
         compare_stores(a, b)
-    short = open_store(write_store("pickle", tmp_path / "c", make_plan(n_examples=20),
-                                   make_acts(make_plan(n_examples=20), seed=1)))
+    head = {k: v[:20] for k, v in acts.items()}
+    short = open_store(write_store("pickle", tmp_path / "c", make_plan(n_examples=20), head))
     with pytest.raises(CorruptStoreError, match="different numbers of rows"):
         compare_stores(a, short, source_plan(a))
 
@@ -194,7 +197,7 @@ def test_convert_command(tmp_path):
     assert "--to" in help_text and "pickle" in help_text and "Examples" in help_text
 
 
-def test_convert_to_and_from_object_storage(s3, tmp_path):
+def test_convert_to_and_from_object_storage(s3, tmp_path):  # noqa: F811 - fixture
     plan = make_plan()
     acts = make_acts(plan)
     src = write_store("pickle", tmp_path / "src", plan, acts)

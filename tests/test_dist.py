@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from s3_server import s3, s3_server  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
 from actstore.capture import CaptureConfig, capture
@@ -23,8 +24,8 @@ from actstore.cli import app
 from actstore.dist import (
     MissingPartsError,
     capture_distributed,
-    find_unmerged,
     capture_part,
+    find_unmerged,
     merge_store,
     sbatch_script,
     slurm_machine,
@@ -34,7 +35,6 @@ from actstore.errors import ConfigError
 from actstore.formats import get_format, open_store
 from actstore.formats.pickle import PickleOptions, PickleReader
 from actstore.formats.saev import SaevOptions
-from s3_server import s3, s3_server  # noqa: F401 - fixtures
 
 N_EXAMPLES, CONTEXT, BATCH = 22, 16, 3
 SAEV = SaevOptions(patches_per_shard=4 * CONTEXT * 2)  # 4 examples per shard (2 layers)

@@ -29,8 +29,8 @@ psutil = pytest.importorskip("psutil")  # ray[default] ships it
 pytestmark = pytest.mark.slow
 
 CONTEXT = 16
-SMALL = dict(sites=("resid.1", "resid.3"), batch_size=3, context_length=CONTEXT, max_examples=22,
-             progress=False)
+SMALL = {"sites": ("resid.1", "resid.3"), "batch_size": 3, "context_length": CONTEXT,
+         "max_examples": 22, "progress": False}
 SAEV = SaevOptions(patches_per_shard=4 * CONTEXT * 2)  # 4 examples per shard
 
 

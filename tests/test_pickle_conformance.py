@@ -28,7 +28,7 @@ class PickleCase(FormatCase):
         return str(root)
 
     def damage(self, location):
-        shard = sorted(Path(location).glob("shard_0002.pkl*"))[0]
+        shard = min(Path(location).glob("shard_0002.pkl*"))
         shard.chmod(0o644)
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size, different bytes: only the checksum can tell

@@ -96,7 +96,7 @@ def source_plan(reader: Any) -> CapturePlan:
     n = _first_attr(reader, ("n_examples", "n_samples"))
     if n is None:
         n = len(reader)
-    first_site = list(reader.sites)[0]
+    first_site = next(iter(reader.sites))
     rows = sum(b.n_rows for b in reader.blocks(first_site))
     tokens_per = _first_attr(reader, ("tokens_per_ex", "tokens_per_example"))
     if tokens_per is None:
@@ -263,27 +263,34 @@ def compare_stores(source: Any, target: Any, plan: CapturePlan | None = None, *,
     plan = plan or source_plan(source)
     stored = stored_dtype or np.dtype(target.dtype).name
     src_names, dst_names = _reader_sites(source, plan), _reader_sites(target, plan)
-    rows: dict[str, int] = {}
-    errors: dict[str, float] = {}
+    rows = {str(site): 0 for site in plan.sites}
+    errors = {str(site): 0.0 for site in plan.sites}
     total = sum(b.n_rows for name in src_names for b in source.blocks(name))
+    # one stream per site, advanced in turn: block i of every site is read together, so a
+    # reader that decodes whole shards (pkl.gz) decodes each once
+    streams = {str(site): _aligned(_row_chunks(source, a), _row_chunks(target, b))
+               for site, a, b in zip(plan.sites, src_names, dst_names)}  # fmt: skip
     with tqdm(total=total, unit="row", desc="verify", disable=not progress,
               dynamic_ncols=True) as bar:  # fmt: skip
-        for site, src_name, dst_name in zip(plan.sites, src_names, dst_names):
-            worst, at = 0.0, 0
-            for a, b in _aligned(_row_chunks(source, src_name), _row_chunks(target, dst_name)):
+        while streams:
+            for site, stream in list(streams.items()):
+                pair = next(stream, None)
+                if pair is None:
+                    del streams[site]
+                    continue
+                a, b = pair
                 expected, got = as_stored(a, stored), b.astype(np.float32)
                 if not np.array_equal(expected, got, equal_nan=True):
                     bad = int(np.flatnonzero((expected != got).any(axis=1))[0])
                     raise CorruptStoreError(
-                        f"site {site}: row {at + bad} differs between the stores beyond "
-                        f"rounding to {stored}; the conversion is not faithful"
+                        f"site {site}: row {rows[site] + bad} differs between the stores "
+                        f"beyond rounding to {stored}; the conversion is not faithful"
                     )
-                diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
-                if diff.size:
-                    worst = max(worst, float(np.nanmax(diff)))
-                at += a.shape[0]
+                if a.size:
+                    diff = np.abs(a.astype(np.float64) - got.astype(np.float64))
+                    errors[site] = max(errors[site], float(np.nanmax(diff)))
+                rows[site] += a.shape[0]
                 bar.update(a.shape[0])
-            rows[str(site)], errors[str(site)] = at, worst
     return rows, errors
 
 

@@ -51,8 +51,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "FORMAT",
-    "ActivationDataset",
     "VERSION",
+    "ActivationDataset",
     "PickleMetadata",
     "PickleOptions",
     "PickleReader",

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from itertools import pairwise
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -63,7 +64,7 @@ def layer_key(layer: int) -> str:
 
 def utc_now() -> str:
     """ISO 8601 UTC timestamp, as the spec writes it (``2025-01-09T12:00:00Z``)."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def samples_per_shard_for(plan: CapturePlan, shard_mb: float) -> int:
@@ -262,7 +263,7 @@ class PickleMetadata:
             if len(set(values)) != len(values):
                 raise CorruptStoreError(f"{source}: two shards share a {attr}")
         ordered = sorted(shards, key=lambda s: s.sample_id_range)
-        for a, b in zip(ordered, ordered[1:]):
+        for a, b in pairwise(ordered):
             if b.sample_id_range[0] <= a.sample_id_range[1]:
                 raise CorruptStoreError(
                     f"{source}: shards {a.shard_id} and {b.shard_id} have overlapping sample id "

@@ -357,7 +357,7 @@ class PickleReader:
             "dataset": config.get("dataset_name"),
             "sites": [f"layer {layer}" for layer in md.layers],
             "shape": (f"{md.n_samples} samples x {len(md.layers)} layers {list(md.layers)} x "
-                      f"{config.get('max_seq_length')} tokens x {self.d_model} dims"),  # fmt: skip
+                      f"{config.get('max_seq_length')} tokens x {self.d_model} dims"),
             "n_examples": md.n_samples,
             "layers": list(md.layers),
             "d_model": self.d_model,

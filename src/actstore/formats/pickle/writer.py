@@ -28,6 +28,7 @@ import pickle
 import shutil
 import time
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,14 @@ import torch
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, StoreExistsError
 from ...stats import RunningStats, merge_all
-from ...storage import FileHasher, atomic_write_json, fsync_dir, hash_file, make_read_only
-from ...storage import read_json
+from ...storage import (
+    FileHasher,
+    atomic_write_json,
+    fsync_dir,
+    hash_file,
+    make_read_only,
+    read_json,
+)
 from .layout import (
     MAX_SHARD_BYTES,
     METADATA,
@@ -373,7 +380,7 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
                               f"{readers[0].path} (extraction_config differs)")  # fmt: skip
     entries = sorted(((s, r) for r in readers for s in r.metadata.shards),
                      key=lambda pair: pair[0].sample_id_range)  # fmt: skip
-    for (a, ra), (b, rb) in zip(entries, entries[1:]):
+    for (a, ra), (b, rb) in pairwise(entries):
         if b.sample_id_range[0] <= a.sample_id_range[1]:
             raise ConfigError(
                 f"{ra.path / a.filename} and {rb.path / b.filename} hold overlapping sample ids "
