@@ -31,7 +31,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from _common import Timer, files_under, table  # noqa: E402
+from _common import Timer, evict, files_under, table  # noqa: E402
 
 from actstore.batch import Batch, CapturePlan  # noqa: E402
 from actstore.convert import convert  # noqa: E402
@@ -155,13 +155,15 @@ def bench_merge(root: Path, plan: CapturePlan) -> None:
     parts_bytes = sum(p.stat().st_size for p in files_under(final.parent / f".{final.name}.parts"))
     copy_dir = root / "merge-copy"
     copy_dir.mkdir()
+    evict(files_under(final.parent / f".{final.name}.parts"))  # as after a real capture
     with Timer() as base:
         for f in files_under(final.parent / f".{final.name}.parts"):
             shutil.copyfile(f, copy_dir / f"{f.parent.name}-{f.name}")
+    evict(files_under(final.parent / f".{final.name}.parts"))
     with Timer() as t:
         merge_store(final, "saev")
-    print(f"\nmerge of a 2-part saev capture, {parts_bytes / 1e6:.0f} MB (ratio: time against "
-          "copying the parts' bytes)\n")
+    print(f"\nmerge of a 2-part saev capture, {parts_bytes / 1e6:.0f} MB, page cache dropped "
+          "(ratio: time against copying the parts' bytes)\n")
     print(table(["what", "seconds", "ratio"], [["copy the parts (baseline)", base.seconds, 1.0],
                                                ["merge_store (links + index)", t.seconds,
                                                 t.seconds / base.seconds]]))  # fmt: skip
@@ -179,8 +181,14 @@ def bench_ray(root: Path, examples: int) -> None:
                         progress=False)  # fmt: skip
     options = SaevOptions(patches_per_shard=128 * 2 * 16)
     spec = get_format("saev")
-    with Timer() as single:
-        one = capture(cfg, lambda plan: spec.writer_for_plan(plan, str(root / "one"), options))
+    runs = {}
+    for threads in (1, 2):  # one process with one worker's resources, and with the machine's
+        torch.set_num_threads(threads)
+        with Timer() as single:
+            one = capture(cfg, lambda plan: spec.writer_for_plan(
+                plan, str(root / f"one-{threads}"), options))  # fmt: skip
+        runs[threads] = (single.seconds, one)
+    base_s, one = runs[1]
     with Timer() as start:
         init_local_ray(num_cpus=2, _temp_dir=str(root / "ray"), log_to_driver=False)
     with Timer() as dist:
@@ -190,14 +198,15 @@ def bench_ray(root: Path, examples: int) -> None:
     same = all((Path(one.output) / f.name).read_bytes() == f.read_bytes()
                for f in files_under(result.location))
     print(f"\ndistributed capture: embedded model (all-MiniLM-L6-v2), {examples} examples of 128 "
-          "tokens, layers 3 and 5, 2 CPU cores (ratio: speed against one process)\n")
+          "tokens, layers 3 and 5, 2 CPU cores; a Ray worker gets 1 CPU (1 torch thread) "
+          "(ratio: speed against one process with 1 thread)\n")
     print(table(["run", "seconds", "ratio"], [
-        ["one process, end to end (baseline)", single.seconds, 1.0],
-        ["one process, forward loop only", one.seconds, single.seconds / one.seconds],
-        ["2 Ray workers, end to end (cluster running)", dist.seconds,
-         single.seconds / dist.seconds],
+        ["one process, 1 thread, end to end (baseline)", base_s, 1.0],
+        ["one process, 1 thread, forward loop", one.seconds, base_s / one.seconds],
+        ["one process, 2 threads, end to end", runs[2][0], base_s / runs[2][0]],
+        ["2 Ray workers, end to end (cluster running)", dist.seconds, base_s / dist.seconds],
         ["2 Ray workers, + starting the local cluster", dist.seconds + start.seconds,
-         single.seconds / (dist.seconds + start.seconds)],
+         base_s / (dist.seconds + start.seconds)],
         ["2 Ray workers, slowest forward loop", loop, one.seconds / loop],
     ]))  # fmt: skip
     print(f"\nmerged store byte-identical to the one-process store: {same}")
