@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from tqdm.auto import tqdm
 
 from ...batch import Batch
@@ -131,7 +132,10 @@ class ShardJob:
 
 
 def run_shard_job(job: ShardJob) -> dict[str, Any]:
-    """Write one shard from its producer; returns its path, sample count and write time."""
+    """Write one shard from its producer; returns its path, sample count and write time.
+
+    Runs in a writer process with one torch thread: the parallelism is the processes."""
+    torch.set_num_threads(1)
     writer = shard_writer(job.layout, job.run_dir, job.index, job.n_shards, attrs=job.attrs,
                           config=job.config, token_ids=job.token_ids, optional=job.optional)  # fmt: skip
     start = writer.id_offset

@@ -286,12 +286,15 @@ class ZarrWriter:
             if exact.dtype not in (torch.float32, torch.float64):
                 exact = exact.to(torch.float32)
             exact = exact.numpy()
-            real = []  # the stored tokens as captured, for the statistics
+            stats = self._stats[layer_idx]  # over the stored tokens, as captured
             for b, (p0, pk, r0, rk) in enumerate(kept):
                 prompt[b, layer_idx, :pk] = half[b, p0 : p0 + pk]
                 response[b, layer_idx, :rk] = half[b, r0 : r0 + rk]
-                real += [exact[b, p0 : p0 + pk], exact[b, r0 : r0 + rk]]
-            self._stats[layer_idx].update(np.concatenate(real))
+                if p0 + pk == r0:  # kept prompt and response tokens are adjacent
+                    stats.update(exact[b, p0 : r0 + rk])
+                else:
+                    stats.update(exact[b, p0 : p0 + pk])
+                    stats.update(exact[b, r0 : r0 + rk])
         self._acts["prompt"][lo : lo + n] = prompt
         self._acts["response"][lo : lo + n] = response
         self._append_sample_rows(batch, lo, p_full, r_full, kept, prompt, response)
