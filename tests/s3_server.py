@@ -351,7 +351,7 @@ def s3(s3_server, monkeypatch) -> S3Env:
 @pytest.fixture
 def s3_proxy(s3_server, monkeypatch) -> S3Env:
     """Like ``s3``, but the endpoint is a :class:`FaultyProxy` in front of the server."""
-    host, port = s3_server.get_host_and_port()
+    _, port = s3_server.get_host_and_port()
     proxy = FaultyProxy(port)
     env = _new_env(s3_server, monkeypatch, proxy.endpoint, proxy)
     yield env
@@ -360,10 +360,12 @@ def s3_proxy(s3_server, monkeypatch) -> S3Env:
 
 
 if __name__ == "__main__":
+    parent = os.getppid()
     server = start_server()
     print(server.endpoint, flush=True)
     try:
-        while True:
-            time.sleep(3600)
+        while os.getppid() == parent:  # never outlive the process that started us
+            time.sleep(0.5)
     except KeyboardInterrupt:
-        server.stop()
+        pass
+    server.stop()

@@ -297,7 +297,7 @@ class _Retrier:
         for attempt in range(1, cfg.max_attempts + 1):
             try:
                 return fn()
-            except Exception as err:  # noqa: BLE001 - classified below
+            except Exception as err:  # classified below
                 if isinstance(err, ActstoreError):
                     raise
                 mapped = classify(err)
@@ -545,7 +545,7 @@ class S3Store(ObjectStore):
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self._call("LIST", prefix, lambda: self.client.list_objects_v2(**kwargs))
+            page = self._call("LIST", prefix, lambda kw=kwargs: self.client.list_objects_v2(**kw))
             for item in page.get("Contents", []):
                 yield ObjectInfo(item["Key"], int(item["Size"]))
             if not page.get("IsTruncated"):
@@ -560,7 +560,7 @@ class S3Store(ObjectStore):
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self._call("LIST", base, lambda: self.client.list_objects_v2(**kwargs))
+            page = self._call("LIST", base, lambda kw=kwargs: self.client.list_objects_v2(**kw))
             for item in page.get("CommonPrefixes", []):
                 names.append(item["Prefix"][len(base) :].rstrip("/"))
             if not page.get("IsTruncated"):
@@ -625,9 +625,9 @@ class S3Store(ObjectStore):
                     MultipartUpload={"Parts": parts})  # fmt: skip
             except botocore_exc.ClientError as err:
                 # A retried complete whose first try succeeded (response lost) finds no upload.
-                if err.response.get("Error", {}).get("Code") == "NoSuchUpload":
-                    if self.size(key) == size:
-                        return
+                code = err.response.get("Error", {}).get("Code")
+                if code == "NoSuchUpload" and self.size(key) == size:
+                    return
                 raise
 
         self._call("COMPLETE multipart", key, attempt)

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import io
+import itertools
 import re
 import uuid as uuid_lib
 import warnings
@@ -109,7 +110,7 @@ def check_hook_prefixes(hooks: Iterable[str]) -> None:
     for name in names:
         if not name or "/" in name or name in (".", ".."):
             raise ConfigError(f"invalid hook folder name {name!r}")
-    for a, b in zip(names, names[1:]):
+    for a, b in itertools.pairwise(names):
         if b.startswith(a):
             raise ConfigError(
                 f"hook folder {a!r} is a prefix of {b!r}: Activault's reader, which lists "
@@ -201,8 +202,8 @@ def serialize_megabatch(states: torch.Tensor, input_ids: torch.Tensor) -> io.Byt
     Both tensors are made contiguous CPU tensors owning exactly their storage, because
     ``torch.save`` writes whole storages: a view of a larger tensor would change the size.
     """
-    states = states.detach().to("cpu").contiguous().clone()
-    input_ids = input_ids.detach().to("cpu", torch.int64).contiguous().clone()
+    states = _owning(states.detach().to("cpu"))
+    input_ids = _owning(input_ids.detach().to("cpu", torch.int64))
     if states.dim() != 3 or input_ids.shape != states.shape[:2]:
         raise ConfigError(
             f"a megabatch is states [rows, seq, d] with input_ids [rows, seq]; got "
@@ -212,6 +213,14 @@ def serialize_megabatch(states: torch.Tensor, input_ids: torch.Tensor) -> io.Byt
     torch.save({"states": states, "input_ids": input_ids,
                 "tensor_bytes": tensor_bytes(states, input_ids)}, buffer)  # fmt: skip
     return buffer
+
+
+def _owning(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it is contiguous and owns exactly its storage, else a compact copy."""
+    exact = t.numel() * t.element_size()
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == exact:
+        return t
+    return t.contiguous().clone()
 
 
 def load_megabatch(data: bytes | bytearray | memoryview, *, source: str) -> dict[str, Any]:
@@ -224,7 +233,7 @@ def load_megabatch(data: bytes | bytearray | memoryview, *, source: str) -> dict
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any failure means a damaged file
+    except Exception as err:  # any failure means a damaged file
         raise CorruptStoreError(
             f"{source} is not a loadable megabatch ({type(err).__name__}: {err}); the file is "
             "damaged or not a torch.save archive: re-create it"

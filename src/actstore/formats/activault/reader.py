@@ -38,7 +38,6 @@ from ...sites import Site
 from ...stats import RunningStats
 from ...storage.object import (
     MiB,
-    ObjectStore,
     S3Config,
     S3Store,
     base_name,
@@ -112,7 +111,7 @@ class ActivaultReader:
 
     def __init__(self, location: str | os.PathLike, *, allow_incomplete: bool = False,
                  s3: S3Config | None = None, endpoint_url: str | None = None,
-                 chunk_size: int = 8 * MiB, concurrency: int = 8) -> None:  # fmt: skip
+                 chunk_size: int | None = None, concurrency: int = 8) -> None:  # fmt: skip
         if endpoint_url:
             s3 = S3Config(**{**_config_fields(s3), "endpoint_url": endpoint_url})
         self.location = str(location)
@@ -279,8 +278,10 @@ class ActivaultReader:
         """The raw bytes of file ``index`` of ``site`` (concurrent ranged GETs)."""
         listing = self.listings[resolve_hook(self.sites, site)]
         f = listing.files[index]
-        out = bytearray(listing.metadata.bytes_per_file)
-        self.store.get_into(f.key, out, chunk_size=self.chunk_size, pool=self._thread_pool())
+        size = listing.metadata.bytes_per_file
+        out = bytearray(size)
+        self.store.get_into(f.key, out, chunk_size=self.chunk_size or auto_chunk(size, self.concurrency),
+                            pool=self._thread_pool())  # fmt: skip
         return out
 
     def decode(self, site: Hashable, index: int, data: bytes | bytearray) -> dict[str, torch.Tensor]:
@@ -437,6 +438,16 @@ class ActivaultReader:
             pass
 
 
+def auto_chunk(size: int, concurrency: int) -> int:
+    """Range size that splits one file over every download thread, within 1-16 MiB.
+
+    Example:
+        >>> auto_chunk(64 << 20, 8) >> 20, auto_chunk(4 << 30, 100) >> 20
+        (8, 16)
+    """
+    return int(min(16 * MiB, max(MiB, -(-size // concurrency))))
+
+
 def check_megabatch(mb: dict[str, torch.Tensor], md: HookMetadata, source: str
                     ) -> dict[str, torch.Tensor]:  # fmt: skip
     """Raise :class:`CorruptStoreError` unless ``mb`` matches ``md``'s shape and dtype."""
@@ -466,8 +477,14 @@ def _local_tokenizer(model_name: str | None) -> Any:
     if not model_name:
         return None
     try:
-        from ...capture.models import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
         from transformers import AutoTokenizer
+
+        from ...capture.models import (
+            EMBEDDED_MODEL,
+            EMBEDDED_MODEL_ID,
+            quiet_transformers,
+            resolve_checkpoint,
+        )
 
         name = resolve_checkpoint(EMBEDDED_MODEL) if model_name == EMBEDDED_MODEL_ID else model_name
         with quiet_transformers():

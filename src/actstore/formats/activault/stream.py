@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError
-from ...storage.object import MiB, S3Config
+from ...storage.object import S3Config
 from .layout import parse_dtype
 from .reader import ActivaultReader, resolve_hook
 
@@ -69,7 +69,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
 
     def __init__(self, locations: str | Sequence[str], *, hook: Hashable | None = None,
                  batch_size: int = 4096, mix_files: int = 2, prefetch_files: int = 2,
-                 concurrency: int = 8, chunk_size: int = 8 * MiB, shuffle: bool = True,
+                 concurrency: int = 8, chunk_size: int | None = None, shuffle: bool = True,
                  seed: int = 0, epochs: int | None = 1, return_ids: bool = False,
                  drop_last: bool = False, dtype: torch.dtype | None = None,
                  allow_incomplete: bool = False, s3: S3Config | None = None) -> None:  # fmt: skip

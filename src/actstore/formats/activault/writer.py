@@ -108,7 +108,7 @@ class HookUploader:
 
     def __init__(self, hook: str, prefix: str, store: ObjectStore, *, threads: int,
                  queue_files: int, expected_bytes: int | None,
-                 on_done: Callable[[int, str, int], None],
+                 on_done: Callable[[int, str, int, RunningStats], None],
                  on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
         self.hook, self.prefix, self.store = hook, prefix, store
         self.expected_bytes = expected_bytes
@@ -147,6 +147,7 @@ class HookUploader:
 
     def _upload(self, job: _Job) -> None:
         start = time.perf_counter()
+        stats = group_statistics(job.states)  # here: in parallel across hooks, off the capture
         buffer = serialize_megabatch(job.states, job.input_ids)
         data = buffer.getbuffer()
         key = join_key(self.prefix, data_file_name(job.uuid, job.group + 1))
@@ -166,7 +167,7 @@ class HookUploader:
             self.files += 1
             self.bytes += expected
             self.busy_s += time.perf_counter() - start
-        self.on_done(job.group, self.hook, expected)
+        self.on_done(job.group, self.hook, expected, stats)
 
     def close(self, *, abort: bool = False) -> None:
         """Finish queued uploads (or skip them with ``abort``) and stop the threads."""
@@ -239,9 +240,7 @@ class ActivaultWriter:
         self._uploaders: dict[str, HookUploader] = {}
         self._pending: dict[int, dict[str, Any]] = {}
         self._metadata_bytes: dict[str, int] = {}
-        self._buffers: dict[str, list[torch.Tensor]] = {h: [] for h in self.hooks}
-        self._id_buffer: list[torch.Tensor] = []
-        self._buffered = 0
+        self._packer = _Packer(list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype)
         self._stats: dict[str, RunningStats] | None = None
         self._open()
 
@@ -364,7 +363,7 @@ class ActivaultWriter:
             name = data_file_name(group_uuid(record.run_id, g), g + 1)
             key = join_key(prefix, name)
             states = load_megabatch(self.store.get(key), source=self.store.url(key))["states"]
-            _fold(stats, states)
+            stats = stats.merge(group_statistics(states))
         return stats
 
     # ------------------------------------------------------------------ writing
@@ -440,49 +439,42 @@ class ActivaultWriter:
         self._position.add(ids, kept)
         flat = np.flatnonzero(mask.reshape(-1))
         index = None if flat.size == b * t else torch.from_numpy(flat)
+        rows = {}
         for hook, site in self.hooks.items():
-            rows = batch.acts[site].to(self.dtype).reshape(b * t, -1)
-            self._buffers[hook].append(rows if index is None else rows.index_select(0, index))
+            acts = batch.acts[site].reshape(b * t, -1)  # cast to the stored dtype when packed
+            rows[hook] = acts if index is None else acts.index_select(0, index)
         if batch.token_ids is not None:
             token_ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).reshape(-1)
         else:
             token_ids = torch.full((b * t,), -1, dtype=torch.int64)
-        self._id_buffer.append(token_ids if index is None else token_ids.index_select(0, index))
-        self._buffered += int(flat.size)
+        full = self._packer.add(rows, token_ids if index is None else token_ids.index_select(0, index))
         self._next_example += b
-        while self._buffered >= self.tokens_per_file:
-            self._emit_group()
+        for states, group_ids in full:
+            self._emit_group(states, group_ids)
             self._raise_if_failed()
 
-    def _emit_group(self) -> None:
+    def _emit_group(self, states: dict[str, torch.Tensor], ids: torch.Tensor) -> None:
+        """Hand one full group (a megabatch per hook) to the uploaders."""
         if not self._uploaders:
             self._start_uploaders()
-        n = self.tokens_per_file
         group = self._emitted
         self._emitted += 1
         name = group_uuid(self.record.run_id, group)
-        jobs: dict[str, _Job] = {}
-        ids = _take(self._id_buffer, n).reshape(self.rows, self.seq)
-        snapshots = {}
-        for hook in self.hooks:
-            states = _take(self._buffers[hook], n).reshape(self.rows, self.seq, -1)
-            _fold(self._stats[hook], states)
-            snapshots[hook] = statistics_to_dict(self._stats[hook])
-            jobs[hook] = _Job(group, name, states, ids)
-        self._buffered -= n
-        position = self._position.advance(n)
+        position = self._position.advance(self.tokens_per_file)
         with self._lock:
-            self._pending[group] = {"left": set(self.hooks), "position": position,
-                                    "stats": snapshots}  # fmt: skip
-        for hook, job in jobs.items():
+            self._pending[group] = {"left": set(self.hooks), "position": position, "stats": {}}
+        ids = ids.view(self.rows, self.seq)
+        for hook in self.hooks:
+            job = _Job(group, name, states[hook].view(self.rows, self.seq, -1), ids)
             self.blocked_s += self._uploaders[hook].submit(job)
 
-    def _uploaded(self, group: int, hook: str, nbytes: int) -> None:
+    def _uploaded(self, group: int, hook: str, nbytes: int, stats: RunningStats) -> None:
         """Called on an uploader thread when ``hook``'s file of ``group`` is stored."""
         try:
             with self._lock:
                 self._metadata_bytes.setdefault(hook, nbytes)
                 self._pending[group]["left"].discard(hook)
+                self._pending[group]["stats"][hook] = stats
                 while True:  # commit finished groups in order
                     head = self._pending.get(self.record.groups)
                     if head is None or head["left"]:
@@ -505,8 +497,10 @@ class ActivaultWriter:
         example, skip = pending["position"]
         self.record = replace(self.record, groups=group + 1, next_example=example, next_skip=skip)
         self._write_cfg()
-        for hook, stats in pending["stats"].items():
-            self.store.put_json(join_key(self._hook_prefix(hook), STATISTICS), stats)
+        for hook, stats in pending["stats"].items():  # merged in group order: deterministic
+            self._stats[hook] = self._stats[hook].merge(stats)
+            self.store.put_json(join_key(self._hook_prefix(hook), STATISTICS),
+                                statistics_to_dict(self._stats[hook]))  # fmt: skip
 
     def _write_cfg(self) -> None:
         bucket = self.store.bucket if isinstance(self.store, S3Store) else ""
@@ -532,7 +526,7 @@ class ActivaultWriter:
         if self.complete:
             return self.location
         self._raise_if_failed()
-        dropped = self._buffered
+        dropped = self._packer.fill
         for uploader in self._uploaders.values():
             uploader.close()
         self._raise_if_failed()
@@ -569,22 +563,44 @@ class ActivaultWriter:
             self.abort()
 
 
-def _take(chunks: list[torch.Tensor], n: int) -> torch.Tensor:
-    """Remove and return the first ``n`` rows of a list of row chunks (contiguous copy)."""
-    taken, have = [], 0
-    while have < n:
-        chunk = chunks[0]
-        need = n - have
-        if chunk.shape[0] <= need:
-            taken.append(chunks.pop(0))
-            have += chunk.shape[0]
-        else:
-            taken.append(chunk[:need])
-            chunks[0] = chunk[need:]
-            have = n
-    return torch.cat(taken) if len(taken) > 1 else taken[0].clone()
+class _Packer:
+    """Packs kept token rows of every hook into preallocated megabatch buffers.
+
+    Rows are cast to the stored dtype as they are copied in (one pass, no concatenation);
+    a full buffer is handed out as is (it owns exactly its storage, as torch.save needs).
+    """
+
+    def __init__(self, hooks: list[str], n: int, d: int, dtype: torch.dtype) -> None:
+        self.hooks, self.n, self.d, self.dtype = hooks, n, d, dtype
+        self.fill = 0
+        self._states: dict[str, torch.Tensor] = {}
+        self._ids = torch.empty(0, dtype=torch.int64)
+
+    def _new(self) -> None:
+        self._states = {h: torch.empty(self.n, self.d, dtype=self.dtype) for h in self.hooks}
+        self._ids = torch.empty(self.n, dtype=torch.int64)
+        self.fill = 0
+
+    def add(self, rows: dict[str, torch.Tensor], ids: torch.Tensor
+            ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:  # fmt: skip
+        """Append ``rows[hook]`` ([k, d]) and ``ids`` ([k]); return the groups filled."""
+        full, pos, k = [], 0, ids.shape[0]
+        while pos < k:
+            if self.fill == 0:
+                self._new()
+            take = min(self.n - self.fill, k - pos)
+            for hook in self.hooks:
+                self._states[hook][self.fill : self.fill + take].copy_(rows[hook][pos : pos + take])
+            self._ids[self.fill : self.fill + take].copy_(ids[pos : pos + take])
+            self.fill += take
+            pos += take
+            if self.fill == self.n:
+                full.append((self._states, self._ids))
+                self.fill = 0
+        return full
 
 
-def _fold(stats: RunningStats, states: torch.Tensor) -> None:
-    """Fold stored values (exactly as a reader sees them) into ``stats``."""
-    stats.update(states.reshape(-1, states.shape[-1]).to(torch.float32).numpy())
+def group_statistics(states: torch.Tensor) -> RunningStats:
+    """Statistics of one megabatch's stored values (exactly what a reader sees). A run's
+    statistics are these merged in group order, so a resumed run's are bit-identical."""
+    return RunningStats.of(states.reshape(-1, states.shape[-1]).to(torch.float32).numpy())

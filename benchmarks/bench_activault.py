@@ -1,0 +1,240 @@
+"""Activault format against a local S3 server (moto, in its own process on 127.0.0.1).
+
+Four measurements, each against a baseline taken in the same run on the same server:
+
+1. upload: ActivaultWriter (pack, cast, statistics, torch.save, per-hook uploaders) vs the
+   raw boto3 client's put_object / multipart of the same bytes, same concurrency (>= 0.8);
+2. read: ActivaultStream (prefetch, ranged GETs, torch.load, shuffle) vs raw parallel
+   ranged GETs of the same objects (>= 0.8);
+3. consumer wait: a consumer that needs 1.5x the download time per window waits for data
+   this fraction of the time after warm-up (< 5%);
+4. capture wall time (forward loop) writing to S3 vs handing batches to a writer that
+   discards them (<= 1.1x), on the embedded all-MiniLM-L6-v2.
+
+    python benchmarks/bench_activault.py            # a few minutes
+    python benchmarks/bench_activault.py --files 32 --file-mib 32 --examples 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from _common import Timer, table
+
+from actstore.batch import Batch
+from actstore.capture import CaptureConfig, capture
+from actstore.formats.activault import ActivaultOptions, ActivaultStream, ActivaultWriter
+from actstore.formats.activault.layout import serialize_megabatch
+from actstore.sites import Site
+from actstore.storage.object import S3Config, S3Store
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def start_server() -> tuple[subprocess.Popen, str]:
+    """moto in a separate process, so its CPU time does not share our GIL."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "s3_server.py")],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    endpoint = proc.stdout.readline().strip()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1", S3_ENDPOINT_URL=endpoint)  # fmt: skip
+    return proc, endpoint
+
+
+def make_plan(args):
+    from actstore.batch import CapturePlan
+
+    sites = tuple(Site("resid", layer) for layer in range(args.hooks))
+    return CapturePlan(ckpt="bench", family="gpt2", modality="text", sites=sites,
+                       n_model_layers=args.hooks, d_model=args.d, tokens_per_example=args.seq,
+                       has_cls=False, n_examples=args.rows * args.files, dataset_root="/bench",
+                       data={}, classes=None, has_labels=False, has_tokens=True,
+                       batch_size=args.rows // 4)  # fmt: skip
+
+
+def make_batches(plan, args) -> list[Batch]:
+    gen = torch.Generator().manual_seed(0)
+    bs = plan.batch_size
+    out = []
+    base = {str(s): torch.randn(bs, args.seq, args.d, generator=gen) for s in plan.sites}
+    for lo in range(0, plan.n_examples, bs):
+        out.append(Batch(acts=base, example_ids=np.arange(lo, lo + bs),
+                         token_ids=np.zeros((bs, args.seq), dtype=np.int64)))  # fmt: skip
+    return out
+
+
+def bench_upload(args, bucket: str) -> tuple[list, int]:
+    plan = make_plan(args)
+    batches = make_batches(plan, args)
+    options = ActivaultOptions(rows_per_file=args.rows, upload_threads=args.threads, queue_files=2)
+    store = S3Store(bucket, options.s3_config())
+    states = torch.randn(args.rows, args.seq, args.d).to(torch.bfloat16)
+    data = serialize_megabatch(states, torch.zeros(args.rows, args.seq, dtype=torch.long)).getvalue()
+    total = len(data) * args.files * args.hooks
+    results = []
+    for repeat in range(args.repeats):
+        prefix = f"raw-{repeat}"
+        keys = [f"{prefix}/h{h}/{uuid.uuid4()}--{i}.pt" for h in range(args.hooks)
+                for i in range(args.files)]  # fmt: skip
+        with ThreadPoolExecutor(args.threads * args.hooks) as pool, Timer() as raw:
+            list(pool.map(lambda k: store.put(k, data), keys))
+        writer = ActivaultWriter(plan, f"s3://{bucket}/run-{repeat}", options)
+        with Timer() as ours:
+            for batch in batches:
+                writer.write(batch)
+            writer.close()
+        results.append((raw.seconds, ours.seconds, writer.blocked_s))
+        for key in keys:
+            store.delete(key)
+    raw_s = min(r[0] for r in results)
+    ours_s = min(r[1] for r in results)
+    rows = [["raw boto3 put_object/multipart", total / MiB / raw_s, 1.0],
+            ["ActivaultWriter (serialize + upload)", total / MiB / ours_s, raw_s / ours_s]]
+    return rows, len(data)
+
+
+def raw_parallel_get(store: S3Store, keys: list[str], size: int, args) -> float:
+    """Every ranged GET of every file through one pool of ``concurrency`` threads: the
+    most parallel plain download of the same bytes."""
+    chunk = args.chunk_mib * MiB
+    bufs = [bytearray(size) for _ in keys]
+
+    def get(job: tuple[int, int]) -> None:
+        i, start = job
+        view = memoryview(bufs[i])[start : start + chunk]
+        view[:] = store.get_range(keys[i], start, start + len(view))
+
+    jobs = [(i, start) for i in range(len(keys)) for start in range(0, size, chunk)]
+    with ThreadPoolExecutor(args.concurrency) as pool, Timer() as t:
+        list(pool.map(get, jobs))
+    return t.seconds
+
+
+def bench_read(args, bucket: str, file_bytes: int) -> list:
+    location = f"s3://{bucket}/run-0/models.layers.0.post"
+    store = S3Store(bucket, S3Config())
+    keys = [o.key for o in store.list("run-0/models.layers.0.post/") if o.key.endswith(".pt")]
+    total = file_bytes * len(keys)
+    results = []
+    for _ in range(args.repeats):
+        raw_s = raw_parallel_get(store, keys, file_bytes, args)
+        stream = ActivaultStream(location, batch_size=4096, mix_files=args.mix,
+                                 prefetch_files=args.prefetch, concurrency=args.concurrency,
+                                 chunk_size=args.chunk_mib * MiB, seed=0)  # fmt: skip
+        with Timer() as ours:
+            n = sum(b.shape[0] for b in stream)
+        assert n == stream.n_tokens
+        results.append((raw_s, ours.seconds))
+    raw_s = min(r[0] for r in results)
+    ours_s = min(r[1] for r in results)
+    return [["raw parallel ranged GETs", total / MiB / raw_s, 1.0],
+            ["ActivaultStream (fetch + torch.load + shuffle)", total / MiB / ours_s, raw_s / ours_s]]
+
+
+def bench_wait(args, bucket: str, file_bytes: int) -> list:
+    """A consumer slower than the network: after warm-up it should never wait."""
+    location = f"s3://{bucket}/run-0/models.layers.0.post"
+    store = S3Store(bucket, S3Config())
+    keys = [o.key for o in store.list("run-0/models.layers.0.post/") if o.key.endswith(".pt")]
+    per_file_s = raw_parallel_get(store, keys, file_bytes, args) / len(keys)
+    stream = ActivaultStream(location, batch_size=4096, mix_files=args.mix,
+                             prefetch_files=args.prefetch, concurrency=args.concurrency,
+                             chunk_size=args.chunk_mib * MiB, seed=0)  # fmt: skip
+    tokens_per_file = stream.n_tokens / len(stream.files)
+    step_s = 1.5 * per_file_s * 4096 / tokens_per_file  # consume at 2/3 of download speed
+    with Timer() as t:
+        for _ in stream:
+            time.sleep(step_s)  # the training step
+    after_warmup = t.seconds - stream.stats.warmup_s
+    frac = stream.stats.wait_s / after_warmup
+    return [["consumer wait after warm-up (fraction)", frac, stream.stats.warmup_s, t.seconds]]
+
+
+class DiscardWriter:
+    resume_from = 0
+    complete = False
+
+    def write(self, batch: Batch) -> None:
+        pass
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        pass
+
+
+def bench_capture(args, bucket: str) -> list:
+    cfg = CaptureConfig(sites=("resid.3", "resid.5"), batch_size=32, max_examples=args.examples,
+                        progress=False, clean_tokens=True)  # fmt: skip
+    capture(CaptureConfig(**{**cfg.__dict__, "max_examples": 32}), lambda p: DiscardWriter())
+    options = ActivaultOptions(rows_per_file=32)
+    rows = []
+    for repeat in range(args.repeats):
+        bare = capture(cfg, lambda p: DiscardWriter())
+        out = f"s3://{bucket}/capture-{repeat}"
+        stored = capture(cfg, lambda p, out=out: ActivaultWriter(p, out, options))
+        rows.append((bare.seconds, stored.seconds, stored.writer_wait_s))
+    bare_s = min(r[0] for r in rows)
+    stored_s = min(r[1] for r in rows)
+    return [["capture, no storage", bare_s, 1.0, 0.0],
+            ["capture -> S3 (activault)", stored_s, stored_s / bare_s, min(r[2] for r in rows)]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--files", type=int, default=16, help="files per hook")
+    parser.add_argument("--hooks", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=32, help="rows per file")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--d", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=2, help="upload threads per hook")
+    parser.add_argument("--concurrency", type=int, default=8, help="ranged GETs at once")
+    parser.add_argument("--chunk-mib", type=int, default=1, help="range size of ranged GETs")
+    parser.add_argument("--mix", type=int, default=2, help="files shuffled together")
+    parser.add_argument("--prefetch", type=int, default=2, help="files downloaded ahead")
+    parser.add_argument("--examples", type=int, default=256, help="capture benchmark examples")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    proc, endpoint = start_server()
+    try:
+        import boto3
+
+        bucket = "bench"
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        print(f"moto S3 at {endpoint} (separate process); {os.cpu_count()} CPUs; "
+              f"torch {torch.__version__}; threads {threading.active_count()}\n")  # fmt: skip
+        up, file_bytes = bench_upload(args, bucket)
+        print(f"1. upload: {args.hooks} hooks x {args.files} files of {file_bytes / MiB:.1f} MiB "
+              f"(bf16 [{args.rows}, {args.seq}, {args.d}]), {args.threads} threads per hook\n")
+        print(table(["what", "MiB/s", "ratio"], up), "\n")
+        read = bench_read(args, bucket, file_bytes)
+        print(f"2. read: {args.files} files, concurrency {args.concurrency}, "
+              f"{args.chunk_mib} MiB ranges, mix {args.mix}, prefetch {args.prefetch}\n")
+        print(table(["what", "MiB/s", "ratio"], read), "\n")
+        wait = bench_wait(args, bucket, file_bytes)
+        print("3. consumer at 2/3 of the download speed\n")
+        print(table(["what", "value", "warm-up s", "total s"], wait), "\n")
+        cap = bench_capture(args, bucket)
+        print(f"4. capture of {args.examples} examples (embedded MiniLM, resid.3 + resid.5, "
+              "token cleaning on)\n")
+        print(table(["what", "seconds", "ratio", "forward waited s"], cap))
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Capture into the activault format end to end: the CLI against a real S3 server and a
+local directory, token cleaning, and a capture SIGKILLed mid-run then resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from s3_server import s3, s3_server  # noqa: F401 - fixtures
+from test_activault_s3 import stored_stream
+from typer.testing import CliRunner
+
+from actstore.capture import CaptureConfig, capture
+from actstore.capture.cleaning import TokenCleaner
+from actstore.cli import app
+from actstore.errors import CorruptStoreError
+from actstore.formats import open_store
+from actstore.formats.activault import ActivaultOptions, ActivaultReader, ActivaultWriter
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    result = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return result
+
+
+def test_cli_capture_to_s3_then_ls_inspect_verify(s3, model_dir, text_file):
+    out = s3.url("gpt2-run")
+    result = invoke("capture", "--model", model_dir("gpt2"), "--dataset", text_file,
+                    "--sites", "resid.1,mlp_out.2,attn_in.0", "--context-length", 16,
+                    "--max-examples", 48, "--batch-size", 8, "--format", "activault",
+                    "--out", out, "--opt", "rows_per_file=8", "--no-progress")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert out in result.output and "models.layers.0.self_attn.pre" in result.output
+    reader = open_store(out)
+    assert reader.sites == ["models.layers.1.post", "models.layers.2.mlp.post",
+                            "models.layers.0.self_attn.pre"]  # fmt: skip
+    assert reader.record.token_mask is True  # cleaning is on by default for activault
+    eos = 2  # tiny models' </s>, the separator between documents
+    for hook in reader.sites:
+        _, ids = stored_stream(reader, hook)
+        assert eos not in ids.tolist()
+
+    listing = invoke("ls", out)
+    assert listing.exit_code == 0
+    assert "complete" in listing.output and "models.layers.0.self_attn.pre" in listing.output
+    assert "gpt2-run/" in invoke("ls", s3.url()).output
+    hook_listing = invoke("ls", s3.url("gpt2-run", "models.layers.1.post"), "--all")
+    assert hook_listing.output.count(".pt") == len(reader)
+    inspected = invoke("inspect", out, "--json")
+    summary = json.loads(inspected.output)
+    assert summary["format"].startswith("activault") and summary["complete"] is True
+    assert summary["text"] and all(isinstance(t, str) and t for t in summary["text"])
+    verified = invoke("verify", out, "--no-progress")
+    assert verified.exit_code == 0 and "OK" in verified.output
+    again = invoke("capture", "--model", model_dir("gpt2"), "--dataset", text_file,
+                   "--sites", "resid.1,mlp_out.2,attn_in.0", "--context-length", 16,
+                   "--max-examples", 48, "--batch-size", 8, "--format", "activault",
+                   "--out", out, "--opt", "rows_per_file=8", "--no-progress")  # fmt: skip
+    assert "Already captured" in again.output
+
+
+def test_cli_capture_to_a_local_directory_without_cleaning(tmp_path, model_dir, text_file):
+    out = tmp_path / "run"
+    result = invoke("capture", "--model", model_dir("qwen2"), "--dataset", text_file,
+                    "--layers", "1,3", "--context-length", 16, "--max-examples", 24,
+                    "--batch-size", 8, "--format", "activault", "--out", f"file://{out}",
+                    "--opt", "rows_per_file=8", "--opt", "dtype=float16", "--no-clean",
+                    "--no-progress")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["cfg.json", "models.layers.1.post",
+                                                     "models.layers.3.post"]  # fmt: skip
+    reader = open_store(out)
+    assert len(reader) == 3 and reader.dtype == np.float16 and reader.record.token_mask is False
+    names = sorted(p.name for p in (out / "models.layers.3.post").iterdir())
+    assert names[-2:] == ["metadata.json", "statistics.json"]
+    assert all(n.endswith(".pt") for n in names[:-2]) and len(names) == 5
+
+
+def test_token_cleaning_stores_exactly_the_kept_tokens(tmp_path, model_dir, text_file):
+    def run(clean: bool):
+        config = CaptureConfig(model=str(model_dir("llama")), dataset=str(text_file),
+                               sites=("resid.2",), context_length=24, max_examples=32,
+                               batch_size=8, progress=False, clean_tokens=clean)  # fmt: skip
+        out = str(tmp_path / ("clean" if clean else "raw"))
+        options = ActivaultOptions(rows_per_file=8 if not clean else 3, dtype="float32")
+        result = capture(config, lambda plan: ActivaultWriter(plan, out, options))
+        return ActivaultReader(result.output)
+
+    raw, clean = run(False), run(True)
+    hook = "models.layers.2.post"
+    raw_states, raw_ids = stored_stream(raw, hook)  # every token: rows are the examples
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir("llama"))
+    keep = TokenCleaner.from_tokenizer(tokenizer).mask(raw_ids.reshape(32, 24)).reshape(-1)
+    assert 0 < (~keep).sum() < keep.size  # BOS at every window start, EOS between documents
+    clean_states, clean_ids = stored_stream(clean, hook)
+    n = clean_ids.size
+    assert n == (keep.sum() // 72) * 72  # whole files of 3 rows x 24 tokens; the tail dropped
+    np.testing.assert_array_equal(clean_ids, raw_ids[keep][:n])
+    np.testing.assert_array_equal(clean_states, raw_states[keep][:n])  # full-context values
+    assert not {tokenizer.bos_token_id, tokenizer.eos_token_id} & set(clean_ids.tolist())
+    assert clean.record.dropped_tokens == keep.sum() - n
+
+
+def cfg_groups(s3, run: str) -> int:
+    try:
+        body = s3.client().get_object(Bucket=s3.bucket, Key=f"{run}/cfg.json")["Body"].read()
+    except Exception:  # noqa: BLE001 - not written yet
+        return 0
+    return json.loads(body)["actstore"]["groups"]
+
+
+@pytest.mark.slow
+def test_sigkill_mid_capture_then_resume_gives_the_uninterrupted_tokens(s3, model_dir, text_file):
+    args = ["--model", str(model_dir("gpt2")), "--dataset", str(text_file), "--sites",
+            "resid.1,mlp_out.3", "--context-length", "32", "--max-examples", "240",
+            "--batch-size", "8", "--format", "activault", "--opt", "rows_per_file=8",
+            "--opt", "sequence_length=20", "--no-progress"]  # fmt: skip
+
+    def start(run: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "actstore", "capture", "--out", s3.url(run), *args]
+        return subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+
+    proc = start("crashed")
+    deadline = time.monotonic() + 120
+    while cfg_groups(s3, "crashed") < 4:
+        assert proc.poll() is None, "capture ended before it could be killed:\n" + proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "capture made no progress"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = cfg_groups(s3, "crashed")
+    with pytest.raises(CorruptStoreError, match="unfinished capture"):
+        open_store(s3.url("crashed"))
+
+    resumed = start("crashed")
+    log = resumed.communicate(timeout=300)[0].decode()
+    assert resumed.returncode == 0, log
+    assert "resuming" in log
+    reference = start("clean")
+    assert reference.communicate(timeout=300)[0] is not None and reference.returncode == 0
+
+    a, b = open_store(s3.url("crashed")), open_store(s3.url("clean"))
+    assert len(a) == len(b) > killed_at
+    assert a.record.num_runs == 2 and a.record.dropped_tokens == b.record.dropped_tokens
+    for hook in b.sites:
+        states_a, ids_a = stored_stream(a, hook)
+        states_b, ids_b = stored_stream(b, hook)
+        np.testing.assert_array_equal(ids_a, ids_b)  # no duplicate, no missing token
+        np.testing.assert_array_equal(states_a, states_b)
+        sa, sb = a.statistics(hook), b.statistics(hook)
+        assert sa.count == sb.count
+        np.testing.assert_allclose(sa.mean, sb.mean, rtol=1e-12)
+        np.testing.assert_allclose(sa.m2, sb.m2, rtol=1e-12)
+    crashed_files = [k for k in s3.keys("crashed/") if k.endswith(".pt")]
+    assert len(crashed_files) == len(b) * len(b.sites)  # nothing left over from the crash
+    assert torch.equal(a.megabatch(b.sites[0], 0)["states"], b.megabatch(b.sites[0], 0)["states"])
