@@ -278,3 +278,21 @@ def test_activault_parts_merge_into_one_run(config, tmp_path, request, where):
                                    rtol=1e-12)
     assert run.verify().ok
     assert find_unmerged(out) == []  # the parts are gone
+
+
+def test_capture_command_for_one_machine_then_merge(config, tmp_path):
+    out = tmp_path / "acts"
+    args = ["capture", "--model", config.model, "--dataset", config.dataset, "--layers", "1,3",
+            "--batch-size", str(BATCH), "--context-length", str(CONTEXT), "--max-examples",
+            str(N_EXAMPLES), "--format", "pickle", "--opt", "samples_per_shard=4", "--out",
+            str(out), "--no-progress", "--num-machines", "2"]
+    first = runner.invoke(app, [*args, "--machine-id", "1"])
+    assert first.exit_code == 0, first.output
+    assert "machine 1 of 2: examples [12, 22)" in first.output
+    assert "Waiting for examples [0, 12)" in first.output
+    assert runner.invoke(app, ["merge", str(out)]).exit_code == 1  # still missing a slice
+    second = runner.invoke(app, [*args, "--machine-id", "0"])
+    assert second.exit_code == 0 and "All slices are done; published" in second.output
+    assert PickleReader(out).n_examples == N_EXAMPLES
+    both = runner.invoke(app, [*args, "--machine-id", "0", "--ray", "local"])
+    assert both.exit_code != 0 and "not both" in str(both.exception)

@@ -157,3 +157,20 @@ def test_killed_worker_is_retried_and_resumes(ray_cluster, model_dir, text_file,
     assert 0 < machine1.n_examples_run < 320  # the retry resumed after the finished shards
     reference = single_capture(config, "saev", tmp_path / "one", options)
     assert files(result.location) == files(reference)
+
+
+def test_capture_command_with_ray(ray_cluster, model_dir, text_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from actstore.cli import app
+
+    out = tmp_path / "acts"
+    result = CliRunner().invoke(app, [
+        "capture", "--model", str(model_dir("gpt2")), "--dataset", str(text_file),
+        "--layers", "1,3", "--context-length", str(CONTEXT), "--max-examples", "22",
+        "--batch-size", "3", "--format", "pickle", "--opt", "samples_per_shard=4",
+        "--out", str(out), "--ray", "local", "--workers", "2", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "Captured 22 examples with 2 Ray workers; published" in result.output
+    reader = PickleReader(out)
+    assert reader.n_examples == 22 and reader.metadata.distributed_config["total_machines"] == 2

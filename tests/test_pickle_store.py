@@ -365,6 +365,13 @@ def test_stores_of_several_machines_merge_into_one(tmp_path):
     assert reader.verify().ok
     with pytest.raises(ConfigError, match="overlapping sample ids"):
         merge_stores([parts[0], parts[0]], tmp_path / "twice")
+    from typer.testing import CliRunner
+
+    from actstore.cli import app
+
+    result = CliRunner().invoke(app, ["merge", *map(str, parts), "--into", str(tmp_path / "cli")])
+    assert result.exit_code == 0, result.output
+    assert PickleReader(tmp_path / "cli").metadata.shards == reader.metadata.shards
 
 
 def test_machine_ids_must_give_unique_sample_ids(tmp_path):
