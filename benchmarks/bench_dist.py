@@ -171,11 +171,11 @@ def bench_merge(root: Path, plan: CapturePlan) -> None:
 
 def bench_ray(root: Path, examples: int) -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
     from actstore.capture import CaptureConfig, capture
     from actstore.dist import capture_on_ray, init_local_ray
     from actstore.formats.registry import get_format
-
-    import ray
 
     cfg = CaptureConfig(sites=("resid.3", "resid.5"), max_examples=examples, batch_size=16,
                         progress=False)  # fmt: skip
@@ -185,8 +185,8 @@ def bench_ray(root: Path, examples: int) -> None:
     for threads in (1, 2):  # one process with one worker's resources, and with the machine's
         torch.set_num_threads(threads)
         with Timer() as single:
-            one = capture(cfg, lambda plan: spec.writer_for_plan(
-                plan, str(root / f"one-{threads}"), options))  # fmt: skip
+            out = str(root / f"one-{threads}")
+            one = capture(cfg, lambda plan, out=out: spec.writer_for_plan(plan, out, options))
         runs[threads] = (single.seconds, one)
     base_s, one = runs[1]
     with Timer() as start:
