@@ -35,7 +35,6 @@ from _common import Timer, evict, files_under, table  # noqa: E402
 
 from actstore.batch import Batch, CapturePlan  # noqa: E402
 from actstore.convert import convert  # noqa: E402
-from actstore.formats import open_store  # noqa: E402
 from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter  # noqa: E402
 from actstore.formats.saev import SaevOptions, SaevWriter  # noqa: E402
 from actstore.sites import Site  # noqa: E402
