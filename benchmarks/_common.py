@@ -18,12 +18,13 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Self
 
 
 class Timer:
     """``with Timer() as t: ...`` then ``t.seconds`` (wall clock, perf_counter)."""
 
-    def __enter__(self) -> Timer:
+    def __enter__(self) -> Self:
         self.start = time.perf_counter()
         self.seconds = 0.0
         return self

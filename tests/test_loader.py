@@ -15,7 +15,7 @@ from actstore.batch import Batch
 from actstore.errors import ConfigError, LayerNotStoredError
 from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
 from actstore.formats.saev.layout import encode_data
-from actstore.loader import ActivationDataLoader, ActivationLoader, LoaderBatch
+from actstore.loader import ActivationDataLoader, ActivationLoader
 from actstore.loader.pipeline import Buffers
 
 T, D = 6, 8
@@ -107,7 +107,8 @@ def test_every_row_once_across_ranks_and_workers(store, batch, pool, seed, world
        workers=st.integers(1, 3))  # fmt: skip
 def test_drop_last_gives_every_rank_the_same_full_batches(single, batch, pool, world, workers):
     reader, _ = single
-    parts = all_consumers(reader, world, workers, batch_size=batch, pool_blocks=pool, drop_last=True)
+    parts = all_consumers(reader, world, workers, batch_size=batch, pool_blocks=pool,
+                          drop_last=True)
     per_rank = [sum(len(parts[r, j]) for j in range(workers)) for r in range(world)]
     assert len(set(per_rank)) == 1
     assert per_rank[0] == (45 * T // world) // batch
@@ -186,7 +187,8 @@ def test_order_is_deterministic_and_changes_with_seed_and_epoch(store):
     reader, _ = store
 
     def rows(**kw):
-        loader = ActivationLoader(reader, site=2, batch_size=9, pool_blocks=4, return_index=True, **kw)
+        loader = ActivationLoader(reader, site=2, batch_size=9, pool_blocks=4, return_index=True,
+                                  **kw)
         return np.concatenate([b.rows.numpy() for b in loader])
 
     first = rows(seed=3)
@@ -199,7 +201,7 @@ def test_order_is_deterministic_and_changes_with_seed_and_epoch(store):
 
 def test_iteration_continues_into_the_next_epoch(store):
     reader, _ = store
-    options = dict(site=5, batch_size=10, pool_blocks=3, seed=1, return_index=True)
+    options = {"site": 5, "batch_size": 10, "pool_blocks": 3, "seed": 1, "return_index": True}
     loader = ActivationLoader(reader, **options)
     epoch0 = collect(loader)
     assert loader.epoch == 1 and loader.state_dict()["batches"] == 0
@@ -227,7 +229,8 @@ def test_iteration_continues_into_the_next_epoch(store):
        seed=st.integers(0, 1000))  # fmt: skip
 def test_resume_equals_uninterrupted(store, stop, batch, pool, seed):
     reader, _ = store
-    options = dict(site=5, batch_size=batch, pool_blocks=pool, seed=seed, return_index=True)
+    options = {"site": 5, "batch_size": batch, "pool_blocks": pool, "seed": seed,
+               "return_index": True}
     whole = [r.tolist() for _, r in collect(ActivationLoader(reader, **options))]
     stop = min(stop, len(whole) - 1)  # (a state taken after the last batch: next test)
     first = ActivationLoader(reader, **options)
@@ -243,7 +246,7 @@ def test_resume_equals_uninterrupted(store, stop, batch, pool, seed):
 
 def test_resume_with_dataloader_workers(store):
     reader, _ = store
-    options = dict(site=5, batch_size=7, pool_blocks=3, seed=11, return_index=True)
+    options = {"site": 5, "batch_size": 7, "pool_blocks": 3, "seed": 11, "return_index": True}
     whole = [b.rows.tolist() for b in ActivationDataLoader(ActivationLoader(reader, **options),
                                                            num_workers=2)]  # fmt: skip
     # the DataLoader interleaves the workers' contiguous runs round-robin
@@ -290,7 +293,8 @@ def test_state_from_a_different_order_is_refused(store):
 def test_normalisation_uses_stored_statistics(store):
     reader, acts = store
     stats = reader.statistics(5)
-    std = ActivationLoader(reader, site=5, batch_size=50, normalize="standardize", return_index=True)
+    std = ActivationLoader(reader, site=5, batch_size=50, normalize="standardize",
+                           return_index=True)
     x, r = next(iter(std))
     # column 2 (the layer number) is constant: its std is 0 and the loader keeps it at 0
     want = (expected(acts, r.numpy(), 1) - stats.mean) / np.maximum(np.sqrt(stats.var), 1e-6)

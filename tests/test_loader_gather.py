@@ -20,7 +20,8 @@ def store(tmp_path_factory):
     return write_store(tmp_path_factory.mktemp("gather"), n=N)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(st.integers(0, N * T - 1), max_size=60), layer=st.sampled_from([2, 5]),
        gap=st.sampled_from([0, 100, 1 << 16]))  # fmt: skip
 def test_gather_matches_indexing_in_the_callers_order(store, rows, layer, gap):

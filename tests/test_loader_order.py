@@ -54,9 +54,10 @@ def test_plan_windows_partition_blocks_and_rows(sizes, k, seed, epoch):
     plan = plan_epoch(sizes, pool_blocks=k, seed=seed, epoch=epoch)
     assert sorted(plan.block_order.tolist()) == list(range(len(sizes)))
     blocks = [plan.window_blocks(w).tolist() for w in range(plan.n_windows)]
-    assert sum(blocks, []) == plan.block_order.tolist()
+    assert [i for b in blocks for i in b] == plan.block_order.tolist()
     assert all(1 <= len(b) <= k for b in blocks)
-    assert [sum(sizes[i] for i in b) for b in blocks] == [plan.window_rows(w) for w in range(plan.n_windows)]
+    rows = [plan.window_rows(w) for w in range(plan.n_windows)]
+    assert [sum(sizes[i] for i in b) for b in blocks] == rows
     assert plan.n_rows == sum(sizes)
     # the stream is a permutation of all rows: map each window position back to (block, row)
     first = np.concatenate([[0], np.cumsum(sizes)]).astype(int)

@@ -4,7 +4,7 @@ that counts the batches it delivers, so ``state_dict()`` is exact with worker pr
 Example:
     >>> data = ActivationDataLoader(ActivationLoader(path, site=6), num_workers=2)  # doctest: +SKIP
     >>> for step, acts in enumerate(data): ...  # doctest: +SKIP
-    >>> torch.save({"sae": sae.state_dict(), "data": data.state_dict()}, "ckpt.pt")  # doctest: +SKIP
+    >>> checkpoint = {"sae": sae.state_dict(), "data": data.state_dict()}  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -43,9 +43,13 @@ class ActivationDataLoader(DataLoader):
             raise ConfigError("persistent_workers would keep each worker's copy of the loader "
                               "at its first position; leave it off")  # fmt: skip
         finish = dataset._finish
-        pin = kwargs.pop("pin_memory", False) or finish.pin_memory
-        super().__init__(dataset, batch_size=None, num_workers=num_workers,
-                         pin_memory=pin and num_workers > 0, **kwargs)  # fmt: skip
+        pin = kwargs.pop("pin_memory", False)
+        if num_workers > 0:  # workers never pin or move: this process does
+            pin = pin or finish.pin_memory
+        elif finish.pin_memory or finish.device is not None:  # the loader already does
+            pin = False
+        super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin,
+                         **kwargs)  # fmt: skip
         self._device = finish.device if num_workers > 0 else None
         dataset._device_in_main = num_workers > 0
 

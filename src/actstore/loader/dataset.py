@@ -4,7 +4,7 @@ Example:
     >>> loader = ActivationLoader("acts/3f1c...", site=6, batch_size=4096, seed=0)  # doctest: +SKIP
     >>> for acts in loader:            # float32 [4096, d_model], one epoch  # doctest: +SKIP
     ...     loss = sae.step(acts)
-    >>> state = loader.state_dict()    # resume later with loader.load_state_dict(state)  # doctest: +SKIP
+    >>> state = loader.state_dict()    # later: loader.load_state_dict(state)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import hashlib
 import logging
 import math
 import os
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -91,7 +91,8 @@ class LoaderConfig:
         if self.dtype not in OUT_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(OUT_DTYPES)}, not {self.dtype!r}")
         if self.normalize is not None and self.normalize not in NORMALIZE:
-            raise ConfigError(f"normalize must be None or one of {NORMALIZE}, not {self.normalize!r}")
+            raise ConfigError(f"normalize must be None or one of {NORMALIZE}, "
+                              f"not {self.normalize!r}")
         if (self.pin_memory or (self.device and torch.device(self.device).type == "cuda")) \
                 and not torch.cuda.is_available():  # fmt: skip
             raise ConfigError("pin_memory and device='cuda' need CUDA, which is not available")
@@ -147,7 +148,7 @@ class ActivationLoader(IterableDataset):
             raise ConfigError(f"drop_cls needs a reader that marks CLS rows; "
                               f"{type(reader).__name__} does not")  # fmt: skip
         self.layout = Layout(reader=reader, blocks=blocks, drop_cls=config.drop_cls,
-                             kept_rows=kept_rows(reader, blocks[0], config.drop_cls, cls_rows),
+                             kept_rows=kept_rows(blocks[0], cls_rows if config.drop_cls else None),
                              first_row=first_rows(blocks[0]), d_model=int(reader.d_model),
                              dtype=np.dtype(reader.dtype))  # fmt: skip
         if config.pool_blocks is not None:
@@ -186,7 +187,8 @@ class ActivationLoader(IterableDataset):
     def memory_bytes(self) -> int:
         """Upper bound of the pool memory one consumer holds: 2 windows of the largest blocks."""
         largest = max((b.n_rows for b in self.layout.blocks[0]), default=0)
-        return 2 * self.pool_blocks * largest * len(self.sites) * self.d_model * self.layout.dtype.itemsize
+        row_bytes = len(self.sites) * self.d_model * self.layout.dtype.itemsize
+        return 2 * self.pool_blocks * largest * row_bytes
 
     def _rank_span(self):
         return rank_span(self.n_rows, rank=self.rank, world_size=self.world_size,
@@ -210,6 +212,9 @@ class ActivationLoader(IterableDataset):
             else:
                 factors = [math.sqrt(self.d_model) / max(s.norm_mean, 1e-12) for s in stats]
                 scale = torch.tensor(factors, dtype=torch.float32).reshape(-1, 1)
+            if cfg.sites is None:  # batches [B, D]: drop the site axis
+                shift = None if shift is None else shift[0]
+                scale = scale[0]
         device = torch.device(cfg.device) if cfg.device is not None else None
         pin = cfg.pin_memory or (device is not None and device.type == "cuda")
         return Finish(out_dtype=OUT_DTYPES[cfg.dtype], shift=shift, scale=scale,
@@ -218,8 +223,8 @@ class ActivationLoader(IterableDataset):
 
     @property
     def normalization(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(shift, scale)`` applied as ``(x - shift) * scale`` (``[n_sites, D]`` or
-        ``[n_sites, 1]``; None where unused); invert with ``x / scale + shift``."""
+        """``(shift, scale)`` applied as ``(x - shift) * scale``, shaped to broadcast over a
+        batch (None where unused); invert with ``x / scale + shift``."""
         return self._finish.shift, self._finish.scale
 
     # ------------------------------------------------------------------ epochs and state
@@ -247,7 +252,7 @@ class ActivationLoader(IterableDataset):
         """Continue exactly where ``state`` was taken (O(1): no reads are replayed)."""
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"loader state version {state.get('version')!r} is not "
-                              f"{STATE_VERSION}; it was saved by another actstore version")  # fmt: skip
+                              f"{STATE_VERSION}: another actstore version saved it")
         mine = self._fingerprint()
         wrong = [f"{k}={state.get(k)!r} (this loader: {v!r})" for k, v in mine.items()
                  if state.get(k) != v]  # fmt: skip
@@ -272,7 +277,8 @@ class ActivationLoader(IterableDataset):
     def __repr__(self) -> str:
         return (f"ActivationLoader(sites={list(self.sites)}, rows={self.n_rows}, "
                 f"batch_size={self.batch_size}, pool_blocks={self.pool_blocks}, "
-                f"seed={self.config.seed}, epoch={self.epoch}, rank={self.rank}/{self.world_size})")  # fmt: skip
+                f"seed={self.config.seed}, epoch={self.epoch}, "
+                f"rank={self.rank}/{self.world_size})")
 
     # ------------------------------------------------------------------ iteration
 
@@ -336,7 +342,8 @@ class ActivationLoader(IterableDataset):
             finish = replace(finish, pin_memory=False, device=None)
         consumer = Consumer(self.layout, plan, self._buffer_set(), batch_size=cfg.batch_size,
                             io_threads=cfg.io_threads, finish=finish)  # fmt: skip
-        log.debug("epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop)
+        log.debug("epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start,
+                  span.stop)
         try:
             for batch in consumer.batches(start, span.stop):
                 if count:

@@ -12,10 +12,11 @@ the same plan without talking to the others):
    batches of ``B`` rows; DataLoader worker ``j`` of ``N`` takes a contiguous run of those
    batches (:func:`rank_span`, :func:`worker_span`).
 
-``permutation(key, n)`` is ``argsort(splitmix64(arange(n) ^ key))`` (stable sort), and
-``key`` folds its integer arguments with splitmix64. Both are spelled out here, not taken
-from numpy's ``Generator``, so the order (and therefore resume) never changes with the
-numpy version.
+``permutation(key, n)`` is ``argsort(splitmix64(arange(n) ^ key))`` and ``key`` folds its
+integer arguments with splitmix64. splitmix64 is a bijection, so the sort keys are
+distinct and every sort algorithm gives the same permutation. Both are spelled out here,
+not taken from numpy's ``Generator``, so the order (and therefore resume) never changes
+with the numpy version.
 
 Example:
     >>> plan = plan_epoch([4, 4, 2], pool_blocks=2, seed=0, epoch=0)
@@ -66,7 +67,7 @@ def key(*parts: int) -> int:
 def permutation(k: int, n: int) -> np.ndarray:
     """A pseudo-random permutation of ``range(n)`` (int64) determined by key ``k``."""
     keys = splitmix64(np.arange(n, dtype=np.uint64) ^ np.uint64(k))
-    return np.argsort(keys, kind="stable")
+    return np.argsort(keys)  # distinct keys: the result does not depend on the algorithm
 
 
 @dataclass(frozen=True)

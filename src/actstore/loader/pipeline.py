@@ -88,7 +88,7 @@ def _allocate(count: int, dtype: np.dtype) -> np.ndarray:
     """``count`` items of anonymous memory advised for transparent huge pages (the first
     touch of fresh memory dominates the cost of a new buffer; huge pages fault less)."""
     nbytes = max(count * dtype.itemsize, 1)
-    memory = mmap.mmap(-1, -(-nbytes // _PAGE) * _PAGE)
+    memory = mmap.mmap(-1, -(-nbytes // _PAGE) * _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             memory.madvise(mmap.MADV_HUGEPAGE)
@@ -132,10 +132,12 @@ class Finish:
 
     out_dtype: torch.dtype
     shift: torch.Tensor | None
-    """``[n_sites, D]`` subtracted first (None: nothing)."""
+    """Subtracted first (None: nothing): ``[D]`` for one site, ``[n_sites, D]`` for several."""
     scale: torch.Tensor | None
-    """``[n_sites, D]`` or ``[n_sites, 1]`` multiplied after the shift (None: nothing)."""
+    """Multiplied after the shift (None: nothing): per dimension like ``shift``, or one
+    factor per site (``[1]`` or ``[n_sites, 1]``)."""
     single_site: bool
+    """Batches are ``[B, D]`` (else ``[B, n_sites, D]``)."""
     pin_memory: bool
     device: torch.device | None
     return_index: bool
@@ -171,7 +173,8 @@ class Consumer:
         self._scratch = threading.local()
 
     def close(self) -> None:
-        self._io.shutdown(wait=True, cancel_futures=True)
+        if not sys.is_finalizing():  # at interpreter exit the threads are gone already
+            self._io.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ reading windows
 
@@ -261,7 +264,8 @@ class Consumer:
                 prefetch()
                 if carry is None and (end - pos >= size or base + end == stop):
                     n = min(size, end - pos)
-                    yield self._finish(rows[pos : pos + n], None if ids is None else ids[pos : pos + n])
+                    batch_ids = None if ids is None else ids[pos : pos + n]
+                    yield self._finish(rows[pos : pos + n], batch_ids)
                     pos += n
                     continue
                 if carry is None:
@@ -286,11 +290,12 @@ class Consumer:
     def _finish(self, rows: np.ndarray, ids: np.ndarray | None) -> Any:
         """Rows ``[n, S, D]`` (a pool or carry view) -> the batch the user gets."""
         fin, n = self.finish, len(rows)
-        acts = torch.from_numpy(rows)
+        shape = (n, self.layout.d_model) if fin.single_site else rows.shape
+        acts = torch.from_numpy(rows.reshape(shape))
         if fin.shift is not None or fin.scale is not None:
             if acts.dtype != torch.float32:
                 stage = self._stage.acquire()
-                staged = torch.from_numpy(self._stage[stage][:n])
+                staged = torch.from_numpy(self._stage[stage][:n].reshape(shape))
                 self._stage.release(stage)
                 acts = staged.copy_(acts)
             if fin.shift is not None:
@@ -299,13 +304,11 @@ class Consumer:
                 acts.mul_(fin.scale)
         if acts.dtype != fin.out_dtype:
             out = self._out.acquire()
-            target = torch.from_numpy(self._out[out][:n])
+            target = torch.from_numpy(self._out[out][:n].reshape(shape))
             self._out.release(out)
             if fin.out_dtype == torch.bfloat16:
                 target = target.view(torch.bfloat16)
             acts = target.copy_(acts)
-        if fin.single_site:
-            acts = acts.view(n, -1)
         if fin.pin_memory:
             acts = acts.pin_memory()
         if fin.device is not None:
@@ -324,10 +327,10 @@ def first_rows(blocks: Sequence[Block]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)])[:-1].astype(np.int64)
 
 
-def kept_rows(reader: Any, blocks: Sequence[Block], drop_cls: bool,
-              cls_rows: Callable[[Block], np.ndarray] | None) -> np.ndarray:  # fmt: skip
-    """Rows each block serves: all of them, or all but its CLS rows."""
-    if not drop_cls or cls_rows is None:
+def kept_rows(blocks: Sequence[Block], cls_rows: Callable[[Block], np.ndarray] | None
+              ) -> np.ndarray:  # fmt: skip
+    """Rows each block serves: all of them, or (given ``cls_rows``) all but its CLS rows."""
+    if cls_rows is None:
         return np.fromiter((b.n_rows for b in blocks), dtype=np.int64, count=len(blocks))
     return np.fromiter((b.n_rows - len(cls_rows(b)) for b in blocks), dtype=np.int64,
                        count=len(blocks))  # fmt: skip

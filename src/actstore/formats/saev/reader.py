@@ -359,7 +359,7 @@ class SaevReader:
         Example:
             >>> reader.gather([5, 0, 5], layer=6).shape  # doctest: +SKIP
             (3, 768)
-            >>> reader.gather((np.array([2, 9]), np.array([0, 0])), 6)  # CLS of ex 2, 9  # doctest: +SKIP
+            >>> cls = reader.gather((np.array([2, 9]), 0), 6)  # token 0  # doctest: +SKIP
         """
         md = self.metadata
         if layer is None:
