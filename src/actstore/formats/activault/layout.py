@@ -223,6 +223,35 @@ def _owning(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().clone()
 
 
+class _BufferReader(io.RawIOBase):
+    """A seekable read-only file over a buffer: ``torch.load`` reads tensor records straight
+    from it with ``readinto`` (``io.BytesIO`` would first copy the whole buffer)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        memoryview(buffer).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
 def load_megabatch(data: bytes | bytearray | memoryview, *, source: str) -> dict[str, Any]:
     """Load a megabatch with ``torch.load(weights_only=True)`` (never a full unpickler).
 
@@ -232,7 +261,7 @@ def load_megabatch(data: bytes | bytearray | memoryview, *, source: str) -> dict
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            obj = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
     except Exception as err:  # any failure means a damaged file
         raise CorruptStoreError(
             f"{source} is not a loadable megabatch ({type(err).__name__}: {err}); the file is "

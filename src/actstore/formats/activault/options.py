@@ -21,7 +21,8 @@ class ActivaultOptions:
     dtype: str = field(default="bfloat16", metadata={
         "help": "stored activation dtype: bfloat16, float16 or float32"})
     rows_per_file: int = field(default=0, metadata={
-        "help": "rows (sequences) per megabatch file; 0: 8 x the capture batch size"})
+        "help": "rows (sequences) per megabatch file; 0: 8 x the capture batch size, at "
+                "most 256 MiB per file and 1/16 of the capture"})
     sequence_length: int = field(default=0, metadata={
         "help": "tokens per stored row; 0: the capture's tokens per example"})
     upload_threads: int = field(default=2, metadata={

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -118,6 +119,7 @@ class ActivaultReader:
         self.chunk_size, self.concurrency = chunk_size, concurrency
         self.store, prefix = open_location(location, s3)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self._pid = os.getpid()
         if isinstance(self.store, S3Store):
             self.store.check_bucket()
@@ -269,10 +271,11 @@ class ActivaultReader:
     # ------------------------------------------------------------------ reading
 
     def _thread_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pid != os.getpid():
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="actstore-get")
-            self._pid = os.getpid()
-        return self._pool
+        with self._pool_lock:  # read_block may be called from several loader threads
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="actstore-get")
+                self._pid = os.getpid()
+            return self._pool
 
     def fetch(self, site: Hashable, index: int) -> bytearray:
         """The raw bytes of file ``index`` of ``site`` (concurrent ranged GETs)."""
@@ -429,7 +432,13 @@ class ActivaultReader:
         self._pool = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None}
+        state = {**self.__dict__, "_pool": None}
+        del state["_pool_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool_lock = threading.Lock()
 
     def __del__(self) -> None:
         try:

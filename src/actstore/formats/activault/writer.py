@@ -226,8 +226,10 @@ class ActivaultWriter:
         self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
         check_hook_prefixes(self.hooks)
         self.dtype = DTYPES[options.dtype]
-        self.rows = options.rows_per_file or 8 * plan.batch_size
         self.seq = options.sequence_length or plan.tokens_per_example
+        self.rows = options.rows_per_file or default_rows_per_file(
+            plan.batch_size, self.seq, plan.d_model, self.dtype,
+            total_tokens=plan.n_examples * plan.tokens_per_example)  # fmt: skip
         self.batches_per_file = max(1, self.rows // plan.batch_size)
         self.tokens_per_file = self.rows * self.seq
         self.complete = False
@@ -561,6 +563,31 @@ class ActivaultWriter:
             self.close()
         else:
             self.abort()
+
+
+#: Largest default megabatch file (Activault's 70B configs write 4 GiB files; smaller files
+#: keep the reader's prefetch memory and the dropped tail small).
+DEFAULT_FILE_BYTES = 256 << 20
+
+
+def default_rows_per_file(batch_size: int, seq: int, d: int, dtype: torch.dtype, *,
+                          total_tokens: int | None = None) -> int:  # fmt: skip
+    """8 capture batches of rows, but at most 256 MiB per file and, for small captures, at
+    most a sixteenth of the data (so the dropped tail, under one file, stays small).
+
+    Example:
+        >>> default_rows_per_file(32, 128, 384, torch.bfloat16)
+        256
+        >>> default_rows_per_file(4, 2048, 8192, torch.bfloat16)
+        8
+        >>> default_rows_per_file(32, 128, 384, torch.bfloat16, total_tokens=1000 * 128)
+        62
+    """
+    row_bytes = seq * d * torch.empty(0, dtype=dtype).element_size()
+    rows = min(8 * batch_size, DEFAULT_FILE_BYTES // row_bytes)
+    if total_tokens is not None:
+        rows = min(rows, total_tokens // (16 * seq))
+    return max(1, rows)
 
 
 class _Packer:
