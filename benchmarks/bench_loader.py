@@ -126,8 +126,13 @@ def run_epoch(iterable, row_bytes: int) -> dict[str, float]:
         del first
         for batch in it:
             rows += len(batch)
-    return {"rows": rows, "seconds": t.seconds, "first_batch_s": first_s,
-            "rows_per_s": rows / t.seconds, "mb_per_s": rows * row_bytes / t.seconds / 1e6}
+    return _rates(rows, row_bytes, t) | {"first_batch_s": first_s}
+
+
+def _rates(rows: int, row_bytes: int, t: Timer) -> dict[str, float]:
+    gb = rows * row_bytes / 1e9
+    return {"rows": rows, "seconds": t.seconds, "rows_per_s": rows / t.seconds,
+            "mb_per_s": gb * 1e3 / t.seconds, "cpu_s_per_gb": t.cpu / gb}  # fmt: skip
 
 
 class NaiveRows(Dataset):
@@ -157,12 +162,13 @@ def run_naive(path: Path, layer: int, batch: int, workers: int, seconds: float,
                       num_workers=workers, generator=torch.Generator().manual_seed(0))  # fmt: skip
     rows = 0
     with Timer() as t:
-        for x in data:
+        it = iter(data)
+        for x in it:
             rows += len(x)
             if t.elapsed() > seconds:
                 break
-    return {"rows": rows, "seconds": t.seconds, "rows_per_s": rows / t.seconds,
-            "mb_per_s": rows * row_bytes / t.seconds / 1e6}  # fmt: skip
+        del it  # stop (and reap) the workers inside the measurement
+    return _rates(rows, row_bytes, t)
 
 
 def same_example_fraction(rows: np.ndarray, tokens: int) -> tuple[float, float]:
@@ -235,12 +241,11 @@ def main(argv: list[str] | None = None) -> None:
             evict(files)
         else:
             sequential_read(files)  # make sure every page is cached
-        nbytes, seconds = sequential_read(files)
-        seq = {"rows": nbytes // row_bytes, "seconds": seconds,
-               "rows_per_s": nbytes / row_bytes / seconds, "mb_per_s": nbytes / seconds / 1e6}
+        nbytes, timer = sequential_read(files)
+        seq = _rates(nbytes // row_bytes, row_bytes, timer)
         results[f"sequential/{cache}"] = seq
         rows_table.append(["sequential read (dd-style)", cache, seq["rows_per_s"],
-                           seq["mb_per_s"], 1.0, ""])
+                           seq["mb_per_s"], 1.0, seq["cpu_s_per_gb"], ""])
         # In-process: the first epoch also allocates the pools (fresh memory is slow to
         # touch); later epochs reuse them. Worker processes start afresh every epoch.
         loader = make_loader(path, args, layer)
@@ -255,7 +260,8 @@ def main(argv: list[str] | None = None) -> None:
             res = run_epoch(iterable, row_bytes)
             results[f"{name}/{cache}"] = res
             rows_table.append([name, cache, res["rows_per_s"], res["mb_per_s"],
-                               res["mb_per_s"] / seq["mb_per_s"], ">= 0.7"])  # fmt: skip
+                               res["mb_per_s"] / seq["mb_per_s"], res["cpu_s_per_gb"],
+                               ">= 0.7"])  # fmt: skip
         del loader, runs
         if not args.skip_naive:
             best = results[f"ActivationLoader in-process, next epoch/{cache}"]["rows_per_s"]
@@ -267,9 +273,10 @@ def main(argv: list[str] | None = None) -> None:
                 results[f"naive {workers} workers/{cache}"] = res
                 rows_table.append([f"naive map-style + DataLoader(shuffle=True), {workers} workers",
                                    cache, res["rows_per_s"], res["mb_per_s"],
-                                   res["mb_per_s"] / seq["mb_per_s"],
+                                   res["mb_per_s"] / seq["mb_per_s"], res["cpu_s_per_gb"],
                                    f"loader is {best / res['rows_per_s']:.0f}x (>= 10x)"])
-    print(table(["what", "cache", "rows/s", "MB/s", "vs sequential", "target"], rows_table))
+    print(table(["what", "cache", "rows/s", "MB/s", "vs sequential", "CPU s/GB", "target"],
+                rows_table))  # fmt: skip
 
     # time to first batch and resume cost, cold (the worst case)
     latency = []
