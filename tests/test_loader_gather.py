@@ -9,7 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_loader import T, write_store
 
-from actstore.errors import ConfigError, IndexOutOfRangeError, LayerNotStoredError
+from actstore.errors import (
+    ConfigError,
+    CorruptStoreError,
+    IndexOutOfRangeError,
+    LayerNotStoredError,
+)
 from actstore.loader import ActivationLoader
 
 N = 37
@@ -86,3 +91,21 @@ def test_read_block_scatter_places_rows_and_skips_negatives(store):
     with pytest.raises(ConfigError, match="destination"):
         reader.read_block_scatter(block, out, np.array([10, 0, 1, 2, 3, 4]))
     assert reader.cls_rows(reader.blocks(2)[0]).tolist() == [0]
+
+
+def test_a_file_truncated_after_opening_is_reported(tmp_path):
+    reader, acts = write_store(tmp_path, n=10)
+    shard = reader.path / "acts000001.bin"
+    block = reader.blocks(5)[-1]  # example 9, the last of shard 1
+    rows = np.arange(T)
+    out = np.empty((T, 8), dtype=np.float32)
+    reader.read_block_scatter(block, out, rows)
+    np.testing.assert_array_equal(out, acts[9, 1])
+    shard.chmod(0o644)
+    with open(shard, "r+b") as f:  # cut the file in the middle of the block's third row
+        f.truncate(shard.stat().st_size - 3 * 8 * 4 - 5)
+    with pytest.raises(CorruptStoreError, match="unexpected end of file"):
+        reader.read_block_scatter(block, out, rows)
+    np.testing.assert_array_equal(out[:2], acts[9, 1, :2])  # what was there was read
+    with pytest.raises(CorruptStoreError, match="unexpected end of file"):
+        reader.gather([9 * T + 5], 5)

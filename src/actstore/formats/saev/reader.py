@@ -536,13 +536,15 @@ def _preadv(fd: int, iov: np.ndarray, offset: int) -> None:
         if got == 0:
             raise CorruptStoreError(f"unexpected end of file at byte {offset}")
         offset += got
-        ends = np.cumsum(chunk[:, 1])
+        if got == int(chunk[:, 1].sum()):
+            i += len(chunk)
+            continue
+        ends = np.cumsum(chunk[:, 1])  # a short read: skip the iovecs filled, trim the next
         full = int(np.searchsorted(ends, got, side="right"))
         i += full
-        if full < len(chunk):  # short read inside iovec `full`: advance it past the bytes read
-            done = got - (int(ends[full - 1]) if full else 0)
-            iov[i, 0] += np.uint64(done)
-            iov[i, 1] -= np.uint64(done)
+        done = got - (int(ends[full - 1]) if full else 0)
+        iov[i, 0] += np.uint64(done)
+        iov[i, 1] -= np.uint64(done)
 
 
 def _scan(path: Path, *, check_floats: bool, valid_bytes: int | None,
