@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ...errors import ConfigError
@@ -29,9 +30,6 @@ class ActivaultOptions:
         "help": "upload threads per hook (each hook has its own client)"})
     queue_files: int = field(default=2, metadata={
         "help": "megabatches queued per hook before the capture waits"})
-    endpoint_url: str = field(default="", metadata={
-        "help": "S3 endpoint; empty: $S3_ENDPOINT_URL / $AWS_ENDPOINT_URL, else AWS"})
-    region: str = field(default="", metadata={"help": "S3 region; empty: $AWS_REGION"})
     max_attempts: int = field(default=8, metadata={
         "help": "tries per S3 request before the capture fails"})
     part_size_mb: int = field(default=32, metadata={
@@ -49,9 +47,10 @@ class ActivaultOptions:
         if self.part_size_mb < 5:
             raise ConfigError("part_size_mb must be >= 5 (an S3 limit)")
 
-    def s3_config(self) -> S3Config:
-        """The client settings these options describe."""
+    def s3_config(self, base: S3Config | None = None) -> S3Config:
+        """``base`` (endpoint, credentials; default: from the environment) with these
+        options' retry and multipart settings. The endpoint is deliberately not an option:
+        set ``S3_ENDPOINT_URL`` so that writing and every later read reach the same one."""
         part = self.part_size_mb << 20
-        return S3Config(endpoint_url=self.endpoint_url or None, region=self.region or None,
-                        max_attempts=self.max_attempts, part_size=part,
-                        multipart_threshold=2 * part)  # fmt: skip
+        return dataclasses.replace(base or S3Config(), max_attempts=self.max_attempts,
+                                   part_size=part, multipart_threshold=2 * part)  # fmt: skip

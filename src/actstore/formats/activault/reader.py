@@ -108,13 +108,17 @@ def resolve_hook(hooks: Sequence[str], site: Hashable) -> str:
 
 
 class ActivaultReader:
-    """Read access to an Activault run or hook folder; picklable (clients reopen lazily)."""
+    """Read access to an Activault run or hook folder; picklable (clients reopen lazily).
+
+    ``allow_incomplete`` reads the committed files of an unfinished capture; ``s3`` sets the
+    endpoint, credentials and retries (default: the environment); each file is fetched with
+    ``concurrency`` parallel ranged GETs of ``chunk_size`` bytes (default: the file split
+    over the threads, 1-16 MiB per range).
+    """
 
     def __init__(self, location: str | os.PathLike, *, allow_incomplete: bool = False,
-                 s3: S3Config | None = None, endpoint_url: str | None = None,
-                 chunk_size: int | None = None, concurrency: int = 8) -> None:  # fmt: skip
-        if endpoint_url:
-            s3 = S3Config(**{**_config_fields(s3), "endpoint_url": endpoint_url})
+                 s3: S3Config | None = None, chunk_size: int | None = None,
+                 concurrency: int = 8) -> None:  # fmt: skip
         self.location = str(location)
         self.chunk_size, self.concurrency = chunk_size, concurrency
         self.store, prefix = open_location(location, s3)
@@ -472,13 +476,6 @@ def check_megabatch(mb: dict[str, torch.Tensor], md: HookMetadata, source: str
             f"{list(md.input_ids_shape)} torch.int64"
         )
     return mb
-
-
-def _config_fields(config: S3Config | None) -> dict[str, Any]:
-    import dataclasses
-
-    return {} if config is None else {f.name: getattr(config, f.name)
-                                      for f in dataclasses.fields(config)}  # fmt: skip
 
 
 def _local_tokenizer(model_name: str | None) -> Any:

@@ -48,6 +48,7 @@ from ...stats import RunningStats
 from ...storage.object import (
     LocalStore,
     ObjectStore,
+    S3Config,
     S3Store,
     base_name,
     join_key,
@@ -216,11 +217,11 @@ class ActivaultWriter:
     committed file ends in) and ``complete`` tell capture where to restart.
     """
 
-    def __init__(self, plan: CapturePlan, out: str, options: ActivaultOptions | None = None
-                 ) -> None:  # fmt: skip
+    def __init__(self, plan: CapturePlan, out: str, options: ActivaultOptions | None = None, *,
+                 s3: S3Config | None = None) -> None:  # fmt: skip
         options = options or ActivaultOptions()
         self.plan, self.options = plan, options
-        self._s3 = options.s3_config()
+        self._s3 = options.s3_config(s3)
         self.store, self.run_prefix = open_location(out, self._s3)
         self.location = location_of(self.store, self.run_prefix)
         self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
