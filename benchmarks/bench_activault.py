@@ -21,7 +21,6 @@ import argparse
 import os
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +51,12 @@ def start_server() -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def make_plan(args):
     from actstore.batch import CapturePlan
 
@@ -74,7 +79,7 @@ def make_batches(plan, args) -> list[Batch]:
     return out
 
 
-def bench_upload(args, bucket: str) -> tuple[list, int]:
+def bench_upload(args, bucket: str, server_pid: int) -> tuple[list, int]:
     plan = make_plan(args)
     batches = make_batches(plan, args)
     options = ActivaultOptions(rows_per_file=args.rows, upload_threads=args.threads, queue_files=2)
@@ -87,20 +92,25 @@ def bench_upload(args, bucket: str) -> tuple[list, int]:
         prefix = f"raw-{repeat}"
         keys = [f"{prefix}/h{h}/{uuid.uuid4()}--{i}.pt" for h in range(args.hooks)
                 for i in range(args.files)]  # fmt: skip
+        cpu0, server0 = time.process_time(), cpu_seconds(server_pid)
         with ThreadPoolExecutor(args.threads * args.hooks) as pool, Timer() as raw:
             list(pool.map(lambda k: store.put(k, data), keys))
+        cpu1, server1 = time.process_time(), cpu_seconds(server_pid)
         writer = ActivaultWriter(plan, f"s3://{bucket}/run-{repeat}", options)
         with Timer() as ours:
             for batch in batches:
                 writer.write(batch)
             writer.close()
-        results.append((raw.seconds, ours.seconds, writer.blocked_s))
+        cpu2, server2 = time.process_time(), cpu_seconds(server_pid)
+        results.append((raw.seconds, ours.seconds, cpu1 - cpu0, cpu2 - cpu1,
+                        server1 - server0, server2 - server1))  # fmt: skip
         for key in keys:
             store.delete(key)
-    raw_s = min(r[0] for r in results)
-    ours_s = min(r[1] for r in results)
-    rows = [["raw boto3 put_object/multipart", total / MiB / raw_s, 1.0],
-            ["ActivaultWriter (serialize + upload)", total / MiB / ours_s, raw_s / ours_s]]
+    raw = min(results, key=lambda r: r[0])
+    ours = min(results, key=lambda r: r[1])
+    rows = [["raw boto3 put_object/multipart", total / MiB / raw[0], 1.0, raw[2], raw[4]],
+            ["ActivaultWriter (pack, statistics, torch.save, upload)", total / MiB / ours[1],
+             raw[0] / ours[1], ours[3], ours[5]]]  # fmt: skip
     return rows, len(data)
 
 
@@ -194,7 +204,7 @@ def bench_capture(args, bucket: str) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", type=int, default=16, help="files per hook")
+    parser.add_argument("--files", type=int, default=32, help="files per hook")
     parser.add_argument("--hooks", type=int, default=2)
     parser.add_argument("--rows", type=int, default=32, help="rows per file")
     parser.add_argument("--seq", type=int, default=128)
@@ -204,7 +214,7 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=1, help="range size of ranged GETs")
     parser.add_argument("--mix", type=int, default=2, help="files shuffled together")
     parser.add_argument("--prefetch", type=int, default=2, help="files downloaded ahead")
-    parser.add_argument("--examples", type=int, default=256, help="capture benchmark examples")
+    parser.add_argument("--examples", type=int, default=768, help="capture benchmark examples")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
 
@@ -215,11 +225,11 @@ def main() -> None:
         bucket = "bench"
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
         print(f"moto S3 at {endpoint} (separate process); {os.cpu_count()} CPUs; "
-              f"torch {torch.__version__}; threads {threading.active_count()}\n")  # fmt: skip
-        up, file_bytes = bench_upload(args, bucket)
+              f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}\n")  # fmt: skip
+        up, file_bytes = bench_upload(args, bucket, proc.pid)
         print(f"1. upload: {args.hooks} hooks x {args.files} files of {file_bytes / MiB:.1f} MiB "
               f"(bf16 [{args.rows}, {args.seq}, {args.d}]), {args.threads} threads per hook\n")
-        print(table(["what", "MiB/s", "ratio"], up), "\n")
+        print(table(["what", "MiB/s", "ratio", "client CPU s", "server CPU s"], up), "\n")
         read = bench_read(args, bucket, file_bytes)
         print(f"2. read: {args.files} files, concurrency {args.concurrency}, "
               f"{args.chunk_mib} MiB ranges, mix {args.mix}, prefetch {args.prefetch}\n")
