@@ -24,6 +24,7 @@ def _hook_summary(store, prefix: str) -> dict[str, Any]:
         if name in (METADATA, STATISTICS) or name.endswith("cfg.json"):
             continue
         (files if parse_data_file(name) is not None else strays).append((name, obj.size))
+    files.sort(key=lambda f: parse_data_file(f[0]).sort_key)  # upload order
     out: dict[str, Any] = {"files": len(files), "bytes": sum(s for _, s in files)}
     md_key = join_key(prefix, METADATA)
     if store.size(md_key) is not None:
@@ -56,11 +57,14 @@ def ls(
       actstore ls s3://bucket/run/models.layers.6.post --all
     """
     from ..formats.activault.layout import CFG, METADATA
-    from ..storage.object import S3Config, join_key, open_location
+    from ..errors import StoreNotFoundError
+    from ..storage.object import S3Config, S3Store, join_key, open_location
 
     store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
-    if hasattr(store, "check_bucket"):
+    if isinstance(store, S3Store):
         store.check_bucket()
+    elif not (store.root / prefix).exists():
+        raise StoreNotFoundError(f"{store.url(prefix)} does not exist")
     if store.size(join_key(prefix, METADATA)) is not None:
         summary = {"hook": store.url(prefix), **_hook_summary(store, prefix)}
         _print_hook(summary, show_all, as_json)
