@@ -52,6 +52,15 @@ def files(store: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(store.iterdir())}
 
 
+def assert_same_files(a: Path, b: Path) -> None:
+    fa, fb = files(a), files(b)
+    assert sorted(fa) == sorted(fb)
+    differ = [name for name in fa if fa[name] != fb[name]]
+    detail = {name: float(np.abs(np.frombuffer(fa[name], "<f4") - np.frombuffer(fb[name], "<f4"))
+                          .max()) for name in differ if name.startswith("acts")}  # fmt: skip
+    assert differ == [], f"differ: {differ}; max abs difference in shards: {detail}"
+
+
 # ---------------------------------------------------------------- the split
 
 
@@ -104,7 +113,7 @@ def test_saev_parts_merge_byte_identical_to_one_process(config, saev_single, tmp
     assert slices == [(16, 22), (0, 8), (8, 16)]  # 2 shards of 4 per machine, the rest last
     merged = results[-1].published
     assert merged.name == saev_single.name  # same content hash
-    assert files(merged) == files(saev_single)  # shards, tokens, statistics, checksums
+    assert_same_files(merged, saev_single)  # shards, tokens, statistics, checksums
     assert not (merged.parent / f".{merged.name}.parts").exists()  # parts cleaned up
     assert open_store(merged).verify().ok
     # rerunning a machine after the merge finds the store and does nothing
@@ -135,7 +144,7 @@ def test_more_machines_than_shards_leaves_some_idle(config, saev_single, tmp_pat
                for i in range(8)]
     assert [r.part.slice.n_examples for r in results] == [4, 4, 4, 4, 4, 2, 0, 0]
     assert results[-1].published is not None
-    assert files(results[-1].published) == files(saev_single)
+    assert_same_files(results[-1].published, saev_single)
 
 
 # ---------------------------------------------------------------- pkl.gz
@@ -204,7 +213,7 @@ def test_slurm_script_runs_as_an_array_job(config, saev_single, tmp_path):
     assert all(p.returncode == 0 for p in procs), logs
     assert sum("from 2 parts" in log for log in logs) == 1  # one task merged ...
     assert any("All slices are done; published" in log for log in logs)  # ... and said so
-    assert files(out / saev_single.name) == files(saev_single)
+    assert_same_files(out / saev_single.name, saev_single)
 
 
 def test_slurm_script_checks_the_capture_arguments():
