@@ -227,10 +227,7 @@ class ActivaultWriter:
         self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
         check_hook_prefixes(self.hooks)
         self.dtype = DTYPES[options.dtype]
-        self.seq = options.sequence_length or plan.tokens_per_example
-        self.rows = options.rows_per_file or default_rows_per_file(
-            plan.batch_size, self.seq, plan.d_model, self.dtype,
-            total_tokens=plan.n_examples * plan.tokens_per_example)  # fmt: skip
+        self.rows, self.seq = file_shape(plan, options)
         self.batches_per_file = max(1, self.rows // plan.batch_size)
         self.tokens_per_file = self.rows * self.seq
         self.complete = False
@@ -569,6 +566,20 @@ class ActivaultWriter:
 #: Largest default megabatch file (Activault's 70B configs write 4 GiB files; smaller files
 #: keep the reader's prefetch memory and the dropped tail small).
 DEFAULT_FILE_BYTES = 256 << 20
+
+
+def file_shape(plan: CapturePlan, options: ActivaultOptions) -> tuple[int, int]:
+    """(rows, tokens per row) of every megabatch file a capture ``plan`` writes.
+
+    Example:
+        >>> file_shape(plan, ActivaultOptions(rows_per_file=4))  # doctest: +SKIP
+        (4, 128)
+    """
+    seq = options.sequence_length or plan.tokens_per_example
+    rows = options.rows_per_file or default_rows_per_file(
+        plan.batch_size, seq, plan.d_model, DTYPES[options.dtype],
+        total_tokens=plan.n_examples * plan.tokens_per_example)  # fmt: skip
+    return rows, seq
 
 
 def default_rows_per_file(batch_size: int, seq: int, d: int, dtype: torch.dtype, *,
