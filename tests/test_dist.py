@@ -289,6 +289,25 @@ def test_activault_parts_merge_into_one_run(config, tmp_path, request, where):
     assert find_unmerged(out) == []  # the parts are gone
 
 
+def test_activault_parts_with_default_file_size_match_one_process(config, tmp_path):
+    """The split must follow the writer's own default file size (not a guess of it)."""
+    from actstore.formats.activault import ActivaultOptions
+
+    options = ActivaultOptions()  # 85 examples: default files hold 5 rows (1/16 of the data)
+    config = dataclasses.replace(config, max_examples=85)
+    spec = get_format("activault")
+    single = open_store(capture(config, lambda plan: spec.writer_for_plan(
+        plan, str(tmp_path / "one"), options)).output)  # fmt: skip
+    results = [capture_distributed(config, "activault", str(tmp_path / "acts"), options,
+                                   machine_id=i, n_machines=2) for i in (1, 0)]  # fmt: skip
+    run = open_store(results[-1].published)
+    assert run.record.complete
+    for site in run.sites:
+        got = np.concatenate([run.read_block(b) for b in run.blocks(site)])
+        want = np.concatenate([single.read_block(b) for b in single.blocks(site)])
+        np.testing.assert_array_equal(got, want)
+
+
 def test_capture_command_for_one_machine_then_merge(config, tmp_path):
     out = tmp_path / "acts"
     args = ["capture", "--model", config.model, "--dataset", config.dataset, "--layers", "1,3",

@@ -142,10 +142,18 @@ class ImageSource(ExampleSource):
             )
 
 
+def image_files(root: Path) -> list[Path]:
+    """The images under ``root`` in capture order (sorted paths): example i is file i.
+
+    Example:
+        >>> image_files(Path("imagenet/val"))[:1]  # doctest: +SKIP
+        [PosixPath('imagenet/val/n01440764/ILSVRC2012_val_00000293.JPEG')]
+    """
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+
+
 def _image_folder(root: Path, model: LoadedModel) -> ImageSource:
-    files = sorted(
-        p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
-    )
+    files = image_files(root)
     if not files:
         raise ConfigError(
             f"{root} holds no images (looked for {', '.join(sorted(IMAGE_SUFFIXES))}); "

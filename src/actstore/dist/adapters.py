@@ -208,6 +208,7 @@ class _Rebased:
 def _activault() -> PartFormat:
     from ..formats.activault import ActivaultWriter
     from ..formats.activault.layout import CFG, METADATA, STATISTICS, data_file_name, group_uuid
+    from ..formats.activault.writer import file_shape
     from ..formats.activault.metadata import (
         HookMetadata,
         RunRecord,
@@ -222,9 +223,8 @@ def _activault() -> PartFormat:
         return join_key(parent_key(prefix), f".{base_name(prefix)}.parts")
 
     def examples_per_file(plan, options):
-        tokens = (options.rows_per_file or 8 * plan.batch_size) * (
-            options.sequence_length or plan.tokens_per_example)
-        return math.lcm(tokens, plan.tokens_per_example) // plan.tokens_per_example
+        rows, seq = file_shape(plan, options)  # the writer's own choice, default included
+        return math.lcm(rows * seq, plan.tokens_per_example) // plan.tokens_per_example
 
     def final_location(plan, out, options):
         store, prefix = open_location(out, options.s3_config())

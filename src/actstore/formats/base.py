@@ -99,6 +99,30 @@ class Reader(Protocol):
     def close(self) -> None: ...
 
 
+class WriterBase:
+    """Context-manager behaviour shared by writers: publish on success, abort on error.
+
+    Example:
+        >>> with SaevWriter(metadata, "out") as writer:  # doctest: +SKIP
+        ...     writer.write(batch)
+    """
+
+    def close(self) -> Any:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
 @runtime_checkable
 class Writer(Protocol):
     """Write side of a format. Nothing is visible to readers until :meth:`close` publishes."""

@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import os
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptStoreError, StoreNotFoundError
-from ..storage import fsync_dir
+from ..storage.local import atomic_write
 
 _MEMBERS = ("format", "shape", "indptr", "indices", "data")
 
@@ -127,23 +126,13 @@ class SparseActs:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``path`` atomically in scipy's ``save_npz`` CSR layout (see module doc)."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, format=np.array(b"csr"),
-                         shape=np.array([self.n_rows, self.d_sae], dtype=np.int64),
-                         indptr=self.indptr.astype(np.int64, copy=False),
-                         indices=self.indices.astype(np.int32, copy=False),
-                         data=self.data.astype(np.float32, copy=False),
-                         _is_array=np.array(True))  # fmt: skip
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(path.parent)
+        with atomic_write(path) as f:
+            np.savez(f, format=np.array(b"csr"),
+                     shape=np.array([self.n_rows, self.d_sae], dtype=np.int64),
+                     indptr=self.indptr.astype(np.int64, copy=False),
+                     indices=self.indices.astype(np.int32, copy=False),
+                     data=self.data.astype(np.float32, copy=False),
+                     _is_array=np.array(True))  # fmt: skip
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SparseActs:

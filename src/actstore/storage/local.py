@@ -15,13 +15,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import CorruptStoreError, StoreExistsError, StoreNotFoundError
 
@@ -48,14 +50,25 @@ def _umask() -> int:
 _FILE_MODE = 0o666 & ~_umask()
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + rename + dir fsync)."""
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Open a temporary file beside ``path`` for writing; on success it is flushed, fsynced
+    and renamed over ``path`` (then the directory is fsynced); on error it is removed.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> target = pathlib.Path(tempfile.mkdtemp()) / "x.bin"
+        >>> with atomic_write(target) as f:
+        ...     _ = f.write(b"abc")
+        >>> target.read_bytes()
+        b'abc'
+    """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, _FILE_MODE)
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -63,6 +76,12 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> Non
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename + dir fsync)."""
+    with atomic_write(path) as f:
+        f.write(data)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 2) -> None:

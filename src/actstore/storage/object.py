@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,7 +43,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from ..errors import ActstoreError, ConfigError, StorageError, StoreNotFoundError, require
-from .local import _FILE_MODE, fsync_dir
+from .local import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -670,20 +669,10 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            with atomic_write(path) as f:
+                f.write(data)
         except OSError as err:
             raise StorageError(f"cannot write {path}: {err}") from err
-        try:
-            os.fchmod(fd, _FILE_MODE)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_dir(path.parent)
 
     def _open(self, key: str):
         try:

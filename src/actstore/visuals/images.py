@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-from ..capture.data import IMAGE_SUFFIXES
+from ..capture.data import image_files
 from ..errors import ConfigError, StoreNotFoundError
 from .text import font
 
@@ -80,9 +80,7 @@ def open_images(root: str | Path, n_examples: int) -> ImageDataset:
             raise ConfigError(f"{root} has no image column (columns: {ds.column_names})")
         dataset = ImageDataset(root, None, ds, column)
     elif root.is_dir():
-        files = sorted(p for p in root.rglob("*")
-                       if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())  # fmt: skip
-        dataset = ImageDataset(root, files)
+        dataset = ImageDataset(root, image_files(root))
     else:
         raise ConfigError(f"{root} is not an image folder or a saved Hugging Face dataset")
     if len(dataset) < n_examples:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..base import WriterBase
 from ...batch import Batch, CapturePlan
 from ...errors import ActstoreError, CaptureError, CorruptStoreError, StoreExistsError
 from ...stats import RunningStats
@@ -210,7 +211,7 @@ class _Position:
         return self.example, self.skip
 
 
-class ActivaultWriter:
+class ActivaultWriter(WriterBase):
     """Writer for one Activault run (``s3://bucket/run``, ``file://...`` or a directory).
 
     Attributes ``resume_from`` (examples whose kept tokens are all stored, or the example a
@@ -552,15 +553,6 @@ class ActivaultWriter:
         """Stop without marking the run complete; committed files stay for a resume."""
         for uploader in self._uploaders.values():
             uploader.close(abort=True)
-
-    def __enter__(self) -> ActivaultWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 #: Largest default megabatch file (Activault's 70B configs write 4 GiB files; smaller files

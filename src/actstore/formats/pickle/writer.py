@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..base import WriterBase
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, StoreExistsError
 from ...stats import RunningStats, merge_all
@@ -87,7 +88,7 @@ class _HashingWriter:
         self.raw.flush()
 
 
-class PickleWriter:
+class PickleWriter(WriterBase):
     """Writer of one pkl.gz store (or one machine's part: see the module docstring)."""
 
     #: Ask capture for each example's decoded text (the items' ``text_preview``).
@@ -329,15 +330,6 @@ class PickleWriter:
     def abort(self) -> None:
         """Drop the unfinished shard; finished shards stay for a resume."""
         self._items, self._buffered = {}, 0
-
-    def __enter__(self) -> PickleWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def _statistics(shards: Sequence[ShardInfo], layers: Sequence[int],

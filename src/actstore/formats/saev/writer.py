@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..base import WriterBase
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
 from ...stats import RunningStats, merge_all
@@ -89,7 +90,7 @@ def store_dir(metadata: SaevMetadata, dump_to: str | os.PathLike) -> Path:
     return root / metadata.content_hash()
 
 
-class SaevWriter:
+class SaevWriter(WriterBase):
     """Writer for one saev directory; see the module docstring for the crash protocol.
 
     With ``example_range=(start, stop)`` it writes one part of a distributed capture
@@ -340,15 +341,6 @@ class SaevWriter:
         for f in self._side_files.values():
             f.close()
         self._side_files.clear()
-
-    def __enter__(self) -> SaevWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def _stack_layers(batch: Batch, md: SaevMetadata) -> np.ndarray:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ..base import WriterBase
 from ... import __version__
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, StoreExistsError
@@ -158,7 +159,7 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-class ZarrWriter:
+class ZarrWriter(WriterBase):
     """Writes one store; nothing is visible at ``path`` until :meth:`close` publishes it.
 
     ``id_offset`` is the global id of this store's first sample (shards of a run); batches
@@ -406,15 +407,6 @@ class ZarrWriter:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
-
-    def __enter__(self) -> ZarrWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict, dict]:
