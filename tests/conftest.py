@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
-os.environ.setdefault("MKL_CBWR", "AUTO")  # reproducible MKL results (see actstore/__init__.py)
+import actstore  # noqa: E402,F401 - sets reproducible MKL/OpenMP defaults before torch loads
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

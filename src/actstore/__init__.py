@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 
-# MKL's default CPU code paths may differ from run to run (its "conditional numerical
-# reproducibility" is off by default), which breaks bitwise-identical captures on resume.
-# AUTO keeps the fast code path and makes it reproducible; it must be set before torch's
-# first MKL call. Users can still override it.
-os.environ.setdefault("MKL_CBWR", "AUTO")
+# Bitwise-identical captures (resume, distributed merge) need reproducible CPU math. MKL's
+# results may differ from run to run unless its conditional numerical reproducibility is
+# on and the thread count cannot change at run time (Intel's reproducibility conditions);
+# STRICT keeps GEMM reproducible even if it does. Measured cost here: none beyond noise.
+# These must be set before torch loads MKL; users can still override them.
+for _name, _value in (("MKL_CBWR", "AUTO,STRICT"), ("MKL_DYNAMIC", "FALSE"),
+                      ("OMP_DYNAMIC", "FALSE")):  # fmt: skip
+    os.environ.setdefault(_name, _value)
 
 from .errors import ActstoreError  # noqa: E402
 from .formats import open_store  # noqa: E402
