@@ -156,6 +156,26 @@ def test_close_before_all_examples_refuses_to_publish(tmp_path):
     assert [p.name for p in tmp_path.iterdir()][0].startswith(".")
 
 
+def test_rerun_after_an_early_close_resumes_to_identical_bytes(tmp_path):
+    """Regression: close() with examples missing used to zero-pad the open shard and record
+    it as finished, so a rerun kept a short shard and shifted every later example."""
+    acts = make_acts()
+    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    for batch in list(batches(acts))[:2]:  # 8 examples: shard 0 full, 3 examples of shard 1
+        writer.write(batch)
+    with pytest.raises(CaptureError, match="only 8 of 23"):
+        writer.close()
+    resumed = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    assert resumed.resume_from == 5  # only the full shard is kept
+    for batch in batches(acts, start=4):
+        resumed.write(batch)
+    path = resumed.close()
+    np.testing.assert_array_equal(SaevReader(path)[:], acts)
+    reference = write_store(tmp_path / "ref", acts)
+    for f in reference.iterdir():
+        assert (path / f.name).read_bytes() == f.read_bytes(), f.name
+
+
 def test_out_of_order_batches_are_rejected(tmp_path):
     writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
     with pytest.raises(CaptureError, match="example order"):

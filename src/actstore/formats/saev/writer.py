@@ -178,8 +178,12 @@ class SaevWriter(WriterBase):
         progress = read_json(self.partial_dir / PROGRESS)
         kept: list[dict[str, Any]] = []
         for entry in progress.get("shards", []):
+            index = self._first_shard + len(kept)
+            if (index >= self.metadata.n_shards or entry.get("name") != shard_name(index)
+                    or entry.get("n_examples") != self.metadata.shard_examples(index)):  # fmt: skip
+                break  # a kept shard must hold its full count, or later examples would shift
             path = self.partial_dir / entry["name"]
-            expected = self.metadata.shard_nbytes(self._first_shard + len(kept))
+            expected = self.metadata.shard_nbytes(index)
             if not path.exists() or path.stat().st_size != expected:
                 break
             if hash_file(path) != entry["sha256"]:
@@ -304,16 +308,19 @@ class SaevWriter(WriterBase):
         if self.complete:
             return self.final_dir
         md = self.metadata
-        if self._file is not None:
-            self._finish_shard()
-        total = sum(e["n_examples"] for e in self._shards)
+        in_open_shard = self._in_shard if self._file is not None else 0
+        total = sum(e["n_examples"] for e in self._shards) + in_open_shard
         start, stop = self.example_range
         if total != stop - start:
+            # Leave the open shard unfinished: recording it (zero-padded) as finished would
+            # make a resume keep a short shard and shift every later example.
             self.abort()
             raise CaptureError(
                 f"only {total} of {stop - start} examples were written; rerun the same "
                 f"capture to resume from {self.partial_dir}"
             )
+        if self._file is not None:
+            self._finish_shard()
         for f in self._side_files.values():
             f.close()
         self._side_files.clear()
