@@ -117,6 +117,25 @@ def test_saev_dialect_layout(tmp_path):
                                                                   "n_examples": 3}
 
 
+def test_reader_accepts_the_empty_last_shard_saev_itself_writes(tmp_path):
+    """saev's ShardWriter, when n_examples fills the last shard exactly, opens one more
+    full-size all-zero shard and lists it with 0 examples; such directories must open."""
+    acts = make_acts(n=20)  # 4 full shards of 5
+    path = _writable_copy(write_store(tmp_path / "s", acts, "saev"), tmp_path / "saev-made")
+    shards = json.loads((path / "shards.json").read_text())
+    (path / "shards.json").write_text(json.dumps([*shards, {"name": "acts000004.bin",
+                                                            "n_examples": 0}]))  # fmt: skip
+    (path / "acts000004.bin").write_bytes(bytes((path / "acts000000.bin").stat().st_size))
+    reader = SaevReader(path)
+    assert reader.shard_counts == [5, 5, 5, 5]
+    np.testing.assert_array_equal(reader[:], acts)
+    assert sum(b.n_rows for b in reader.blocks(2)) == 20 * T
+    (path / "shards.json").write_text(json.dumps([*shards, {"name": "acts000004.bin",
+                                                            "n_examples": 1}]))  # fmt: skip
+    with pytest.raises(CorruptStoreError, match="lists 5 shards"):
+        SaevReader(path)
+
+
 def test_second_writer_with_same_config_reports_published_store(tmp_path):
     acts = make_acts()
     path = write_store(tmp_path, acts)

@@ -83,6 +83,12 @@ class SaevReader:
             and isinstance(e.get("n_examples"), int) for e in doc
         ):  # fmt: skip
             raise CorruptStoreError(f"{source} must be a list of {{name, n_examples}} objects")
+        if (md.dialect == "saev" and len(doc) == md.n_shards + 1 and md.n_shards
+                and md.n_examples % md.examples_per_shard == 0
+                and doc[-1] == {"name": shard_name(md.n_shards), "n_examples": 0}):  # fmt: skip
+            # saev's own ShardWriter opens one more (all-zero) shard when the last one fills
+            # exactly and lists it with 0 examples; its readers ignore it, and so do we.
+            doc = doc[:-1]
         if len(doc) != md.n_shards:
             raise CorruptStoreError(
                 f"{source} lists {len(doc)} shards; metadata ({md.n_examples} examples, "
