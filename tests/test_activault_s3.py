@@ -211,6 +211,27 @@ def test_we_read_what_activault_writes(s3):
     assert torch.equal(rows, torch.cat([m.reshape(-1, 8) for m in mbs]))
 
 
+def test_loader_refuses_to_pair_hooks_whose_files_hold_different_tokens(s3):
+    """Regression: with sites=[a, b] the loader pairs block i of a with block i of b; on an
+    Activault run whose hooks' files are different groups (other uuids) that paired rows of
+    different tokens silently. Now it is refused, and each hook still loads on its own."""
+    from actstore.loader import ActivationLoader
+
+    a, b = "models.layers.1.post", "models.layers.2.post"
+    write_like_activault(s3, "drift", a, [torch.randn(2, 3, 4) for _ in range(3)])
+    write_like_activault(s3, "drift", b, [torch.randn(2, 3, 4) for _ in range(3)])  # new uuids
+    reader = open_store(s3.url("drift"))
+    assert not reader.aligned_on([a, b]) and reader.aligned_on([a])
+    with pytest.raises(ConfigError, match="not aligned"):
+        ActivationLoader(reader, sites=[a, b], batch_size=4)
+    assert sum(len(x) for x in ActivationLoader(reader, site=b, batch_size=4)) == 3 * 2 * 3
+    plan, acts = make_run_data(sites=(Site("resid", 1), Site("resid", 2)))
+    write_run(s3.url("ours"), plan, acts, rows_per_file=4)  # actstore's runs always align
+    pairs = torch.cat(list(ActivationLoader(s3.url("ours"), sites=["resid.1", "resid.2"],
+                                            batch_size=16)))  # fmt: skip
+    np.testing.assert_array_equal(pairs[:, 1, 0].numpy(), pairs[:, 0, 0].numpy() + 1000)
+
+
 def test_shared_loader_trains_from_s3(s3):
     from actstore.loader import ActivationLoader
 
@@ -400,6 +421,41 @@ def test_wrong_credentials_and_missing_bucket_are_clear(s3, monkeypatch):
         ActivaultWriter(plan, "s3://no-such-bucket/run", ActivaultOptions())
     with pytest.raises(StoreNotFoundError, match="no Activault hook folders"):
         ActivaultReader(s3.url("nothing-here"))
+
+
+def test_open_store_names_the_s3_problem_not_an_unknown_format(s3, monkeypatch, tmp_path):
+    """Regression: format detection swallowed a missing bucket or missing credentials, so
+    open_store (and the loader, inspect, verify) said "not an actstore-readable store"."""
+    import actstore.storage.object as object_storage
+    from actstore.loader import ActivationLoader
+
+    with pytest.raises(StoreNotFoundError, match="bucket 'no-such-bucket' does not exist"):
+        open_store("s3://no-such-bucket/run")
+    with pytest.raises(StoreNotFoundError, match="bucket 'no-such-bucket' does not exist"):
+        ActivationLoader("s3://no-such-bucket/run")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(object_storage, "_SESSION", None)  # no credentials cached from before
+    with pytest.raises(ConfigError, match="no S3 credentials.*AWS_ACCESS_KEY_ID"):
+        open_store(s3.url("run"))
+
+
+def test_a_wrong_endpoint_is_named_with_the_setting_to_fix(s3, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:  # a loopback port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    fast = S3Config(max_attempts=2, backoff_s=0.01)
+    with pytest.raises(StorageError, match=f"cannot reach http://127.0.0.1:{port}.*S3_ENDPOINT_URL"):
+        ActivaultReader(s3.url("run"), s3=fast)
+    monkeypatch.setenv("S3_ENDPOINT_URL", f"127.0.0.1:{port}")  # no scheme
+    with pytest.raises(ConfigError, match="S3_ENDPOINT_URL.*http://"):
+        ActivaultReader(s3.url("run"), s3=fast)
 
 
 def test_corrupt_and_short_files_are_clear_errors(s3):

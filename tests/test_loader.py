@@ -285,6 +285,8 @@ def test_state_from_a_different_order_is_refused(store):
         ActivationLoader(reader, site=5, batch_size=16, seed=1).load_state_dict(state)
     with pytest.raises(ConfigError, match="version"):
         loader.load_state_dict({**state, "version": 99})
+    with pytest.raises(ConfigError, match="not an ActivationLoader state"):
+        loader.load_state_dict({"epoch": 0, "position": 10, "seed": 1})  # e.g. a stream's
 
 
 # ---------------------------------------------------------------------- options

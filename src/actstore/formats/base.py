@@ -3,7 +3,8 @@
 A *block* is a contiguous run of rows (one row = one token's vector at one site) that costs
 one sequential read. Readers list blocks per site; the loader, conversion and verification
 are written once against blocks. Blocks at the same position of ``blocks(site)`` for two
-sites of one store cover the same tokens (so crosscoder batches can align sites).
+sites of one store cover the same tokens (so crosscoder batches can align sites), unless the
+reader's optional ``aligned_on(sites)`` says otherwise.
 
 Example:
     >>> Block(site=3, n_rows=197, loc=(0, 5)).n_rows
@@ -53,7 +54,7 @@ class Reader(Protocol):
     """Read side of a format. Implementations are cheap to pickle (they reopen lazily).
 
     ``read_block`` may be called from several threads of one process at once (the loader
-    reads a window's blocks in parallel). Two optional hooks, found with ``getattr``:
+    reads a window's blocks in parallel). Optional hooks, found with ``getattr``:
 
     - ``cls_rows(block) -> int ndarray``: rows of ``block`` that hold a CLS token; needed
       for the loader's ``drop_cls``.
@@ -61,6 +62,9 @@ class Reader(Protocol):
       ``out[rows[i]]``, skipping rows where ``rows[i] < 0``; ``out`` is ``[n, D]`` of
       ``dtype`` with contiguous rows (possibly strided between rows). Without it the loader
       reads the block into a scratch buffer and copies each row into place.
+    - ``aligned_on(sites) -> bool``: for stores that cannot guarantee the alignment above
+      (e.g. Activault runs another tool wrote), whether block ``i`` of each of ``sites``
+      holds the same tokens; the loader refuses ``sites=`` when it is False.
     """
 
     @property

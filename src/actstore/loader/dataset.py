@@ -143,6 +143,13 @@ class ActivationLoader(IterableDataset):
         for site, other in zip(self.sites[1:], blocks[1:]):
             if [b.n_rows for b in other] != sizes:
                 raise ConfigError(f"blocks of site {site!r} do not align with {self.sites[0]!r}")
+        aligned_on = getattr(reader, "aligned_on", None)
+        if len(self.sites) > 1 and aligned_on is not None and not aligned_on(self.sites):
+            raise ConfigError(
+                f"sites {[str(s) for s in self.sites]} are not aligned in this store: block i of "
+                "one holds other tokens than block i of another, so rows would pair different "
+                "tokens; load one site at a time (site=...)"
+            )
         cls_rows = getattr(reader, "cls_rows", None)
         if config.drop_cls and cls_rows is None:
             raise ConfigError(f"drop_cls needs a reader that marks CLS rows; "
@@ -250,6 +257,11 @@ class ActivationLoader(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where ``state`` was taken (O(1): no reads are replayed)."""
+        if not isinstance(state, dict) or not {"version", "epoch", "batches"} <= set(state):
+            keys = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
+            raise ConfigError(f"this is not an ActivationLoader state ({keys}); pass what "
+                              "ActivationLoader.state_dict() or ActivationDataLoader.state_dict() "
+                              "returned")  # fmt: skip
         if state.get("version") != STATE_VERSION:
             raise ConfigError(f"loader state version {state.get('version')!r} is not "
                               f"{STATE_VERSION}: another actstore version saved it")

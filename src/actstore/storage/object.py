@@ -114,8 +114,22 @@ class S3Config:
             raise ConfigError("multipart_threshold must be >= part_size")
 
     def resolved_endpoint(self) -> str | None:
-        return self.endpoint_url or _env("S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                                         "AWS_ENDPOINT_URL")  # fmt: skip
+        return self.endpoint_url or _env(*_ENDPOINT_VARS)
+
+    def endpoint_setting(self) -> str:
+        """Where the endpoint comes from, for error messages (what the user should fix).
+
+        Example:
+            >>> S3Config(endpoint_url="http://127.0.0.1:9000").endpoint_setting()
+            'S3Config.endpoint_url (--endpoint-url)'
+        """
+        if self.endpoint_url:
+            return "S3Config.endpoint_url (--endpoint-url)"
+        return next((name for name in _ENDPOINT_VARS if os.environ.get(name)), "S3_ENDPOINT_URL")
+
+
+#: Environment variables naming the endpoint, first match wins (S3_ENDPOINT_URL: Activault's).
+_ENDPOINT_VARS = ("S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
 @dataclass(frozen=True)
@@ -273,6 +287,13 @@ def _transient(err: BaseException) -> bool:
     return isinstance(err, transient_types)
 
 
+def _unreachable(err: BaseException) -> bool:
+    """Whether ``err`` means no connection to the endpoint could be made at all."""
+    botocore_exc = require("botocore.exceptions", "s3")
+    return isinstance(err, (botocore_exc.EndpointConnectionError,
+                            botocore_exc.ConnectTimeoutError, ConnectionRefusedError))
+
+
 def _describe_error(err: BaseException) -> str:
     botocore_exc = require("botocore.exceptions", "s3")
     if isinstance(err, botocore_exc.ClientError):
@@ -305,6 +326,13 @@ class _Retrier:
                 if not _transient(err):
                     raise StorageError(f"{what} failed: {_describe_error(err)}") from err
                 if attempt == cfg.max_attempts:
+                    if _unreachable(err):
+                        endpoint = cfg.resolved_endpoint() or "AWS S3 (no endpoint set)"
+                        raise StorageError(
+                            f"{what} failed after {attempt} attempts: cannot reach {endpoint} "
+                            f"({_describe_error(err)}); check {cfg.endpoint_setting()} and that "
+                            "the service is up, or raise max_attempts"
+                        ) from err
                     raise StorageError(
                         f"{what} failed after {attempt} attempts ({_describe_error(err)}); the "
                         "endpoint keeps failing: check the network and the S3 service, or raise "
@@ -383,6 +411,12 @@ class S3Store(ObjectStore):
         from botocore.config import Config
 
         cfg = self.config
+        endpoint = cfg.resolved_endpoint()
+        if endpoint is not None and urlparse(endpoint).scheme not in ("http", "https"):
+            raise ConfigError(
+                f"S3 endpoint {endpoint!r} (from {cfg.endpoint_setting()}) is not an http:// or "
+                f"https:// URL; set it to e.g. https://{endpoint.partition('://')[2] or endpoint}"
+            )
         key_id = cfg.access_key_id or _env("AWS_ACCESS_KEY_ID")
         secret = cfg.secret_access_key or _env("AWS_SECRET_ACCESS_KEY")
         kwargs: dict[str, Any] = {}
@@ -404,7 +438,7 @@ class S3Store(ObjectStore):
         )  # fmt: skip
         with _SESSION_LOCK:  # clients are thread-safe; creating them from a session is not
             return _session(boto3).client(
-            "s3", endpoint_url=cfg.resolved_endpoint(),
+            "s3", endpoint_url=endpoint,
             region_name=cfg.region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1",
                 config=botocore_config, **kwargs,
             )  # fmt: skip

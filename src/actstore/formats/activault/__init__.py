@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...errors import ActstoreError, StorageError
+from ...errors import ActstoreError
 from ...storage.object import is_remote, join_key, open_location
 from ..registry import FormatSpec
 from .layout import CFG, METADATA, check_hook_prefixes, hook_name, hook_site
@@ -26,8 +26,9 @@ _HOOK_KEYS = {"shape", "dtype", "bytes_per_file"}
 
 def _detect(location: str) -> bool:
     """A hook folder (metadata.json with Activault's keys) or a run (cfg.json, or hook
-    folders beneath). Remote locations that cannot be listed are claimed, so the reader
-    reports the real problem (credentials, endpoint) instead of "unknown format"."""
+    folders beneath). Remote locations that cannot be looked at (missing bucket or
+    credentials, wrong endpoint) are claimed, so the reader reports the real problem
+    instead of "unknown format": no other format reads ``s3://``."""
     text = str(location)
     if not is_remote(text):
         path = Path(text.removeprefix("file://")).expanduser()
@@ -45,10 +46,8 @@ def _detect(location: str) -> bool:
             return True
         return any(store.size(join_key(prefix, d, METADATA)) is not None
                    for d in store.list_dirs(prefix)[:8])  # fmt: skip
-    except StorageError:
-        return True
     except ActstoreError:
-        return False
+        return True
 
 
 def _is_hook_doc(path: Path) -> bool:

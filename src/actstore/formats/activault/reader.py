@@ -220,14 +220,25 @@ class ActivaultReader:
 
     def _check_alignment(self) -> None:
         """Record whether block i of every hook is the same group of tokens."""
-        uuids = {h: [f.name.uuid for f in lst.files] for h, lst in self.listings.items()}
-        first = next(iter(uuids.values()))
-        self.aligned = all(u == first for u in uuids.values())
+        self.aligned = self.aligned_on(self.sites)
         if not self.aligned:
             self.notes.append(
                 "hooks hold different groups of files; block i of one hook is not the same "
                 "tokens as block i of another"
             )
+
+    def aligned_on(self, sites: Sequence[Hashable]) -> bool:
+        """Whether block ``i`` of every one of ``sites`` holds the same tokens (the same
+        group uuid). Always true for runs actstore wrote; an Activault run whose hooks
+        drifted apart (a hook that rejected a batch) is not.
+
+        Example:
+            >>> reader.aligned_on(["resid.8", "mlp_out.8"])  # doctest: +SKIP
+            True
+        """
+        hooks = [resolve_hook(self.sites, s) for s in sites]
+        first = [f.name.uuid for f in self.listings[hooks[0]].files]
+        return all([f.name.uuid for f in self.listings[h].files] == first for h in hooks[1:])
 
     # ------------------------------------------------------------------ properties
 

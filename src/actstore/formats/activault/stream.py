@@ -7,7 +7,9 @@ This is actstore's counterpart of Activault's ``S3RCache``, made exactly resumab
   (within and across its files), so a batch mixes sequences and files.
 * While a window is consumed, the next ``prefetch_files`` files download in the background,
   each with concurrent ranged GETs, and are decoded with ``torch.load(weights_only=True)``.
-  At most ``mix_files + prefetch_files`` megabatches are in memory.
+  Memory peaks at about ``2 x mix_files + prefetch_files`` megabatches, when a window's
+  files are joined (the files and their concatenation), and is ``mix_files +
+  prefetch_files`` otherwise; a file being decoded briefly holds its bytes twice.
 * Batches are consecutive ``batch_size`` slices of the epoch's token stream, so the state
   is just ``(epoch, tokens consumed)``: :meth:`state_dict` / :meth:`load_state_dict` resume
   exactly, whatever the download timing was.
@@ -263,6 +265,12 @@ class ActivaultStream(torch.utils.data.IterableDataset):
                         self.position = starts[wi] + offset
                         yield self._emit(carry_states, carry_ids)
                         carry_states, carry_ids, carried = [], [], 0
+                # Free this window before waiting for the next: the carried rows are copied
+                # out (they may be views of ``states``), so nothing refers to it any more.
+                if carried:
+                    carry_states = [torch.cat(carry_states)]
+                    carry_ids = [torch.cat(carry_ids)] if carry_ids else []
+                states = ids = perm = None
             if carried and not self.drop_last:
                 self.position = starts[-1]
                 yield self._emit(carry_states, carry_ids)
