@@ -402,6 +402,21 @@ def _copy(store: Path, tmp_path: Path) -> Path:
     return target
 
 
+def test_texts_with_unicode_line_separators_verify(tmp_path):
+    """Regression: verify split text/*.jsonl with str.splitlines(), which also breaks at
+    U+2028 / U+0085 that json.dumps(ensure_ascii=False) keeps raw, and then crashed."""
+    odd = "line\u2028separator, next\u0085line, para\u2029end"
+    writer = ZarrWriter(layout(), tmp_path / "activations.zarr", attrs=ATTRS,
+                        optional=("hallu_label",))  # fmt: skip
+    for batch in SyntheticBatches()(0, N):
+        batch.extras["prompt_text"] = [f"{odd} {i}" for i in batch.example_ids]
+        writer.write(batch)
+    reader = ZarrReader(writer.close())
+    assert reader.text(4, "prompt") == f"{odd} 4" and reader.text(5, "response") == "response 5"
+    report = reader.verify()
+    assert report.ok, report.faults
+
+
 def test_damage_is_detected(store, tmp_path):
     copy = _copy(store, tmp_path)
     chunk = copy / "arrays/response_activations/5.2.0.0"

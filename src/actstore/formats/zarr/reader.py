@@ -691,7 +691,9 @@ def _verify_store(store: StoreInfo, group: Any, report: VerifyReport,
         path = store.path / TEXT_FILES[part]
         if path.exists():
             report.files_checked += 1
-            lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+            # split on "\n" only: str.splitlines() also splits at U+2028/U+0085, which
+            # json.dumps(ensure_ascii=False) leaves raw inside a record
+            lines = [json.loads(x) for x in path.read_text(encoding="utf-8").split("\n") if x.strip()]
             if [rec.get("i") for rec in lines] != list(range(lay.n_samples)):
                 report.faults.append(f"{path}: expected one record per sample, i = 0..{lay.n_samples - 1}")
     for name in store.attrs.get("optional_arrays", []):
