@@ -83,3 +83,12 @@ def test_ids_stay_with_their_rows_and_dataloader_works(run):
     expected_ids = (np.arange(320, dtype=np.int64).reshape(40, 8) % 250) + 4  # conformance tokens
     np.testing.assert_array_equal(ids.numpy(), expected_ids.reshape(-1)[states[:, 0].long().numpy()])
     assert stream.stats.files == 10 and stream.stats.tokens == 320
+
+
+def test_worker_processes_are_refused(run):
+    """Regression: with num_workers=1 the stream ran in the worker, so the main process's
+    state_dict() stayed at the start and a resume repeated every token."""
+    location, _ = run
+    stream = ActivaultStream(location, batch_size=32)
+    with pytest.raises(ConfigError, match="num_workers=0"):
+        next(iter(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1)))

@@ -202,10 +202,10 @@ class ActivaultStream(torch.utils.data.IterableDataset):
         return mb
 
     def __iter__(self) -> Iterator[Any]:
-        info = torch.utils.data.get_worker_info()
-        if info is not None and info.num_workers > 1:
+        if torch.utils.data.get_worker_info() is not None:
             raise ConfigError("use DataLoader(stream, batch_size=None, num_workers=0): the stream "
-                              "downloads on its own threads and would repeat in every worker")
+                              "downloads on its own threads; in worker processes it would repeat "
+                              "in every worker, and its position (state_dict) would stay behind")
         self.stats.started = time.perf_counter()
         while self.epochs is None or self.epoch < self.epochs:
             yield from self._iter_epoch()
