@@ -108,3 +108,17 @@ def test_bad_site_and_layer_errors(model_dir):
         capture(CaptureConfig(model=str(model_dir("gpt2")), dataset="embedded",
                               sites=("mlp_out.1",), max_examples=2, progress=False),
                 lambda plan: SaevWriter.from_plan(plan, "unused"))
+
+
+def test_progress_bars_respect_tqdm_disable(model_dir, text_file, tmp_path, capsys):
+    """Regression: progress=True passed disable=False to tqdm, which overrides TQDM_DISABLE."""
+    from tqdm import tqdm as std_tqdm
+
+    if not std_tqdm(total=1).disable:
+        pytest.skip("TQDM_DISABLE is not set in this run")
+    capsys.readouterr()
+    cfg = CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file), sites=("resid.1",),
+                        batch_size=2, context_length=8, max_examples=4, progress=True)
+    capture(cfg, lambda plan: SaevWriter.from_plan(plan, tmp_path))
+    err = capsys.readouterr().err
+    assert "%|" not in err, err  # neither the tokenising nor the capture bar was drawn

@@ -68,6 +68,19 @@ class ExampleSource:
         raise NotImplementedError
 
 
+def bar_switch(progress: bool) -> dict[str, bool]:
+    """tqdm keyword arguments that turn a bar off only when ``progress`` is False.
+
+    Passing ``disable=False`` (or ``None``) explicitly would override the ``TQDM_DISABLE``
+    environment variable, so nothing is passed when progress is on.
+
+    Example:
+        >>> bar_switch(True), bar_switch(False)
+        ({}, {'disable': True})
+    """
+    return {} if progress else {"disable": True}
+
+
 # ---------------------------------------------------------------------------- images
 
 
@@ -223,7 +236,7 @@ def pack_documents(docs: Sequence[str], tokenizer, context_length: int, *,
     from .models import quiet_transformers
 
     with quiet_transformers(), tqdm(total=len(docs), desc="tokenising", unit="doc",
-                                    leave=False, disable=not progress) as bar:  # fmt: skip
+                                    leave=False, **bar_switch(progress)) as bar:  # fmt: skip
         for lo in range(0, len(docs), step):
             encoded = tokenizer(list(docs[lo : lo + step]), add_special_tokens=False)
             for ids in encoded["input_ids"]:

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ..formats.zarr.layout import SPLITS, sample_key
-from .data import ExampleSource, SourceBatch, _load_hf
+from .data import ExampleSource, SourceBatch, _load_hf, bar_switch
 from .models import LoadedModel, quiet_transformers, resolve_checkpoint
 
 log = logging.getLogger(__name__)
@@ -245,7 +245,7 @@ def generate_responses(checkpoint: str, tokenizer, prompts: Sequence[Sequence[in
     out: list[list[int]] = []
     try:
         with torch.inference_mode(), tqdm(total=len(prompts), desc="generating", unit="prompt",
-                                          disable=not progress) as bar:  # fmt: skip
+                                          **bar_switch(progress)) as bar:  # fmt: skip
             for lo in range(0, len(prompts), batch_size):
                 chunk = prompts[lo : lo + batch_size]
                 width = max(len(p) for p in chunk)

@@ -21,7 +21,7 @@ from ..batch import Batch, CapturePlan
 from ..errors import ConfigError
 from ..sites import Site
 from .background import BackgroundWriter
-from .data import ExampleSource, open_source
+from .data import ExampleSource, bar_switch, open_source
 from .hooks import ActivationRecorder
 from .models import LoadedModel, load_model
 
@@ -185,7 +185,7 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
         ActivationRecorder(model, list(plan.sites)) as recorder,
         BackgroundWriter(writer, queue_size=config.queue_size) as background,
         tqdm(total=stop - start, initial=resume_from - start, unit="ex", desc="capture",
-             disable=not config.progress, dynamic_ncols=True) as bar,
+             dynamic_ncols=True, **bar_switch(config.progress)) as bar,
     ):  # fmt: skip
         for source_batch in source.batches(first, config.batch_size, config.num_workers):
             if source_batch.example_ids[0] >= stop:

@@ -83,7 +83,9 @@ def verify(
         typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     total = reader.describe().get("bytes")
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress) as bar:
+    # disable only when asked: an explicit disable=False would override TQDM_DISABLE
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify",
+              **({} if progress else {"disable": True})) as bar:
         report = reader.verify(progress=bar.update)
     for note in report.notes:
         typer.echo(f"note: {note}")

@@ -173,7 +173,8 @@ def write_shards(run_dir: str | Path, layout: ZarrLayout, producer: Producer, *,
     results = []
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=n_writers, mp_context=context) as pool, \
-            tqdm(total=len(jobs), desc="shards", unit="shard", disable=not progress) as bar:  # fmt: skip
+            tqdm(total=len(jobs), desc="shards", unit="shard",
+                 **({} if progress else {"disable": True})) as bar:  # fmt: skip
         futures = [pool.submit(run_shard_job, job) for job in jobs]
         for future in as_completed(futures):
             results.append(future.result())
@@ -252,7 +253,9 @@ def merge_run(run_dir: str | Path, dest: str | Path | None = None, *,
     try:
         root = create_arrays(tmp, lay, token_ids=token_ids, optional=optional)
         total = sum(_count_chunks(s) for s in stores)
-        with tqdm(total=total, desc="merge", unit="chunk", disable=not progress) as bar:
+        # disable only when asked: an explicit disable=False/None would override TQDM_DISABLE
+        with tqdm(total=total, desc="merge", unit="chunk",
+                  **({} if progress else {"disable": True})) as bar:
             for store in stores:
                 _copy_chunks(store, tmp, bar)
         for path in sample_arrays(lay, token_ids=token_ids, optional=optional):
