@@ -71,10 +71,13 @@ def capture(
     batch_size: int = typer.Option(32, help="Examples per forward pass."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(
-        "float32", help="Compute dtype: float32, bfloat16 or float16 (each format stores its "
-        "own dtype). Use float32 on CPU."),
+        "float32", help="Compute dtype: float32, bfloat16 or float16. Stores keep their "
+        "format's dtype (saev float32, zarr float16, activault its dtype option). Use float32 "
+        "on CPU."),
     context_length: int = typer.Option(128, help="Tokens per packed text context."),
-    max_examples: int = typer.Option(None, help="Stop after this many examples."),
+    max_examples: int = typer.Option(
+        None, help="Use only the first N examples of the dataset (part of the store's "
+        "config: another N is another store)."),
     patches_per_shard: int = typer.Option(
         None, help="saev format: token budget per shard file (default 2.4M: ~10 GiB at d=1024)."),
     num_workers: int = typer.Option(0, help="DataLoader workers decoding images."),
