@@ -11,7 +11,7 @@ import torch
 
 from actstore.batch import Batch
 from actstore.capture import BackgroundWriter
-from actstore.errors import CaptureError
+from actstore.errors import CaptureError, CorruptStoreError
 
 
 class SlowWriter:
@@ -57,3 +57,22 @@ def test_writer_error_reaches_the_producer():
             bg.put(batch(i))
         bg.close()
     assert not any(t.name == "actstore-writer" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_failing_writer_aborts_the_capture_and_publishes_nothing(model_dir, image_folder, tmp_path):
+    """A real writer failing on its thread: capture raises in the main thread, the writer
+    thread is gone, and nothing a reader accepts was published."""
+    from actstore.capture import CaptureConfig, capture
+    from actstore.formats.saev import SaevReader, SaevWriter, saev_metadata
+
+    def open_writer(plan):  # a store keeping token ids, but image batches carry none
+        return SaevWriter(saev_metadata(plan), tmp_path, has_tokens=True)
+
+    cfg = CaptureConfig(model=str(model_dir("clip")), dataset=str(image_folder),
+                        sites=("resid.1",), batch_size=4, progress=False)  # fmt: skip
+    with pytest.raises(CaptureError, match="the writer failed: .*keeps token ids"):
+        capture(cfg, open_writer)
+    assert not any(t.name == "actstore-writer" and t.is_alive() for t in threading.enumerate())
+    assert [p.name[0] for p in tmp_path.iterdir()] == ["."]  # only the resumable .partial
+    with pytest.raises(CorruptStoreError, match="unfinished capture"):
+        SaevReader(next(tmp_path.iterdir()))
