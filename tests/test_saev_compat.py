@@ -85,3 +85,34 @@ def test_saev_dialect_capture_is_readable_the_saev_way(model_dir, image_folder, 
             act = maps[shard][in_shard, md.layers.index(layer), token + int(md.cls_token)]
             np.testing.assert_array_equal(act, ours[example, layer, token + 1])
         assert labels[example, token] == example // 5  # class folders: 5 images each
+
+
+def test_data_claims_imgfolder_only_when_torchvision_lists_the_same_images(
+        model_dir, image_folder, tmp_path, caplog):  # fmt: skip
+    """saev's visuals map example i to image i of torchvision's ImageFolder(root): 'data'
+    names ImgFolder only when that listing equals the capture's order."""
+    import base64
+    import shutil
+
+    from actstore.capture import CaptureConfig, capture
+    from actstore.formats.saev import SaevWriter
+    from actstore.formats.saev.writer import imagefolder_files
+
+    def run(folder, out):
+        cfg = CaptureConfig(model=str(model_dir("clip")), dataset=str(folder), sites=("resid.1",),
+                            batch_size=8, progress=False)  # fmt: skip
+        path = capture(cfg, lambda plan: SaevWriter.from_plan(plan, out, dialect="saev")).output
+        return base64.b64decode(SaevReader(path).metadata.data)
+
+    assert b"saev.data.datasets\nImgFolder" in run(image_folder, tmp_path / "a")
+    odd = shutil.copytree(image_folder, tmp_path / "odd")
+    (odd / "cat" / "sub").mkdir()
+    shutil.copy(odd / "dog" / "dog_000.jpg", odd / "cat" / "sub" / "inner.jpg")  # nested folder
+    shutil.copy(odd / "dog" / "dog_000.jpg", odd / "cat" / "zz.jpg")
+    listing = [p[len(str(odd.resolve())) + 1 :] for p in imagefolder_files(str(odd.resolve()))]
+    assert listing[:5] == [f"cat/cat_{i:03d}.{'png' if i % 2 else 'jpg'}" for i in range(5)]
+    # a folder's own files before its subfolders (capture sorts paths: sub/ before zz.jpg)
+    assert listing[5:7] == ["cat/zz.jpg", "cat/sub/inner.jpg"] and len(listing) == 17
+    with caplog.at_level("WARNING"):
+        data = run(odd, tmp_path / "b")
+    assert b"ImgFolder" not in data and "cannot map examples back to images" in caplog.text

@@ -137,6 +137,12 @@ class ImageSource(ExampleSource):
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
 
+    @property
+    def plan_extras(self) -> dict[str, Any]:
+        """``CapturePlan.extras``: the image files in example order (folders only), so a
+        writer can check that a reader's own listing of the folder agrees."""
+        return {} if self.loader.files is None else {"image_files": self.loader.files}
+
     def batches(self, start: int, batch_size: int, num_workers: int = 0) -> Iterator[SourceBatch]:
         dataset = torch.utils.data.Subset(
             _ImageDataset(self.loader, self.model.image_processor),

@@ -68,10 +68,18 @@ def saev_metadata(plan: CapturePlan, *, dialect: str = "protocol",
             "the saev protocol stores the residual stream only (its 'layers'); capture "
             "attention/MLP sites into the zarr, activault or pickle formats"
         )
+    data = encode_data(plan.data)
     if dialect == "saev" and plan.data.get("kind") == "image_folder":
-        data = encode_saev_img_folder(plan.dataset_root)
-    else:
-        data = encode_data(plan.data)
+        files = plan.extras.get("image_files")
+        if files is None or tuple(files) == imagefolder_files(plan.dataset_root):
+            data = encode_saev_img_folder(plan.dataset_root)
+        else:
+            log.warning(
+                "saev's ImgFolder (torchvision's ImageFolder) lists the images of %s differently "
+                "from this capture (images outside class folders, .gif/.ppm/.pgm files or "
+                "nested folders), so metadata 'data' does not claim ImgFolder: saev trains on "
+                "these shards, but its visuals cannot map examples back to images. Keep only "
+                "class folders of .jpg/.png/... images to get an ImgFolder.", plan.dataset_root)
     return SaevMetadata(
         family=plan.family, ckpt=plan.ckpt, layers=tuple(plan.layers),
         patches_per_ex=plan.tokens_per_example - (1 if plan.has_cls else 0),
@@ -79,6 +87,30 @@ def saev_metadata(plan: CapturePlan, *, dialect: str = "protocol",
         patches_per_shard=patches_per_shard, data=data, dataset=plan.dataset_root,
         dialect=dialect,
     )  # fmt: skip
+
+
+#: torchvision's IMG_EXTENSIONS (saev's ImgFolder reads folders with torchvision's ImageFolder).
+IMAGEFOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff",
+                          ".webp")  # fmt: skip
+
+
+def imagefolder_files(root: str) -> tuple[str, ...]:
+    """The images torchvision's ``ImageFolder(root)`` (hence saev's ``ImgFolder``) indexes,
+    in its order: class folders sorted by name, each walked with ``sorted(os.walk(...))``,
+    file names sorted; files directly under ``root`` are not examples.
+
+    Example:
+        >>> imagefolder_files("/data/imagenet/val")[:1]  # doctest: +SKIP
+        ('/data/imagenet/val/n01440764/ILSVRC2012_val_00000293.JPEG',)
+    """
+    with os.scandir(root) as entries:
+        classes = sorted(e.name for e in entries if e.is_dir())
+    out = []
+    for name in classes:
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
+            out += [os.path.join(dirpath, f) for f in sorted(files)
+                    if f.lower().endswith(IMAGEFOLDER_EXTENSIONS)]  # fmt: skip
+    return tuple(out)
 
 
 def store_dir(metadata: SaevMetadata, dump_to: str | os.PathLike) -> Path:
