@@ -44,6 +44,7 @@ from .batch import Batch, CapturePlan
 from .errors import ConfigError, CorruptStoreError, UnsafeDataError
 from .formats import open_store
 from .formats.registry import detect_format, get_format
+from .progress import bar_switch
 from .sites import Site
 
 log = logging.getLogger(__name__)
@@ -229,7 +230,7 @@ def convert(source: str | Path, target: str | Path, *, to: str, options: Any = N
             log.info("resuming the conversion at example %d of %d", start, plan.n_examples)
         try:
             with tqdm(total=plan.n_examples, initial=start, unit="ex", desc=f"convert to {to}",
-                      disable=not progress, dynamic_ncols=True) as bar:  # fmt: skip
+                      **bar_switch(progress), dynamic_ncols=True) as bar:  # fmt: skip
                 for batch in example_batches(reader, plan, batch_size, start):
                     writer.write(batch)
                     bar.update(batch.n_examples)
@@ -270,7 +271,7 @@ def compare_stores(source: Any, target: Any, plan: CapturePlan | None = None, *,
     # reader that decodes whole shards (pkl.gz) decodes each once
     streams = {str(site): _aligned(_row_chunks(source, a), _row_chunks(target, b))
                for site, a, b in zip(plan.sites, src_names, dst_names)}  # fmt: skip
-    with tqdm(total=total, unit="row", desc="verify", disable=not progress,
+    with tqdm(total=total, unit="row", desc="verify", **bar_switch(progress),
               dynamic_ncols=True) as bar:  # fmt: skip
         while streams:
             for site, stream in list(streams.items()):

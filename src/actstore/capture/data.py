@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
+from ..progress import bar_switch
 from .models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -66,19 +67,6 @@ class ExampleSource:
         """Batches of consecutive examples ``start, start+1, ...``; batch k starts at
         ``start + k * batch_size``."""
         raise NotImplementedError
-
-
-def bar_switch(progress: bool) -> dict[str, bool]:
-    """tqdm keyword arguments that turn a bar off only when ``progress`` is False.
-
-    Passing ``disable=False`` (or ``None``) explicitly would override the ``TQDM_DISABLE``
-    environment variable, so nothing is passed when progress is on.
-
-    Example:
-        >>> bar_switch(True), bar_switch(False)
-        ({}, {'disable': True})
-    """
-    return {} if progress else {"disable": True}
 
 
 # ---------------------------------------------------------------------------- images

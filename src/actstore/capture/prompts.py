@@ -48,7 +48,8 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ..formats.zarr.layout import SPLITS, sample_key
-from .data import ExampleSource, SourceBatch, _load_hf, bar_switch
+from ..progress import bar_switch
+from .data import ExampleSource, SourceBatch, _load_hf
 from .models import LoadedModel, quiet_transformers, resolve_checkpoint
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,10 @@ from tqdm.auto import tqdm
 
 from ..batch import Batch, CapturePlan
 from ..errors import ConfigError
+from ..progress import bar_switch
 from ..sites import Site
 from .background import BackgroundWriter
-from .data import ExampleSource, bar_switch, open_source
+from .data import ExampleSource, open_source
 from .hooks import ActivationRecorder
 from .models import LoadedModel, load_model
 

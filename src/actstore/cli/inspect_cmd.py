@@ -76,6 +76,7 @@ def verify(
 
     from ..errors import ActstoreError
     from ..formats import open_store
+    from ..progress import bar_switch
 
     try:
         reader = open_store(location)
@@ -83,9 +84,8 @@ def verify(
         typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     total = reader.describe().get("bytes")
-    # disable only when asked: an explicit disable=False would override TQDM_DISABLE
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify",
-              **({} if progress else {"disable": True})) as bar:
+              **bar_switch(progress)) as bar:
         report = reader.verify(progress=bar.update)
     for note in report.notes:
         typer.echo(f"note: {note}")

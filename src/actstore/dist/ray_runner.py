@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..capture import CaptureConfig
 from ..errors import CaptureError, ConfigError, require
+from ..progress import bar_switch
 from .parts import MissingPartsError, merge_store
 from .run import PartResult, capture_part
 
@@ -96,7 +97,7 @@ def capture_on_ray(config: CaptureConfig, fmt: str, out: str, options: Any, *, w
         failures: dict[int, BaseException] = {}
         pending = list(refs)
         with tqdm(total=workers, desc="ray capture", unit="slice",
-                  disable=not config.progress) as bar:  # fmt: skip
+                  **bar_switch(config.progress)) as bar:  # fmt: skip
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 for ref in done:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError, CorruptStoreError, LayerNotStoredError
 from ..formats.saev import SaevReader
+from ..progress import bar_switch
 from ..runs import Run
 from ..storage import atomic_write_json, hash_file, read_json
 from .checkpoint import load_sae
@@ -66,7 +67,7 @@ def encode_store(sae: SparseAutoencoder, reader: SaevReader, layer: int, *, toke
     device = sae.W_enc.device
     parts: list[SparseActs] = []
     total = reader.n_examples * len(token_positions(reader, tokens))
-    with tqdm(total=total, desc="inference", unit="tok", disable=not progress,
+    with tqdm(total=total, desc="inference", unit="tok", **bar_switch(progress),
               dynamic_ncols=True) as bar:  # fmt: skip
         for rows in ordered_rows(reader, layer, tokens=tokens, batch_rows=batch_rows):
             for lo in range(0, len(rows.acts), batch_rows):

@@ -30,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
+from ..progress import bar_switch
 from ..stats import RunningStats
 from .metrics import DeadLatents, ReconstructionStats
 from .model import KINDS, SAEConfig, SparseAutoencoder
@@ -157,7 +158,7 @@ def train_sae(
     t0 = time.perf_counter()
     step, loss_sum = 0, torch.zeros((), device=device)
     bar = tqdm(total=config.steps, desc=f"train {config.kind}", unit="step",
-               disable=not progress, dynamic_ncols=True)  # fmt: skip
+               **bar_switch(progress), dynamic_ncols=True)  # fmt: skip
     with bar:
         for batch in batches:
             x_n = sae.normalise(batch.to(device, torch.float32, non_blocking=True))
@@ -219,7 +220,7 @@ def evaluate(sae: SparseAutoencoder, reader, layer: int, *, tokens: str = "conte
     stats = ReconstructionStats(sae.config.d_model)
     fired = torch.zeros(sae.config.d_sae, dtype=torch.bool, device=device)
     total = reader.n_examples * len(token_positions(reader, tokens))
-    with tqdm(total=total, desc="evaluate", unit="tok", disable=not progress, leave=False,
+    with tqdm(total=total, desc="evaluate", unit="tok", **bar_switch(progress), leave=False,
               dynamic_ncols=True) as bar:  # fmt: skip
         for rows in ordered_rows(reader, layer, tokens=tokens, batch_rows=batch_rows):
             x = torch.from_numpy(rows.acts).to(device)

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError, StoreNotFoundError
 from ..formats.saev import SaevReader
+from ..progress import bar_switch
 from ..runs import Run
 from ..sae.inference import PATCH_ACTS, load_inference
 from ..sae.sparse import SparseActs
@@ -143,7 +144,7 @@ def _draw_images(reader: SaevReader, acts: SparseActs, rows: TokenRows, summarie
             f"have {md.patches_per_ex} patches; rerun inference with --force"
         )
     sections, listing = [], []
-    for summary in tqdm(summaries, desc="visuals", unit="latent", disable=not progress):
+    for summary in tqdm(summaries, desc="visuals", unit="latent", **bar_switch(progress)):
         examples = top_examples(acts, summary.latent, rows, config.n_examples)
         tiles, lines, extra = [], [], []
         for e in examples:
@@ -172,7 +173,7 @@ def _draw_text(reader: SaevReader, acts: SparseActs, rows: TokenRows, summaries,
     text = TokenText.load(md.ckpt)
     token_ids = reader.tokens
     sections, listing = [], []
-    for summary in tqdm(summaries, desc="visuals", unit="latent", disable=not progress):
+    for summary in tqdm(summaries, desc="visuals", unit="latent", **bar_switch(progress)):
         examples = top_examples(acts, summary.latent, rows, config.n_examples)
         contexts, extra = [], []
         for e in examples:

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 
 from ...batch import Batch
 from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
+from ...progress import bar_switch
 from ...storage import atomic_write_json
 from .layout import (
     ACTIVATIONS,
@@ -174,7 +175,7 @@ def write_shards(run_dir: str | Path, layout: ZarrLayout, producer: Producer, *,
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=n_writers, mp_context=context) as pool, \
             tqdm(total=len(jobs), desc="shards", unit="shard",
-                 **({} if progress else {"disable": True})) as bar:  # fmt: skip
+                 **bar_switch(progress)) as bar:  # fmt: skip
         futures = [pool.submit(run_shard_job, job) for job in jobs]
         for future in as_completed(futures):
             results.append(future.result())
@@ -253,9 +254,8 @@ def merge_run(run_dir: str | Path, dest: str | Path | None = None, *,
     try:
         root = create_arrays(tmp, lay, token_ids=token_ids, optional=optional)
         total = sum(_count_chunks(s) for s in stores)
-        # disable only when asked: an explicit disable=False/None would override TQDM_DISABLE
         with tqdm(total=total, desc="merge", unit="chunk",
-                  **({} if progress else {"disable": True})) as bar:
+                  **bar_switch(progress)) as bar:
             for store in stores:
                 _copy_chunks(store, tmp, bar)
         for path in sample_arrays(lay, token_ids=token_ids, optional=optional):
