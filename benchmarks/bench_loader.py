@@ -247,13 +247,19 @@ def main(argv: list[str] | None = None) -> None:
         rows_table.append(["sequential read (dd-style)", cache, seq["rows_per_s"],
                            seq["mb_per_s"], 1.0, seq["cpu_s_per_gb"], ""])
         # In-process: the first epoch also allocates the pools (fresh memory is slow to
-        # touch); later epochs reuse them. Worker processes start afresh every epoch.
+        # touch); later epochs reuse them. Plain worker processes start afresh every epoch;
+        # persistent ones keep their pools, like the in-process loader.
         loader = make_loader(path, args, layer)
         runs = [("ActivationLoader in-process, first epoch", loader),
                 ("ActivationLoader in-process, next epoch", loader)]
-        runs += [(f"ActivationDataLoader, {n} workers",
-                  ActivationDataLoader(make_loader(path, args, layer), num_workers=n))
-                 for n in worker_counts if n > 0]  # fmt: skip
+        kept = None
+        for n in (n for n in worker_counts if n > 0):
+            kept = ActivationDataLoader(make_loader(path, args, layer), num_workers=n,
+                                        persistent_workers=True)  # fmt: skip
+            runs += [(f"ActivationDataLoader, {n} workers (new each epoch)",
+                      ActivationDataLoader(make_loader(path, args, layer), num_workers=n)),
+                     (f"ActivationDataLoader, {n} persistent workers, first epoch", kept),
+                     (f"ActivationDataLoader, {n} persistent workers, next epoch", kept)]
         for name, iterable in runs:
             if cache == "cold":
                 evict(files)
@@ -262,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
             rows_table.append([name, cache, res["rows_per_s"], res["mb_per_s"],
                                res["mb_per_s"] / seq["mb_per_s"], res["cpu_s_per_gb"],
                                ">= 0.7"])  # fmt: skip
-        del loader, runs
+        del loader, runs, kept
         if not args.skip_naive:
             best = results[f"ActivationLoader in-process, next epoch/{cache}"]["rows_per_s"]
             for workers in [int(x) for x in args.naive_workers.split(",") if x.strip()]:

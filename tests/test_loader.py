@@ -276,6 +276,37 @@ def test_resume_with_dataloader_workers(store):
         iter(other)
 
 
+def test_persistent_workers_follow_the_main_process(store):
+    """Workers that outlive an epoch serve the next epoch, a mid-epoch stop and a resume
+    exactly like fresh workers."""
+    reader, _ = store
+    options = {"site": 2, "batch_size": 6, "pool_blocks": 2, "seed": 5, "return_index": True}
+
+    def epochs(data, n):
+        return [[b.rows.tolist() for b in data] for _ in range(n)]
+
+    fresh = epochs(ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2), 3)
+    assert fresh[0] != fresh[1] and sorted(sum(fresh[0], [])) == sorted(sum(fresh[1], []))
+    kept = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2,
+                                persistent_workers=True)  # fmt: skip
+    assert epochs(kept, 2) == fresh[:2]
+
+    head = []
+    for batch in kept:  # stop part-way through epoch 2, then carry on with the same workers
+        head.append(batch.rows.tolist())
+        if len(head) == 5:
+            break
+    state = kept.state_dict()
+    assert (state["epoch"], state["batches"]) == (2, 5)
+    assert head + [b.rows.tolist() for b in kept] == fresh[2]
+
+    again = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2,
+                                 persistent_workers=True)  # fmt: skip
+    again.load_state_dict(state)
+    assert [b.rows.tolist() for b in again] == fresh[2][5:]
+    assert again.dataset.epoch == 3
+
+
 def test_state_from_a_different_order_is_refused(store):
     reader, _ = store
     loader = ActivationLoader(reader, site=5, batch_size=8, seed=1)
@@ -400,8 +431,6 @@ def test_configuration_errors(store):
     loader = ActivationLoader(reader, site=2)
     with pytest.raises(ConfigError, match="batch_size"):
         ActivationDataLoader(loader, batch_size=4)
-    with pytest.raises(ConfigError, match="persistent_workers"):
-        ActivationDataLoader(loader, num_workers=1, persistent_workers=True)
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA"):
             ActivationLoader(reader, site=2, pin_memory=True)

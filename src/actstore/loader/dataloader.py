@@ -27,8 +27,9 @@ class ActivationDataLoader(DataLoader):
     Each worker reads its own contiguous run of the rank's batches (with its own
     ``io_threads``); the DataLoader interleaves them round-robin, which this class counts
     to give an exact :meth:`state_dict`. Pinning and the move to ``device`` happen in the
-    main process. Batching, shuffling and ``drop_last`` belong to the ActivationLoader;
-    ``persistent_workers`` is refused because workers would keep an old epoch's position.
+    main process. Batching, shuffling and ``drop_last`` belong to the ActivationLoader.
+    With ``persistent_workers=True`` the workers (and their filled pools) outlive an
+    epoch; each new iteration tells them the current position through shared memory.
     """
 
     def __init__(self, dataset: ActivationLoader, *, num_workers: int = 0, **kwargs: Any) -> None:
@@ -39,9 +40,8 @@ class ActivationDataLoader(DataLoader):
         if fixed:
             raise ConfigError(f"{fixed} are set on the ActivationLoader (batch_size, "
                               "drop_last, seed), not on the DataLoader")  # fmt: skip
-        if kwargs.pop("persistent_workers", False):
-            raise ConfigError("persistent_workers would keep each worker's copy of the loader "
-                              "at its first position; leave it off")  # fmt: skip
+        if kwargs.get("persistent_workers") and num_workers > 0:
+            dataset._share_position()
         finish = dataset._finish
         pin = kwargs.pop("pin_memory", False)
         if num_workers > 0:  # workers never pin or move: this process does
@@ -59,6 +59,7 @@ class ActivationDataLoader(DataLoader):
             yield from super().__iter__()
             return
         loader._begin(self.num_workers)
+        loader._publish_position()  # persistent workers read it when this iteration starts
         epoch = loader.epoch
         for batch in super().__iter__():
             loader._batches_done += 1

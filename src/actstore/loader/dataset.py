@@ -170,6 +170,8 @@ class ActivationLoader(IterableDataset):
         self._saved_workers: int | None = None  # consumers the position was counted with
         self._device_in_main = False  # set by ActivationDataLoader: workers skip pin/device
         self._buffers: tuple[int, BufferSet] | None = None  # (pid, buffers), never pickled
+        # (epoch, batches, consumers) in shared memory, for persistent DataLoader workers
+        self._shared_position: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -305,10 +307,30 @@ class ActivationLoader(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_buffers": None}
 
+    def _share_position(self) -> None:
+        """Keep the position in shared memory too, so worker processes that persist
+        across epochs (``persistent_workers=True``) learn it at every new iteration."""
+        if self._shared_position is None:
+            self._shared_position = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._publish_position()
+
+    def _publish_position(self) -> None:
+        """Main process: write the position where persistent workers will read it."""
+        if self._shared_position is not None:
+            position = [self.epoch, self._batches_done, self._saved_workers or 0]
+            self._shared_position.copy_(torch.tensor(position, dtype=torch.int64))
+
+    def _read_position(self) -> None:
+        """Worker process: take the position the main process published."""
+        if self._shared_position is not None:
+            epoch, batches, workers = self._shared_position.tolist()
+            self.epoch, self._batches_done, self._saved_workers = epoch, batches, workers or None
+
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         if info is None:
             return self._iterate(worker=0, num_workers=1, count=True)
+        self._read_position()
         # The DataLoader's round-robin starts at worker 0; after k delivered batches the
         # next one belongs to run k % N, so DataLoader worker i serves run (i + k) % N.
         n = info.num_workers
