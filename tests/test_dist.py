@@ -91,6 +91,11 @@ def test_slurm_array_environment():
     assert slurm_machine({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3"}) == (2, 3)
     with pytest.raises(ConfigError, match="outside 0..2"):
         slurm_machine({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "3"})
+    # a failed task rerun alone (`sbatch --array=3`): its index stays its machine id
+    rerun = {"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "1", "SLURM_ARRAY_TASK_MIN": "3"}
+    assert slurm_machine(rerun, n_machines=4) == (3, 4)
+    with pytest.raises(ConfigError, match="--num-machines"):
+        slurm_machine(rerun)  # the array's size alone does not tell N
 
 
 # ---------------------------------------------------------------- saev
@@ -314,7 +319,9 @@ def test_capture_command_for_one_machine_then_merge(config, tmp_path):
             "--batch-size", str(BATCH), "--context-length", str(CONTEXT), "--max-examples",
             str(N_EXAMPLES), "--format", "pickle", "--opt", "samples_per_shard=4", "--out",
             str(out), "--no-progress", "--num-machines", "2"]
-    first = runner.invoke(app, [*args, "--machine-id", "1"])
+    # machine 1 as a Slurm task rerun alone (`sbatch --array=1`): the id comes from the array
+    first = runner.invoke(app, args, env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "1",
+                                          "SLURM_ARRAY_TASK_MIN": "1"})
     assert first.exit_code == 0, first.output
     assert "machine 1 of 2: examples [12, 22)" in first.output
     assert "Waiting for examples [0, 12)" in first.output
@@ -324,3 +331,16 @@ def test_capture_command_for_one_machine_then_merge(config, tmp_path):
     assert PickleReader(out).n_examples == N_EXAMPLES
     both = runner.invoke(app, [*args, "--machine-id", "0", "--ray", "local"])
     assert both.exit_code != 0 and "not both" in str(both.exception)
+
+
+def test_ray_failure_report_names_the_formats_own_slices():
+    """A failed slice is named by the format's own split (zarr's is balanced, not per * i)."""
+    from actstore.dist import PartResult, Slice
+    from actstore.dist.ray_runner import _failure_report
+
+    slices = tuple(Slice(machine_id=i, n_machines=4, start=a, stop=b, per_machine=3)
+                   for i, (a, b) in enumerate([(0, 3), (3, 6), (6, 8), (8, 10)]))
+    done = PartResult(slice=slices[0], part=None, final="acts", store_examples=10,
+                      n_examples_run=3, seconds=0.0, already_complete=False, slices=slices)
+    text = _failure_report({3: OSError("disk full")}, {0: done}, 4, 2)
+    assert "machine 3 of 4 (examples [8, 10)) failed after 3 attempts: disk full" in text

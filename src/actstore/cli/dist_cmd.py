@@ -29,13 +29,13 @@ def run_distributed_capture(config: Any, fmt: str, out: str, options: Any, *, ra
                    f"  {result.location}")  # fmt: skip
         _echo_next_steps(result.location)
         return result.location
-    from_env = slurm_machine()
     if machine_id is None or num_machines is None:
+        from_env = slurm_machine(n_machines=num_machines)  # array index = machine id
         if from_env is None:
             raise ConfigError("give both --machine-id and --num-machines (or run inside a Slurm "
                               "job array, which sets them)")  # fmt: skip
         machine_id = from_env[0] if machine_id is None else machine_id
-        num_machines = from_env[1] if num_machines is None else num_machines
+        num_machines = from_env[1]
     done = capture_distributed(config, fmt, out, options, machine_id=machine_id,
                                n_machines=num_machines)  # fmt: skip
     part = done.part

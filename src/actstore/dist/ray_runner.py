@@ -123,9 +123,9 @@ def _failure_report(failures: dict[int, BaseException], results: dict[int, PartR
     lines = []
     for machine, err in sorted(failures.items()):
         span = ""
-        if known is not None:
-            per, n = known.slice.per_machine, known.store_examples
-            span = f" (examples [{min(machine * per, n)}, {min((machine + 1) * per, n)}))"
+        if known is not None and machine < len(known.slices):  # the format's own split
+            sl = known.slices[machine]
+            span = f" (examples [{sl.start}, {sl.stop}))"
         text = str(err).strip()
         cause = text.splitlines()[-1] if text else type(err).__name__
         lines.append(f"machine {machine} of {workers}{span} failed after {retries + 1} "

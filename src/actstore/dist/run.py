@@ -59,6 +59,8 @@ class PartResult:
     n_examples_run: int
     seconds: float
     already_complete: bool
+    slices: tuple[Slice, ...] = ()
+    """Every machine's slice of this capture (the split every machine computes alike)."""
 
 
 def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
@@ -71,8 +73,9 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
 
     def open_writer(plan):
         final = layout.final_location(plan, out, options)
-        sl = layout.slices(plan, options, n_machines)[machine_id]
-        seen.update(final=final, slice=sl, n=plan.n_examples)
+        slices = layout.slices(plan, options, n_machines)
+        sl = slices[machine_id]
+        seen.update(final=final, slice=sl, n=plan.n_examples, slices=tuple(slices))
         if is_published(final, layout):  # merged already: the format's writer checks it is ours
             log.info("%s is already published; machine %d has nothing to do", final, machine_id)
             return spec.writer_for_plan(plan, out, options)
@@ -87,7 +90,8 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
     part = None if result.output is None or str(result.output) == str(final) else result.output
     return PartResult(slice=sl, part=part, final=final, store_examples=seen["n"],
                       n_examples_run=result.n_examples_run,
-                      seconds=result.seconds, already_complete=result.already_complete)  # fmt: skip
+                      seconds=result.seconds, already_complete=result.already_complete,
+                      slices=seen["slices"])  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

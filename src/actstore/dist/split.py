@@ -76,13 +76,20 @@ def split_examples(n_examples: int, n_machines: int, *, align: int = 1) -> list[
             for i in range(n_machines)]  # fmt: skip
 
 
-def slurm_machine(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
-    """``(machine_id, n_machines)`` of a Slurm array task, from ``SLURM_ARRAY_TASK_ID``,
-    ``SLURM_ARRAY_TASK_COUNT`` and ``SLURM_ARRAY_TASK_MIN``; None outside array jobs.
+def slurm_machine(environ: Mapping[str, str] | None = None, *,
+                  n_machines: int | None = None) -> tuple[int, int] | None:
+    """``(machine_id, n_machines)`` of a Slurm array task; None outside array jobs.
+
+    The array index is the machine id (``actstore slurm-script`` submits ``--array=0-{N-1}``,
+    and a failed task is rerun alone with its own index: ``sbatch --array=3``).
+    ``n_machines`` is the number of slices when known (``--num-machines``, which the script
+    always passes), else ``SLURM_ARRAY_TASK_COUNT`` (right only for the whole array).
 
     Example:
-        >>> slurm_machine({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "4",
-        ...                "SLURM_ARRAY_TASK_MIN": "2"})
+        >>> slurm_machine({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4"})
+        (2, 4)
+        >>> slurm_machine({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "1",
+        ...                "SLURM_ARRAY_TASK_MIN": "3"}, n_machines=4)  # a rerun of task 3
         (3, 4)
     """
     env = os.environ if environ is None else environ
@@ -90,14 +97,13 @@ def slurm_machine(environ: Mapping[str, str] | None = None) -> tuple[int, int] |
         return None
     try:
         task = int(env["SLURM_ARRAY_TASK_ID"])
-        count = int(env["SLURM_ARRAY_TASK_COUNT"])
-        first = int(env.get("SLURM_ARRAY_TASK_MIN", "0"))
+        count = int(env["SLURM_ARRAY_TASK_COUNT"]) if n_machines is None else n_machines
     except ValueError as err:
         raise ConfigError(f"cannot read the Slurm array task from the environment: {err}") from err
-    machine = task - first
-    if not 0 <= machine < count:
+    if not 0 <= task < count:
         raise ConfigError(
-            f"Slurm array task {task} (min {first}) is outside 0..{count - 1}: submit the "
-            "array as --array=0-{N-1} (actstore slurm-script does), or pass --machine-id"
+            f"Slurm array task {task} is outside 0..{count - 1}: the array index is the machine "
+            "id, so submit the array as --array=0-{N-1} (actstore slurm-script does) and pass "
+            "--num-machines N (needed when rerunning some tasks alone), or pass --machine-id"
         )
-    return machine, count
+    return task, count
