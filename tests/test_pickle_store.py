@@ -445,3 +445,71 @@ def test_spec_dataset_serves_every_sample_once_per_epoch_decoding_each_shard_onc
     halves = [ActivationDataset(out, 1, rank=r, world_size=2) for r in (0, 1)]
     assert [len(h) for h in halves] == [12, 11]
     assert sorted(i["sample_idx"] for h in halves for i in h) == list(range(23))
+
+
+# ---------------------------------------------------------------- stores other writers made
+
+
+def _foreign_store(out: Path, seq_len: int) -> None:
+    """A store as another writer of the spec may make it: numpy integer sample ids (the
+    spec's own loader reads them), arrays of ``seq_len`` tokens under a larger
+    ``max_seq_length``, no actstore record."""
+    out.mkdir()
+    rng = np.random.default_rng(0)
+    shards = []
+    for shard_id, ids in enumerate([range(0, 3), range(3, 5)], start=1):
+        data = {"layer_2": [{"sample_idx": np.int64(i),
+                             "activation": rng.standard_normal((seq_len, 8)).astype(np.float32),
+                             "shape": (seq_len, 8), "text_preview": f"text {i}",
+                             "metadata": {"token_count": seq_len, "dataset_idx": i,
+                                          "machine_id": 0}} for i in ids]}  # fmt: skip
+        raw = gzip.compress(pickle.dumps(data))
+        name = f"shard_{shard_id:04d}.pkl.gz"
+        (out / name).write_bytes(raw)
+        shards.append({"shard_id": shard_id, "filename": name, "size_bytes": len(raw),
+                       "num_samples": len(ids), "layers": [2], "sample_id_range": [ids[0], ids[-1]],
+                       "compressed": True, "checksum": "sha256:" + hashlib.sha256(raw).hexdigest()})
+    (out / "metadata.json").write_text(json.dumps({
+        "version": "1.0", "created_at": "2025-01-09T12:00:00Z",
+        "extraction_config": {"model_name": "m", "model_architecture": "qwen2",
+                              "model_params": {"hidden_size": 8, "num_hidden_layers": 4},
+                              "layers_extracted": [2], "max_seq_length": 6, "batch_size": 2},
+        "distributed_config": {"machine_id": 0, "total_machines": 1}, "shards": shards,
+        "statistics": {"total_shards": 2, "total_samples": 5}}))
+
+
+def test_foreign_store_with_numpy_ids_and_unpadded_arrays_reads_and_converts(tmp_path):
+    from actstore.convert import convert
+
+    _foreign_store(tmp_path / "foreign", seq_len=4)
+    reader = PickleReader(tmp_path / "foreign")
+    items = list(reader.items(2))
+    assert [int(it["sample_idx"]) for it in items] == list(range(5))
+    assert reader.item(4, 2)["text_preview"] == "text 4" and reader.verify().ok
+    assert reader.capture_plan().tokens_per_example == 4  # the arrays' length, not 6
+    result = convert(tmp_path / "foreign", tmp_path / "saev", to="saev", progress=False)
+    assert result.rows == {"resid.2": 20} and result.lossless
+    rows = open_store(result.location)
+    got = np.concatenate([rows.read_block(b) for b in rows.blocks(2)])
+    np.testing.assert_array_equal(got, np.concatenate([it["activation"] for it in items]))
+
+
+def test_merge_drops_shards_an_interrupted_merge_left(tmp_path):
+    plan = make_plan()
+    acts = make_acts(plan)
+    parts = []
+    for machine, (start, stop) in enumerate([(0, 10), (10, 23)]):
+        writer = PickleWriter(plan, tmp_path / f"machine_{machine}",
+                              PickleOptions(samples_per_shard=PER_SHARD),
+                              example_range=(start, stop), machine_id=machine, total_machines=2,
+                              samples_per_machine=10)
+        for batch in make_batches(plan, acts):
+            writer.write(batch.select((batch.example_ids >= start) & (batch.example_ids < stop)))
+        parts.append(writer.close())
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "shard_0009.pkl.gz").write_bytes(b"left by a crashed merge")
+    merged = merge_stores(parts, out)
+    assert sorted(p.name for p in merged.iterdir()) == ["metadata.json"] + [
+        f"shard_{i:04d}.pkl.gz" for i in range(1, 6)]
+    assert PickleReader(merged).verify().ok

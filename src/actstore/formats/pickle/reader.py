@@ -209,17 +209,20 @@ class PickleReader:
                 if not isinstance(item, dict) or not isinstance(item.get("activation"), np.ndarray):
                     raise CorruptStoreError(f"shard {file}: {layer_key(layer)} has an item "
                                             "without an activation array")  # fmt: skip
-                act = item["activation"]
-                if act.ndim != 2 or act.dtype.kind != "f" or tuple(item.get("shape", ())) != act.shape:
+                act, shape = item["activation"], item.get("shape")
+                if act.ndim != 2 or act.dtype.kind != "f" or not isinstance(
+                        shape, (tuple, list)) or tuple(shape) != act.shape:  # fmt: skip
                     raise CorruptStoreError(
                         f"shard {file}: sample {item.get('sample_idx')} has activation "
                         f"{act.dtype}{list(act.shape)} and shape {item.get('shape')}; expected "
                         "a float [seq_len, hidden] array matching 'shape'"
                     )
                 ids.append(item.get("sample_idx"))
-            if not all(isinstance(i, int) and lo <= i <= hi for i in ids):
-                raise CorruptStoreError(f"shard {file}: sample ids outside the declared range "
-                                        f"[{lo}, {hi}]")  # fmt: skip
+            # numpy integers too: a foreign writer may store np.int64 ids (pickle keeps them)
+            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                       and lo <= i <= hi for i in ids):  # fmt: skip
+                raise CorruptStoreError(f"shard {file}: sample ids missing, not integers or "
+                                        f"outside the declared range [{lo}, {hi}]")  # fmt: skip
             if len(set(ids)) != len(ids):
                 raise CorruptStoreError(f"shard {file}: {layer_key(layer)} repeats sample ids")
             if reference is None:
@@ -294,7 +297,13 @@ class PickleReader:
         md, own = self.metadata, self.metadata.actstore
         config = md.extraction_config
         params = config.get("model_params") or {}
-        tokens = own.get("tokens_per_example") or config.get("max_seq_length")
+        tokens = own.get("tokens_per_example")
+        if tokens is None and self.shards:
+            # a foreign store: the spec's max_seq_length need not be the arrays' length (they
+            # may be unpadded), so the first sample says it (example_batches checks the rest)
+            info = self.shards[0]
+            first = self.load_shard(0)[layer_key(info.layers[0])][0]
+            tokens = int(first["activation"].shape[0])
         if not isinstance(tokens, int):
             raise ConfigError(f"{self.path}: metadata gives no sequence length; cannot convert")
         return CapturePlan(

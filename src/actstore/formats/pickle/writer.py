@@ -396,6 +396,10 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
         except OSError:
             shutil.copyfile(reader.path / info.filename, target)
         shards.append(ShardInfo(**{**info.__dict__, "shard_id": new_id, "filename": name}))
+    listed = {s.filename for s in shards}
+    for child in out.iterdir():  # left by an interrupted merge of other stores
+        if is_shard_filename(child.name) and child.name not in listed:
+            child.unlink()
     layers = readers[0].metadata.layers
     by_start = sorted(readers, key=lambda r: min((s.sample_id_range[0] for s in r.metadata.shards),
                                                   default=0))
