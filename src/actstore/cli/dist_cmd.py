@@ -127,9 +127,10 @@ def _check_capture_args(args: list[str]) -> None:
 
 @app.command()
 def merge(
-    locations: list[Path] = typer.Argument(..., help="Output directories of distributed "
-                                           "captures (--out), or with --into: pkl.gz stores "
-                                           "written by several machines."),
+    locations: list[str] = typer.Argument(..., help="Output directories of distributed "
+                                          "captures (--out; an s3:// run for activault), or "
+                                          "with --into: pkl.gz stores written by several "
+                                          "machines."),
     into: Path = typer.Option(None, help="Merge the pkl.gz stores LOCATIONS (one per machine, "
                               "unique sample ids) into this new directory."),
 ) -> None:
@@ -149,6 +150,10 @@ def merge(
         return
     failed = False
     for location in locations:
+        if "://" not in location and not Path(location).expanduser().exists():
+            typer.secho(f"error: {location} does not exist", fg=typer.colors.RED, err=True)
+            failed = True
+            continue
         finals = find_unmerged(location)
         if not finals:
             typer.echo(f"{location}: no distributed capture waiting to be merged")
