@@ -176,6 +176,24 @@ def test_checkpoint_errors(tmp_path):
         load_sae(bad)
 
 
+def test_checkpoint_whose_header_length_starts_like_a_pickle_loads(tmp_path):
+    """Regression: magic bytes were sniffed before the length prefix was parsed, so a valid
+    file whose header length is 128 mod 256 (first byte 0x80, pickle's) was refused."""
+    sae = make_sae()
+    good = tmp_path / "good.pt"
+    save_sae(sae, good)
+    data = good.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    text = data[8 : 8 + n].rstrip()
+    text += b" " * ((128 - len(text)) % 256)  # safetensors pads its header with spaces too
+    odd = tmp_path / "odd.pt"
+    odd.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n :])
+    assert odd.read_bytes()[:1] == b"\x80"
+    loaded = load_sae(odd)
+    for name, tensor in sae.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor)
+
+
 def test_sparse_acts_round_trip_and_scipy_reads_it(tmp_path):
     import scipy.sparse as scipy_sparse
 

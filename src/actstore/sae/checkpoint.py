@@ -81,22 +81,31 @@ def load_sae(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> 
 
 
 def _header(data: bytes, path: Path) -> dict:
-    """The JSON header of a safetensors file, or an error saying what the file is instead."""
+    """The JSON header of a safetensors file, or an error saying what the file is instead.
+
+    The length prefix is tried first: a valid header's first byte can be anything (0x80 when
+    its length is 128 mod 256), so magic bytes only explain a file that does not parse.
+    """
+    header = None
+    if len(data) >= 8:
+        (n,) = struct.unpack("<Q", data[:8])
+        if n <= len(data) - 8:
+            try:
+                header = json.loads(data[8 : 8 + n])
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                damage = f"a damaged safetensors header: {err}"
+            else:
+                damage = "a damaged safetensors header"
+        else:
+            damage = f"truncated (header of {n} bytes, file {len(data)})"
+    else:
+        damage = f"truncated ({len(data)} bytes)"
+    if isinstance(header, dict):
+        return header
     if data[:2] == b"PK" or data[:1] == b"\x80" or data[:1] == b"{":
         raise CorruptStoreError(
             f"{path} is not a safetensors file (it looks like a torch.save pickle or saev's "
             "JSON-header checkpoint); actstore never unpickles checkpoints: retrain with "
             "`actstore train`, or convert it with safetensors.torch.save_file"
         )
-    if len(data) < 8:
-        raise CorruptStoreError(f"{path} is truncated ({len(data)} bytes)")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise CorruptStoreError(f"{path} is truncated (header of {n} bytes, file {len(data)})")
-    try:
-        header = json.loads(data[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CorruptStoreError(f"{path} has a damaged safetensors header: {err}") from err
-    if not isinstance(header, dict):
-        raise CorruptStoreError(f"{path} has a damaged safetensors header")
-    return header
+    raise CorruptStoreError(f"{path} is {damage}")

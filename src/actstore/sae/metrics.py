@@ -83,7 +83,7 @@ class DeadLatents:
     def update(self, f: torch.Tensor) -> None:
         fired = (f.detach() > 0).any(dim=0)
         self.since_fired += f.shape[0]
-        self.since_fired[fired] = 0
+        self.since_fired.masked_fill_(fired, 0)  # no boolean indexing: no device sync
         self.seen += f.shape[0]
 
     @property
