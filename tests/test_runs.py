@@ -13,10 +13,21 @@ from typer.testing import CliRunner
 
 from actstore.batch import Batch
 from actstore.cli import app
-from actstore.errors import ConfigError, StoreExistsError, StoreNotFoundError
-from actstore.formats.saev import SaevMetadata, SaevWriter
+from actstore.errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
+from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
 from actstore.formats.saev.layout import encode_data
 from actstore.runs import LINKS, Run, nfs_root, runs_root, scratch_root, shards_root
+from actstore.sae import (
+    InferenceConfig,
+    SAEConfig,
+    SparseAutoencoder,
+    TrainConfig,
+    infer_run,
+    load_inference,
+    load_sae,
+    save_sae,
+    train_run,
+)
 
 runner = CliRunner()
 
@@ -140,3 +151,35 @@ def test_new_run_command_and_cli_error_exit(stores, tmp_path):
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "no checkpoint/sae.pt" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_inference_rows_follow_saev_and_need_the_checkpoint_config_describes(stores, tmp_path):
+    """Inference rows are saev's (content tokens: row = example * P + patch); a sae.pt that
+    checkpoint/config.json does not describe (training interrupted between its two writes)
+    is refused instead of encoding the wrong layer."""
+    train, val, _ = stores
+    run = Run.create(train_shards=train, val_shards=val, run_id="inf", root=tmp_path / "runs")
+    train_run(run, TrainConfig(k=2, expansion=2, steps=3, batch_size=8, warmup_steps=1,
+                               log_every=1, device="cpu"), progress=False)  # fmt: skip
+    cpu = InferenceConfig(device="cpu")
+    record, acts = load_inference(infer_run(run, "val", cpu, progress=False))
+    assert record["tokens"] == "content" and record["first_token"] == 1
+    assert record["rows_per_example"] == 4
+    assert acts.n_rows == 6 * 4  # 6 examples x 4 patches, no CLS rows
+    sae, reader = load_sae(run.sae_path), SaevReader(val)
+    for example in (0, 5):
+        want = sae.encode(torch.from_numpy(reader[example, 1][1:])).detach().numpy()
+        np.testing.assert_allclose(acts.dense_rows(4 * example, 4 * example + 4), want,
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+
+    save_sae(SparseAutoencoder(SAEConfig(d_model=4, d_sae=8, k=2)), run.sae_path)
+    with pytest.raises(CorruptStoreError, match="describes another checkpoint.*actstore train"):
+        infer_run(run, "val", cpu, progress=False)
+    run.config_path.write_text('{"sae": {}}')
+    with pytest.raises(CorruptStoreError, match="not written by `actstore train`"):
+        infer_run(run, "val", cpu, progress=False)
+    run.config_path.unlink()
+    with pytest.raises(StoreNotFoundError, match="no checkpoint/config.json.*actstore train"):
+        infer_run(run, "val", cpu, progress=False)
+    with pytest.raises(StoreNotFoundError, match="neither 'train' nor 'val'.*shard directory"):
+        run.resolve_shards("test")

@@ -162,16 +162,18 @@ def test_vit_inference_is_the_sae_applied_to_every_token(vit):
     assert out == run.path / "inference" / val_dir.name
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "patch_acts.npz", "visuals"]
     record, acts = load_inference(out)
-    assert record["split"] == "val" and record["tokens"] == "all" and record["first_token"] == 0
-    assert acts.n_rows == 90 * 17 and acts.d_sae == 256
+    # saev's row layout: content tokens only, row = example * 16 + patch
+    assert record["split"] == "val" and record["tokens"] == "content"
+    assert record["first_token"] == 1 and record["rows_per_example"] == 16
+    assert acts.n_rows == 90 * 16 and acts.d_sae == 256
     matrix = scipy_sparse.load_npz(out / "patch_acts.npz")
-    assert matrix.shape == (90 * 17, 256)
+    assert matrix.shape == (90 * 16, 256)
     sae = load_sae(run.sae_path)
     reader = SaevReader(val_dir)
     for example in (0, 41, 89):
-        x = torch.from_numpy(reader[example, 2])  # all 17 tokens, CLS included
+        x = torch.from_numpy(reader[example, 2][1:])  # the 16 patches, CLS (token 0) left out
         want = sae.encode(x).detach().numpy()
-        got = matrix[[example * 17 + t for t in range(17)]].toarray()
+        got = matrix[[example * 16 + p for p in range(16)]].toarray()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # a second run reports the existing result instead of recomputing it
     before = (out / "patch_acts.npz").stat().st_mtime_ns
@@ -186,7 +188,7 @@ def test_vit_visuals_show_the_right_images(vit):
     assert f"Wrote {visuals / 'index.html'}" in vit["outputs"]["visuals"]
     listing = json.loads((visuals / "latents.json").read_text())
     _, acts = load_inference(run.inference_dir(val_dir))
-    dense = acts.dense_rows(0, acts.n_rows).reshape(90, 17, 256)[:, 1:]  # patches only
+    dense = acts.dense_rows(0, acts.n_rows).reshape(90, 16, 256)  # patches only
     reader = SaevReader(val_dir)
     totals = dense.sum((0, 1))
     assert [entry["latent"] for entry in listing["latents"]] == list(np.argsort(-totals)[:6])
@@ -293,3 +295,18 @@ def test_text_visuals_highlight_token_contexts(text, tmp_path):
     assert len(report["images"]) == 5
     first = listing["latents"][0]["examples"][0]["text"]
     assert first.replace("⏎", "")[:10] in report["text"].replace("⏎", "")
+
+
+def test_text_visuals_need_no_dataset_link(text):
+    """Text visuals read tokens.bin; a moved text file (dangling dataset link) is fine."""
+    link = text["run"].path / "links" / "val-dataset"
+    target = link.readlink()
+    link.unlink()
+    link.symlink_to(link.parent / "moved-away.txt")
+    try:
+        visuals = render_run(text["run"], "val", VisualsConfig(n_latents=2, n_examples=2),
+                             progress=False)  # fmt: skip
+        assert len(json.loads((visuals / "latents.json").read_text())["latents"]) == 2
+    finally:
+        link.unlink()
+        link.symlink_to(target)

@@ -125,7 +125,9 @@ def inference(
     run: str = typer.Option(..., help=_RUN_HELP),
     shards: str = typer.Option("val", help=_SHARDS_HELP),
     tokens: str = typer.Option(
-        "all", help="'all' stored tokens, or 'content' (skip a leading CLS, like saev)."
+        "content",
+        help="'content' skips a leading CLS token (saev's row layout: one row per patch); "
+        "'all' keeps every stored token.",
     ),
     batch_rows: int = typer.Option(4096, help="Tokens encoded at once."),
     device: str = typer.Option("auto", help="'auto' (CUDA if available), 'cpu', 'cuda', ..."),

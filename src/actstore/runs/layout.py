@@ -217,7 +217,12 @@ class Run:
         """
         if str(which) in SPLITS:
             return self.shards(str(which)), str(which)
-        path = _existing(which, "shards")
+        path = Path(which).expanduser().resolve()
+        if not path.is_dir():
+            raise StoreNotFoundError(
+                f"shards {which!r} is neither {' nor '.join(map(repr, SPLITS))} (the run's "
+                f"links) nor an existing shard directory ({path})"
+            )
         for split in SPLITS:
             try:
                 if self.shards(split) == path:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError, CorruptStoreError, LayerNotStoredError
+from ..errors import ConfigError, CorruptStoreError, LayerNotStoredError, StoreNotFoundError
 from ..formats.saev import SaevReader
 from ..progress import bar_switch
 from ..runs import Run
@@ -45,8 +45,9 @@ CONFIG = "config.json"
 class InferenceConfig:
     """Which tokens to encode and how."""
 
-    tokens: str = "all"
-    """``all`` stored tokens, or ``content`` (skip a leading CLS, like saev's dump)."""
+    tokens: str = "content"
+    """``content`` (skip a leading CLS: saev's own row layout, one row per patch) or ``all``
+    stored tokens (CLS included)."""
     batch_rows: int = 4096
     """Tokens encoded at once (memory: ``batch_rows * d_sae * 4`` bytes on the device)."""
     device: str = "auto"
@@ -103,8 +104,8 @@ def infer_run(run: Run, shards: str = "val", config: InferenceConfig | None = No
     """
     config = config or InferenceConfig()
     ckpt = run.require_checkpoint()
-    train_config = read_json(run.config_path)
-    layer = int(train_config["data"]["layer"])
+    ckpt_hash = hash_file(ckpt)
+    layer = _trained_layer(run, ckpt_hash)
     shard_dir, split = run.resolve_shards(shards)
     reader = SaevReader(shard_dir)
     if layer not in reader.layers:
@@ -113,7 +114,6 @@ def infer_run(run: Run, shards: str = "val", config: InferenceConfig | None = No
             f"layers {list(reader.layers)}; choose shards captured at layer {layer}"
         )
     out_dir = run.inference_dir(shard_dir)
-    ckpt_hash = hash_file(ckpt)
     record: dict[str, Any] = {
         "checkpoint": {"path": str(ckpt.relative_to(run.path)), "sha256": ckpt_hash},
         "shards": str(shard_dir), "shard_hash": shard_dir.name, "split": split,
@@ -152,6 +152,34 @@ def infer_run(run: Run, shards: str = "val", config: InferenceConfig | None = No
     log.info("wrote %d x %d sparse activations (%.1f active per token) to %s",
              acts.n_rows, acts.d_sae, record["l0"], out_dir / PATCH_ACTS)  # fmt: skip
     return out_dir
+
+
+def _trained_layer(run: Run, ckpt_hash: str) -> int:
+    """The layer the checkpoint was trained on, from ``checkpoint/config.json``, checked to
+    describe this very ``sae.pt`` (a crash between the two writes of training leaves a new
+    ``sae.pt`` beside the previous ``config.json``)."""
+    retrain = f"retrain with `actstore train --run {run.path}`"
+    if not run.config_path.is_file():
+        raise StoreNotFoundError(
+            f"run {run.path} has checkpoint/sae.pt but no checkpoint/config.json (which layer "
+            f"it was trained on is unknown); {retrain}"
+        )
+    trained = read_json(run.config_path)
+    try:
+        layer = int(trained["data"]["layer"])
+        recorded = trained["checkpoint"]["sha256"]
+    except (KeyError, TypeError, ValueError):
+        raise CorruptStoreError(
+            f"{run.config_path} lacks data.layer or checkpoint.sha256, so it was not written "
+            f"by `actstore train`; {retrain}"
+        ) from None
+    if recorded != ckpt_hash:
+        raise CorruptStoreError(
+            f"{run.config_path} describes another checkpoint than {run.sae_path} (sha256 "
+            f"{str(recorded)[:12]}... recorded, {ckpt_hash[:12]}... found: training was "
+            f"interrupted between writing the two, or sae.pt was replaced); {retrain}"
+        )
+    return layer
 
 
 def _up_to_date(out_dir: Path, record: dict[str, Any]) -> bool:

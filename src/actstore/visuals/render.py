@@ -92,7 +92,7 @@ def render_run(run: Run, shards: str = "val", config: VisualsConfig | None = Non
         summaries = [summarise(acts, rows, latent) for latent in config.latents]
     else:
         summaries = top_latents(acts, rows, config.n_latents)
-    dataset = run.dataset(split) if split else Path(md.dataset)
+    dataset = _dataset(run, split, md, needed=not is_text)
     tmp = out_dir / f".{VISUALS}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -113,6 +113,17 @@ def render_run(run: Run, shards: str = "val", config: VisualsConfig | None = Non
         raise
     log.info("wrote %d latents to %s", len(sections), final / "index.html")
     return final
+
+
+def _dataset(run: Run, split: str | None, md, *, needed: bool) -> Path:
+    """The original dataset: the run's link for a linked split, else the shards' metadata.
+    Text visuals read tokens.bin and only name the dataset, so a moved text file is fine."""
+    try:
+        return run.dataset(split) if split else Path(md.dataset)
+    except StoreNotFoundError:
+        if needed:
+            raise
+        return Path(md.dataset)
 
 
 def _stats_line(summary, rows: TokenRows) -> str:
