@@ -457,7 +457,7 @@ def _foreign_store(out: Path, seq_len: int) -> None:
     out.mkdir()
     rng = np.random.default_rng(0)
     shards = []
-    for shard_id, ids in enumerate([range(0, 3), range(3, 5)], start=1):
+    for shard_id, ids in enumerate([range(3), range(3, 5)], start=1):
         data = {"layer_2": [{"sample_idx": np.int64(i),
                              "activation": rng.standard_normal((seq_len, 8)).astype(np.float32),
                              "shape": (seq_len, 8), "text_preview": f"text {i}",

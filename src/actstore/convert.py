@@ -5,7 +5,8 @@ blocks (rows example-major, then token; blocks at the same index of two sites co
 same tokens) become capture batches of ``batch_size`` examples for the target format's
 writer (``FormatSpec.writer_for_plan``), so a new format converts to and from every other
 without code here. Memory stays bounded by one batch plus what the target writer buffers
-(one shard at most). The target keeps every value its dtype can hold: float32 to float32
+(one shard at most), plus one decoded source shard when the source decodes whole shards
+(pkl.gz). The target keeps every value its dtype can hold: float32 to float32
 is exact, float32 to float16 rounds (the largest absolute error introduced is reported),
 float16 to float32 is exact. Verification then re-reads both stores block by block and
 checks every row equals the source row cast to the target dtype.

@@ -36,7 +36,7 @@ def convert(
     opt: list[str] = typer.Option([], "--opt", help="Target format option KEY=VALUE, "
                                   "repeatable (see below)."),
     batch_size: int = typer.Option(64, help="Examples per step; memory is bounded by one step "
-                                   "plus one target shard."),
+                                   "plus one target shard (and one source shard from pkl.gz)."),
     verify: bool = typer.Option(True, help="Re-read both stores and compare every row."),
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
