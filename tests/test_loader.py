@@ -381,6 +381,11 @@ def test_plain_iteration_yields_tensors(store):
     assert all(isinstance(b, torch.Tensor) and b.dtype == torch.float32 for b in batches)
     assert [len(b) for b in batches] == [64] * (len(loader) - 1) + [37 * T - 64 * (len(loader) - 1)]
     assert loader.memory_bytes == 2 * loader.pool_blocks * T * D * 4
+    # a small store: the window is the whole store, and a larger pool gives the same order
+    assert loader.pool_blocks == len(reader.blocks(2))
+    wide = ActivationLoader(reader, site=2, batch_size=64, pool_blocks=10**6)
+    assert wide.pool_blocks == loader.pool_blocks
+    assert all(torch.equal(a, b) for a, b in zip(batches, wide))
 
 
 def test_loader_pickles(store):

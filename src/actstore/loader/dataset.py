@@ -159,10 +159,12 @@ class ActivationLoader(IterableDataset):
                              first_row=first_rows(blocks[0]), d_model=int(reader.d_model),
                              dtype=np.dtype(reader.dtype))  # fmt: skip
         if config.pool_blocks is not None:
-            self.pool_blocks = config.pool_blocks
+            pool_blocks = config.pool_blocks
         else:
             block_bytes = max(sizes, default=1) * reader.d_model * self.layout.dtype.itemsize
-            self.pool_blocks = max(1, DEFAULT_POOL_BYTES // max(block_bytes * len(self.sites), 1))
+            pool_blocks = max(1, DEFAULT_POOL_BYTES // max(block_bytes * len(self.sites), 1))
+        # a window never holds more than the whole store (the order is the same either way)
+        self.pool_blocks = min(pool_blocks, max(len(sizes), 1))
         self.rank, self.world_size = _rank_and_world(config)
         self._finish = self._make_finish()
         self.epoch = config.epoch
