@@ -89,6 +89,13 @@ def test_rerun_reports_existing_store(small_store, model_dir):
                                  "--context-length", "8", "--max-examples", "12", "--out",
                                  str(small_store.parent), "--no-progress"])  # fmt: skip
     assert result.exit_code == 0 and "Already captured" in result.output
+    # inside a Slurm job array (a sweep), --no-slurm is the whole capture, not a slice
+    array = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "3"}
+    result = runner.invoke(app, ["capture", "--model", str(model_dir("gpt2")), "--layers", "0,-1",
+                                 "--context-length", "8", "--max-examples", "12", "--out",
+                                 str(small_store.parent), "--no-progress", "--no-slurm"],
+                           env=array)  # fmt: skip
+    assert result.exit_code == 0 and "Already captured" in result.output
 
 
 def test_verify_fails_on_a_damaged_store(small_store, tmp_path):

@@ -95,6 +95,10 @@ def capture(
         "(default: SLURM_ARRAY_TASK_ID); the last machine to finish merges."),
     num_machines: int = typer.Option(
         None, help="Distributed without Ray: number of slices (default: SLURM_ARRAY_TASK_COUNT)."),
+    slurm: bool = typer.Option(
+        True, "--slurm/--no-slurm", help="Inside a Slurm job array, capture only this task's "
+        "slice (SLURM_ARRAY_TASK_ID of the array). --no-slurm captures everything, e.g. in an "
+        "array that sweeps models or datasets."),
     mode: str = typer.Option(
         "packed", help="'packed': text packed into --context-length contexts; "
         "'prompt-response': one sample per JSONL/HF record of a prompt and a response, prompt "
@@ -143,7 +147,8 @@ def capture(
     )  # fmt: skip
     from ..dist import slurm_machine
 
-    if ray is not None or machine_id is not None or num_machines is not None or slurm_machine():
+    sliced = machine_id is not None or num_machines is not None or (slurm and slurm_machine())
+    if ray is not None or sliced:
         from .dist_cmd import run_distributed_capture
 
         run_distributed_capture(config, fmt, out, options, ray=ray, workers=workers,
