@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from s3_server import s3, s3_server  # noqa: F401 - fixtures
+from store_compare import assert_same_store
 from typer.testing import CliRunner
 
 from actstore.capture import CaptureConfig, capture
@@ -46,19 +47,6 @@ def config(model_dir, text_file):
     return CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file),
                          sites=("resid.1", "resid.3"), batch_size=BATCH, context_length=CONTEXT,
                          max_examples=N_EXAMPLES, progress=False)
-
-
-def files(store: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(store.iterdir())}
-
-
-def assert_same_files(a: Path, b: Path) -> None:
-    fa, fb = files(a), files(b)
-    assert sorted(fa) == sorted(fb)
-    differ = [name for name in fa if fa[name] != fb[name]]
-    detail = {name: float(np.abs(np.frombuffer(fa[name], "<f4") - np.frombuffer(fb[name], "<f4"))
-                          .max()) for name in differ if name.startswith("acts")}  # fmt: skip
-    assert differ == [], f"differ: {differ}; max abs difference in shards: {detail}"
 
 
 # ---------------------------------------------------------------- the split
@@ -118,7 +106,7 @@ def test_saev_parts_merge_byte_identical_to_one_process(config, saev_single, tmp
     assert slices == [(16, 22), (0, 8), (8, 16)]  # 2 shards of 4 per machine, the rest last
     merged = results[-1].published
     assert merged.name == saev_single.name  # same content hash
-    assert_same_files(merged, saev_single)  # shards, tokens, statistics, checksums
+    assert_same_store(merged, saev_single)  # shards, tokens, statistics, checksums
     assert not (merged.parent / f".{merged.name}.parts").exists()  # parts cleaned up
     assert open_store(merged).verify().ok
     # rerunning a machine after the merge finds the store and does nothing
@@ -149,7 +137,7 @@ def test_more_machines_than_shards_leaves_some_idle(config, saev_single, tmp_pat
                for i in range(8)]
     assert [r.part.slice.n_examples for r in results] == [4, 4, 4, 4, 4, 2, 0, 0]
     assert results[-1].published is not None
-    assert_same_files(results[-1].published, saev_single)
+    assert_same_store(results[-1].published, saev_single)
 
 
 # ---------------------------------------------------------------- pkl.gz
@@ -218,7 +206,7 @@ def test_slurm_script_runs_as_an_array_job(config, saev_single, tmp_path):
     assert all(p.returncode == 0 for p in procs), logs
     assert sum("from 2 parts" in log for log in logs) == 1  # one task merged ...
     assert any("All slices are done; published" in log for log in logs)  # ... and said so
-    assert_same_files(out / saev_single.name, saev_single)
+    assert_same_store(out / saev_single.name, saev_single, across_processes=True)
 
 
 def test_slurm_script_checks_the_capture_arguments():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from store_compare import assert_same_store
 
 from actstore.capture import CaptureConfig, capture
 from actstore.dist import MissingPartsError, capture_on_ray, init_local_ray
@@ -56,10 +57,6 @@ def single_capture(config, fmt, out, options):
     return capture(config, lambda plan: spec.writer_for_plan(plan, str(out), options)).output
 
 
-def files(store: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(store.iterdir())}
-
-
 def test_every_ray_listener_is_on_loopback(ray_cluster):
     listening = []
     for proc in psutil.Process().children(recursive=True):
@@ -79,7 +76,8 @@ def test_two_workers_give_the_single_process_store(ray_cluster, model_dir, text_
     assert [(p.slice.start, p.slice.stop) for p in result.parts] == [(0, 12), (12, 22)]
     assert all(p.n_examples_run == p.slice.n_examples for p in result.parts)
     assert result.location.name == reference.name
-    assert files(result.location) == files(reference)  # byte-identical, statistics included
+    # byte-identical, statistics included
+    assert_same_store(result.location, reference, across_processes=True)
 
     options = PickleOptions(samples_per_shard=4)
     pkl_ref = PickleReader(single_capture(config, "pickle", tmp_path / "pkl-one", options))
@@ -111,7 +109,7 @@ def test_failing_slice_is_reported_and_nothing_published(ray_cluster, model_dir,
     blocker.unlink()
     result = capture_on_ray(config, "saev", str(out), SAEV, workers=2, retries=1)
     assert [p.n_examples_run for p in result.parts] == [0, 10]  # only the failed slice reran
-    assert files(result.location) == files(reference)
+    assert_same_store(result.location, reference, across_processes=True)
 
 
 def _pids_with_open_files_in(directory: Path) -> set[int]:
@@ -156,7 +154,7 @@ def test_killed_worker_is_retried_and_resumes(ray_cluster, model_dir, text_file,
     assert (machine1.slice.start, machine1.slice.stop) == (320, 640)  # 20 shards of 16
     assert 0 < machine1.n_examples_run < 320  # the retry resumed after the finished shards
     reference = single_capture(config, "saev", tmp_path / "one", options)
-    assert files(result.location) == files(reference)
+    assert_same_store(result.location, reference, across_processes=True)
 
 
 def test_capture_command_with_ray(ray_cluster, model_dir, text_file, tmp_path):
