@@ -325,19 +325,25 @@ def test_refuses_to_mix_with_other_data(tmp_path):
 # ---------------------------------------------------------------- several machines
 
 
+
+def write_machines(plan, acts, tmp_path, ranges):
+    """One PickleWriter per machine slice ``(start, stop)`` (10 samples per machine)."""
+    parts = []
+    for machine, (start, stop) in enumerate(ranges):
+        writer = PickleWriter(plan, tmp_path / f"machine_{machine}",
+                              PickleOptions(samples_per_shard=PER_SHARD),
+                              example_range=(start, stop), machine_id=machine,
+                              total_machines=len(ranges), samples_per_machine=10)  # fmt: skip
+        for batch in make_batches(plan, acts):
+            writer.write(batch.select((batch.example_ids >= start) & (batch.example_ids < stop)))
+        parts.append(writer.close())
+    return parts
+
 def test_stores_of_several_machines_merge_into_one(tmp_path):
     plan = make_plan()
     acts = make_acts(plan)
     single, *_ = write(tmp_path / "single", plan, acts)
-    parts = []
-    for machine, (start, stop) in enumerate([(0, 10), (10, 20), (20, 23)]):
-        writer = PickleWriter(plan, tmp_path / f"machine_{machine}",
-                              PickleOptions(samples_per_shard=PER_SHARD),
-                              example_range=(start, stop), machine_id=machine, total_machines=3,
-                              samples_per_machine=10)
-        for batch in make_batches(plan, acts):
-            writer.write(batch.select((batch.example_ids >= start) & (batch.example_ids < stop)))
-        parts.append(writer.close())
+    parts = write_machines(plan, acts, tmp_path, [(0, 10), (10, 20), (20, 23)])
     machine_md = spec_load_metadata(parts[1])
     assert machine_md["distributed_config"]["machine_id"] == 1
     assert [s["shard_id"] for s in machine_md["shards"]] == [3, 4]  # global shard numbering
@@ -497,15 +503,7 @@ def test_foreign_store_with_numpy_ids_and_unpadded_arrays_reads_and_converts(tmp
 def test_merge_drops_shards_an_interrupted_merge_left(tmp_path):
     plan = make_plan()
     acts = make_acts(plan)
-    parts = []
-    for machine, (start, stop) in enumerate([(0, 10), (10, 23)]):
-        writer = PickleWriter(plan, tmp_path / f"machine_{machine}",
-                              PickleOptions(samples_per_shard=PER_SHARD),
-                              example_range=(start, stop), machine_id=machine, total_machines=2,
-                              samples_per_machine=10)
-        for batch in make_batches(plan, acts):
-            writer.write(batch.select((batch.example_ids >= start) & (batch.example_ids < stop)))
-        parts.append(writer.close())
+    parts = write_machines(plan, acts, tmp_path, [(0, 10), (10, 23)])
     out = tmp_path / "merged"
     out.mkdir()
     (out / "shard_0009.pkl.gz").write_bytes(b"left by a crashed merge")
