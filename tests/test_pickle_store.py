@@ -325,7 +325,6 @@ def test_refuses_to_mix_with_other_data(tmp_path):
 # ---------------------------------------------------------------- several machines
 
 
-
 def write_machines(plan, acts, tmp_path, ranges):
     """One PickleWriter per machine slice ``(start, stop)`` (10 samples per machine)."""
     parts = []
@@ -338,6 +337,7 @@ def write_machines(plan, acts, tmp_path, ranges):
             writer.write(batch.select((batch.example_ids >= start) & (batch.example_ids < stop)))
         parts.append(writer.close())
     return parts
+
 
 def test_stores_of_several_machines_merge_into_one(tmp_path):
     plan = make_plan()
