@@ -20,7 +20,8 @@ def assert_same_store(a: Path, b: Path, *, across_processes: bool = False) -> No
 
     ``across_processes``: the stores were computed by different processes. Their activations
     are byte-identical in almost every run; rarely (about one full-suite run in six on the
-    2-core CI machine, cause not found) a shard differs by one float32 ulp. Then every
+    2-core CI machine, cause not found: docs/design.md) a shard differs by one float32 ulp.
+    Then every
     other file must still be identical, the shards must agree to 1e-6, and a warning names
     the difference, so that the event stays visible without failing the run.
     """

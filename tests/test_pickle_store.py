@@ -401,16 +401,20 @@ def test_capture_into_pickle_matches_the_saev_store(model_dir, text_file, tmp_pa
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir("gpt2")))
+    # Two separate captures: 512-row matmuls on two threads occasionally round a value one
+    # float32 ulp apart from run to run (docs/design.md, Reproducibility), so the values
+    # are compared to 1e-6; order, tokens and text are exact.
     for layer in (0, 3):
         items = list(reader.items(layer))
-        np.testing.assert_array_equal(np.stack([it["activation"] for it in items]),
-                                      saev[:, layer])
+        np.testing.assert_allclose(np.stack([it["activation"] for it in items]),
+                                   saev[:, layer], rtol=1e-5, atol=1e-6)
         for i, item in enumerate(items):
             tokens = item["metadata"]["token_ids"]
             np.testing.assert_array_equal(tokens, saev.tokens[i])
             assert item["text_preview"] == tokenizer.decode(tokens)[:200]
             assert len(item["text_preview"]) == 200  # 128 tokens of English exceed 200 chars
-    np.testing.assert_allclose(reader.statistics(3).mean, saev.statistics(3).mean, rtol=1e-12)
+    np.testing.assert_allclose(reader.statistics(3).mean, saev.statistics(3).mean, rtol=1e-6,
+                               atol=1e-9)
     plan = reader.capture_plan()
     assert (plan.ckpt, plan.family, plan.n_examples, plan.tokens_per_example) == (
         str(model_dir("gpt2")), "gpt2", 10, 128)
