@@ -45,8 +45,7 @@ class Timer:
 def _cpu() -> float:
     me = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
-            + _live_children_cpu())  # fmt: skip
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime + _live_children_cpu()
 
 
 def _live_children_cpu() -> float:
@@ -79,8 +78,7 @@ def files_under(root: str | os.PathLike, pattern: str = "*") -> list[Path]:
     return sorted(p for p in Path(root).rglob(pattern) if p.is_file())
 
 
-def sequential_read(paths: Sequence[str | os.PathLike], chunk: int = 8 << 20
-                    ) -> tuple[int, Timer]:  # fmt: skip
+def sequential_read(paths: Sequence[str | os.PathLike], chunk: int = 8 << 20) -> tuple[int, Timer]:
     """``dd``-style read of ``paths`` into one reused buffer: (bytes, timer)."""
     buf = bytearray(chunk)
     total = 0

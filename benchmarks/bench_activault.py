@@ -43,11 +43,16 @@ MiB = 1 << 20
 
 def start_server() -> tuple[subprocess.Popen, str]:
     """moto in a separate process, so its CPU time does not share our GIL."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "s3_server.py")],
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "s3_server.py")], stdout=subprocess.PIPE, text=True
+    )
     endpoint = proc.stdout.readline().strip()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1", S3_ENDPOINT_URL=endpoint)  # fmt: skip
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        S3_ENDPOINT_URL=endpoint,
+    )
     return proc, endpoint
 
 
@@ -61,11 +66,23 @@ def make_plan(args):
     from actstore.batch import CapturePlan
 
     sites = tuple(Site("resid", layer) for layer in range(args.hooks))
-    return CapturePlan(ckpt="bench", family="gpt2", modality="text", sites=sites,
-                       n_model_layers=args.hooks, d_model=args.d, tokens_per_example=args.seq,
-                       has_cls=False, n_examples=args.rows * args.files, dataset_root="/bench",
-                       data={}, classes=None, has_labels=False, has_tokens=True,
-                       batch_size=args.rows // 4)  # fmt: skip
+    return CapturePlan(
+        ckpt="bench",
+        family="gpt2",
+        modality="text",
+        sites=sites,
+        n_model_layers=args.hooks,
+        d_model=args.d,
+        tokens_per_example=args.seq,
+        has_cls=False,
+        n_examples=args.rows * args.files,
+        dataset_root="/bench",
+        data={},
+        classes=None,
+        has_labels=False,
+        has_tokens=True,
+        batch_size=args.rows // 4,
+    )
 
 
 def make_batches(plan, args) -> list[Batch]:
@@ -74,8 +91,13 @@ def make_batches(plan, args) -> list[Batch]:
     out = []
     base = {str(s): torch.randn(bs, args.seq, args.d, generator=gen) for s in plan.sites}
     for lo in range(0, plan.n_examples, bs):
-        out.append(Batch(acts=base, example_ids=np.arange(lo, lo + bs),
-                         token_ids=np.zeros((bs, args.seq), dtype=np.int64)))  # fmt: skip
+        out.append(
+            Batch(
+                acts=base,
+                example_ids=np.arange(lo, lo + bs),
+                token_ids=np.zeros((bs, args.seq), dtype=np.int64),
+            )
+        )
     return out
 
 
@@ -85,13 +107,18 @@ def bench_upload(args, bucket: str, server_pid: int) -> tuple[list, int]:
     options = ActivaultOptions(rows_per_file=args.rows, upload_threads=args.threads, queue_files=2)
     store = S3Store(bucket, options.s3_config())
     states = torch.randn(args.rows, args.seq, args.d).to(torch.bfloat16)
-    data = serialize_megabatch(states, torch.zeros(args.rows, args.seq, dtype=torch.long)).getvalue()
+    data = serialize_megabatch(
+        states, torch.zeros(args.rows, args.seq, dtype=torch.long)
+    ).getvalue()
     total = len(data) * args.files * args.hooks
     results = []
     for repeat in range(args.repeats):
         prefix = f"raw-{repeat}"
-        keys = [f"{prefix}/h{h}/{uuid.uuid4()}--{i}.pt" for h in range(args.hooks)
-                for i in range(args.files)]  # fmt: skip
+        keys = [
+            f"{prefix}/h{h}/{uuid.uuid4()}--{i}.pt"
+            for h in range(args.hooks)
+            for i in range(args.files)
+        ]
         cpu0, server0 = time.process_time(), cpu_seconds(server_pid)
         with ThreadPoolExecutor(args.threads * args.hooks) as pool, Timer() as raw:
             list(pool.map(lambda k: store.put(k, data), keys))
@@ -102,15 +129,30 @@ def bench_upload(args, bucket: str, server_pid: int) -> tuple[list, int]:
                 writer.write(batch)
             writer.close()
         cpu2, server2 = time.process_time(), cpu_seconds(server_pid)
-        results.append((raw.seconds, ours.seconds, cpu1 - cpu0, cpu2 - cpu1,
-                        server1 - server0, server2 - server1))  # fmt: skip
+        results.append(
+            (
+                raw.seconds,
+                ours.seconds,
+                cpu1 - cpu0,
+                cpu2 - cpu1,
+                server1 - server0,
+                server2 - server1,
+            )
+        )
         for key in keys:
             store.delete(key)
     raw = min(results, key=lambda r: r[0])
     ours = min(results, key=lambda r: r[1])
-    rows = [["raw boto3 put_object/multipart", total / MiB / raw[0], 1.0, raw[2], raw[4]],
-            ["ActivaultWriter (pack, statistics, torch.save, upload)", total / MiB / ours[1],
-             raw[0] / ours[1], ours[3], ours[5]]]  # fmt: skip
+    rows = [
+        ["raw boto3 put_object/multipart", total / MiB / raw[0], 1.0, raw[2], raw[4]],
+        [
+            "ActivaultWriter (pack, statistics, torch.save, upload)",
+            total / MiB / ours[1],
+            raw[0] / ours[1],
+            ours[3],
+            ours[5],
+        ],
+    ]
     return rows, len(data)
 
 
@@ -139,17 +181,25 @@ def bench_read(args, bucket: str, file_bytes: int) -> list:
     results = []
     for _ in range(args.repeats):
         raw_s = raw_parallel_get(store, keys, file_bytes, args)
-        stream = ActivaultStream(location, batch_size=4096, mix_files=args.mix,
-                                 prefetch_files=args.prefetch, concurrency=args.concurrency,
-                                 chunk_size=args.chunk_mib * MiB, seed=0)  # fmt: skip
+        stream = ActivaultStream(
+            location,
+            batch_size=4096,
+            mix_files=args.mix,
+            prefetch_files=args.prefetch,
+            concurrency=args.concurrency,
+            chunk_size=args.chunk_mib * MiB,
+            seed=0,
+        )
         with Timer() as ours:
             n = sum(b.shape[0] for b in stream)
         assert n == stream.n_tokens
         results.append((raw_s, ours.seconds))
     raw_s = min(r[0] for r in results)
     ours_s = min(r[1] for r in results)
-    return [["raw parallel ranged GETs", total / MiB / raw_s, 1.0],
-            ["ActivaultStream (fetch + torch.load + shuffle)", total / MiB / ours_s, raw_s / ours_s]]
+    return [
+        ["raw parallel ranged GETs", total / MiB / raw_s, 1.0],
+        ["ActivaultStream (fetch + torch.load + shuffle)", total / MiB / ours_s, raw_s / ours_s],
+    ]
 
 
 def bench_wait(args, bucket: str, file_bytes: int) -> list:
@@ -158,9 +208,15 @@ def bench_wait(args, bucket: str, file_bytes: int) -> list:
     store = S3Store(bucket, S3Config())
     keys = [o.key for o in store.list("run-0/models.layers.0.post/") if o.key.endswith(".pt")]
     per_file_s = raw_parallel_get(store, keys, file_bytes, args) / len(keys)
-    stream = ActivaultStream(location, batch_size=4096, mix_files=args.mix,
-                             prefetch_files=args.prefetch, concurrency=args.concurrency,
-                             chunk_size=args.chunk_mib * MiB, seed=0)  # fmt: skip
+    stream = ActivaultStream(
+        location,
+        batch_size=4096,
+        mix_files=args.mix,
+        prefetch_files=args.prefetch,
+        concurrency=args.concurrency,
+        chunk_size=args.chunk_mib * MiB,
+        seed=0,
+    )
     tokens_per_file = stream.n_tokens / len(stream.files)
     step_s = 1.5 * per_file_s * 4096 / tokens_per_file  # consume at 2/3 of download speed
     with Timer() as t:
@@ -186,8 +242,13 @@ class DiscardWriter:
 
 
 def bench_capture(args, bucket: str) -> list:
-    cfg = CaptureConfig(sites=("resid.3", "resid.5"), batch_size=32, max_examples=args.examples,
-                        progress=False, clean_tokens=True)  # fmt: skip
+    cfg = CaptureConfig(
+        sites=("resid.3", "resid.5"),
+        batch_size=32,
+        max_examples=args.examples,
+        progress=False,
+        clean_tokens=True,
+    )
     capture(CaptureConfig(**{**cfg.__dict__, "max_examples": 32}), lambda p: DiscardWriter())
     options = ActivaultOptions(rows_per_file=32)
     rows = []
@@ -198,8 +259,10 @@ def bench_capture(args, bucket: str) -> list:
         rows.append((bare.seconds, stored.seconds, stored.writer_wait_s))
     bare_s = min(r[0] for r in rows)
     stored_s = min(r[1] for r in rows)
-    return [["capture, no storage", bare_s, 1.0, 0.0],
-            ["capture -> S3 (activault)", stored_s, stored_s / bare_s, min(r[2] for r in rows)]]
+    return [
+        ["capture, no storage", bare_s, 1.0, 0.0],
+        ["capture -> S3 (activault)", stored_s, stored_s / bare_s, min(r[2] for r in rows)],
+    ]
 
 
 def main() -> None:
@@ -224,22 +287,30 @@ def main() -> None:
 
         bucket = "bench"
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-        print(f"moto S3 at {endpoint} (separate process); {os.cpu_count()} CPUs; "
-              f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}\n")  # fmt: skip
+        print(
+            f"moto S3 at {endpoint} (separate process); {os.cpu_count()} CPUs; "
+            f"load average {os.getloadavg()[0]:.1f}; torch {torch.__version__}\n"
+        )
         up, file_bytes = bench_upload(args, bucket, proc.pid)
-        print(f"1. upload: {args.hooks} hooks x {args.files} files of {file_bytes / MiB:.1f} MiB "
-              f"(bf16 [{args.rows}, {args.seq}, {args.d}]), {args.threads} threads per hook\n")
+        print(
+            f"1. upload: {args.hooks} hooks x {args.files} files of {file_bytes / MiB:.1f} MiB "
+            f"(bf16 [{args.rows}, {args.seq}, {args.d}]), {args.threads} threads per hook\n"
+        )
         print(table(["what", "MiB/s", "ratio", "client CPU s", "server CPU s"], up), "\n")
         read = bench_read(args, bucket, file_bytes)
-        print(f"2. read: {args.files} files, concurrency {args.concurrency}, "
-              f"{args.chunk_mib} MiB ranges, mix {args.mix}, prefetch {args.prefetch}\n")
+        print(
+            f"2. read: {args.files} files, concurrency {args.concurrency}, "
+            f"{args.chunk_mib} MiB ranges, mix {args.mix}, prefetch {args.prefetch}\n"
+        )
         print(table(["what", "MiB/s", "ratio"], read), "\n")
         wait = bench_wait(args, bucket, file_bytes)
         print("3. consumer at 2/3 of the download speed\n")
         print(table(["what", "value", "warm-up s", "total s"], wait), "\n")
         cap = bench_capture(args, bucket)
-        print(f"4. capture of {args.examples} examples (embedded MiniLM, resid.3 + resid.5, "
-              "token cleaning on)\n")
+        print(
+            f"4. capture of {args.examples} examples (embedded MiniLM, resid.3 + resid.5, "
+            "token cleaning on)\n"
+        )
         print(table(["what", "seconds", "ratio", "forward waited s"], cap))
     finally:
         proc.terminate()

@@ -45,23 +45,34 @@ class DiscardWriter:
 
 
 def bench_capture_overhead(args, root: Path) -> None:
-    cfg = CaptureConfig(model=args.model, dataset=args.dataset, sites=tuple(f"resid.{x}" for x in args.layers),
-                        batch_size=args.batch_size, max_examples=args.examples, progress=False)
+    cfg = CaptureConfig(
+        model=args.model,
+        dataset=args.dataset,
+        sites=tuple(f"resid.{x}" for x in args.layers),
+        batch_size=args.batch_size,
+        max_examples=args.examples,
+        progress=False,
+    )
     # warm-up: load model weights and tokenise once so both timed runs start equal
-    capture(CaptureConfig(**{**cfg.__dict__, "max_examples": args.batch_size}), lambda p: DiscardWriter())
+    capture(
+        CaptureConfig(**{**cfg.__dict__, "max_examples": args.batch_size}),
+        lambda p: DiscardWriter(),
+    )
     rows = []
     for repeat in range(args.repeats):
         bare = capture(cfg, lambda p: DiscardWriter())
         out = root / f"capture-{repeat}"
-        stored = capture(cfg, lambda p: SaevWriter.from_plan(p, out))
+        stored = capture(cfg, lambda p, out=out: SaevWriter.from_plan(p, out))
         rows.append((bare.seconds, stored.seconds, stored.writer_wait_s))
         shutil.rmtree(out)
     bare_s = min(r[0] for r in rows)
     stored_s = min(r[1] for r in rows)
     wait_s = min(r[2] for r in rows)
     n = args.examples
-    print(f"\ncapture of {n} examples, model {args.model}, layers {args.layers} "
-          f"(best of {args.repeats}):")
+    print(
+        f"\ncapture of {n} examples, model {args.model}, layers {args.layers} "
+        f"(best of {args.repeats}):"
+    )
     print(f"  no storage (discarding writer)  {bare_s:7.2f} s  {n / bare_s:8.1f} ex/s")
     print(f"  saev shards                     {stored_s:7.2f} s  {n / stored_s:8.1f} ex/s")
     print(f"  ratio stored / no storage       {stored_s / bare_s:7.3f}   (target <= 1.1)")
@@ -72,17 +83,32 @@ def bench_writer(args, root: Path) -> None:
     layers, tokens, d = (6, 12), 257, 1024
     per_example = len(layers) * tokens * d * 4
     n = max(1, int(args.writer_gib * 2**30) // per_example)
-    md = SaevMetadata(family="clip", ckpt="bench", layers=layers, patches_per_ex=tokens - 1,
-                      cls_token=True, d_model=d, n_examples=n, data=encode_data({}),
-                      dataset="/bench", patches_per_shard=256 * tokens * len(layers))
+    md = SaevMetadata(
+        family="clip",
+        ckpt="bench",
+        layers=layers,
+        patches_per_ex=tokens - 1,
+        cls_token=True,
+        d_model=d,
+        n_examples=n,
+        data=encode_data({}),
+        dataset="/bench",
+        patches_per_shard=256 * tokens * len(layers),
+    )
     batch_n = 32
     rng = np.random.default_rng(0)
-    acts = {f"resid.{layer}": torch.from_numpy(rng.standard_normal((batch_n, tokens, d), dtype=np.float32))
-            for layer in layers}
+    acts = {
+        f"resid.{layer}": torch.from_numpy(
+            rng.standard_normal((batch_n, tokens, d), dtype=np.float32)
+        )
+        for layer in layers
+    }
     total = n * per_example
 
     raw = root / "raw.bin"
-    payload = np.ascontiguousarray(np.stack([acts[f"resid.{layer}"].numpy() for layer in layers], 1))
+    payload = np.ascontiguousarray(
+        np.stack([acts[f"resid.{layer}"].numpy() for layer in layers], 1)
+    )
     t0 = time.perf_counter()
     with open(raw, "wb") as f:
         written = 0
@@ -99,20 +125,25 @@ def bench_writer(args, root: Path) -> None:
     writer = SaevWriter(md, root / "writer")
     for lo in range(0, n, batch_n):
         hi = min(lo + batch_n, n)
-        writer.write(Batch(acts={k: v[: hi - lo] for k, v in acts.items()},
-                           example_ids=np.arange(lo, hi)))
+        writer.write(
+            Batch(acts={k: v[: hi - lo] for k, v in acts.items()}, example_ids=np.arange(lo, hi))
+        )
     writer.close()
     writer_s = time.perf_counter() - t0
     shutil.rmtree(root / "writer")
     mb = total / 1e6
-    print(f"\nsaev writer, {total / 2**30:.2f} GiB ({n} examples x {len(layers)} layers x {tokens} x {d}):")
+    print(
+        f"\nsaev writer, {total / 2**30:.2f} GiB ({n} examples x {len(layers)} layers x {tokens} x {d}):"
+    )
     print(f"  raw sequential write + fsync    {raw_s:7.2f} s  {mb / raw_s:8.0f} MB/s")
     print(f"  SaevWriter (sha256 + stats)     {writer_s:7.2f} s  {mb / writer_s:8.0f} MB/s")
     print(f"  ratio writer / raw throughput   {raw_s / writer_s:7.3f}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--dataset", default="embedded")
     parser.add_argument("--layers", type=int, nargs="+", default=[3, 5])

@@ -29,23 +29,35 @@ from pathlib import Path
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from _common import Timer, evict, files_under, table  # noqa: E402
+import numpy as np
+import torch
+from _common import Timer, evict, files_under, table
 
-from actstore.batch import Batch, CapturePlan  # noqa: E402
-from actstore.convert import convert  # noqa: E402
-from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter  # noqa: E402
-from actstore.formats.saev import SaevOptions, SaevWriter  # noqa: E402
-from actstore.sites import Site  # noqa: E402
+from actstore.batch import Batch, CapturePlan
+from actstore.convert import convert
+from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter
+from actstore.formats.saev import SaevOptions, SaevWriter
+from actstore.sites import Site
 
 
 def make_plan(n: int, t: int, d: int, layers: tuple[int, ...]) -> CapturePlan:
-    return CapturePlan(ckpt="synthetic", family="gpt2", modality="text",
-                       sites=tuple(Site("resid", la) for la in layers), n_model_layers=12,
-                       d_model=d, tokens_per_example=t, has_cls=False, n_examples=n,
-                       dataset_root="/synthetic", data={"kind": "synthetic"}, classes=None,
-                       has_labels=False, has_tokens=True, batch_size=32)  # fmt: skip
+    return CapturePlan(
+        ckpt="synthetic",
+        family="gpt2",
+        modality="text",
+        sites=tuple(Site("resid", la) for la in layers),
+        n_model_layers=12,
+        d_model=d,
+        tokens_per_example=t,
+        has_cls=False,
+        n_examples=n,
+        dataset_root="/synthetic",
+        data={"kind": "synthetic"},
+        classes=None,
+        has_labels=False,
+        has_tokens=True,
+        batch_size=32,
+    )
 
 
 def batches(plan: CapturePlan, seed: int = 0):
@@ -59,8 +71,12 @@ def batches(plan: CapturePlan, seed: int = 0):
     for lo in range(0, plan.n_examples, plan.batch_size):
         hi = min(lo + plan.batch_size, plan.n_examples)
         acts = {str(s): torch.from_numpy(base[: hi - lo] + i) for i, s in enumerate(plan.sites)}
-        yield Batch(acts=acts, example_ids=np.arange(lo, hi), token_ids=tokens[: hi - lo],
-                    texts=[f"text of example {i}" for i in range(lo, hi)])  # fmt: skip
+        yield Batch(
+            acts=acts,
+            example_ids=np.arange(lo, hi),
+            token_ids=tokens[: hi - lo],
+            texts=[f"text of example {i}" for i in range(lo, hi)],
+        )
 
 
 def write(writer, plan: CapturePlan) -> float:
@@ -79,9 +95,11 @@ def bench_pickle(root: Path, plan: CapturePlan) -> Path:
     saev_dir = next(p for p in (root / "saev").iterdir() if not p.name.startswith("."))
     rows = [["saev writer (raw float32, baseline)", mb / saev_s, 1.0, 1.0]]
     stores = {}
-    variants = (("pkl.gz, gzip level 1 (default)", PickleOptions(compresslevel=1)),
-                ("pkl.gz, gzip level 6", PickleOptions(compresslevel=6)),
-                ("pkl, uncompressed", PickleOptions(compress=False)))  # fmt: skip
+    variants = (
+        ("pkl.gz, gzip level 1 (default)", PickleOptions(compresslevel=1)),
+        ("pkl.gz, gzip level 6", PickleOptions(compresslevel=6)),
+        ("pkl, uncompressed", PickleOptions(compress=False)),
+    )
     for i, (name, opts) in enumerate(variants):
         opts = PickleOptions(**{**opts.__dict__, "samples_per_shard": per_shard})
         out = root / f"pkl-{i}"
@@ -89,9 +107,11 @@ def bench_pickle(root: Path, plan: CapturePlan) -> Path:
         size = sum(p.stat().st_size for p in files_under(out, "shard_*"))
         rows.append([name, mb / seconds, (mb / seconds) / (mb / saev_s), size / 1e6 / mb])
         stores[name] = out
-    print(f"\npkl.gz write: {plan.n_examples} examples x {len(plan.sites)} layers x "
-          f"{plan.tokens_per_example} tokens x {plan.d_model} dims = {mb:.0f} MB float32; "
-          f"{per_shard} samples per shard (ratio: MB/s against the saev writer)\n")
+    print(
+        f"\npkl.gz write: {plan.n_examples} examples x {len(plan.sites)} layers x "
+        f"{plan.tokens_per_example} tokens x {plan.d_model} dims = {mb:.0f} MB float32; "
+        f"{per_shard} samples per shard (ratio: MB/s against the saev writer)\n"
+    )
     print(table(["writer", "MB/s", "ratio", "size / raw"], rows))
 
     read_rows = []
@@ -107,10 +127,13 @@ def bench_pickle(root: Path, plan: CapturePlan) -> Path:
             for same_rows in zip(*(reader.blocks(layer) for layer in reader.sites)):
                 for block in same_rows:
                     reader.read_block(block)
-        read_rows.append([name, mb / spec_t.seconds, mb / ours_t.seconds,
-                          spec_t.seconds / ours_t.seconds])  # fmt: skip
-    print("\npkl.gz read, every layer of every shard (ratio: safe reader speed / the spec's "
-          "plain pickle loader speed)\n")
+        read_rows.append(
+            [name, mb / spec_t.seconds, mb / ours_t.seconds, spec_t.seconds / ours_t.seconds]
+        )
+    print(
+        "\npkl.gz read, every layer of every shard (ratio: safe reader speed / the spec's "
+        "plain pickle loader speed)\n"
+    )
     print(table(["store", "spec loader MB/s", "actstore MB/s", "ratio"], read_rows))
     return saev_dir
 
@@ -123,15 +146,30 @@ def bench_convert(root: Path, saev_dir: Path, plan: CapturePlan) -> None:
         for f in files_under(saev_dir):
             shutil.copyfile(f, copy_dir / f.name)
     rows = [["copy the saev files (baseline)", mb / base.seconds, 1.0, "-"]]
-    for target, options in (("pickle", PickleOptions(compress=False, samples_per_shard=64)),
-                            ("zarr", None), ("saev", SaevOptions(patches_per_shard=1_200_000))):  # fmt: skip
+    for target, options in (
+        ("pickle", PickleOptions(compress=False, samples_per_shard=64)),
+        ("zarr", None),
+        ("saev", SaevOptions(patches_per_shard=1_200_000)),
+    ):
         source = saev_dir if target != "saev" else root / "conv-pickle"
         with Timer() as t:
-            result = convert(source, root / f"conv-{target}", to=target, options=options,
-                             batch_size=32, progress=False)  # fmt: skip
+            result = convert(
+                source,
+                root / f"conv-{target}",
+                to=target,
+                options=options,
+                batch_size=32,
+                progress=False,
+            )
         err = max(result.max_abs_error.values())
-        rows.append([f"convert {result.source_format} -> {target} (+ verify)", mb / t.seconds,
-                     (mb / t.seconds) / (mb / base.seconds), f"{err:.2g}"])  # fmt: skip
+        rows.append(
+            [
+                f"convert {result.source_format} -> {target} (+ verify)",
+                mb / t.seconds,
+                (mb / t.seconds) / (mb / base.seconds),
+                f"{err:.2g}",
+            ]
+        )
     print(f"\nconversion of {mb:.0f} MB (ratio: MB/s against copying the source files)\n")
     print(table(["what", "MB/s", "ratio", "max abs error"], rows))
 
@@ -161,11 +199,19 @@ def bench_merge(root: Path, plan: CapturePlan) -> None:
     evict(files_under(final.parent / f".{final.name}.parts"))
     with Timer() as t:
         merge_store(final, "saev")
-    print(f"\nmerge of a 2-part saev capture, {parts_bytes / 1e6:.0f} MB, page cache dropped "
-          "(ratio: time against copying the parts' bytes)\n")
-    print(table(["what", "seconds", "ratio"], [["copy the parts (baseline)", base.seconds, 1.0],
-                                               ["merge_store (links + index)", t.seconds,
-                                                t.seconds / base.seconds]]))  # fmt: skip
+    print(
+        f"\nmerge of a 2-part saev capture, {parts_bytes / 1e6:.0f} MB, page cache dropped "
+        "(ratio: time against copying the parts' bytes)\n"
+    )
+    print(
+        table(
+            ["what", "seconds", "ratio"],
+            [
+                ["copy the parts (baseline)", base.seconds, 1.0],
+                ["merge_store (links + index)", t.seconds, t.seconds / base.seconds],
+            ],
+        )
+    )
 
 
 def bench_ray(root: Path, examples: int) -> None:
@@ -176,8 +222,9 @@ def bench_ray(root: Path, examples: int) -> None:
     from actstore.dist import capture_on_ray, init_local_ray
     from actstore.formats.registry import get_format
 
-    cfg = CaptureConfig(sites=("resid.3", "resid.5"), max_examples=examples, batch_size=16,
-                        progress=False)  # fmt: skip
+    cfg = CaptureConfig(
+        sites=("resid.3", "resid.5"), max_examples=examples, batch_size=16, progress=False
+    )
     options = SaevOptions(patches_per_shard=128 * 2 * 16)
     spec = get_format("saev")
     runs = {}
@@ -194,20 +241,36 @@ def bench_ray(root: Path, examples: int) -> None:
         result = capture_on_ray(cfg, "saev", str(root / "ray-out"), options, workers=2)
     ray.shutdown()
     loop = max(p.seconds for p in result.parts)
-    same = all((Path(one.output) / f.name).read_bytes() == f.read_bytes()
-               for f in files_under(result.location))
-    print(f"\ndistributed capture: embedded model (all-MiniLM-L6-v2), {examples} examples of 128 "
-          "tokens, layers 3 and 5, 2 CPU cores; a Ray worker gets 1 CPU (1 torch thread) "
-          "(ratio: speed against one process with 1 thread)\n")
-    print(table(["run", "seconds", "ratio"], [
-        ["one process, 1 thread, end to end (baseline)", base_s, 1.0],
-        ["one process, 1 thread, forward loop", one.seconds, base_s / one.seconds],
-        ["one process, 2 threads, end to end", runs[2][0], base_s / runs[2][0]],
-        ["2 Ray workers, end to end (cluster running)", dist.seconds, base_s / dist.seconds],
-        ["2 Ray workers, + starting the local cluster", dist.seconds + start.seconds,
-         base_s / (dist.seconds + start.seconds)],
-        ["2 Ray workers, slowest forward loop", loop, one.seconds / loop],
-    ]))  # fmt: skip
+    same = all(
+        (Path(one.output) / f.name).read_bytes() == f.read_bytes()
+        for f in files_under(result.location)
+    )
+    print(
+        f"\ndistributed capture: embedded model (all-MiniLM-L6-v2), {examples} examples of 128 "
+        "tokens, layers 3 and 5, 2 CPU cores; a Ray worker gets 1 CPU (1 torch thread) "
+        "(ratio: speed against one process with 1 thread)\n"
+    )
+    print(
+        table(
+            ["run", "seconds", "ratio"],
+            [
+                ["one process, 1 thread, end to end (baseline)", base_s, 1.0],
+                ["one process, 1 thread, forward loop", one.seconds, base_s / one.seconds],
+                ["one process, 2 threads, end to end", runs[2][0], base_s / runs[2][0]],
+                [
+                    "2 Ray workers, end to end (cluster running)",
+                    dist.seconds,
+                    base_s / dist.seconds,
+                ],
+                [
+                    "2 Ray workers, + starting the local cluster",
+                    dist.seconds + start.seconds,
+                    base_s / (dist.seconds + start.seconds),
+                ],
+                ["2 Ray workers, slowest forward loop", loop, one.seconds / loop],
+            ],
+        )
+    )
     print(f"\nmerged store byte-identical to the one-process store: {same}")
 
 

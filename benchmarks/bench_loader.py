@@ -51,31 +51,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Results go to stdout as Markdown tables (and --json). The store is reused "
-               "across runs when the same size options are given.",
+        "across runs when the same size options are given.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )  # fmt: skip
-    p.add_argument("--data-dir", type=Path, default=Path("/tmp/actstore-bench-loader"),
-                   help="where the synthetic store is written (and found again)")
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("/tmp/actstore-bench-loader"),
+        help="where the synthetic store is written (and found again)",
+    )
     p.add_argument("--gib", type=float, default=3.0, help="size of the store in GiB")
     p.add_argument("--d-model", type=int, default=1024, help="activation width D")
     p.add_argument("--tokens", type=int, default=256, help="tokens per example T")
-    p.add_argument("--layers", type=int, default=1,
-                   help="layers stored; with 1 a block groups examples (1 MiB), with more "
-                        "a block is one example of one layer")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="layers stored; with 1 a block groups examples (1 MiB), with more "
+        "a block is one example of one layer",
+    )
     p.add_argument("--shard-gib", type=float, default=1.0, help="size of one shard file")
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--pool-mib", type=int, default=256, help="shuffle window size")
     p.add_argument("--io-threads", type=int, default=4, help="read threads per consumer")
-    p.add_argument("--workers", default="2",
-                   help="comma-separated ActivationDataLoader worker counts to measure "
-                        "(in-process iteration is always measured)")
-    p.add_argument("--naive-seconds", type=float, default=10.0,
-                   help="time budget for each naive baseline run")
+    p.add_argument(
+        "--workers",
+        default="2",
+        help="comma-separated ActivationDataLoader worker counts to measure "
+        "(in-process iteration is always measured)",
+    )
+    p.add_argument(
+        "--naive-seconds", type=float, default=10.0, help="time budget for each naive baseline run"
+    )
     p.add_argument("--naive-workers", default="0,2", help="DataLoader workers for the naive run")
     p.add_argument("--skip-naive", action="store_true")
     p.add_argument("--skip-cold", action="store_true", help="warm (page cache) runs only")
-    p.add_argument("--mixing-pools", default="16,64,256",
-                   help="window sizes (MiB) for the shuffle-quality measurement")
+    p.add_argument(
+        "--mixing-pools",
+        default="16,64,256",
+        help="window sizes (MiB) for the shuffle-quality measurement",
+    )
     p.add_argument("--json", type=Path, help="also write all results here")
     return p.parse_args(argv)
 
@@ -89,25 +104,41 @@ def build_store(args: argparse.Namespace) -> Path:
     example_bytes = n_layers * t * d * 4
     n_examples = max(1, int(args.gib * 2**30 // example_bytes))
     per_shard = max(1, int(args.shard_gib * 2**30 // example_bytes))
-    md = SaevMetadata(family="gpt2", ckpt="synthetic-bench", layers=tuple(range(n_layers)),
-                      patches_per_ex=t, cls_token=False, d_model=d, n_examples=n_examples,
-                      patches_per_shard=per_shard * t * n_layers,
-                      data=encode_data({"kind": "synthetic"}), dataset="synthetic")  # fmt: skip
+    md = SaevMetadata(
+        family="gpt2",
+        ckpt="synthetic-bench",
+        layers=tuple(range(n_layers)),
+        patches_per_ex=t,
+        cls_token=False,
+        d_model=d,
+        n_examples=n_examples,
+        patches_per_shard=per_shard * t * n_layers,
+        data=encode_data({"kind": "synthetic"}),
+        dataset="synthetic",
+    )
     writer = SaevWriter(md, args.data_dir)
     if writer.complete:
         return writer.final_dir
     rng = np.random.default_rng(0)
     chunk = 16
     base = rng.standard_normal((chunk, t, d)).astype(np.float32)
-    with tqdm(total=n_examples * example_bytes, unit="B", unit_scale=True,
-              desc="writing the benchmark store") as bar:  # fmt: skip
+    with tqdm(
+        total=n_examples * example_bytes,
+        unit="B",
+        unit_scale=True,
+        desc="writing the benchmark store",
+    ) as bar:
         for lo in range(writer.resume_from - writer.resume_from % chunk, n_examples, chunk):
             n = min(chunk, n_examples - lo)
             acts = base[:n] + np.arange(lo, lo + n, dtype=np.float32)[:, None, None] * 1e-3
             acts[:, :, 0] = np.arange(lo, lo + n)[:, None]  # column 0 names the example
             tensor = torch.from_numpy(acts)
-            writer.write(Batch(acts={f"resid.{layer}": tensor for layer in range(n_layers)},
-                               example_ids=np.arange(lo, lo + n)))  # fmt: skip
+            writer.write(
+                Batch(
+                    acts={f"resid.{layer}": tensor for layer in range(n_layers)},
+                    example_ids=np.arange(lo, lo + n),
+                )
+            )
             bar.update(n * example_bytes)
     return writer.close()
 
@@ -131,8 +162,13 @@ def run_epoch(iterable, row_bytes: int) -> dict[str, float]:
 
 def _rates(rows: int, row_bytes: int, t: Timer) -> dict[str, float]:
     gb = rows * row_bytes / 1e9
-    return {"rows": rows, "seconds": t.seconds, "rows_per_s": rows / t.seconds,
-            "mb_per_s": gb * 1e3 / t.seconds, "cpu_s_per_gb": t.cpu / gb}  # fmt: skip
+    return {
+        "rows": rows,
+        "seconds": t.seconds,
+        "rows_per_s": rows / t.seconds,
+        "mb_per_s": gb * 1e3 / t.seconds,
+        "cpu_s_per_gb": t.cpu / gb,
+    }
 
 
 class NaiveRows(Dataset):
@@ -156,10 +192,16 @@ class NaiveRows(Dataset):
         return torch.from_numpy(np.array(self.maps[shard][row, self.layer, token]))
 
 
-def run_naive(path: Path, layer: int, batch: int, workers: int, seconds: float,
-              row_bytes: int) -> dict[str, float]:  # fmt: skip
-    data = DataLoader(NaiveRows(path, layer), batch_size=batch, shuffle=True,
-                      num_workers=workers, generator=torch.Generator().manual_seed(0))  # fmt: skip
+def run_naive(
+    path: Path, layer: int, batch: int, workers: int, seconds: float, row_bytes: int
+) -> dict[str, float]:
+    data = DataLoader(
+        NaiveRows(path, layer),
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(0),
+    )
     rows = 0
     with Timer() as t:
         it = iter(data)
@@ -178,8 +220,9 @@ def same_example_fraction(rows: np.ndarray, tokens: int) -> tuple[float, float]:
     return float((counts * (counts - 1) / 2).sum() / pairs), float(len(counts))
 
 
-def measure_mixing(path: Path, args: argparse.Namespace, layer: int, n_batches: int = 24
-                   ) -> list[list[object]]:  # fmt: skip
+def measure_mixing(
+    path: Path, args: argparse.Namespace, layer: int, n_batches: int = 24
+) -> list[list[object]]:
     out = []
     reader = SaevReader(path)
     t, n_rows = reader.tokens_per_ex, reader.n_examples * reader.tokens_per_ex
@@ -196,10 +239,17 @@ def measure_mixing(path: Path, args: argparse.Namespace, layer: int, n_batches: 
             distinct.append(k)
             if i + 1 == n_batches:
                 break
-        out.append([f"{mib} MiB ({loader.pool_blocks} blocks, {window:,} rows)",
-                    f"{np.mean(fractions):.2e}", f"{(t - 1) / (window - 1):.2e}",
-                    f"{ideal:.2e}", float(np.mean(distinct)), _distinct(window // t, t, b),
-                    ideal_distinct])  # fmt: skip
+        out.append(
+            [
+                f"{mib} MiB ({loader.pool_blocks} blocks, {window:,} rows)",
+                f"{np.mean(fractions):.2e}",
+                f"{(t - 1) / (window - 1):.2e}",
+                f"{ideal:.2e}",
+                float(np.mean(distinct)),
+                _distinct(window // t, t, b),
+                ideal_distinct,
+            ]
+        )
     return out
 
 
@@ -217,8 +267,14 @@ def make_loader(path, args, layer, *, pool_mib=None, **options) -> ActivationLoa
     reader = SaevReader(path)
     block_bytes = reader.blocks(layer)[0].n_rows * reader.d_model * 4
     pool_blocks = max(1, ((pool_mib or args.pool_mib) << 20) // block_bytes)
-    return ActivationLoader(reader, site=layer, batch_size=args.batch_size, pool_blocks=pool_blocks,
-                            io_threads=args.io_threads, **options)  # fmt: skip
+    return ActivationLoader(
+        reader,
+        site=layer,
+        batch_size=args.batch_size,
+        pool_blocks=pool_blocks,
+        io_threads=args.io_threads,
+        **options,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -229,9 +285,11 @@ def main(argv: list[str] | None = None) -> None:
     reader = SaevReader(path)
     row_bytes = reader.d_model * 4
     total_bytes = sum(f.stat().st_size for f in files)
-    print(f"store: {path} ({total_bytes / 2**30:.2f} GiB in {len(files)} shards, "
-          f"{reader.n_examples:,} examples x {reader.tokens_per_ex} tokens x D={reader.d_model}, "
-          f"{len(reader.blocks(layer)):,} blocks)\n")
+    print(
+        f"store: {path} ({total_bytes / 2**30:.2f} GiB in {len(files)} shards, "
+        f"{reader.n_examples:,} examples x {reader.tokens_per_ex} tokens x D={reader.d_model}, "
+        f"{len(reader.blocks(layer)):,} blocks)\n"
+    )
     caches = ["warm"] if args.skip_cold else ["cold", "warm"]
     worker_counts = [int(x) for x in args.workers.split(",") if x.strip()]
     results: dict[str, dict] = {}
@@ -244,45 +302,80 @@ def main(argv: list[str] | None = None) -> None:
         nbytes, timer = sequential_read(files)
         seq = _rates(nbytes // row_bytes, row_bytes, timer)
         results[f"sequential/{cache}"] = seq
-        rows_table.append(["sequential read (dd-style)", cache, seq["rows_per_s"],
-                           seq["mb_per_s"], 1.0, seq["cpu_s_per_gb"], ""])
+        rows_table.append(
+            [
+                "sequential read (dd-style)",
+                cache,
+                seq["rows_per_s"],
+                seq["mb_per_s"],
+                1.0,
+                seq["cpu_s_per_gb"],
+                "",
+            ]
+        )
         # In-process: the first epoch also allocates the pools (fresh memory is slow to
         # touch); later epochs reuse them. Plain worker processes start afresh every epoch;
         # persistent ones keep their pools, like the in-process loader.
         loader = make_loader(path, args, layer)
-        runs = [("ActivationLoader in-process, first epoch", loader),
-                ("ActivationLoader in-process, next epoch", loader)]
+        runs = [
+            ("ActivationLoader in-process, first epoch", loader),
+            ("ActivationLoader in-process, next epoch", loader),
+        ]
         kept = None
         for n in (n for n in worker_counts if n > 0):
-            kept = ActivationDataLoader(make_loader(path, args, layer), num_workers=n,
-                                        persistent_workers=True)  # fmt: skip
-            runs += [(f"ActivationDataLoader, {n} workers (new each epoch)",
-                      ActivationDataLoader(make_loader(path, args, layer), num_workers=n)),
-                     (f"ActivationDataLoader, {n} persistent workers, first epoch", kept),
-                     (f"ActivationDataLoader, {n} persistent workers, next epoch", kept)]
+            kept = ActivationDataLoader(
+                make_loader(path, args, layer), num_workers=n, persistent_workers=True
+            )
+            runs += [
+                (
+                    f"ActivationDataLoader, {n} workers (new each epoch)",
+                    ActivationDataLoader(make_loader(path, args, layer), num_workers=n),
+                ),
+                (f"ActivationDataLoader, {n} persistent workers, first epoch", kept),
+                (f"ActivationDataLoader, {n} persistent workers, next epoch", kept),
+            ]
         for name, iterable in runs:
             if cache == "cold":
                 evict(files)
             res = run_epoch(iterable, row_bytes)
             results[f"{name}/{cache}"] = res
-            rows_table.append([name, cache, res["rows_per_s"], res["mb_per_s"],
-                               res["mb_per_s"] / seq["mb_per_s"], res["cpu_s_per_gb"],
-                               ">= 0.7"])  # fmt: skip
+            rows_table.append(
+                [
+                    name,
+                    cache,
+                    res["rows_per_s"],
+                    res["mb_per_s"],
+                    res["mb_per_s"] / seq["mb_per_s"],
+                    res["cpu_s_per_gb"],
+                    ">= 0.7",
+                ]
+            )
         del loader, runs, kept
         if not args.skip_naive:
             best = results[f"ActivationLoader in-process, next epoch/{cache}"]["rows_per_s"]
             for workers in [int(x) for x in args.naive_workers.split(",") if x.strip()]:
                 if cache == "cold":
                     evict(files)
-                res = run_naive(path, layer, args.batch_size, workers, args.naive_seconds,
-                                row_bytes)
+                res = run_naive(
+                    path, layer, args.batch_size, workers, args.naive_seconds, row_bytes
+                )
                 results[f"naive {workers} workers/{cache}"] = res
-                rows_table.append([f"naive map-style + DataLoader(shuffle=True), {workers} workers",
-                                   cache, res["rows_per_s"], res["mb_per_s"],
-                                   res["mb_per_s"] / seq["mb_per_s"], res["cpu_s_per_gb"],
-                                   f"loader is {best / res['rows_per_s']:.0f}x (>= 10x)"])
-    print(table(["what", "cache", "rows/s", "MB/s", "vs sequential", "CPU s/GB", "target"],
-                rows_table))  # fmt: skip
+                rows_table.append(
+                    [
+                        f"naive map-style + DataLoader(shuffle=True), {workers} workers",
+                        cache,
+                        res["rows_per_s"],
+                        res["mb_per_s"],
+                        res["mb_per_s"] / seq["mb_per_s"],
+                        res["cpu_s_per_gb"],
+                        f"loader is {best / res['rows_per_s']:.0f}x (>= 10x)",
+                    ]
+                )
+    print(
+        table(
+            ["what", "cache", "rows/s", "MB/s", "vs sequential", "CPU s/GB", "target"], rows_table
+        )
+    )
 
     # time to first batch and resume cost, cold (the worst case)
     latency = []
@@ -290,8 +383,9 @@ def main(argv: list[str] | None = None) -> None:
     with Timer() as t:
         loader = make_loader(path, args, layer)
         next(iter(loader))
-    latency.append(["time to first batch (open store, build loader, first batch)", "cold",
-                    t.seconds, "< 2 s"])
+    latency.append(
+        ["time to first batch (open store, build loader, first batch)", "cold", t.seconds, "< 2 s"]
+    )
     loader = make_loader(path, args, layer)
     it = iter(loader)
     for _ in range(len(loader) // 2):
@@ -305,23 +399,41 @@ def main(argv: list[str] | None = None) -> None:
         with Timer() as t:
             resumed.load_state_dict(state)
             next(iter(resumed))
-        what = (f"resume at batch {state['batches']:,} of {len(loader):,} "
-                "(load_state_dict to first batch)")
+        what = (
+            f"resume at batch {state['batches']:,} of {len(loader):,} "
+            "(load_state_dict to first batch)"
+        )
         latency.append([what, cache, t.seconds, "O(1 window)"])
     results["latency"] = {row[0] + "/" + row[1]: row[2] for row in latency}
     print()
     print(table(["what", "cache", "seconds", "target"], latency))
-    print(f"\nmemory bound per consumer: {loader.memory_bytes / 2**20:.0f} MiB "
-          f"(2 windows x {loader.pool_blocks} blocks x block bytes)")
+    print(
+        f"\nmemory bound per consumer: {loader.memory_bytes / 2**20:.0f} MiB "
+        f"(2 windows x {loader.pool_blocks} blocks x block bytes)"
+    )
     best = results[f"ActivationLoader in-process, next epoch/{caches[-1]}"]["rows_per_s"]
-    print(f"saev's published shuffled loader: ~{SAEV_PUBLISHED:,} patches/s (context only; "
-          f"other hardware); this run: {best:,.0f} rows/s {caches[-1]}")
+    print(
+        f"saev's published shuffled loader: ~{SAEV_PUBLISHED:,} patches/s (context only; "
+        f"other hardware); this run: {best:,.0f} rows/s {caches[-1]}"
+    )
 
     mixing = measure_mixing(path, args, layer)
     results["mixing"] = mixing
     print()
-    print(table(["window", "same-example pairs", "formula (T-1)/(R-1)", "ideal uniform",
-                 "distinct examples/batch", "formula", "ideal uniform"], mixing))  # fmt: skip
+    print(
+        table(
+            [
+                "window",
+                "same-example pairs",
+                "formula (T-1)/(R-1)",
+                "ideal uniform",
+                "distinct examples/batch",
+                "formula",
+                "ideal uniform",
+            ],
+            mixing,
+        )
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
 

@@ -28,22 +28,24 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Timer, table  # noqa: E402
+from _common import Timer, table
 
-from actstore.batch import Batch  # noqa: E402
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter  # noqa: E402
-from actstore.formats.saev.layout import encode_data  # noqa: E402
-from actstore.sae import SparseActs, TrainConfig, encode_store, train_sae  # noqa: E402
-from actstore.sae.rows import ordered_rows  # noqa: E402
-from actstore.sae.train import resolve_device, training_batches  # noqa: E402
-from actstore.visuals.select import TokenRows, top_examples, top_latents  # noqa: E402
+from actstore.batch import Batch
+from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev.layout import encode_data
+from actstore.sae import SparseActs, TrainConfig, encode_store, train_sae
+from actstore.sae.rows import ordered_rows
+from actstore.sae.train import resolve_device, training_batches
+from actstore.visuals.select import TokenRows, top_examples, top_latents
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data-dir", type=Path,
-                   default=Path(tempfile.gettempdir()) / "actstore-bench-runs")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--data-dir", type=Path, default=Path(tempfile.gettempdir()) / "actstore-bench-runs"
+    )
     p.add_argument("--examples", type=int, default=800, help="examples in the store")
     p.add_argument("--patches", type=int, default=196, help="patches per example (+1 CLS)")
     p.add_argument("--d-model", type=int, default=768)
@@ -53,14 +55,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="training steps per measurement")
     p.add_argument("--device", default="auto")
     p.add_argument("--latents", type=int, default=32, help="latents for the visuals selection")
-    return p.parse_args(argv)  # fmt: skip
+    return p.parse_args(argv)
 
 
 def make_store(args: argparse.Namespace) -> Path:
     """A store of sparse-ish synthetic activations (a few directions active per token)."""
-    md = SaevMetadata(family="clip", ckpt="synthetic", layers=(11,), patches_per_ex=args.patches,
-                      cls_token=True, d_model=args.d_model, n_examples=args.examples,
-                      data=encode_data({"kind": "synthetic"}), dataset="/nowhere")  # fmt: skip
+    md = SaevMetadata(
+        family="clip",
+        ckpt="synthetic",
+        layers=(11,),
+        patches_per_ex=args.patches,
+        cls_token=True,
+        d_model=args.d_model,
+        n_examples=args.examples,
+        data=encode_data({"kind": "synthetic"}),
+        dataset="/nowhere",
+    )
     root = args.data_dir
     existing = root / md.content_hash()
     if existing.exists():
@@ -74,36 +84,53 @@ def make_store(args: argparse.Namespace) -> Path:
         codes = rng.exponential(1.0, (n * t, 8)).astype(np.float32)
         which = rng.integers(0, len(directions), (n * t, 8))
         acts = np.einsum("rk,rkd->rd", codes, directions[which]) + 0.1 * rng.standard_normal(
-            (n * t, args.d_model), dtype=np.float32)
-        writer.write(Batch(acts={"resid.11": torch.from_numpy(acts.reshape(n, t, -1))},
-                           example_ids=np.arange(lo, lo + n)))  # fmt: skip
+            (n * t, args.d_model), dtype=np.float32
+        )
+        writer.write(
+            Batch(
+                acts={"resid.11": torch.from_numpy(acts.reshape(n, t, -1))},
+                example_ids=np.arange(lo, lo + n),
+            )
+        )
     return writer.close()
 
 
 def bench_training(reader: SaevReader, args: argparse.Namespace) -> list[list[object]]:
-    config = TrainConfig(kind="topk", k=args.k, expansion=args.expansion, steps=args.steps,
-                         batch_size=args.batch_size, warmup_steps=10, device=args.device,
-                         log_every=args.steps)  # fmt: skip
+    config = TrainConfig(
+        kind="topk",
+        k=args.k,
+        expansion=args.expansion,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        warmup_steps=10,
+        device=args.device,
+        log_every=args.steps,
+    )
     stats = reader.statistics(11)
-    rows = torch.from_numpy(np.concatenate([r.acts for r in ordered_rows(reader, 11,
-                                                                         tokens="content")]))
+    rows = torch.from_numpy(
+        np.concatenate([r.acts for r in ordered_rows(reader, 11, tokens="content")])
+    )
     device = resolve_device(args.device)
     in_ram = rows.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
 
     def ram_batches():
         while True:
-            yield in_ram[torch.randint(len(in_ram), (args.batch_size,), device=device,
-                                       generator=gen)]  # fmt: skip
+            yield in_ram[
+                torch.randint(len(in_ram), (args.batch_size,), device=device, generator=gen)
+            ]
 
     out = []
-    feeds = (("in-RAM tensor (ceiling)", ram_batches()),
-             ("shared loader (actstore train)", training_batches(reader, 11, config)))
+    feeds = (
+        ("in-RAM tensor (ceiling)", ram_batches()),
+        ("shared loader (actstore train)", training_batches(reader, 11, config)),
+    )
     for name, batches in feeds:
         # one untimed run first (allocator, thread pools), then the measured one
         train_sae(config, batches, d_model=reader.d_model, statistics=stats, progress=False)
-        result = train_sae(config, batches, d_model=reader.d_model, statistics=stats,
-                           progress=False)  # fmt: skip
+        result = train_sae(
+            config, batches, d_model=reader.d_model, statistics=stats, progress=False
+        )
         seconds = result.metrics["seconds"]
         out.append([name, args.steps / seconds, args.steps * args.batch_size / seconds])
     for row in out:
@@ -115,8 +142,9 @@ def bench_inference(reader: SaevReader, args: argparse.Namespace):
     from actstore.sae import SAEConfig, SparseAutoencoder
 
     device = resolve_device(args.device)
-    sae = SparseAutoencoder(SAEConfig(d_model=args.d_model, d_sae=args.expansion * args.d_model,
-                                      k=args.k))  # fmt: skip
+    sae = SparseAutoencoder(
+        SAEConfig(d_model=args.d_model, d_sae=args.expansion * args.d_model, k=args.k)
+    )
     stats = reader.statistics(11)
     sae.set_normalisation(stats.mean, stats.var)
     sae.to(device).eval()
@@ -129,9 +157,14 @@ def bench_inference(reader: SaevReader, args: argparse.Namespace):
             torch.cuda.synchronize()
     with Timer() as full:
         acts = encode_store(sae, reader, 11, batch_rows=4096, progress=False)
-    table_rows = [["encode rows in RAM, dense (ceiling)", n_tokens / dense.seconds, 1.0],
-                  ["encode_store: read + encode + CSR", n_tokens / full.seconds,
-                   dense.seconds / full.seconds]]  # fmt: skip
+    table_rows = [
+        ["encode rows in RAM, dense (ceiling)", n_tokens / dense.seconds, 1.0],
+        [
+            "encode_store: read + encode + CSR",
+            n_tokens / full.seconds,
+            dense.seconds / full.seconds,
+        ],
+    ]
     return table_rows, acts
 
 
@@ -142,18 +175,21 @@ def bench_files(acts: SparseActs, args: argparse.Namespace) -> list[list[object]
     sparse_bytes = path.stat().st_size
     dense_bytes = acts.n_rows * acts.d_sae * 4
     path.unlink()
-    return [["patch_acts.npz (CSR)", sparse_bytes / acts.n_rows, t.seconds,
-             dense_bytes / sparse_bytes],
-            ["dense float32 (not written)", dense_bytes / acts.n_rows, "-", 1.0]]  # fmt: skip
+    return [
+        ["patch_acts.npz (CSR)", sparse_bytes / acts.n_rows, t.seconds, dense_bytes / sparse_bytes],
+        ["dense float32 (not written)", dense_bytes / acts.n_rows, "-", 1.0],
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     reader = SaevReader(make_store(args))
-    print(f"store: {reader.n_examples} examples x {reader.tokens_per_ex} tokens x "
-          f"{reader.d_model} dims; SAE {args.expansion}x, k={args.k}, batch {args.batch_size}, "
-          f"device {resolve_device(args.device)}, torch threads {torch.get_num_threads()}\n")
+    print(
+        f"store: {reader.n_examples} examples x {reader.tokens_per_ex} tokens x "
+        f"{reader.d_model} dims; SAE {args.expansion}x, k={args.k}, batch {args.batch_size}, "
+        f"device {resolve_device(args.device)}, torch threads {torch.get_num_threads()}\n"
+    )
     print("Training (ratio: steps/s against the in-RAM ceiling)\n")
     print(table(["feed", "steps/s", "tokens/s", "ratio"], bench_training(reader, args)))
     rows, acts = bench_inference(reader, args)
@@ -161,13 +197,19 @@ def main(argv: list[str] | None = None) -> None:
     print(table(["path", "tokens/s", "ratio"], rows))
     print("\nStored activations (ratio: dense bytes / these bytes)\n")
     print(table(["file", "bytes/token", "write s", "ratio"], bench_files(acts, args)))
-    tokens = TokenRows(rows_per_example=reader.tokens_per_ex, first_token=0,
-                       n_examples=reader.n_examples, skip_tokens=(0,))  # fmt: skip
+    tokens = TokenRows(
+        rows_per_example=reader.tokens_per_ex,
+        first_token=0,
+        n_examples=reader.n_examples,
+        skip_tokens=(0,),
+    )
     with Timer() as t:
         for summary in top_latents(acts, tokens, args.latents):
             top_examples(acts, summary.latent, tokens, 8)
-    print(f"\nVisuals selection: top {args.latents} latents and 8 examples each from "
-          f"{acts.nnz:,} non-zeros in {t.seconds:.2f} s")
+    print(
+        f"\nVisuals selection: top {args.latents} latents and 8 examples each from "
+        f"{acts.nnz:,} non-zeros in {t.seconds:.2f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,14 @@ class SyntheticPairs:
     process), so producing data costs little next to writing it.
     """
 
-    def __init__(self, n_layers: int, hidden: int, prompt_len: np.ndarray, response_len: np.ndarray,
-                 batch_size: int = 8) -> None:  # fmt: skip
+    def __init__(
+        self,
+        n_layers: int,
+        hidden: int,
+        prompt_len: np.ndarray,
+        response_len: np.ndarray,
+        batch_size: int = 8,
+    ) -> None:
         self.n_layers, self.hidden, self.batch_size = n_layers, hidden, batch_size
         self.prompt_len, self.response_len = prompt_len, response_len
         self._base: np.ndarray | None = None
@@ -62,8 +68,9 @@ class SyntheticPairs:
     def base(self) -> np.ndarray:
         if self._base is None:
             width = int((self.prompt_len + self.response_len).max())
-            tile = np.random.default_rng(0).standard_normal((1, self.n_layers, 64, self.hidden),
-                                                           dtype=np.float32)  # fmt: skip
+            tile = np.random.default_rng(0).standard_normal(
+                (1, self.n_layers, 64, self.hidden), dtype=np.float32
+            )
             self._base = np.tile(tile, (self.batch_size, 1, -(-width // 64), 1))[:, :, :width]
         return self._base
 
@@ -74,8 +81,11 @@ class SyntheticPairs:
             p, r = self.prompt_len[ids], self.response_len[ids]
             width = int((p + r).max())
             acts = base[: len(ids), :, :width]  # [B, L, T, H]
-            yield Batch(acts={f"resid.{k}": torch.from_numpy(acts[:, k]) for k in range(self.n_layers)},
-                        example_ids=ids, extras={"prompt_len": p, "response_len": r})  # fmt: skip
+            yield Batch(
+                acts={f"resid.{k}": torch.from_numpy(acts[:, k]) for k in range(self.n_layers)},
+                example_ids=ids,
+                extras={"prompt_len": p, "response_len": r},
+            )
 
 
 def lengths(n: int, r_max: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -88,11 +98,16 @@ def lengths(n: int, r_max: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 def summary(ns: list[int]) -> dict[str, float]:
     us = np.asarray(ns, dtype=np.float64) / 1e3
-    return {"mean_us": float(us.mean()), "median_us": float(np.median(us)),
-            "p95_us": float(np.percentile(us, 95))}  # fmt: skip
+    return {
+        "mean_us": float(us.mean()),
+        "median_us": float(np.median(us)),
+        "p95_us": float(np.percentile(us, 95)),
+    }
 
 
-def raw_read(reader: ZarrReader, i: int, layer_idx: int, part: str, n_rows: int, out: np.ndarray) -> None:
+def raw_read(
+    reader: ZarrReader, i: int, layer_idx: int, part: str, n_rows: int, out: np.ndarray
+) -> None:
     """The same chunk-file bytes, read with plain Python file objects into ``out``."""
     store = reader.stores[0]
     t = store.layout.t_chunk(part)
@@ -111,7 +126,13 @@ class PlainZarrPairs(torch.utils.data.Dataset):
     """The user's obvious Dataset over the same pattern, with zarr-python only."""
 
     def __init__(self, path: str, n_samples: int, n_layers: int, r_max: int, seed: int) -> None:
-        self.path, self.n, self.n_layers, self.r_max, self.seed = path, n_samples, n_layers, r_max, seed
+        self.path, self.n, self.n_layers, self.r_max, self.seed = (
+            path,
+            n_samples,
+            n_layers,
+            r_max,
+            seed,
+        )
         self._array = None
 
     def __getstate__(self):
@@ -125,13 +146,20 @@ class PlainZarrPairs(torch.utils.data.Dataset):
 
         if self._array is None:
             self._array = zarr.open_consolidated(self.path, mode="r")["arrays/response_activations"]
-        layers = np.random.default_rng((self.seed, 0, int(i))).choice(self.n_layers, 2, replace=False)
-        return {"acts": torch.from_numpy(np.stack([self._array[i, int(k)] for k in layers])),
-                "index": int(i)}  # fmt: skip
+        layers = np.random.default_rng((self.seed, 0, int(i))).choice(
+            self.n_layers, 2, replace=False
+        )
+        return {
+            "acts": torch.from_numpy(np.stack([self._array[i, int(k)] for k in layers])),
+            "index": int(i),
+        }
 
 
 def bench_queries(reader: ZarrReader, plain, queries: np.ndarray, part: str) -> dict[str, dict]:
-    arrays = {"prompt": plain["arrays/prompt_activations"], "response": plain["arrays/response_activations"]}
+    arrays = {
+        "prompt": plain["arrays/prompt_activations"],
+        "response": plain["arrays/response_activations"],
+    }
     lengths_ = reader.lengths(part)
     times = {"actstore": [], "zarr-python": [], "raw numpy": []}
     buf = np.empty((reader.layout.max_len(part), reader.d_model), dtype=ACT_DTYPE)
@@ -157,8 +185,9 @@ def bench_batches(reader: ZarrReader, plain, b: int, n_batches: int, part: str) 
     rng = np.random.default_rng(1)
 
     def zarr_python(samples, layer_idx):
-        return np.stack([np.stack([array[int(i), int(k)] for k in row])
-                         for i, row in zip(samples, layer_idx)])  # fmt: skip
+        return np.stack(
+            [np.stack([array[int(i), int(k)] for k in row]) for i, row in zip(samples, layer_idx)]
+        )
 
     def raw(samples, layer_idx):
         out = np.zeros((b, 2, lay.max_len(part), lay.hidden_size), dtype=ACT_DTYPE)
@@ -167,8 +196,11 @@ def bench_batches(reader: ZarrReader, plain, b: int, n_batches: int, part: str) 
                 raw_read(reader, int(i), int(k), part, int(lens[i]), out[j, m, : lens[i]])
         return out
 
-    methods = [("actstore", lambda s, li: reader.read_batch_index(s, li, part)),
-               ("zarr-python", zarr_python), ("raw numpy", raw)]  # fmt: skip
+    methods = [
+        ("actstore", lambda s, li: reader.read_batch_index(s, li, part)),
+        ("zarr-python", zarr_python),
+        ("raw numpy", raw),
+    ]
     times = {name: [] for name, _ in methods}
     for n in range(n_batches):
         samples = rng.integers(0, lay.n_samples, b)
@@ -181,7 +213,9 @@ def bench_batches(reader: ZarrReader, plain, b: int, n_batches: int, part: str) 
     return {name: summary(ns) for name, ns in times.items()}
 
 
-def bench_loader(reader: ZarrReader, path: str, b: int, n_batches: int, workers: int) -> dict[str, float]:
+def bench_loader(
+    reader: ZarrReader, path: str, b: int, n_batches: int, workers: int
+) -> dict[str, float]:
     """Samples/s in steady state (timed from the first batch, so worker start-up is out).
 
     ``actstore`` and ``zarr-python`` are per-item Datasets under the default collate (which
@@ -193,19 +227,29 @@ def bench_loader(reader: ZarrReader, path: str, b: int, n_batches: int, workers:
     n = b * (n_batches + 1)
 
     def sampler(ds):
-        return torch.utils.data.RandomSampler(ds, replacement=True, num_samples=n,
-                                              generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return torch.utils.data.RandomSampler(
+            ds, replacement=True, num_samples=n, generator=torch.Generator().manual_seed(0)
+        )
 
     def per_item(ds):
-        return torch.utils.data.DataLoader(ds, batch_size=b, sampler=sampler(ds), num_workers=workers)
+        return torch.utils.data.DataLoader(
+            ds, batch_size=b, sampler=sampler(ds), num_workers=workers
+        )
 
     def batched(ds):
-        return torch.utils.data.DataLoader(ds, sampler=torch.utils.data.BatchSampler(sampler(ds), b, False),
-                                           batch_size=None, num_workers=workers)  # fmt: skip
+        return torch.utils.data.DataLoader(
+            ds,
+            sampler=torch.utils.data.BatchSampler(sampler(ds), b, False),
+            batch_size=None,
+            num_workers=workers,
+        )
 
     out = {}
-    for name, loader in (("actstore", per_item(ours)), ("actstore batched", batched(ours)),
-                         ("zarr-python", per_item(plain))):  # fmt: skip
+    for name, loader in (
+        ("actstore", per_item(ours)),
+        ("actstore batched", batched(ours)),
+        ("zarr-python", per_item(plain)),
+    ):
         batches = iter(loader)
         next(batches)
         t0 = time.perf_counter()
@@ -229,7 +273,9 @@ def stored_bytes(path: Path) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default=None, help="scratch directory (default: a temp dir, deleted)")
     ap.add_argument("--samples", type=int, default=128, help="samples per store")
     ap.add_argument("--layers", type=int, default=4, help="stored layers L")
@@ -242,9 +288,15 @@ def main() -> None:
     ap.add_argument("--workers", default="0,4,8", help="DataLoader worker counts")
     ap.add_argument("--writers", default="1,2", help="writer process counts (sharded runs)")
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--torch-threads", type=int, default=1, help=(
-        "torch intra-op threads of this process (DataLoader workers use 1); on a small shared "
-        "machine OpenMP spin-waiting makes the collate's torch.stack slow and erratic"))
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help=(
+            "torch intra-op threads of this process (DataLoader workers use 1); on a small shared "
+            "machine OpenMP spin-waiting makes the collate's torch.stack slow and erratic"
+        ),
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
 
@@ -252,21 +304,32 @@ def main() -> None:
 
     import zarr
 
-    warnings.filterwarnings("ignore", message=".*worker processes in total.*")  # 8 workers on 2 cores
+    warnings.filterwarnings(
+        "ignore", message=".*worker processes in total.*"
+    )  # 8 workers on 2 cores
 
     scratch = Path(args.out or tempfile.mkdtemp(prefix="bench-zarr-"))
     scratch.mkdir(parents=True, exist_ok=True)
     results: dict = {"args": vars(args), "cpus": os.cpu_count(), "configs": []}
-    print(f"H={args.hidden} L={args.layers} N={args.samples} P_max={args.p_max}  "
-          f"cpus={os.cpu_count()}  queries={args.queries}  scratch={scratch}")
+    print(
+        f"H={args.hidden} L={args.layers} N={args.samples} P_max={args.p_max}  "
+        f"cpus={os.cpu_count()}  queries={args.queries}  scratch={scratch}"
+    )
     try:
         pairs = [tuple(int(x) for x in pair.split(":")) for pair in args.configs.split(",")]
         main_r_max = 64 if any(r == 64 for r, _ in pairs) else pairs[0][0]
         for r_max, t_prompt in pairs:
             p_len, r_len = lengths(args.samples, r_max)
-            lay = ZarrLayout(n_samples=args.samples, sites=[f"resid.{k}" for k in range(args.layers)],
-                             layers=range(args.layers), hidden_size=args.hidden, p_max=args.p_max,
-                             r_max=r_max, t_chunk_prompt=t_prompt, t_chunk_response=r_max)  # fmt: skip
+            lay = ZarrLayout(
+                n_samples=args.samples,
+                sites=[f"resid.{k}" for k in range(args.layers)],
+                layers=range(args.layers),
+                hidden_size=args.hidden,
+                p_max=args.p_max,
+                r_max=r_max,
+                t_chunk_prompt=t_prompt,
+                t_chunk_response=r_max,
+            )
             producer = SyntheticPairs(args.layers, args.hidden, p_len, r_len)
             path = scratch / f"r{r_max}-t{t_prompt}.zarr"
             seconds = write_store(path, lay, producer)
@@ -274,24 +337,36 @@ def main() -> None:
             reader = ZarrReader(path)
             plain = zarr.open_consolidated(str(path), mode="r")
             rng = np.random.default_rng(42)
-            queries = np.stack([rng.integers(0, args.samples, args.queries),
-                                rng.integers(0, args.layers, args.queries)], axis=1)  # fmt: skip
+            queries = np.stack(
+                [
+                    rng.integers(0, args.samples, args.queries),
+                    rng.integers(0, args.layers, args.queries),
+                ],
+                axis=1,
+            )
             entry = {
-                "R_max": r_max, "T_chunk_prompt": t_prompt,
-                "chunk_kib": {"prompt": lay.chunk_nbytes("prompt") / 1024,
-                              "response": lay.chunk_nbytes("response") / 1024},
+                "R_max": r_max,
+                "T_chunk_prompt": t_prompt,
+                "chunk_kib": {
+                    "prompt": lay.chunk_nbytes("prompt") / 1024,
+                    "response": lay.chunk_nbytes("response") / 1024,
+                },
                 "write": {"seconds": seconds, "bytes": size, "MB_per_s": size / seconds / 1e6},
                 "prompt": bench_queries(reader, plain, queries, "prompt"),
                 "response": bench_queries(reader, plain, queries, "response"),
-                "batch_response": bench_batches(reader, plain, args.batch, args.batches, "response"),
+                "batch_response": bench_batches(
+                    reader, plain, args.batch, args.batches, "response"
+                ),
                 "batch_prompt": bench_batches(reader, plain, args.batch, args.batches, "prompt"),
-            }  # fmt: skip
+            }
             if r_max == main_r_max:  # the spec's default R_max = 64 when it is in the matrix
                 entry["loader_samples_per_s"] = {
                     w: bench_loader(reader, str(path), args.batch, args.batches, w)
-                    for w in (int(x) for x in args.workers.split(","))}  # fmt: skip
-                entry["writers"] = bench_writers(scratch, lay, producer, args.writers, seconds, size,
-                                                path)
+                    for w in (int(x) for x in args.workers.split(","))
+                }
+                entry["writers"] = bench_writers(
+                    scratch, lay, producer, args.writers, seconds, size, path
+                )
             results["configs"].append(entry)
             report(entry, lay)
             shutil.rmtree(path)
@@ -322,11 +397,20 @@ def raw_write(store: Path, target: Path) -> float:
     return seconds
 
 
-def bench_writers(scratch: Path, lay: ZarrLayout, producer: SyntheticPairs, writers: str,
-                  single_s: float, size: int, store: Path) -> dict:  # fmt: skip
+def bench_writers(
+    scratch: Path,
+    lay: ZarrLayout,
+    producer: SyntheticPairs,
+    writers: str,
+    single_s: float,
+    size: int,
+    store: Path,
+) -> dict:
     raw = raw_write(store, scratch / "raw-copy")
-    out = {"raw file writes (limit)": {"seconds": raw, "MB_per_s": size / raw / 1e6},
-           "single writer (in process)": {"seconds": single_s, "MB_per_s": size / single_s / 1e6}}
+    out = {
+        "raw file writes (limit)": {"seconds": raw, "MB_per_s": size / raw / 1e6},
+        "single writer (in process)": {"seconds": single_s, "MB_per_s": size / single_s / 1e6},
+    }
     for w in (int(x) for x in writers.split(",")):
         run = scratch / f"run_w{w}"
         os.sync()
@@ -334,39 +418,61 @@ def bench_writers(scratch: Path, lay: ZarrLayout, producer: SyntheticPairs, writ
         manifest = write_shards(run, lay, producer, n_writers=w, attrs=ATTRS, progress=False)
         wall = time.perf_counter() - t0
         busy = max(t["seconds"] for t in manifest["timings"])
-        out[f"W={w} processes"] = {"seconds": wall, "MB_per_s": size / wall / 1e6,
-                                   "slowest_writer_s": busy, "MB_per_s_excl_startup": size / busy / 1e6}  # fmt: skip
+        out[f"W={w} processes"] = {
+            "seconds": wall,
+            "MB_per_s": size / wall / 1e6,
+            "slowest_writer_s": busy,
+            "MB_per_s_excl_startup": size / busy / 1e6,
+        }
         shutil.rmtree(run)
     return out
 
 
 def report(entry: dict, lay: ZarrLayout) -> None:
-    print(f"\n== R_max={entry['R_max']} (response chunk {entry['chunk_kib']['response']:.0f} KiB), "
-          f"T_chunk_prompt={entry['T_chunk_prompt']} (prompt chunk {entry['chunk_kib']['prompt']:.0f} KiB)")
+    print(
+        f"\n== R_max={entry['R_max']} (response chunk {entry['chunk_kib']['response']:.0f} KiB), "
+        f"T_chunk_prompt={entry['T_chunk_prompt']} (prompt chunk {entry['chunk_kib']['prompt']:.0f} KiB)"
+    )
     w = entry["write"]
-    print(f"   write: {w['bytes'] / 1e6:.0f} MB in {w['seconds']:.1f}s = {w['MB_per_s']:.0f} MB/s (one writer)")
+    print(
+        f"   write: {w['bytes'] / 1e6:.0f} MB in {w['seconds']:.1f}s = {w['MB_per_s']:.0f} MB/s (one writer)"
+    )
     for part in ("prompt", "response", "batch_response", "batch_prompt"):
         rows = entry[part]
         ours = rows["actstore"]
         print(f"   {part:<15} {'mean':>9} {'median':>9} {'p95':>9}  (us)   ours/zarr  ours/raw")
         for name, s in rows.items():
             ratio = "" if name == "actstore" else f"{ours['mean_us'] / s['mean_us']:9.2f}"
-            print(f"     {name:<13} {s['mean_us']:9.0f} {s['median_us']:9.0f} {s['p95_us']:9.0f}   "
-                  + ("" if name == "actstore" else (ratio if name == "zarr-python" else " " * 9 + ratio)))
+            print(
+                f"     {name:<13} {s['mean_us']:9.0f} {s['median_us']:9.0f} {s['p95_us']:9.0f}   "
+                + (
+                    ""
+                    if name == "actstore"
+                    else (ratio if name == "zarr-python" else " " * 9 + ratio)
+                )
+            )
     if "loader_samples_per_s" in entry:
         print("   DataLoader (b x 2 random layers, response, samples/s):")
         for workers, s in entry["loader_samples_per_s"].items():
             z = s["zarr-python"]
-            print(f"     workers={workers}: zarr-python {z:.0f}, actstore {s['actstore']:.0f} "
-                  f"({s['actstore'] / z:.2f}x), actstore batched {s['actstore batched']:.0f} "
-                  f"({s['actstore batched'] / z:.2f}x)")
+            print(
+                f"     workers={workers}: zarr-python {z:.0f}, actstore {s['actstore']:.0f} "
+                f"({s['actstore'] / z:.2f}x), actstore batched {s['actstore batched']:.0f} "
+                f"({s['actstore batched'] / z:.2f}x)"
+            )
     if "writers" in entry:
         base = entry["writers"]["single writer (in process)"]["MB_per_s"]
         print("   writers:")
         for name, s in entry["writers"].items():
-            extra = f", {s['MB_per_s_excl_startup']:.0f} MB/s excl. process start" if "slowest_writer_s" in s else ""
-            print(f"     {name:<27} {s['seconds']:6.1f}s {s['MB_per_s']:6.0f} MB/s  "
-                  f"({s['MB_per_s'] / base:.2f}x single{extra})")
+            extra = (
+                f", {s['MB_per_s_excl_startup']:.0f} MB/s excl. process start"
+                if "slowest_writer_s" in s
+                else ""
+            )
+            print(
+                f"     {name:<27} {s['seconds']:6.1f}s {s['MB_per_s']:6.0f} MB/s  "
+                f"({s['MB_per_s'] / base:.2f}x single{extra})"
+            )
 
 
 if __name__ == "__main__":

@@ -31,12 +31,23 @@ SITES = (Site("resid", 1), Site("resid", 3))
 
 
 def make_plan(**overrides: Any) -> CapturePlan:
-    values = dict(
-        ckpt="tiny-test-model", family="gpt2", modality="text", sites=SITES, n_model_layers=4,
-        d_model=D_MODEL, tokens_per_example=N_TOKENS, has_cls=False, n_examples=N_EXAMPLES,
-        dataset_root="/nowhere", data={"kind": "test"}, classes=None, has_labels=False,
-        has_tokens=True, batch_size=4,
-    )  # fmt: skip
+    values = {
+        "ckpt": "tiny-test-model",
+        "family": "gpt2",
+        "modality": "text",
+        "sites": SITES,
+        "n_model_layers": 4,
+        "d_model": D_MODEL,
+        "tokens_per_example": N_TOKENS,
+        "has_cls": False,
+        "n_examples": N_EXAMPLES,
+        "dataset_root": "/nowhere",
+        "data": {"kind": "test"},
+        "classes": None,
+        "has_labels": False,
+        "has_tokens": True,
+        "batch_size": 4,
+    }
     values.update(overrides)
     return CapturePlan(**values)
 
@@ -45,8 +56,10 @@ def make_acts(plan: CapturePlan, seed: int = 0) -> dict[str, np.ndarray]:
     """Activations per site ``[N, T, D]`` float32 with varied magnitudes."""
     rng = np.random.default_rng(seed)
     shape = (plan.n_examples, plan.tokens_per_example, plan.d_model)
-    return {str(s): (rng.standard_normal(shape) * (1 + i)).astype(np.float32)
-            for i, s in enumerate(plan.sites)}  # fmt: skip
+    return {
+        str(s): (rng.standard_normal(shape) * (1 + i)).astype(np.float32)
+        for i, s in enumerate(plan.sites)
+    }
 
 
 def make_batches(plan: CapturePlan, acts: dict[str, np.ndarray]) -> list[Batch]:
@@ -55,12 +68,14 @@ def make_batches(plan: CapturePlan, acts: dict[str, np.ndarray]) -> list[Batch]:
     tokens = (np.arange(n * t, dtype=np.int64).reshape(n, t) % 250) + 4
     for lo in range(0, n, plan.batch_size):
         hi = min(lo + plan.batch_size, n)
-        out.append(Batch(
-            acts={k: torch.from_numpy(v[lo:hi].copy()) for k, v in acts.items()},
-            example_ids=np.arange(lo, hi, dtype=np.int64),
-            token_ids=tokens[lo:hi].astype(np.int32),
-            texts=[f"example {i}" for i in range(lo, hi)],
-        ))  # fmt: skip
+        out.append(
+            Batch(
+                acts={k: torch.from_numpy(v[lo:hi].copy()) for k, v in acts.items()},
+                example_ids=np.arange(lo, hi, dtype=np.int64),
+                token_ids=tokens[lo:hi].astype(np.int32),
+                texts=[f"example {i}" for i in range(lo, hi)],
+            )
+        )
     return out
 
 
@@ -91,7 +106,9 @@ class FormatCase:
         """The reader's name for ``site`` (saev: the layer int)."""
         return str(site)
 
-    def expected_rows(self, plan: CapturePlan, acts: dict[str, np.ndarray], site: Site) -> np.ndarray:
+    def expected_rows(
+        self, plan: CapturePlan, acts: dict[str, np.ndarray], site: Site
+    ) -> np.ndarray:
         """Rows of ``site`` in storage order: example-major, then token."""
         return acts[str(site)].reshape(-1, plan.d_model)
 
@@ -129,7 +146,9 @@ class ConformanceSuite:
         out = np.full((block.n_rows, plan.d_model), np.nan, dtype=reader.dtype)
         got = reader.read_block(block, out=out)
         assert got is out or np.shares_memory(got, out)
-        np.testing.assert_array_equal(out, self._expected(plan, acts, plan.sites[0])[-block.n_rows:])
+        np.testing.assert_array_equal(
+            out, self._expected(plan, acts, plan.sites[0])[-block.n_rows :]
+        )
 
     def test_blocks_cover_every_row_once_and_align_across_sites(self, store):
         plan, _, location = store
@@ -169,10 +188,12 @@ class ConformanceSuite:
             assert stats.count == rows.shape[0]
             np.testing.assert_allclose(stats.mean, rows.mean(0), rtol=1e-9, atol=1e-12)
             np.testing.assert_allclose(stats.var, rows.var(0), rtol=1e-9)
-            np.testing.assert_allclose(stats.norm_mean, np.linalg.norm(rows, axis=1).mean(), rtol=1e-9)
+            np.testing.assert_allclose(
+                stats.norm_mean, np.linalg.norm(rows, axis=1).mean(), rtol=1e-9
+            )
 
     def test_reader_pickles_for_dataloader_workers(self, store):
-        plan, acts, location = store
+        plan, _acts, location = store
         reader = self.case.open(location)
         site = self.case.site_name(plan.sites[1])
         reader.read_block(reader.blocks(site)[0])  # open handles first

@@ -8,12 +8,16 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
-import actstore  # noqa: E402,F401 - sets reproducible MKL/OpenMP defaults before torch loads
+import actstore  # noqa: F401 - sets reproducible MKL/OpenMP defaults before torch loads
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from tiny_models import make_image_folder, save_text_model, save_vision_model  # noqa: E402
+from tiny_models import make_image_folder, save_text_model, save_vision_model
+
+# The loopback S3 server fixtures (s3_server, s3, s3_proxy) for every test module.
+pytest_plugins = ["s3_server"]
 
 TEXT_KINDS = ("gpt2", "llama", "qwen2")
 VISION_KINDS = ("clip", "siglip", "dinov2")
@@ -46,7 +50,7 @@ def image_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def text_file(tmp_path_factory) -> Path:
     """A .txt file of real English lines (the Python language reference)."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     path = tmp_path_factory.mktemp("text") / "corpus.txt"
     lines = [line for k in sorted(topics.topics)[:12] for line in topics.topics[k].splitlines()]

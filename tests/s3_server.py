@@ -6,7 +6,7 @@
 * :class:`FaultyProxy` is a loopback TCP proxy in front of it that can reset connections
   mid-response, stall responses (client read timeouts) or refuse connections.
 
-Fixtures (import them into a test module: ``from s3_server import s3, s3_server, s3_proxy``):
+Fixtures (registered for every test module by ``conftest.py``):
 
 * ``s3_server``: one server per test session.
 * ``s3``: a fresh bucket per test, with the AWS variables and ``S3_ENDPOINT_URL`` set
@@ -61,9 +61,16 @@ class FaultInjector:
         #: (method, path, query) of every request seen, for assertions.
         self.requests: list[tuple[str, str, str]] = []
 
-    def fail(self, *, method: str | None = None, path_contains: str | None = None,
-             query_contains: str | None = None, status: int = 503, code: str = "SlowDown",
-             times: int = 1) -> _Rule:  # fmt: skip
+    def fail(
+        self,
+        *,
+        method: str | None = None,
+        path_contains: str | None = None,
+        query_contains: str | None = None,
+        status: int = 503,
+        code: str = "SlowDown",
+        times: int = 1,
+    ) -> _Rule:
         """Fail the next ``times`` matching requests with ``status``/``code``."""
         rule = _Rule(method, path_contains, query_contains, status, code, times)
         with self._lock:
@@ -93,17 +100,22 @@ class FaultInjector:
         return None
 
     def __call__(self, environ: dict, start_response: Any) -> Any:
-        rule = self._match(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""),
-                           environ.get("QUERY_STRING", ""))  # fmt: skip
+        rule = self._match(
+            environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("QUERY_STRING", "")
+        )
         if rule is None:
             return self.app(environ, start_response)
         length = int(environ.get("CONTENT_LENGTH") or 0)
         if length:
             environ["wsgi.input"].read(length)  # drain the upload so the connection stays sane
-        body = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{rule.code}</Code>'
-                f"<Message>injected fault</Message><RequestId>fault</RequestId></Error>").encode()
-        start_response(f"{rule.status} Injected", [("Content-Type", "application/xml"),
-                                                   ("Content-Length", str(len(body)))])
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{rule.code}</Code>'
+            f"<Message>injected fault</Message><RequestId>fault</RequestId></Error>"
+        ).encode()
+        start_response(
+            f"{rule.status} Injected",
+            [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+        )
         return [body]
 
 
@@ -124,8 +136,9 @@ def _moto_server_class():
             self.faults = FaultInjector(DomainDispatcherApplication(create_backend_app))
 
         def _server_entry(self) -> None:
-            self._server = make_server(self._ip_address, self._port, self.faults, True,
-                                       request_handler=MotoRequestHandler)  # fmt: skip
+            self._server = make_server(
+                self._ip_address, self._port, self.faults, True, request_handler=MotoRequestHandler
+            )
             self._server_ready_event.set()
             self._server.serve_forever()
 
@@ -301,23 +314,33 @@ class S3Env:
         from botocore.config import Config
 
         return boto3.client(
-            "s3", endpoint_url=endpoint or self.server.endpoint, region_name="us-east-1",
-            aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+            "s3",
+            endpoint_url=endpoint or self.server.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
             config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}),
-        )  # fmt: skip
+        )
 
     def keys(self, prefix: str = "") -> dict[str, int]:
         """Every object in the bucket (through the server, not the proxy) -> its size."""
         out = {}
-        for page in self.client().get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix):  # fmt: skip
+        for page in (
+            self.client()
+            .get_paginator("list_objects_v2")
+            .paginate(Bucket=self.bucket, Prefix=prefix)
+        ):
             out.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
         return out
 
 
 def _aws_env(endpoint: str) -> dict[str, str]:
-    return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-            "AWS_DEFAULT_REGION": "us-east-1", "S3_ENDPOINT_URL": endpoint}  # fmt: skip
+    return {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "S3_ENDPOINT_URL": endpoint,
+    }
 
 
 @pytest.fixture(scope="session")
@@ -334,8 +357,9 @@ def _new_env(s3_server, monkeypatch, endpoint: str, proxy: FaultyProxy | None = 
         monkeypatch.delenv(key, raising=False)
     for key, value in _aws_env(endpoint).items():
         monkeypatch.setenv(key, value)
-    env = S3Env(endpoint=endpoint, bucket=f"test-bucket-{next(_bucket_ids)}", server=s3_server,
-                proxy=proxy)  # fmt: skip
+    env = S3Env(
+        endpoint=endpoint, bucket=f"test-bucket-{next(_bucket_ids)}", server=s3_server, proxy=proxy
+    )
     env.client().create_bucket(Bucket=env.bucket)
     return env
 

@@ -31,11 +31,14 @@ def assert_same_store(a: Path, b: Path, *, across_processes: bool = False) -> No
     if not differ:
         return
     shards = [name for name in differ if name.startswith("acts")]
-    gaps = {name: float(np.abs(np.frombuffer(fa[name], "<f4") - np.frombuffer(fb[name], "<f4"))
-                        .max()) for name in shards}  # fmt: skip
+    gaps = {
+        name: float(np.abs(np.frombuffer(fa[name], "<f4") - np.frombuffer(fb[name], "<f4")).max())
+        for name in shards
+    }
     message = f"differ: {differ}; max abs difference in shards: {gaps}"
     if not across_processes or not shards or set(differ) - set(shards) - set(_DERIVED):
         raise AssertionError(message)
     assert max(gaps.values()) <= 1e-6, message
-    warnings.warn(f"stores computed in different processes differ by float rounding: {message}",
-                  stacklevel=2)
+    warnings.warn(
+        f"stores computed in different processes differ by float rounding: {message}", stacklevel=2
+    )

@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from s3_server import s3, s3_server  # noqa: F401 - fixtures
 from test_activault_s3 import stored_stream
 from typer.testing import CliRunner
 
@@ -34,15 +33,36 @@ def invoke(*args: str):
 
 def test_cli_capture_to_s3_then_ls_inspect_verify(s3, model_dir, text_file):
     out = s3.url("gpt2-run")
-    result = invoke("capture", "--model", model_dir("gpt2"), "--dataset", text_file,
-                    "--sites", "resid.1,mlp_out.2,attn_in.0", "--context-length", 16,
-                    "--max-examples", 48, "--batch-size", 8, "--format", "activault",
-                    "--out", out, "--opt", "rows_per_file=8", "--no-progress")  # fmt: skip
+    result = invoke(
+        "capture",
+        "--model",
+        model_dir("gpt2"),
+        "--dataset",
+        text_file,
+        "--sites",
+        "resid.1,mlp_out.2,attn_in.0",
+        "--context-length",
+        16,
+        "--max-examples",
+        48,
+        "--batch-size",
+        8,
+        "--format",
+        "activault",
+        "--out",
+        out,
+        "--opt",
+        "rows_per_file=8",
+        "--no-progress",
+    )
     assert result.exit_code == 0, result.output
     assert out in result.output and "models.layers.0.self_attn.pre" in result.output
     reader = open_store(out)
-    assert reader.sites == ["models.layers.1.post", "models.layers.2.mlp.post",
-                            "models.layers.0.self_attn.pre"]  # fmt: skip
+    assert reader.sites == [
+        "models.layers.1.post",
+        "models.layers.2.mlp.post",
+        "models.layers.0.self_attn.pre",
+    ]
     assert reader.record.token_mask is True  # cleaning is on by default for activault
     eos = 2  # tiny models' </s>, the separator between documents
     for hook in reader.sites:
@@ -61,23 +81,64 @@ def test_cli_capture_to_s3_then_ls_inspect_verify(s3, model_dir, text_file):
     assert summary["text"] and all(isinstance(t, str) and t for t in summary["text"])
     verified = invoke("verify", out, "--no-progress")
     assert verified.exit_code == 0 and "OK" in verified.output
-    again = invoke("capture", "--model", model_dir("gpt2"), "--dataset", text_file,
-                   "--sites", "resid.1,mlp_out.2,attn_in.0", "--context-length", 16,
-                   "--max-examples", 48, "--batch-size", 8, "--format", "activault",
-                   "--out", out, "--opt", "rows_per_file=8", "--no-progress")  # fmt: skip
+    again = invoke(
+        "capture",
+        "--model",
+        model_dir("gpt2"),
+        "--dataset",
+        text_file,
+        "--sites",
+        "resid.1,mlp_out.2,attn_in.0",
+        "--context-length",
+        16,
+        "--max-examples",
+        48,
+        "--batch-size",
+        8,
+        "--format",
+        "activault",
+        "--out",
+        out,
+        "--opt",
+        "rows_per_file=8",
+        "--no-progress",
+    )
     assert "Already captured" in again.output
 
 
 def test_cli_capture_to_a_local_directory_without_cleaning(tmp_path, model_dir, text_file):
     out = tmp_path / "run"
-    result = invoke("capture", "--model", model_dir("qwen2"), "--dataset", text_file,
-                    "--layers", "1,3", "--context-length", 16, "--max-examples", 24,
-                    "--batch-size", 8, "--format", "activault", "--out", f"file://{out}",
-                    "--opt", "rows_per_file=8", "--opt", "dtype=float16", "--no-clean",
-                    "--no-progress")  # fmt: skip
+    result = invoke(
+        "capture",
+        "--model",
+        model_dir("qwen2"),
+        "--dataset",
+        text_file,
+        "--layers",
+        "1,3",
+        "--context-length",
+        16,
+        "--max-examples",
+        24,
+        "--batch-size",
+        8,
+        "--format",
+        "activault",
+        "--out",
+        f"file://{out}",
+        "--opt",
+        "rows_per_file=8",
+        "--opt",
+        "dtype=float16",
+        "--no-clean",
+        "--no-progress",
+    )
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == ["cfg.json", "models.layers.1.post",
-                                                     "models.layers.3.post"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "cfg.json",
+        "models.layers.1.post",
+        "models.layers.3.post",
+    ]
     reader = open_store(out)
     assert len(reader) == 3 and reader.dtype == np.float16 and reader.record.token_mask is False
     names = sorted(p.name for p in (out / "models.layers.3.post").iterdir())
@@ -87,9 +148,16 @@ def test_cli_capture_to_a_local_directory_without_cleaning(tmp_path, model_dir, 
 
 def test_token_cleaning_stores_exactly_the_kept_tokens(tmp_path, model_dir, text_file):
     def run(clean: bool):
-        config = CaptureConfig(model=str(model_dir("llama")), dataset=str(text_file),
-                               sites=("resid.2",), context_length=24, max_examples=32,
-                               batch_size=8, progress=False, clean_tokens=clean)  # fmt: skip
+        config = CaptureConfig(
+            model=str(model_dir("llama")),
+            dataset=str(text_file),
+            sites=("resid.2",),
+            context_length=24,
+            max_examples=32,
+            batch_size=8,
+            progress=False,
+            clean_tokens=clean,
+        )
         out = str(tmp_path / ("clean" if clean else "raw"))
         options = ActivaultOptions(rows_per_file=8 if not clean else 3, dtype="float32")
         result = capture(config, lambda plan: ActivaultWriter(plan, out, options))
@@ -122,20 +190,43 @@ def cfg_groups(s3, run: str) -> int:
 
 @pytest.mark.slow
 def test_sigkill_mid_capture_then_resume_gives_the_uninterrupted_tokens(s3, model_dir, text_file):
-    args = ["--model", str(model_dir("gpt2")), "--dataset", str(text_file), "--sites",
-            "resid.1,mlp_out.3", "--context-length", "32", "--max-examples", "240",
-            "--batch-size", "8", "--format", "activault", "--opt", "rows_per_file=8",
-            "--opt", "sequence_length=20", "--no-progress"]  # fmt: skip
+    args = [
+        "--model",
+        str(model_dir("gpt2")),
+        "--dataset",
+        str(text_file),
+        "--sites",
+        "resid.1,mlp_out.3",
+        "--context-length",
+        "32",
+        "--max-examples",
+        "240",
+        "--batch-size",
+        "8",
+        "--format",
+        "activault",
+        "--opt",
+        "rows_per_file=8",
+        "--opt",
+        "sequence_length=20",
+        "--no-progress",
+    ]
 
     def start(run: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "actstore", "capture", "--out", s3.url(run), *args]
-        return subprocess.Popen(cmd, env={**os.environ, "TQDM_DISABLE": "1"},
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+        return subprocess.Popen(
+            cmd,
+            env={**os.environ, "TQDM_DISABLE": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
 
     proc = start("crashed")
     deadline = time.monotonic() + 120
     while cfg_groups(s3, "crashed") < 4:
-        assert proc.poll() is None, "capture ended before it could be killed:\n" + proc.stdout.read().decode()
+        assert proc.poll() is None, (
+            "capture ended before it could be killed:\n" + proc.stdout.read().decode()
+        )
         assert time.monotonic() < deadline, "capture made no progress"
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)

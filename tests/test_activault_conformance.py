@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from conformance import ConformanceSuite, FormatCase
-from s3_server import s3, s3_server  # noqa: F401 - fixtures
 
 from actstore.formats.activault import ActivaultOptions, ActivaultWriter, hook_name
 from actstore.formats.activault.layout import parse_data_file
@@ -31,8 +30,11 @@ class LocalCase(FormatCase):
 
     def _writer(self, root, plan) -> ActivaultWriter:
         rows, seq = self.file_shape
-        return ActivaultWriter(plan, self.out(root), ActivaultOptions(
-            rows_per_file=rows, sequence_length=seq, dtype=self.dtype))
+        return ActivaultWriter(
+            plan,
+            self.out(root),
+            ActivaultOptions(rows_per_file=rows, sequence_length=seq, dtype=self.dtype),
+        )
 
     def write(self, root, plan, batches):
         writer = self._writer(root, plan)
@@ -70,8 +72,11 @@ class S3Case(LocalCase):
         return self.env.url(root.parent.name, root.name)
 
     def damage(self, location):
-        keys = sorted(k for k in self.env.keys() if "models.layers.1.post/" in k
-                      and k.endswith(".pt") and location.split("/", 3)[3] in k)  # fmt: skip
+        keys = sorted(
+            k
+            for k in self.env
+            if "models.layers.1.post/" in k and k.endswith(".pt") and location.split("/", 3)[3] in k
+        )
         client = self.env.client()
         data = client.get_object(Bucket=self.env.bucket, Key=keys[1])["Body"].read()
         client.put_object(Bucket=self.env.bucket, Key=keys[1], Body=data[:-100])
@@ -100,7 +105,7 @@ class TestActivaultS3Conformance(ConformanceSuite):
     case = S3Case("float32")
 
     @pytest.fixture(autouse=True)
-    def _bucket(self, s3):  # noqa: F811 - fixture
+    def _bucket(self, s3):
         self.case.env = s3
         yield
         self.case.env = None

@@ -134,11 +134,20 @@ def test_load_megabatch_refuses_damage_and_code():
 
 
 def test_metadata_json_matches_activaults_keys_and_order():
-    md = HookMetadata.for_shape(rows=128, seq=2048, d=8192, dtype="torch.float16",
-                                batches_per_file=32).with_bytes(4_297_000_000)  # fmt: skip
+    md = HookMetadata.for_shape(
+        rows=128, seq=2048, d=8192, dtype="torch.float16", batches_per_file=32
+    ).with_bytes(4_297_000_000)
     doc = md.to_dict()
-    assert list(doc) == ["batch_size", "sequence_length", "dtype", "d_in", "batches_per_file",
-                         "shape", "input_ids_shape", "bytes_per_file"]  # fmt: skip
+    assert list(doc) == [
+        "batch_size",
+        "sequence_length",
+        "dtype",
+        "d_in",
+        "batches_per_file",
+        "shape",
+        "input_ids_shape",
+        "bytes_per_file",
+    ]
     assert doc["shape"] == [128, 2048, 8192] and doc["input_ids_shape"] == [128, 2048]
     assert HookMetadata.from_dict(json.loads(json.dumps(doc)), source="m") == md
     no_bytes = {k: v for k, v in doc.items() if k != "bytes_per_file"}
@@ -161,7 +170,9 @@ def test_statistics_json_is_activaults_plus_count_and_exact():
     assert back.count == 50 and np.array_equal(back.mean, stats.mean)
     assert np.array_equal(back.m2, stats.m2)
     # Activault's own file (no count) is not trusted
-    assert statistics_from_dict({k: doc[k] for k in ("mean", "std", "norm", "M2")}, source="s") is None
+    assert (
+        statistics_from_dict({k: doc[k] for k in ("mean", "std", "norm", "M2")}, source="s") is None
+    )
 
 
 def test_position_tracks_partial_examples():
@@ -180,13 +191,20 @@ def test_cleaner_drops_special_tokens_and_template_prefix():
     from tiny_models import make_tokenizer
 
     tok = make_tokenizer(bos=True)
-    tok.chat_template = ("{{ bos_token }}system: be brief. Today is Monday.\n"
-                         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}"
-                         "{% endfor %}")  # fmt: skip
+    tok.chat_template = (
+        "{{ bos_token }}system: be brief. Today is Monday.\n"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}"
+        "{% endfor %}"
+    )
     prefix = template_prefix_ids(tok)
     assert prefix[0] == tok.bos_token_id and len(prefix) > 4
     cleaner = TokenCleaner.from_tokenizer(tok)
-    assert {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id} <= cleaner.drop_ids
+    assert {
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+        tok.unk_token_id,
+    } <= cleaner.drop_ids
     chat = tok.apply_chat_template([{"role": "user", "content": "print the list"}], tokenize=False)
     ids = tok(chat + " and more text " + chat, add_special_tokens=False)["input_ids"]
     ids = np.asarray([ids + [tok.pad_token_id] * 3])

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from conformance import make_batches, make_plan
-from s3_server import s3, s3_proxy, s3_server  # noqa: F401 - fixtures
 
 from actstore.errors import (
     CaptureError,
@@ -40,8 +39,14 @@ SITES = (Site("resid", 1), Site("mlp_out", 2), Site("attn_in", 0))
 
 def make_run_data(*, n_examples=24, tokens=8, d=16, batch_size=4, sites=SITES, seed=0):
     """A plan and activations whose first column is each token's global index (unique rows)."""
-    plan = make_plan(n_examples=n_examples, tokens_per_example=tokens, d_model=d, sites=sites,
-                     batch_size=batch_size, n_model_layers=4)  # fmt: skip
+    plan = make_plan(
+        n_examples=n_examples,
+        tokens_per_example=tokens,
+        d_model=d,
+        sites=sites,
+        batch_size=batch_size,
+        n_model_layers=4,
+    )
     rng = np.random.default_rng(seed)
     acts = {}
     for i, site in enumerate(sites):
@@ -84,9 +89,17 @@ def test_round_trip_several_hooks_uuid_aligned_stats_exact(s3):
     assert location == s3.url("run")
     keys = s3.keys("run/")
     cfg = json.loads(s3.client().get_object(Bucket=s3.bucket, Key="run/cfg.json")["Body"].read())
-    assert list(cfg)[:9] == ["run_name", "transformer_config", "data_config", "upload_config",
-                             "total_tokens", "d_model", "n_total_files", "batches_processed",
-                             "num_runs"]  # fmt: skip
+    assert list(cfg)[:9] == [
+        "run_name",
+        "transformer_config",
+        "data_config",
+        "upload_config",
+        "total_tokens",
+        "d_model",
+        "n_total_files",
+        "batches_processed",
+        "num_runs",
+    ]
     assert cfg["upload_config"]["hooks"] == [hook_name(s) for s in SITES]
     reader = open_store(s3.url("run"))
     assert isinstance(reader, ActivaultReader) and reader.sites == [hook_name(s) for s in SITES]
@@ -96,13 +109,16 @@ def test_round_trip_several_hooks_uuid_aligned_stats_exact(s3):
     ids_ref = None
     for site in SITES:
         hook = hook_name(site)
-        files = sorted(k.split("/")[-1] for k in keys if k.startswith(f"run/{hook}/") and k.endswith(".pt"))
+        files = sorted(
+            k.split("/")[-1] for k in keys if k.startswith(f"run/{hook}/") and k.endswith(".pt")
+        )
         parsed = sorted((parse_data_file(n) for n in files), key=lambda f: f.n)
         assert [f.n for f in parsed] == list(range(1, n_files + 1))  # n counts uploads from 1
         names = names or files
         assert files == names  # the same uuid for the same group in every hook folder
-        md = json.loads(s3.client().get_object(Bucket=s3.bucket, Key=f"run/{hook}/metadata.json")
-                        ["Body"].read())  # fmt: skip
+        md = json.loads(
+            s3.client().get_object(Bucket=s3.bucket, Key=f"run/{hook}/metadata.json")["Body"].read()
+        )
         assert md["shape"] == [3, 8, 16] and md["dtype"] == "torch.bfloat16"
         assert {keys[f"run/{hook}/{n}"] for n in files} == {md["bytes_per_file"]}
         rows, ids = stored_stream(reader, hook)
@@ -115,9 +131,14 @@ def test_round_trip_several_hooks_uuid_aligned_stats_exact(s3):
         assert stats.count == 24 * 8
         np.testing.assert_allclose(stats.mean, exact.mean(0), rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(stats.var, exact.var(0), rtol=1e-10)
-        np.testing.assert_allclose(stats.norm_mean, np.linalg.norm(exact, axis=1).mean(), rtol=1e-12)
-        doc = json.loads(s3.client().get_object(Bucket=s3.bucket, Key=f"run/{hook}/statistics.json")
-                         ["Body"].read())  # fmt: skip
+        np.testing.assert_allclose(
+            stats.norm_mean, np.linalg.norm(exact, axis=1).mean(), rtol=1e-12
+        )
+        doc = json.loads(
+            s3.client()
+            .get_object(Bucket=s3.bucket, Key=f"run/{hook}/statistics.json")["Body"]
+            .read()
+        )
         np.testing.assert_allclose(doc["std"], exact.std(0), rtol=1e-10)
     assert reader.verify().ok
     # one hook folder opens on its own too, and detection finds the format for both
@@ -131,16 +152,22 @@ def activault_rcache_read(s3, prefix: str, chunk_size: int = 1000) -> torch.Tens
     metadata/statistics/cfg.json keys, presigned URLs, Range GETs of exactly bytes_per_file,
     b"".join, torch.load with default arguments, a buffer of metadata shape and dtype."""
     client = s3.client()
-    metadata = json.loads(client.get_object(Bucket=s3.bucket, Key=f"{prefix}/metadata.json")
-                          ["Body"].read())  # fmt: skip
+    metadata = json.loads(
+        client.get_object(Bucket=s3.bucket, Key=f"{prefix}/metadata.json")["Body"].read()
+    )
     paths = []
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=prefix):
         for obj in page.get("Contents", []):
             key = obj["Key"]
-            if key in (f"{prefix}/metadata.json", f"{prefix}/statistics.json") or key.endswith("cfg.json"):
+            if key in (f"{prefix}/metadata.json", f"{prefix}/statistics.json") or key.endswith(
+                "cfg.json"
+            ):
                 continue
-            paths.append(client.generate_presigned_url(
-                "get_object", Params={"Bucket": s3.bucket, "Key": key}, ExpiresIn=604700))
+            paths.append(
+                client.generate_presigned_url(
+                    "get_object", Params={"Bucket": s3.bucket, "Key": key}, ExpiresIn=604700
+                )
+            )
     dtype = getattr(torch, metadata["dtype"].removeprefix("torch."))  # their eval(...)
     buffer = torch.empty((len(paths), *metadata["shape"]), dtype=dtype)
     for idx, url in enumerate(sorted(paths)):
@@ -178,17 +205,33 @@ def write_like_activault(s3, run: str, hook: str, megabatches: list[torch.Tensor
         ids = torch.arange(states.shape[0] * states.shape[1]).reshape(states.shape[:2])
         data = serialize_megabatch(states, ids).getvalue()
         size = len(data)
-        client.put_object(Bucket=s3.bucket, Key=f"{run}/{hook}/{uuid.uuid4()}--{n}_0.saved.pt", Body=data)
+        client.put_object(
+            Bucket=s3.bucket, Key=f"{run}/{hook}/{uuid.uuid4()}--{n}_0.saved.pt", Body=data
+        )
     rows, seq, d = megabatches[0].shape
-    metadata = {"batch_size": rows, "sequence_length": seq, "dtype": str(megabatches[0].dtype),
-                "d_in": d, "batches_per_file": 2, "shape": [rows, seq, d],
-                "input_ids_shape": [rows, seq], "bytes_per_file": size}  # fmt: skip
-    client.put_object(Bucket=s3.bucket, Key=f"{run}/{hook}/metadata.json", Body=json.dumps(metadata))
+    metadata = {
+        "batch_size": rows,
+        "sequence_length": seq,
+        "dtype": str(megabatches[0].dtype),
+        "d_in": d,
+        "batches_per_file": 2,
+        "shape": [rows, seq, d],
+        "input_ids_shape": [rows, seq],
+        "bytes_per_file": size,
+    }
+    client.put_object(
+        Bucket=s3.bucket, Key=f"{run}/{hook}/metadata.json", Body=json.dumps(metadata)
+    )
     stats = {"mean": [0.0] * d, "std": [1.0] * d, "norm": 1.0, "M2": [1.0] * d}
     client.put_object(Bucket=s3.bucket, Key=f"{run}/{hook}/statistics.json", Body=json.dumps(stats))
-    cfg = {"run_name": run, "transformer_config": {"model_name": "meta-llama/Llama-3.3-70B"},
-           "total_tokens": rows * seq * len(megabatches), "n_total_files": len(megabatches),
-           "batches_processed": 2 * len(megabatches), "num_runs": 1}  # fmt: skip
+    cfg = {
+        "run_name": run,
+        "transformer_config": {"model_name": "meta-llama/Llama-3.3-70B"},
+        "total_tokens": rows * seq * len(megabatches),
+        "n_total_files": len(megabatches),
+        "batches_processed": 2 * len(megabatches),
+        "num_runs": 1,
+    }
     client.put_object(Bucket=s3.bucket, Key=f"{run}/cfg.json", Body=json.dumps(cfg))
 
 
@@ -227,8 +270,9 @@ def test_loader_refuses_to_pair_hooks_whose_files_hold_different_tokens(s3):
     assert sum(len(x) for x in ActivationLoader(reader, site=b, batch_size=4)) == 3 * 2 * 3
     plan, acts = make_run_data(sites=(Site("resid", 1), Site("resid", 2)))
     write_run(s3.url("ours"), plan, acts, rows_per_file=4)  # actstore's runs always align
-    pairs = torch.cat(list(ActivationLoader(s3.url("ours"), sites=["resid.1", "resid.2"],
-                                            batch_size=16)))  # fmt: skip
+    pairs = torch.cat(
+        list(ActivationLoader(s3.url("ours"), sites=["resid.1", "resid.2"], batch_size=16))
+    )
     np.testing.assert_array_equal(pairs[:, 1, 0].numpy(), pairs[:, 0, 0].numpy() + 1000)
 
 
@@ -250,8 +294,9 @@ def test_shared_loader_trains_from_s3(s3):
 def test_server_errors_during_upload_are_retried(s3):
     plan, acts = make_run_data()
     slow = s3.faults.fail(method="PUT", path_contains=".pt", status=503, code="SlowDown", times=4)
-    internal = s3.faults.fail(method="PUT", path_contains=".pt", status=500, code="InternalError",
-                              times=3)  # fmt: skip
+    internal = s3.faults.fail(
+        method="PUT", path_contains=".pt", status=500, code="InternalError", times=3
+    )
     cfg_fault = s3.faults.fail(method="PUT", path_contains="cfg.json", status=503, times=2)
     write_run(s3.url("run"), plan, acts, rows_per_file=2)
     assert (slow.hits, internal.hits, cfg_fault.hits) == (4, 3, 2)
@@ -267,8 +312,9 @@ def test_server_errors_during_upload_are_retried(s3):
 def test_multipart_upload_retries_a_failed_part_and_completes_only_whole(s3):
     # one 12 MiB file per hook: 5 MiB parts, multipart above 10 MiB -> 3 parts
     plan, acts = make_run_data(n_examples=48, tokens=128, d=512, sites=(Site("resid", 1),))
-    part = s3.faults.fail(method="PUT", query_contains="partNumber=2", status=500,
-                          code="InternalError", times=2)  # fmt: skip
+    part = s3.faults.fail(
+        method="PUT", query_contains="partNumber=2", status=500, code="InternalError", times=2
+    )
     done = s3.faults.fail(method="POST", query_contains="uploadId", status=503, times=1)
     write_run(s3.url("big"), plan, acts, rows_per_file=48, part_size_mb=5)
     assert part.hits == 2 and done.hits == 1
@@ -286,15 +332,18 @@ def test_multipart_upload_retries_a_failed_part_and_completes_only_whole(s3):
 
 
 def test_exhausted_retries_fail_clearly_leave_nothing_half_written_and_resume(s3):
-    plan, acts = make_run_data(n_examples=8, tokens=64, d=512, sites=(Site("resid", 1),),
-                               batch_size=2)  # fmt: skip
+    plan, acts = make_run_data(
+        n_examples=8, tokens=64, d=512, sites=(Site("resid", 1),), batch_size=2
+    )
     batches = make_batches(plan, acts)
-    options = dict(rows_per_file=4, part_size_mb=5, max_attempts=3, dtype="float32")
+    options = {"rows_per_file": 4, "part_size_mb": 5, "max_attempts": 3, "dtype": "float32"}
     writer = ActivaultWriter(plan, s3.url("run"), ActivaultOptions(**options))
     writer.write(batches[0])
     writer.write(batches[1])  # completes group 0 (examples 0-3)
     s3.faults.fail(method="PUT", path_contains=".pt", status=503, times=10_000)
-    with pytest.raises(CaptureError, match=r"failed after 3 attempts.*SlowDown|SlowDown.*3 attempts"):
+    with pytest.raises(
+        CaptureError, match=r"failed after 3 attempts.*SlowDown|SlowDown.*3 attempts"
+    ):
         for batch in batches[2:]:
             writer.write(batch)
         writer.close()
@@ -317,8 +366,9 @@ def test_exhausted_retries_fail_clearly_leave_nothing_half_written_and_resume(s3
 
 def test_upload_survives_connection_resets_and_refusals(s3_proxy):
     plan, acts = make_run_data()
-    writer = ActivaultWriter(plan, s3_proxy.url("run"), ActivaultOptions(rows_per_file=2,
-                                                                         dtype="float32"))
+    writer = ActivaultWriter(
+        plan, s3_proxy.url("run"), ActivaultOptions(rows_per_file=2, dtype="float32")
+    )
     # PUT responses cut after the server stored the object: the retried PUT must replace it,
     # never add a second copy. Fewer faults than max_attempts, even if one request gets all.
     s3_proxy.proxy.reset_connections(times=5, after_bytes=150)
@@ -344,8 +394,9 @@ def test_stream_survives_resets_stalls_and_server_errors(s3_proxy):
     s3_proxy.proxy.stall(times=1, seconds=1.5)
     s3_proxy.faults.fail(method="GET", path_contains=".pt", status=503, times=2)
     config = S3Config(read_timeout_s=0.5, backoff_s=0.01)
-    stream = ActivaultStream(s3_proxy.url("run"), batch_size=50, seed=3, s3=config,
-                             chunk_size=16 << 10)  # fmt: skip
+    stream = ActivaultStream(
+        s3_proxy.url("run"), batch_size=50, seed=3, s3=config, chunk_size=16 << 10
+    )
     faulty = torch.cat(list(stream))
     assert s3_proxy.proxy.injected["reset"] == 4 and s3_proxy.proxy.injected["stall"] == 1
     assert torch.equal(faulty, clean)  # every token exactly once, same order
@@ -358,7 +409,7 @@ def test_stream_survives_resets_stalls_and_server_errors(s3_proxy):
 def test_resume_cleans_uncommitted_files_and_catches_statistics_up(s3):
     plan, acts = make_run_data(n_examples=24, tokens=6)
     batches = make_batches(plan, acts)
-    options = dict(rows_per_file=1, sequence_length=7)  # files end mid-example
+    options = {"rows_per_file": 1, "sequence_length": 7}  # files end mid-example
     clean = write_run(s3.url("clean"), plan, acts, **options)
     writer = write_run(s3.url("run"), plan, acts, batches=batches[:4], close=False, **options)
     record = writer.record
@@ -384,7 +435,11 @@ def test_resume_cleans_uncommitted_files_and_catches_statistics_up(s3):
         for x, y in zip(stored_stream(a, h), stored_stream(b, h)):
             np.testing.assert_array_equal(x, y)
         sa, sb = a.statistics(h), b.statistics(h)
-        assert sa.count == sb.count and np.array_equal(sa.mean, sb.mean) and np.array_equal(sa.m2, sb.m2)
+        assert (
+            sa.count == sb.count
+            and np.array_equal(sa.mean, sb.mean)
+            and np.array_equal(sa.m2, sb.m2)
+        )
     assert a.record.num_runs == 2 and a.record.dropped_tokens == b.record.dropped_tokens
     # rerunning a finished capture writes nothing
     again = ActivaultWriter(plan, s3.url("run"), ActivaultOptions(dtype="float32", **options))
@@ -399,11 +454,20 @@ def test_wrong_credentials_and_missing_bucket_are_clear(s3, monkeypatch):
 
     plan, acts = make_run_data()
     write_run(s3.url("run"), plan, acts, rows_per_file=4)
-    iam = __import__("boto3").client("iam", endpoint_url=s3.server.endpoint, region_name="us-east-1")
+    iam = __import__("boto3").client(
+        "iam", endpoint_url=s3.server.endpoint, region_name="us-east-1"
+    )
     iam.create_user(UserName="reader")
-    iam.put_user_policy(UserName="reader", PolicyName="s3", PolicyDocument=json.dumps({
-        "Version": "2012-10-17",
-        "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
+    iam.put_user_policy(
+        UserName="reader",
+        PolicyName="s3",
+        PolicyDocument=json.dumps(
+            {
+                "Version": "2012-10-17",
+                "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}],
+            }
+        ),
+    )
     key = iam.create_access_key(UserName="reader")["AccessKey"]
     with enable_iam_authentication():
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
@@ -451,7 +515,9 @@ def test_a_wrong_endpoint_is_named_with_the_setting_to_fix(s3, monkeypatch):
         port = sock.getsockname()[1]
     monkeypatch.setenv("S3_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     fast = S3Config(max_attempts=2, backoff_s=0.01)
-    with pytest.raises(StorageError, match=f"cannot reach http://127.0.0.1:{port}.*S3_ENDPOINT_URL"):
+    with pytest.raises(
+        StorageError, match=f"cannot reach http://127.0.0.1:{port}.*S3_ENDPOINT_URL"
+    ):
         ActivaultReader(s3.url("run"), s3=fast)
     monkeypatch.setenv("S3_ENDPOINT_URL", f"127.0.0.1:{port}")  # no scheme
     with pytest.raises(ConfigError, match="S3_ENDPOINT_URL.*http://"):
@@ -472,7 +538,9 @@ def test_corrupt_and_short_files_are_clear_errors(s3):
         reader.read_block(reader.blocks(hook)[index])
     assert any("not a loadable megabatch" in f for f in reader.verify().faults)
     client.put_object(Bucket=s3.bucket, Key=keys[1], Body=b"\0" * (size - 7))  # short
-    with pytest.raises(CorruptStoreError, match=f"{size - 7} bytes but metadata.json says every file is {size}"):
+    with pytest.raises(
+        CorruptStoreError, match=f"{size - 7} bytes but metadata.json says every file is {size}"
+    ):
         open_store(s3.url("run"))
 
 
@@ -514,8 +582,13 @@ def test_mismatched_prefixes_are_not_mixed(s3):
     write_run(s3.url("half"), plan, acts, rows_per_file=4, dtype="float16")
     with pytest.raises(ConfigError, match="dtype torch.float16 vs torch.float32"):
         ActivaultStream([s3.url("a", hook), s3.url("half", hook)])
-    other = make_plan(n_examples=24, tokens_per_example=8, d_model=16, sites=(Site("resid", 1),),
-                      ckpt="another-model")  # fmt: skip
+    other = make_plan(
+        n_examples=24,
+        tokens_per_example=8,
+        d_model=16,
+        sites=(Site("resid", 1),),
+        ckpt="another-model",
+    )
     write_run(s3.url("other"), other, acts, rows_per_file=4)
     with pytest.raises(ConfigError, match="model 'another-model'"):
         ActivaultStream([s3.url("a"), s3.url("other")])

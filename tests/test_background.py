@@ -59,7 +59,9 @@ def test_writer_error_reaches_the_producer():
     assert not any(t.name == "actstore-writer" and t.is_alive() for t in threading.enumerate())
 
 
-def test_a_failing_writer_aborts_the_capture_and_publishes_nothing(model_dir, image_folder, tmp_path):
+def test_a_failing_writer_aborts_the_capture_and_publishes_nothing(
+    model_dir, image_folder, tmp_path
+):
     """A real writer failing on its thread: capture raises in the main thread, the writer
     thread is gone, and nothing a reader accepts was published."""
     from actstore.capture import CaptureConfig, capture
@@ -68,8 +70,13 @@ def test_a_failing_writer_aborts_the_capture_and_publishes_nothing(model_dir, im
     def open_writer(plan):  # a store keeping token ids, but image batches carry none
         return SaevWriter(saev_metadata(plan), tmp_path, has_tokens=True)
 
-    cfg = CaptureConfig(model=str(model_dir("clip")), dataset=str(image_folder),
-                        sites=("resid.1",), batch_size=4, progress=False)  # fmt: skip
+    cfg = CaptureConfig(
+        model=str(model_dir("clip")),
+        dataset=str(image_folder),
+        sites=("resid.1",),
+        batch_size=4,
+        progress=False,
+    )
     with pytest.raises(CaptureError, match="the writer failed: .*keeps token ids"):
         capture(cfg, open_writer)
     assert not any(t.name == "actstore-writer" and t.is_alive() for t in threading.enumerate())

@@ -28,8 +28,15 @@ def _plain_hidden_states(kind_dir, source, n_examples):
 @pytest.mark.parametrize("kind", ["clip", "siglip", "dinov2", "gpt2", "llama", "qwen2"])
 def test_saev_store_equals_output_hidden_states(kind, model_dir, image_folder, text_file, tmp_path):
     dataset = image_folder if kind in ("clip", "siglip", "dinov2") else text_file
-    cfg = CaptureConfig(model=str(model_dir(kind)), dataset=str(dataset), sites=("resid.0", "resid.-2"),
-                        batch_size=BATCH, context_length=16, max_examples=10, progress=False)
+    cfg = CaptureConfig(
+        model=str(model_dir(kind)),
+        dataset=str(dataset),
+        sites=("resid.0", "resid.-2"),
+        batch_size=BATCH,
+        context_length=16,
+        max_examples=10,
+        progress=False,
+    )
     result = capture(cfg, lambda plan: SaevWriter.from_plan(plan, tmp_path, patches_per_shard=200))
     reader = SaevReader(result.output)
     assert reader.layers == (0, 2)  # -2 stored as its absolute index
@@ -47,8 +54,15 @@ def test_saev_store_equals_output_hidden_states(kind, model_dir, image_folder, t
 
 
 def test_text_capture_keeps_token_ids(model_dir, text_file, tmp_path):
-    cfg = CaptureConfig(model=str(model_dir("llama")), dataset=str(text_file), sites=("resid.1",),
-                        batch_size=3, context_length=12, max_examples=7, progress=False)
+    cfg = CaptureConfig(
+        model=str(model_dir("llama")),
+        dataset=str(text_file),
+        sites=("resid.1",),
+        batch_size=3,
+        context_length=12,
+        max_examples=7,
+        progress=False,
+    )
     result = capture(cfg, lambda plan: SaevWriter.from_plan(plan, tmp_path))
     reader = SaevReader(result.output)
     model = load_model(str(model_dir("llama")))
@@ -59,8 +73,13 @@ def test_text_capture_keeps_token_ids(model_dir, text_file, tmp_path):
 
 
 def test_image_labels_from_class_folders(model_dir, image_folder, tmp_path):
-    cfg = CaptureConfig(model=str(model_dir("clip")), dataset=str(image_folder), sites=("resid.1",),
-                        batch_size=4, progress=False)
+    cfg = CaptureConfig(
+        model=str(model_dir("clip")),
+        dataset=str(image_folder),
+        sites=("resid.1",),
+        batch_size=4,
+        progress=False,
+    )
     reader = SaevReader(capture(cfg, lambda p: SaevWriter.from_plan(p, tmp_path)).output)
     assert reader.classes == ["cat", "dog", "owl"]
     labels = np.asarray(reader.labels)
@@ -82,10 +101,16 @@ def test_forward_stops_after_last_requested_block(model_dir):
 def test_sublayer_sites_add_up_to_the_residual_stream(kind, model_dir):
     """resid[i] == (resid[i-1] + attn_out[i]) + mlp_out[i], bit for bit, in every block."""
     model = load_model(str(model_dir(kind)))
-    sites = [Site(k, layer) for layer in (1, 2) for k in ("resid", "attn_out", "mlp_out", "attn_in",
-                                                          "mlp_in")] + [Site("resid", 0)]
-    inputs = ({"pixel_values": torch.randn(2, 3, 32, 32)} if kind == "clip"
-              else {"input_ids": torch.randint(0, 300, (2, 9))})
+    sites = [
+        Site(k, layer)
+        for layer in (1, 2)
+        for k in ("resid", "attn_out", "mlp_out", "attn_in", "mlp_in")
+    ] + [Site("resid", 0)]
+    inputs = (
+        {"pixel_values": torch.randn(2, 3, 32, 32)}
+        if kind == "clip"
+        else {"input_ids": torch.randint(0, 300, (2, 9))}
+    )
     with torch.inference_mode(), ActivationRecorder(model, sites) as rec:
         a = rec.run(inputs)
     for layer in (1, 2):
@@ -99,15 +124,24 @@ def test_bad_site_and_layer_errors(model_dir):
     model = load_model(str(model_dir("dinov2")))
     with pytest.raises(ConfigError, match="out of range"):
         ActivationRecorder(model, [Site("resid", 4)])
-    with pytest.raises(ConfigError, match="not mapped"):
-        with ActivationRecorder(model, [Site("mlp_out", 1)]):
-            pass
+    with (
+        pytest.raises(ConfigError, match="not mapped"),
+        ActivationRecorder(model, [Site("mlp_out", 1)]),
+    ):
+        pass
     with pytest.raises(ConfigError, match="unknown site kind"):
         Site.parse("mlp_post.3")
     with pytest.raises(ConfigError, match="saev protocol stores the residual stream only"):
-        capture(CaptureConfig(model=str(model_dir("gpt2")), dataset="embedded",
-                              sites=("mlp_out.1",), max_examples=2, progress=False),
-                lambda plan: SaevWriter.from_plan(plan, "unused"))
+        capture(
+            CaptureConfig(
+                model=str(model_dir("gpt2")),
+                dataset="embedded",
+                sites=("mlp_out.1",),
+                max_examples=2,
+                progress=False,
+            ),
+            lambda plan: SaevWriter.from_plan(plan, "unused"),
+        )
 
 
 def test_progress_bars_respect_tqdm_disable(model_dir, text_file, tmp_path, capsys):
@@ -117,8 +151,15 @@ def test_progress_bars_respect_tqdm_disable(model_dir, text_file, tmp_path, caps
     if not std_tqdm(total=1).disable:
         pytest.skip("TQDM_DISABLE is not set in this run")
     capsys.readouterr()
-    cfg = CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file), sites=("resid.1",),
-                        batch_size=2, context_length=8, max_examples=4, progress=True)
+    cfg = CaptureConfig(
+        model=str(model_dir("gpt2")),
+        dataset=str(text_file),
+        sites=("resid.1",),
+        batch_size=2,
+        context_length=8,
+        max_examples=4,
+        progress=True,
+    )
     capture(cfg, lambda plan: SaevWriter.from_plan(plan, tmp_path))
     err = capsys.readouterr().err
     assert "%|" not in err, err  # neither the tokenising nor the capture bar was drawn

@@ -21,7 +21,7 @@ runner = CliRunner()
 
 def readme_command(marker: str) -> str:
     text = (ROOT / "README.md").read_text()
-    match = re.search(rf"<!-- {marker} -->\s*```bash\n(.+?)\n```", text, re.S)
+    match = re.search(rf"<!-- {marker} -->\s*```bash\n(.+?)\n```", text, re.DOTALL)
     assert match, f"README has no {marker} block"
     return match.group(1).strip()
 
@@ -37,8 +37,14 @@ def test_readme_main_job_runs_end_to_end(tmp_path):
     command = readme_command("main-job").split("&&")[-1].strip()
     argv = shlex.split(command)
     assert argv[0] == "actstore"
-    proc = subprocess.run([sys.executable, "-m", "actstore", *argv[1:]], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "actstore", *argv[1:]],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     (store,) = (tmp_path / "actstore-data").iterdir()
     reader = SaevReader(store)
@@ -47,7 +53,9 @@ def test_readme_main_job_runs_end_to_end(tmp_path):
     assert reader.verify().ok
     # the printed Python one-liner works as written
     one_liner = re.search(r'python -c "(.+)"', proc.stdout).group(1)
-    check = subprocess.run([sys.executable, "-c", one_liner], capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-c", one_liner], capture_output=True, text=True, check=False
+    )
     assert check.returncode == 0 and check.stdout.strip().startswith("["), check.stderr
 
 
@@ -57,17 +65,39 @@ def test_help_explains_every_command():
     for command in ("capture", "inspect", "verify"):
         assert command in result.output
     capture_help = runner.invoke(app, ["capture", "--help"]).output
-    for option in ("--model", "--dataset", "--layers", "--out", "--dialect", "--device",
-                   "--batch-size", "Examples"):
+    for option in (
+        "--model",
+        "--dataset",
+        "--layers",
+        "--out",
+        "--dialect",
+        "--device",
+        "--batch-size",
+        "Examples",
+    ):
         assert option in capture_help
 
 
 @pytest.fixture(scope="module")
 def small_store(tmp_path_factory, model_dir):
     out = tmp_path_factory.mktemp("cli-store")
-    result = runner.invoke(app, ["capture", "--model", str(model_dir("gpt2")), "--layers", "0,-1",
-                                 "--context-length", "8", "--max-examples", "12", "--out",
-                                 str(out), "--no-progress"])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "capture",
+            "--model",
+            str(model_dir("gpt2")),
+            "--layers",
+            "0,-1",
+            "--context-length",
+            "8",
+            "--max-examples",
+            "12",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     (store,) = [p for p in out.iterdir() if not p.name.startswith(".")]
     return store
@@ -85,16 +115,45 @@ def test_inspect_and_verify(small_store):
 
 
 def test_rerun_reports_existing_store(small_store, model_dir):
-    result = runner.invoke(app, ["capture", "--model", str(model_dir("gpt2")), "--layers", "0,-1",
-                                 "--context-length", "8", "--max-examples", "12", "--out",
-                                 str(small_store.parent), "--no-progress"])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "capture",
+            "--model",
+            str(model_dir("gpt2")),
+            "--layers",
+            "0,-1",
+            "--context-length",
+            "8",
+            "--max-examples",
+            "12",
+            "--out",
+            str(small_store.parent),
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0 and "Already captured" in result.output
     # inside a Slurm job array (a sweep), --no-slurm is the whole capture, not a slice
     array = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "3"}
-    result = runner.invoke(app, ["capture", "--model", str(model_dir("gpt2")), "--layers", "0,-1",
-                                 "--context-length", "8", "--max-examples", "12", "--out",
-                                 str(small_store.parent), "--no-progress", "--no-slurm"],
-                           env=array)  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "capture",
+            "--model",
+            str(model_dir("gpt2")),
+            "--layers",
+            "0,-1",
+            "--context-length",
+            "8",
+            "--max-examples",
+            "12",
+            "--out",
+            str(small_store.parent),
+            "--no-progress",
+            "--no-slurm",
+        ],
+        env=array,
+    )
     assert result.exit_code == 0 and "Already captured" in result.output
 
 
@@ -117,25 +176,51 @@ def test_verify_fails_on_a_damaged_store(small_store, tmp_path):
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "actstore", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "actstore", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def test_bad_input_gives_one_clear_error(tmp_path, model_dir):
     proc = run_cli("capture", "--model", str(tmp_path / "nope"), "--out", str(tmp_path))
     assert proc.returncode == 2 and "error: cannot load a model config" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run_cli("capture", "--model", str(model_dir("gpt2")), "--layers", "7",
-                   "--out", str(tmp_path))
-    assert proc.returncode == 2 and "layer 7 is out of range for a model with 4 blocks" in proc.stderr
-    proc = run_cli("capture", "--model", str(model_dir("gpt2")), "--layers", "a,b",
-                   "--out", str(tmp_path))
+    proc = run_cli(
+        "capture", "--model", str(model_dir("gpt2")), "--layers", "7", "--out", str(tmp_path)
+    )
+    assert (
+        proc.returncode == 2 and "layer 7 is out of range for a model with 4 blocks" in proc.stderr
+    )
+    proc = run_cli(
+        "capture", "--model", str(model_dir("gpt2")), "--layers", "a,b", "--out", str(tmp_path)
+    )
     assert proc.returncode == 2 and "comma-separated integers" in proc.stderr
-    proc = run_cli("capture", "--model", str(model_dir("gpt2")), "--dialect", "saev",
-                   "--max-examples", "2", "--out", str(tmp_path))
+    proc = run_cli(
+        "capture",
+        "--model",
+        str(model_dir("gpt2")),
+        "--dialect",
+        "saev",
+        "--max-examples",
+        "2",
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 2 and "--dialect saev is for ViT captures" in proc.stderr
-    proc = run_cli("capture", "--model", str(model_dir("gpt2")), "--dataset", str(tmp_path / "x.csv"),
-                   "--out", str(tmp_path))
+    proc = run_cli(
+        "capture",
+        "--model",
+        str(model_dir("gpt2")),
+        "--dataset",
+        str(tmp_path / "x.csv"),
+        "--out",
+        str(tmp_path),
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     proc = run_cli("inspect", str(tmp_path))
     assert proc.returncode == 2 and "not an actstore-readable store" in proc.stderr

@@ -12,7 +12,6 @@ import logging
 import numpy as np
 import pytest
 from conformance import make_acts, make_batches, make_plan
-from s3_server import s3, s3_server  # noqa: F401 - fixtures
 from typer.testing import CliRunner
 
 from actstore.cli import app
@@ -31,8 +30,11 @@ from actstore.sites import Site
 
 FORMATS = [spec.name for spec in available_formats()]
 #: Options that cut the 23-example test store into several shards/files.
-SMALL_SHARDS = {"saev": ["patches_per_shard=60"], "pickle": ["samples_per_shard=5"],
-                "activault": ["rows_per_file=1"]}
+SMALL_SHARDS = {
+    "saev": ["patches_per_shard=60"],
+    "pickle": ["samples_per_shard=5"],
+    "activault": ["rows_per_file=1"],
+}
 
 
 def options(fmt: str):
@@ -67,8 +69,9 @@ def test_round_trip_between_formats(source, target, tmp_path):
     src = write_store(source, tmp_path / "src", plan, acts)
     src_dtype, dst_dtype = get_format(source).stored_dtype, get_format(target).stored_dtype
 
-    there = convert(src, tmp_path / "there", to=target, options=options(target), batch_size=7,
-                    progress=False)
+    there = convert(
+        src, tmp_path / "there", to=target, options=options(target), batch_size=7, progress=False
+    )
     assert there.verified and (there.source_format, there.target_format) == (source, target)
     assert there.n_examples == plan.n_examples
     assert there.rows == {str(s): plan.n_examples * plan.tokens_per_example for s in plan.sites}
@@ -80,13 +83,16 @@ def test_round_trip_between_formats(source, target, tmp_path):
         want = float(np.abs(stored.astype(np.float64) - original).max())
         assert there.max_abs_error[str(site)] == want and (want == 0.0) == exact
 
-    back = convert(there.location, tmp_path / "back", to=source, options=options(source),
-                   progress=False)
+    back = convert(
+        there.location, tmp_path / "back", to=source, options=options(source), progress=False
+    )
     assert back.verified and back.rows == there.rows
     for site in plan.sites:
         once = as_stored(acts[str(site)].reshape(-1, plan.d_model), src_dtype)
-        np.testing.assert_array_equal(rows_of(open_store(back.location), site),
-                                      as_stored(as_stored(once, dst_dtype), src_dtype))
+        np.testing.assert_array_equal(
+            rows_of(open_store(back.location), site),
+            as_stored(as_stored(once, dst_dtype), src_dtype),
+        )
 
 
 def test_lossless_round_trip_keeps_tokens_and_metadata(tmp_path):
@@ -95,8 +101,9 @@ def test_lossless_round_trip_keeps_tokens_and_metadata(tmp_path):
     src = write_store("saev", tmp_path / "src", plan, acts)
     pkl = convert(src, tmp_path / "pkl", to="pickle", progress=False)
     assert pkl.lossless
-    back = convert(pkl.location, tmp_path / "back", to="saev", options=options("saev"),
-                   progress=False)
+    back = convert(
+        pkl.location, tmp_path / "back", to="saev", options=options("saev"), progress=False
+    )
     a, b = open_store(src), open_store(back.location)
     assert back.location.name == a.path.name  # same saev content hash: same metadata
     np.testing.assert_array_equal(b.tokens, a.tokens)
@@ -111,10 +118,25 @@ def test_source_plan_rebuilds_the_capture(tmp_path):
     plan = make_plan()
     src = open_store(write_store("saev", tmp_path / "src", plan, make_acts(plan)))
     got = source_plan(src)
-    assert (got.ckpt, got.family, got.sites, got.d_model, got.tokens_per_example,
-            got.n_examples, got.data, got.has_tokens) == (
-        plan.ckpt, plan.family, plan.sites, plan.d_model, plan.tokens_per_example,
-        plan.n_examples, plan.data, True)
+    assert (
+        got.ckpt,
+        got.family,
+        got.sites,
+        got.d_model,
+        got.tokens_per_example,
+        got.n_examples,
+        got.data,
+        got.has_tokens,
+    ) == (
+        plan.ckpt,
+        plan.family,
+        plan.sites,
+        plan.d_model,
+        plan.tokens_per_example,
+        plan.n_examples,
+        plan.data,
+        True,
+    )
 
 
 def test_conversion_streams_in_bounded_batches(tmp_path):
@@ -139,8 +161,9 @@ def test_interrupted_conversion_resumes(tmp_path):
     plan = make_plan()
     acts = make_acts(plan)
     src = write_store("saev", tmp_path / "src", plan, acts)
-    writer = get_format("pickle").writer_for_plan(source_plan(open_store(src)), str(tmp_path / "pkl"),
-                                                  options("pickle"))
+    writer = get_format("pickle").writer_for_plan(
+        source_plan(open_store(src)), str(tmp_path / "pkl"), options("pickle")
+    )
     for batch in example_batches(open_store(src), source_plan(open_store(src)), 4):
         if batch.example_ids[0] >= 12:
             break
@@ -182,30 +205,43 @@ runner = CliRunner()
 def test_convert_command(tmp_path):
     plan = make_plan()
     src = write_store("saev", tmp_path / "src", plan, make_acts(plan))
-    result = runner.invoke(app, ["convert", src, str(tmp_path / "pkl"), "--to", "pickle",
-                                 "--opt", "samples_per_shard=8", "--no-progress"])
+    result = runner.invoke(
+        app,
+        [
+            "convert",
+            src,
+            str(tmp_path / "pkl"),
+            "--to",
+            "pickle",
+            "--opt",
+            "samples_per_shard=8",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "Converted 23 examples from saev to pickle" in result.output
     assert "site resid.1: 138 rows verified, exact" in result.output
     assert len(open_store(tmp_path / "pkl").shards) == 3
     if "zarr" in FORMATS:
-        half = runner.invoke(app, ["convert", src, str(tmp_path / "z"), "--to", "zarr",
-                                   "--no-progress"])
+        half = runner.invoke(
+            app, ["convert", src, str(tmp_path / "z"), "--to", "zarr", "--no-progress"]
+        )
         assert half.exit_code == 0, half.output
         assert "max abs error" in half.output and "float16 rounding" in half.output
     help_text = runner.invoke(app, ["convert", "--help"]).output
     assert "--to" in help_text and "pickle" in help_text and "Examples" in help_text
 
 
-def test_convert_to_and_from_object_storage(s3, tmp_path):  # noqa: F811 - fixture
+def test_convert_to_and_from_object_storage(s3, tmp_path):
     plan = make_plan()
     acts = make_acts(plan)
     src = write_store("pickle", tmp_path / "src", plan, acts)
-    up = convert(src, s3.url("run"), to="activault", options=options("activault"),
-                 progress=False)
+    up = convert(src, s3.url("run"), to="activault", options=options("activault"), progress=False)
     assert up.location == s3.url("run") and up.verified
     assert max(up.max_abs_error.values()) > 0  # bfloat16
     down = convert(up.location, tmp_path / "back", to="pickle", progress=False)
     assert down.lossless and down.rows == up.rows
-    np.testing.assert_array_equal(rows_of(open_store(down.location), plan.sites[0]),
-                                  as_stored(acts["resid.1"].reshape(-1, plan.d_model), "bfloat16"))
+    np.testing.assert_array_equal(
+        rows_of(open_store(down.location), plan.sites[0]),
+        as_stored(acts["resid.1"].reshape(-1, plan.d_model), "bfloat16"),
+    )

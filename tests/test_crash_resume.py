@@ -14,8 +14,19 @@ import pytest
 from actstore.errors import CorruptStoreError
 from actstore.formats.saev import SaevReader
 
-ARGS = ["--layers", "1,3", "--context-length", "32", "--max-examples", "240", "--batch-size", "8",
-        "--patches-per-shard", str(16 * 32 * 2), "--no-progress"]  # 16 examples per shard
+ARGS = [
+    "--layers",
+    "1,3",
+    "--context-length",
+    "32",
+    "--max-examples",
+    "240",
+    "--batch-size",
+    "8",
+    "--patches-per-shard",
+    str(16 * 32 * 2),
+    "--no-progress",
+]  # 16 examples per shard
 
 
 def run_capture(out, **kw):
@@ -39,7 +50,9 @@ def test_sigkill_mid_capture_then_resume_is_byte_identical(tmp_path):
     proc = run_capture(crashed)
     deadline = time.monotonic() + 120
     while finished_shards(crashed) < 3:
-        assert proc.poll() is None, "capture finished before it could be killed:\n" + proc.stdout.read().decode()
+        assert proc.poll() is None, (
+            "capture finished before it could be killed:\n" + proc.stdout.read().decode()
+        )
         assert time.monotonic() < deadline, "capture made no progress"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from s3_server import s3, s3_server  # noqa: F401 - fixtures
 from store_compare import assert_same_store
 from typer.testing import CliRunner
 
@@ -44,9 +43,15 @@ PICKLE = PickleOptions(samples_per_shard=4)
 
 @pytest.fixture(scope="module")
 def config(model_dir, text_file):
-    return CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file),
-                         sites=("resid.1", "resid.3"), batch_size=BATCH, context_length=CONTEXT,
-                         max_examples=N_EXAMPLES, progress=False)
+    return CaptureConfig(
+        model=str(model_dir("gpt2")),
+        dataset=str(text_file),
+        sites=("resid.1", "resid.3"),
+        batch_size=BATCH,
+        context_length=CONTEXT,
+        max_examples=N_EXAMPLES,
+        progress=False,
+    )
 
 
 # ---------------------------------------------------------------- the split
@@ -98,8 +103,10 @@ def saev_single(config, tmp_path_factory):
 
 def test_saev_parts_merge_byte_identical_to_one_process(config, saev_single, tmp_path):
     out = str(tmp_path / "acts")
-    results = [capture_distributed(config, "saev", out, SAEV, machine_id=i, n_machines=3)
-               for i in (2, 0, 1)]  # any finishing order; the last one publishes
+    results = [
+        capture_distributed(config, "saev", out, SAEV, machine_id=i, n_machines=3)
+        for i in (2, 0, 1)
+    ]  # any finishing order; the last one publishes
     assert [r.published is None for r in results] == [True, True, False]
     assert results[1].waiting_for == [(8, 16)]
     slices = [(r.part.slice.start, r.part.slice.stop) for r in results]
@@ -133,8 +140,9 @@ def test_merge_refuses_a_missing_slice(config, tmp_path):
 
 def test_more_machines_than_shards_leaves_some_idle(config, saev_single, tmp_path):
     out = str(tmp_path / "acts")
-    results = [capture_distributed(config, "saev", out, SAEV, machine_id=i, n_machines=8)
-               for i in range(8)]
+    results = [
+        capture_distributed(config, "saev", out, SAEV, machine_id=i, n_machines=8) for i in range(8)
+    ]
     assert [r.part.slice.n_examples for r in results] == [4, 4, 4, 4, 4, 2, 0, 0]
     assert results[-1].published is not None
     assert_same_store(results[-1].published, saev_single)
@@ -145,12 +153,12 @@ def test_more_machines_than_shards_leaves_some_idle(config, saev_single, tmp_pat
 
 def test_pickle_parts_merge_into_the_single_machine_store(config, tmp_path):
     spec = get_format("pickle")
-    single = capture(config, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"),
-                                                               PICKLE)).output
+    single = capture(
+        config, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), PICKLE)
+    ).output
     out = str(tmp_path / "acts")
     for machine in range(2):
-        done = capture_distributed(config, "pickle", out, PICKLE, machine_id=machine,
-                                   n_machines=2)
+        done = capture_distributed(config, "pickle", out, PICKLE, machine_id=machine, n_machines=2)
     assert done.published == Path(out).resolve()
     merged, ref = PickleReader(out), PickleReader(single)
     assert [s.filename for s in merged.shards] == [s.filename for s in ref.shards]
@@ -180,28 +188,73 @@ runner = CliRunner()
 @pytest.mark.slow
 def test_slurm_script_runs_as_an_array_job(config, saev_single, tmp_path):
     out = tmp_path / "acts"
-    args = ["--model", config.model, "--dataset", config.dataset, "--layers", "1,3",
-            "--batch-size", str(BATCH), "--context-length", str(CONTEXT), "--max-examples",
-            str(N_EXAMPLES), "--patches-per-shard", str(SAEV.patches_per_shard), "--out",
-            str(out), "--no-progress"]
-    result = runner.invoke(app, ["slurm-script", "--num-machines", "2", "--gpus-per-task", "1",
-                                 "--time", "1:00:00", "--setup", "echo starting", "--", *args])
+    args = [
+        "--model",
+        config.model,
+        "--dataset",
+        config.dataset,
+        "--layers",
+        "1,3",
+        "--batch-size",
+        str(BATCH),
+        "--context-length",
+        str(CONTEXT),
+        "--max-examples",
+        str(N_EXAMPLES),
+        "--patches-per-shard",
+        str(SAEV.patches_per_shard),
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    result = runner.invoke(
+        app,
+        [
+            "slurm-script",
+            "--num-machines",
+            "2",
+            "--gpus-per-task",
+            "1",
+            "--time",
+            "1:00:00",
+            "--setup",
+            "echo starting",
+            "--",
+            *args,
+        ],
+    )
     assert result.exit_code == 0, result.output
     script = result.output
     assert script.startswith("#!/bin/bash\n")
-    for line in ("#SBATCH --array=0-1", "#SBATCH --gpus-per-task=1", "#SBATCH --time=1:00:00",
-                 "echo starting"):
+    for line in (
+        "#SBATCH --array=0-1",
+        "#SBATCH --gpus-per-task=1",
+        "#SBATCH --time=1:00:00",
+        "echo starting",
+    ):
         assert line in script.splitlines()
     path = tmp_path / "capture.sbatch"
     path.write_text(script)
     # run the script as Slurm would: one process per array task, both at once
     bin_dir = str(Path(sys.executable).parent)
-    procs = [subprocess.Popen(["bash", str(path)], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ["PATH"],
-                                   "SLURM_ARRAY_TASK_ID": str(i), "SLURM_ARRAY_TASK_COUNT": "2",
-                                   "SLURM_ARRAY_TASK_MIN": "0", "TQDM_DISABLE": "1"})
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            ["bash", str(path)],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={
+                **os.environ,
+                "PATH": bin_dir + os.pathsep + os.environ["PATH"],
+                "SLURM_ARRAY_TASK_ID": str(i),
+                "SLURM_ARRAY_TASK_COUNT": "2",
+                "SLURM_ARRAY_TASK_MIN": "0",
+                "TQDM_DISABLE": "1",
+            },
+        )
+        for i in range(2)
+    ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
     assert sum("from 2 parts" in log for log in logs) == 1  # one task merged ...
@@ -224,16 +277,20 @@ def test_zarr_shards_publish_as_one_run(config, tmp_path):
 
     options = ZarrOptions()
     spec = get_format("zarr")
-    single = open_store(capture(config, lambda plan: spec.writer_for_plan(
-        plan, str(tmp_path / "one"), options)).output)
+    single = open_store(
+        capture(
+            config, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options)
+        ).output
+    )
     out = tmp_path / "acts"
     first = capture_distributed(config, "zarr", str(out), options, machine_id=2, n_machines=3)
     assert first.published is None and first.waiting_for == [(0, 15)]
     with pytest.raises(FileNotFoundError):  # shards without a manifest are not a store
         open_store(out)
     for machine in (0, 1):
-        done = capture_distributed(config, "zarr", str(out), options, machine_id=machine,
-                                   n_machines=3)
+        done = capture_distributed(
+            config, "zarr", str(out), options, machine_id=machine, n_machines=3
+        )
     assert [done.part.slice.start, done.part.slice.stop] == [8, 15]  # zarr's balanced split
     run = open_store(done.published)
     assert len(run.stores) == 3 and run.n_samples == N_EXAMPLES
@@ -241,10 +298,12 @@ def test_zarr_shards_publish_as_one_run(config, tmp_path):
         got = np.concatenate([run.read_block(b) for b in run.blocks(site)])
         want = np.concatenate([single.read_block(b) for b in single.blocks(site)])
         np.testing.assert_array_equal(got, want)
-        np.testing.assert_allclose(run.statistics(site).mean, single.statistics(site).mean,
-                                   rtol=1e-12)
+        np.testing.assert_allclose(
+            run.statistics(site).mean, single.statistics(site).mean, rtol=1e-12
+        )
     assert [run.token_ids(i).tolist() for i in range(N_EXAMPLES)] == [
-        single.token_ids(i).tolist() for i in range(N_EXAMPLES)]
+        single.token_ids(i).tolist() for i in range(N_EXAMPLES)
+    ]
     assert run.verify().ok
 
 
@@ -263,10 +322,13 @@ def test_activault_parts_merge_into_one_run(config, tmp_path, request, where):
     else:
         out, single_out = str(tmp_path / "acts"), str(tmp_path / "one")
     spec = get_format("activault")
-    single = open_store(capture(cfg, lambda plan: spec.writer_for_plan(plan, single_out,
-                                                                       options)).output)
-    results = [capture_distributed(cfg, "activault", out, options, machine_id=i, n_machines=3)
-               for i in (1, 2)]
+    single = open_store(
+        capture(cfg, lambda plan: spec.writer_for_plan(plan, single_out, options)).output
+    )
+    results = [
+        capture_distributed(cfg, "activault", out, options, machine_id=i, n_machines=3)
+        for i in (1, 2)
+    ]
     if where == "s3":  # the last machine only captures; `actstore merge s3://...` publishes
         last = capture_part(cfg, "activault", out, options, machine_id=0, n_machines=3)
         merged = runner.invoke(app, ["merge", out])
@@ -277,15 +339,17 @@ def test_activault_parts_merge_into_one_run(config, tmp_path, request, where):
         last, published = done.part, done.published
     assert [r.published is None for r in results] == [True, True] and published is not None
     assert [(r.part.slice.start, r.part.slice.stop) for r in results] + [
-        (last.slice.start, last.slice.stop)] == [(8, 16), (16, 22), (0, 8)]
+        (last.slice.start, last.slice.stop)
+    ] == [(8, 16), (16, 22), (0, 8)]
     run = open_store(published)
     assert run.record.complete and run.record.groups == 11 and run.record.dropped_tokens == 0
     for site in run.sites:
         got = np.concatenate([run.read_block(b) for b in run.blocks(site)])
         want = np.concatenate([single.read_block(b) for b in single.blocks(site)])
         np.testing.assert_array_equal(got, want)
-        np.testing.assert_allclose(run.statistics(site).mean, single.statistics(site).mean,
-                                   rtol=1e-12)
+        np.testing.assert_allclose(
+            run.statistics(site).mean, single.statistics(site).mean, rtol=1e-12
+        )
     assert run.verify().ok
     assert find_unmerged(out) == []  # the parts are gone
 
@@ -297,10 +361,17 @@ def test_activault_parts_with_default_file_size_match_one_process(config, tmp_pa
     options = ActivaultOptions()  # 85 examples: default files hold 5 rows (1/16 of the data)
     config = dataclasses.replace(config, max_examples=85)
     spec = get_format("activault")
-    single = open_store(capture(config, lambda plan: spec.writer_for_plan(
-        plan, str(tmp_path / "one"), options)).output)  # fmt: skip
-    results = [capture_distributed(config, "activault", str(tmp_path / "acts"), options,
-                                   machine_id=i, n_machines=2) for i in (1, 0)]  # fmt: skip
+    single = open_store(
+        capture(
+            config, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options)
+        ).output
+    )
+    results = [
+        capture_distributed(
+            config, "activault", str(tmp_path / "acts"), options, machine_id=i, n_machines=2
+        )
+        for i in (1, 0)
+    ]
     run = open_store(results[-1].published)
     assert run.record.complete
     for site in run.sites:
@@ -311,13 +382,40 @@ def test_activault_parts_with_default_file_size_match_one_process(config, tmp_pa
 
 def test_capture_command_for_one_machine_then_merge(config, tmp_path):
     out = tmp_path / "acts"
-    args = ["capture", "--model", config.model, "--dataset", config.dataset, "--layers", "1,3",
-            "--batch-size", str(BATCH), "--context-length", str(CONTEXT), "--max-examples",
-            str(N_EXAMPLES), "--format", "pickle", "--opt", "samples_per_shard=4", "--out",
-            str(out), "--no-progress", "--num-machines", "2"]
+    args = [
+        "capture",
+        "--model",
+        config.model,
+        "--dataset",
+        config.dataset,
+        "--layers",
+        "1,3",
+        "--batch-size",
+        str(BATCH),
+        "--context-length",
+        str(CONTEXT),
+        "--max-examples",
+        str(N_EXAMPLES),
+        "--format",
+        "pickle",
+        "--opt",
+        "samples_per_shard=4",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--num-machines",
+        "2",
+    ]
     # machine 1 as a Slurm task rerun alone (`sbatch --array=1`): the id comes from the array
-    first = runner.invoke(app, args, env={"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "1",
-                                          "SLURM_ARRAY_TASK_MIN": "1"})
+    first = runner.invoke(
+        app,
+        args,
+        env={
+            "SLURM_ARRAY_TASK_ID": "1",
+            "SLURM_ARRAY_TASK_COUNT": "1",
+            "SLURM_ARRAY_TASK_MIN": "1",
+        },
+    )
     assert first.exit_code == 0, first.output
     assert "machine 1 of 2: examples [12, 22)" in first.output
     assert "Waiting for examples [0, 12)" in first.output
@@ -336,9 +434,19 @@ def test_ray_failure_report_names_the_formats_own_slices():
     from actstore.dist import PartResult, Slice
     from actstore.dist.ray_runner import _failure_report
 
-    slices = tuple(Slice(machine_id=i, n_machines=4, start=a, stop=b, per_machine=3)
-                   for i, (a, b) in enumerate([(0, 3), (3, 6), (6, 8), (8, 10)]))
-    done = PartResult(slice=slices[0], part=None, final="acts", store_examples=10,
-                      n_examples_run=3, seconds=0.0, already_complete=False, slices=slices)
+    slices = tuple(
+        Slice(machine_id=i, n_machines=4, start=a, stop=b, per_machine=3)
+        for i, (a, b) in enumerate([(0, 3), (3, 6), (6, 8), (8, 10)])
+    )
+    done = PartResult(
+        slice=slices[0],
+        part=None,
+        final="acts",
+        store_examples=10,
+        n_examples_run=3,
+        seconds=0.0,
+        already_complete=False,
+        slices=slices,
+    )
     text = _failure_report({3: OSError("disk full")}, {0: done}, 4, 2)
     assert "machine 3 of 4 (examples [8, 10)) failed after 3 attempts: disk full" in text

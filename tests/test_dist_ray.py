@@ -30,19 +30,26 @@ psutil = pytest.importorskip("psutil")  # ray[default] ships it
 pytestmark = pytest.mark.slow
 
 CONTEXT = 16
-SMALL = {"sites": ("resid.1", "resid.3"), "batch_size": 3, "context_length": CONTEXT,
-         "max_examples": 22, "progress": False}
+SMALL = {
+    "sites": ("resid.1", "resid.3"),
+    "batch_size": 3,
+    "context_length": CONTEXT,
+    "max_examples": 22,
+    "progress": False,
+}
 SAEV = SaevOptions(patches_per_shard=4 * CONTEXT * 2)  # 4 examples per shard
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    env = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    init_local_ray(num_cpus=2, _temp_dir=str(tmp_path_factory.mktemp("ray")),
-                   log_to_driver=False)
+    init_local_ray(num_cpus=2, _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
     yield ray
     ray.shutdown()
     for key, value in saved.items():
@@ -81,8 +88,9 @@ def test_two_workers_give_the_single_process_store(ray_cluster, model_dir, text_
 
     options = PickleOptions(samples_per_shard=4)
     pkl_ref = PickleReader(single_capture(config, "pickle", tmp_path / "pkl-one", options))
-    merged = PickleReader(capture_on_ray(config, "pickle", str(tmp_path / "pkl"), options,
-                                         workers=2).location)
+    merged = PickleReader(
+        capture_on_ray(config, "pickle", str(tmp_path / "pkl"), options, workers=2).location
+    )
     assert [s.filename for s in merged.shards] == [s.filename for s in pkl_ref.shards]
     for layer in (1, 3):
         got, want = list(merged.items(layer)), list(pkl_ref.items(layer))
@@ -92,8 +100,9 @@ def test_two_workers_give_the_single_process_store(ray_cluster, model_dir, text_
     assert {m["machine_id"] for m in merged.metadata.distributed_config["machines"]} == {0, 1}
 
 
-def test_failing_slice_is_reported_and_nothing_published(ray_cluster, model_dir, text_file,
-                                                         tmp_path):
+def test_failing_slice_is_reported_and_nothing_published(
+    ray_cluster, model_dir, text_file, tmp_path
+):
     config = CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file), **SMALL)
     reference = single_capture(config, "saev", tmp_path / "one", SAEV)
     out = tmp_path / "acts"
@@ -101,8 +110,11 @@ def test_failing_slice_is_reported_and_nothing_published(ray_cluster, model_dir,
     parts.mkdir(parents=True)
     blocker = parts / ".part-0000000012-0000000022.partial"
     blocker.write_text("not a directory")  # machine 1 cannot create its part: an I/O error
-    with pytest.raises(MissingPartsError, match=r"machine 1 of 2 \(examples \[12, 22\)\) failed "
-                                                r"after 2 attempts"):
+    with pytest.raises(
+        MissingPartsError,
+        match=r"machine 1 of 2 \(examples \[12, 22\)\) failed "
+        r"after 2 attempts",
+    ):
         capture_on_ray(config, "saev", str(out), SAEV, workers=2, retries=1)
     assert not (out / reference.name).exists()  # no store with a hole
     assert (parts / "part-0000000000-0000000012" / "part.json").exists()  # machine 0 kept
@@ -124,14 +136,23 @@ def _pids_with_open_files_in(directory: Path) -> set[int]:
 
 
 def test_killed_worker_is_retried_and_resumes(ray_cluster, model_dir, text_file, tmp_path):
-    config = CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file),
-                           sites=("resid.1", "resid.3"), batch_size=2, context_length=CONTEXT,
-                           max_examples=640, progress=False)
+    config = CaptureConfig(
+        model=str(model_dir("gpt2")),
+        dataset=str(text_file),
+        sites=("resid.1", "resid.3"),
+        batch_size=2,
+        context_length=CONTEXT,
+        max_examples=640,
+        progress=False,
+    )
     options = SaevOptions(patches_per_shard=16 * CONTEXT * 2)  # 16 examples per shard
     out = tmp_path / "acts"
     outcome: dict = {}
-    runner = threading.Thread(target=lambda: outcome.update(
-        result=capture_on_ray(config, "saev", str(out), options, workers=2, retries=2)))
+    runner = threading.Thread(
+        target=lambda: outcome.update(
+            result=capture_on_ray(config, "saev", str(out), options, workers=2, retries=2)
+        )
+    )
     runner.start()
     killed = None
     deadline = time.monotonic() + 120
@@ -163,11 +184,35 @@ def test_capture_command_with_ray(ray_cluster, model_dir, text_file, tmp_path):
     from actstore.cli import app
 
     out = tmp_path / "acts"
-    result = CliRunner().invoke(app, [
-        "capture", "--model", str(model_dir("gpt2")), "--dataset", str(text_file),
-        "--layers", "1,3", "--context-length", str(CONTEXT), "--max-examples", "22",
-        "--batch-size", "3", "--format", "pickle", "--opt", "samples_per_shard=4",
-        "--out", str(out), "--ray", "local", "--workers", "2", "--no-progress"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--model",
+            str(model_dir("gpt2")),
+            "--dataset",
+            str(text_file),
+            "--layers",
+            "1,3",
+            "--context-length",
+            str(CONTEXT),
+            "--max-examples",
+            "22",
+            "--batch-size",
+            "3",
+            "--format",
+            "pickle",
+            "--opt",
+            "samples_per_shard=4",
+            "--out",
+            str(out),
+            "--ray",
+            "local",
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "Captured 22 examples with 2 Ray workers; published" in result.output
     reader = PickleReader(out)

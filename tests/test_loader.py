@@ -3,6 +3,8 @@ determinism, resume (also with real DataLoader worker processes), options and er
 
 from __future__ import annotations
 
+import functools
+import operator
 import pickle
 
 import numpy as np
@@ -19,18 +21,27 @@ from actstore.loader import ActivationDataLoader, ActivationLoader
 from actstore.loader.pipeline import Buffers
 
 T, D = 6, 8
-STORE = settings(max_examples=25, deadline=None,
-                 suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+STORE = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 def write_store(root, *, n=37, layers=(2, 5), cls=True, per_shard=5, seed=0, dialect="protocol"):
     """A published saev store whose row values name themselves: column 0 is the example,
     1 the token, 2 the layer; the rest is noise. Returns (reader, acts[n, L, T, D])."""
-    md = SaevMetadata(family="clip" if dialect == "saev" else "gpt2", ckpt="tiny", layers=layers,
-                      dialect=dialect,
-                      patches_per_ex=T - 1 if cls else T, cls_token=cls, d_model=D,
-                      n_examples=n, patches_per_shard=per_shard * T * len(layers),
-                      data=encode_data({"kind": "test"}), dataset="/nowhere")  # fmt: skip
+    md = SaevMetadata(
+        family="clip" if dialect == "saev" else "gpt2",
+        ckpt="tiny",
+        layers=layers,
+        dialect=dialect,
+        patches_per_ex=T - 1 if cls else T,
+        cls_token=cls,
+        d_model=D,
+        n_examples=n,
+        patches_per_shard=per_shard * T * len(layers),
+        data=encode_data({"kind": "test"}),
+        dataset="/nowhere",
+    )
     acts = np.random.default_rng(seed).standard_normal((n, len(layers), T, D)).astype(np.float32)
     acts[..., 0] = np.arange(n)[:, None, None]
     acts[..., 1] = np.arange(T)
@@ -38,9 +49,12 @@ def write_store(root, *, n=37, layers=(2, 5), cls=True, per_shard=5, seed=0, dia
     writer = SaevWriter(md, root)
     for lo in range(0, n, 4):
         part = acts[lo : lo + 4]
-        writer.write(Batch(acts={f"resid.{l}": torch.from_numpy(part[:, i])
-                                 for i, l in enumerate(layers)},
-                           example_ids=np.arange(lo, lo + len(part))))  # fmt: skip
+        writer.write(
+            Batch(
+                acts={f"resid.{l}": torch.from_numpy(part[:, i]) for i, l in enumerate(layers)},
+                example_ids=np.arange(lo, lo + len(part)),
+            )
+        )
     return SaevReader(writer.close()), acts
 
 
@@ -53,8 +67,9 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """One layer without CLS: blocks group a shard's examples (sizes 7x6 rows and a short one)."""
-    return write_store(tmp_path_factory.mktemp("one-layer"), n=45, layers=(3,), cls=False,
-                       per_shard=7)  # fmt: skip
+    return write_store(
+        tmp_path_factory.mktemp("one-layer"), n=45, layers=(3,), cls=False, per_shard=7
+    )
 
 
 def expected(acts, rows, layer_pos):
@@ -80,15 +95,30 @@ def all_consumers(reader, world, workers, **options):
 
 
 @STORE
-@given(batch=st.integers(1, 50), pool=st.integers(1, 9), seed=st.integers(0, 2**32),
-       world=st.integers(1, 4), workers=st.integers(1, 4), drop_cls=st.booleans(),
-       multi=st.booleans())  # fmt: skip
-def test_every_row_once_across_ranks_and_workers(store, batch, pool, seed, world, workers,
-                                                 drop_cls, multi):  # fmt: skip
+@given(
+    batch=st.integers(1, 50),
+    pool=st.integers(1, 9),
+    seed=st.integers(0, 2**32),
+    world=st.integers(1, 4),
+    workers=st.integers(1, 4),
+    drop_cls=st.booleans(),
+    multi=st.booleans(),
+)
+def test_every_row_once_across_ranks_and_workers(
+    store, batch, pool, seed, world, workers, drop_cls, multi
+):
     reader, acts = store
     site = {"sites": [5, 2]} if multi else {"site": 5}
-    parts = all_consumers(reader, world, workers, batch_size=batch, pool_blocks=pool, seed=seed,
-                          drop_cls=drop_cls, **site)  # fmt: skip
+    parts = all_consumers(
+        reader,
+        world,
+        workers,
+        batch_size=batch,
+        pool_blocks=pool,
+        seed=seed,
+        drop_cls=drop_cls,
+        **site,
+    )
     rows = np.concatenate([r for part in parts.values() for _, r in part])
     want = [e * T + t for e in range(len(acts)) for t in range(T) if not (drop_cls and t == 0)]
     assert sorted(rows.tolist()) == want
@@ -103,12 +133,17 @@ def test_every_row_once_across_ranks_and_workers(store, batch, pool, seed, world
 
 
 @STORE
-@given(batch=st.integers(1, 40), pool=st.integers(1, 5), world=st.integers(1, 4),
-       workers=st.integers(1, 3))  # fmt: skip
+@given(
+    batch=st.integers(1, 40),
+    pool=st.integers(1, 5),
+    world=st.integers(1, 4),
+    workers=st.integers(1, 3),
+)
 def test_drop_last_gives_every_rank_the_same_full_batches(single, batch, pool, world, workers):
     reader, _ = single
-    parts = all_consumers(reader, world, workers, batch_size=batch, pool_blocks=pool,
-                          drop_last=True)
+    parts = all_consumers(
+        reader, world, workers, batch_size=batch, pool_blocks=pool, drop_last=True
+    )
     per_rank = [sum(len(parts[r, j]) for j in range(workers)) for r in range(world)]
     assert len(set(per_rank)) == 1
     assert per_rank[0] == (45 * T // world) // batch
@@ -150,14 +185,21 @@ def test_any_format_through_the_reader_contract(case, tmp_path):
     want = [case.expected_rows(plan, acts, s).astype(case.stored_dtype) for s in plan.sites]
     for workers in (1, 3):
         for stream in range(workers):
-            loader = ActivationLoader(reader, sites=sites, batch_size=7, pool_blocks=3,
-                                      return_index=True, normalize="mean_norm")  # fmt: skip
+            loader = ActivationLoader(
+                reader,
+                sites=sites,
+                batch_size=7,
+                pool_blocks=3,
+                return_index=True,
+                normalize="mean_norm",
+            )
             factors = loader.normalization[1].numpy()
             for x, r in loader._iterate(worker=stream, num_workers=workers, count=False):
                 assert x.dtype == torch.float32 and x.shape[1:] == (2, plan.d_model)
                 for k in range(2):
-                    np.testing.assert_allclose(x[:, k].numpy(), want[k][r.numpy()] * factors[k],
-                                               rtol=1e-6)  # fmt: skip
+                    np.testing.assert_allclose(
+                        x[:, k].numpy(), want[k][r.numpy()] * factors[k], rtol=1e-6
+                    )
     plain = ActivationLoader(reader, site=sites[0], batch_size=5, pool_blocks=2, return_index=True)
     rows = np.concatenate([r.numpy() for _, r in plain])
     assert sorted(rows.tolist()) == list(range(plan.n_examples * plan.tokens_per_example))
@@ -187,8 +229,9 @@ def test_order_is_deterministic_and_changes_with_seed_and_epoch(store):
     reader, _ = store
 
     def rows(**kw):
-        loader = ActivationLoader(reader, site=2, batch_size=9, pool_blocks=4, return_index=True,
-                                  **kw)
+        loader = ActivationLoader(
+            reader, site=2, batch_size=9, pool_blocks=4, return_index=True, **kw
+        )
         return np.concatenate([b.rows.numpy() for b in loader])
 
     first = rows(seed=3)
@@ -225,12 +268,21 @@ def test_iteration_continues_into_the_next_epoch(store):
 
 
 @STORE
-@given(stop=st.integers(0, 40), batch=st.integers(3, 30), pool=st.integers(1, 6),
-       seed=st.integers(0, 1000))  # fmt: skip
+@given(
+    stop=st.integers(0, 40),
+    batch=st.integers(3, 30),
+    pool=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+)
 def test_resume_equals_uninterrupted(store, stop, batch, pool, seed):
     reader, _ = store
-    options = {"site": 5, "batch_size": batch, "pool_blocks": pool, "seed": seed,
-               "return_index": True}
+    options = {
+        "site": 5,
+        "batch_size": batch,
+        "pool_blocks": pool,
+        "seed": seed,
+        "return_index": True,
+    }
     whole = [r.tolist() for _, r in collect(ActivationLoader(reader, **options))]
     stop = min(stop, len(whole) - 1)  # (a state taken after the last batch: next test)
     first = ActivationLoader(reader, **options)
@@ -247,12 +299,16 @@ def test_resume_equals_uninterrupted(store, stop, batch, pool, seed):
 def test_resume_with_dataloader_workers(store):
     reader, _ = store
     options = {"site": 5, "batch_size": 7, "pool_blocks": 3, "seed": 11, "return_index": True}
-    whole = [b.rows.tolist() for b in ActivationDataLoader(ActivationLoader(reader, **options),
-                                                           num_workers=2)]  # fmt: skip
+    whole = [
+        b.rows.tolist()
+        for b in ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
+    ]
     # the DataLoader interleaves the workers' contiguous runs round-robin
     loader = ActivationLoader(reader, **options)
-    runs = [[r.tolist() for _, r in collect(loader._iterate(worker=j, num_workers=2, count=False))]
-            for j in range(2)]  # fmt: skip
+    runs = [
+        [r.tolist() for _, r in collect(loader._iterate(worker=j, num_workers=2, count=False))]
+        for j in range(2)
+    ]
     interleaved = [run[k] for k in range(len(runs[0])) for run in runs if k < len(run)]
     assert whole == interleaved
     direct = [r.tolist() for _, r in collect(ActivationLoader(reader, **options))]
@@ -286,9 +342,12 @@ def test_persistent_workers_follow_the_main_process(store):
         return [[b.rows.tolist() for b in data] for _ in range(n)]
 
     fresh = epochs(ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2), 3)
-    assert fresh[0] != fresh[1] and sorted(sum(fresh[0], [])) == sorted(sum(fresh[1], []))
-    kept = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2,
-                                persistent_workers=True)  # fmt: skip
+    assert fresh[0] != fresh[1] and sorted(functools.reduce(operator.iadd, fresh[0], [])) == sorted(
+        functools.reduce(operator.iadd, fresh[1], [])
+    )
+    kept = ActivationDataLoader(
+        ActivationLoader(reader, **options), num_workers=2, persistent_workers=True
+    )
     assert epochs(kept, 2) == fresh[:2]
 
     head = []
@@ -300,8 +359,9 @@ def test_persistent_workers_follow_the_main_process(store):
     assert (state["epoch"], state["batches"]) == (2, 5)
     assert head + [b.rows.tolist() for b in kept] == fresh[2]
 
-    again = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2,
-                                 persistent_workers=True)  # fmt: skip
+    again = ActivationDataLoader(
+        ActivationLoader(reader, **options), num_workers=2, persistent_workers=True
+    )
     again.load_state_dict(state)
     assert [b.rows.tolist() for b in again] == fresh[2][5:]
     assert again.dataset.epoch == 3
@@ -326,8 +386,9 @@ def test_state_from_a_different_order_is_refused(store):
 def test_normalisation_uses_stored_statistics(store):
     reader, acts = store
     stats = reader.statistics(5)
-    std = ActivationLoader(reader, site=5, batch_size=50, normalize="standardize",
-                           return_index=True)
+    std = ActivationLoader(
+        reader, site=5, batch_size=50, normalize="standardize", return_index=True
+    )
     x, r = next(iter(std))
     # column 2 (the layer number) is constant: its std is 0 and the loader keeps it at 0
     want = (expected(acts, r.numpy(), 1) - stats.mean) / np.maximum(np.sqrt(stats.var), 1e-6)
@@ -347,8 +408,9 @@ def test_normalisation_uses_stored_statistics(store):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_output_dtype(store, dtype):
     reader, acts = store
-    loader = ActivationLoader(reader, sites=[2, 5], batch_size=20, dtype=dtype, return_index=True,
-                              normalize="mean_norm")  # fmt: skip
+    loader = ActivationLoader(
+        reader, sites=[2, 5], batch_size=20, dtype=dtype, return_index=True, normalize="mean_norm"
+    )
     for x, r in loader:
         assert x.dtype == getattr(torch, dtype) and x.shape == (len(r), 2, D)
         want = np.stack([expected(acts, r, 0), expected(acts, r, 1)], axis=1)

@@ -25,10 +25,14 @@ def store(tmp_path_factory):
     return write_store(tmp_path_factory.mktemp("gather"), n=N)
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.lists(st.integers(0, N * T - 1), max_size=60), layer=st.sampled_from([2, 5]),
-       gap=st.sampled_from([0, 100, 1 << 16]))  # fmt: skip
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(st.integers(0, N * T - 1), max_size=60),
+    layer=st.sampled_from([2, 5]),
+    gap=st.sampled_from([0, 100, 1 << 16]),
+)
 def test_gather_matches_indexing_in_the_callers_order(store, rows, layer, gap):
     reader, acts = store
     got = reader.gather(np.array(rows, dtype=np.int64), layer, max_gap=gap)
@@ -40,8 +44,9 @@ def test_gather_matches_indexing_in_the_callers_order(store, rows, layer, gap):
 
 def test_gather_forms(store):
     reader, acts = store
-    np.testing.assert_array_equal(reader.gather([[7, 7], [0, 221]], 5),
-                                  acts[[[1, 1], [0, 36]], 1, [[1, 1], [0, 5]]])  # fmt: skip
+    np.testing.assert_array_equal(
+        reader.gather([[7, 7], [0, 221]], 5), acts[[[1, 1], [0, 36]], 1, [[1, 1], [0, 5]]]
+    )
     cls = reader.gather((np.arange(0, N, 3), 0), 2)  # token 0 of every third example
     np.testing.assert_array_equal(cls, acts[::3, 0, 0])
     np.testing.assert_array_equal(reader.gather(5, 2), acts[0, 0, 5])

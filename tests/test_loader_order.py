@@ -88,8 +88,10 @@ def test_rank_and_worker_spans_serve_every_row_once(n_rows, batch, world, worker
     for rank in range(world):
         span = rank_span(n_rows, rank=rank, world_size=world, batch_size=batch, drop_last=drop_last)
         per_rank_batches.append(span.n_batches)
-        spans = [worker_span(span, worker=j, num_workers=workers, batch_size=batch)
-                 for j in range(workers)]  # fmt: skip
+        spans = [
+            worker_span(span, worker=j, num_workers=workers, batch_size=batch)
+            for j in range(workers)
+        ]
         counts = [s.n_batches for s in spans]
         assert sum(counts) == span.n_batches
         assert counts == sorted(counts, reverse=True) and max(counts) - min(counts) <= 1
@@ -107,8 +109,10 @@ def test_rank_and_worker_spans_serve_every_row_once(n_rows, batch, world, worker
 
 @given(st.integers(0, 60), st.integers(1, 6))
 def test_round_robin_accounting(n_batches, workers):
-    spans = [worker_span(Span(0, n_batches, n_batches), worker=j, num_workers=workers, batch_size=1)
-             for j in range(workers)]  # fmt: skip
+    spans = [
+        worker_span(Span(0, n_batches, n_batches), worker=j, num_workers=workers, batch_size=1)
+        for j in range(workers)
+    ]
     # simulate a DataLoader: output k comes from worker k % N while it still has batches
     queues = [list(range(s.start, s.stop)) for s in spans]
     order, taken = [], [0] * workers

@@ -37,8 +37,9 @@ PER_SHARD = 5
 def write(root, plan=None, acts=None, compress=True, **part):
     plan = plan or make_plan()
     acts = acts if acts is not None else make_acts(plan)
-    writer = PickleWriter(plan, root, PickleOptions(compress=compress, samples_per_shard=PER_SHARD),
-                          **part)
+    writer = PickleWriter(
+        plan, root, PickleOptions(compress=compress, samples_per_shard=PER_SHARD), **part
+    )
     for batch in make_batches(plan, acts):
         writer.write(batch)
     return writer.close(), plan, acts
@@ -67,8 +68,9 @@ def spec_iter_activations(output_dir, layer_idx):
     for shard_info in metadata["shards"]:
         if layer_idx not in shard_info["layers"]:
             continue
-        shard_data = spec_load_shard(Path(output_dir) / shard_info["filename"],
-                                     compressed=shard_info["compressed"])
+        shard_data = spec_load_shard(
+            Path(output_dir) / shard_info["filename"], compressed=shard_info["compressed"]
+        )
         if layer_key in shard_data:
             yield from shard_data[layer_key]
 
@@ -77,8 +79,14 @@ def spec_iter_activations(output_dir, layer_idx):
 def test_spec_example_loader_reads_what_we_write(tmp_path, compress):
     out, plan, acts = write(tmp_path / "acts", compress=compress)
     md = spec_load_metadata(out)
-    assert {"version", "created_at", "extraction_config", "distributed_config", "shards",
-            "statistics"} <= set(md)
+    assert {
+        "version",
+        "created_at",
+        "extraction_config",
+        "distributed_config",
+        "shards",
+        "statistics",
+    } <= set(md)
     assert md["version"] == "1.0"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", md["created_at"])
     assert md["extraction_config"]["layers_extracted"] == [1, 3]
@@ -87,8 +95,13 @@ def test_spec_example_loader_reads_what_we_write(tmp_path, compress):
     assert md["distributed_config"]["total_machines"] == 1
     suffix = ".pkl.gz" if compress else ".pkl"
     assert [s["filename"] for s in md["shards"]] == [f"shard_{i:04d}{suffix}" for i in range(1, 6)]
-    assert [s["sample_id_range"] for s in md["shards"]] == [[0, 4], [5, 9], [10, 14], [15, 19],
-                                                            [20, 22]]
+    assert [s["sample_id_range"] for s in md["shards"]] == [
+        [0, 4],
+        [5, 9],
+        [10, 14],
+        [15, 19],
+        [20, 22],
+    ]
     for shard in md["shards"]:
         data = (out / shard["filename"]).read_bytes()
         assert shard["checksum"] == "sha256:" + hashlib.sha256(data).hexdigest()
@@ -167,20 +180,24 @@ def test_malicious_shard_runs_no_code(tmp_path):
     assert not report.ok and "refusing to unpickle" in report.faults[0]
     assert not marker.exists()
     # the other shards still read, exactly
-    np.testing.assert_array_equal(reader.read_block(reader.blocks(1)[1]),
-                                  acts["resid.1"][5:10].reshape(-1, plan.d_model))
+    np.testing.assert_array_equal(
+        reader.read_block(reader.blocks(1)[1]), acts["resid.1"][5:10].reshape(-1, plan.d_model)
+    )
     # whereas plain pickle, as the spec's loader uses it, would have run the code
     spec_load_shard(out / "shard_0001.pkl.gz")
     assert marker.exists()
 
 
-@pytest.mark.parametrize("payload, refused", [
-    ((os.system, ("echo pwned",)), "posix.system"),
-    ((eval, ("1 + 1",)), "builtins.eval"),
-    ((subprocess.Popen, (["true"],)), "subprocess.Popen"),
-    ((np.load, ("x.npy",)), "numpy"),
-    ((getattr, ("text", "upper")), "builtins.getattr"),
-])
+@pytest.mark.parametrize(
+    "payload, refused",
+    [
+        ((os.system, ("echo pwned",)), "posix.system"),
+        ((eval, ("1 + 1",)), "builtins.eval"),
+        ((subprocess.Popen, (["true"],)), "subprocess.Popen"),
+        ((np.load, ("x.npy",)), "numpy"),
+        ((getattr, ("text", "upper")), "builtins.getattr"),
+    ],
+)
 def test_restricted_unpickler_refuses_callables(payload, refused):
     class Evil:
         def __reduce__(self):
@@ -194,10 +211,14 @@ def test_restricted_unpickler_refuses_object_arrays_and_admits_plain_data():
     objects = np.array([{"a": 1}, None], dtype=object)
     with pytest.raises(UnsafeDataError, match="dtype object"):
         safe_pickle.loads(pickle.dumps(objects))
-    plain = {"a": [1, 2.5, "s", b"b", None, True, (1, 2), {3}, frozenset({4}), 1 + 2j,
-                   bytearray(b"x")],
-             "arr": np.arange(6, dtype=np.float16).reshape(2, 3), "s": np.float32(2.5),
-             "i": np.int64(7), "f": np.asfortranarray(np.ones((2, 3))), "empty": np.zeros((0, 4))}
+    plain = {
+        "a": [1, 2.5, "s", b"b", None, True, (1, 2), {3}, frozenset({4}), 1 + 2j, bytearray(b"x")],
+        "arr": np.arange(6, dtype=np.float16).reshape(2, 3),
+        "s": np.float32(2.5),
+        "i": np.int64(7),
+        "f": np.asfortranarray(np.ones((2, 3))),
+        "empty": np.zeros((0, 4)),
+    }
     for protocol in (2, 4, 5):
         got = safe_pickle.loads(pickle.dumps(plain, protocol=protocol))
         assert got["a"] == plain["a"] and got["s"] == plain["s"] and got["i"] == 7
@@ -267,7 +288,10 @@ def test_nothing_is_published_until_close(tmp_path):
     for batch in batches[:4]:
         writer.write(batch)
     assert sorted(p.name for p in (tmp_path / "acts").iterdir() if not p.name.startswith(".")) == [
-        "shard_0001.pkl.gz", "shard_0002.pkl.gz", "shard_0003.pkl.gz"]
+        "shard_0001.pkl.gz",
+        "shard_0002.pkl.gz",
+        "shard_0003.pkl.gz",
+    ]
     with pytest.raises(CorruptStoreError, match="unfinished capture"):
         PickleReader(tmp_path / "acts")
     for batch in batches[4:]:
@@ -318,8 +342,11 @@ def test_refuses_to_mix_with_other_data(tmp_path):
     with pytest.raises(ConfigError, match="residual stream only"):
         PickleWriter(make_plan(sites=(Site("mlp_out", 1),)), tmp_path / "x")
     with pytest.raises(ConfigError, match="caps shards at 2 GB"):
-        PickleWriter(make_plan(d_model=4096, tokens_per_example=4096, n_examples=40),
-                     tmp_path / "y", PickleOptions(samples_per_shard=40))
+        PickleWriter(
+            make_plan(d_model=4096, tokens_per_example=4096, n_examples=40),
+            tmp_path / "y",
+            PickleOptions(samples_per_shard=40),
+        )
 
 
 # ---------------------------------------------------------------- several machines
@@ -329,10 +356,15 @@ def write_machines(plan, acts, tmp_path, ranges):
     """One PickleWriter per machine slice ``(start, stop)`` (10 samples per machine)."""
     parts = []
     for machine, (start, stop) in enumerate(ranges):
-        writer = PickleWriter(plan, tmp_path / f"machine_{machine}",
-                              PickleOptions(samples_per_shard=PER_SHARD),
-                              example_range=(start, stop), machine_id=machine,
-                              total_machines=len(ranges), samples_per_machine=10)  # fmt: skip
+        writer = PickleWriter(
+            plan,
+            tmp_path / f"machine_{machine}",
+            PickleOptions(samples_per_shard=PER_SHARD),
+            example_range=(start, stop),
+            machine_id=machine,
+            total_machines=len(ranges),
+            samples_per_machine=10,
+        )
         for batch in make_batches(plan, acts):
             writer.write(batch.select((batch.example_ids >= start) & (batch.example_ids < stop)))
         parts.append(writer.close())
@@ -357,9 +389,15 @@ def test_stores_of_several_machines_merge_into_one(tmp_path):
     ref = spec_load_metadata(single)
     for s, r in zip(md["shards"], ref["shards"]):
         assert (s["shard_id"], s["filename"], s["sample_id_range"], s["num_samples"]) == (
-            r["shard_id"], r["filename"], r["sample_id_range"], r["num_samples"])
-    assert os.stat(merged / "shard_0003.pkl.gz").st_ino == os.stat(
-        parts[1] / "shard_0003.pkl.gz").st_ino  # hard-linked, not rewritten
+            r["shard_id"],
+            r["filename"],
+            r["sample_id_range"],
+            r["num_samples"],
+        )
+    assert (
+        os.stat(merged / "shard_0003.pkl.gz").st_ino
+        == os.stat(parts[1] / "shard_0003.pkl.gz").st_ino
+    )  # hard-linked, not rewritten
     reader = PickleReader(merged)
     for site in plan.sites:
         rows = np.concatenate([reader.read_block(b) for b in reader.blocks(site.layer)])
@@ -382,19 +420,32 @@ def test_stores_of_several_machines_merge_into_one(tmp_path):
 
 def test_machine_ids_must_give_unique_sample_ids(tmp_path):
     with pytest.raises(ConfigError, match="sample ids would not be unique"):
-        PickleWriter(make_plan(), tmp_path / "m", PickleOptions(samples_per_shard=5),
-                     example_range=(10, 20), machine_id=2, samples_per_machine=10)
+        PickleWriter(
+            make_plan(),
+            tmp_path / "m",
+            PickleOptions(samples_per_shard=5),
+            example_range=(10, 20),
+            machine_id=2,
+            samples_per_machine=10,
+        )
 
 
 # ---------------------------------------------------------------- from a real capture
 
 
 def test_capture_into_pickle_matches_the_saev_store(model_dir, text_file, tmp_path):
-    cfg = CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file),
-                        sites=("resid.0", "resid.3"), batch_size=4, context_length=128,
-                        max_examples=10, progress=False)
-    pkl = capture(cfg, lambda plan: PickleWriter(plan, tmp_path / "pkl",
-                                                 PickleOptions(samples_per_shard=4))).output
+    cfg = CaptureConfig(
+        model=str(model_dir("gpt2")),
+        dataset=str(text_file),
+        sites=("resid.0", "resid.3"),
+        batch_size=4,
+        context_length=128,
+        max_examples=10,
+        progress=False,
+    )
+    pkl = capture(
+        cfg, lambda plan: PickleWriter(plan, tmp_path / "pkl", PickleOptions(samples_per_shard=4))
+    ).output
     saev = SaevReader(capture(cfg, lambda plan: SaevWriter.from_plan(plan, tmp_path)).output)
     reader = PickleReader(pkl)
     assert len(reader.shards) == 3 and reader.n_examples == 10
@@ -406,18 +457,24 @@ def test_capture_into_pickle_matches_the_saev_store(model_dir, text_file, tmp_pa
     # are compared to 1e-6; order, tokens and text are exact.
     for layer in (0, 3):
         items = list(reader.items(layer))
-        np.testing.assert_allclose(np.stack([it["activation"] for it in items]),
-                                   saev[:, layer], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            np.stack([it["activation"] for it in items]), saev[:, layer], rtol=1e-5, atol=1e-6
+        )
         for i, item in enumerate(items):
             tokens = item["metadata"]["token_ids"]
             np.testing.assert_array_equal(tokens, saev.tokens[i])
             assert item["text_preview"] == tokenizer.decode(tokens)[:200]
             assert len(item["text_preview"]) == 200  # 128 tokens of English exceed 200 chars
-    np.testing.assert_allclose(reader.statistics(3).mean, saev.statistics(3).mean, rtol=1e-6,
-                               atol=1e-9)
+    np.testing.assert_allclose(
+        reader.statistics(3).mean, saev.statistics(3).mean, rtol=1e-6, atol=1e-9
+    )
     plan = reader.capture_plan()
     assert (plan.ckpt, plan.family, plan.n_examples, plan.tokens_per_example) == (
-        str(model_dir("gpt2")), "gpt2", 10, 128)
+        str(model_dir("gpt2")),
+        "gpt2",
+        10,
+        128,
+    )
 
 
 # ---------------------------------------------------------------- the spec's torch Dataset
@@ -432,14 +489,18 @@ def test_spec_dataset_serves_every_sample_once_per_epoch_decoding_each_shard_onc
     dataset = ActivationDataset(out, layer_idx=3, seed=7, pool_shards=2)
     decoded = []
     read = dataset.reader._read
-    dataset.reader._read = lambda info, progress: decoded.append(info.shard_id) or read(info, progress)
+    dataset.reader._read = lambda info, progress: (
+        decoded.append(info.shard_id) or read(info, progress)
+    )
     epoch0 = list(dataset)
     assert len(epoch0) == len(dataset) == 23
     assert sorted(decoded) == [1, 2, 3, 4, 5]  # each shard once, not once per item
     ids = [item["sample_idx"] for item in epoch0]
     assert sorted(ids) == list(range(23)) and ids != list(range(23))
     for item in epoch0:
-        np.testing.assert_array_equal(item["activation"].numpy(), acts["resid.3"][item["sample_idx"]])
+        np.testing.assert_array_equal(
+            item["activation"].numpy(), acts["resid.3"][item["sample_idx"]]
+        )
         assert item["text"] == f"example {item['sample_idx']}"
     assert [i["sample_idx"] for i in dataset] == ids  # a pure function of (seed, epoch)
     dataset.set_epoch(1)
@@ -468,24 +529,52 @@ def _foreign_store(out: Path, seq_len: int) -> None:
     rng = np.random.default_rng(0)
     shards = []
     for shard_id, ids in enumerate([range(3), range(3, 5)], start=1):
-        data = {"layer_2": [{"sample_idx": np.int64(i),
-                             "activation": rng.standard_normal((seq_len, 8)).astype(np.float32),
-                             "shape": (seq_len, 8), "text_preview": f"text {i}",
-                             "metadata": {"token_count": seq_len, "dataset_idx": i,
-                                          "machine_id": 0}} for i in ids]}  # fmt: skip
+        data = {
+            "layer_2": [
+                {
+                    "sample_idx": np.int64(i),
+                    "activation": rng.standard_normal((seq_len, 8)).astype(np.float32),
+                    "shape": (seq_len, 8),
+                    "text_preview": f"text {i}",
+                    "metadata": {"token_count": seq_len, "dataset_idx": i, "machine_id": 0},
+                }
+                for i in ids
+            ]
+        }
         raw = gzip.compress(pickle.dumps(data))
         name = f"shard_{shard_id:04d}.pkl.gz"
         (out / name).write_bytes(raw)
-        shards.append({"shard_id": shard_id, "filename": name, "size_bytes": len(raw),
-                       "num_samples": len(ids), "layers": [2], "sample_id_range": [ids[0], ids[-1]],
-                       "compressed": True, "checksum": "sha256:" + hashlib.sha256(raw).hexdigest()})
-    (out / "metadata.json").write_text(json.dumps({
-        "version": "1.0", "created_at": "2025-01-09T12:00:00Z",
-        "extraction_config": {"model_name": "m", "model_architecture": "qwen2",
-                              "model_params": {"hidden_size": 8, "num_hidden_layers": 4},
-                              "layers_extracted": [2], "max_seq_length": 6, "batch_size": 2},
-        "distributed_config": {"machine_id": 0, "total_machines": 1}, "shards": shards,
-        "statistics": {"total_shards": 2, "total_samples": 5}}))
+        shards.append(
+            {
+                "shard_id": shard_id,
+                "filename": name,
+                "size_bytes": len(raw),
+                "num_samples": len(ids),
+                "layers": [2],
+                "sample_id_range": [ids[0], ids[-1]],
+                "compressed": True,
+                "checksum": "sha256:" + hashlib.sha256(raw).hexdigest(),
+            }
+        )
+    (out / "metadata.json").write_text(
+        json.dumps(
+            {
+                "version": "1.0",
+                "created_at": "2025-01-09T12:00:00Z",
+                "extraction_config": {
+                    "model_name": "m",
+                    "model_architecture": "qwen2",
+                    "model_params": {"hidden_size": 8, "num_hidden_layers": 4},
+                    "layers_extracted": [2],
+                    "max_seq_length": 6,
+                    "batch_size": 2,
+                },
+                "distributed_config": {"machine_id": 0, "total_machines": 1},
+                "shards": shards,
+                "statistics": {"total_shards": 2, "total_samples": 5},
+            }
+        )
+    )
 
 
 def test_foreign_store_with_numpy_ids_and_unpadded_arrays_reads_and_converts(tmp_path):
@@ -513,5 +602,6 @@ def test_merge_drops_shards_an_interrupted_merge_left(tmp_path):
     (out / "shard_0009.pkl.gz").write_bytes(b"left by a crashed merge")
     merged = merge_stores(parts, out)
     assert sorted(p.name for p in merged.iterdir()) == ["metadata.json"] + [
-        f"shard_{i:04d}.pkl.gz" for i in range(1, 6)]
+        f"shard_{i:04d}.pkl.gz" for i in range(1, 6)
+    ]
     assert PickleReader(merged).verify().ok

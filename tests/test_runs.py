@@ -34,15 +34,27 @@ runner = CliRunner()
 
 def write_store(root, *, n=6, seed=0, dataset="/data/somewhere", layers=(1,), d=4):
     """A small published saev store (real writer) under ``root``."""
-    md = SaevMetadata(family="clip", ckpt="tiny", layers=layers, patches_per_ex=4,
-                      cls_token=True, d_model=d, n_examples=n, patches_per_shard=5 * 3,
-                      data=encode_data({"kind": "test", "seed": seed}), dataset=dataset,
-                      dialect="saev")  # fmt: skip
+    md = SaevMetadata(
+        family="clip",
+        ckpt="tiny",
+        layers=layers,
+        patches_per_ex=4,
+        cls_token=True,
+        d_model=d,
+        n_examples=n,
+        patches_per_shard=5 * 3,
+        data=encode_data({"kind": "test", "seed": seed}),
+        dataset=dataset,
+        dialect="saev",
+    )
     acts = np.random.default_rng(seed).standard_normal((n, len(layers), 5, d)).astype(np.float32)
     writer = SaevWriter(md, root)
-    writer.write(Batch(acts={f"resid.{l}": torch.from_numpy(acts[:, i])
-                             for i, l in enumerate(layers)},
-                       example_ids=np.arange(n)))  # fmt: skip
+    writer.write(
+        Batch(
+            acts={f"resid.{l}": torch.from_numpy(acts[:, i]) for i, l in enumerate(layers)},
+            example_ids=np.arange(n),
+        )
+    )
     return writer.close()
 
 
@@ -136,18 +148,34 @@ def test_legacy_single_links_are_read_as_train(stores, tmp_path):
 
 def test_new_run_command_and_cli_error_exit(stores, tmp_path):
     train, val, _ = stores
-    result = runner.invoke(app, ["new-run", "--train-shards", str(train), "--val-shards",
-                                 str(val), "--run-id", "cli", "--runs-root",
-                                 str(tmp_path / "runs")])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "new-run",
+            "--train-shards",
+            str(train),
+            "--val-shards",
+            str(val),
+            "--run-id",
+            "cli",
+            "--runs-root",
+            str(tmp_path / "runs"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "runs" / "cli"
     assert f"Created run {run_dir}" in result.output
     assert f"actstore train --run {run_dir}" in result.output
     assert Run(run_dir).shards("val") == val
     # the real console entry point turns a missing checkpoint into one clear line, exit 2
-    proc = subprocess.run([sys.executable, "-m", "actstore", "inference", "--run", str(run_dir)],
-                          check=False, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TQDM_DISABLE": "1"})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "actstore", "inference", "--run", str(run_dir)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "no checkpoint/sae.pt" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -159,8 +187,13 @@ def test_inference_rows_follow_saev_and_need_the_checkpoint_config_describes(sto
     is refused instead of encoding the wrong layer."""
     train, val, _ = stores
     run = Run.create(train_shards=train, val_shards=val, run_id="inf", root=tmp_path / "runs")
-    train_run(run, TrainConfig(k=2, expansion=2, steps=3, batch_size=8, warmup_steps=1,
-                               log_every=1, device="cpu"), progress=False)  # fmt: skip
+    train_run(
+        run,
+        TrainConfig(
+            k=2, expansion=2, steps=3, batch_size=8, warmup_steps=1, log_every=1, device="cpu"
+        ),
+        progress=False,
+    )
     cpu = InferenceConfig(device="cpu")
     record, acts = load_inference(infer_run(run, "val", cpu, progress=False))
     assert record["tokens"] == "content" and record["first_token"] == 1
@@ -169,8 +202,9 @@ def test_inference_rows_follow_saev_and_need_the_checkpoint_config_describes(sto
     sae, reader = load_sae(run.sae_path), SaevReader(val)
     for example in (0, 5):
         want = sae.encode(torch.from_numpy(reader[example, 1][1:])).detach().numpy()
-        np.testing.assert_allclose(acts.dense_rows(4 * example, 4 * example + 4), want,
-                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        np.testing.assert_allclose(
+            acts.dense_rows(4 * example, 4 * example + 4), want, rtol=1e-5, atol=1e-6
+        )
 
     save_sae(SparseAutoencoder(SAEConfig(d_model=4, d_sae=8, k=2)), run.sae_path)
     with pytest.raises(CorruptStoreError, match="describes another checkpoint.*actstore train"):

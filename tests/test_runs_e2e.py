@@ -73,8 +73,10 @@ def make_images(directory: Path, n: int, seed: int) -> Path:
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int, int]]:
     """(size, mtime_ns, mode) of every file: shard directories must never change."""
-    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
-            for p in sorted(directory.iterdir())}  # fmt: skip
+    return {
+        p.name: (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_mode)
+        for p in sorted(directory.iterdir())
+    }
 
 
 def cli(*args: str) -> str:
@@ -123,13 +125,42 @@ def vit(tmp_path_factory, model_dir):
     run = Run(tmp / "nfs" / "saev" / "runs" / "vit-run")
     assert f"Created run {run.path}" in out
     outputs = {
-        "train": cli("train", "--run", str(run.path), "--kind", "relu", "--l1-coeff", "2",
-                     "--expansion", "8", "--steps", "300", "--batch-size", "256", "--lr", "3e-3",
-                     "--warmup-steps", "20", "--device", "cpu", "--no-progress"),
+        "train": cli(
+            "train",
+            "--run",
+            str(run.path),
+            "--kind",
+            "relu",
+            "--l1-coeff",
+            "2",
+            "--expansion",
+            "8",
+            "--steps",
+            "300",
+            "--batch-size",
+            "256",
+            "--lr",
+            "3e-3",
+            "--warmup-steps",
+            "20",
+            "--device",
+            "cpu",
+            "--no-progress",
+        ),
         "inference": cli("inference", "--run", str(run.path), "--device", "cpu", "--no-progress"),
-        "visuals": cli("visuals", "--run", str(run.path), "--n-latents", "6", "--n-examples", "5",
-                       "--image-size", "96", "--no-progress"),
-    }  # fmt: skip
+        "visuals": cli(
+            "visuals",
+            "--run",
+            str(run.path),
+            "--n-latents",
+            "6",
+            "--n-examples",
+            "5",
+            "--image-size",
+            "96",
+            "--no-progress",
+        ),
+    }
     return {"run": run, "stores": stores, "before": before, "outputs": outputs, "tmp": tmp}
 
 
@@ -177,8 +208,9 @@ def test_vit_inference_is_the_sae_applied_to_every_token(vit):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     # a second run reports the existing result instead of recomputing it
     before = (out / "patch_acts.npz").stat().st_mtime_ns
-    assert "patch_acts.npz" in cli("inference", "--run", str(run.path), "--device", "cpu",
-                                   "--no-progress")  # fmt: skip
+    assert "patch_acts.npz" in cli(
+        "inference", "--run", str(run.path), "--device", "cpu", "--no-progress"
+    )
     assert (out / "patch_acts.npz").stat().st_mtime_ns == before
 
 
@@ -221,8 +253,10 @@ def test_vit_visuals_render_in_chromium(vit, tmp_path):
 def test_runs_never_touch_the_shards(vit):
     for split, path in vit["stores"].items():
         assert snapshot(path) == vit["before"][split]
-        assert all(not (mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
-                   for _, _, mode in vit["before"][split].values())  # fmt: skip
+        assert all(
+            not (mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+            for _, _, mode in vit["before"][split].values()
+        )
         assert SaevReader(path).verify().ok
 
 
@@ -238,10 +272,17 @@ def text(tmp_path_factory, model_dir):
     stores = {}
     for split, chosen in (("train", keys[:40]), ("val", keys[40:55])):
         corpus = tmp / f"{split}.txt"
-        corpus.write_text("\n".join(line for k in chosen for line in topics.topics[k].splitlines()),
-                          encoding="utf-8")  # fmt: skip
-        config = CaptureConfig(model=str(model_dir("gpt2")), dataset=str(corpus),
-                               sites=("resid.2",), context_length=32, progress=False)  # fmt: skip
+        corpus.write_text(
+            "\n".join(line for k in chosen for line in topics.topics[k].splitlines()),
+            encoding="utf-8",
+        )
+        config = CaptureConfig(
+            model=str(model_dir("gpt2")),
+            dataset=str(corpus),
+            sites=("resid.2",),
+            context_length=32,
+            progress=False,
+        )
         stores[split] = capture(
             config, lambda plan: SaevWriter.from_plan(plan, tmp / "scratch")
         ).output
@@ -249,8 +290,16 @@ def text(tmp_path_factory, model_dir):
         env.setenv("SAEV_NFS", str(tmp / "nfs"))
         run = Run.create(train_shards=stores["train"], val_shards=stores["val"])
     assert run.path.parent == tmp / "nfs" / "saev" / "runs"
-    config = TrainConfig(kind="topk", k=8, expansion=8, steps=300, batch_size=256, lr=1e-3,
-                         warmup_steps=20, device="cpu")  # fmt: skip
+    config = TrainConfig(
+        kind="topk",
+        k=8,
+        expansion=8,
+        steps=300,
+        batch_size=256,
+        lr=1e-3,
+        warmup_steps=20,
+        device="cpu",
+    )
     result = train_run(run, config, progress=False)
     out = infer_run(run, "val", progress=False)
     visuals = render_run(run, "val", VisualsConfig(n_latents=5, n_examples=4), progress=False)
@@ -268,8 +317,10 @@ def pca_explained_variance(train: np.ndarray, val: np.ndarray, k: int) -> float:
 def test_text_topk_beats_the_best_linear_code_on_held_out_text(text):
     val = text["result"].metrics["val"]
     reader = {s: SaevReader(p) for s, p in text["stores"].items()}
-    rows = {s: np.concatenate([r.acts for r in ordered_rows(reader[s], 2)]).astype(np.float64)
-            for s in reader}  # fmt: skip
+    rows = {
+        s: np.concatenate([r.acts for r in ordered_rows(reader[s], 2)]).astype(np.float64)
+        for s in reader
+    }
     assert val["rows"] == len(rows["val"]) == reader["val"].n_examples * 32
     baseline = pca_explained_variance(rows["train"], rows["val"], 8)
     assert val["l0"] <= 8
@@ -304,8 +355,9 @@ def test_text_visuals_need_no_dataset_link(text):
     link.unlink()
     link.symlink_to(link.parent / "moved-away.txt")
     try:
-        visuals = render_run(text["run"], "val", VisualsConfig(n_latents=2, n_examples=2),
-                             progress=False)  # fmt: skip
+        visuals = render_run(
+            text["run"], "val", VisualsConfig(n_latents=2, n_examples=2), progress=False
+        )
         assert len(json.loads((visuals / "latents.json").read_text())["latents"]) == 2
     finally:
         link.unlink()

@@ -138,8 +138,7 @@ def test_checkpoint_round_trip_is_exact_and_safetensors(tmp_path):
     x = torch.randn(5, 8)
     assert torch.equal(back.encode(x), sae.encode(x))
     # any safetensors reader opens it; no pickle involved
-    assert set(load_file(path)) == {"W_enc", "b_enc", "W_dec", "b_dec", "input_mean",
-                                    "input_scale"}  # fmt: skip
+    assert set(load_file(path)) == {"W_enc", "b_enc", "W_dec", "b_dec", "input_mean", "input_scale"}
     assert [p.name for p in tmp_path.iterdir()] == ["sae.pt"]  # no temporary left
 
 
@@ -219,8 +218,9 @@ def test_sparse_acts_round_trip_and_scipy_reads_it(tmp_path):
     summary = back.latent_summary()
     np.testing.assert_array_equal(summary["count"], (dense > 0).sum(0))
     np.testing.assert_array_equal(summary["max"], dense.max(0))
-    joined = SparseActs.concatenate([SparseActs.from_dense(dense[:20]),
-                                     SparseActs.from_dense(dense[20:])], 12)  # fmt: skip
+    joined = SparseActs.concatenate(
+        [SparseActs.from_dense(dense[:20]), SparseActs.from_dense(dense[20:])], 12
+    )
     np.testing.assert_array_equal(joined.dense_rows(0, 50), dense)
 
 
@@ -229,12 +229,24 @@ def test_sparse_acts_reject_damaged_files(tmp_path):
     path.write_bytes(b"not a zip at all")
     with pytest.raises(CorruptStoreError, match="not a readable npz"):
         SparseActs.load(path)
-    np.savez(path, format=np.array(b"csc"), shape=np.array([1, 1]), indptr=np.array([0, 0]),
-             indices=np.zeros(0, np.int32), data=np.zeros(0, np.float32))  # fmt: skip
+    np.savez(
+        path,
+        format=np.array(b"csc"),
+        shape=np.array([1, 1]),
+        indptr=np.array([0, 0]),
+        indices=np.zeros(0, np.int32),
+        data=np.zeros(0, np.float32),
+    )
     with pytest.raises(CorruptStoreError, match="expected csr"):
         SparseActs.load(path)
-    np.savez(path, format=np.array(b"csr"), shape=np.array([1, 2]), indptr=np.array([0, 1]),
-             indices=np.array([5], np.int32), data=np.ones(1, np.float32))  # fmt: skip
+    np.savez(
+        path,
+        format=np.array(b"csr"),
+        shape=np.array([1, 2]),
+        indptr=np.array([0, 1]),
+        indices=np.array([5], np.int32),
+        data=np.ones(1, np.float32),
+    )
     with pytest.raises(CorruptStoreError, match="latent index"):
         SparseActs.load(path)
 
@@ -248,17 +260,27 @@ def test_training_learns_and_evaluation_reads_every_row(tmp_path):
     reader = SaevReader(store)
     rows = np.concatenate([r.acts for r in ordered_rows(reader, 1, tokens="content")])
     assert rows.shape == (400 * 4, 16)
-    config = TrainConfig(kind="topk", expansion=4, k=4, steps=150, batch_size=128, lr=3e-3,
-                         warmup_steps=10, log_every=50, device="cpu")  # fmt: skip
+    config = TrainConfig(
+        kind="topk",
+        expansion=4,
+        k=4,
+        steps=150,
+        batch_size=128,
+        lr=3e-3,
+        warmup_steps=10,
+        log_every=50,
+        device="cpu",
+    )
     gen = torch.Generator().manual_seed(0)
-    batches = (torch.from_numpy(rows)[torch.randint(len(rows), (128,), generator=gen)]
-               for _ in range(config.steps))  # fmt: skip
+    batches = (
+        torch.from_numpy(rows)[torch.randint(len(rows), (128,), generator=gen)]
+        for _ in range(config.steps)
+    )
     untrained = SparseAutoencoder(config.sae_config(16))
     stats = reader.statistics(1)
     untrained.set_normalisation(stats.mean, stats.var)
     before = evaluate(untrained, reader, 1, progress=False)["explained_variance"]
-    result = train_sae(config, batches, d_model=16, statistics=reader.statistics(1),
-                       progress=False)  # fmt: skip
+    result = train_sae(config, batches, d_model=16, statistics=reader.statistics(1), progress=False)
     assert [h["step"] for h in result.history] == [50, 100, 150]
     after = evaluate(result.sae, reader, 1, progress=False)
     assert after["rows"] == 400 * 4 and after["l0"] <= 4

@@ -53,16 +53,36 @@ def saev_load(shards_dir):
 
 
 def test_saev_dialect_capture_is_readable_the_saev_way(model_dir, image_folder, tmp_path):
-    result = CliRunner().invoke(app, [
-        "capture", "--model", str(model_dir("clip")), "--dataset", str(image_folder),
-        "--layers", "1,-1", "--dialect", "saev", "--patches-per-shard", str(17 * 2 * 4),
-        "--batch-size", "3", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--model",
+            str(model_dir("clip")),
+            "--dataset",
+            str(image_folder),
+            "--layers",
+            "1,-1",
+            "--dialect",
+            "saev",
+            "--patches-per-shard",
+            str(17 * 2 * 4),
+            "--batch-size",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     (shards_dir,) = (tmp_path / "saev" / "shards").iterdir()
     md, shards = saev_load(shards_dir)
 
-    compact = json.dumps(json.loads((shards_dir / "metadata.json").read_text()),
-                         separators=(",", ":"), ensure_ascii=False)  # fmt: skip
+    compact = json.dumps(
+        json.loads((shards_dir / "metadata.json").read_text()),
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
     assert shards_dir.name == hashlib.sha256(compact.encode()).hexdigest()[:8]
     tokens = md.content_tokens_per_example + int(md.cls_token)
     per_shard = md.max_tokens_per_shard // (tokens * len(md.layers))
@@ -73,10 +93,16 @@ def test_saev_dialect_capture_is_readable_the_saev_way(model_dir, image_folder, 
     ours = SaevReader(shards_dir)
     assert ours.dialect == "saev"
     shape = (per_shard, len(md.layers), tokens, md.d_model)
-    maps = [np.memmap(shards_dir / f"acts{i:06}.bin", mode="r", dtype=np.float32, shape=shape)
-            for i in range(len(shards))]  # full shape for every shard, the last included
-    labels = np.memmap(shards_dir / "labels.bin", mode="r", dtype=np.uint8,
-                       shape=(md.n_examples, md.content_tokens_per_example))  # fmt: skip
+    maps = [
+        np.memmap(shards_dir / f"acts{i:06}.bin", mode="r", dtype=np.float32, shape=shape)
+        for i in range(len(shards))
+    ]  # full shape for every shard, the last included
+    labels = np.memmap(
+        shards_dir / "labels.bin",
+        mode="r",
+        dtype=np.uint8,
+        shape=(md.n_examples, md.content_tokens_per_example),
+    )
     n_rows = md.n_examples * md.content_tokens_per_example
     for i in range(0, n_rows, 7):  # saev's IndexedDataset, tokens="content"
         example, token = divmod(i, md.content_tokens_per_example)
@@ -88,7 +114,8 @@ def test_saev_dialect_capture_is_readable_the_saev_way(model_dir, image_folder, 
 
 
 def test_data_claims_imgfolder_only_when_torchvision_lists_the_same_images(
-        model_dir, image_folder, tmp_path, caplog):  # fmt: skip
+    model_dir, image_folder, tmp_path, caplog
+):
     """saev's visuals map example i to image i of torchvision's ImageFolder(root): 'data'
     names ImgFolder only when that listing equals the capture's order."""
     import base64
@@ -99,8 +126,13 @@ def test_data_claims_imgfolder_only_when_torchvision_lists_the_same_images(
     from actstore.formats.saev.writer import imagefolder_files
 
     def run(folder, out):
-        cfg = CaptureConfig(model=str(model_dir("clip")), dataset=str(folder), sites=("resid.1",),
-                            batch_size=8, progress=False)  # fmt: skip
+        cfg = CaptureConfig(
+            model=str(model_dir("clip")),
+            dataset=str(folder),
+            sites=("resid.1",),
+            batch_size=8,
+            progress=False,
+        )
         path = capture(cfg, lambda plan: SaevWriter.from_plan(plan, out, dialect="saev")).output
         return base64.b64decode(SaevReader(path).metadata.data)
 

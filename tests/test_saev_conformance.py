@@ -17,8 +17,12 @@ class SaevCase(FormatCase):
     def _writer(self, root: Path, plan):
         if self.dialect == "saev":
             plan = type(plan)(**{**plan.__dict__, "family": "clip"})
-        return SaevWriter.from_plan(plan, root, dialect=self.dialect,
-                                    patches_per_shard=5 * plan.tokens_per_example * len(plan.sites))
+        return SaevWriter.from_plan(
+            plan,
+            root,
+            dialect=self.dialect,
+            patches_per_shard=5 * plan.tokens_per_example * len(plan.sites),
+        )
 
     def write(self, root, plan, batches):
         writer = self._writer(root, plan)

@@ -29,26 +29,40 @@ from actstore.formats.saev.layout import (
 )
 
 DOC = {
-    "family": "clip", "ckpt": "ViT-B-32/openai", "layers": [10, 11], "patches_per_ex": 49,
-    "cls_token": True, "d_model": 768, "n_examples": 1000, "patches_per_shard": 2_400_000,
-    "data": "", "dataset": "/data/x", "dtype": "float32", "protocol": "2.1",
-}  # fmt: skip
+    "family": "clip",
+    "ckpt": "ViT-B-32/openai",
+    "layers": [10, 11],
+    "patches_per_ex": 49,
+    "cls_token": True,
+    "d_model": 768,
+    "n_examples": 1000,
+    "patches_per_shard": 2_400_000,
+    "data": "",
+    "dataset": "/data/x",
+    "dtype": "float32",
+    "protocol": "2.1",
+}
 
 
 def test_protocol_hash_is_sha256_of_sorted_compact_json():
     md = SaevMetadata.from_json_dict(DOC)
-    want = hashlib.sha256(json.dumps(DOC, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    want = hashlib.sha256(
+        json.dumps(DOC, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
     assert md.content_hash() == want
     assert list(md.to_json_dict()) == list(PROTOCOL_KEYS)
 
 
 def test_protocol_hash_golden_value():
     # Pinned: changing how metadata is serialised would silently orphan every store.
-    assert SaevMetadata.from_json_dict(DOC).content_hash() == hashlib.sha256(
-        b'{"ckpt":"ViT-B-32/openai","cls_token":true,"d_model":768,"data":"","dataset":"/data/x",'
-        b'"dtype":"float32","family":"clip","layers":[10,11],"n_examples":1000,"patches_per_ex":49,'
-        b'"patches_per_shard":2400000,"protocol":"2.1"}'
-    ).hexdigest()
+    assert (
+        SaevMetadata.from_json_dict(DOC).content_hash()
+        == hashlib.sha256(
+            b'{"ckpt":"ViT-B-32/openai","cls_token":true,"d_model":768,"data":"","dataset":"/data/x",'
+            b'"dtype":"float32","family":"clip","layers":[10,11],"n_examples":1000,"patches_per_ex":49,'
+            b'"patches_per_shard":2400000,"protocol":"2.1"}'
+        ).hexdigest()
+    )
 
 
 def test_saev_dialect_hash_golden_value():
@@ -135,8 +149,11 @@ def test_saev_data_field_unpickles_to_saev_img_folder(monkeypatch):
     module = types.ModuleType("saev.data.datasets")
     ImgFolder.__module__ = "saev.data.datasets"
     module.ImgFolder = ImgFolder
-    for name, mod in (("saev", types.ModuleType("saev")), ("saev.data", types.ModuleType("saev.data")),
-                      ("saev.data.datasets", module)):
+    for name, mod in (
+        ("saev", types.ModuleType("saev")),
+        ("saev.data", types.ModuleType("saev.data")),
+        ("saev.data.datasets", module),
+    ):
         monkeypatch.setitem(sys.modules, name, mod)
     cfg = pickle.loads(base64.b64decode(encode_saev_img_folder("/data/imagenet/val")))
     assert cfg == ImgFolder(root=Path("/data/imagenet/val"))

@@ -32,11 +32,18 @@ N, LAYERS, T, D = 23, (2, 5), 6, 8
 
 def make_metadata(dialect="protocol", n=N, per_shard=5):
     return SaevMetadata(
-        family="clip" if dialect == "saev" else "gpt2", ckpt="tiny", layers=LAYERS,
-        patches_per_ex=T - 1, cls_token=True, d_model=D, n_examples=n,
-        patches_per_shard=per_shard * T * len(LAYERS), data=encode_data({"kind": "test"}),
-        dataset="/nowhere", dialect=dialect,
-    )  # fmt: skip
+        family="clip" if dialect == "saev" else "gpt2",
+        ckpt="tiny",
+        layers=LAYERS,
+        patches_per_ex=T - 1,
+        cls_token=True,
+        d_model=D,
+        n_examples=n,
+        patches_per_shard=per_shard * T * len(LAYERS),
+        data=encode_data({"kind": "test"}),
+        dataset="/nowhere",
+        dialect=dialect,
+    )
 
 
 def make_acts(n=N, seed=0):
@@ -88,15 +95,20 @@ def test_files_match_the_spec_bytes(tmp_path):
     md = json.loads((path / "metadata.json").read_text())
     assert path.name == SaevMetadata.from_json_dict(md).content_hash()
     shards = json.loads((path / "shards.json").read_text())
-    assert shards == [{"name": f"acts{i:06d}.bin", "n_examples": n}
-                      for i, n in enumerate([5, 5, 5, 5, 3])]  # fmt: skip
+    assert shards == [
+        {"name": f"acts{i:06d}.bin", "n_examples": n} for i, n in enumerate([5, 5, 5, 5, 3])
+    ]
     # raw little-endian float32, C order (S, L, T, D), split along examples
     raw = np.concatenate([np.fromfile(path / s["name"], dtype="<f4") for s in shards])
     np.testing.assert_array_equal(raw, acts.reshape(-1))
     assert (path / "acts000004.bin").stat().st_size == 3 * len(LAYERS) * T * D * 4
     for f in path.iterdir():  # published files are read-only
         assert not f.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
-    listed = dict(line.split("  ")[::-1] for line in (path / "checksums.sha256").read_text().split("\n") if line)
+    listed = dict(
+        line.split("  ")[::-1]
+        for line in (path / "checksums.sha256").read_text().split("\n")
+        if line
+    )
     assert set(listed) >= {s["name"] for s in shards} | {"tokens.bin"}
 
 
@@ -105,16 +117,30 @@ def test_saev_dialect_layout(tmp_path):
     path = write_store(tmp_path, acts, "saev")
     assert path.parent == (tmp_path / "saev" / "shards").resolve() and len(path.name) == 8
     doc = json.loads((path / "metadata.json").read_text())
-    assert list(doc) == ["family", "ckpt", "layers", "content_tokens_per_example", "cls_token",
-                         "d_model", "n_examples", "max_tokens_per_shard", "data", "dataset",
-                         "pixel_agg", "dtype", "protocol"]  # fmt: skip
+    assert list(doc) == [
+        "family",
+        "ckpt",
+        "layers",
+        "content_tokens_per_example",
+        "cls_token",
+        "d_model",
+        "n_examples",
+        "max_tokens_per_shard",
+        "data",
+        "dataset",
+        "pixel_agg",
+        "dtype",
+        "protocol",
+    ]
     assert doc["pixel_agg"] == "majority" and doc["protocol"] == "2.1"
     full = 5 * len(LAYERS) * T * D * 4
     assert (path / "acts000004.bin").stat().st_size == full  # last shard zero-padded
     tail = np.fromfile(path / "acts000004.bin", dtype="<f4")
     assert not tail[3 * len(LAYERS) * T * D :].any()
-    assert json.loads((path / "shards.json").read_text())[-1] == {"name": "acts000004.bin",
-                                                                  "n_examples": 3}
+    assert json.loads((path / "shards.json").read_text())[-1] == {
+        "name": "acts000004.bin",
+        "n_examples": 3,
+    }
 
 
 def test_reader_accepts_the_empty_last_shard_saev_itself_writes(tmp_path):
@@ -123,15 +149,17 @@ def test_reader_accepts_the_empty_last_shard_saev_itself_writes(tmp_path):
     acts = make_acts(n=20)  # 4 full shards of 5
     path = _writable_copy(write_store(tmp_path / "s", acts, "saev"), tmp_path / "saev-made")
     shards = json.loads((path / "shards.json").read_text())
-    (path / "shards.json").write_text(json.dumps([*shards, {"name": "acts000004.bin",
-                                                            "n_examples": 0}]))  # fmt: skip
+    (path / "shards.json").write_text(
+        json.dumps([*shards, {"name": "acts000004.bin", "n_examples": 0}])
+    )
     (path / "acts000004.bin").write_bytes(bytes((path / "acts000000.bin").stat().st_size))
     reader = SaevReader(path)
     assert reader.shard_counts == [5, 5, 5, 5]
     np.testing.assert_array_equal(reader[:], acts)
     assert sum(b.n_rows for b in reader.blocks(2)) == 20 * T
-    (path / "shards.json").write_text(json.dumps([*shards, {"name": "acts000004.bin",
-                                                            "n_examples": 1}]))  # fmt: skip
+    (path / "shards.json").write_text(
+        json.dumps([*shards, {"name": "acts000004.bin", "n_examples": 1}])
+    )
     with pytest.raises(CorruptStoreError, match="lists 5 shards"):
         SaevReader(path)
 
@@ -172,7 +200,7 @@ def test_close_before_all_examples_refuses_to_publish(tmp_path):
     writer.write(next(batches(make_acts())))
     with pytest.raises(CaptureError, match="only 4 of 23"):
         writer.close()
-    assert [p.name for p in tmp_path.iterdir()][0].startswith(".")
+    assert next(p.name for p in tmp_path.iterdir()).startswith(".")
 
 
 def test_rerun_after_an_early_close_resumes_to_identical_bytes(tmp_path):
@@ -277,7 +305,10 @@ def test_running_stats_merge_matches_numpy():
     np.testing.assert_allclose(merged.mean, x.mean(0), rtol=1e-12)
     np.testing.assert_allclose(merged.var, x.var(0), rtol=1e-12)
     assert merged.count == 1000
-    assert RunningStats.from_dict(json.loads(json.dumps(merged.to_dict()))) .mean.tolist() == merged.mean.tolist()
+    assert (
+        RunningStats.from_dict(json.loads(json.dumps(merged.to_dict()))).mean.tolist()
+        == merged.mean.tolist()
+    )
 
 
 def test_block_reads_cover_every_row_once(tmp_path):
@@ -288,6 +319,6 @@ def test_block_reads_cover_every_row_once(tmp_path):
         assert sum(b.n_rows for b in blocks) == N * T
         rows = np.concatenate([reader.read_block(b) for b in blocks])
         np.testing.assert_array_equal(rows, acts[:, i].reshape(-1, D))
-        ex, tok = zip(*(reader.block_rows(b) for b in blocks))
+        ex, _tok = zip(*(reader.block_rows(b) for b in blocks))
         np.testing.assert_array_equal(np.concatenate(ex), np.repeat(np.arange(N), T))
     assert os.getpid()  # reader handles are per process; see test_loader for workers

@@ -31,10 +31,18 @@ from actstore.visuals.page import Section, index_html
 from actstore.visuals.select import TokenRows, example_activations, top_examples, top_latents
 from actstore.visuals.text import Context, TokenText, context_html, render_contexts
 
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--disable-extensions",
-                  "--disable-dev-shm-usage")  # fmt: skip
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-extensions",
+    "--disable-dev-shm-usage",
+)
 
 _CHECK_PAGE = """<!doctype html><html><head><meta charset="utf-8"></head><body>
 <pre id="report">pending</pre>
@@ -56,8 +64,12 @@ document.getElementById("page").addEventListener("load", (event) => {{
 
 def find_chromium() -> str:
     """The Chromium binary, or a test failure saying how to install it."""
-    candidates = [os.environ.get("ACTSTORE_CHROMIUM"), "chromium", "chromium-browser",
-                  "google-chrome"]  # fmt: skip
+    candidates = [
+        os.environ.get("ACTSTORE_CHROMIUM"),
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+    ]
     for name in candidates:
         if name and (path := shutil.which(name)):
             return path
@@ -87,10 +99,19 @@ def browser_report(site: Path, tmp_path: Path, page: str = "index.html") -> dict
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/check.html"
         proc = subprocess.run(
-            [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium-profile'}",
-             "--virtual-time-budget=10000", "--dump-dom", url],
-            check=False, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                chromium,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={tmp_path / 'chromium-profile'}",
+                "--virtual-time-budget=10000",
+                "--dump-dom",
+                url,
+            ],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     finally:
         server.shutdown()
         server.server_close()
@@ -120,8 +141,10 @@ def test_browser_check_catches_a_broken_image(tmp_path):
     site.mkdir()
     Image.new("RGB", (30, 20), "red").save(site / "good.png")
     (site / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    sections = [Section(latent=i, stats="", png=name, png_size=(30, 20))
-                for i, name in enumerate(["good.png", "missing.png", "corrupt.png"])]  # fmt: skip
+    sections = [
+        Section(latent=i, stats="", png=name, png_size=(30, 20))
+        for i, name in enumerate(["good.png", "missing.png", "corrupt.png"])
+    ]
     (site / "index.html").write_text(index_html("t", [], sections), encoding="utf-8")
     report = browser_report(site, tmp_path)
     widths = {img["src"]: img["width"] for img in report["images"]}
@@ -189,8 +212,13 @@ def test_text_pieces_round_trip_and_html_is_escaped(model_dir):
     ids = text.tokenizer("def f(x):\n    return x < 3", add_special_tokens=False)["input_ids"]
     pieces = text.pieces(ids)
     assert "".join(pieces) == "def f(x):⏎    return x < 3"
-    context = Context(example=3, peak_token=11, pieces=["<script>", "a&b", " ok"],
-                      values=np.array([0.0, 2.0, 1.0]), start=10)  # fmt: skip
+    context = Context(
+        example=3,
+        peak_token=11,
+        pieces=["<script>", "a&b", " ok"],
+        values=np.array([0.0, 2.0, 1.0]),
+        start=10,
+    )
     markup = context_html(context, scale_max=2.0)
     assert "<script>" not in markup and "&lt;script&gt;" in markup and "a&amp;b" in markup
     assert '<span class="peak" style="background:rgba(255,140,0,1.00)"' in markup

@@ -27,16 +27,28 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
 )
 QA = [
-    {"prompt": "What does the yield statement do?", "response": "It suspends a generator.",
-     "hallu_label": 0, "split": "train"},
+    {
+        "prompt": "What does the yield statement do?",
+        "response": "It suspends a generator.",
+        "hallu_label": 0,
+        "split": "train",
+    },
     {"prompt": "Name a built-in type.", "response": "int", "hallu_label": 1, "split": "val"},
-    {"prompt": "How are exceptions raised in Python, and what happens when one is not caught "
-               "by any handler?", "response": "With raise; an uncaught one ends the program "
-               "with a traceback.", "hallu_label": 0, "split": "test"},
+    {
+        "prompt": "How are exceptions raised in Python, and what happens when one is not caught "
+        "by any handler?",
+        "response": "With raise; an uncaught one ends the program with a traceback.",
+        "hallu_label": 0,
+        "split": "test",
+    },
     {"prompt": "Is a tuple mutable?", "response": "No.", "hallu_label": 1, "split": "train"},
-    {"prompt": "What is a decorator?", "response": "A callable that wraps a function.",
-     "hallu_label": 0, "split": "train"},
-]  # fmt: skip
+    {
+        "prompt": "What is a decorator?",
+        "response": "A callable that wraps a function.",
+        "hallu_label": 0,
+        "split": "train",
+    },
+]
 LAYERS = (0, 2)
 
 
@@ -59,8 +71,15 @@ def chat_model(model_dir, tmp_path_factory):
 
 
 def run_capture(model, dataset, out, *, options=None, batch_size=2, **config):
-    cfg = CaptureConfig(model=str(model), dataset=str(dataset), sites=tuple(f"resid.{x}" for x in LAYERS),
-                        batch_size=batch_size, mode="prompt_response", progress=False, **config)
+    cfg = CaptureConfig(
+        model=str(model),
+        dataset=str(dataset),
+        sites=tuple(f"resid.{x}" for x in LAYERS),
+        batch_size=batch_size,
+        mode="prompt_response",
+        progress=False,
+        **config,
+    )
     result = capture(cfg, lambda plan: ZarrWriter.from_plan(plan, out, options or ZarrOptions()))
     return ZarrReader(result.output), result
 
@@ -72,7 +91,9 @@ def reference_hidden(model, reader):
     for i in range(len(reader)):
         ids = np.concatenate([reader.token_ids(i, "prompt"), reader.token_ids(i, "response")])
         with torch.inference_mode():
-            hs = lm(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
+            hs = lm(
+                torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True
+            ).hidden_states
         out.append({layer: hs[layer + 1][0].to(torch.float16).numpy() for layer in LAYERS})
     return out
 
@@ -82,7 +103,9 @@ def assert_exact(reader, reference):
         p, r = int(reader.prompt_len[i]), int(reader.response_len[i])
         for layer in LAYERS:
             np.testing.assert_array_equal(reader.read(i, layer, "prompt"), hidden[layer][:p])
-            np.testing.assert_array_equal(reader.read(i, layer, "response"), hidden[layer][p : p + r])
+            np.testing.assert_array_equal(
+                reader.read(i, layer, "response"), hidden[layer][p : p + r]
+            )
             padded = reader.read(i, layer, "response", trim=False)
             assert padded.shape == (reader.layout.r_max, reader.d_model) and not padded[r:].any()
 
@@ -104,8 +127,13 @@ def test_split_with_chat_template(chat_model):
     assert tok.decode(prompt_ids) == "<s>user\nIs a tuple mutable?</s>\n<s>assistant\n"
     assert tok.decode(response_ids) == "No.</s>\n"
     conversation = tok.apply_chat_template(
-        [{"role": "user", "content": "Is a tuple mutable?"}, {"role": "assistant", "content": "No."}],
-        tokenize=True, return_dict=True)["input_ids"]  # fmt: skip
+        [
+            {"role": "user", "content": "Is a tuple mutable?"},
+            {"role": "assistant", "content": "No."},
+        ],
+        tokenize=True,
+        return_dict=True,
+    )["input_ids"]
     assert prompt_ids + response_ids == list(conversation)
     assert encode_prompt(tok, "Hi", chat_template=False) == tok("Hi")["input_ids"]
 
@@ -127,7 +155,8 @@ def test_given_responses_with_chat_template_are_exact(chat_model, qa_file, tmp_p
     assert reader.array("hallu_label").tolist() == [r["hallu_label"] for r in QA]
     assert reader.array("split").tolist() == [0, 1, 2, 0, 0]
     assert reader.attrs["prompt_truncated_count"] == 0 and reader.attrs["R_max"] == max(
-        len(encode_pair(tok, r["prompt"], r["response"])[1]) for r in QA)  # fmt: skip
+        len(encode_pair(tok, r["prompt"], r["response"])[1]) for r in QA
+    )
     assert_exact(reader, reference_hidden(chat_model, reader))
     assert reader.verify().ok
 
@@ -138,8 +167,10 @@ def test_given_responses_without_template_are_exact(kind, model_dir, qa_file, tm
     reader, _ = run_capture(model_dir(kind), qa_file, tmp_path / "out", batch_size=1)
     tok = tf.AutoTokenizer.from_pretrained(model_dir(kind))
     for i, record in enumerate(QA):
-        assert reader.token_ids(i, "response").tolist() == tok(
-            record["response"], add_special_tokens=False)["input_ids"]  # fmt: skip
+        assert (
+            reader.token_ids(i, "response").tolist()
+            == tok(record["response"], add_special_tokens=False)["input_ids"]
+        )
     assert_exact(reader, reference_hidden(model_dir(kind), reader))
 
 
@@ -152,8 +183,12 @@ def test_generated_responses_are_greedy_continuations(chat_model, qa_file, tmp_p
     for i, record in enumerate(QA):
         prompt_ids = encode_prompt(tok, record["prompt"])
         assert reader.token_ids(i, "prompt").tolist() == prompt_ids
-        alone = lm.generate(torch.tensor([prompt_ids]), max_new_tokens=4, do_sample=False,
-                            pad_token_id=tok.pad_token_id)[0, len(prompt_ids) :].tolist()  # fmt: skip
+        alone = lm.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )[0, len(prompt_ids) :].tolist()
         if tok.eos_token_id in alone:
             alone = alone[: alone.index(tok.eos_token_id) + 1]
         assert reader.token_ids(i, "response").tolist() == alone
@@ -183,8 +218,9 @@ def test_truncation_keeps_the_chosen_tokens_and_is_recorded(model_dir, qa_file, 
         want = hs[0].to(torch.float16).numpy()
         p = len(p_ids)
         np.testing.assert_allclose(reader.read(i, 2, "prompt"), want[max(0, p - 6) : p], atol=2e-3)
-        np.testing.assert_allclose(reader.read(i, 2, "response"), want[p : p + min(3, len(r_ids))],
-                                   atol=2e-3)  # fmt: skip
+        np.testing.assert_allclose(
+            reader.read(i, 2, "response"), want[p : p + min(3, len(r_ids))], atol=2e-3
+        )
 
 
 def test_records_errors_name_the_field(tmp_path):
@@ -215,19 +251,52 @@ def test_hf_dataset_records(tmp_path):
 @pytest.mark.slow
 def test_cli_prompt_response_capture(model_dir, qa_file, tmp_path):
     runner = CliRunner()
-    result = runner.invoke(app, [
-        "capture", "--model", str(model_dir("gpt2")), "--dataset", str(qa_file), "--layers", "0,2",
-        "--format", "zarr", "--mode", "prompt-response", "--opt", "r_max=4",
-        "--out", str(tmp_path / "out"), "--no-progress",
-    ])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "capture",
+            "--model",
+            str(model_dir("gpt2")),
+            "--dataset",
+            str(qa_file),
+            "--layers",
+            "0,2",
+            "--format",
+            "zarr",
+            "--mode",
+            "prompt-response",
+            "--opt",
+            "r_max=4",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output
     store = tmp_path / "out" / "activations.zarr"
     assert str(store) in result.output
     assert ZarrReader(store).layout.r_max == 4
-    again = runner.invoke(app, ["capture", "--model", str(model_dir("gpt2")), "--dataset",
-                                str(qa_file), "--layers", "0,2", "--format", "zarr", "--mode",
-                                "prompt-response", "--opt", "r_max=4", "--out",
-                                str(tmp_path / "out"), "--no-progress"])  # fmt: skip
+    again = runner.invoke(
+        app,
+        [
+            "capture",
+            "--model",
+            str(model_dir("gpt2")),
+            "--dataset",
+            str(qa_file),
+            "--layers",
+            "0,2",
+            "--format",
+            "zarr",
+            "--mode",
+            "prompt-response",
+            "--opt",
+            "r_max=4",
+            "--out",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ],
+    )
     assert again.exit_code == 0 and "Already captured" in again.output
     inspect = runner.invoke(app, ["inspect", str(store)])
     assert inspect.exit_code == 0 and "R_max" in inspect.output, inspect.output
@@ -242,9 +311,14 @@ def test_sharded_capture_reads_like_a_single_capture(model_dir, qa_file, tmp_pat
     from actstore.formats.zarr import write_manifest
 
     single, _ = run_capture(model_dir("qwen2"), qa_file, tmp_path / "single")
-    cfg = CaptureConfig(model=str(model_dir("qwen2")), dataset=str(qa_file),
-                        sites=tuple(f"resid.{x}" for x in LAYERS), batch_size=2,
-                        mode="prompt_response", progress=False)  # fmt: skip
+    cfg = CaptureConfig(
+        model=str(model_dir("qwen2")),
+        dataset=str(qa_file),
+        sites=tuple(f"resid.{x}" for x in LAYERS),
+        batch_size=2,
+        mode="prompt_response",
+        progress=False,
+    )
     run = tmp_path / "run"
     for index in range(2):
         result = capture(cfg, lambda plan, index=index: ZarrWriter.for_shard(plan, run, index, 2))
@@ -255,4 +329,6 @@ def test_sharded_capture_reads_like_a_single_capture(model_dir, qa_file, tmp_pat
     for i in range(len(QA)):
         for layer in LAYERS:
             for part in ("prompt", "response"):
-                np.testing.assert_array_equal(sharded.read(i, layer, part), single.read(i, layer, part))
+                np.testing.assert_array_equal(
+                    sharded.read(i, layer, part), single.read(i, layer, part)
+                )

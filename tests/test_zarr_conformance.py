@@ -31,7 +31,9 @@ def as_prompt_response(plan, batches):
     out = []
     for batch in batches:
         ids = batch.example_ids
-        out.append(dataclasses.replace(batch, extras={"prompt_len": p[ids], "response_len": r[ids]}))
+        out.append(
+            dataclasses.replace(batch, extras={"prompt_len": p[ids], "response_len": r[ids]})
+        )
     return plan, out
 
 
@@ -39,7 +41,9 @@ class ZarrCase(FormatCase):
     stored_dtype = "float16"
 
     def __init__(self, t_chunk: int | None = None) -> None:
-        self.options = ZarrOptions(p_max=5, r_max=5, t_chunk_prompt=t_chunk, t_chunk_response=t_chunk)
+        self.options = ZarrOptions(
+            p_max=5, r_max=5, t_chunk_prompt=t_chunk, t_chunk_response=t_chunk
+        )
 
     def _writer(self, root: Path, plan, batches):
         plan, batches = as_prompt_response(plan, batches)

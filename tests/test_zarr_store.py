@@ -54,8 +54,16 @@ ATTRS = {"model_id": "synthetic", "dataset": "synthetic", "fingerprint": "test"}
 
 
 def layout(n=N, **kw) -> ZarrLayout:
-    values = {"n_samples": n, "sites": SITES, "layers": LAYERS, "hidden_size": H, "p_max": 8,
-              "r_max": 6, "t_chunk_prompt": 3, "t_chunk_response": 6}
+    values = {
+        "n_samples": n,
+        "sites": SITES,
+        "layers": LAYERS,
+        "hidden_size": H,
+        "p_max": 8,
+        "r_max": 6,
+        "t_chunk_prompt": 3,
+        "t_chunk_response": 6,
+    }
     values.update(kw)
     return ZarrLayout(**values)
 
@@ -84,12 +92,16 @@ class SyntheticBatches:
                 tokens[b, : a.shape[1]] = np.arange(a.shape[1]) + 10 * i
             yield Batch(
                 acts={s: torch.from_numpy(acts[:, k].copy()) for k, s in enumerate(SITES)},
-                example_ids=ids, token_ids=tokens,
-                extras={"prompt_len": P_FULL[ids], "response_len": R_FULL[ids],
-                        "prompt_text": [f"prompt {i}" for i in ids],
-                        "response_text": [f"response {i}" for i in ids],
-                        "hallu_label": (ids % 2).astype(np.int8)},
-            )  # fmt: skip
+                example_ids=ids,
+                token_ids=tokens,
+                extras={
+                    "prompt_len": P_FULL[ids],
+                    "response_len": R_FULL[ids],
+                    "prompt_text": [f"prompt {i}" for i in ids],
+                    "response_text": [f"response {i}" for i in ids],
+                    "hallu_label": (ids % 2).astype(np.int8),
+                },
+            )
 
 
 def write_store(path, lay=None, **kw) -> Path:
@@ -134,8 +146,7 @@ def test_t_chunk_matches_the_spec_examples():
 
 
 @settings(max_examples=200, deadline=None)
-@given(lengths=st.lists(st.integers(0, 400), min_size=1, max_size=60),
-       q=st.floats(0.01, 1.0))  # fmt: skip
+@given(lengths=st.lists(st.integers(0, 400), min_size=1, max_size=60), q=st.floats(0.01, 1.0))
 def test_max_len_is_the_smallest_length_covering_the_quantile(lengths, q):
     m = choose_max_len(lengths, quantile=q)
     values = np.array(lengths)
@@ -145,8 +156,15 @@ def test_max_len_is_the_smallest_length_covering_the_quantile(lengths, q):
 
 
 def test_choose_layout_records_truncation():
-    choice = choose_layout(n_samples=N, sites=SITES, layers=LAYERS, hidden_size=H,
-                           prompt_lengths=P_FULL, response_lengths=R_FULL, quantile=0.8)  # fmt: skip
+    choice = choose_layout(
+        n_samples=N,
+        sites=SITES,
+        layers=LAYERS,
+        hidden_size=H,
+        prompt_lengths=P_FULL,
+        response_lengths=R_FULL,
+        quantile=0.8,
+    )
     lay = choice.layout
     assert (lay.p_max, lay.r_max) == (8, 5) and lay.t_chunk_response == lay.r_max
     assert choice.attrs["prompt_truncated_count"] == 2  # the two 9s
@@ -171,14 +189,28 @@ def test_layout_rejects_bad_values():
 
 def test_zarr_metadata_and_chunk_bytes_follow_the_spec(store):
     lay = layout()
-    for part, shape, chunks in (("prompt", [N, 3, 8, H], [1, 1, 3, H]),
-                                ("response", [N, 3, 6, H], [1, 1, 6, H])):  # fmt: skip
+    for part, shape, chunks in (
+        ("prompt", [N, 3, 8, H], [1, 1, 3, H]),
+        ("response", [N, 3, 6, H], [1, 1, 6, H]),
+    ):
         zarray = json.loads((store / f"arrays/{part}_activations/.zarray").read_text())
-        assert zarray == {"shape": shape, "chunks": chunks, "dtype": "<f2", "fill_value": 0.0,
-                          "order": "C", "filters": None, "dimension_separator": ".",
-                          "compressor": None, "zarr_format": 2}  # fmt: skip
-    for name, dtype in (("prompt_len", "<i4"), ("response_len", "<i4"), ("sample_key", "|S64"),
-                        ("hallu_label", "|i1")):  # fmt: skip
+        assert zarray == {
+            "shape": shape,
+            "chunks": chunks,
+            "dtype": "<f2",
+            "fill_value": 0.0,
+            "order": "C",
+            "filters": None,
+            "dimension_separator": ".",
+            "compressor": None,
+            "zarr_format": 2,
+        }
+    for name, dtype in (
+        ("prompt_len", "<i4"),
+        ("response_len", "<i4"),
+        ("sample_key", "|S64"),
+        ("hallu_label", "|i1"),
+    ):
         zarray = json.loads((store / f"arrays/{name}/.zarray").read_text())
         assert zarray["dtype"] == dtype and zarray["compressor"] is None and zarray["shape"] == [N]
     # chunk file = raw little-endian float16, C order, full chunk size (tail zero-padded)
@@ -190,10 +222,26 @@ def test_zarr_metadata_and_chunk_bytes_follow_the_spec(store):
     assert not (store / "arrays/prompt_activations/1.0.1.0").exists()
     assert not (store / "arrays/response_activations/2.0.0.0").exists()
     attrs = json.loads((store / ".zattrs").read_text())
-    for key in ("schema_version", "model_id", "num_layers", "hidden_size", "dtype", "T_max",
-                "P_max", "R_max", "T_chunk_prompt", "T_chunk_response", "chunks", "created_at",
-                "prompt_truncated_count", "prompt_truncated_fraction",
-                "response_truncated_count", "response_truncated_fraction", "layers", "sites"):  # fmt: skip
+    for key in (
+        "schema_version",
+        "model_id",
+        "num_layers",
+        "hidden_size",
+        "dtype",
+        "T_max",
+        "P_max",
+        "R_max",
+        "T_chunk_prompt",
+        "T_chunk_response",
+        "chunks",
+        "created_at",
+        "prompt_truncated_count",
+        "prompt_truncated_fraction",
+        "response_truncated_count",
+        "response_truncated_fraction",
+        "layers",
+        "sites",
+    ):
         assert key in attrs, key
     assert attrs["prompt_truncated_count"] == 2 and attrs["response_truncated_count"] == 1
     assert attrs["dtype"] == "float16" and attrs["num_layers"] == 3
@@ -203,14 +251,21 @@ def test_zarr_metadata_and_chunk_bytes_follow_the_spec(store):
     first = json.loads(lines[0])
     assert first == {"i": 0, "sample_key": first["sample_key"], "prompt": "prompt 0"}
     assert len(first["sample_key"]) == 64 and len(lines) == N
-    assert json.loads((store / "text/responses.jsonl").read_text().splitlines()[3])["response"] == "response 3"
+    assert (
+        json.loads((store / "text/responses.jsonl").read_text().splitlines()[3])["response"]
+        == "response 3"
+    )
     assert (store / "arrays/prompt_activations/0.0.0.0").stat().st_mode & 0o222 == 0  # read-only
 
 
 def test_plain_zarr_python_reads_the_store_without_actstore(store, tmp_path):
     lay = layout()
-    want = {f"{part}_{i}_{k}": expected(i, k, part, lay) for part in ("prompt", "response")
-            for i in range(N) for k in range(3)}  # fmt: skip
+    want = {
+        f"{part}_{i}_{k}": expected(i, k, part, lay)
+        for part in ("prompt", "response")
+        for i in range(N)
+        for k in range(3)
+    }
     np.savez(tmp_path / "want.npz", **want)
     script = textwrap.dedent("""
         import sys
@@ -233,9 +288,14 @@ def test_plain_zarr_python_reads_the_store_without_actstore(store, tmp_path):
         lines = open(store + "/text/prompts.jsonl").read().splitlines()
         assert [json.loads(x)["sample_key"].encode() for x in lines] == list(keys)
         print("ok", prompt.shape, prompt.dtype)
-    """)  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", script, str(store), str(tmp_path / "want.npz")],
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(store), str(tmp_path / "want.npz")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("ok (11, 3, 8, 8) float16")
 
@@ -282,8 +342,10 @@ def test_read_touches_only_the_chunks_of_that_sample_and_layer(store, monkeypatc
     reader.read(8, "resid.3", "prompt")  # 6 tokens, chunks of 3: chunks 0 and 1
     reader.read(8, "resid.3", "response")  # 7 > R_max 6 tokens: the one chunk
     assert [Path(p).relative_to(store).as_posix() for p in opened] == [
-        "arrays/prompt_activations/8.1.0.0", "arrays/prompt_activations/8.1.1.0",
-        "arrays/response_activations/8.1.0.0"]  # fmt: skip
+        "arrays/prompt_activations/8.1.0.0",
+        "arrays/prompt_activations/8.1.1.0",
+        "arrays/response_activations/8.1.0.0",
+    ]
 
 
 def test_batches_for_the_training_pattern(store):
@@ -297,7 +359,9 @@ def test_batches_for_the_training_pattern(store):
             want = expected(int(i), SITES.index(site), "response", lay)
             np.testing.assert_array_equal(batch["acts"][j, m, : len(want)], want)
             assert not batch["acts"][j, m, len(want) :].any()
-    acts, lengths = reader.read_batch([2, 9], [["resid.1", "mlp_out.3"], [3, 1]], "prompt", trim=True)
+    acts, lengths = reader.read_batch(
+        [2, 9], [["resid.1", "mlp_out.3"], [3, 1]], "prompt", trim=True
+    )
     assert acts.shape == (2, 2, 8, H) and lengths.tolist() == [8, 8]
     np.testing.assert_array_equal(acts[1, 1], expected(9, 0, "prompt", lay))
 
@@ -314,11 +378,15 @@ def test_dataloader_workers_read_the_same_values(store):
                 np.testing.assert_array_equal(batch["acts"][j, m].numpy(), want)
             seen += 1
     assert seen == N and batch["acts"].dtype == torch.float16
-    batches = list(dataset.loader(4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(0)))
+    batches = list(
+        dataset.loader(4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(0))
+    )
     assert sorted(torch.cat([b["index"] for b in batches]).tolist()) == list(range(N))
     for b in batches:
         items = [dataset[int(i)] for i in b["index"]]
-        np.testing.assert_array_equal(b["acts"].numpy(), np.stack([x["acts"].numpy() for x in items]))
+        np.testing.assert_array_equal(
+            b["acts"].numpy(), np.stack([x["acts"].numpy() for x in items])
+        )
         assert b["layers"].tolist() == [x["layers"].tolist() for x in items]
 
 
@@ -328,12 +396,23 @@ def test_blocks_and_statistics(store):
     for k, site in enumerate(SITES):
         blocks = reader.blocks(site)
         rows = np.concatenate([reader.read_block(b) for b in blocks])
-        want = np.concatenate([expected(i, k, part, lay) for i in range(N)
-                               for part in ("prompt", "response") if len(expected(i, k, part, lay))])  # fmt: skip
+        want = np.concatenate(
+            [
+                expected(i, k, part, lay)
+                for i in range(N)
+                for part in ("prompt", "response")
+                if len(expected(i, k, part, lay))
+            ]
+        )
         np.testing.assert_array_equal(rows, want)
-        exact = np.concatenate([
-            sample_acts(i)[k][np.r_[0 : min(P_FULL[i], 8), P_FULL[i] : P_FULL[i] + min(R_FULL[i], 6)]]
-            for i in range(N)]).astype(np.float64)  # fmt: skip
+        exact = np.concatenate(
+            [
+                sample_acts(i)[k][
+                    np.r_[0 : min(P_FULL[i], 8), P_FULL[i] : P_FULL[i] + min(R_FULL[i], 6)]
+                ]
+                for i in range(N)
+            ]
+        ).astype(np.float64)
         stats = reader.statistics(site)
         assert stats.count == len(exact) == len(rows)
         np.testing.assert_allclose(stats.mean, exact.mean(0), rtol=1e-10)
@@ -373,9 +452,10 @@ def test_a_killed_writer_leaves_nothing_a_reader_accepts(tmp_path):
             w.write(batch)
             if k == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-    """)  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120,
-                          check=False)  # fmt: skip
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, timeout=120, check=False
+    )
     assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "activations.zarr").exists()
     assert len(list(tmp_path.glob(".activations.zarr.*.partial"))) == 1
@@ -406,8 +486,9 @@ def test_texts_with_unicode_line_separators_verify(tmp_path):
     """Regression: verify split text/*.jsonl with str.splitlines(), which also breaks at
     U+2028 / U+0085 that json.dumps(ensure_ascii=False) keeps raw, and then crashed."""
     odd = "line\u2028separator, next\u0085line, para\u2029end"
-    writer = ZarrWriter(layout(), tmp_path / "activations.zarr", attrs=ATTRS,
-                        optional=("hallu_label",))  # fmt: skip
+    writer = ZarrWriter(
+        layout(), tmp_path / "activations.zarr", attrs=ATTRS, optional=("hallu_label",)
+    )
     for batch in SyntheticBatches()(0, N):
         batch.extras["prompt_text"] = [f"{odd} {i}" for i in batch.example_ids]
         writer.write(batch)
@@ -449,21 +530,32 @@ def test_damage_is_detected(store, tmp_path):
 @pytest.mark.slow
 def test_parallel_shards_manifest_multi_shard_reader_and_merge(store, tmp_path):
     run = tmp_path / "run_test"
-    manifest = write_shards(run, layout(), SyntheticBatches(), n_writers=2, attrs=ATTRS,
-                            token_ids=True, optional=("hallu_label",), progress=False)  # fmt: skip
+    manifest = write_shards(
+        run,
+        layout(),
+        SyntheticBatches(),
+        n_writers=2,
+        attrs=ATTRS,
+        token_ids=True,
+        optional=("hallu_label",),
+        progress=False,
+    )
     pids = {t["pid"] for t in manifest["timings"]}
     assert len(pids) == 2 and os.getpid() not in pids  # one process per shard
     on_disk = json.loads((run / "manifest.json").read_text())
     assert on_disk["shards"] == [
         {"index": 0, "path": "shards/shard-0000.zarr", "start": 0, "n_samples": 6},
-        {"index": 1, "path": "shards/shard-0001.zarr", "start": 6, "n_samples": 5}]  # fmt: skip
+        {"index": 1, "path": "shards/shard-0001.zarr", "start": 6, "n_samples": 5},
+    ]
     single, sharded = ZarrReader(store), open_store(run)
     assert isinstance(sharded, ZarrReader) and len(sharded.stores) == 2 and len(sharded) == N
     assert sharded.locate(7) == (1, 1)
     for site in SITES:
         for i in range(N):
             for part in ("prompt", "response"):
-                np.testing.assert_array_equal(sharded.read(i, site, part), single.read(i, site, part))
+                np.testing.assert_array_equal(
+                    sharded.read(i, site, part), single.read(i, site, part)
+                )
         a, b = single.statistics(site), sharded.statistics(site)
         assert a.count == b.count
         np.testing.assert_allclose(b.mean, a.mean, rtol=1e-12)
@@ -476,8 +568,11 @@ def test_parallel_shards_manifest_multi_shard_reader_and_merge(store, tmp_path):
     assert merged == run / "merged" / "activations.zarr"
     assert json.loads((run / "manifest.json").read_text())["merged"] == "merged/activations.zarr"
     # same chunking, and every array file byte-identical to the single-writer store
-    files = lambda root: {p.relative_to(root).as_posix(): p.read_bytes()
-                          for p in (root / "arrays").rglob("*") if p.is_file()}  # fmt: skip
+    files = lambda root: {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in (root / "arrays").rglob("*")
+        if p.is_file()
+    }
     assert files(merged) == files(store)
     for name in ("text/prompts.jsonl", "text/responses.jsonl"):
         assert (merged / name).read_text() == (store / name).read_text()
@@ -507,12 +602,20 @@ def test_shared_loader_serves_every_stored_token_once_aligned_across_sites(store
     from actstore.loader import ActivationLoader
 
     reader = ZarrReader(store)
-    loader = ActivationLoader(reader, sites=("resid.1", "mlp_out.3"), batch_size=7, pool_blocks=3,
-                              dtype="float16", return_index=True)  # fmt: skip
+    loader = ActivationLoader(
+        reader,
+        sites=("resid.1", "mlp_out.3"),
+        batch_size=7,
+        pool_blocks=3,
+        dtype="float16",
+        return_index=True,
+    )
     acts, rows = zip(*[(b.acts, b.rows) for b in loader])
     acts, rows = torch.cat(acts).numpy(), torch.cat(rows).numpy()
-    stored = {site: np.concatenate([reader.read_block(b) for b in reader.blocks(site)])
-              for site in ("resid.1", "mlp_out.3")}  # fmt: skip
+    stored = {
+        site: np.concatenate([reader.read_block(b) for b in reader.blocks(site)])
+        for site in ("resid.1", "mlp_out.3")
+    }
     assert sorted(rows.tolist()) == list(range(len(stored["resid.1"])))
     np.testing.assert_array_equal(acts[:, 0], stored["resid.1"][rows])
     np.testing.assert_array_equal(acts[:, 1], stored["mlp_out.3"][rows])
@@ -530,8 +633,9 @@ def test_batches_without_prompt_response_lengths_store_prompts_only(tmp_path):
     reader = ZarrReader(writer.close())
     assert (reader.layout.p_max, reader.layout.r_max) == (plan.tokens_per_example, 0)
     assert reader.read(3, "resid.1", "response").shape == (0, plan.d_model)
-    np.testing.assert_array_equal(reader.read(3, "resid.3", "prompt"),
-                                  acts["resid.3"][3].astype(np.float16))  # fmt: skip
+    np.testing.assert_array_equal(
+        reader.read(3, "resid.3", "prompt"), acts["resid.3"][3].astype(np.float16)
+    )
     assert reader.random_batch(4, np.random.default_rng(0))["acts"].shape == (4, 2, 0, plan.d_model)
     assert not list((reader.path / "arrays/response_activations").glob("*.*.*.*"))
     assert reader.verify().ok and reader.text(5) == "example 5"

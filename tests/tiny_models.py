@@ -16,22 +16,29 @@ VOCAB = 300
 
 def make_tokenizer(bos: bool):
     """A byte-level BPE tokenizer (vocab 300); ``bos`` makes it prepend <s> like Llama's."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, show_progress=False,
-                                  special_tokens=["<unk>", "<s>", "</s>", "<pad>"])  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, show_progress=False, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]
+    )
     tok.train_from_iterator(list(topics.topics.values()), trainer)
     if bos:
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A </s> <s> $B", special_tokens=[("<s>", 1), ("</s>", 2)]
         )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
 
 
 def save_text_model(kind: str, directory: Path) -> Path:
@@ -39,18 +46,35 @@ def save_text_model(kind: str, directory: Path) -> Path:
     import transformers as tf
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    common = {"vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
     if kind == "gpt2":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=256,
-                                                 **common))  # fmt: skip
+        model = tf.GPT2LMHeadModel(
+            tf.GPT2Config(n_embd=32, n_layer=4, n_head=4, n_positions=256, **common)
+        )
     elif kind == "llama":
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, **common))  # fmt: skip
+        model = tf.LlamaForCausalLM(
+            tf.LlamaConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+                **common,
+            )
+        )
     elif kind == "qwen2":
-        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, **common))  # fmt: skip
+        model = tf.Qwen2ForCausalLM(
+            tf.Qwen2Config(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+                **common,
+            )
+        )
     else:
         raise ValueError(kind)
     model.save_pretrained(directory)
@@ -63,22 +87,36 @@ def save_vision_model(kind: str, directory: Path) -> Path:
     import transformers as tf
 
     torch.manual_seed(0)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                  num_attention_heads=4, image_size=32, patch_size=8)  # fmt: skip
-    text = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, vocab_size=64)  # fmt: skip
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "image_size": 32,
+        "patch_size": 8,
+    }
+    text = {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "vocab_size": 64,
+    }
     if kind == "clip":
-        model = tf.CLIPModel(tf.CLIPConfig(text_config=text, vision_config=vision,
-                                           projection_dim=8))  # fmt: skip
-        processor = tf.CLIPImageProcessor(size={"shortest_edge": 32},
-                                          crop_size={"height": 32, "width": 32})  # fmt: skip
+        model = tf.CLIPModel(
+            tf.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
+        )
+        processor = tf.CLIPImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
     elif kind == "siglip":
         model = tf.SiglipModel(tf.SiglipConfig(text_config=text, vision_config=vision))
         processor = tf.SiglipImageProcessor(size={"height": 32, "width": 32})
     elif kind == "dinov2":
         model = tf.Dinov2Model(tf.Dinov2Config(**vision))
-        processor = tf.BitImageProcessor(size={"shortest_edge": 32},
-                                         crop_size={"height": 32, "width": 32})  # fmt: skip
+        processor = tf.BitImageProcessor(
+            size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+        )
     else:
         raise ValueError(kind)
     model.save_pretrained(directory)

@@ -15,15 +15,18 @@ import os
 # on and the thread count cannot change at run time (Intel's reproducibility conditions);
 # STRICT keeps GEMM reproducible even if it does. Measured cost here: none beyond noise.
 # These must be set before torch loads MKL; users can still override them.
-for _name, _value in (("MKL_CBWR", "AUTO,STRICT"), ("MKL_DYNAMIC", "FALSE"),
-                      ("OMP_DYNAMIC", "FALSE")):  # fmt: skip
+for _name, _value in (
+    ("MKL_CBWR", "AUTO,STRICT"),
+    ("MKL_DYNAMIC", "FALSE"),
+    ("OMP_DYNAMIC", "FALSE"),
+):
     os.environ.setdefault(_name, _value)
 
-from .errors import ActstoreError  # noqa: E402
-from .formats import open_store  # noqa: E402
-from .loader import ActivationDataLoader, ActivationLoader  # noqa: E402
-from .sites import Site  # noqa: E402
-from .stats import RunningStats  # noqa: E402
+from .errors import ActstoreError
+from .formats import open_store
+from .loader import ActivationDataLoader, ActivationLoader
+from .sites import Site
+from .stats import RunningStats
 
 __version__ = "0.1.0"
 

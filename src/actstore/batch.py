@@ -52,7 +52,7 @@ class Batch:
     def select(self, keep: np.ndarray) -> Batch:
         """The sub-batch of examples where the boolean mask ``keep`` ([B]) is True."""
         index = torch.from_numpy(np.flatnonzero(keep))
-        pick = lambda a: None if a is None else a[keep]  # noqa: E731
+        pick = lambda a: None if a is None else a[keep]
         return Batch(
             acts={k: v.index_select(0, index) for k, v in self.acts.items()},
             example_ids=self.example_ids[keep],

@@ -114,17 +114,26 @@ def source_plan(reader: Any) -> CapturePlan:
     tokens = getattr(reader, "tokens", None)
     labels = getattr(reader, "labels", None)
     return CapturePlan(
-        ckpt=str(getattr(md, "ckpt", None) or attrs.get("model_id")
-                 or reader.describe().get("model", "unknown")),
-        family=family, modality="image" if family in _VISION_FAMILIES else "text",
+        ckpt=str(
+            getattr(md, "ckpt", None)
+            or attrs.get("model_id")
+            or reader.describe().get("model", "unknown")
+        ),
+        family=family,
+        modality="image" if family in _VISION_FAMILIES else "text",
         sites=sites,
         n_model_layers=int(attrs.get("model_num_layers") or max(s.layer for s in sites) + 1),
-        d_model=int(reader.d_model), tokens_per_example=int(tokens_per),
-        has_cls=bool(getattr(md, "cls_token", False)), n_examples=int(n),
+        d_model=int(reader.d_model),
+        tokens_per_example=int(tokens_per),
+        has_cls=bool(getattr(md, "cls_token", False)),
+        n_examples=int(n),
         dataset_root=str(getattr(md, "dataset", None) or attrs.get("dataset_root") or ""),
-        data=_dataset_description(md), classes=getattr(reader, "classes", None),
-        has_labels=labels is not None, has_tokens=tokens is not None, batch_size=32,
-    )  # fmt: skip
+        data=_dataset_description(md),
+        classes=getattr(reader, "classes", None),
+        has_labels=labels is not None,
+        has_tokens=tokens is not None,
+        batch_size=32,
+    )
 
 
 def _first_attr(obj: Any, names: tuple[str, ...]) -> Any:
@@ -151,8 +160,9 @@ def _dataset_description(md: Any) -> dict[str, Any]:
     return {}
 
 
-def example_batches(reader: Any, plan: CapturePlan, batch_size: int,
-                    start: int = 0) -> Iterator[Batch]:  # fmt: skip
+def example_batches(
+    reader: Any, plan: CapturePlan, batch_size: int, start: int = 0
+) -> Iterator[Batch]:
     """The stored examples ``start, start + 1, ...`` as batches of ``batch_size``."""
     native = getattr(reader, "example_batches", None)
     if callable(native):
@@ -181,20 +191,26 @@ def example_batches(reader: Any, plan: CapturePlan, batch_size: int,
         row += n_rows
         while pending_rows >= batch_size * t or (i == len(blocks[0]) - 1 and pending_rows):
             if pending_rows % t and pending_rows < batch_size * t:
-                raise ConfigError(f"{getattr(reader, 'path', reader)}: rows do not divide into "
-                                  f"examples of {t} tokens; only fixed-length stores convert")  # fmt: skip
+                raise ConfigError(
+                    f"{getattr(reader, 'path', reader)}: rows do not divide into "
+                    f"examples of {t} tokens; only fixed-length stores convert"
+                )
             take = min(batch_size, pending_rows // t)
             acts = {}
             for k, site in enumerate(plan.sites):
                 rows = np.concatenate(pending[k]) if len(pending[k]) > 1 else pending[k][0]
-                acts[str(site)] = torch.from_numpy(np.ascontiguousarray(rows[: take * t]).reshape(
-                    take, t, d))  # fmt: skip
+                acts[str(site)] = torch.from_numpy(
+                    np.ascontiguousarray(rows[: take * t]).reshape(take, t, d)
+                )
                 pending[k] = [rows[take * t :]] if rows.shape[0] > take * t else []
             pending_rows -= take * t
             ids = np.arange(first_example, first_example + take, dtype=np.int64)
-            yield Batch(acts=acts, example_ids=ids,
-                        token_ids=None if tokens is None else np.asarray(tokens[ids[0]: ids[-1] + 1]),
-                        labels=None if labels is None else np.asarray(labels[ids], dtype=np.int64))  # fmt: skip
+            yield Batch(
+                acts=acts,
+                example_ids=ids,
+                token_ids=None if tokens is None else np.asarray(tokens[ids[0] : ids[-1] + 1]),
+                labels=None if labels is None else np.asarray(labels[ids], dtype=np.int64),
+            )
             first_example += take
 
 
@@ -207,8 +223,16 @@ def _reader_sites(reader: Any, plan: CapturePlan) -> list[Hashable]:
 # ---------------------------------------------------------------------- convert
 
 
-def convert(source: str | Path, target: str | Path, *, to: str, options: Any = None,
-            batch_size: int = 64, verify: bool = True, progress: bool = True) -> ConvertResult:  # fmt: skip
+def convert(
+    source: str | Path,
+    target: str | Path,
+    *,
+    to: str,
+    options: Any = None,
+    batch_size: int = 64,
+    verify: bool = True,
+    progress: bool = True,
+) -> ConvertResult:
     """Convert the store at ``source`` into format ``to`` at ``target`` (that format's
     ``--out``: a directory, or a URL for object storage). Rerunning an interrupted
     conversion resumes it; a finished one is only verified."""
@@ -230,8 +254,14 @@ def convert(source: str | Path, target: str | Path, *, to: str, options: Any = N
         if start:
             log.info("resuming the conversion at example %d of %d", start, plan.n_examples)
         try:
-            with tqdm(total=plan.n_examples, initial=start, unit="ex", desc=f"convert to {to}",
-                      **bar_switch(progress), dynamic_ncols=True) as bar:  # fmt: skip
+            with tqdm(
+                total=plan.n_examples,
+                initial=start,
+                unit="ex",
+                desc=f"convert to {to}",
+                **bar_switch(progress),
+                dynamic_ncols=True,
+            ) as bar:
                 for batch in example_batches(reader, plan, batch_size, start):
                     writer.write(batch)
                     bar.update(batch.n_examples)
@@ -242,22 +272,43 @@ def convert(source: str | Path, target: str | Path, *, to: str, options: Any = N
     rows, errors = {}, {}
     if verify:
         target_reader = open_store(location)
-        rows, errors = compare_stores(reader, target_reader, plan,
-                                      stored_dtype=stored_dtype(target_reader, dst_spec.stored_dtype),
-                                      progress=progress)  # fmt: skip
+        rows, errors = compare_stores(
+            reader,
+            target_reader,
+            plan,
+            stored_dtype=stored_dtype(target_reader, dst_spec.stored_dtype),
+            progress=progress,
+        )
     result = ConvertResult(
-        location=location, source_format=src_spec.name, target_format=dst_spec.name,
-        n_examples=plan.n_examples, rows=rows, max_abs_error=errors, verified=verify,
-        already_complete=already, seconds=time.perf_counter() - t0,
-    )  # fmt: skip
-    log.info("converted %s (%s) to %s (%s) in %.1fs", source, src_spec.name, location,
-             dst_spec.name, result.seconds)  # fmt: skip
+        location=location,
+        source_format=src_spec.name,
+        target_format=dst_spec.name,
+        n_examples=plan.n_examples,
+        rows=rows,
+        max_abs_error=errors,
+        verified=verify,
+        already_complete=already,
+        seconds=time.perf_counter() - t0,
+    )
+    log.info(
+        "converted %s (%s) to %s (%s) in %.1fs",
+        source,
+        src_spec.name,
+        location,
+        dst_spec.name,
+        result.seconds,
+    )
     return result
 
 
-def compare_stores(source: Any, target: Any, plan: CapturePlan | None = None, *,
-                   stored_dtype: str | None = None,
-                   progress: bool = False) -> tuple[dict[str, int], dict[str, float]]:  # fmt: skip
+def compare_stores(
+    source: Any,
+    target: Any,
+    plan: CapturePlan | None = None,
+    *,
+    stored_dtype: str | None = None,
+    progress: bool = False,
+) -> tuple[dict[str, int], dict[str, float]]:
     """Check that every row of every site of ``source`` is in ``target``, in order, equal to
     the source row rounded to the dtype the target stores (``stored_dtype``, e.g.
     ``"bfloat16"``; default: the target reader's dtype). Returns rows and the max abs
@@ -270,10 +321,13 @@ def compare_stores(source: Any, target: Any, plan: CapturePlan | None = None, *,
     total = sum(b.n_rows for name in src_names for b in source.blocks(name))
     # one stream per site, advanced in turn: block i of every site is read together, so a
     # reader that decodes whole shards (pkl.gz) decodes each once
-    streams = {str(site): _aligned(_row_chunks(source, a), _row_chunks(target, b))
-               for site, a, b in zip(plan.sites, src_names, dst_names)}  # fmt: skip
-    with tqdm(total=total, unit="row", desc="verify", **bar_switch(progress),
-              dynamic_ncols=True) as bar:  # fmt: skip
+    streams = {
+        str(site): _aligned(_row_chunks(source, a), _row_chunks(target, b))
+        for site, a, b in zip(plan.sites, src_names, dst_names)
+    }
+    with tqdm(
+        total=total, unit="row", desc="verify", **bar_switch(progress), dynamic_ncols=True
+    ) as bar:
         while streams:
             for site, stream in list(streams.items()):
                 pair = next(stream, None)
@@ -330,8 +384,9 @@ def _row_chunks(reader: Any, site: Hashable) -> Iterator[np.ndarray]:
         yield reader.read_block(block)
 
 
-def _aligned(left: Iterator[np.ndarray],
-             right: Iterator[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:  # fmt: skip
+def _aligned(
+    left: Iterator[np.ndarray], right: Iterator[np.ndarray]
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Pairs of equally long row runs from two streams of row chunks, which must end
     together (else the stores hold different numbers of rows)."""
     a = b = np.empty((0, 0))

@@ -115,8 +115,17 @@ def load(file: IO[bytes]) -> Any:
         return RestrictedUnpickler(file).load()
     except UnsafeDataError:
         raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, OverflowError, MemoryError) as err:  # fmt: skip
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        OverflowError,
+        MemoryError,
+    ) as err:
         name = getattr(file, "name", "") or "the pickle stream"
         raise CorruptStoreError(
             f"{name} is not a readable pickle ({type(err).__name__}: {err}); the file is "

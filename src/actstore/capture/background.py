@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 from ..batch import Batch
 from ..errors import CaptureError
@@ -87,7 +87,7 @@ class BackgroundWriter:
         self._finish()
         self.writer.abort()
 
-    def __enter__(self) -> BackgroundWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -41,8 +41,13 @@ class TokenCleaner:
         token sequence its chat template puts before the first user message."""
         ids: set[int] = set(getattr(tokenizer, "all_special_ids", []) or [])
         ids.update(int(i) for i in (getattr(tokenizer, "added_tokens_decoder", None) or {}))
-        for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id",
-                     "cls_token_id"):  # fmt: skip
+        for attr in (
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "sep_token_id",
+            "cls_token_id",
+        ):
             value = getattr(tokenizer, attr, None)
             if isinstance(value, int):
                 ids.add(value)
@@ -52,8 +57,11 @@ class TokenCleaner:
             content = [t for t in prefix if t not in ids]
             if len(content) >= 1 and len(prefix) >= 2:
                 sequences.append(tuple(prefix))
-        log.info("token cleaning drops %d special/added token ids%s", len(ids),
-                 f" and a {len(sequences[0])}-token chat-template prefix" if sequences else "")
+        log.info(
+            "token cleaning drops %d special/added token ids%s",
+            len(ids),
+            f" and a {len(sequences[0])}-token chat-template prefix" if sequences else "",
+        )
         return cls(drop_ids=frozenset(ids), sequences=tuple(sequences))
 
     def mask(self, token_ids: np.ndarray) -> np.ndarray:
@@ -74,8 +82,7 @@ def template_prefix_ids(tokenizer: Any) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         return []
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}],
-                                             tokenize=False)  # fmt: skip
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], tokenize=False)
     except Exception as err:  # noqa: BLE001 - a template that cannot render has no prefix
         log.warning("cannot render the chat template (%s); not cleaning its prefix", err)
         return []

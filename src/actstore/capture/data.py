@@ -91,8 +91,13 @@ class _ImageDataset(torch.utils.data.Dataset):
 class _Loader:
     """Picklable callable index -> PIL image (files or a saved HF dataset column)."""
 
-    def __init__(self, files: Sequence[str] | None = None, hf_path: str | None = None,
-                 split: str | None = None, column: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        files: Sequence[str] | None = None,
+        hf_path: str | None = None,
+        split: str | None = None,
+        column: str | None = None,
+    ) -> None:
         self.files, self.hf_path, self.split, self.column = files, hf_path, split, column
         self._ds = None
         self.n = len(files) if files is not None else len(self._dataset())
@@ -116,8 +121,15 @@ class _Loader:
 class ImageSource(ExampleSource):
     """Images from a folder (class subfolders give labels) or a saved HF dataset."""
 
-    def __init__(self, loader: _Loader, labels: np.ndarray | None, classes: list[str] | None,
-                 root: str, description: dict[str, Any], model: LoadedModel) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loader: _Loader,
+        labels: np.ndarray | None,
+        classes: list[str] | None,
+        root: str,
+        description: dict[str, Any],
+        model: LoadedModel,
+    ) -> None:
         self.loader, self.labels, self.classes = loader, labels, classes
         self.root, self._description, self.model = root, description, model
         self.n_examples = loader.n
@@ -137,9 +149,13 @@ class ImageSource(ExampleSource):
             range(start, self.n_examples),
         )
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-            pin_memory=self.model.device.type == "cuda", persistent_workers=False,
-        )  # fmt: skip
+            dataset,
+            batch_size=batch_size,
+            shuffle=False,
+            num_workers=num_workers,
+            pin_memory=self.model.device.type == "cuda",
+            persistent_workers=False,
+        )
         for indices, pixels in loader:
             ids = indices.numpy().astype(np.int64)
             yield SourceBatch(
@@ -178,8 +194,9 @@ def _image_folder(root: Path, model: LoadedModel) -> ImageSource:
         "n_images": len(files),
         "classes": classes,
     }
-    return ImageSource(_Loader(files=[str(p) for p in files]), labels, classes, str(root),
-                       description, model)  # fmt: skip
+    return ImageSource(
+        _Loader(files=[str(p) for p in files]), labels, classes, str(root), description, model
+    )
 
 
 # ---------------------------------------------------------------------------- text
@@ -188,8 +205,9 @@ def _image_folder(root: Path, model: LoadedModel) -> ImageSource:
 class TextSource(ExampleSource):
     """Packed fixed-length token contexts (``token_ids``: int32 ``[n_examples, T]``)."""
 
-    def __init__(self, token_ids: np.ndarray, root: str, description: dict[str, Any],
-                 model: LoadedModel) -> None:  # fmt: skip
+    def __init__(
+        self, token_ids: np.ndarray, root: str, description: dict[str, Any], model: LoadedModel
+    ) -> None:
         self.token_ids, self.root, self._description = token_ids, root, description
         self.model = model
         self.n_examples = int(token_ids.shape[0])
@@ -209,8 +227,9 @@ class TextSource(ExampleSource):
             )
 
 
-def pack_documents(docs: Sequence[str], tokenizer, context_length: int, *,
-                   progress: bool = True) -> tuple[np.ndarray, int]:
+def pack_documents(
+    docs: Sequence[str], tokenizer, context_length: int, *, progress: bool = True
+) -> tuple[np.ndarray, int]:
     """Tokenise ``docs`` and pack them into ``[n, context_length]`` int32 windows.
 
     Returns the windows and the number of trailing tokens dropped.
@@ -229,8 +248,12 @@ def pack_documents(docs: Sequence[str], tokenizer, context_length: int, *,
     # model's maximum length" warning, which does not apply to packing.
     from .models import quiet_transformers
 
-    with quiet_transformers(), tqdm(total=len(docs), desc="tokenising", unit="doc",
-                                    leave=False, **bar_switch(progress)) as bar:  # fmt: skip
+    with (
+        quiet_transformers(),
+        tqdm(
+            total=len(docs), desc="tokenising", unit="doc", leave=False, **bar_switch(progress)
+        ) as bar,
+    ):
         for lo in range(0, len(docs), step):
             encoded = tokenizer(list(docs[lo : lo + step]), add_special_tokens=False)
             for ids in encoded["input_ids"]:
@@ -256,9 +279,15 @@ def _start_tokens(tokenizer) -> list[int]:
     return []
 
 
-def _text_source(docs: Sequence[str], root: str, description: dict[str, Any], model: LoadedModel,
-                 context_length: int, max_examples: int | None,
-                 progress: bool = True) -> TextSource:  # fmt: skip
+def _text_source(
+    docs: Sequence[str],
+    root: str,
+    description: dict[str, Any],
+    model: LoadedModel,
+    context_length: int,
+    max_examples: int | None,
+    progress: bool = True,
+) -> TextSource:
     if not docs:
         raise ConfigError(f"{root} holds no text documents")
     windows, dropped = pack_documents(docs, model.tokenizer, context_length, progress=progress)
@@ -271,10 +300,17 @@ def _text_source(docs: Sequence[str], root: str, description: dict[str, Any], mo
         windows = windows[:max_examples]
     log.info(
         "packed %d documents into %d contexts of %d tokens (%d tail tokens dropped)",
-        len(docs), len(windows), context_length, dropped,
-    )  # fmt: skip
-    description = {**description, "context_length": context_length, "n_docs": len(docs),
-                   "tokenizer": model.ckpt}  # fmt: skip
+        len(docs),
+        len(windows),
+        context_length,
+        dropped,
+    )
+    description = {
+        **description,
+        "context_length": context_length,
+        "n_docs": len(docs),
+        "tokenizer": model.ckpt,
+    }
     return TextSource(windows, root, description, model)
 
 
@@ -288,7 +324,9 @@ def _read_text_file(path: Path, text_field: str) -> list[str]:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise CorruptStoreError(f"{path}:{lineno} is not valid JSON: {err.msg}") from err
+                    raise CorruptStoreError(
+                        f"{path}:{lineno} is not valid JSON: {err.msg}"
+                    ) from err
                 if not isinstance(record, dict) or text_field not in record:
                     raise ConfigError(
                         f"{path}:{lineno} has no {text_field!r} field; "
@@ -301,7 +339,7 @@ def _read_text_file(path: Path, text_field: str) -> list[str]:
 
 def embedded_documents() -> tuple[list[str], str]:
     """The embedded corpus: each topic of the Python language reference is one document."""
-    import pydoc_data.topics as topics
+    from pydoc_data import topics
 
     return [topics.topics[k] for k in sorted(topics.topics)], str(Path(topics.__file__).resolve())
 
@@ -321,8 +359,15 @@ def _load_hf(path: str, split: str | None):
     return ds
 
 
-def _hf_source(path: Path, model: LoadedModel, split: str, text_field: str, context_length: int,
-               max_examples: int | None, progress: bool = True) -> ExampleSource:  # fmt: skip
+def _hf_source(
+    path: Path,
+    model: LoadedModel,
+    split: str,
+    text_field: str,
+    context_length: int,
+    max_examples: int | None,
+    progress: bool = True,
+) -> ExampleSource:
     ds = _load_hf(str(path), split)
     columns = ds.column_names
     description = {"kind": "hf_dataset", "root": str(path), "split": split}
@@ -340,35 +385,41 @@ def _hf_source(path: Path, model: LoadedModel, split: str, text_field: str, cont
         description.update(column=column, n_images=loader.n, classes=classes)
         return ImageSource(loader, labels, classes, str(path), description, model)
     if text_field not in columns:
-        raise ConfigError(f"{path} has no {text_field!r} column (columns: {columns}); "
-                          "choose one with --text-field")  # fmt: skip
+        raise ConfigError(
+            f"{path} has no {text_field!r} column (columns: {columns}); "
+            "choose one with --text-field"
+        )
     docs = [str(t) for t in ds[text_field]]
     description["text_field"] = text_field
-    return _text_source(docs, str(path), description, model, context_length, max_examples,
-                        progress)
+    return _text_source(docs, str(path), description, model, context_length, max_examples, progress)
 
 
 # ---------------------------------------------------------------------------- entry point
 
 
-def open_source(dataset: str, model: LoadedModel, *, context_length: int = 128,
-                max_examples: int | None = None, split: str = "train",
-                text_field: str = "text", progress: bool = True) -> ExampleSource:  # fmt: skip
+def open_source(
+    dataset: str,
+    model: LoadedModel,
+    *,
+    context_length: int = 128,
+    max_examples: int | None = None,
+    split: str = "train",
+    text_field: str = "text",
+    progress: bool = True,
+) -> ExampleSource:
     """Open ``dataset`` (path or ``"embedded"``) for ``model``'s modality."""
     if dataset == EMBEDDED_DATASET:
         if model.modality != "text":
             raise ConfigError("the embedded dataset is text; give an image folder for a ViT")
         docs, root = embedded_documents()
         description = {"kind": "embedded", "name": "python-language-reference"}
-        return _text_source(docs, root, description, model, context_length, max_examples,
-                            progress)
+        return _text_source(docs, root, description, model, context_length, max_examples, progress)
     path = Path(dataset).expanduser().resolve()
     if not path.exists():
         raise StoreNotFoundError(f"dataset {dataset!r} does not exist")
     is_hf = (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
     if path.is_dir() and is_hf:
-        source = _hf_source(path, model, split, text_field, context_length, max_examples,
-                            progress)
+        source = _hf_source(path, model, split, text_field, context_length, max_examples, progress)
     elif path.is_dir():
         if model.modality != "image":
             raise ConfigError(
@@ -381,8 +432,9 @@ def open_source(dataset: str, model: LoadedModel, *, context_length: int = 128,
             raise ConfigError(f"{path} is text but {model.ckpt} is an image model")
         docs = _read_text_file(path, text_field)
         description = {"kind": "text_file", "path": str(path), "text_field": text_field}
-        return _text_source(docs, str(path), description, model, context_length, max_examples,
-                            progress)
+        return _text_source(
+            docs, str(path), description, model, context_length, max_examples, progress
+        )
     else:
         raise ConfigError(
             f"cannot tell what kind of dataset {path} is: give an image folder, a .txt or "

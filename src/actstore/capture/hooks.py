@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -39,7 +39,7 @@ class ActivationRecorder:
         self._acts: dict[str, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def __enter__(self) -> ActivationRecorder:
+    def __enter__(self) -> Self:
         for site in self.sites:
             self._handles.append(self._register(site))
         stop_block = self.model.blocks[self.last_layer]

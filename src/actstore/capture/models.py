@@ -173,8 +173,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> Loa
     module.eval().requires_grad_(False)
     module.to(device)
     vision_config = getattr(config, "vision_config", None) or config
-    n_layers = getattr(vision_config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    d_model = getattr(vision_config, "hidden_size", None) or getattr(config, "n_embd")
+    n_layers = getattr(vision_config, "num_hidden_layers", None) or config.n_layer
+    d_model = getattr(vision_config, "hidden_size", None) or config.n_embd
     blocks = _find_blocks(module, n_layers)
     if family is not None:
         from transformers import AutoImageProcessor
@@ -188,10 +188,17 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> Loa
                 "save one next to the model with processor.save_pretrained(dir)"
             ) from err
         return LoadedModel(
-            module=module, ckpt=label, family=family, modality="image", blocks=blocks,
-            d_model=d_model, has_cls=VISION_FAMILIES[family][1], device=torch.device(device),
-            dtype=torch_dtype[dtype], image_processor=processor,
-        )  # fmt: skip
+            module=module,
+            ckpt=label,
+            family=family,
+            modality="image",
+            blocks=blocks,
+            d_model=d_model,
+            has_cls=VISION_FAMILIES[family][1],
+            device=torch.device(device),
+            dtype=torch_dtype[dtype],
+            image_processor=processor,
+        )
     from transformers import AutoTokenizer
 
     try:
@@ -203,8 +210,14 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> Loa
         ) from err
     log.info("loaded %s (%s, %d blocks, d_model %d)", name, config.model_type, n_layers, d_model)
     return LoadedModel(
-        module=module, ckpt=label, family=config.model_type, modality="text", blocks=blocks,
-        d_model=d_model, has_cls=False, device=torch.device(device), dtype=torch_dtype[dtype],
+        module=module,
+        ckpt=label,
+        family=config.model_type,
+        modality="text",
+        blocks=blocks,
+        d_model=d_model,
+        has_cls=False,
+        device=torch.device(device),
+        dtype=torch_dtype[dtype],
         tokenizer=tokenizer,
-    )  # fmt: skip
-
+    )

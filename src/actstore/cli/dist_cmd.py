@@ -11,43 +11,63 @@ import typer
 from . import app
 
 
-def run_distributed_capture(config: Any, fmt: str, out: str, options: Any, *, ray: str | None,
-                            workers: int, retries: int, machine_id: int | None,
-                            num_machines: int | None) -> Path | None:  # fmt: skip
+def run_distributed_capture(
+    config: Any,
+    fmt: str,
+    out: str,
+    options: Any,
+    *,
+    ray: str | None,
+    workers: int,
+    retries: int,
+    machine_id: int | None,
+    num_machines: int | None,
+) -> Path | None:
     """What ``actstore capture`` does with --ray or a machine id; prints the outcome."""
     from ..dist import capture_distributed, capture_on_ray, slurm_machine
     from ..errors import ConfigError
 
     if ray is not None:
         if machine_id is not None or num_machines is not None:
-            raise ConfigError("give either --ray (Ray runs every slice) or --machine-id/"
-                              "--num-machines (this process runs one), not both")  # fmt: skip
-        result = capture_on_ray(config, fmt, out, options, workers=workers, address=ray,
-                                retries=retries)  # fmt: skip
+            raise ConfigError(
+                "give either --ray (Ray runs every slice) or --machine-id/"
+                "--num-machines (this process runs one), not both"
+            )
+        result = capture_on_ray(
+            config, fmt, out, options, workers=workers, address=ray, retries=retries
+        )
         ran = sum(p.n_examples_run for p in result.parts)
-        typer.echo(f"Captured {ran} examples with {workers} Ray workers; published\n"
-                   f"  {result.location}")  # fmt: skip
+        typer.echo(
+            f"Captured {ran} examples with {workers} Ray workers; published\n  {result.location}"
+        )
         _echo_next_steps(result.location)
         return result.location
     if machine_id is None or num_machines is None:
         from_env = slurm_machine(n_machines=num_machines)  # array index = machine id
         if from_env is None:
-            raise ConfigError("give both --machine-id and --num-machines (or run inside a Slurm "
-                              "job array, which sets them)")  # fmt: skip
+            raise ConfigError(
+                "give both --machine-id and --num-machines (or run inside a Slurm "
+                "job array, which sets them)"
+            )
         machine_id = from_env[0] if machine_id is None else machine_id
         num_machines = from_env[1]
-    done = capture_distributed(config, fmt, out, options, machine_id=machine_id,
-                               n_machines=num_machines)  # fmt: skip
+    done = capture_distributed(
+        config, fmt, out, options, machine_id=machine_id, n_machines=num_machines
+    )
     part = done.part
     if part.part is not None:
-        typer.echo(f"Captured {part.slice} ({part.n_examples_run} examples run in "
-                   f"{part.seconds:.1f}s) into\n  {part.part}")  # fmt: skip
+        typer.echo(
+            f"Captured {part.slice} ({part.n_examples_run} examples run in "
+            f"{part.seconds:.1f}s) into\n  {part.part}"
+        )
     elif part.slice.empty:
         typer.echo(f"Nothing to capture for {part.slice}: the other slices cover the dataset")
     if done.published is None:
         spans = ", ".join(f"[{a}, {b})" for a, b in done.waiting_for) or "the other slices"
-        typer.echo(f"Waiting for examples {spans} (other machines): the last machine to finish "
-                   f"publishes the store; if one failed, rerun it, then `actstore merge {out}`")
+        typer.echo(
+            f"Waiting for examples {spans} (other machines): the last machine to finish "
+            f"publishes the store; if one failed, rerun it, then `actstore merge {out}`"
+        )
         return None
     typer.echo(f"All slices are done; published\n  {done.published}")
     _echo_next_steps(done.published)
@@ -75,8 +95,9 @@ Example:
 )
 def slurm_script(
     ctx: typer.Context,
-    num_machines: int = typer.Option(..., help="Array tasks: the dataset is split into this "
-                                     "many contiguous slices."),
+    num_machines: int = typer.Option(
+        ..., help="Array tasks: the dataset is split into this many contiguous slices."
+    ),
     partition: str = typer.Option(None, help="#SBATCH --partition."),
     account: str = typer.Option(None, help="#SBATCH --account."),
     time: str = typer.Option(None, help="#SBATCH --time per task, e.g. 12:00:00."),
@@ -85,10 +106,12 @@ def slurm_script(
     mem: str = typer.Option(None, help="#SBATCH --mem per task, e.g. 64G."),
     max_parallel: int = typer.Option(None, help="Run at most this many tasks at once."),
     job_name: str = typer.Option("actstore-capture", help="#SBATCH --job-name."),
-    setup: list[str] = typer.Option([], help="Shell line run first in each task (repeatable), "
-                                    "e.g. 'source .venv/bin/activate'."),
-    output: Path = typer.Option(None, "--output", "-o", help="Write the script here instead of "
-                                "printing it."),
+    setup: list[str] = typer.Option(
+        [], help="Shell line run first in each task (repeatable), e.g. 'source .venv/bin/activate'."
+    ),
+    output: Path = typer.Option(
+        None, "--output", "-o", help="Write the script here instead of printing it."
+    ),
 ) -> None:
     """Print an sbatch script that runs a capture as a Slurm job array.
 
@@ -100,10 +123,19 @@ def slurm_script(
 
     capture_args = list(ctx.args)
     _check_capture_args(capture_args)
-    text = sbatch_script(capture_args, num_machines=num_machines, partition=partition,
-                         account=account, time=time, gpus_per_task=gpus_per_task,
-                         cpus_per_task=cpus_per_task, mem=mem, max_parallel=max_parallel,
-                         job_name=job_name, setup=tuple(setup))  # fmt: skip
+    text = sbatch_script(
+        capture_args,
+        num_machines=num_machines,
+        partition=partition,
+        account=account,
+        time=time,
+        gpus_per_task=gpus_per_task,
+        cpus_per_task=cpus_per_task,
+        mem=mem,
+        max_parallel=max_parallel,
+        job_name=job_name,
+        setup=tuple(setup),
+    )
     if output is None:
         typer.echo(text, nl=False)
     else:
@@ -121,18 +153,25 @@ def _check_capture_args(args: list[str]) -> None:
     except Exception as err:  # click's usage errors (typer may vendor its own click)
         if not hasattr(err, "format_message"):
             raise
-        raise ConfigError(f"the capture arguments after `--` are invalid: {err.format_message()}"
-                          ) from None  # fmt: skip
+        raise ConfigError(
+            f"the capture arguments after `--` are invalid: {err.format_message()}"
+        ) from None
 
 
 @app.command()
 def merge(
-    locations: list[str] = typer.Argument(..., help="Output directories of distributed "
-                                          "captures (--out; an s3:// run for activault), or "
-                                          "with --into: pkl.gz stores written by several "
-                                          "machines."),
-    into: Path = typer.Option(None, help="Merge the pkl.gz stores LOCATIONS (one per machine, "
-                              "unique sample ids) into this new directory."),
+    locations: list[str] = typer.Argument(
+        ...,
+        help="Output directories of distributed "
+        "captures (--out; an s3:// run for activault), or "
+        "with --into: pkl.gz stores written by several "
+        "machines.",
+    ),
+    into: Path = typer.Option(
+        None,
+        help="Merge the pkl.gz stores LOCATIONS (one per machine, "
+        "unique sample ids) into this new directory.",
+    ),
 ) -> None:
     """Publish a distributed capture from its slices, or merge machines' pkl.gz stores.
 

@@ -18,8 +18,11 @@ def _site_summary(reader, site, values: int) -> dict:
     out: dict = {}
     stats = reader.statistics(site)
     if stats is not None:
-        out.update(count=stats.count, mean_norm=round(stats.norm_mean, 6),
-                   mean_var=round(float(stats.var.mean()), 6))  # fmt: skip
+        out.update(
+            count=stats.count,
+            mean_norm=round(stats.norm_mean, 6),
+            mean_var=round(float(stats.var.mean()), 6),
+        )
     blocks = reader.blocks(site)
     if blocks:
         first = reader.read_block(blocks[0])[0, :values]
@@ -84,8 +87,7 @@ def verify(
         typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
     total = reader.describe().get("bytes")
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify",
-              **bar_switch(progress)) as bar:
+    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", **bar_switch(progress)) as bar:
         report = reader.verify(progress=bar.update)
     for note in report.notes:
         typer.echo(f"note: {note}")

@@ -12,8 +12,7 @@ from . import app
 from .common import parse_int_list
 
 _RUN_HELP = "Run directory ($SAEV_NFS/saev/runs/<run_id>), as printed by `actstore new-run`."
-_SHARDS_HELP = ("Which activations: 'val' or 'train' (the run's links) or a shard "
-                "directory.")  # fmt: skip
+_SHARDS_HELP = "Which activations: 'val' or 'train' (the run's links) or a shard directory."
 
 
 @app.command(
@@ -50,9 +49,14 @@ def new_run(
     """
     from ..runs import Run
 
-    run = Run.create(train_shards=train_shards, val_shards=val_shards,
-                     train_dataset=train_dataset, val_dataset=val_dataset, run_id=run_id,
-                     root=runs_root)  # fmt: skip
+    run = Run.create(
+        train_shards=train_shards,
+        val_shards=val_shards,
+        train_dataset=train_dataset,
+        val_dataset=val_dataset,
+        run_id=run_id,
+        root=runs_root,
+    )
     typer.echo(
         f"Created run {run.path}\n\nNext:\n  actstore train --run {run.path}\n"
         f"  actstore inference --run {run.path}\n  actstore visuals --run {run.path}"
@@ -103,10 +107,22 @@ def train(
     from ..runs import Run
     from ..sae import TrainConfig, train_run
 
-    config = TrainConfig(kind=kind, k=k, expansion=expansion, l1_coeff=l1_coeff, steps=steps,
-                         batch_size=batch_size, lr=lr, warmup_steps=warmup_steps, layer=layer,
-                         tokens=tokens, normalise=normalise, device=device, seed=seed,
-                         log_every=log_every)  # fmt: skip
+    config = TrainConfig(
+        kind=kind,
+        k=k,
+        expansion=expansion,
+        l1_coeff=l1_coeff,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        warmup_steps=warmup_steps,
+        layer=layer,
+        tokens=tokens,
+        normalise=normalise,
+        device=device,
+        seed=seed,
+        log_every=log_every,
+    )
     the_run = Run(run)
     result = train_run(the_run, config, progress=progress)
     val = result.metrics["val"]
@@ -175,7 +191,8 @@ def visuals(
     from ..visuals import VisualsConfig, render_run
 
     chosen = tuple(parse_int_list(latents, "--latents")) if latents else ()
-    config = VisualsConfig(n_latents=n_latents, latents=chosen, n_examples=n_examples,
-                           image_size=image_size)  # fmt: skip
+    config = VisualsConfig(
+        n_latents=n_latents, latents=chosen, n_examples=n_examples, image_size=image_size
+    )
     out = render_run(Run(run), shards, config, progress=progress)
     typer.echo(f"Wrote {out / 'index.html'}\nOpen it in a browser: file://{out / 'index.html'}")

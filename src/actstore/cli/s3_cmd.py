@@ -29,8 +29,9 @@ def _hook_summary(store, prefix: str) -> dict[str, Any]:
     md_key = join_key(prefix, METADATA)
     if store.size(md_key) is not None:
         md = store.get_json(md_key)
-        out.update(shape=md.get("shape"), dtype=md.get("dtype"),
-                   bytes_per_file=md.get("bytes_per_file"))  # fmt: skip
+        out.update(
+            shape=md.get("shape"), dtype=md.get("dtype"), bytes_per_file=md.get("bytes_per_file")
+        )
         wrong = [n for n, s in files if s != md.get("bytes_per_file")]
         if wrong:
             out["wrong_size"] = wrong
@@ -46,7 +47,8 @@ def ls(
     show_all: bool = typer.Option(False, "--all", help="List every file, not the first 10."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     endpoint_url: str = typer.Option(
-        None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."),
+        None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."
+    ),
 ) -> None:
     """List runs, hooks and megabatch files of an Activault layout (or any prefix).
 
@@ -56,8 +58,8 @@ def ls(
       actstore ls s3://bucket/run                # hooks: files, sizes, shapes, progress
       actstore ls s3://bucket/run/models.layers.6.post --all
     """
-    from ..formats.activault.layout import CFG, METADATA
     from ..errors import StoreNotFoundError
+    from ..formats.activault.layout import CFG, METADATA
     from ..storage.object import S3Config, S3Store, join_key, open_location
 
     store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
@@ -71,17 +73,26 @@ def ls(
         return
     dirs = store.list_dirs(prefix)
     cfg = store.get_json(join_key(prefix, CFG)) if store.size(join_key(prefix, CFG)) else None
-    hooks = {d: _hook_summary(store, join_key(prefix, d)) for d in dirs
-             if store.size(join_key(prefix, d, METADATA)) is not None}  # fmt: skip
+    hooks = {
+        d: _hook_summary(store, join_key(prefix, d))
+        for d in dirs
+        if store.size(join_key(prefix, d, METADATA)) is not None
+    }
     if cfg is None and not hooks:
         objects = [o for o in store.list(prefix.rstrip("/") + "/" if prefix else "")][:1000]
-        out = {"location": store.url(prefix), "folders": dirs,
-               "objects": len(objects), "bytes": sum(o.size for o in objects)}  # fmt: skip
+        out = {
+            "location": store.url(prefix),
+            "folders": dirs,
+            "objects": len(objects),
+            "bytes": sum(o.size for o in objects),
+        }
         if as_json:
             typer.echo(json.dumps(out, indent=2))
             return
-        typer.echo(f"{out['location']}: {len(dirs)} folders, {out['objects']} objects "
-                   f"({human_bytes(out['bytes'])})")  # fmt: skip
+        typer.echo(
+            f"{out['location']}: {len(dirs)} folders, {out['objects']} objects "
+            f"({human_bytes(out['bytes'])})"
+        )
         for d in dirs:
             typer.echo(f"  {d}/")
         return
@@ -93,9 +104,11 @@ def _print_hook(summary: dict[str, Any], show_all: bool, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps({**summary, "listing": listing}, indent=2))
         return
-    typer.echo(f"{summary['hook']}: {summary['files']} files, {human_bytes(summary['bytes'])}, "
-               f"shape {summary.get('shape')} {summary.get('dtype')}, "
-               f"{summary.get('bytes_per_file')} bytes per file")  # fmt: skip
+    typer.echo(
+        f"{summary['hook']}: {summary['files']} files, {human_bytes(summary['bytes'])}, "
+        f"shape {summary.get('shape')} {summary.get('dtype')}, "
+        f"{summary.get('bytes_per_file')} bytes per file"
+    )
     for name, size in listing if show_all else listing[:10]:
         typer.echo(f"  {size:>14,}  {name}")
     if not show_all and len(listing) > 10:
@@ -112,11 +125,15 @@ def _print_run(url: str, cfg: dict | None, hooks: dict[str, dict], as_json: bool
         return
     model = ((cfg or {}).get("transformer_config") or {}).get("model_name")
     state = ("complete" if record.get("complete") else "unfinished") if record else "Activault run"
-    typer.echo(f"{url}: model {model}, {(cfg or {}).get('total_tokens', '?')} tokens, "
-               f"{(cfg or {}).get('n_total_files', '?')} files per hook, {state}")  # fmt: skip
+    typer.echo(
+        f"{url}: model {model}, {(cfg or {}).get('total_tokens', '?')} tokens, "
+        f"{(cfg or {}).get('n_total_files', '?')} files per hook, {state}"
+    )
     for hook, s in hooks.items():
-        line = (f"  {hook:<32} {s['files']:>6} files {human_bytes(s['bytes']):>10}  "
-                f"{s.get('shape')} {s.get('dtype')}")  # fmt: skip
+        line = (
+            f"  {hook:<32} {s['files']:>6} files {human_bytes(s['bytes']):>10}  "
+            f"{s.get('shape')} {s.get('dtype')}"
+        )
         typer.echo(line)
         for key in ("wrong_size", "not_megabatches"):
             if key in s:

@@ -23,12 +23,12 @@ from .split import Slice, split_examples
 
 
 def _dir_parts(final: Path, is_part: Callable[[Path], bool],
-               read: Callable[[Path], PartInfo]) -> list[PartInfo]:  # fmt: skip
+               read: Callable[[Path], PartInfo]) -> list[PartInfo]:
     root = parts_root(final)
     if not root.is_dir():
         return []
     return [read(p) for p in sorted(root.iterdir())
-            if p.is_dir() and p.name.startswith("part-") and is_part(p)]  # fmt: skip
+            if p.is_dir() and p.name.startswith("part-") and is_part(p)]
 
 
 def _aligned_slices(alignment: Callable[[CapturePlan, Any], int]):
@@ -47,18 +47,18 @@ def _saev() -> PartFormat:
 
     def metadata(plan, options):
         return saev_metadata(plan, dialect=options.dialect,
-                             patches_per_shard=options.patches_per_shard)  # fmt: skip
+                             patches_per_shard=options.patches_per_shard)
 
     def part_writer(plan, final, options, sl):
         return SaevWriter(metadata(plan, options), part_dir(final, sl),
                           has_tokens=plan.has_tokens, classes=plan.classes,
-                          has_labels=plan.has_labels, example_range=(sl.start, sl.stop))  # fmt: skip
+                          has_labels=plan.has_labels, example_range=(sl.start, sl.stop))
 
     def info(path):
         md, manifest = read_part(path)
         start, stop = manifest["example_range"]
         return PartInfo(path=path, start=start, stop=stop, n_examples=md.n_examples,
-                        identity=md.to_json_dict())  # fmt: skip
+                        identity=md.to_json_dict())
 
     def merge(parts, final):
         location = merge_parts([p.path for p in parts], final)
@@ -68,7 +68,7 @@ def _saev() -> PartFormat:
     def pending(out):
         roots = list(out.glob(".*.parts")) + list((out / "saev" / "shards").glob(".*.parts"))
         return [r.parent / r.name[1 : -len(".parts")] for r in sorted(roots)
-                if any((p / PART).is_file() for p in r.iterdir())]  # fmt: skip
+                if any((p / PART).is_file() for p in r.iterdir())]
 
     return PartFormat(
         name="saev",
@@ -94,14 +94,14 @@ def _pickle() -> PartFormat:
     def part_writer(plan, final, options, sl):
         return PickleWriter(plan, part_dir(final, sl), options,
                             example_range=(sl.start, sl.stop), machine_id=sl.machine_id,
-                            total_machines=sl.n_machines, samples_per_machine=sl.per_machine)  # fmt: skip
+                            total_machines=sl.n_machines, samples_per_machine=sl.per_machine)
 
     def info(path):
         md = PickleReader(path).metadata
         start, stop = md.distributed_config["example_range"]
         return PartInfo(path=path, start=start, stop=stop,
                         n_examples=md.actstore.get("n_examples", stop),
-                        identity=md.extraction_config)  # fmt: skip
+                        identity=md.extraction_config)
 
     def merge(parts, final):
         location = merge_stores([p.path for p in parts], final)
@@ -142,7 +142,7 @@ def _zarr() -> PartFormat:
         ranges += [(plan.n_examples, plan.n_examples)] * (n_machines - used)
         per = max((b - a for a, b in ranges), default=0)
         return [Slice(machine_id=i, n_machines=n_machines, start=a, stop=b, per_machine=per)
-                for i, (a, b) in enumerate(ranges)]  # fmt: skip
+                for i, (a, b) in enumerate(ranges)]
 
     def part_writer(plan, final, options, sl):
         used = min(sl.n_machines, plan.n_examples)
@@ -153,7 +153,7 @@ def _zarr() -> PartFormat:
         shard = store.attrs.get("shard") or {}
         total = read_json(path / CONFIG_FILE)["layout"]["n_samples"]
         return PartInfo(path=path, start=shard["start"], stop=shard["stop"], n_examples=total,
-                        identity=store.attrs.get("fingerprint"))  # fmt: skip
+                        identity=store.attrs.get("fingerprint"))
 
     def list_parts(final):
         shards = final / SHARDS_DIR
@@ -171,7 +171,7 @@ def _zarr() -> PartFormat:
     return PartFormat(name="zarr", slices=slices,
                       final_location=lambda plan, out, options: Path(out).expanduser().resolve(),
                       part_writer=part_writer, list_parts=list_parts, merge=merge,
-                      pending=pending)  # fmt: skip
+                      pending=pending)
 
 
 # ---------------------------------------------------------------------- activault
@@ -196,7 +196,7 @@ class _Rebased:
 
     def write(self, batch: Batch) -> None:
         self.inner.write(dataclasses.replace(batch, example_ids=batch.example_ids
-                                             - self.example_range[0]))  # fmt: skip
+                                             - self.example_range[0]))
 
     def close(self) -> Any:
         return self.inner.close()
@@ -253,7 +253,7 @@ def _activault() -> PartFormat:
                 "hooks", "rows_per_file", "sequence_length", "dtype", "plan", "token_mask")}
             out.append(PartInfo(path=store.url(join_key(root, name)), start=int(start),
                                 stop=int(stop), n_examples=int(record.plan["n_examples"]),
-                                identity=identity))  # fmt: skip
+                                identity=identity))
         return out
 
     def copy(store, src: str, dst: str) -> None:
@@ -280,7 +280,7 @@ def _activault() -> PartFormat:
             first, run_id=merged_id, groups=sum(r.groups for r in records),
             next_example=parts[0].n_examples, next_skip=0, complete=False,
             dropped_tokens=sum(r.dropped_tokens for r in records),
-            num_runs=sum(r.num_runs for r in records))  # fmt: skip
+            num_runs=sum(r.num_runs for r in records))
         plan = first.plan
         bucket = store.bucket if isinstance(store, S3Store) else ""
         rows_per_batch = max(1, first.rows_per_file // max(int(plan.get("batch_size", 1)), 1))
@@ -289,7 +289,7 @@ def _activault() -> PartFormat:
             store.put_json(join_key(prefix, CFG), run_cfg(
                 rec, run_name=base_name(prefix), bucket=bucket,
                 batch_size=int(plan.get("batch_size", 1)), batches_per_file=rows_per_batch),
-                indent=2)  # fmt: skip
+                indent=2)
 
         write_cfg(record)  # incomplete: readers refuse the run until the end
         for hook in first.hooks:
@@ -302,15 +302,15 @@ def _activault() -> PartFormat:
                 for g in range(rec.groups):
                     copy(store, join_key(run, hook, data_file_name(group_uuid(rec.run_id, g), g + 1)),
                          join_key(prefix, hook, data_file_name(group_uuid(merged_id, group),
-                                                               group + 1)))  # fmt: skip
+                                                               group + 1)))
                     group += 1
             stats = [statistics_from_dict(store.get_json(join_key(r, hook, STATISTICS)),
                                           source=store.url(join_key(r, hook, STATISTICS)))
-                     for r in runs]  # fmt: skip
+                     for r in runs]
             store.put_json(join_key(prefix, hook, METADATA), metas[0])
             if None not in stats:
                 store.put_json(join_key(prefix, hook, STATISTICS),
-                               statistics_to_dict(merge_all(stats)))  # fmt: skip
+                               statistics_to_dict(merge_all(stats)))
         write_cfg(dataclasses.replace(record, complete=True))  # publishes the run
         for obj in list(store.list(root_of(prefix) + "/")):
             store.delete(obj.key)
@@ -326,7 +326,7 @@ def _activault() -> PartFormat:
 
     return PartFormat(name="activault", slices=_aligned_slices(examples_per_file),
                       final_location=final_location, part_writer=part_writer,
-                      list_parts=list_parts, merge=merge, pending=pending, remote=True)  # fmt: skip
+                      list_parts=list_parts, merge=merge, pending=pending, remote=True)
 
 
 FACTORIES: dict[str, Callable[[], PartFormat]] = {

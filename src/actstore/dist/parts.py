@@ -221,7 +221,7 @@ def _merge(final: Path | str, layout: PartFormat) -> Path | str:
         raise MissingPartsError(f"no part of {final} is published yet")
     if len({repr(p.identity) for p in parts}) > 1 or len({p.n_examples for p in parts}) > 1:
         raise ConfigError(f"the parts of {final} come from different captures; delete the "
-                          "stale ones")  # fmt: skip
+                          "stale ones")
     gaps = missing_ranges(parts, parts[0].n_examples)
     if gaps:
         raise MissingPartsError(

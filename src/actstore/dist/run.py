@@ -64,7 +64,7 @@ class PartResult:
 
 
 def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
-                 machine_id: int, n_machines: int) -> PartResult:  # fmt: skip
+                 machine_id: int, n_machines: int) -> PartResult:
     """Capture slice ``machine_id`` of ``n_machines`` into its part (see module docstring)."""
     if not 0 <= machine_id < n_machines:
         raise ConfigError(f"machine id {machine_id} is outside 0..{n_machines - 1}")
@@ -91,7 +91,7 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
     return PartResult(slice=sl, part=part, final=final, store_examples=seen["n"],
                       n_examples_run=result.n_examples_run,
                       seconds=result.seconds, already_complete=result.already_complete,
-                      slices=seen["slices"])  # fmt: skip
+                      slices=seen["slices"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +106,7 @@ class DistributedResult:
 
 
 def capture_distributed(config: CaptureConfig, fmt: str, out: str, options: Any, *,
-                        machine_id: int, n_machines: int) -> DistributedResult:  # fmt: skip
+                        machine_id: int, n_machines: int) -> DistributedResult:
     """:func:`capture_part`, then merge if every slice is finished (the last machine to
     finish publishes the store; the others report what is still missing)."""
     part = capture_part(config, fmt, out, options, machine_id=machine_id, n_machines=n_machines)

@@ -59,7 +59,7 @@ class Slice:
 
     def __str__(self) -> str:
         return (f"machine {self.machine_id} of {self.n_machines}: examples "
-                f"[{self.start}, {self.stop})")  # fmt: skip
+                f"[{self.start}, {self.stop})")
 
 
 def split_examples(n_examples: int, n_machines: int, *, align: int = 1) -> list[Slice]:
@@ -73,7 +73,7 @@ def split_examples(n_examples: int, n_machines: int, *, align: int = 1) -> list[
     per = align * max(1, math.ceil(n_examples / (align * n_machines)))
     return [Slice(machine_id=i, n_machines=n_machines, start=min(i * per, n_examples),
                   stop=min((i + 1) * per, n_examples), per_machine=per)
-            for i in range(n_machines)]  # fmt: skip
+            for i in range(n_machines)]
 
 
 def slurm_machine(environ: Mapping[str, str] | None = None, *,

@@ -116,7 +116,9 @@ def parse_options(spec: FormatSpec, pairs: list[str] | tuple[str, ...], **given:
 
 
 def _convert(text: str, field: dataclasses.Field, fmt: str) -> Any:
-    annotation = str(field.type)  # annotations are strings under `from __future__ import annotations`
+    annotation = str(
+        field.type
+    )  # annotations are strings under `from __future__ import annotations`
     try:
         if "bool" in annotation:
             if text.lower() in ("1", "true", "yes", "on"):
@@ -143,4 +145,3 @@ def describe_options(spec: FormatSpec) -> list[tuple[str, str, str]]:
         default = f.default if f.default is not dataclasses.MISSING else "required"
         out.append((f.name, repr(default), f.metadata.get("help", "")))
     return out
-

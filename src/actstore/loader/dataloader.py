@@ -34,12 +34,15 @@ class ActivationDataLoader(DataLoader):
 
     def __init__(self, dataset: ActivationLoader, *, num_workers: int = 0, **kwargs: Any) -> None:
         if not isinstance(dataset, ActivationLoader):
-            raise ConfigError(f"ActivationDataLoader wraps an ActivationLoader, not "
-                              f"{type(dataset).__name__}")  # fmt: skip
+            raise ConfigError(
+                f"ActivationDataLoader wraps an ActivationLoader, not {type(dataset).__name__}"
+            )
         fixed = [k for k in _FIXED if k in kwargs]
         if fixed:
-            raise ConfigError(f"{fixed} are set on the ActivationLoader (batch_size, "
-                              "drop_last, seed), not on the DataLoader")  # fmt: skip
+            raise ConfigError(
+                f"{fixed} are set on the ActivationLoader (batch_size, "
+                "drop_last, seed), not on the DataLoader"
+            )
         if kwargs.get("persistent_workers") and num_workers > 0:
             dataset._share_position()
         finish = dataset._finish
@@ -48,8 +51,9 @@ class ActivationDataLoader(DataLoader):
             pin = pin or finish.pin_memory
         elif finish.pin_memory or finish.device is not None:  # the loader already does
             pin = False
-        super().__init__(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin,
-                         **kwargs)  # fmt: skip
+        super().__init__(
+            dataset, batch_size=None, num_workers=num_workers, pin_memory=pin, **kwargs
+        )
         self._device = finish.device if num_workers > 0 else None
         dataset._device_in_main = num_workers > 0
 

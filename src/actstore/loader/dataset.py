@@ -91,10 +91,12 @@ class LoaderConfig:
         if self.dtype not in OUT_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(OUT_DTYPES)}, not {self.dtype!r}")
         if self.normalize is not None and self.normalize not in NORMALIZE:
-            raise ConfigError(f"normalize must be None or one of {NORMALIZE}, "
-                              f"not {self.normalize!r}")
-        if (self.pin_memory or (self.device and torch.device(self.device).type == "cuda")) \
-                and not torch.cuda.is_available():  # fmt: skip
+            raise ConfigError(
+                f"normalize must be None or one of {NORMALIZE}, not {self.normalize!r}"
+            )
+        if (
+            self.pin_memory or (self.device and torch.device(self.device).type == "cuda")
+        ) and not torch.cuda.is_available():
             raise ConfigError("pin_memory and device='cuda' need CUDA, which is not available")
 
 
@@ -136,8 +138,10 @@ class ActivationLoader(IterableDataset):
         elif len(reader.sites) == 1:
             self.sites = (reader.sites[0],)
         else:
-            raise ConfigError(f"this store holds several sites {list(reader.sites)}; choose one "
-                              "with site=... (or several with sites=[...])")  # fmt: skip
+            raise ConfigError(
+                f"this store holds several sites {list(reader.sites)}; choose one "
+                "with site=... (or several with sites=[...])"
+            )
         blocks = tuple(reader.blocks(site) for site in self.sites)
         sizes = [b.n_rows for b in blocks[0]]
         for site, other in zip(self.sites[1:], blocks[1:]):
@@ -152,12 +156,18 @@ class ActivationLoader(IterableDataset):
             )
         cls_rows = getattr(reader, "cls_rows", None)
         if config.drop_cls and cls_rows is None:
-            raise ConfigError(f"drop_cls needs a reader that marks CLS rows; "
-                              f"{type(reader).__name__} does not")  # fmt: skip
-        self.layout = Layout(reader=reader, blocks=blocks, drop_cls=config.drop_cls,
-                             kept_rows=kept_rows(blocks[0], cls_rows if config.drop_cls else None),
-                             first_row=first_rows(blocks[0]), d_model=int(reader.d_model),
-                             dtype=np.dtype(reader.dtype))  # fmt: skip
+            raise ConfigError(
+                f"drop_cls needs a reader that marks CLS rows; {type(reader).__name__} does not"
+            )
+        self.layout = Layout(
+            reader=reader,
+            blocks=blocks,
+            drop_cls=config.drop_cls,
+            kept_rows=kept_rows(blocks[0], cls_rows if config.drop_cls else None),
+            first_row=first_rows(blocks[0]),
+            d_model=int(reader.d_model),
+            dtype=np.dtype(reader.dtype),
+        )
         if config.pool_blocks is not None:
             pool_blocks = config.pool_blocks
         else:
@@ -202,8 +212,13 @@ class ActivationLoader(IterableDataset):
         return 2 * self.pool_blocks * largest * row_bytes
 
     def _rank_span(self):
-        return rank_span(self.n_rows, rank=self.rank, world_size=self.world_size,
-                         batch_size=self.config.batch_size, drop_last=self.config.drop_last)
+        return rank_span(
+            self.n_rows,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=self.config.batch_size,
+            drop_last=self.config.drop_last,
+        )
 
     # ------------------------------------------------------------------ normalisation
 
@@ -214,8 +229,10 @@ class ActivationLoader(IterableDataset):
             stats = [self.reader.statistics(site) for site in self.sites]
             missing = [site for site, s in zip(self.sites, stats) if s is None]
             if missing:
-                raise ConfigError(f"normalize={cfg.normalize!r} needs stored statistics, and "
-                                  f"sites {missing} have none; use normalize=None")  # fmt: skip
+                raise ConfigError(
+                    f"normalize={cfg.normalize!r} needs stored statistics, and "
+                    f"sites {missing} have none; use normalize=None"
+                )
             if cfg.normalize == "standardize":
                 shift = torch.tensor(np.stack([s.mean for s in stats]), dtype=torch.float32)
                 std = np.stack([np.sqrt(s.var) for s in stats])
@@ -228,9 +245,15 @@ class ActivationLoader(IterableDataset):
                 scale = scale[0]
         device = torch.device(cfg.device) if cfg.device is not None else None
         pin = cfg.pin_memory or (device is not None and device.type == "cuda")
-        return Finish(out_dtype=OUT_DTYPES[cfg.dtype], shift=shift, scale=scale,
-                      single_site=cfg.sites is None, pin_memory=pin, device=device,
-                      return_index=cfg.return_index)  # fmt: skip
+        return Finish(
+            out_dtype=OUT_DTYPES[cfg.dtype],
+            shift=shift,
+            scale=scale,
+            single_site=cfg.sites is None,
+            pin_memory=pin,
+            device=device,
+            return_index=cfg.return_index,
+        )
 
     @property
     def normalization(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -263,18 +286,28 @@ class ActivationLoader(IterableDataset):
         """Continue exactly where ``state`` was taken (O(1): no reads are replayed)."""
         if not isinstance(state, dict) or not {"version", "epoch", "batches"} <= set(state):
             keys = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(f"this is not an ActivationLoader state ({keys}); pass what "
-                              "ActivationLoader.state_dict() or ActivationDataLoader.state_dict() "
-                              "returned")  # fmt: skip
+            raise ConfigError(
+                f"this is not an ActivationLoader state ({keys}); pass what "
+                "ActivationLoader.state_dict() or ActivationDataLoader.state_dict() "
+                "returned"
+            )
         if state.get("version") != STATE_VERSION:
-            raise ConfigError(f"loader state version {state.get('version')!r} is not "
-                              f"{STATE_VERSION}: another actstore version saved it")
+            raise ConfigError(
+                f"loader state version {state.get('version')!r} is not "
+                f"{STATE_VERSION}: another actstore version saved it"
+            )
         mine = self._fingerprint()
-        wrong = [f"{k}={state.get(k)!r} (this loader: {v!r})" for k, v in mine.items()
-                 if state.get(k) != v]  # fmt: skip
+        wrong = [
+            f"{k}={state.get(k)!r} (this loader: {v!r})"
+            for k, v in mine.items()
+            if state.get(k) != v
+        ]
         if wrong:
-            raise ConfigError("the saved state belongs to a different order: "
-                              + "; ".join(wrong) + ". Build the loader with the same options")
+            raise ConfigError(
+                "the saved state belongs to a different order: "
+                + "; ".join(wrong)
+                + ". Build the loader with the same options"
+            )
         if not 0 <= state["batches"] <= len(self):
             raise ConfigError(f"state says {state['batches']} batches served of {len(self)}")
         self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
@@ -284,26 +317,38 @@ class ActivationLoader(IterableDataset):
         cfg = self.config
         sizes = self.layout.kept_rows.astype("<i8").tobytes()
         return {
-            "seed": cfg.seed, "batch_size": cfg.batch_size, "pool_blocks": self.pool_blocks,
-            "world_size": self.world_size, "drop_last": cfg.drop_last, "drop_cls": cfg.drop_cls,
+            "seed": cfg.seed,
+            "batch_size": cfg.batch_size,
+            "pool_blocks": self.pool_blocks,
+            "world_size": self.world_size,
+            "drop_last": cfg.drop_last,
+            "drop_cls": cfg.drop_cls,
             "sites": [str(s) for s in self.sites],
             "blocks": hashlib.sha256(sizes).hexdigest()[:16],
-        }  # fmt: skip
+        }
 
     def __repr__(self) -> str:
-        return (f"ActivationLoader(sites={list(self.sites)}, rows={self.n_rows}, "
-                f"batch_size={self.batch_size}, pool_blocks={self.pool_blocks}, "
-                f"seed={self.config.seed}, epoch={self.epoch}, "
-                f"rank={self.rank}/{self.world_size})")
+        return (
+            f"ActivationLoader(sites={list(self.sites)}, rows={self.n_rows}, "
+            f"batch_size={self.batch_size}, pool_blocks={self.pool_blocks}, "
+            f"seed={self.config.seed}, epoch={self.epoch}, "
+            f"rank={self.rank}/{self.world_size})"
+        )
 
     # ------------------------------------------------------------------ iteration
 
     def _buffer_set(self) -> BufferSet:
         """This process's buffers, made on first use and kept across epochs."""
         if self._buffers is None or self._buffers[0] != os.getpid():
-            self._buffers = (os.getpid(), BufferSet(self.layout, batch_size=self.batch_size,
-                                                    pool_blocks=self.pool_blocks,
-                                                    out_dtype=self._finish.out_dtype))  # fmt: skip
+            self._buffers = (
+                os.getpid(),
+                BufferSet(
+                    self.layout,
+                    batch_size=self.batch_size,
+                    pool_blocks=self.pool_blocks,
+                    out_dtype=self._finish.out_dtype,
+                ),
+            )
         return self._buffers[1]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -336,8 +381,7 @@ class ActivationLoader(IterableDataset):
         # The DataLoader's round-robin starts at worker 0; after k delivered batches the
         # next one belongs to run k % N, so DataLoader worker i serves run (i + k) % N.
         n = info.num_workers
-        return self._iterate(worker=(info.id + self._batches_done) % n, num_workers=n,
-                             count=False)  # fmt: skip
+        return self._iterate(worker=(info.id + self._batches_done) % n, num_workers=n, count=False)
 
     def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         """This consumer's batches from the current position (``count``: advance it)."""
@@ -364,22 +408,33 @@ class ActivationLoader(IterableDataset):
 
     def _generate(self, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         cfg, epoch = self.config, self.epoch
-        plan = plan_epoch(self.layout.kept_rows, pool_blocks=self.pool_blocks, seed=cfg.seed,
-                          epoch=epoch)  # fmt: skip
-        span = worker_span(self._rank_span(), worker=worker, num_workers=num_workers,
-                           batch_size=cfg.batch_size)  # fmt: skip
+        plan = plan_epoch(
+            self.layout.kept_rows, pool_blocks=self.pool_blocks, seed=cfg.seed, epoch=epoch
+        )
+        span = worker_span(
+            self._rank_span(), worker=worker, num_workers=num_workers, batch_size=cfg.batch_size
+        )
         skip = batches_done_by_worker(self._batches_done, worker=worker, num_workers=num_workers)
         start = min(span.start + skip * cfg.batch_size, span.stop)
         finish = self._finish
         if get_worker_info() is not None and (finish.pin_memory or finish.device is not None):
             if not self._device_in_main:
-                raise ConfigError("pin_memory/device act in the main process: wrap the loader "
-                                  "in ActivationDataLoader, or use DataLoader(pin_memory=True)")
+                raise ConfigError(
+                    "pin_memory/device act in the main process: wrap the loader "
+                    "in ActivationDataLoader, or use DataLoader(pin_memory=True)"
+                )
             finish = replace(finish, pin_memory=False, device=None)
-        consumer = Consumer(self.layout, plan, self._buffer_set(), batch_size=cfg.batch_size,
-                            io_threads=cfg.io_threads, finish=finish)  # fmt: skip
-        log.debug("epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start,
-                  span.stop)
+        consumer = Consumer(
+            self.layout,
+            plan,
+            self._buffer_set(),
+            batch_size=cfg.batch_size,
+            io_threads=cfg.io_threads,
+            finish=finish,
+        )
+        log.debug(
+            "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
+        )
         try:
             for batch in consumer.batches(start, span.stop):
                 if count:

@@ -107,8 +107,9 @@ class EpochPlan:
         return permutation(key(self.seed, self.epoch, 1, w), self.window_rows(w))
 
 
-def plan_epoch(block_rows: Sequence[int] | np.ndarray, *, pool_blocks: int, seed: int,
-               epoch: int) -> EpochPlan:  # fmt: skip
+def plan_epoch(
+    block_rows: Sequence[int] | np.ndarray, *, pool_blocks: int, seed: int, epoch: int
+) -> EpochPlan:
     """Plan epoch ``epoch``: ``block_rows[i]`` is the number of rows block ``i`` serves."""
     rows = np.asarray(block_rows, dtype=np.int64)
     if pool_blocks < 1:
@@ -116,9 +117,13 @@ def plan_epoch(block_rows: Sequence[int] | np.ndarray, *, pool_blocks: int, seed
     order = permutation(key(seed, epoch, 0), len(rows))
     bounds = np.unique(np.minimum(np.arange(0, len(rows) + pool_blocks, pool_blocks), len(rows)))
     per_block = np.concatenate([[0], np.cumsum(rows[order])])
-    return EpochPlan(seed=seed, epoch=epoch, block_order=order,
-                     window_bounds=bounds.astype(np.int64),
-                     row_starts=per_block[bounds].astype(np.int64))  # fmt: skip
+    return EpochPlan(
+        seed=seed,
+        epoch=epoch,
+        block_order=order,
+        window_bounds=bounds.astype(np.int64),
+        row_starts=per_block[bounds].astype(np.int64),
+    )
 
 
 class Span(NamedTuple):
@@ -129,8 +134,7 @@ class Span(NamedTuple):
     n_batches: int
 
 
-def rank_span(n_rows: int, *, rank: int, world_size: int, batch_size: int,
-              drop_last: bool) -> Span:  # fmt: skip
+def rank_span(n_rows: int, *, rank: int, world_size: int, batch_size: int, drop_last: bool) -> Span:
     """The share of an epoch's ``n_rows`` stream rows that ``rank`` serves.
 
     Ranks take contiguous shares of ``n_rows // world_size`` rows, the first

@@ -32,8 +32,7 @@ from ..formats.base import Block
 from .order import EpochPlan
 
 #: numpy arrays that hold each output dtype (bfloat16 lives in uint16 arrays, viewed).
-_NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16,
-                  torch.bfloat16: np.uint16}  # fmt: skip
+_NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
 
 class LoaderBatch(NamedTuple):
@@ -144,11 +143,13 @@ class BufferSet:
     touch the first time): window pools, batches assembled across windows, a float32
     stage (normalising non-float32 rows) and the output dtype."""
 
-    def __init__(self, layout: Layout, *, batch_size: int, pool_blocks: int,
-                 out_dtype: torch.dtype) -> None:  # fmt: skip
+    def __init__(
+        self, layout: Layout, *, batch_size: int, pool_blocks: int, out_dtype: torch.dtype
+    ) -> None:
         max_block = max((b.n_rows for b in layout.blocks[0]), default=0)
-        self.pools = Buffers((max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model),
-                             layout.dtype)  # fmt: skip
+        self.pools = Buffers(
+            (max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model), layout.dtype
+        )
         row_shape = (batch_size, layout.n_sites, layout.d_model)
         self.carry = Buffers(row_shape, layout.dtype)
         self.stage = Buffers(row_shape, np.float32)
@@ -159,8 +160,16 @@ class Consumer:
     """Serves stream rows ``[start, stop)`` of one epoch plan in batches; owns its read
     threads for the duration of one iteration."""
 
-    def __init__(self, layout: Layout, plan: EpochPlan, buffers: BufferSet, *, batch_size: int,
-                 io_threads: int, finish: Finish) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layout: Layout,
+        plan: EpochPlan,
+        buffers: BufferSet,
+        *,
+        batch_size: int,
+        io_threads: int,
+        finish: Finish,
+    ) -> None:
         self.layout, self.plan, self.finish = layout, plan, finish
         self.batch_size = batch_size
         self._pools, self._carry = buffers.pools, buffers.carry
@@ -323,10 +332,12 @@ def first_rows(blocks: Sequence[Block]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(sizes)])[:-1].astype(np.int64)
 
 
-def kept_rows(blocks: Sequence[Block], cls_rows: Callable[[Block], np.ndarray] | None
-              ) -> np.ndarray:  # fmt: skip
+def kept_rows(
+    blocks: Sequence[Block], cls_rows: Callable[[Block], np.ndarray] | None
+) -> np.ndarray:
     """Rows each block serves: all of them, or (given ``cls_rows``) all but its CLS rows."""
     if cls_rows is None:
         return np.fromiter((b.n_rows for b in blocks), dtype=np.int64, count=len(blocks))
-    return np.fromiter((b.n_rows - len(cls_rows(b)) for b in blocks), dtype=np.int64,
-                       count=len(blocks))  # fmt: skip
+    return np.fromiter(
+        (b.n_rows - len(cls_rows(b)) for b in blocks), dtype=np.int64, count=len(blocks)
+    )

@@ -150,8 +150,10 @@ class Run:
         if final.exists():
             raise StoreExistsError(f"run {final} already exists; choose another --run-id")
         targets: dict[str, Path] = {}
-        for split, shards, dataset in (("train", train_shards, train_dataset),
-                                       ("val", val_shards, val_dataset)):  # fmt: skip
+        for split, shards, dataset in (
+            ("train", train_shards, train_dataset),
+            ("val", val_shards, val_dataset),
+        ):
             shard_dir = _existing(shards, f"{split} shards")
             if not (shard_dir / "metadata.json").is_file():
                 raise StoreNotFoundError(

@@ -41,8 +41,10 @@ def save_sae(sae: SparseAutoencoder, path: str | os.PathLike) -> None:
     """Write ``sae`` to ``path`` as safetensors, atomically."""
     from safetensors.torch import save
 
-    tensors = {name: t.detach().to("cpu", torch.float32).contiguous()
-               for name, t in sae.state_dict().items()}  # fmt: skip
+    tensors = {
+        name: t.detach().to("cpu", torch.float32).contiguous()
+        for name, t in sae.state_dict().items()
+    }
     data = save(tensors, metadata={CONFIG_KEY: json.dumps(sae.config.to_dict())})
     atomic_write_bytes(path, data)
 

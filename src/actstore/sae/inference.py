@@ -62,14 +62,22 @@ class InferenceConfig:
 
 
 @torch.inference_mode()
-def encode_store(sae: SparseAutoencoder, reader: SaevReader, layer: int, *, tokens: str = "all",
-                 batch_rows: int = 4096, progress: bool = True) -> SparseActs:  # fmt: skip
+def encode_store(
+    sae: SparseAutoencoder,
+    reader: SaevReader,
+    layer: int,
+    *,
+    tokens: str = "all",
+    batch_rows: int = 4096,
+    progress: bool = True,
+) -> SparseActs:
     """SAE activations of every row of ``layer`` (tokens ``all`` or ``content``), as CSR."""
     device = sae.W_enc.device
     parts: list[SparseActs] = []
     total = reader.n_examples * len(token_positions(reader, tokens))
-    with tqdm(total=total, desc="inference", unit="tok", **bar_switch(progress),
-              dynamic_ncols=True) as bar:  # fmt: skip
+    with tqdm(
+        total=total, desc="inference", unit="tok", **bar_switch(progress), dynamic_ncols=True
+    ) as bar:
         for rows in ordered_rows(reader, layer, tokens=tokens, batch_rows=batch_rows):
             for lo in range(0, len(rows.acts), batch_rows):
                 x = torch.from_numpy(rows.acts[lo : lo + batch_rows]).to(device)
@@ -92,12 +100,17 @@ def _encode_csr(sae: SparseAutoencoder, x: torch.Tensor) -> SparseActs:
         vals, counts = f[rows, cols], torch.bincount(rows, minlength=f.shape[0])
     indptr = torch.zeros(x.shape[0] + 1, dtype=torch.int64, device=x.device)
     torch.cumsum(counts, 0, out=indptr[1:])
-    return SparseActs(vals.float().cpu().numpy(), cols.to(torch.int32).cpu().numpy(),
-                      indptr.cpu().numpy(), sae.config.d_sae)  # fmt: skip
+    return SparseActs(
+        vals.float().cpu().numpy(),
+        cols.to(torch.int32).cpu().numpy(),
+        indptr.cpu().numpy(),
+        sae.config.d_sae,
+    )
 
 
-def infer_run(run: Run, shards: str = "val", config: InferenceConfig | None = None, *,
-              progress: bool = True) -> Path:  # fmt: skip
+def infer_run(
+    run: Run, shards: str = "val", config: InferenceConfig | None = None, *, progress: bool = True
+) -> Path:
     """Encode the shards ``shards`` (``train``, ``val`` or a directory) with the run's SAE.
 
     Returns ``inference/<shard_hash>/``.
@@ -116,15 +129,19 @@ def infer_run(run: Run, shards: str = "val", config: InferenceConfig | None = No
     out_dir = run.inference_dir(shard_dir)
     record: dict[str, Any] = {
         "checkpoint": {"path": str(ckpt.relative_to(run.path)), "sha256": ckpt_hash},
-        "shards": str(shard_dir), "shard_hash": shard_dir.name, "split": split,
-        "layer": layer, "tokens": config.tokens,
+        "shards": str(shard_dir),
+        "shard_hash": shard_dir.name,
+        "split": split,
+        "layer": layer,
+        "tokens": config.tokens,
         "first_token": int(token_positions(reader, config.tokens)[0]),
         "rows_per_example": len(token_positions(reader, config.tokens)),
-        "n_examples": reader.n_examples, "tokens_per_example": reader.tokens_per_ex,
+        "n_examples": reader.n_examples,
+        "tokens_per_example": reader.tokens_per_ex,
         "cls_token": reader.metadata.cls_token,
         "layout": "scipy.sparse CSR (save_npz): row = example * rows_per_example + "
-                  "(token - first_token), column = latent",
-    }  # fmt: skip
+        "(token - first_token), column = latent",
+    }
     if not config.force and _up_to_date(out_dir, record):
         log.info(
             "inference for %s is up to date in %s (use force to recompute)", shard_dir, out_dir
@@ -136,21 +153,29 @@ def infer_run(run: Run, shards: str = "val", config: InferenceConfig | None = No
             f"the SAE reads d_model={sae.config.d_model} but {shard_dir} stores "
             f"d_model={reader.d_model}; these shards come from another model"
         )
-    acts = encode_store(sae, reader, layer, tokens=config.tokens, batch_rows=config.batch_rows,
-                        progress=progress)  # fmt: skip
+    acts = encode_store(
+        sae, reader, layer, tokens=config.tokens, batch_rows=config.batch_rows, progress=progress
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     acts.save(out_dir / PATCH_ACTS)
     summary = acts.latent_summary()
     record.update(
-        d_sae=acts.d_sae, n_rows=acts.n_rows, nnz=acts.nnz,
+        d_sae=acts.d_sae,
+        n_rows=acts.n_rows,
+        nnz=acts.nnz,
         patch_acts_bytes=(out_dir / PATCH_ACTS).stat().st_size,
         l0=acts.nnz / max(acts.n_rows, 1),
         alive_latents=int(np.count_nonzero(summary["count"])),
         inference=asdict(config) | {"force": False},
-    )  # fmt: skip
+    )
     atomic_write_json(out_dir / CONFIG, record)
-    log.info("wrote %d x %d sparse activations (%.1f active per token) to %s",
-             acts.n_rows, acts.d_sae, record["l0"], out_dir / PATCH_ACTS)  # fmt: skip
+    log.info(
+        "wrote %d x %d sparse activations (%.1f active per token) to %s",
+        acts.n_rows,
+        acts.d_sae,
+        record["l0"],
+        out_dir / PATCH_ACTS,
+    )
     return out_dir
 
 

@@ -43,8 +43,9 @@ def token_positions(reader: SaevReader, tokens: str) -> np.ndarray:
     return np.arange(start, reader.tokens_per_ex)
 
 
-def ordered_rows(reader: SaevReader, layer: int, *, tokens: str = "all",
-                 batch_rows: int = 8192) -> Iterator[Rows]:  # fmt: skip
+def ordered_rows(
+    reader: SaevReader, layer: int, *, tokens: str = "all", batch_rows: int = 8192
+) -> Iterator[Rows]:
     """Rows of ``layer`` in storage order (example-major), about ``batch_rows`` at a time."""
     keep = np.zeros(reader.tokens_per_ex, dtype=bool)
     keep[token_positions(reader, tokens)] = True
@@ -66,6 +67,8 @@ def ordered_rows(reader: SaevReader, layer: int, *, tokens: str = "all",
 def _join(parts: list[Rows]) -> Rows:
     if len(parts) == 1:
         return parts[0]
-    return Rows(np.concatenate([p.acts for p in parts]),
-                np.concatenate([p.example for p in parts]),
-                np.concatenate([p.token for p in parts]))  # fmt: skip
+    return Rows(
+        np.concatenate([p.acts for p in parts]),
+        np.concatenate([p.example for p in parts]),
+        np.concatenate([p.token for p in parts]),
+    )

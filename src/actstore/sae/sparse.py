@@ -81,8 +81,9 @@ class SparseActs:
         rows, cols = np.nonzero(dense)
         indptr = np.zeros(dense.shape[0] + 1, dtype=np.int64)
         np.cumsum(np.bincount(rows, minlength=dense.shape[0]), out=indptr[1:])
-        return cls(dense[rows, cols].astype(np.float32), cols.astype(np.int32), indptr,
-                   dense.shape[1])  # fmt: skip
+        return cls(
+            dense[rows, cols].astype(np.float32), cols.astype(np.int32), indptr, dense.shape[1]
+        )
 
     @classmethod
     def concatenate(cls, parts: list[SparseActs], d_sae: int) -> SparseActs:
@@ -91,9 +92,12 @@ class SparseActs:
             return cls(np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros(1, np.int64), d_sae)
         offsets = np.cumsum([0] + [p.nnz for p in parts[:-1]])
         indptr = np.concatenate([[0]] + [p.indptr[1:] + o for p, o in zip(parts, offsets)])
-        return cls(np.concatenate([p.data for p in parts]),
-                   np.concatenate([p.indices for p in parts]),
-                   indptr.astype(np.int64), d_sae)  # fmt: skip
+        return cls(
+            np.concatenate([p.data for p in parts]),
+            np.concatenate([p.indices for p in parts]),
+            indptr.astype(np.int64),
+            d_sae,
+        )
 
     def row(self, r: int) -> tuple[np.ndarray, np.ndarray]:
         """(latent indices, values) of row ``r``."""
@@ -127,12 +131,15 @@ class SparseActs:
     def save(self, path: str | os.PathLike) -> None:
         """Write ``path`` atomically in scipy's ``save_npz`` CSR layout (see module doc)."""
         with atomic_write(path) as f:
-            np.savez(f, format=np.array(b"csr"),
-                     shape=np.array([self.n_rows, self.d_sae], dtype=np.int64),
-                     indptr=self.indptr.astype(np.int64, copy=False),
-                     indices=self.indices.astype(np.int32, copy=False),
-                     data=self.data.astype(np.float32, copy=False),
-                     _is_array=np.array(True))  # fmt: skip
+            np.savez(
+                f,
+                format=np.array(b"csr"),
+                shape=np.array([self.n_rows, self.d_sae], dtype=np.int64),
+                indptr=self.indptr.astype(np.int64, copy=False),
+                indices=self.indices.astype(np.int32, copy=False),
+                data=self.data.astype(np.float32, copy=False),
+                _is_array=np.array(True),
+            )
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SparseActs:
@@ -150,9 +157,12 @@ class SparseActs:
                 if fmt != "csr":
                     raise CorruptStoreError(f"{path} holds a {fmt!r} matrix, expected csr")
                 n_rows, d_sae = (int(v) for v in npz["shape"])
-                out = cls(npz["data"].astype(np.float32, copy=False),
-                          npz["indices"].astype(np.int32, copy=False),
-                          npz["indptr"].astype(np.int64, copy=False), d_sae)  # fmt: skip
+                out = cls(
+                    npz["data"].astype(np.float32, copy=False),
+                    npz["indices"].astype(np.int32, copy=False),
+                    npz["indptr"].astype(np.int64, copy=False),
+                    d_sae,
+                )
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as err:
             if isinstance(err, CorruptStoreError):
                 raise

@@ -87,8 +87,7 @@ class TrainConfig:
             raise ConfigError(f"decay_fraction must be in [0, 1], not {self.decay_fraction}")
 
     def sae_config(self, d_model: int) -> SAEConfig:
-        return SAEConfig(d_model=d_model, d_sae=self.expansion * d_model, kind=self.kind,
-                         k=self.k)  # fmt: skip
+        return SAEConfig(d_model=d_model, d_sae=self.expansion * d_model, kind=self.kind, k=self.k)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -157,8 +156,13 @@ def train_sae(
     history: list[dict[str, float]] = []
     t0 = time.perf_counter()
     step, loss_sum = 0, torch.zeros((), device=device)
-    bar = tqdm(total=config.steps, desc=f"train {config.kind}", unit="step",
-               **bar_switch(progress), dynamic_ncols=True)  # fmt: skip
+    bar = tqdm(
+        total=config.steps,
+        desc=f"train {config.kind}",
+        unit="step",
+        **bar_switch(progress),
+        dynamic_ncols=True,
+    )
     with bar:
         for batch in batches:
             x_n = sae.normalise(batch.to(device, torch.float32, non_blocking=True))
@@ -181,14 +185,23 @@ def train_sae(
             bar.update(1)
             if step % config.log_every == 0 or step == config.steps:
                 n_steps = step - (history[-1]["step"] if history else 0)
-                entry = {"step": step, "loss": float(loss_sum) / n_steps,
-                         "explained_variance": window.explained_variance, "l0": window.l0,
-                         "dead_fraction": dead.fraction,
-                         "lr": schedule.get_last_lr()[0]}  # fmt: skip
+                entry = {
+                    "step": step,
+                    "loss": float(loss_sum) / n_steps,
+                    "explained_variance": window.explained_variance,
+                    "l0": window.l0,
+                    "dead_fraction": dead.fraction,
+                    "lr": schedule.get_last_lr()[0],
+                }
                 history.append(entry)
-                log.info("step %d: loss %.4g, explained variance %.3f, L0 %.1f, dead %.1f%%",
-                         step, entry["loss"], entry["explained_variance"], entry["l0"],
-                         100 * entry["dead_fraction"])  # fmt: skip
+                log.info(
+                    "step %d: loss %.4g, explained variance %.3f, L0 %.1f, dead %.1f%%",
+                    step,
+                    entry["loss"],
+                    entry["explained_variance"],
+                    entry["l0"],
+                    100 * entry["dead_fraction"],
+                )
                 bar.set_postfix(
                     loss=f"{entry['loss']:.3g}",
                     ev=f"{entry['explained_variance']:.3f}",
@@ -202,15 +215,26 @@ def train_sae(
         raise ConfigError(f"the data ran out after {step} of {config.steps} steps")
     seconds = time.perf_counter() - t0
     sae.eval()
-    metrics = {"steps": step, "tokens": step * config.batch_size, "seconds": seconds,
-               "train": history[-1] if history else {},
-               "dead_latents": int(dead.dead.sum())}  # fmt: skip
+    metrics = {
+        "steps": step,
+        "tokens": step * config.batch_size,
+        "seconds": seconds,
+        "train": history[-1] if history else {},
+        "dead_latents": int(dead.dead.sum()),
+    }
     return TrainResult(sae=sae, metrics=metrics, history=history)
 
 
 @torch.inference_mode()
-def evaluate(sae: SparseAutoencoder, reader, layer: int, *, tokens: str = "content",
-             batch_rows: int = 8192, progress: bool = True) -> dict[str, float]:  # fmt: skip
+def evaluate(
+    sae: SparseAutoencoder,
+    reader,
+    layer: int,
+    *,
+    tokens: str = "content",
+    batch_rows: int = 8192,
+    progress: bool = True,
+) -> dict[str, float]:
     """Reconstruction metrics of ``sae`` over every row of ``layer`` in ``reader``.
 
     Returns ``explained_variance``, ``mse`` (input units), ``l0``, ``dead_fraction``
@@ -220,16 +244,27 @@ def evaluate(sae: SparseAutoencoder, reader, layer: int, *, tokens: str = "conte
     stats = ReconstructionStats(sae.config.d_model)
     fired = torch.zeros(sae.config.d_sae, dtype=torch.bool, device=device)
     total = reader.n_examples * len(token_positions(reader, tokens))
-    with tqdm(total=total, desc="evaluate", unit="tok", **bar_switch(progress), leave=False,
-              dynamic_ncols=True) as bar:  # fmt: skip
+    with tqdm(
+        total=total,
+        desc="evaluate",
+        unit="tok",
+        **bar_switch(progress),
+        leave=False,
+        dynamic_ncols=True,
+    ) as bar:
         for rows in ordered_rows(reader, layer, tokens=tokens, batch_rows=batch_rows):
             x = torch.from_numpy(rows.acts).to(device)
             x_hat, f = sae(x)
             stats.update(x, x_hat, f)
             fired |= (f > 0).any(0)
             bar.update(len(rows.acts))
-    return {"explained_variance": stats.explained_variance, "mse": stats.mse, "l0": stats.l0,
-            "dead_fraction": float((~fired).float().mean()), "rows": stats.n}  # fmt: skip
+    return {
+        "explained_variance": stats.explained_variance,
+        "mse": stats.mse,
+        "l0": stats.l0,
+        "dead_fraction": float((~fired).float().mean()),
+        "rows": stats.n,
+    }
 
 
 def training_batches(reader, layer: int, config: TrainConfig) -> Iterator[torch.Tensor]:
@@ -243,19 +278,29 @@ def training_batches(reader, layer: int, config: TrainConfig) -> Iterator[torch.
 
     device = resolve_device(config.device)
     options = {"device": str(device)} if device.type == "cuda" else {}
-    loader = ActivationLoader(reader, LoaderConfig(
-        site=layer, batch_size=config.batch_size, seed=config.seed, drop_last=True,
-        drop_cls=config.tokens == "content" and reader.metadata.cls_token,
-        **{**options, **config.loader},
-    ))  # fmt: skip
+    loader = ActivationLoader(
+        reader,
+        LoaderConfig(
+            site=layer,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            drop_last=True,
+            drop_cls=config.tokens == "content" and reader.metadata.cls_token,
+            **{**options, **config.loader},
+        ),
+    )
     if len(loader) == 0:
         raise ConfigError(
             f"{loader.n_rows} training rows cannot fill one batch of {config.batch_size}; "
             "lower --batch-size or capture more examples"
         )
-    log.info("loader: %d rows per epoch, %d batches, shuffle window of %d blocks (%.0f MiB)",
-             loader.n_rows, len(loader), loader.pool_blocks,
-             loader.memory_bytes / 2**20)  # fmt: skip
+    log.info(
+        "loader: %d rows per epoch, %d batches, shuffle window of %d blocks (%.0f MiB)",
+        loader.n_rows,
+        len(loader),
+        loader.pool_blocks,
+        loader.memory_bytes / 2**20,
+    )
     while True:
         yield from loader
 
@@ -281,28 +326,47 @@ def train_run(run, config: TrainConfig, *, progress: bool = True) -> TrainResult
             f"(d_model {train_reader.d_model}); link val shards captured the same way"
         )
     log.info("training a %s SAE on layer %d of %s", config.kind, layer, train_dir)
-    result = train_sae(config, training_batches(train_reader, layer, config),
-                       d_model=train_reader.d_model,
-                       statistics=train_reader.statistics(layer) if config.normalise else None,
-                       progress=progress)  # fmt: skip
-    result.metrics["val"] = evaluate(result.sae, val_reader, layer, tokens=config.tokens,
-                                     progress=progress)  # fmt: skip
-    log.info("held-out: explained variance %.3f, L0 %.1f, dead %.1f%%",
-             result.metrics["val"]["explained_variance"], result.metrics["val"]["l0"],
-             100 * result.metrics["val"]["dead_fraction"])  # fmt: skip
+    result = train_sae(
+        config,
+        training_batches(train_reader, layer, config),
+        d_model=train_reader.d_model,
+        statistics=train_reader.statistics(layer) if config.normalise else None,
+        progress=progress,
+    )
+    result.metrics["val"] = evaluate(
+        result.sae, val_reader, layer, tokens=config.tokens, progress=progress
+    )
+    log.info(
+        "held-out: explained variance %.3f, L0 %.1f, dead %.1f%%",
+        result.metrics["val"]["explained_variance"],
+        result.metrics["val"]["l0"],
+        100 * result.metrics["val"]["dead_fraction"],
+    )
     run.checkpoint_dir.mkdir(exist_ok=True)
     save_sae(result.sae, run.sae_path)
     md = train_reader.metadata
-    atomic_write_json(run.config_path, {
-        "sae": result.sae.config.to_dict(),
-        "train": config.to_dict(),
-        "data": {"layer": layer, "d_model": md.d_model, "model": md.ckpt, "family": md.family,
-                 "train_shards": str(train_dir), "val_shards": str(val_dir),
-                 "train_rows_per_epoch": md.n_examples * len(token_positions(train_reader,
-                                                                             config.tokens))},
-        "checkpoint": {"file": run.sae_path.name, "format": "safetensors",
-                       "sha256": hash_file(run.sae_path)},
-        "metrics": result.metrics,
-        "history": result.history,
-    })  # fmt: skip
+    atomic_write_json(
+        run.config_path,
+        {
+            "sae": result.sae.config.to_dict(),
+            "train": config.to_dict(),
+            "data": {
+                "layer": layer,
+                "d_model": md.d_model,
+                "model": md.ckpt,
+                "family": md.family,
+                "train_shards": str(train_dir),
+                "val_shards": str(val_dir),
+                "train_rows_per_epoch": md.n_examples
+                * len(token_positions(train_reader, config.tokens)),
+            },
+            "checkpoint": {
+                "file": run.sae_path.name,
+                "format": "safetensors",
+                "sha256": hash_file(run.sae_path),
+            },
+            "metrics": result.metrics,
+            "history": result.history,
+        },
+    )
     return result

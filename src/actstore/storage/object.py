@@ -52,15 +52,33 @@ T = TypeVar("T")
 MiB = 1 << 20
 
 #: S3 error codes that mean "try again later" even when the status is not 5xx.
-_RETRY_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests",
-    "BadDigest", "IncompleteBody",
-})  # fmt: skip
-_AUTH_CODES = frozenset({
-    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
-    "ExpiredToken", "AuthorizationHeaderMalformed", "InvalidSecurity", "403",
-})  # fmt: skip
+_RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "BadDigest",
+        "IncompleteBody",
+    }
+)
+_AUTH_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "AccessDenied",
+        "InvalidToken",
+        "ExpiredToken",
+        "AuthorizationHeaderMalformed",
+        "InvalidSecurity",
+        "403",
+    }
+)
 _MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
@@ -162,8 +180,14 @@ class ObjectStore:
         """Bytes ``[start, end)`` of the object."""
         raise NotImplementedError
 
-    def get_into(self, key: str, out: bytearray | memoryview, *, chunk_size: int = 8 * MiB,
-                 pool: ThreadPoolExecutor | None = None) -> None:  # fmt: skip
+    def get_into(
+        self,
+        key: str,
+        out: bytearray | memoryview,
+        *,
+        chunk_size: int = 8 * MiB,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         """Fill ``out`` with the first ``len(out)`` bytes of the object, in chunks fetched
         concurrently on ``pool`` (sequentially without one). The object must be exactly
         ``len(out)`` bytes long, else :class:`~actstore.errors.CorruptStoreError`."""
@@ -236,8 +260,9 @@ def is_remote(location: str) -> bool:
     return str(location).startswith("s3://")
 
 
-def open_location(location: str | os.PathLike, s3: S3Config | None = None
-                  ) -> tuple[ObjectStore, str]:  # fmt: skip
+def open_location(
+    location: str | os.PathLike, s3: S3Config | None = None
+) -> tuple[ObjectStore, str]:
     """The store holding ``location`` and the key prefix of ``location`` inside it.
 
     ``s3://bucket/a/b`` -> (S3 store of ``bucket``, ``"a/b"``); a local path or ``file://``
@@ -279,19 +304,30 @@ def _transient(err: BaseException) -> bool:
         status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         return status >= 500 or status == 429 or code in _RETRY_CODES
     transient_types = (
-        botocore_exc.EndpointConnectionError, botocore_exc.ConnectionClosedError,
-        botocore_exc.ReadTimeoutError, botocore_exc.ConnectTimeoutError,
-        botocore_exc.ResponseStreamingError, botocore_exc.IncompleteReadError,
-        botocore_exc.HTTPClientError, ConnectionError, TimeoutError,
-    )  # fmt: skip
+        botocore_exc.EndpointConnectionError,
+        botocore_exc.ConnectionClosedError,
+        botocore_exc.ReadTimeoutError,
+        botocore_exc.ConnectTimeoutError,
+        botocore_exc.ResponseStreamingError,
+        botocore_exc.IncompleteReadError,
+        botocore_exc.HTTPClientError,
+        ConnectionError,
+        TimeoutError,
+    )
     return isinstance(err, transient_types)
 
 
 def _unreachable(err: BaseException) -> bool:
     """Whether ``err`` means no connection to the endpoint could be made at all."""
     botocore_exc = require("botocore.exceptions", "s3")
-    return isinstance(err, (botocore_exc.EndpointConnectionError,
-                            botocore_exc.ConnectTimeoutError, ConnectionRefusedError))
+    return isinstance(
+        err,
+        (
+            botocore_exc.EndpointConnectionError,
+            botocore_exc.ConnectTimeoutError,
+            ConnectionRefusedError,
+        ),
+    )
 
 
 def _describe_error(err: BaseException) -> str:
@@ -311,8 +347,9 @@ class _Retrier:
         self.retries = 0  # total retries so far (read by tests and benchmarks)
         self._lock = threading.Lock()
 
-    def __call__(self, what: str, fn: Callable[[], T], classify: Callable[[BaseException], Any]
-                 ) -> T:  # fmt: skip
+    def __call__(
+        self, what: str, fn: Callable[[], T], classify: Callable[[BaseException], Any]
+    ) -> T:
         cfg = self.config
         for attempt in range(1, cfg.max_attempts + 1):
             try:
@@ -338,11 +375,19 @@ class _Retrier:
                         "endpoint keeps failing: check the network and the S3 service, or raise "
                         "max_attempts"
                     ) from err
-                delay = random.uniform(0, min(cfg.backoff_max_s, cfg.backoff_s * 2 ** (attempt - 1)))
+                delay = random.uniform(
+                    0, min(cfg.backoff_max_s, cfg.backoff_s * 2 ** (attempt - 1))
+                )
                 with self._lock:
                     self.retries += 1
-                log.warning("%s: %s; retry %d/%d in %.2fs", what, _describe_error(err), attempt,
-                            cfg.max_attempts - 1, delay)  # fmt: skip
+                log.warning(
+                    "%s: %s; retry %d/%d in %.2fs",
+                    what,
+                    _describe_error(err),
+                    attempt,
+                    cfg.max_attempts - 1,
+                    delay,
+                )
                 time.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -360,7 +405,6 @@ def _session(boto3: Any) -> Any:
     if _SESSION is None or _SESSION[0] != os.getpid():
         _SESSION = (os.getpid(), boto3.session.Session())
     return _SESSION[1]
-
 
 
 class S3Store(ObjectStore):
@@ -421,8 +465,11 @@ class S3Store(ObjectStore):
         secret = cfg.secret_access_key or _env("AWS_SECRET_ACCESS_KEY")
         kwargs: dict[str, Any] = {}
         if key_id and secret:
-            kwargs.update(aws_access_key_id=key_id, aws_secret_access_key=secret,
-                          aws_session_token=_env("AWS_SESSION_TOKEN"))  # fmt: skip
+            kwargs.update(
+                aws_access_key_id=key_id,
+                aws_secret_access_key=secret,
+                aws_session_token=_env("AWS_SESSION_TOKEN"),
+            )
         botocore_config = Config(
             signature_version="s3v4",
             s3={"addressing_style": "path"},
@@ -435,13 +482,15 @@ class S3Store(ObjectStore):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             tcp_keepalive=True,
-        )  # fmt: skip
+        )
         with _SESSION_LOCK:  # clients are thread-safe; creating them from a session is not
             return _session(boto3).client(
-            "s3", endpoint_url=endpoint,
-            region_name=cfg.region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1",
-                config=botocore_config, **kwargs,
-            )  # fmt: skip
+                "s3",
+                endpoint_url=endpoint,
+                region_name=cfg.region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1",
+                config=botocore_config,
+                **kwargs,
+            )
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -488,8 +537,9 @@ class S3Store(ObjectStore):
         return classify
 
     def _call(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
-        return self._retry(f"{what} {self.url(key) if key is not None else self.root_url}", fn,
-                           self._classify(key))  # fmt: skip
+        return self._retry(
+            f"{what} {self.url(key) if key is not None else self.root_url}", fn, self._classify(key)
+        )
 
     # -------------------------------------------------------------- reads
 
@@ -512,8 +562,9 @@ class S3Store(ObjectStore):
         end = start + len(view) - 1
 
         def attempt() -> None:
-            response = self.client.get_object(Bucket=self.bucket, Key=key,
-                                              Range=f"bytes={start}-{end}")  # fmt: skip
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}"
+            )
             if total is not None:
                 content_range = response.get("ContentRange") or ""
                 size = content_range.rpartition("/")[2]
@@ -540,8 +591,14 @@ class S3Store(ObjectStore):
 
         self._call("GET range", key, attempt)
 
-    def get_into(self, key: str, out: bytearray | memoryview, *, chunk_size: int = 8 * MiB,
-                 pool: ThreadPoolExecutor | None = None) -> None:  # fmt: skip
+    def get_into(
+        self,
+        key: str,
+        out: bytearray | memoryview,
+        *,
+        chunk_size: int = 8 * MiB,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         view = memoryview(out).cast("B")
         total = len(view)
         starts = list(range(0, total, chunk_size)) or [0]
@@ -551,8 +608,10 @@ class S3Store(ObjectStore):
             for s in starts:
                 self._get_range_into(key, view[s : s + chunk_size], s, total)
             return
-        futures = [pool.submit(self._get_range_into, key, view[s : s + chunk_size], s, total)
-                   for s in starts]  # fmt: skip
+        futures = [
+            pool.submit(self._get_range_into, key, view[s : s + chunk_size], s, total)
+            for s in starts
+        ]
         errors = [f.exception() for f in futures]
         for err in errors:
             if err is not None:
@@ -615,25 +674,42 @@ class S3Store(ObjectStore):
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         if len(view) <= self.config.multipart_threshold:
-            self._call("PUT", key, lambda: self.client.put_object(
-                Bucket=self.bucket, Key=key, Body=bytes(view),
-                ContentType="application/octet-stream"))  # fmt: skip
+            self._call(
+                "PUT",
+                key,
+                lambda: self.client.put_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=bytes(view),
+                    ContentType="application/octet-stream",
+                ),
+            )
             return
         self._put_multipart(key, view)
 
     def _put_multipart(self, key: str, view: memoryview) -> None:
         """Multipart upload: the object appears only when complete; aborted on failure."""
         client = self.client
-        upload = self._call("CREATE multipart", key, lambda: client.create_multipart_upload(
-            Bucket=self.bucket, Key=key, ContentType="application/octet-stream"))  # fmt: skip
+        upload = self._call(
+            "CREATE multipart",
+            key,
+            lambda: client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, ContentType="application/octet-stream"
+            ),
+        )
         upload_id = upload["UploadId"]
         size = self.config.part_size
         offsets = list(range(0, len(view), size))
 
         def send(number: int, offset: int) -> dict[str, Any]:
             body = bytes(view[offset : offset + size])
-            part = self._call(f"PUT part {number}/{len(offsets)} of", key, lambda: client.upload_part(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body))
+            part = self._call(
+                f"PUT part {number}/{len(offsets)} of",
+                key,
+                lambda: client.upload_part(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+                ),
+            )
             return {"PartNumber": number, "ETag": part["ETag"]}
 
         try:
@@ -654,8 +730,11 @@ class S3Store(ObjectStore):
         def attempt() -> None:
             try:
                 self.client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id,
-                    MultipartUpload={"Parts": parts})  # fmt: skip
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
             except botocore_exc.ClientError as err:
                 # A retried complete whose first try succeeded (response lost) finds no upload.
                 code = err.response.get("Error", {}).get("Code")
@@ -669,12 +748,20 @@ class S3Store(ObjectStore):
         self._call("DELETE", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
 
     def abort_incomplete(self, prefix: str) -> int:
-        response = self._call("LIST uploads", prefix, lambda: self.client.list_multipart_uploads(
-            Bucket=self.bucket, Prefix=prefix))  # fmt: skip
+        response = self._call(
+            "LIST uploads",
+            prefix,
+            lambda: self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix),
+        )
         uploads = response.get("Uploads", [])
         for up in uploads:
-            self._call("ABORT multipart", up["Key"], lambda up=up: self.client.abort_multipart_upload(
-                Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]))
+            self._call(
+                "ABORT multipart",
+                up["Key"],
+                lambda up=up: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                ),
+            )
         return len(uploads)
 
 
@@ -722,8 +809,14 @@ class LocalStore(ObjectStore):
         with self._open(key) as f:
             return os.pread(f.fileno(), end - start, start)
 
-    def get_into(self, key: str, out: bytearray | memoryview, *, chunk_size: int = 8 * MiB,
-                 pool: ThreadPoolExecutor | None = None) -> None:  # fmt: skip
+    def get_into(
+        self,
+        key: str,
+        out: bytearray | memoryview,
+        *,
+        chunk_size: int = 8 * MiB,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         from ..errors import CorruptStoreError
 
         view = memoryview(out).cast("B")
@@ -755,8 +848,9 @@ class LocalStore(ObjectStore):
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         # Only the entries of the prefix's directory that start with its last component are
         # walked (never the whole root), then everything below them.
-        top_key, stem = (prefix, "") if prefix.endswith("/") else (parent_key(prefix),
-                                                                    base_name(prefix))
+        top_key, stem = (
+            (prefix, "") if prefix.endswith("/") else (parent_key(prefix), base_name(prefix))
+        )
         top = self._path(top_key.strip("/"))
         if not top.is_dir():
             return
@@ -765,14 +859,17 @@ class LocalStore(ObjectStore):
             if not entry.name.startswith(stem) or self._is_temp(entry.name):
                 continue
             if entry.is_file():
-                out.append(ObjectInfo(entry.relative_to(self.root).as_posix(), entry.stat().st_size))
+                out.append(
+                    ObjectInfo(entry.relative_to(self.root).as_posix(), entry.stat().st_size)
+                )
                 continue
             for dirpath, _, filenames in os.walk(entry):
                 for name in filenames:
                     if not self._is_temp(name):
                         path = Path(dirpath) / name
-                        out.append(ObjectInfo(path.relative_to(self.root).as_posix(),
-                                              path.stat().st_size))  # fmt: skip
+                        out.append(
+                            ObjectInfo(path.relative_to(self.root).as_posix(), path.stat().st_size)
+                        )
         yield from sorted(out, key=lambda o: o.key)
 
     def list_dirs(self, prefix: str) -> list[str]:

@@ -39,8 +39,9 @@ CAPTION_HEIGHT = 18
 class ImageDataset:
     """Index -> PIL image, in capture's order."""
 
-    def __init__(self, root: Path, files: list[Path] | None, hf: Any = None,
-                 column: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, root: Path, files: list[Path] | None, hf: Any = None, column: str | None = None
+    ) -> None:
         self.root, self.files, self.hf, self.column = root, files, hf, column
 
     def __len__(self) -> int:
@@ -132,8 +133,9 @@ def patch_grid(n_patches: int) -> int:
     return side
 
 
-def render_example(image: Image.Image, heat: np.ndarray, *, scale_max: float, size: int,
-                   caption: str) -> Image.Image:  # fmt: skip
+def render_example(
+    image: Image.Image, heat: np.ndarray, *, scale_max: float, size: int, caption: str
+) -> Image.Image:
     """``image`` at ``size`` x ``size``, below it the same with ``heat`` (one value per
     patch, row-major) tinted over it and the peak patch outlined, then ``caption``."""
     side = patch_grid(len(heat))

@@ -69,8 +69,9 @@ class VisualsConfig:
             raise ConfigError("context_before and context_after must be >= 0")
 
 
-def render_run(run: Run, shards: str = "val", config: VisualsConfig | None = None, *,
-               progress: bool = True) -> Path:  # fmt: skip
+def render_run(
+    run: Run, shards: str = "val", config: VisualsConfig | None = None, *, progress: bool = True
+) -> Path:
     """Draw the top latents of the run's SAE on ``shards`` (``train``, ``val`` or a path)."""
     config = config or VisualsConfig()
     shard_dir, split = run.resolve_shards(shards)
@@ -85,9 +86,12 @@ def render_run(run: Run, shards: str = "val", config: VisualsConfig | None = Non
     md = reader.metadata
     is_text = reader.tokens is not None
     skip = (0,) if md.cls_token and not is_text and record["first_token"] == 0 else ()
-    rows = TokenRows(rows_per_example=record["rows_per_example"],
-                     first_token=record["first_token"], n_examples=record["n_examples"],
-                     skip_tokens=skip)  # fmt: skip
+    rows = TokenRows(
+        rows_per_example=record["rows_per_example"],
+        first_token=record["first_token"],
+        n_examples=record["n_examples"],
+        skip_tokens=skip,
+    )
     if config.latents:
         summaries = [summarise(acts, rows, latent) for latent in config.latents]
     else:
@@ -100,8 +104,9 @@ def render_run(run: Run, shards: str = "val", config: VisualsConfig | None = Non
         if is_text:
             sections, listing = _draw_text(reader, acts, rows, summaries, config, tmp, progress)
         else:
-            sections, listing = _draw_images(reader, acts, rows, summaries, config, dataset,
-                                             tmp, progress)  # fmt: skip
+            sections, listing = _draw_images(
+                reader, acts, rows, summaries, config, dataset, tmp, progress
+            )
         facts = _facts(run, record, md, dataset, acts)
         title = f"SAE latents of run {run.run_id} on {shard_dir.name}"
         (tmp / "index.html").write_text(index_html(title, facts, sections), encoding="utf-8")
@@ -129,20 +134,36 @@ def _dataset(run: Run, split: str | None, md, *, needed: bool) -> Path:
 def _stats_line(summary, rows: TokenRows) -> str:
     n_tokens = rows.n_examples * (rows.rows_per_example - len(rows.skip_tokens))
     mean = summary.total / summary.count if summary.count else 0.0
-    return (f"active on {summary.count} of {n_tokens} tokens "
-            f"({100 * summary.count / max(n_tokens, 1):.2f}%), peak {summary.peak:.3g}, "
-            f"mean when active {mean:.3g}")  # fmt: skip
+    return (
+        f"active on {summary.count} of {n_tokens} tokens "
+        f"({100 * summary.count / max(n_tokens, 1):.2f}%), peak {summary.peak:.3g}, "
+        f"mean when active {mean:.3g}"
+    )
 
 
 def _listing(summary, examples: list[Example], extra: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"latent": summary.latent, "count": summary.count, "total": summary.total,
-            "peak": summary.peak,
-            "examples": [{"example": e.example, "token": e.token, "value": e.value, **x}
-                         for e, x in zip(examples, extra)]}  # fmt: skip
+    return {
+        "latent": summary.latent,
+        "count": summary.count,
+        "total": summary.total,
+        "peak": summary.peak,
+        "examples": [
+            {"example": e.example, "token": e.token, "value": e.value, **x}
+            for e, x in zip(examples, extra)
+        ],
+    }
 
 
-def _draw_images(reader: SaevReader, acts: SparseActs, rows: TokenRows, summaries, config,
-                 dataset: Path, out: Path, progress: bool):  # fmt: skip
+def _draw_images(
+    reader: SaevReader,
+    acts: SparseActs,
+    rows: TokenRows,
+    summaries,
+    config,
+    dataset: Path,
+    out: Path,
+    progress: bool,
+):
     md = reader.metadata
     images = open_images(dataset, md.n_examples)
     view = ModelView.load(md.ckpt)
@@ -165,21 +186,41 @@ def _draw_images(reader: SaevReader, acts: SparseActs, rows: TokenRows, summarie
             if labels is not None and classes is not None:
                 label = classes[int(labels[e.example, 0])]
             caption = f"#{e.example} {label} {e.value:.3g}".replace("  ", " ")
-            tiles.append(render_example(view(images.load(e.example)), heat,
-                                        scale_max=summary.peak, size=config.image_size,
-                                        caption=caption))  # fmt: skip
+            tiles.append(
+                render_example(
+                    view(images.load(e.example)),
+                    heat,
+                    scale_max=summary.peak,
+                    size=config.image_size,
+                    caption=caption,
+                )
+            )
             lines.append(f"#{e.example} {name}: peak {e.value:.4g} at token {e.token}")
             extra.append({"image": name, "label": label or None})
         png = f"latent_{summary.latent:05d}.png"
         size = _save_png(tile_row(tiles) if tiles else None, out / png)
-        sections.append(Section(latent=summary.latent, stats=_stats_line(summary, rows),
-                                png=png, png_size=size, examples=lines))  # fmt: skip
+        sections.append(
+            Section(
+                latent=summary.latent,
+                stats=_stats_line(summary, rows),
+                png=png,
+                png_size=size,
+                examples=lines,
+            )
+        )
         listing.append(_listing(summary, examples, extra))
     return sections, listing
 
 
-def _draw_text(reader: SaevReader, acts: SparseActs, rows: TokenRows, summaries, config,
-               out: Path, progress: bool):  # fmt: skip
+def _draw_text(
+    reader: SaevReader,
+    acts: SparseActs,
+    rows: TokenRows,
+    summaries,
+    config,
+    out: Path,
+    progress: bool,
+):
     md = reader.metadata
     text = TokenText.load(md.ckpt)
     token_ids = reader.tokens
@@ -189,21 +230,32 @@ def _draw_text(reader: SaevReader, acts: SparseActs, rows: TokenRows, summaries,
         contexts, extra = [], []
         for e in examples:
             values = np.zeros(md.tokens_per_ex, dtype=np.float32)
-            values[rows.first_token:] = example_activations(acts, summary.latent, rows,
-                                                            e.example)  # fmt: skip
+            values[rows.first_token :] = example_activations(acts, summary.latent, rows, e.example)
             start = max(0, e.token - config.context_before)
             stop = min(md.tokens_per_ex, e.token + config.context_after + 1)
             pieces = text.pieces(token_ids[e.example, start:stop])
-            contexts.append(Context(example=e.example, peak_token=e.token, pieces=pieces,
-                                    values=values[start:stop], start=start))  # fmt: skip
+            contexts.append(
+                Context(
+                    example=e.example,
+                    peak_token=e.token,
+                    pieces=pieces,
+                    values=values[start:stop],
+                    start=start,
+                )
+            )
             extra.append({"text": "".join(pieces)})
         png = f"latent_{summary.latent:05d}.png"
         image = render_contexts(contexts, scale_max=summary.peak) if contexts else None
         size = _save_png(image, out / png)
-        sections.append(Section(
-            latent=summary.latent, stats=_stats_line(summary, rows), png=png, png_size=size,
-            contexts_html=[context_html(c, summary.peak) for c in contexts],
-        ))  # fmt: skip
+        sections.append(
+            Section(
+                latent=summary.latent,
+                stats=_stats_line(summary, rows),
+                png=png,
+                png_size=size,
+                contexts_html=[context_html(c, summary.peak) for c in contexts],
+            )
+        )
         listing.append(_listing(summary, examples, extra))
     return sections, listing
 
@@ -217,11 +269,16 @@ def _save_png(image, path: Path) -> tuple[int, int]:
     return image.size
 
 
-def _facts(run: Run, record: dict[str, Any], md, dataset: Path,
-           acts: SparseActs) -> list[tuple[str, str]]:  # fmt: skip
-    facts = [("run", str(run.path)), ("model", f"{md.ckpt} ({md.family})"),
-             ("layer", str(record["layer"])), ("shards", record["shards"]),
-             ("dataset", str(dataset))]  # fmt: skip
+def _facts(
+    run: Run, record: dict[str, Any], md, dataset: Path, acts: SparseActs
+) -> list[tuple[str, str]]:
+    facts = [
+        ("run", str(run.path)),
+        ("model", f"{md.ckpt} ({md.family})"),
+        ("layer", str(record["layer"])),
+        ("shards", record["shards"]),
+        ("dataset", str(dataset)),
+    ]
     try:
         trained = read_json(run.config_path)
     except StoreNotFoundError:

@@ -90,8 +90,12 @@ def summarise(acts: SparseActs, tokens: TokenRows, latent: int) -> LatentSummary
         raise ConfigError(f"latent {latent} does not exist; this SAE has 0..{acts.d_sae - 1}")
     rows, values = acts.column(latent)
     values = values[tokens.considered(rows)]
-    return LatentSummary(latent=latent, count=len(values), total=float(values.sum()),
-                         peak=float(values.max()) if len(values) else 0.0)  # fmt: skip
+    return LatentSummary(
+        latent=latent,
+        count=len(values),
+        total=float(values.sum()),
+        peak=float(values.max()) if len(values) else 0.0,
+    )
 
 
 def top_examples(acts: SparseActs, latent: int, tokens: TokenRows, n: int) -> list[Example]:
@@ -107,15 +111,17 @@ def top_examples(acts: SparseActs, latent: int, tokens: TokenRows, n: int) -> li
         if example in seen:
             continue
         seen.add(example)
-        out.append(Example(example=example, token=int(tokens.token(rows[i])),
-                           value=float(values[i])))  # fmt: skip
+        out.append(
+            Example(example=example, token=int(tokens.token(rows[i])), value=float(values[i]))
+        )
         if len(out) == n:
             break
     return out
 
 
-def example_activations(acts: SparseActs, latent: int, tokens: TokenRows,
-                        example: int) -> np.ndarray:  # fmt: skip
+def example_activations(
+    acts: SparseActs, latent: int, tokens: TokenRows, example: int
+) -> np.ndarray:
     """Activation of ``latent`` at every row of ``example`` (``[rows_per_example]``)."""
     lo = example * tokens.rows_per_example
     out = np.zeros(tokens.rows_per_example, dtype=np.float32)

@@ -104,13 +104,15 @@ def context_html(context: Context, scale_max: float) -> str:
         )
         peak = ' class="peak"' if context.start + offset == context.peak_token else ""
         title = f"token {context.start + offset}: {value:.3g}"
-        spans.append(f'<span{peak} style="{style}" title="{html.escape(title)}">'
-                     f"{html.escape(piece)}</span>")  # fmt: skip
+        spans.append(
+            f'<span{peak} style="{style}" title="{html.escape(title)}">{html.escape(piece)}</span>'
+        )
     return "".join(spans)
 
 
-def render_contexts(contexts: list[Context], *, scale_max: float, width: int = 900,
-                    size: int = 14) -> Image.Image:  # fmt: skip
+def render_contexts(
+    contexts: list[Context], *, scale_max: float, width: int = 900, size: int = 14
+) -> Image.Image:
     """All contexts of one latent as a PNG: one block per example, wrapped to ``width``."""
     fnt = font(size)
     line_h = size + 8

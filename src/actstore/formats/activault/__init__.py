@@ -41,11 +41,15 @@ def _detect(location: str) -> bool:
         return any(_is_hook_doc(child / METADATA) for child in path.iterdir() if child.is_dir())
     try:
         store, prefix = open_location(text)
-        if store.size(join_key(prefix, METADATA)) is not None or store.size(
-                join_key(prefix, CFG)) is not None:  # fmt: skip
+        if (
+            store.size(join_key(prefix, METADATA)) is not None
+            or store.size(join_key(prefix, CFG)) is not None
+        ):
             return True
-        return any(store.size(join_key(prefix, d, METADATA)) is not None
-                   for d in store.list_dirs(prefix)[:8])  # fmt: skip
+        return any(
+            store.size(join_key(prefix, d, METADATA)) is not None
+            for d in store.list_dirs(prefix)[:8]
+        )
     except ActstoreError:
         return True
 

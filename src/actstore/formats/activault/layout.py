@@ -61,7 +61,9 @@ _HOOK_SUFFIX = {
     "attn_in": "self_attn.pre",
 }
 _SUFFIX_KIND = {v: k for k, v in _HOOK_SUFFIX.items()}
-_HOOK_RE = re.compile(r"^models\.layers\.(\d+)\.(post|mlp\.post|mlp\.pre|self_attn\.post|self_attn\.pre)$")
+_HOOK_RE = re.compile(
+    r"^models\.layers\.(\d+)\.(post|mlp\.post|mlp\.pre|self_attn\.post|self_attn\.pre)$"
+)
 _OLD_HOOK_RE = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
 
 _DATA_RE = re.compile(
@@ -210,8 +212,10 @@ def serialize_megabatch(states: torch.Tensor, input_ids: torch.Tensor) -> io.Byt
             f"{tuple(states.shape)} and {tuple(input_ids.shape)}"
         )
     buffer = io.BytesIO()
-    torch.save({"states": states, "input_ids": input_ids,
-                "tensor_bytes": tensor_bytes(states, input_ids)}, buffer)  # fmt: skip
+    torch.save(
+        {"states": states, "input_ids": input_ids, "tensor_bytes": tensor_bytes(states, input_ids)},
+        buffer,
+    )
     return buffer
 
 

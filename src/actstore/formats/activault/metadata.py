@@ -44,10 +44,16 @@ class HookMetadata:
     """Exact size of every data file; absent until the first file is uploaded."""
 
     @classmethod
-    def for_shape(cls, *, rows: int, seq: int, d: int, dtype: str, batches_per_file: int
-                  ) -> HookMetadata:  # fmt: skip
-        return cls(batch_size=rows, sequence_length=seq, dtype=dtype, d_in=d,
-                   batches_per_file=batches_per_file)  # fmt: skip
+    def for_shape(
+        cls, *, rows: int, seq: int, d: int, dtype: str, batches_per_file: int
+    ) -> HookMetadata:
+        return cls(
+            batch_size=rows,
+            sequence_length=seq,
+            dtype=dtype,
+            d_in=d,
+            batches_per_file=batches_per_file,
+        )
 
     def with_bytes(self, n: int) -> HookMetadata:
         return replace(self, bytes_per_file=n)
@@ -87,9 +93,12 @@ class HookMetadata:
             raise CorruptStoreError(f"{source} is not a JSON object")
         missing = [k for k in ("shape", "dtype", "bytes_per_file") if k not in doc]
         if missing:
-            hint = (" (Activault writes bytes_per_file after the first upload of a run; "
-                    "a restarted Activault job leaves it out until its next upload)"
-                    if missing == ["bytes_per_file"] else "")  # fmt: skip
+            hint = (
+                " (Activault writes bytes_per_file after the first upload of a run; "
+                "a restarted Activault job leaves it out until its next upload)"
+                if missing == ["bytes_per_file"]
+                else ""
+            )
             raise CorruptStoreError(f"{source} lacks {', '.join(missing)}{hint}")
         try:
             shape = [int(x) for x in doc["shape"]]
@@ -102,9 +111,14 @@ class HookMetadata:
             if nbytes < 1:
                 raise ValueError(f"bytes_per_file {nbytes} is not positive")
             parse_dtype(doc["dtype"])
-            return cls(batch_size=shape[0], sequence_length=shape[1], d_in=shape[2],
-                       dtype=str(doc["dtype"]), bytes_per_file=nbytes,
-                       batches_per_file=int(doc.get("batches_per_file", 1)))  # fmt: skip
+            return cls(
+                batch_size=shape[0],
+                sequence_length=shape[1],
+                d_in=shape[2],
+                dtype=str(doc["dtype"]),
+                bytes_per_file=nbytes,
+                batches_per_file=int(doc.get("batches_per_file", 1)),
+            )
         except (TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source} is malformed: {err}") from err
 
@@ -134,8 +148,9 @@ def statistics_from_dict(doc: Any, *, source: str) -> RunningStats | None:
         m2 = np.asarray(doc["M2"], dtype=np.float64)
         if mean.shape != m2.shape or mean.ndim != 1:
             raise ValueError("mean and M2 must be equal-length lists")
-        return RunningStats(d=mean.shape[0], count=int(doc["count"]), mean=mean, m2=m2,
-                            norm_mean=float(doc["norm"]))  # fmt: skip
+        return RunningStats(
+            d=mean.shape[0], count=int(doc["count"]), mean=mean, m2=m2, norm_mean=float(doc["norm"])
+        )
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptStoreError(f"{source} is malformed: {err!r}") from err
 
@@ -198,21 +213,27 @@ class RunRecord:
                     "upgrade actstore"
                 )
             return cls(
-                run_id=str(doc["run_id"]), hooks=dict(doc["hooks"]),
+                run_id=str(doc["run_id"]),
+                hooks=dict(doc["hooks"]),
                 rows_per_file=int(doc["rows_per_file"]),
-                sequence_length=int(doc["sequence_length"]), dtype=str(doc["dtype"]),
-                plan=dict(doc["plan"]), groups=int(doc["groups"]),
-                next_example=int(doc["next_example"]), next_skip=int(doc["next_skip"]),
-                token_mask=doc.get("token_mask"), complete=bool(doc["complete"]),
+                sequence_length=int(doc["sequence_length"]),
+                dtype=str(doc["dtype"]),
+                plan=dict(doc["plan"]),
+                groups=int(doc["groups"]),
+                next_example=int(doc["next_example"]),
+                next_skip=int(doc["next_skip"]),
+                token_mask=doc.get("token_mask"),
+                complete=bool(doc["complete"]),
                 dropped_tokens=int(doc.get("dropped_tokens", 0)),
                 num_runs=int(doc.get("num_runs", 1)),
-            )  # fmt: skip
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source}: malformed 'actstore' section ({err!r})") from err
 
 
-def run_cfg(record: RunRecord, *, run_name: str, bucket: str, batch_size: int,
-            batches_per_file: int) -> dict[str, Any]:  # fmt: skip
+def run_cfg(
+    record: RunRecord, *, run_name: str, bucket: str, batch_size: int, batches_per_file: int
+) -> dict[str, Any]:
     """cfg.json: Activault's ``Config.to_dict()`` keys, then the ``actstore`` record."""
     plan = record.plan
     tokens = record.groups * record.tokens_per_file

@@ -19,21 +19,33 @@ class ActivaultOptions:
         'float16'
     """
 
-    dtype: str = field(default="bfloat16", metadata={
-        "help": "stored activation dtype: bfloat16, float16 or float32"})
-    rows_per_file: int = field(default=0, metadata={
-        "help": "rows (sequences) per megabatch file; 0: 8 x the capture batch size, at "
-                "most 256 MiB per file and 1/16 of the capture"})
-    sequence_length: int = field(default=0, metadata={
-        "help": "tokens per stored row; 0: the capture's tokens per example"})
-    upload_threads: int = field(default=2, metadata={
-        "help": "upload threads per hook (each hook has its own client)"})
-    queue_files: int = field(default=2, metadata={
-        "help": "megabatches queued per hook before the capture waits"})
-    max_attempts: int = field(default=8, metadata={
-        "help": "tries per S3 request before the capture fails"})
-    part_size_mb: int = field(default=32, metadata={
-        "help": "multipart part size in MiB (files above 2 parts use multipart uploads)"})
+    dtype: str = field(
+        default="bfloat16",
+        metadata={"help": "stored activation dtype: bfloat16, float16 or float32"},
+    )
+    rows_per_file: int = field(
+        default=0,
+        metadata={
+            "help": "rows (sequences) per megabatch file; 0: 8 x the capture batch size, at "
+            "most 256 MiB per file and 1/16 of the capture"
+        },
+    )
+    sequence_length: int = field(
+        default=0, metadata={"help": "tokens per stored row; 0: the capture's tokens per example"}
+    )
+    upload_threads: int = field(
+        default=2, metadata={"help": "upload threads per hook (each hook has its own client)"}
+    )
+    queue_files: int = field(
+        default=2, metadata={"help": "megabatches queued per hook before the capture waits"}
+    )
+    max_attempts: int = field(
+        default=8, metadata={"help": "tries per S3 request before the capture fails"}
+    )
+    part_size_mb: int = field(
+        default=32,
+        metadata={"help": "multipart part size in MiB (files above 2 parts use multipart uploads)"},
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,5 +64,9 @@ class ActivaultOptions:
         options' retry and multipart settings. The endpoint is deliberately not an option:
         set ``S3_ENDPOINT_URL`` so that writing and every later read reach the same one."""
         part = self.part_size_mb << 20
-        return dataclasses.replace(base or S3Config(), max_attempts=self.max_attempts,
-                                   part_size=part, multipart_threshold=2 * part)  # fmt: skip
+        return dataclasses.replace(
+            base or S3Config(),
+            max_attempts=self.max_attempts,
+            part_size=part,
+            multipart_threshold=2 * part,
+        )

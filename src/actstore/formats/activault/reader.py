@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -116,9 +117,15 @@ class ActivaultReader:
     over the threads, 1-16 MiB per range).
     """
 
-    def __init__(self, location: str | os.PathLike, *, allow_incomplete: bool = False,
-                 s3: S3Config | None = None, chunk_size: int | None = None,
-                 concurrency: int = 8) -> None:  # fmt: skip
+    def __init__(
+        self,
+        location: str | os.PathLike,
+        *,
+        allow_incomplete: bool = False,
+        s3: S3Config | None = None,
+        chunk_size: int | None = None,
+        concurrency: int = 8,
+    ) -> None:
         self.location = str(location)
         self.chunk_size, self.concurrency = chunk_size, concurrency
         self.store, prefix = open_location(location, s3)
@@ -138,7 +145,9 @@ class ActivaultReader:
             doc = self.store.get_json(cfg_key)
             self.cfg = doc if isinstance(doc, dict) else {}
             if "actstore" in self.cfg:
-                self.record = RunRecord.from_dict(self.cfg["actstore"], source=self.store.url(cfg_key))
+                self.record = RunRecord.from_dict(
+                    self.cfg["actstore"], source=self.store.url(cfg_key)
+                )
         if self.record is not None and not self.record.complete and not allow_incomplete:
             raise CorruptStoreError(
                 f"{self.store.url(self.run_prefix)} is an unfinished capture "
@@ -151,8 +160,11 @@ class ActivaultReader:
             if self.record is not None:
                 hook_names = list(self.record.hooks)
             else:
-                hook_names = [h for h in siblings
-                              if self.store.size(join_key(self.run_prefix, h, METADATA)) is not None]
+                hook_names = [
+                    h
+                    for h in siblings
+                    if self.store.size(join_key(self.run_prefix, h, METADATA)) is not None
+                ]
         if not hook_names:
             raise StoreNotFoundError(
                 f"{self.location} holds no Activault hook folders ({{hook}}/metadata.json); give "
@@ -213,9 +225,13 @@ class ActivaultReader:
                     "delete or re-create it"
                 )
         if strays:
-            log.warning("%s holds %d objects that are not megabatch files (e.g. %s); Activault's "
-                        "reader would read them as data", self.store.url(prefix), len(strays),
-                        strays[0])  # fmt: skip
+            log.warning(
+                "%s holds %d objects that are not megabatch files (e.g. %s); Activault's "
+                "reader would read them as data",
+                self.store.url(prefix),
+                len(strays),
+                strays[0],
+            )
         return HookListing(hook, prefix, md, tuple(files), tuple(strays), tuple(uncommitted))
 
     def _check_alignment(self) -> None:
@@ -280,8 +296,10 @@ class ActivaultReader:
 
     def __repr__(self) -> str:
         md = next(iter(self.listings.values())).metadata
-        return (f"ActivaultReader({self.location!r}, hooks={self.sites}, files={len(self)}, "
-                f"shape={list(md.shape)}, dtype={md.dtype})")  # fmt: skip
+        return (
+            f"ActivaultReader({self.location!r}, hooks={self.sites}, files={len(self)}, "
+            f"shape={list(md.shape)}, dtype={md.dtype})"
+        )
 
     # ------------------------------------------------------------------ reading
 
@@ -298,15 +316,24 @@ class ActivaultReader:
         f = listing.files[index]
         size = listing.metadata.bytes_per_file
         out = bytearray(size)
-        self.store.get_into(f.key, out, chunk_size=self.chunk_size or auto_chunk(size, self.concurrency),
-                            pool=self._thread_pool())  # fmt: skip
+        self.store.get_into(
+            f.key,
+            out,
+            chunk_size=self.chunk_size or auto_chunk(size, self.concurrency),
+            pool=self._thread_pool(),
+        )
         return out
 
-    def decode(self, site: Hashable, index: int, data: bytes | bytearray) -> dict[str, torch.Tensor]:
+    def decode(
+        self, site: Hashable, index: int, data: bytes | bytearray
+    ) -> dict[str, torch.Tensor]:
         """Load fetched bytes and check them against ``metadata.json``."""
         listing = self.listings[resolve_hook(self.sites, site)]
-        return check_megabatch(load_megabatch(data, source=self.store.url(listing.files[index].key)),
-                               listing.metadata, self.store.url(listing.files[index].key))
+        return check_megabatch(
+            load_megabatch(data, source=self.store.url(listing.files[index].key)),
+            listing.metadata,
+            self.store.url(listing.files[index].key),
+        )
 
     def megabatch(self, site: Hashable, index: int) -> dict[str, torch.Tensor]:
         """File ``index`` of ``site``: ``{"states": [rows, seq, d], "input_ids": [rows, seq]}``
@@ -349,19 +376,22 @@ class ActivaultReader:
         n_files = len(first.files)
         total = sum(f.size for lst in self.listings.values() for f in lst.files)
         out: dict[str, Any] = {
-            "path": self.store.url(self.run_prefix) if len(self.listings) > 1 or self.record
+            "path": self.store.url(self.run_prefix)
+            if len(self.listings) > 1 or self.record
             else self.store.url(first.prefix),
             "format": "activault (torch.save megabatches, one folder per hook)",
             "model": self.model_name,
             "run": self.store.url(self.run_prefix),
             "sites": {h: str(hook_site(h) or "?") for h in self.listings},
-            "shape": (f"{n_files} files x [{md.batch_size} rows, {md.sequence_length} tokens, "
-                      f"{md.d_in} dims] per hook ({n_files * md.tokens_per_file} tokens)"),
+            "shape": (
+                f"{n_files} files x [{md.batch_size} rows, {md.sequence_length} tokens, "
+                f"{md.d_in} dims] per hook ({n_files * md.tokens_per_file} tokens)"
+            ),
             "dtype": md.dtype,
             "bytes_per_file": md.bytes_per_file,
             "bytes": total,
             "n_files": n_files * len(self.listings),
-        }  # fmt: skip
+        }
         if self.record is not None:
             out["complete"] = self.record.complete
             out["written_by"] = "actstore"
@@ -376,8 +406,9 @@ class ActivaultReader:
             out["notes"] = list(self.notes)
         return out
 
-    def sample_text(self, n_rows: int = 2, n_tokens: int = 32, max_bytes: int = 64 * MiB
-                    ) -> list[str] | None:  # fmt: skip
+    def sample_text(
+        self, n_rows: int = 2, n_tokens: int = 32, max_bytes: int = 64 * MiB
+    ) -> list[str] | None:
         """Decoded tokens of the first rows of the first file, when the model's tokenizer is
         available locally and the file is at most ``max_bytes``."""
         first = next(iter(self.listings.values()))
@@ -456,10 +487,8 @@ class ActivaultReader:
         self._pool_lock = threading.Lock()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def auto_chunk(size: int, concurrency: int) -> int:
@@ -472,8 +501,9 @@ def auto_chunk(size: int, concurrency: int) -> int:
     return int(min(16 * MiB, max(MiB, -(-size // concurrency))))
 
 
-def check_megabatch(mb: dict[str, torch.Tensor], md: HookMetadata, source: str
-                    ) -> dict[str, torch.Tensor]:  # fmt: skip
+def check_megabatch(
+    mb: dict[str, torch.Tensor], md: HookMetadata, source: str
+) -> dict[str, torch.Tensor]:
     """Raise :class:`CorruptStoreError` unless ``mb`` matches ``md``'s shape and dtype."""
     states, ids = mb["states"], mb["input_ids"]
     if tuple(states.shape) != md.shape or states.dtype != parse_dtype(md.dtype):

@@ -69,16 +69,30 @@ class ActivaultStream(torch.utils.data.IterableDataset):
     ``DataLoader(stream, batch_size=None, num_workers=0)``: it downloads on its own threads.
     """
 
-    def __init__(self, locations: str | Sequence[str], *, hook: Hashable | None = None,
-                 batch_size: int = 4096, mix_files: int = 2, prefetch_files: int = 2,
-                 concurrency: int = 8, chunk_size: int | None = None, shuffle: bool = True,
-                 seed: int = 0, epochs: int | None = 1, return_ids: bool = False,
-                 drop_last: bool = False, dtype: torch.dtype | None = None,
-                 allow_incomplete: bool = False, s3: S3Config | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        locations: str | Sequence[str],
+        *,
+        hook: Hashable | None = None,
+        batch_size: int = 4096,
+        mix_files: int = 2,
+        prefetch_files: int = 2,
+        concurrency: int = 8,
+        chunk_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        epochs: int | None = 1,
+        return_ids: bool = False,
+        drop_last: bool = False,
+        dtype: torch.dtype | None = None,
+        allow_incomplete: bool = False,
+        s3: S3Config | None = None,
+    ) -> None:
         super().__init__()
         if batch_size < 1 or mix_files < 1 or prefetch_files < 0 or concurrency < 1:
-            raise ConfigError("batch_size, mix_files and concurrency must be >= 1, "
-                              "prefetch_files >= 0")  # fmt: skip
+            raise ConfigError(
+                "batch_size, mix_files and concurrency must be >= 1, prefetch_files >= 0"
+            )
         if epochs is not None and epochs < 1:
             raise ConfigError("epochs must be >= 1 (or None for an endless stream)")
         if isinstance(locations, str):
@@ -88,15 +102,24 @@ class ActivaultStream(torch.utils.data.IterableDataset):
         self.batch_size, self.mix_files, self.prefetch_files = batch_size, mix_files, prefetch_files
         self.shuffle, self.seed, self.epochs = shuffle, seed, epochs
         self.return_ids, self.drop_last, self.out_dtype = return_ids, drop_last, dtype
-        self.readers = [ActivaultReader(loc, allow_incomplete=allow_incomplete, s3=s3,
-                                        chunk_size=chunk_size, concurrency=concurrency)
-                        for loc in locations]  # fmt: skip
+        self.readers = [
+            ActivaultReader(
+                loc,
+                allow_incomplete=allow_incomplete,
+                s3=s3,
+                chunk_size=chunk_size,
+                concurrency=concurrency,
+            )
+            for loc in locations
+        ]
         self.hooks = [self._pick_hook(r, hook) for r in self.readers]
         self._check_compatible()
         #: (reader index, file index, tokens in file) of every file, in a fixed base order.
-        self.files = [(ri, fi, r.metadata(h).tokens_per_file)
-                      for ri, (r, h) in enumerate(zip(self.readers, self.hooks))
-                      for fi in range(len(r.files(h)))]  # fmt: skip
+        self.files = [
+            (ri, fi, r.metadata(h).tokens_per_file)
+            for ri, (r, h) in enumerate(zip(self.readers, self.hooks))
+            for fi in range(len(r.files(h)))
+        ]
         if not self.files:
             raise ConfigError(f"{', '.join(map(str, locations))} hold no megabatch files")
         self.d_model = self.readers[0].metadata(self.hooks[0]).d_in
@@ -157,15 +180,24 @@ class ActivaultStream(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch yielded: restore it with :meth:`load_state_dict`."""
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "batch_size": self.batch_size, "mix_files": self.mix_files,
-                "shuffle": self.shuffle, "files": self._digest()}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "mix_files": self.mix_files,
+            "shuffle": self.shuffle,
+            "files": self._digest(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch at which ``state`` was taken."""
         mine = self.state_dict()
-        differ = [k for k in ("seed", "batch_size", "mix_files", "shuffle", "files")
-                  if state.get(k) != mine[k]]  # fmt: skip
+        differ = [
+            k
+            for k in ("seed", "batch_size", "mix_files", "shuffle", "files")
+            if state.get(k) != mine[k]
+        ]
         if differ:
             raise ConfigError(
                 f"this state was saved by a stream with a different {', '.join(differ)}; "
@@ -203,9 +235,11 @@ class ActivaultStream(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         if torch.utils.data.get_worker_info() is not None:
-            raise ConfigError("use DataLoader(stream, batch_size=None, num_workers=0): the stream "
-                              "downloads on its own threads; in worker processes it would repeat "
-                              "in every worker, and its position (state_dict) would stay behind")
+            raise ConfigError(
+                "use DataLoader(stream, batch_size=None, num_workers=0): the stream "
+                "downloads on its own threads; in worker processes it would repeat "
+                "in every worker, and its position (state_dict) would stay behind"
+            )
         self.stats.started = time.perf_counter()
         while self.epochs is None or self.epoch < self.epochs:
             yield from self._iter_epoch()
@@ -221,8 +255,9 @@ class ActivaultStream(torch.utils.data.IterableDataset):
             return
         pending: deque[Future] = deque()
         todo = iter([i for w in windows[first:] for i in w])
-        pool = ThreadPoolExecutor(max(1, self.prefetch_files + self.mix_files),
-                                  thread_name_prefix="actstore-prefetch")  # fmt: skip
+        pool = ThreadPoolExecutor(
+            max(1, self.prefetch_files + self.mix_files), thread_name_prefix="actstore-prefetch"
+        )
 
         def refill(room: int) -> None:
             while len(pending) < room:
@@ -255,7 +290,11 @@ class ActivaultStream(torch.utils.data.IterableDataset):
                 offset = self.position - starts[wi] if wi == first else 0
                 while offset < states.shape[0]:
                     take = min(self.batch_size - carried, states.shape[0] - offset)
-                    sel = slice(offset, offset + take) if perm is None else perm[offset : offset + take]
+                    sel = (
+                        slice(offset, offset + take)
+                        if perm is None
+                        else perm[offset : offset + take]
+                    )
                     carry_states.append(states[sel])
                     if ids is not None:
                         carry_ids.append(ids[sel])

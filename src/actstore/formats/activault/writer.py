@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..base import WriterBase
 from ...batch import Batch, CapturePlan
 from ...errors import ActstoreError, CaptureError, CorruptStoreError, StoreExistsError
 from ...stats import RunningStats
@@ -55,6 +54,7 @@ from ...storage.object import (
     join_key,
     open_location,
 )
+from ..base import WriterBase
 from .layout import (
     CFG,
     DTYPES,
@@ -108,10 +108,18 @@ class HookUploader:
     reported through ``on_error`` and stop further uploads of this hook.
     """
 
-    def __init__(self, hook: str, prefix: str, store: ObjectStore, *, threads: int,
-                 queue_files: int, expected_bytes: int | None,
-                 on_done: Callable[[int, str, int, RunningStats], None],
-                 on_error: Callable[[BaseException], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        hook: str,
+        prefix: str,
+        store: ObjectStore,
+        *,
+        threads: int,
+        queue_files: int,
+        expected_bytes: int | None,
+        on_done: Callable[[int, str, int, RunningStats], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
         self.hook, self.prefix, self.store = hook, prefix, store
         self.expected_bytes = expected_bytes
         self.on_done, self.on_error = on_done, on_error
@@ -218,8 +226,14 @@ class ActivaultWriter(WriterBase):
     committed file ends in) and ``complete`` tell capture where to restart.
     """
 
-    def __init__(self, plan: CapturePlan, out: str, options: ActivaultOptions | None = None, *,
-                 s3: S3Config | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        plan: CapturePlan,
+        out: str,
+        options: ActivaultOptions | None = None,
+        *,
+        s3: S3Config | None = None,
+    ) -> None:
         options = options or ActivaultOptions()
         self.plan, self.options = plan, options
         self._s3 = options.s3_config(s3)
@@ -254,9 +268,14 @@ class ActivaultWriter(WriterBase):
         return join_key(self.run_prefix, *parts)
 
     def _new_record(self) -> RunRecord:
-        return RunRecord(run_id=str(uuid_lib.uuid4()), hooks=self.hooks,
-                         rows_per_file=self.rows, sequence_length=self.seq,
-                         dtype=self.options.dtype, plan=plan_record(self.plan))  # fmt: skip
+        return RunRecord(
+            run_id=str(uuid_lib.uuid4()),
+            hooks=self.hooks,
+            rows_per_file=self.rows,
+            sequence_length=self.seq,
+            dtype=self.options.dtype,
+            plan=plan_record(self.plan),
+        )
 
     def _open(self) -> None:
         if not self.run_prefix:
@@ -296,8 +315,11 @@ class ActivaultWriter(WriterBase):
             )
         record = RunRecord.from_dict(doc["actstore"], source=self.store.url(cfg_key))
         expected = self._new_record()
-        differ = [name for name in ("hooks", "rows_per_file", "sequence_length", "dtype", "plan")
-                  if getattr(record, name) != getattr(expected, name)]  # fmt: skip
+        differ = [
+            name
+            for name in ("hooks", "rows_per_file", "sequence_length", "dtype", "plan")
+            if getattr(record, name) != getattr(expected, name)
+        ]
         if differ:
             detail = ""
             if "plan" in differ:
@@ -319,14 +341,22 @@ class ActivaultWriter(WriterBase):
         self.record = replace(record, num_runs=record.num_runs + 1)
         self._write_cfg()
         self.resume_from = record.next_example
-        log.info("resuming %s after %d committed files per hook (example %d, %d tokens into it; "
-                 "%d unfinished uploads aborted)", self.location, record.groups,
-                 record.next_example, record.next_skip, aborted)  # fmt: skip
+        log.info(
+            "resuming %s after %d committed files per hook (example %d, %d tokens into it; "
+            "%d unfinished uploads aborted)",
+            self.location,
+            record.groups,
+            record.next_example,
+            record.next_skip,
+            aborted,
+        )
 
     def _recover_hook(self, hook: str, record: RunRecord) -> RunningStats:
         """Delete files of uncommitted groups; check committed ones; catch statistics up."""
         prefix = self._hook_prefix(hook)
-        keep = {data_file_name(group_uuid(record.run_id, g), g + 1): g for g in range(record.groups)}
+        keep = {
+            data_file_name(group_uuid(record.run_id, g), g + 1): g for g in range(record.groups)
+        }
         sizes: dict[str, int] = {}
         for obj in self.store.list(prefix + "/"):
             name = obj.key[len(prefix) + 1 :]
@@ -337,8 +367,10 @@ class ActivaultWriter(WriterBase):
                 self.store.delete(obj.key)
         if record.groups == 0:
             return RunningStats(self.plan.d_model)
-        md = HookMetadata.from_dict(self.store.get_json(join_key(prefix, METADATA)),
-                                    source=self.store.url(join_key(prefix, METADATA)))  # fmt: skip
+        md = HookMetadata.from_dict(
+            self.store.get_json(join_key(prefix, METADATA)),
+            source=self.store.url(join_key(prefix, METADATA)),
+        )
         self._metadata_bytes[hook] = md.bytes_per_file
         for name, g in keep.items():
             if sizes.get(name) != md.bytes_per_file:
@@ -350,8 +382,9 @@ class ActivaultWriter(WriterBase):
         stats_key = join_key(prefix, STATISTICS)
         stats = None
         if self.store.size(stats_key) is not None:
-            stats = statistics_from_dict(self.store.get_json(stats_key),
-                                         source=self.store.url(stats_key))  # fmt: skip
+            stats = statistics_from_dict(
+                self.store.get_json(stats_key), source=self.store.url(stats_key)
+            )
         stats = stats or RunningStats(self.plan.d_model)
         done, rest = divmod(stats.count, self.tokens_per_file)
         if rest or done > record.groups:
@@ -392,10 +425,15 @@ class ActivaultWriter(WriterBase):
         opts = self.options
         for hook in self.hooks:
             self._uploaders[hook] = HookUploader(
-                hook, self._hook_prefix(hook), self._make_store(), threads=opts.upload_threads,
-                queue_files=opts.queue_files, expected_bytes=self._metadata_bytes.get(hook),
-                on_done=self._uploaded, on_error=self._fail,
-            )  # fmt: skip
+                hook,
+                self._hook_prefix(hook),
+                self._make_store(),
+                threads=opts.upload_threads,
+                queue_files=opts.queue_files,
+                expected_bytes=self._metadata_bytes.get(hook),
+                on_done=self._uploaded,
+                on_error=self._fail,
+            )
 
     def write(self, batch: Batch) -> None:
         """Append the kept tokens of ``batch``'s examples not already stored."""
@@ -430,8 +468,11 @@ class ActivaultWriter(WriterBase):
                 f"{self.location} was started {'with' if self.record.token_mask else 'without'} "
                 "token cleaning; resume it with the same cleaning setting"
             )
-        mask = (np.ones((b, t), dtype=bool) if batch.token_mask is None
-                else np.array(batch.token_mask, dtype=bool, copy=True))  # fmt: skip
+        mask = (
+            np.ones((b, t), dtype=bool)
+            if batch.token_mask is None
+            else np.array(batch.token_mask, dtype=bool, copy=True)
+        )
         if self._skip:  # the first kept tokens of this example are stored already
             row = mask[0]
             row[np.flatnonzero(row)[: self._skip]] = False
@@ -448,7 +489,9 @@ class ActivaultWriter(WriterBase):
             token_ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).reshape(-1)
         else:
             token_ids = torch.full((b * t,), -1, dtype=torch.int64)
-        full = self._packer.add(rows, token_ids if index is None else token_ids.index_select(0, index))
+        full = self._packer.add(
+            rows, token_ids if index is None else token_ids.index_select(0, index)
+        )
         self._next_example += b
         for states, group_ids in full:
             self._emit_group(states, group_ids)
@@ -491,22 +534,31 @@ class ActivaultWriter(WriterBase):
         if group == 0:
             for hook in self.hooks:
                 md = HookMetadata.for_shape(
-                    rows=self.rows, seq=self.seq, d=self.plan.d_model,
-                    dtype=dtype_name(self.dtype), batches_per_file=self.batches_per_file,
-                ).with_bytes(self._metadata_bytes[hook])  # fmt: skip
+                    rows=self.rows,
+                    seq=self.seq,
+                    d=self.plan.d_model,
+                    dtype=dtype_name(self.dtype),
+                    batches_per_file=self.batches_per_file,
+                ).with_bytes(self._metadata_bytes[hook])
                 self.store.put_json(join_key(self._hook_prefix(hook), METADATA), md.to_dict())
         example, skip = pending["position"]
         self.record = replace(self.record, groups=group + 1, next_example=example, next_skip=skip)
         self._write_cfg()
         for hook, stats in pending["stats"].items():  # merged in group order: deterministic
             self._stats[hook] = self._stats[hook].merge(stats)
-            self.store.put_json(join_key(self._hook_prefix(hook), STATISTICS),
-                                statistics_to_dict(self._stats[hook]))  # fmt: skip
+            self.store.put_json(
+                join_key(self._hook_prefix(hook), STATISTICS), statistics_to_dict(self._stats[hook])
+            )
 
     def _write_cfg(self) -> None:
         bucket = self.store.bucket if isinstance(self.store, S3Store) else ""
-        doc = run_cfg(self.record, run_name=base_name(self.run_prefix), bucket=bucket,
-                      batch_size=self.plan.batch_size, batches_per_file=self.batches_per_file)
+        doc = run_cfg(
+            self.record,
+            run_name=base_name(self.run_prefix),
+            bucket=bucket,
+            batch_size=self.plan.batch_size,
+            batches_per_file=self.batches_per_file,
+        )
         self.store.put_json(self._key(CFG), doc, indent=2)
 
     # ------------------------------------------------------------------ finish
@@ -514,8 +566,9 @@ class ActivaultWriter(WriterBase):
     def flush(self) -> None:
         """Wait until every full file handed over so far is uploaded and committed."""
         with self._committed:
-            self._committed.wait_for(lambda: self.record.groups >= self._emitted
-                                     or self._error is not None)  # fmt: skip
+            self._committed.wait_for(
+                lambda: self.record.groups >= self._emitted or self._error is not None
+            )
         self._raise_if_failed()
 
     def close(self) -> str:
@@ -538,15 +591,22 @@ class ActivaultWriter(WriterBase):
                 "--opt rows_per_file or capture more examples"
             )
         if dropped:
-            log.warning("dropped the last %d tokens: fewer than one file of %d tokens "
-                        "(Activault files must all be the same size)", dropped,
-                        self.tokens_per_file)  # fmt: skip
+            log.warning(
+                "dropped the last %d tokens: fewer than one file of %d tokens "
+                "(Activault files must all be the same size)",
+                dropped,
+                self.tokens_per_file,
+            )
         with self._lock:
             self.record = replace(self.record, complete=True, dropped_tokens=dropped)
             self._write_cfg()
         self.complete = True
-        log.info("published %s: %d files per hook, %d tokens each", self.location,
-                 self.record.groups, self.tokens_per_file)  # fmt: skip
+        log.info(
+            "published %s: %d files per hook, %d tokens each",
+            self.location,
+            self.record.groups,
+            self.tokens_per_file,
+        )
         return self.location
 
     def abort(self) -> None:
@@ -569,13 +629,18 @@ def file_shape(plan: CapturePlan, options: ActivaultOptions) -> tuple[int, int]:
     """
     seq = options.sequence_length or plan.tokens_per_example
     rows = options.rows_per_file or default_rows_per_file(
-        plan.batch_size, seq, plan.d_model, DTYPES[options.dtype],
-        total_tokens=plan.n_examples * plan.tokens_per_example)  # fmt: skip
+        plan.batch_size,
+        seq,
+        plan.d_model,
+        DTYPES[options.dtype],
+        total_tokens=plan.n_examples * plan.tokens_per_example,
+    )
     return rows, seq
 
 
-def default_rows_per_file(batch_size: int, seq: int, d: int, dtype: torch.dtype, *,
-                          total_tokens: int | None = None) -> int:  # fmt: skip
+def default_rows_per_file(
+    batch_size: int, seq: int, d: int, dtype: torch.dtype, *, total_tokens: int | None = None
+) -> int:
     """8 capture batches of rows, but at most 256 MiB per file and, for small captures, at
     most a sixteenth of the data (so the dropped tail, under one file, stays small).
 
@@ -612,8 +677,9 @@ class _Packer:
         self._ids = torch.empty(self.n, dtype=torch.int64)
         self.fill = 0
 
-    def add(self, rows: dict[str, torch.Tensor], ids: torch.Tensor
-            ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:  # fmt: skip
+    def add(
+        self, rows: dict[str, torch.Tensor], ids: torch.Tensor
+    ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Append ``rows[hook]`` ([k, d]) and ``ids`` ([k]); return the groups filled."""
         full, pos, k = [], 0, ids.shape[0]
         while pos < k:

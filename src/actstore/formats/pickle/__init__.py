@@ -39,6 +39,7 @@ FORMAT = FormatSpec(
     writer_for_plan=_writer_for_plan,
 )
 
+
 def __getattr__(name: str):
     # The torch Dataset uses the loader's order functions; imported on first use so the
     # format package does not pull in the loader.

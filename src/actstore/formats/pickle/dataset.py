@@ -39,9 +39,18 @@ from .reader import PickleReader
 class ActivationDataset(IterableDataset):
     """Samples of one layer of a pkl.gz store, shuffled per epoch (see module docstring)."""
 
-    def __init__(self, output_dir: str | os.PathLike, layer_idx: int, *, shuffle: bool = True,
-                 seed: int = 0, pool_shards: int = 2, epoch: int = 0, rank: int = 0,
-                 world_size: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        layer_idx: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        pool_shards: int = 2,
+        epoch: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if pool_shards < 1:
             raise ConfigError(f"pool_shards must be >= 1, not {pool_shards}")
         self.reader = PickleReader(output_dir, cache_shards=pool_shards)
@@ -55,8 +64,13 @@ class ActivationDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank serves per epoch."""
-        span = rank_span(int(self._sizes.sum()), rank=self.rank, world_size=self.world_size,
-                         batch_size=1, drop_last=False)  # fmt: skip
+        span = rank_span(
+            int(self._sizes.sum()),
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=1,
+            drop_last=False,
+        )
         return span.stop - span.start
 
     def set_epoch(self, epoch: int) -> None:
@@ -65,14 +79,16 @@ class ActivationDataset(IterableDataset):
 
     def _plan(self):
         if self.shuffle:
-            return plan_epoch(self._sizes, pool_blocks=self.pool_shards, seed=self.seed,
-                              epoch=self.epoch)  # fmt: skip
+            return plan_epoch(
+                self._sizes, pool_blocks=self.pool_shards, seed=self.seed, epoch=self.epoch
+            )
         return None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         total = int(self._sizes.sum())
-        span = rank_span(total, rank=self.rank, world_size=self.world_size, batch_size=1,
-                         drop_last=False)  # fmt: skip
+        span = rank_span(
+            total, rank=self.rank, world_size=self.world_size, batch_size=1, drop_last=False
+        )
         info = get_worker_info()
         if info is not None:
             span = worker_span(span, worker=info.id, num_workers=info.num_workers, batch_size=1)
@@ -80,15 +96,19 @@ class ActivationDataset(IterableDataset):
         if plan is None:  # storage order: shard after shard
             windows = [(np.array([k]), None) for k in range(len(self.shards))]
         else:
-            windows = [(plan.window_blocks(w), plan.window_permutation(w))
-                       for w in range(plan.n_windows)]  # fmt: skip
+            windows = [
+                (plan.window_blocks(w), plan.window_permutation(w)) for w in range(plan.n_windows)
+            ]
         first = 0  # stream position of the window's first sample
         for blocks, permutation in windows:
             n = int(self._sizes[blocks].sum())
             lo, hi = max(span.start, first), min(span.stop, first + n)
             if lo < hi:
-                items = [item for k in blocks
-                         for item in self.reader.load_shard(self.shards[k])[self.layer_key]]
+                items = [
+                    item
+                    for k in blocks
+                    for item in self.reader.load_shard(self.shards[k])[self.layer_key]
+                ]
                 for position in range(lo - first, hi - first):
                     index = position if permutation is None else int(permutation[position])
                     yield _spec_item(items[index])

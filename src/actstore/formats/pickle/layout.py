@@ -104,8 +104,13 @@ def extraction_config(plan: CapturePlan, samples_per_shard: int) -> dict[str, An
     }
 
 
-def distributed_config(*, machine_id: int = 0, total_machines: int = 1,
-                       samples_per_machine: int, example_range: tuple[int, int]) -> dict[str, Any]:  # fmt: skip
+def distributed_config(
+    *,
+    machine_id: int = 0,
+    total_machines: int = 1,
+    samples_per_machine: int,
+    example_range: tuple[int, int],
+) -> dict[str, Any]:
     """The spec's ``distributed_config`` of one machine's output."""
     return {
         "machine_id": machine_id,
@@ -162,7 +167,9 @@ class ShardInfo:
     @classmethod
     def from_dict(cls, doc: Any, *, source: str = METADATA) -> ShardInfo:
         """Parse and validate one shard entry."""
-        where = f"{source}: shard entry {doc.get('shard_id', '?') if isinstance(doc, dict) else '?'}"
+        where = (
+            f"{source}: shard entry {doc.get('shard_id', '?') if isinstance(doc, dict) else '?'}"
+        )
         if not isinstance(doc, dict):
             raise CorruptStoreError(f"{where} must be an object")
         ints = ("shard_id", "size_bytes", "num_samples")
@@ -172,12 +179,17 @@ class ShardInfo:
         if not all(_is_int(doc[k]) and doc[k] >= 0 for k in ints):
             raise CorruptStoreError(f"{where}: {', '.join(ints)} must be non-negative integers")
         rng = doc["sample_id_range"]
-        if not (isinstance(rng, list) and len(rng) == 2 and all(_is_int(x) for x in rng)
-                and rng[0] <= rng[1]):  # fmt: skip
+        if not (
+            isinstance(rng, list)
+            and len(rng) == 2
+            and all(_is_int(x) for x in rng)
+            and rng[0] <= rng[1]
+        ):
             raise CorruptStoreError(f"{where}: sample_id_range must be [first, last] integers")
         if doc["num_samples"] > rng[1] - rng[0] + 1:
-            raise CorruptStoreError(f"{where}: {doc['num_samples']} samples cannot have ids in "
-                                    f"{rng}")  # fmt: skip
+            raise CorruptStoreError(
+                f"{where}: {doc['num_samples']} samples cannot have ids in {rng}"
+            )
         if not (isinstance(doc["layers"], list) and all(_is_int(x) for x in doc["layers"])):
             raise CorruptStoreError(f"{where}: layers must be a list of integers")
         checksum = doc["checksum"]
@@ -191,10 +203,17 @@ class ShardInfo:
         num_tokens = doc.get("num_tokens")
         if num_tokens is not None and not (_is_int(num_tokens) and num_tokens >= 0):
             raise CorruptStoreError(f"{where}: num_tokens must be a non-negative integer")
-        return cls(shard_id=doc["shard_id"], filename=name, size_bytes=doc["size_bytes"],
-                   num_samples=doc["num_samples"], layers=tuple(doc["layers"]),
-                   sample_id_range=(rng[0], rng[1]), compressed=doc["compressed"],
-                   checksum=checksum, num_tokens=num_tokens)  # fmt: skip
+        return cls(
+            shard_id=doc["shard_id"],
+            filename=name,
+            size_bytes=doc["size_bytes"],
+            num_samples=doc["num_samples"],
+            layers=tuple(doc["layers"]),
+            sample_id_range=(rng[0], rng[1]),
+            compressed=doc["compressed"],
+            checksum=checksum,
+            num_tokens=num_tokens,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,8 +269,12 @@ class PickleMetadata:
                 f"{source} has version {version!r}; this reader implements {VERSION} and "
                 "cannot read another major version"
             )
-        for key, typ in (("extraction_config", dict), ("statistics", dict), ("shards", list),
-                         ("created_at", str)):  # fmt: skip
+        for key, typ in (
+            ("extraction_config", dict),
+            ("statistics", dict),
+            ("shards", list),
+            ("created_at", str),
+        ):
             if not isinstance(doc[key], typ):
                 raise CorruptStoreError(f"{source}: {key} must be a JSON {typ.__name__}")
         dist = doc.get("distributed_config") or {}
@@ -270,9 +293,14 @@ class PickleMetadata:
                     f"ranges {list(a.sample_id_range)} and {list(b.sample_id_range)}; sample "
                     "ids must be unique (merge machines' outputs with `actstore merge`)"
                 )
-        return cls(version=version, created_at=doc["created_at"],
-                   extraction_config=doc["extraction_config"], distributed_config=dist,
-                   shards=shards, statistics=doc["statistics"])  # fmt: skip
+        return cls(
+            version=version,
+            created_at=doc["created_at"],
+            extraction_config=doc["extraction_config"],
+            distributed_config=dist,
+            shards=shards,
+            statistics=doc["statistics"],
+        )
 
 
 def _is_int(value: Any) -> bool:

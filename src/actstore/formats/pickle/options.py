@@ -12,15 +12,26 @@ from .layout import DEFAULT_SHARD_MB
 class PickleOptions:
     """How a capture is cut into pkl.gz shards."""
 
-    compress: bool = field(default=True, metadata={
-        "help": "gzip shards (.pkl.gz, the spec's default) or write plain .pkl (faster to load)"})
-    compresslevel: int = field(default=1, metadata={
-        "help": "gzip level 1-9; activations are high-entropy floats, so higher levels cost "
-                "much time for little size"})
-    shard_mb: float = field(default=DEFAULT_SHARD_MB, metadata={
-        "help": "target MB of float32 activations per shard (spec: 50-500 recommended)"})
-    samples_per_shard: int | None = field(default=None, metadata={
-        "help": "samples per shard, overriding shard_mb"})
+    compress: bool = field(
+        default=True,
+        metadata={
+            "help": "gzip shards (.pkl.gz, the spec's default) or write plain .pkl (faster to load)"
+        },
+    )
+    compresslevel: int = field(
+        default=1,
+        metadata={
+            "help": "gzip level 1-9; activations are high-entropy floats, so higher levels cost "
+            "much time for little size"
+        },
+    )
+    shard_mb: float = field(
+        default=DEFAULT_SHARD_MB,
+        metadata={"help": "target MB of float32 activations per shard (spec: 50-500 recommended)"},
+    )
+    samples_per_shard: int | None = field(
+        default=None, metadata={"help": "samples per shard, overriding shard_mb"}
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.compresslevel <= 9:

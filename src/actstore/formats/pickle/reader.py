@@ -140,8 +140,10 @@ class PickleReader:
         return self.metadata.n_samples
 
     def __repr__(self) -> str:
-        return (f"PickleReader({str(self.path)!r}, samples={self.n_examples}, "
-                f"layers={list(self.layers)}, shards={len(self.shards)})")  # fmt: skip
+        return (
+            f"PickleReader({str(self.path)!r}, samples={self.n_examples}, "
+            f"layers={list(self.layers)}, shards={len(self.shards)})"
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cache": OrderedDict()}
@@ -152,8 +154,9 @@ class PickleReader:
 
     # ------------------------------------------------------------------ shards
 
-    def load_shard(self, index: int, *,
-                   progress: Callable[[int], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    def load_shard(
+        self, index: int, *, progress: Callable[[int], None] | None = None
+    ) -> dict[str, Any]:
         """Shard ``index`` (in sample id order) as the spec's dict, checksum- and
         structure-checked, through the restricted unpickler."""
         cached = self._cache.get(index)
@@ -181,8 +184,10 @@ class PickleReader:
                     data = safe_pickle.load(tee)
                 tee.drain()
         except (OSError, EOFError, zlib.error) as err:
-            raise CorruptStoreError(f"shard {file} cannot be decompressed ({err}); it is "
-                                    "damaged: restore it or re-capture") from err  # fmt: skip
+            raise CorruptStoreError(
+                f"shard {file} cannot be decompressed ({err}); it is "
+                "damaged: restore it or re-capture"
+            ) from err
         except CorruptStoreError as err:
             raise CorruptStoreError(f"shard {file}: {err}") from err
         if tee.hasher.hexdigest() != info.sha256:
@@ -207,11 +212,16 @@ class PickleReader:
             ids = []
             for item in items:
                 if not isinstance(item, dict) or not isinstance(item.get("activation"), np.ndarray):
-                    raise CorruptStoreError(f"shard {file}: {layer_key(layer)} has an item "
-                                            "without an activation array")  # fmt: skip
+                    raise CorruptStoreError(
+                        f"shard {file}: {layer_key(layer)} has an item without an activation array"
+                    )
                 act, shape = item["activation"], item.get("shape")
-                if act.ndim != 2 or act.dtype.kind != "f" or not isinstance(
-                        shape, (tuple, list)) or tuple(shape) != act.shape:  # fmt: skip
+                if (
+                    act.ndim != 2
+                    or act.dtype.kind != "f"
+                    or not isinstance(shape, (tuple, list))
+                    or tuple(shape) != act.shape
+                ):
                     raise CorruptStoreError(
                         f"shard {file}: sample {item.get('sample_idx')} has activation "
                         f"{act.dtype}{list(act.shape)} and shape {item.get('shape')}; expected "
@@ -219,10 +229,14 @@ class PickleReader:
                     )
                 ids.append(item.get("sample_idx"))
             # numpy integers too: a foreign writer may store np.int64 ids (pickle keeps them)
-            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
-                       and lo <= i <= hi for i in ids):  # fmt: skip
-                raise CorruptStoreError(f"shard {file}: sample ids missing, not integers or "
-                                        f"outside the declared range [{lo}, {hi}]")  # fmt: skip
+            if not all(
+                isinstance(i, (int, np.integer)) and not isinstance(i, bool) and lo <= i <= hi
+                for i in ids
+            ):
+                raise CorruptStoreError(
+                    f"shard {file}: sample ids missing, not integers or "
+                    f"outside the declared range [{lo}, {hi}]"
+                )
             if len(set(ids)) != len(ids):
                 raise CorruptStoreError(f"shard {file}: {layer_key(layer)} repeats sample ids")
             if reference is None:
@@ -253,8 +267,11 @@ class PickleReader:
     def blocks(self, site: Any) -> list[Block]:
         """One block per shard holding ``site``: its samples' rows, in sample id order."""
         layer = self._layer(site)
-        return [Block(site=layer, n_rows=self.shard_rows(i), loc=(i,))
-                for i, info in enumerate(self.shards) if layer in info.layers]  # fmt: skip
+        return [
+            Block(site=layer, n_rows=self.shard_rows(i), loc=(i,))
+            for i, info in enumerate(self.shards)
+            if layer in info.layers
+        ]
 
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``block`` as ``[n_rows, D]`` float32."""
@@ -309,14 +326,20 @@ class PickleReader:
         return CapturePlan(
             ckpt=str(config.get("model_name", "unknown")),
             family=str(config.get("model_architecture", "unknown")),
-            modality=own.get("modality", "text"), sites=plan_sites(self.layers),
+            modality=own.get("modality", "text"),
+            sites=plan_sites(self.layers),
             n_model_layers=int(params.get("num_hidden_layers") or max(self.layers) + 1),
-            d_model=self.d_model, tokens_per_example=tokens, has_cls=bool(own.get("has_cls")),
-            n_examples=md.n_samples, dataset_root=str(config.get("dataset_name") or ""),
-            data=own.get("data") or {}, classes=own.get("classes"),
-            has_labels=bool(own.get("has_labels")), has_tokens=bool(own.get("has_tokens")),
+            d_model=self.d_model,
+            tokens_per_example=tokens,
+            has_cls=bool(own.get("has_cls")),
+            n_examples=md.n_samples,
+            dataset_root=str(config.get("dataset_name") or ""),
+            data=own.get("data") or {},
+            classes=own.get("classes"),
+            has_labels=bool(own.get("has_labels")),
+            has_tokens=bool(own.get("has_tokens")),
             batch_size=int(config.get("batch_size") or 32),
-        )  # fmt: skip
+        )
 
     def example_batches(self, batch_size: int, start: int = 0) -> Iterator[Batch]:
         """The stored samples as capture batches (example ids ``0..n-1`` in sample id order),
@@ -335,12 +358,19 @@ class PickleReader:
 
     def _batch(self, columns: list[list[dict]], lo: int, hi: int, position: int) -> Batch:
         try:
-            acts = {f"resid.{layer}": torch.from_numpy(np.stack(
-                [item["activation"] for item in items[lo:hi]]).astype(np.float32, copy=False))
-                for layer, items in zip(self.layers, columns)}  # fmt: skip
+            acts = {
+                f"resid.{layer}": torch.from_numpy(
+                    np.stack([item["activation"] for item in items[lo:hi]]).astype(
+                        np.float32, copy=False
+                    )
+                )
+                for layer, items in zip(self.layers, columns)
+            }
         except ValueError as err:
-            raise ConfigError(f"{self.path}: samples have different lengths; only fixed-length "
-                              "stores convert to other formats") from err  # fmt: skip
+            raise ConfigError(
+                f"{self.path}: samples have different lengths; only fixed-length "
+                "stores convert to other formats"
+            ) from err
         first = columns[0][lo:hi]
         metas = [item.get("metadata") or {} for item in first]
         tokens = labels = None
@@ -348,9 +378,13 @@ class PickleReader:
             tokens = np.stack([np.asarray(m["token_ids"], dtype=np.int32) for m in metas])
         if all("label" in m for m in metas):
             labels = np.asarray([m["label"] for m in metas], dtype=np.int64)
-        return Batch(acts=acts, example_ids=np.arange(position + lo, position + hi),
-                     token_ids=tokens, labels=labels,
-                     texts=[str(item.get("text_preview", "")) for item in first])  # fmt: skip
+        return Batch(
+            acts=acts,
+            example_ids=np.arange(position + lo, position + hi),
+            token_ids=tokens,
+            labels=labels,
+            texts=[str(item.get("text_preview", "")) for item in first],
+        )
 
     # ------------------------------------------------------------------ inspect / verify
 
@@ -365,15 +399,20 @@ class PickleReader:
             "model": f"{config.get('model_name')} ({config.get('model_architecture')})",
             "dataset": config.get("dataset_name"),
             "sites": [f"layer {layer}" for layer in md.layers],
-            "shape": (f"{md.n_samples} samples x {len(md.layers)} layers {list(md.layers)} x "
-                      f"{config.get('max_seq_length')} tokens x {self.d_model} dims"),
+            "shape": (
+                f"{md.n_samples} samples x {len(md.layers)} layers {list(md.layers)} x "
+                f"{config.get('max_seq_length')} tokens x {self.d_model} dims"
+            ),
             "n_examples": md.n_samples,
             "layers": list(md.layers),
             "d_model": self.d_model,
             "shards": f"{len(self.shards)} ({'gzip' if any(s.compressed for s in self.shards) else 'plain pickle'})",
             "created_at": md.created_at,
-            "distributed": {k: md.distributed_config.get(k) for k in
-                            ("machine_id", "total_machines") if k in md.distributed_config},
+            "distributed": {
+                k: md.distributed_config.get(k)
+                for k in ("machine_id", "total_machines")
+                if k in md.distributed_config
+            },
             "bytes": sum(f.stat().st_size for f in files),
             "files": [f.name for f in files],
         }
@@ -395,12 +434,15 @@ class PickleReader:
             report.bytes_checked += info.size_bytes
             for layer in info.layers:
                 for item in data[layer_key(layer)]:
-                    non_finite += int(item["activation"].size
-                                      - np.count_nonzero(np.isfinite(item["activation"])))
+                    non_finite += int(
+                        item["activation"].size - np.count_nonzero(np.isfinite(item["activation"]))
+                    )
         totals = self.metadata.statistics
         if totals.get("total_samples", self.n_examples) != self.n_examples:
-            report.faults.append(f"statistics.total_samples is {totals['total_samples']} but the "
-                                 f"shards hold {self.n_examples} samples")  # fmt: skip
+            report.faults.append(
+                f"statistics.total_samples is {totals['total_samples']} but the "
+                f"shards hold {self.n_examples} samples"
+            )
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
         return report

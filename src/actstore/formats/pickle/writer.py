@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..base import WriterBase
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, StoreExistsError
 from ...stats import RunningStats, merge_all
@@ -47,6 +46,7 @@ from ...storage import (
     make_read_only,
     read_json,
 )
+from ..base import WriterBase
 from .layout import (
     MAX_SHARD_BYTES,
     METADATA,
@@ -94,15 +94,23 @@ class PickleWriter(WriterBase):
     #: Ask capture for each example's decoded text (the items' ``text_preview``).
     wants_texts = True
 
-    def __init__(self, plan: CapturePlan, out: str | os.PathLike,
-                 options: PickleOptions | None = None, *,
-                 example_range: tuple[int, int] | None = None, machine_id: int = 0,
-                 total_machines: int = 1, samples_per_machine: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        plan: CapturePlan,
+        out: str | os.PathLike,
+        options: PickleOptions | None = None,
+        *,
+        example_range: tuple[int, int] | None = None,
+        machine_id: int = 0,
+        total_machines: int = 1,
+        samples_per_machine: int | None = None,
+    ) -> None:
         options = options or PickleOptions()
         self.plan, self.options = plan, options
         self.out = Path(out).expanduser().resolve()
         self.samples_per_shard = options.samples_per_shard or samples_per_shard_for(
-            plan, options.shard_mb)
+            plan, options.shard_mb
+        )
         self.config = extraction_config(plan, self.samples_per_shard)
         start, stop = example_range if example_range is not None else (0, plan.n_examples)
         per_machine = samples_per_machine if samples_per_machine is not None else stop - start
@@ -110,10 +118,14 @@ class PickleWriter(WriterBase):
         self.example_range = (start, stop)
         self.machine_id = machine_id
         self.distributed = distributed_config(
-            machine_id=machine_id, total_machines=total_machines,
-            samples_per_machine=per_machine, example_range=(start, stop))  # fmt: skip
-        shard_bytes = self.samples_per_shard * plan.tokens_per_example * plan.d_model * 4 * len(
-            plan.sites)
+            machine_id=machine_id,
+            total_machines=total_machines,
+            samples_per_machine=per_machine,
+            example_range=(start, stop),
+        )
+        shard_bytes = (
+            self.samples_per_shard * plan.tokens_per_example * plan.d_model * 4 * len(plan.sites)
+        )
         if shard_bytes > MAX_SHARD_BYTES:
             raise ConfigError(
                 f"{self.samples_per_shard} samples per shard make {shard_bytes / 1e9:.1f} GB "
@@ -139,8 +151,10 @@ class PickleWriter(WriterBase):
         if not 0 <= start < stop <= n:
             raise ConfigError(f"example range [{start}, {stop}) is empty or outside [0, {n})")
         if start % per_shard:
-            raise ConfigError(f"a part must start on a shard boundary ({per_shard} samples per "
-                              f"shard); {start} is not one")  # fmt: skip
+            raise ConfigError(
+                f"a part must start on a shard boundary ({per_shard} samples per "
+                f"shard); {start} is not one"
+            )
         if machine_id * per_machine != start:
             raise ConfigError(
                 f"machine {machine_id} with {per_machine} samples per machine starts at sample "
@@ -172,8 +186,10 @@ class PickleWriter(WriterBase):
         self._save_progress()
 
     def _resume(self, progress: dict[str, Any]) -> None:
-        if progress.get("extraction_config") != self.config or progress.get(
-                "distributed_config") != self.distributed:  # fmt: skip
+        if (
+            progress.get("extraction_config") != self.config
+            or progress.get("distributed_config") != self.distributed
+        ):
             raise StoreExistsError(
                 f"{self.out} holds an unfinished capture with another configuration; delete "
                 "it or choose another output directory"
@@ -181,36 +197,48 @@ class PickleWriter(WriterBase):
         shards = [ShardInfo.from_dict(s) for s in progress.get("shards", [])]
         for info in shards:
             path = self.out / info.filename
-            if not path.exists() or path.stat().st_size != info.size_bytes or (
-                    hash_file(path) != info.sha256):  # fmt: skip
-                log.warning("%s is missing or damaged; restarting this capture from scratch",
-                            path)  # fmt: skip
+            if (
+                not path.exists()
+                or path.stat().st_size != info.size_bytes
+                or (hash_file(path) != info.sha256)
+            ):
+                log.warning("%s is missing or damaged; restarting this capture from scratch", path)
                 return
         self._shards = shards
-        self._stats = {int(k): RunningStats.from_dict(v)
-                       for k, v in progress.get("stats", {}).items()}  # fmt: skip
+        self._stats = {
+            int(k): RunningStats.from_dict(v) for k, v in progress.get("stats", {}).items()
+        }
         self._elapsed = float(progress.get("elapsed_s", 0.0))
         self.resume_from = self.example_range[0] + sum(s.num_samples for s in shards)
-        log.info("resuming %s: %d finished shards (%d samples) kept", self.out, len(shards),
-                 self.resume_from - self.example_range[0])  # fmt: skip
+        log.info(
+            "resuming %s: %d finished shards (%d samples) kept",
+            self.out,
+            len(shards),
+            self.resume_from - self.example_range[0],
+        )
 
     def _clean_unlisted(self) -> None:
         """Remove shard files and temporaries the progress record does not list."""
         keep = {s.filename for s in self._shards}
         for child in self.out.iterdir():
             ours = is_shard_filename(child.name) or (
-                child.name.startswith(".shard_") and child.name.endswith(".tmp"))  # fmt: skip
+                child.name.startswith(".shard_") and child.name.endswith(".tmp")
+            )
             if ours and child.name not in keep:
                 child.unlink()
 
     def _save_progress(self) -> None:
-        atomic_write_json(self.out / PROGRESS, {
-            "extraction_config": self.config,
-            "distributed_config": self.distributed,
-            "shards": [s.to_dict() for s in self._shards],
-            "stats": {str(k): v.to_dict() for k, v in self._stats.items()},
-            "elapsed_s": self._elapsed + time.perf_counter() - self._t0,
-        }, indent=None)  # fmt: skip
+        atomic_write_json(
+            self.out / PROGRESS,
+            {
+                "extraction_config": self.config,
+                "distributed_config": self.distributed,
+                "shards": [s.to_dict() for s in self._shards],
+                "stats": {str(k): v.to_dict() for k, v in self._stats.items()},
+                "elapsed_s": self._elapsed + time.perf_counter() - self._t0,
+            },
+            indent=None,
+        )
 
     # ------------------------------------------------------------------ writing
 
@@ -226,11 +254,15 @@ class PickleWriter(WriterBase):
             return
         ids = batch.example_ids
         if not np.array_equal(ids, np.arange(start, start + len(ids))):
-            raise CaptureError(f"batches must arrive in example order: expected ids from "
-                               f"{start}, got {ids[:4].tolist()}...")  # fmt: skip
+            raise CaptureError(
+                f"batches must arrive in example order: expected ids from "
+                f"{start}, got {ids[:4].tolist()}..."
+            )
         if ids[-1] >= self.example_range[1]:
-            raise CaptureError(f"example {ids[-1]} is beyond {self.example_range[1]}, the end of "
-                               "what this writer holds")  # fmt: skip
+            raise CaptureError(
+                f"example {ids[-1]} is beyond {self.example_range[1]}, the end of "
+                "what this writer holds"
+            )
         acts = {}
         for layer in self.plan.layers:
             tensor = batch.acts.get(f"resid.{layer}")
@@ -240,11 +272,12 @@ class PickleWriter(WriterBase):
         per_machine = self.distributed["samples_per_machine"]
         for i, example in enumerate(ids.tolist()):
             meta: dict[str, Any] = {
-                "token_count": int(batch.token_mask[i].sum()) if batch.token_mask is not None
+                "token_count": int(batch.token_mask[i].sum())
+                if batch.token_mask is not None
                 else int(acts[self.plan.layers[0]].shape[1]),
                 "dataset_idx": example,
                 "machine_id": self.machine_id,
-            }  # fmt: skip
+            }
             if batch.token_ids is not None:
                 meta["token_ids"] = np.ascontiguousarray(batch.token_ids[i], dtype=np.int32)
             if batch.labels is not None:
@@ -252,13 +285,15 @@ class PickleWriter(WriterBase):
             text = batch.texts[i][:TEXT_PREVIEW_CHARS] if batch.texts is not None else ""
             local = example - self.example_range[0]
             for layer, array in acts.items():
-                self._items.setdefault(layer_key(layer), []).append({
-                    "sample_idx": self.machine_id * per_machine + local,
-                    "activation": array[i],
-                    "shape": tuple(array[i].shape),
-                    "text_preview": text,
-                    "metadata": meta,
-                })  # fmt: skip
+                self._items.setdefault(layer_key(layer), []).append(
+                    {
+                        "sample_idx": self.machine_id * per_machine + local,
+                        "activation": array[i],
+                        "shape": tuple(array[i].shape),
+                        "text_preview": text,
+                        "metadata": meta,
+                    }
+                )
             self._buffered += 1
             if (example + 1) % self.samples_per_shard == 0:
                 self._flush()
@@ -275,8 +310,13 @@ class PickleWriter(WriterBase):
         with open(tmp, "wb") as raw:
             sink = _HashingWriter(raw)
             if self.options.compress:
-                with gzip.GzipFile(filename="", mode="wb", fileobj=sink,
-                                   compresslevel=self.options.compresslevel, mtime=0) as gz:  # fmt: skip
+                with gzip.GzipFile(
+                    filename="",
+                    mode="wb",
+                    fileobj=sink,
+                    compresslevel=self.options.compresslevel,
+                    mtime=0,
+                ) as gz:
                     pickle.dump(items, gz, protocol=PICKLE_PROTOCOL)
             else:
                 pickle.dump(items, sink, protocol=PICKLE_PROTOCOL)
@@ -289,11 +329,19 @@ class PickleWriter(WriterBase):
             rows = [item["activation"] for item in items[layer_key(layer)]]
             self._stats[layer].update(np.concatenate(rows))
             n_tokens = sum(r.shape[0] for r in rows)
-        self._shards.append(ShardInfo(
-            shard_id=shard_id, filename=name, size_bytes=sink.size, num_samples=self._buffered,
-            layers=tuple(self.plan.layers), sample_id_range=(first, last),
-            compressed=self.options.compress, checksum=f"sha256:{sink.hasher.hexdigest()}",
-            num_tokens=n_tokens))  # fmt: skip
+        self._shards.append(
+            ShardInfo(
+                shard_id=shard_id,
+                filename=name,
+                size_bytes=sink.size,
+                num_samples=self._buffered,
+                layers=tuple(self.plan.layers),
+                sample_id_range=(first, last),
+                compressed=self.options.compress,
+                checksum=f"sha256:{sink.hasher.hexdigest()}",
+                num_tokens=n_tokens,
+            )
+        )
         self._items, self._buffered = {}, 0
         self._save_progress()
 
@@ -302,11 +350,18 @@ class PickleWriter(WriterBase):
     def metadata(self) -> PickleMetadata:
         """The ``metadata.json`` the finished shards make."""
         return PickleMetadata(
-            version=VERSION, created_at=utc_now(), extraction_config=self.config,
-            distributed_config=self.distributed, shards=tuple(self._shards),
-            statistics=_statistics(self._shards, self.plan.layers, self._stats,
-                                   self._elapsed + time.perf_counter() - self._t0),
-        )  # fmt: skip
+            version=VERSION,
+            created_at=utc_now(),
+            extraction_config=self.config,
+            distributed_config=self.distributed,
+            shards=tuple(self._shards),
+            statistics=_statistics(
+                self._shards,
+                self.plan.layers,
+                self._stats,
+                self._elapsed + time.perf_counter() - self._t0,
+            ),
+        )
 
     def close(self) -> Path:
         """Write the last shard, then ``metadata.json`` (which publishes the store)."""
@@ -317,8 +372,10 @@ class PickleWriter(WriterBase):
         total = sum(s.num_samples for s in self._shards)
         start, stop = self.example_range
         if total != stop - start:
-            raise CaptureError(f"only {total} of {stop - start} samples were written; rerun the "
-                               f"same capture to resume in {self.out}")  # fmt: skip
+            raise CaptureError(
+                f"only {total} of {stop - start} samples were written; rerun the "
+                f"same capture to resume in {self.out}"
+            )
         atomic_write_json(self.out / METADATA, self.metadata().to_json_dict())
         (self.out / PROGRESS).unlink()
         fsync_dir(self.out)
@@ -332,16 +389,19 @@ class PickleWriter(WriterBase):
         self._items, self._buffered = {}, 0
 
 
-def _statistics(shards: Sequence[ShardInfo], layers: Sequence[int],
-                stats: dict[int, RunningStats], seconds: float) -> dict[str, Any]:  # fmt: skip
+def _statistics(
+    shards: Sequence[ShardInfo],
+    layers: Sequence[int],
+    stats: dict[int, RunningStats],
+    seconds: float,
+) -> dict[str, Any]:
     return {
         "total_shards": len(shards),
         "total_samples": sum(s.num_samples for s in shards),
         "total_size_bytes": sum(s.size_bytes for s in shards),
         "layers_extracted": list(layers),
         "extraction_duration_seconds": round(seconds, 3),
-        "activation_statistics": {layer_key(k): stats[k].to_dict() for k in layers
-                                  if k in stats},
+        "activation_statistics": {layer_key(k): stats[k].to_dict() for k in layers if k in stats},
     }
 
 
@@ -368,10 +428,14 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
     config = readers[0].metadata.extraction_config
     for r in readers[1:]:
         if r.metadata.extraction_config != config:
-            raise ConfigError(f"{r.path} comes from a different extraction than "
-                              f"{readers[0].path} (extraction_config differs)")  # fmt: skip
-    entries = sorted(((s, r) for r in readers for s in r.metadata.shards),
-                     key=lambda pair: pair[0].sample_id_range)  # fmt: skip
+            raise ConfigError(
+                f"{r.path} comes from a different extraction than "
+                f"{readers[0].path} (extraction_config differs)"
+            )
+    entries = sorted(
+        ((s, r) for r in readers for s in r.metadata.shards),
+        key=lambda pair: pair[0].sample_id_range,
+    )
     for (a, ra), (b, rb) in pairwise(entries):
         if b.sample_id_range[0] <= a.sample_id_range[1]:
             raise ConfigError(
@@ -401,15 +465,19 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
         if is_shard_filename(child.name) and child.name not in listed:
             child.unlink()
     layers = readers[0].metadata.layers
-    by_start = sorted(readers, key=lambda r: min((s.sample_id_range[0] for s in r.metadata.shards),
-                                                  default=0))
+    by_start = sorted(
+        readers, key=lambda r: min((s.sample_id_range[0] for s in r.metadata.shards), default=0)
+    )
     parts = {layer: [r.statistics(layer) for r in by_start] for layer in layers}
     stats = {layer: merge_all(p) for layer, p in parts.items() if None not in p}
-    seconds = max(float(r.metadata.statistics.get("extraction_duration_seconds", 0.0))
-                  for r in readers)  # fmt: skip
+    seconds = max(
+        float(r.metadata.statistics.get("extraction_duration_seconds", 0.0)) for r in readers
+    )
     first = by_start[0].metadata.distributed_config
     merged = PickleMetadata(
-        version=VERSION, created_at=utc_now(), extraction_config=config,
+        version=VERSION,
+        created_at=utc_now(),
+        extraction_config=config,
         distributed_config={
             "machine_id": None,
             "total_machines": first.get("total_machines", len(readers)),
@@ -417,16 +485,19 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
             "num_hosts": len(readers),
             "mesh_type": first.get("mesh_type", "1d"),
             "samples_per_machine": first.get("samples_per_machine"),
-            "machines": [{
-                "machine_id": r.metadata.distributed_config.get("machine_id"),
-                "example_range": r.metadata.distributed_config.get("example_range"),
-                "num_samples": r.metadata.n_samples,
-                "created_at": r.metadata.created_at,
-            } for r in by_start],
+            "machines": [
+                {
+                    "machine_id": r.metadata.distributed_config.get("machine_id"),
+                    "example_range": r.metadata.distributed_config.get("example_range"),
+                    "num_samples": r.metadata.n_samples,
+                    "created_at": r.metadata.created_at,
+                }
+                for r in by_start
+            ],
         },
         shards=tuple(shards),
         statistics=_statistics(shards, layers, stats, seconds),
-    )  # fmt: skip
+    )
     atomic_write_json(out / METADATA, merged.to_json_dict())
     make_read_only(out)
     log.info("merged %d machines' stores into %s (%d shards)", len(readers), out, len(shards))

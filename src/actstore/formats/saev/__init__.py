@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
+from ..base import VerifyReport
 from ..registry import FormatSpec
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .options import SaevOptions
-from ..base import VerifyReport
 from .reader import SaevReader
 from .writer import SaevWriter, saev_metadata, store_dir
 
@@ -20,12 +20,15 @@ def _detect(location: str) -> bool:
         doc = json.loads((p / "metadata.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return True  # let the reader report the damaged file
-    return isinstance(doc, dict) and ("patches_per_ex" in doc or "content_tokens_per_example" in doc)
+    return isinstance(doc, dict) and (
+        "patches_per_ex" in doc or "content_tokens_per_example" in doc
+    )
 
 
 def _writer_for_plan(plan, out: str, options: SaevOptions) -> SaevWriter:
-    return SaevWriter.from_plan(plan, out, dialect=options.dialect,
-                                patches_per_shard=options.patches_per_shard)
+    return SaevWriter.from_plan(
+        plan, out, dialect=options.dialect, patches_per_shard=options.patches_per_shard
+    )
 
 
 FORMAT = FormatSpec(
@@ -40,8 +43,8 @@ FORMAT = FormatSpec(
 __all__ = [
     "FORMAT",
     "SAEV_FAMILIES",
-    "SaevOptions",
     "SaevMetadata",
+    "SaevOptions",
     "SaevReader",
     "SaevWriter",
     "VerifyReport",

@@ -44,13 +44,39 @@ DEFAULT_PATCHES_PER_SHARD = 2_400_000
 BYTES_PER_VALUE = 4  # float32
 
 #: Key order of metadata.json in each dialect (saev: its dataclass field order).
-PROTOCOL_KEYS = ("family", "ckpt", "layers", "patches_per_ex", "cls_token", "d_model",
-                 "n_examples", "patches_per_shard", "data", "dataset", "dtype", "protocol")
-SAEV_KEYS = ("family", "ckpt", "layers", "content_tokens_per_example", "cls_token", "d_model",
-             "n_examples", "max_tokens_per_shard", "data", "dataset", "pixel_agg", "dtype",
-             "protocol")  # fmt: skip
-_RENAMES = {"content_tokens_per_example": "patches_per_ex",
-            "max_tokens_per_shard": "patches_per_shard"}  # fmt: skip
+PROTOCOL_KEYS = (
+    "family",
+    "ckpt",
+    "layers",
+    "patches_per_ex",
+    "cls_token",
+    "d_model",
+    "n_examples",
+    "patches_per_shard",
+    "data",
+    "dataset",
+    "dtype",
+    "protocol",
+)
+SAEV_KEYS = (
+    "family",
+    "ckpt",
+    "layers",
+    "content_tokens_per_example",
+    "cls_token",
+    "d_model",
+    "n_examples",
+    "max_tokens_per_shard",
+    "data",
+    "dataset",
+    "pixel_agg",
+    "dtype",
+    "protocol",
+)
+_RENAMES = {
+    "content_tokens_per_example": "patches_per_ex",
+    "max_tokens_per_shard": "patches_per_shard",
+}
 
 
 def shard_name(index: int) -> str:
@@ -213,9 +239,18 @@ class SaevMetadata:
         missing = [k for k in required if k not in doc]
         if missing:
             raise CorruptStoreError(f"{source} lacks required keys {missing}")
-        types = {"family": str, "ckpt": str, "layers": list, "cls_token": bool, "d_model": int,
-                 "n_examples": int, "data": str, "dataset": str, "dtype": str,
-                 "pixel_agg": str}  # fmt: skip
+        types = {
+            "family": str,
+            "ckpt": str,
+            "layers": list,
+            "cls_token": bool,
+            "d_model": int,
+            "n_examples": int,
+            "data": str,
+            "dataset": str,
+            "dtype": str,
+            "pixel_agg": str,
+        }
         for key, typ in types.items():
             if key in doc and not _is_type(doc[key], typ):
                 raise CorruptStoreError(
@@ -282,17 +317,19 @@ def encode_saev_img_folder(root: str) -> str:
     ``Metadata.make_data_cfg()`` unpickles it into its own ``ImgFolder`` dataclass.
     """
     root_bytes = root.encode("utf-8")
-    stream = b"".join([
-        b"\x80\x02",                              # PROTO 2
-        b"csaev.data.datasets\nImgFolder\n",      # GLOBAL saev.data.datasets.ImgFolder
-        b")\x81",                                 # EMPTY_TUPLE, NEWOBJ: cls.__new__(cls)
-        b"}",                                     # EMPTY_DICT: the instance state
-        b"X" + struct.pack("<I", 4) + b"root",    # BINUNICODE "root"
-        b"cpathlib\nPosixPath\n",                 # GLOBAL pathlib.PosixPath
-        b"X" + struct.pack("<I", len(root_bytes)) + root_bytes,
-        b"\x85R",                                 # TUPLE1, REDUCE: PosixPath(root)
-        b"s",                                     # SETITEM state["root"] = path
-        b"b",                                     # BUILD: instance.__dict__.update(state)
-        b".",                                     # STOP
-    ])  # fmt: skip
+    stream = b"".join(
+        [
+            b"\x80\x02",  # PROTO 2
+            b"csaev.data.datasets\nImgFolder\n",  # GLOBAL saev.data.datasets.ImgFolder
+            b")\x81",  # EMPTY_TUPLE, NEWOBJ: cls.__new__(cls)
+            b"}",  # EMPTY_DICT: the instance state
+            b"X" + struct.pack("<I", 4) + b"root",  # BINUNICODE "root"
+            b"cpathlib\nPosixPath\n",  # GLOBAL pathlib.PosixPath
+            b"X" + struct.pack("<I", len(root_bytes)) + root_bytes,
+            b"\x85R",  # TUPLE1, REDUCE: PosixPath(root)
+            b"s",  # SETITEM state["root"] = path
+            b"b",  # BUILD: instance.__dict__.update(state)
+            b".",  # STOP
+        ]
+    )
     return base64.b64encode(stream).decode("utf8")

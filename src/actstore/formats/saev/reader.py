@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -79,13 +80,19 @@ class SaevReader:
         md, source = self.metadata, self.path / "shards.json"
         doc = read_json(source)
         if not isinstance(doc, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("name"), str)
-            and isinstance(e.get("n_examples"), int) for e in doc
-        ):  # fmt: skip
+            isinstance(e, dict)
+            and isinstance(e.get("name"), str)
+            and isinstance(e.get("n_examples"), int)
+            for e in doc
+        ):
             raise CorruptStoreError(f"{source} must be a list of {{name, n_examples}} objects")
-        if (md.dialect == "saev" and len(doc) == md.n_shards + 1 and md.n_shards
-                and md.n_examples % md.examples_per_shard == 0
-                and doc[-1] == {"name": shard_name(md.n_shards), "n_examples": 0}):  # fmt: skip
+        if (
+            md.dialect == "saev"
+            and len(doc) == md.n_shards + 1
+            and md.n_shards
+            and md.n_examples % md.examples_per_shard == 0
+            and doc[-1] == {"name": shard_name(md.n_shards), "n_examples": 0}
+        ):
             # saev's own ShardWriter opens one more (all-zero) shard when the last one fills
             # exactly and lists it with 0 examples; its readers ignore it, and so do we.
             doc = doc[:-1]
@@ -163,9 +170,11 @@ class SaevReader:
         return self.metadata.n_examples
 
     def __repr__(self) -> str:
-        n, layers, t, d = self.shape
-        return (f"SaevReader({str(self.path)!r}, dialect={self.dialect!r}, n_examples={n}, "
-                f"layers={list(self.layers)}, tokens={t}, d_model={d})")  # fmt: skip
+        n, _layers, t, d = self.shape
+        return (
+            f"SaevReader({str(self.path)!r}, dialect={self.dialect!r}, n_examples={n}, "
+            f"layers={list(self.layers)}, tokens={t}, d_model={d})"
+        )
 
     # ------------------------------------------------------------------ file handles
 
@@ -209,10 +218,8 @@ class SaevReader:
         return {**self.__dict__, "_memmaps": {}, "_fds": {}}
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
     # ------------------------------------------------------------------ random access
 
@@ -233,17 +240,19 @@ class SaevReader:
         else:
             layer_sel = md.layer_index(int(layer))
         token_sel: Any = token
-        if isinstance(token, (int, np.integer)):
-            if not -md.tokens_per_ex <= token < md.tokens_per_ex:
-                raise IndexOutOfRangeError(
-                    f"token {token} out of range (0..{md.tokens_per_ex - 1})"
-                )
+        if (
+            isinstance(token, (int, np.integer))
+            and not -md.tokens_per_ex <= token < md.tokens_per_ex
+        ):
+            raise IndexOutOfRangeError(f"token {token} out of range (0..{md.tokens_per_ex - 1})")
         out = []
         shard_of = examples // md.examples_per_shard
         for shard in np.unique(shard_of):
             rows = examples[shard_of == shard] - shard * md.examples_per_shard
             part = self._memmap(int(shard))[rows, layer_sel]  # copies just these rows
-            out.append(part[:, :, token_sel] if isinstance(layer_sel, slice) else part[:, token_sel])
+            out.append(
+                part[:, :, token_sel] if isinstance(layer_sel, slice) else part[:, token_sel]
+            )
         result = np.concatenate(out) if len(out) > 1 else out[0]
         if len(out) > 1:  # restore the caller's order
             order = np.argsort(np.argsort(shard_of, kind="stable"), kind="stable")
@@ -297,7 +306,7 @@ class SaevReader:
             )
         import base64
 
-        return pickle.loads(base64.b64decode(self.metadata.data))  # noqa: S301 - opted in
+        return pickle.loads(base64.b64decode(self.metadata.data))
 
     # ------------------------------------------------------------------ blocks (loader)
 
@@ -314,14 +323,19 @@ class SaevReader:
         for shard, count in enumerate(self.shard_counts):
             for first in range(0, count, per_block):
                 n = min(per_block, count - first)
-                out.append(Block(site=int(site), n_rows=n * md.tokens_per_ex,
-                                 loc=(shard, first, n, layer_idx)))  # fmt: skip
+                out.append(
+                    Block(
+                        site=int(site),
+                        n_rows=n * md.tokens_per_ex,
+                        loc=(shard, first, n, layer_idx),
+                    )
+                )
         return out
 
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``block`` as ``[n_rows, D]`` float32, read with one ``pread``."""
         md = self.metadata
-        shard, first, n, layer_idx = block.loc
+        shard, first, _n, layer_idx = block.loc
         if out is None:
             out = np.empty((block.n_rows, md.d_model), dtype="<f4")
         vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
@@ -333,12 +347,19 @@ class SaevReader:
         vectored preads straight into place: the loader's shuffle costs no extra copy."""
         md = self.metadata
         shard, first, _, layer_idx = block.loc
-        if (len(rows) != block.n_rows or out.dtype != np.float32 or out.ndim != 2
-                or out.shape[1] != md.d_model or out.strides[1] != 4
-                or (len(rows) and rows.max() >= out.shape[0])):  # fmt: skip
-            raise ConfigError(f"read_block_scatter needs one destination row (< {len(out)}) "
-                              f"per block row and a float32 [n, {md.d_model}] out with "
-                              "contiguous rows")  # fmt: skip
+        if (
+            len(rows) != block.n_rows
+            or out.dtype != np.float32
+            or out.ndim != 2
+            or out.shape[1] != md.d_model
+            or out.strides[1] != 4
+            or (len(rows) and rows.max() >= out.shape[0])
+        ):
+            raise ConfigError(
+                f"read_block_scatter needs one destination row (< {len(out)}) "
+                f"per block row and a float32 [n, {md.d_model}] out with "
+                "contiguous rows"
+            )
         row_bytes = md.d_model * 4
         addr = np.where(rows >= 0, out.ctypes.data + rows * out.strides[0], _trash_addr())
         iov = np.empty((block.n_rows, 2), dtype=np.uint64)
@@ -352,8 +373,9 @@ class SaevReader:
             return np.empty(0, dtype=np.int64)
         return np.arange(0, block.n_rows, self.metadata.tokens_per_ex, dtype=np.int64)
 
-    def gather(self, indices: Any, layer: int | None = None, *, max_gap: int = GAP_BYTES
-               ) -> np.ndarray:  # fmt: skip
+    def gather(
+        self, indices: Any, layer: int | None = None, *, max_gap: int = GAP_BYTES
+    ) -> np.ndarray:
         """Rows of stored ``layer`` at ``indices``, in the caller's order: ``[*shape, D]``.
 
         ``indices`` are flat rows ``example * T + token`` (an int array of any shape, as the
@@ -430,9 +452,11 @@ class SaevReader:
             "model": f"{md.ckpt} ({md.family})",
             "dataset": md.dataset,
             "sites": [f"layer {layer}" for layer in md.layers],
-            "shape": (f"{md.n_examples} examples x {len(md.layers)} layers {list(md.layers)} x "
-                      f"{md.tokens_per_ex} tokens{' (CLS at 0)' if md.cls_token else ''} x "
-                      f"{md.d_model} dims"),  # fmt: skip
+            "shape": (
+                f"{md.n_examples} examples x {len(md.layers)} layers {list(md.layers)} x "
+                f"{md.tokens_per_ex} tokens{' (CLS at 0)' if md.cls_token else ''} x "
+                f"{md.d_model} dims"
+            ),
             "n_examples": md.n_examples,
             "layers": list(md.layers),
             "tokens_per_example": md.tokens_per_ex,
@@ -483,8 +507,9 @@ class SaevReader:
             if is_shard:
                 index = int(name[4:10])
                 valid_bytes = self.shard_counts[index] * md.example_nbytes
-            actual, bad, pad_ok = _scan(path, check_floats=is_shard, valid_bytes=valid_bytes,
-                                        progress=progress)  # fmt: skip
+            actual, bad, pad_ok = _scan(
+                path, check_floats=is_shard, valid_bytes=valid_bytes, progress=progress
+            )
             non_finite += bad
             report.files_checked += 1
             report.bytes_checked += path.stat().st_size
@@ -553,8 +578,13 @@ def _preadv(fd: int, iov: np.ndarray, offset: int) -> None:
         iov[i, 1] -= np.uint64(done)
 
 
-def _scan(path: Path, *, check_floats: bool, valid_bytes: int | None,
-          progress: Callable[[int], None] | None) -> tuple[str, int, bool]:  # fmt: skip
+def _scan(
+    path: Path,
+    *,
+    check_floats: bool,
+    valid_bytes: int | None,
+    progress: Callable[[int], None] | None,
+) -> tuple[str, int, bool]:
     """sha256 of a file, its count of non-finite float32 values, and whether any bytes past
     ``valid_bytes`` are zero; one sequential read."""
     hasher = FileHasher("sha256")

@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..base import WriterBase
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
 from ...stats import RunningStats, merge_all
@@ -44,6 +43,7 @@ from ...storage import (
     publish_dir,
     read_json,
 )
+from ..base import WriterBase
 from .layout import (
     DEFAULT_PATCHES_PER_SHARD,
     SaevMetadata,
@@ -60,8 +60,12 @@ STATISTICS = "statistics.json"
 PART = "part.json"
 
 
-def saev_metadata(plan: CapturePlan, *, dialect: str = "protocol",
-                  patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD) -> SaevMetadata:  # fmt: skip
+def saev_metadata(
+    plan: CapturePlan,
+    *,
+    dialect: str = "protocol",
+    patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD,
+) -> SaevMetadata:
     """The metadata a capture ``plan`` produces (the content hash depends on all of it)."""
     if any(site.kind != "resid" for site in plan.sites):
         raise ConfigError(
@@ -79,19 +83,26 @@ def saev_metadata(plan: CapturePlan, *, dialect: str = "protocol",
                 "from this capture (images outside class folders, .gif/.ppm/.pgm files or "
                 "nested folders), so metadata 'data' does not claim ImgFolder: saev trains on "
                 "these shards, but its visuals cannot map examples back to images. Keep only "
-                "class folders of .jpg/.png/... images to get an ImgFolder.", plan.dataset_root)
+                "class folders of .jpg/.png/... images to get an ImgFolder.",
+                plan.dataset_root,
+            )
     return SaevMetadata(
-        family=plan.family, ckpt=plan.ckpt, layers=tuple(plan.layers),
+        family=plan.family,
+        ckpt=plan.ckpt,
+        layers=tuple(plan.layers),
         patches_per_ex=plan.tokens_per_example - (1 if plan.has_cls else 0),
-        cls_token=plan.has_cls, d_model=plan.d_model, n_examples=plan.n_examples,
-        patches_per_shard=patches_per_shard, data=data, dataset=plan.dataset_root,
+        cls_token=plan.has_cls,
+        d_model=plan.d_model,
+        n_examples=plan.n_examples,
+        patches_per_shard=patches_per_shard,
+        data=data,
+        dataset=plan.dataset_root,
         dialect=dialect,
-    )  # fmt: skip
+    )
 
 
 #: torchvision's IMG_EXTENSIONS (saev's ImgFolder reads folders with torchvision's ImageFolder).
-IMAGEFOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff",
-                          ".webp")  # fmt: skip
+IMAGEFOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 def imagefolder_files(root: str) -> tuple[str, ...]:
@@ -108,8 +119,11 @@ def imagefolder_files(root: str) -> tuple[str, ...]:
     out = []
     for name in classes:
         for dirpath, _, files in sorted(os.walk(os.path.join(root, name), followlinks=True)):
-            out += [os.path.join(dirpath, f) for f in sorted(files)
-                    if f.lower().endswith(IMAGEFOLDER_EXTENSIONS)]  # fmt: skip
+            out += [
+                os.path.join(dirpath, f)
+                for f in sorted(files)
+                if f.lower().endswith(IMAGEFOLDER_EXTENSIONS)
+            ]
     return tuple(out)
 
 
@@ -131,10 +145,16 @@ class SaevWriter(WriterBase):
     it publishes with a ``part.json`` manifest; :func:`merge_parts` joins the parts.
     """
 
-    def __init__(self, metadata: SaevMetadata, dump_to: str | os.PathLike, *,
-                 has_tokens: bool = False, classes: list[str] | None = None,
-                 has_labels: bool = False,
-                 example_range: tuple[int, int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        metadata: SaevMetadata,
+        dump_to: str | os.PathLike,
+        *,
+        has_tokens: bool = False,
+        classes: list[str] | None = None,
+        has_labels: bool = False,
+        example_range: tuple[int, int] | None = None,
+    ) -> None:
         self.metadata = metadata
         self.is_part = example_range is not None
         self.example_range = _check_part_range(metadata, example_range)
@@ -159,13 +179,23 @@ class SaevWriter(WriterBase):
         self._open()
 
     @classmethod
-    def from_plan(cls, plan: CapturePlan, dump_to: str | os.PathLike, *,
-                  dialect: str = "protocol",
-                  patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD) -> SaevWriter:  # fmt: skip
+    def from_plan(
+        cls,
+        plan: CapturePlan,
+        dump_to: str | os.PathLike,
+        *,
+        dialect: str = "protocol",
+        patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD,
+    ) -> SaevWriter:
         """The writer for a capture plan (used as ``open_writer`` by capture)."""
         metadata = saev_metadata(plan, dialect=dialect, patches_per_shard=patches_per_shard)
-        return cls(metadata, dump_to, has_tokens=plan.has_tokens, classes=plan.classes,
-                   has_labels=plan.has_labels)  # fmt: skip
+        return cls(
+            metadata,
+            dump_to,
+            has_tokens=plan.has_tokens,
+            classes=plan.classes,
+            has_labels=plan.has_labels,
+        )
 
     # ------------------------------------------------------------------ open / resume
 
@@ -188,7 +218,7 @@ class SaevWriter(WriterBase):
         for name, needed in (("tokens.bin", self.has_tokens), ("labels.bin", self.has_labels)):
             if needed:
                 done = self.resume_from - self.example_range[0]
-                f = open(self.partial_dir / name, "r+b" if done else "wb")
+                f = open(self.partial_dir / name, "r+b" if done else "wb")  # noqa: SIM115 - open until close()
                 f.truncate(done * self._side_row_bytes(name))
                 f.seek(0, os.SEEK_END)
                 self._side_files[name] = f
@@ -211,8 +241,11 @@ class SaevWriter(WriterBase):
         kept: list[dict[str, Any]] = []
         for entry in progress.get("shards", []):
             index = self._first_shard + len(kept)
-            if (index >= self.metadata.n_shards or entry.get("name") != shard_name(index)
-                    or entry.get("n_examples") != self.metadata.shard_examples(index)):  # fmt: skip
+            if (
+                index >= self.metadata.n_shards
+                or entry.get("name") != shard_name(index)
+                or entry.get("n_examples") != self.metadata.shard_examples(index)
+            ):
                 break  # a kept shard must hold its full count, or later examples would shift
             path = self.partial_dir / entry["name"]
             expected = self.metadata.shard_nbytes(index)
@@ -222,8 +255,12 @@ class SaevWriter(WriterBase):
                 log.warning("%s fails its checksum; rewriting from there", path)
                 break
             kept.append(entry)
-        keep_names = {e["name"] for e in kept} | {"metadata.json", PROGRESS, "tokens.bin",
-                                                   "labels.bin"}  # fmt: skip
+        keep_names = {e["name"] for e in kept} | {
+            "metadata.json",
+            PROGRESS,
+            "tokens.bin",
+            "labels.bin",
+        }
         for child in self.partial_dir.iterdir():
             if child.name not in keep_names:
                 child.unlink()
@@ -233,11 +270,17 @@ class SaevWriter(WriterBase):
             side = self.partial_dir / name
             need = (self.resume_from - self.example_range[0]) * self._side_row_bytes(name)
             if side.exists() and side.stat().st_size < need:
-                raise CorruptStoreError(f"{side} is shorter than its finished shards; "
-                                        f"delete {self.partial_dir} and capture again")  # fmt: skip
+                raise CorruptStoreError(
+                    f"{side} is shorter than its finished shards; "
+                    f"delete {self.partial_dir} and capture again"
+                )
         atomic_write_json(self.partial_dir / PROGRESS, {"shards": kept})
-        log.info("resuming %s: %d finished shards (%d examples) kept",
-                 self.partial_dir, len(kept), self.resume_from - self.example_range[0])  # fmt: skip
+        log.info(
+            "resuming %s: %d finished shards (%d examples) kept",
+            self.partial_dir,
+            len(kept),
+            self.resume_from - self.example_range[0],
+        )
 
     # ------------------------------------------------------------------ writing
 
@@ -296,7 +339,7 @@ class SaevWriter(WriterBase):
 
     def _start_shard(self) -> None:
         index = self._first_shard + len(self._shards)
-        self._file = open(self.partial_dir / shard_name(index), "wb")
+        self._file = open(self.partial_dir / shard_name(index), "wb")  # noqa: SIM115 - open until the shard ends
         self._hasher = FileHasher("sha256")
         self._stats = [RunningStats(self.metadata.d_model) for _ in self.metadata.layers]
         self._in_shard = 0
@@ -325,12 +368,14 @@ class SaevWriter(WriterBase):
         for f in self._side_files.values():
             f.flush()
             os.fsync(f.fileno())
-        self._shards.append({
-            "name": shard_name(index),
-            "n_examples": self._in_shard,
-            "sha256": self._hasher.hexdigest(),
-            "stats": [s.to_dict() for s in self._stats],
-        })  # fmt: skip
+        self._shards.append(
+            {
+                "name": shard_name(index),
+                "n_examples": self._in_shard,
+                "sha256": self._hasher.hexdigest(),
+                "stats": [s.to_dict() for s in self._stats],
+            }
+        )
         atomic_write_json(self.partial_dir / PROGRESS, {"shards": self._shards}, indent=None)
 
     # ------------------------------------------------------------------ publish
@@ -358,8 +403,9 @@ class SaevWriter(WriterBase):
         self._side_files.clear()
         d = self.partial_dir
         if self.is_part:
-            atomic_write_json(d / PART, {"example_range": [start, stop], "shards": self._shards},
-                              indent=None)  # fmt: skip
+            atomic_write_json(
+                d / PART, {"example_range": [start, stop], "shards": self._shards}, indent=None
+            )
             if self.classes is not None and self.has_labels:
                 atomic_write_json(d / "classes.json", self.classes)
         else:
@@ -399,16 +445,27 @@ def remove_partial(final_dir: Path) -> None:
         shutil.rmtree(partial)
 
 
-def _write_index(directory: Path, md: SaevMetadata, shards: list[dict[str, Any]],
-                 classes: list[str] | None) -> None:  # fmt: skip
+def _write_index(
+    directory: Path, md: SaevMetadata, shards: list[dict[str, Any]], classes: list[str] | None
+) -> None:
     """shards.json, statistics.json, classes.json and checksums.sha256 of a finished store,
     from the shard records (name, n_examples, sha256, per-layer stats) in shard order."""
     d = directory
-    atomic_write_json(d / "shards.json", [{"name": e["name"], "n_examples": e["n_examples"]}
-                                          for e in shards])  # fmt: skip
-    atomic_write_json(d / STATISTICS, {"sites": {
-        str(layer): merge_all([RunningStats.from_dict(e["stats"][i]) for e in shards])
-        .to_dict() for i, layer in enumerate(md.layers)}}, indent=None)  # fmt: skip
+    atomic_write_json(
+        d / "shards.json", [{"name": e["name"], "n_examples": e["n_examples"]} for e in shards]
+    )
+    atomic_write_json(
+        d / STATISTICS,
+        {
+            "sites": {
+                str(layer): merge_all(
+                    [RunningStats.from_dict(e["stats"][i]) for e in shards]
+                ).to_dict()
+                for i, layer in enumerate(md.layers)
+            }
+        },
+        indent=None,
+    )
     if classes is not None:
         atomic_write_json(d / "classes.json", classes)
     lines = [f"{e['sha256']}  {e['name']}" for e in shards]
@@ -427,8 +484,9 @@ def _check_part_range(md: SaevMetadata, example_range: tuple[int, int] | None) -
     start, stop = (int(x) for x in example_range)
     per = md.examples_per_shard
     if not 0 <= start < stop <= md.n_examples:
-        raise ConfigError(f"example range [{start}, {stop}) is empty or outside "
-                          f"[0, {md.n_examples})")  # fmt: skip
+        raise ConfigError(
+            f"example range [{start}, {stop}) is empty or outside [0, {md.n_examples})"
+        )
     if start % per or (stop != md.n_examples and stop % per):
         raise ConfigError(
             f"a saev part must cover whole shards of {per} examples; [{start}, {stop}) does "
@@ -440,18 +498,22 @@ def _check_part_range(md: SaevMetadata, example_range: tuple[int, int] | None) -
 def read_part(part_dir: str | os.PathLike) -> tuple[SaevMetadata, dict[str, Any]]:
     """Metadata and ``part.json`` manifest of a published part directory."""
     part_dir = Path(part_dir)
-    md = SaevMetadata.from_json_dict(read_json(part_dir / "metadata.json"),
-                                     source=str(part_dir / "metadata.json"))  # fmt: skip
+    md = SaevMetadata.from_json_dict(
+        read_json(part_dir / "metadata.json"), source=str(part_dir / "metadata.json")
+    )
     manifest = read_json(part_dir / PART)
     try:
         start, stop = (int(x) for x in manifest["example_range"])
         held = sum(int(e["n_examples"]) for e in manifest["shards"])
     except (KeyError, TypeError, ValueError) as err:
-        raise CorruptStoreError(f"{part_dir / PART} is malformed ({err!r}); re-capture this "
-                                "part") from err  # fmt: skip
+        raise CorruptStoreError(
+            f"{part_dir / PART} is malformed ({err!r}); re-capture this part"
+        ) from err
     if held != stop - start:
-        raise CorruptStoreError(f"{part_dir / PART} lists {held} examples for the range "
-                                f"[{start}, {stop}); re-capture this part")  # fmt: skip
+        raise CorruptStoreError(
+            f"{part_dir / PART} lists {held} examples for the range "
+            f"[{start}, {stop}); re-capture this part"
+        )
     return md, manifest
 
 

@@ -26,7 +26,10 @@ def _detect(location: str) -> bool:
     path = Path(location).expanduser()
     if (path / MANIFEST).is_file():
         try:
-            return json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format") == RUN_FORMAT_TAG
+            return (
+                json.loads((path / MANIFEST).read_text(encoding="utf-8")).get("format")
+                == RUN_FORMAT_TAG
+            )
         except (OSError, ValueError, AttributeError):
             return False
     if not (path / ".zgroup").exists() and (path / STORE_NAME / ".zgroup").exists():

@@ -82,8 +82,12 @@ DEFAULT_QUANTILE = 0.99
 PROMPT_KEEP = ("first", "last")
 
 
-def choose_max_len(lengths: Sequence[int] | np.ndarray, *, quantile: float = DEFAULT_QUANTILE,
-                   given: int | None = None) -> int:  # fmt: skip
+def choose_max_len(
+    lengths: Sequence[int] | np.ndarray,
+    *,
+    quantile: float = DEFAULT_QUANTILE,
+    given: int | None = None,
+) -> int:
     """``given`` if set, else the ``quantile`` of ``lengths``: the smallest observed length
     that at least that fraction of samples fit (0 when they are all empty, e.g. no responses).
 
@@ -103,7 +107,9 @@ def choose_max_len(lengths: Sequence[int] | np.ndarray, *, quantile: float = DEF
     return int(np.quantile(values, quantile, method="inverted_cdf"))
 
 
-def choose_t_chunk(max_len: int, hidden_size: int, *, target_bytes: int = TARGET_CHUNK_BYTES) -> int:
+def choose_t_chunk(
+    max_len: int, hidden_size: int, *, target_bytes: int = TARGET_CHUNK_BYTES
+) -> int:
     """Tokens per chunk for a padded length ``max_len`` (see the module docstring); 1 for an
     empty part (a zero-length axis has no chunks, but Zarr needs a chunk length >= 1)."""
     if max_len < 0 or hidden_size < 1:
@@ -131,9 +137,14 @@ def length_summary(lengths: Sequence[int] | np.ndarray) -> dict[str, int]:
     return {"p50": q(0.5), "p95": q(0.95), "p99": q(0.99), "max": int(values.max())}
 
 
-def sample_key(*, prompt: str | None = None, response: str | None = None,
-               prompt_ids: Sequence[int] | None = None,
-               response_ids: Sequence[int] | None = None, fallback: str = "") -> str:  # fmt: skip
+def sample_key(
+    *,
+    prompt: str | None = None,
+    response: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
+    response_ids: Sequence[int] | None = None,
+    fallback: str = "",
+) -> str:
     """sha256 hex (64 chars) identifying a sample by its text and tokens.
 
     Example:
@@ -144,8 +155,10 @@ def sample_key(*, prompt: str | None = None, response: str | None = None,
     if prompt is not None or response is not None:
         record.update(prompt=prompt, response=response)
     if prompt_ids is not None or response_ids is not None:
-        record.update(prompt_ids=None if prompt_ids is None else [int(t) for t in prompt_ids],
-                      response_ids=None if response_ids is None else [int(t) for t in response_ids])  # fmt: skip
+        record.update(
+            prompt_ids=None if prompt_ids is None else [int(t) for t in prompt_ids],
+            response_ids=None if response_ids is None else [int(t) for t in response_ids],
+        )
     if not record:
         record["id"] = fallback
     text = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -182,8 +195,10 @@ class ZarrLayout:
             raise ConfigError("hidden_size must be >= 1, p_max and r_max >= 0")
         if self.p_max + self.r_max == 0:
             raise ConfigError("p_max and r_max are both 0: nothing would be stored")
-        for name, t, cap in (("t_chunk_prompt", self.t_chunk_prompt, self.p_max),
-                             ("t_chunk_response", self.t_chunk_response, self.r_max)):  # fmt: skip
+        for name, t, cap in (
+            ("t_chunk_prompt", self.t_chunk_prompt, self.p_max),
+            ("t_chunk_response", self.t_chunk_response, self.r_max),
+        ):
             if not 1 <= t <= max(cap, 1):
                 raise ConfigError(f"{name}={t} must lie in 1..{max(cap, 1)} (the padded length)")
         if self.prompt_keep not in PROMPT_KEEP:
@@ -266,8 +281,17 @@ class ZarrLayout:
             raise CorruptStoreError(f"{source} has an invalid layout: {err}") from None
 
 
-_LAYOUT_FIELDS = ("n_samples", "sites", "layers", "hidden_size", "p_max", "r_max",
-                  "t_chunk_prompt", "t_chunk_response", "prompt_keep")  # fmt: skip
+_LAYOUT_FIELDS = (
+    "n_samples",
+    "sites",
+    "layers",
+    "hidden_size",
+    "p_max",
+    "r_max",
+    "t_chunk_prompt",
+    "t_chunk_response",
+    "prompt_keep",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,13 +303,21 @@ class LengthChoice:
     """Truncation counts/fractions, length quantiles and the rule used (for the store attrs)."""
 
 
-def choose_layout(*, n_samples: int, sites: Sequence[str], layers: Sequence[int], hidden_size: int,
-                  prompt_lengths: Sequence[int] | np.ndarray,
-                  response_lengths: Sequence[int] | np.ndarray,
-                  p_max: int | None = None, r_max: int | None = None,
-                  quantile: float = DEFAULT_QUANTILE, t_chunk_prompt: int | None = None,
-                  t_chunk_response: int | None = None,
-                  prompt_keep: str = "first") -> LengthChoice:  # fmt: skip
+def choose_layout(
+    *,
+    n_samples: int,
+    sites: Sequence[str],
+    layers: Sequence[int],
+    hidden_size: int,
+    prompt_lengths: Sequence[int] | np.ndarray,
+    response_lengths: Sequence[int] | np.ndarray,
+    p_max: int | None = None,
+    r_max: int | None = None,
+    quantile: float = DEFAULT_QUANTILE,
+    t_chunk_prompt: int | None = None,
+    t_chunk_response: int | None = None,
+    prompt_keep: str = "first",
+) -> LengthChoice:
     """Pick the layout for a dataset with these full (untruncated) token lengths.
 
     Example:
@@ -307,35 +339,46 @@ def choose_layout(*, n_samples: int, sites: Sequence[str], layers: Sequence[int]
     p = choose_max_len(prompt_lengths, quantile=quantile, given=p_max)
     r = choose_max_len(response_lengths, quantile=quantile, given=r_max)
     layout = ZarrLayout(
-        n_samples=n_samples, sites=tuple(sites), layers=tuple(layers), hidden_size=hidden_size,
-        p_max=p, r_max=r,
-        t_chunk_prompt=(min(t_chunk_prompt, max(p, 1)) if t_chunk_prompt
-                        else choose_t_chunk(p, hidden_size)),
+        n_samples=n_samples,
+        sites=tuple(sites),
+        layers=tuple(layers),
+        hidden_size=hidden_size,
+        p_max=p,
+        r_max=r,
+        t_chunk_prompt=(
+            min(t_chunk_prompt, max(p, 1)) if t_chunk_prompt else choose_t_chunk(p, hidden_size)
+        ),
         t_chunk_response=min(t_chunk_response, max(r, 1)) if t_chunk_response else max(r, 1),
         prompt_keep=prompt_keep,
-    )  # fmt: skip
+    )
     attrs: dict[str, Any] = {
         "length_rule": {
             "P_max": "given" if p_max is not None else f"quantile {quantile} of prompt lengths",
             "R_max": "given" if r_max is not None else f"quantile {quantile} of response lengths",
-            "T_chunk_prompt": "given" if t_chunk_prompt else
-            f"fewest equal chunks of <= {TARGET_CHUNK_BYTES} bytes",
+            "T_chunk_prompt": "given"
+            if t_chunk_prompt
+            else f"fewest equal chunks of <= {TARGET_CHUNK_BYTES} bytes",
             "T_chunk_response": "given" if t_chunk_response else "R_max",
         },
         "prompt_len_quantiles": length_summary(prompt_lengths),
         "response_len_quantiles": length_summary(response_lengths),
-    }  # fmt: skip
+    }
     attrs.update(truncation_attrs(prompt_lengths, response_lengths, layout))
     return LengthChoice(layout=layout, attrs=attrs)
 
 
-def truncation_attrs(prompt_lengths: np.ndarray, response_lengths: np.ndarray,
-                     layout: ZarrLayout) -> dict[str, Any]:  # fmt: skip
+def truncation_attrs(
+    prompt_lengths: np.ndarray, response_lengths: np.ndarray, layout: ZarrLayout
+) -> dict[str, Any]:
     """The spec's truncation record for these full lengths."""
     pc, pf = truncation(prompt_lengths, layout.p_max)
     rc, rf = truncation(response_lengths, layout.r_max)
-    return {"prompt_truncated_count": pc, "prompt_truncated_fraction": pf,
-            "response_truncated_count": rc, "response_truncated_fraction": rf}  # fmt: skip
+    return {
+        "prompt_truncated_count": pc,
+        "prompt_truncated_fraction": pf,
+        "response_truncated_count": rc,
+        "response_truncated_fraction": rf,
+    }
 
 
 def chunk_key(indices: Sequence[int], separator: str = ".") -> str:

@@ -83,9 +83,16 @@ class StoreInfo:
 
     def __post_init__(self) -> None:
         row = self.layout.hidden_size * ACT_DTYPE.itemsize
-        self.geometry = {part: (f"{self.path}/{ACTIVATIONS[part]}/", self.separators[part],
-                                self.layout.t_chunk(part), self.layout.chunk_nbytes(part), row)
-                         for part in PARTS}  # fmt: skip
+        self.geometry = {
+            part: (
+                f"{self.path}/{ACTIVATIONS[part]}/",
+                self.separators[part],
+                self.layout.t_chunk(part),
+                self.layout.chunk_nbytes(part),
+                row,
+            )
+            for part in PARTS
+        }
 
     @property
     def n_samples(self) -> int:
@@ -99,39 +106,50 @@ class StoreInfo:
 def open_store_info(path: Path, *, offset: int = 0) -> StoreInfo:
     """Validate the store at ``path`` from its consolidated metadata and load its lengths."""
     if path.name.endswith(".partial"):
-        raise CorruptStoreError(f"{path} is an unfinished write (a .partial directory); "
-                                "rerun the capture to produce a published store")  # fmt: skip
+        raise CorruptStoreError(
+            f"{path} is an unfinished write (a .partial directory); "
+            "rerun the capture to produce a published store"
+        )
     if not path.is_dir():
         raise StoreNotFoundError(f"{path} does not exist or is not a directory")
     zmeta_path = path / ".zmetadata"
     if not zmeta_path.exists():
-        raise CorruptStoreError(f"{path} has no consolidated metadata (.zmetadata): it is not a "
-                                "finished actstore zarr store; re-create it")  # fmt: skip
+        raise CorruptStoreError(
+            f"{path} has no consolidated metadata (.zmetadata): it is not a "
+            "finished actstore zarr store; re-create it"
+        )
     zmeta = read_json(zmeta_path)
     meta = zmeta.get("metadata") if isinstance(zmeta, dict) else None
     if not isinstance(meta, dict):
         raise CorruptStoreError(f"{zmeta_path} has no 'metadata' mapping; re-create the store")
     attrs = meta.get(".zattrs") or {}
     if attrs.get("format") != FORMAT_TAG:
-        raise CorruptStoreError(f"{path} is a zarr store but not an actstore prompt/response "
-                                f"store (attribute format={attrs.get('format')!r})")  # fmt: skip
+        raise CorruptStoreError(
+            f"{path} is a zarr store but not an actstore prompt/response "
+            f"store (attribute format={attrs.get('format')!r})"
+        )
     version = str(attrs.get("schema_version", ""))
     if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
-        raise ProtocolVersionError(f"{path} has schema_version {version!r}; this actstore reads "
-                                   f"{SCHEMA_VERSION.split('.')[0]}.x; upgrade actstore")  # fmt: skip
+        raise ProtocolVersionError(
+            f"{path} has schema_version {version!r}; this actstore reads "
+            f"{SCHEMA_VERSION.split('.')[0]}.x; upgrade actstore"
+        )
     layout = ZarrLayout.from_dict(attrs.get("layout", {}), source=f"{path}/.zattrs")
     separators = {}
     for part in PARTS:
-        separators[part] = _check_zarray(meta, ACTIVATIONS[part], layout.shape(part),
-                                         list(layout.chunk_shape(part)), path)  # fmt: skip
+        separators[part] = _check_zarray(
+            meta, ACTIVATIONS[part], layout.shape(part), list(layout.chunk_shape(part)), path
+        )
     info = StoreInfo(path=path, attrs=attrs, layout=layout, separators=separators, offset=offset)
     group = zarr_module().open_consolidated(str(path), mode="r", zarr_format=2)
     for part in PARTS:
         lengths = np.asarray(_array(group, LENGTHS[part], path)[:], dtype=np.int32)
         cap = layout.max_len(part)
         if lengths.shape != (layout.n_samples,) or lengths.min() < 0 or lengths.max() > cap:
-            raise CorruptStoreError(f"{path}/{LENGTHS[part]} must hold {layout.n_samples} lengths "
-                                    f"in 0..{cap}; it does not")  # fmt: skip
+            raise CorruptStoreError(
+                f"{path}/{LENGTHS[part]} must hold {layout.n_samples} lengths "
+                f"in 0..{cap}; it does not"
+            )
         info.lengths[part] = lengths
     return info
 
@@ -140,12 +158,21 @@ def _check_zarray(meta: dict, name: str, shape: tuple, chunks: list, path: Path)
     zarray = meta.get(f"{name}/.zarray")
     if not isinstance(zarray, dict):
         raise CorruptStoreError(f"{path} lacks the array {name}; re-create the store")
-    want = {"shape": list(shape), "chunks": chunks, "dtype": ACT_DTYPE.str, "compressor": None,
-            "filters": None, "order": "C", "zarr_format": 2}  # fmt: skip
+    want = {
+        "shape": list(shape),
+        "chunks": chunks,
+        "dtype": ACT_DTYPE.str,
+        "compressor": None,
+        "filters": None,
+        "order": "C",
+        "zarr_format": 2,
+    }
     for key, value in want.items():
         if zarray.get(key) != value:
-            raise CorruptStoreError(f"{path}/{name}: {key} is {zarray.get(key)!r}, the layout "
-                                    f"requires {value!r}; the store was altered")  # fmt: skip
+            raise CorruptStoreError(
+                f"{path}/{name}: {key} is {zarray.get(key)!r}, the layout "
+                f"requires {value!r}; the store was altered"
+            )
     separator = zarray.get("dimension_separator", ".")
     if separator not in (".", "/"):
         raise CorruptStoreError(f"{path}/{name}: unknown dimension_separator {separator!r}")
@@ -165,8 +192,10 @@ def resolve_location(location: str | os.PathLike) -> tuple[Path, bool]:
     if (path / MANIFEST).is_file():
         return path, True
     if (path / "shards").is_dir() and not (path / ".zgroup").exists():
-        raise CorruptStoreError(f"{path} has shards but no manifest.json (no manifest yet: a "
-                                "writer is missing or unfinished); write it with write_manifest")  # fmt: skip
+        raise CorruptStoreError(
+            f"{path} has shards but no manifest.json (no manifest yet: a "
+            "writer is missing or unfinished); write it with write_manifest"
+        )
     if not (path / ".zgroup").exists() and (path / STORE_NAME).is_dir():
         return path / STORE_NAME, False
     return path, False
@@ -235,9 +264,11 @@ class ZarrReader:
 
     def __repr__(self) -> str:
         lay = self.layout
-        return (f"ZarrReader({str(self.path)!r}, n_samples={lay.n_samples}, sites={list(lay.sites)}, "
-                f"P_max={lay.p_max}, R_max={lay.r_max}, H={lay.hidden_size}, "
-                f"stores={len(self.stores)})")  # fmt: skip
+        return (
+            f"ZarrReader({str(self.path)!r}, n_samples={lay.n_samples}, sites={list(lay.sites)}, "
+            f"P_max={lay.p_max}, R_max={lay.r_max}, H={lay.hidden_size}, "
+            f"stores={len(self.stores)})"
+        )
 
     # ------------------------------------------------------------------ locating
 
@@ -254,8 +285,15 @@ class ZarrReader:
 
     # ------------------------------------------------------------------ random access
 
-    def read(self, i: int, layer: int | str, part: str = "prompt", *, trim: bool = True,
-             out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    def read(
+        self,
+        i: int,
+        layer: int | str,
+        part: str = "prompt",
+        *,
+        trim: bool = True,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """Activations of sample ``i`` at ``layer`` for ``part``: ``(len_i, H)`` float16 with
         ``trim`` (the stored real tokens), else ``(P_max or R_max, H)`` zero-padded.
 
@@ -267,38 +305,67 @@ class ZarrReader:
         """
         return self.read_index(i, self.layout.layer_index(layer), part, trim=trim, out=out)
 
-    def read_index(self, i: int, layer_idx: int, part: str = "prompt", *, trim: bool = True,
-                   out: np.ndarray | None = None) -> np.ndarray:  # fmt: skip
+    def read_index(
+        self,
+        i: int,
+        layer_idx: int,
+        part: str = "prompt",
+        *,
+        trim: bool = True,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
         """:meth:`read` with the position on the ``L`` axis instead of the site."""
         lay = self.layout
         max_len = lay.max_len(part)  # checks part
         if not 0 <= layer_idx < lay.n_layers:
-            raise IndexOutOfRangeError(f"layer position {layer_idx} out of range (0..{lay.n_layers - 1})")
+            raise IndexOutOfRangeError(
+                f"layer position {layer_idx} out of range (0..{lay.n_layers - 1})"
+            )
         k, local = self.locate(i)
         store = self.stores[k]
         n_real = int(store.lengths[part][local])
         n_rows = n_real if trim else max_len
         if out is None:
             out = np.empty((n_rows, lay.hidden_size), dtype=ACT_DTYPE)
-        elif out.shape != (n_rows, lay.hidden_size) or out.dtype != ACT_DTYPE or not out.flags.c_contiguous:
-            raise ConfigError(f"out must be a C-contiguous float16 array of shape "
-                              f"{(n_rows, lay.hidden_size)}, not {out.dtype} {out.shape}")  # fmt: skip
+        elif (
+            out.shape != (n_rows, lay.hidden_size)
+            or out.dtype != ACT_DTYPE
+            or not out.flags.c_contiguous
+        ):
+            raise ConfigError(
+                f"out must be a C-contiguous float16 array of shape "
+                f"{(n_rows, lay.hidden_size)}, not {out.dtype} {out.shape}"
+            )
         _read_rows(store, part, local, layer_idx, out[:n_real])
         out[n_real:] = 0  # padding is zeros (the writer stores it so; verify checks it)
         return out
 
-    def read_batch(self, samples: Sequence[int] | np.ndarray, layers: Sequence[Sequence[int | str]] | np.ndarray,
-                   part: str = "response", *, trim: bool = False) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def read_batch(
+        self,
+        samples: Sequence[int] | np.ndarray,
+        layers: Sequence[Sequence[int | str]] | np.ndarray,
+        part: str = "response",
+        *,
+        trim: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Stack ``read(samples[j], layers[j][m], part)`` into ``acts[b, k, T, H]`` (zero-padded
         to ``P_max``/``R_max``, or to the longest of these samples with ``trim``) and return it
         with the lengths ``[b]``. ``layers`` is ``[b, k]`` sites or block indices."""
         samples = np.asarray(samples, dtype=np.int64).reshape(-1)
-        layer_idx = np.array([[self.layout.layer_index(x) for x in row] for row in layers],
-                             dtype=np.int64).reshape(len(samples), -1)  # fmt: skip
+        layer_idx = np.array(
+            [[self.layout.layer_index(x) for x in row] for row in layers], dtype=np.int64
+        ).reshape(len(samples), -1)
         return self.read_batch_index(samples, layer_idx, part, trim)
 
-    def random_batch(self, b: int, rng: np.random.Generator, *, n_layers: int = 2,
-                     part: str = "response", trim: bool = False) -> dict[str, np.ndarray]:  # fmt: skip
+    def random_batch(
+        self,
+        b: int,
+        rng: np.random.Generator,
+        *,
+        n_layers: int = 2,
+        part: str = "response",
+        trim: bool = False,
+    ) -> dict[str, np.ndarray]:
         """The training pattern: ``b`` random samples, ``n_layers`` distinct random layers each.
 
         Returns ``acts [b, n_layers, T, H]``, ``lengths [b]``, ``samples [b]`` and
@@ -308,28 +375,36 @@ class ZarrReader:
         if not 1 <= n_layers <= lay.n_layers:
             raise ConfigError(f"n_layers must lie in 1..{lay.n_layers}, not {n_layers}")
         samples = rng.integers(0, lay.n_samples, size=b)
-        layer_idx = np.stack([rng.choice(lay.n_layers, size=n_layers, replace=False)
-                              for _ in range(b)])  # fmt: skip
+        layer_idx = np.stack(
+            [rng.choice(lay.n_layers, size=n_layers, replace=False) for _ in range(b)]
+        )
         acts, lengths = self.read_batch_index(samples, layer_idx, part, trim)
-        return {"acts": acts, "lengths": lengths, "samples": samples,
-                "layers": np.asarray(lay.layers)[layer_idx],
-                "sites": np.asarray(lay.sites)[layer_idx]}  # fmt: skip
+        return {
+            "acts": acts,
+            "lengths": lengths,
+            "samples": samples,
+            "layers": np.asarray(lay.layers)[layer_idx],
+            "sites": np.asarray(lay.sites)[layer_idx],
+        }
 
-    def read_batch_index(self, samples: np.ndarray, layer_idx: np.ndarray, part: str = "response",
-                         trim: bool = False) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    def read_batch_index(
+        self, samples: np.ndarray, layer_idx: np.ndarray, part: str = "response", trim: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`read_batch` with positions on the ``L`` axis (``layer_idx [b, k]``)."""
         lengths = self.lengths(part)[samples]
         width = int(lengths.max(initial=0)) if trim else self.layout.max_len(part)
-        acts = np.zeros((len(samples), layer_idx.shape[1], width, self.layout.hidden_size),
-                        dtype=ACT_DTYPE)  # fmt: skip
+        acts = np.zeros(
+            (len(samples), layer_idx.shape[1], width, self.layout.hidden_size), dtype=ACT_DTYPE
+        )
         for j, i in enumerate(samples):
             k, local = self.locate(int(i))
             for m, idx in enumerate(layer_idx[j]):
                 _read_rows(self.stores[k], part, local, int(idx), acts[j, m, : lengths[j]])
         return acts, lengths
 
-    def dataset(self, part: str = "response", *, n_layers: int = 2, seed: int = 0,
-                trim: bool = False) -> ZarrPairDataset:  # fmt: skip
+    def dataset(
+        self, part: str = "response", *, n_layers: int = 2, seed: int = 0, trim: bool = False
+    ) -> ZarrPairDataset:
         """A torch map-style Dataset of the training pattern (see :class:`ZarrPairDataset`)."""
         return ZarrPairDataset(self, part=part, n_layers=n_layers, seed=seed, trim=trim)
 
@@ -340,7 +415,8 @@ class ZarrReader:
         self._check_pid()
         if store not in self._groups:
             self._groups[store] = zarr_module().open_consolidated(
-                str(self.stores[store].path), mode="r", zarr_format=2)
+                str(self.stores[store].path), mode="r", zarr_format=2
+            )
         return self._groups[store]
 
     def _concat(self, name: str) -> np.ndarray | None:
@@ -381,8 +457,9 @@ class ZarrReader:
         if offsets is None:
             offsets = _line_offsets(path)
             if len(offsets) != self.stores[k].n_samples:
-                raise CorruptStoreError(f"{path} has {len(offsets)} lines for "
-                                        f"{self.stores[k].n_samples} samples")  # fmt: skip
+                raise CorruptStoreError(
+                    f"{path} has {len(offsets)} lines for {self.stores[k].n_samples} samples"
+                )
             self._text_index[(k, part)] = offsets
         with open(path, "rb") as f:
             f.seek(int(offsets[local]))
@@ -414,16 +491,20 @@ class ZarrReader:
         if out is None:
             out = np.empty((block.n_rows, self.layout.hidden_size), dtype=ACT_DTYPE)
         elif out.shape != (block.n_rows, self.layout.hidden_size) or out.dtype != ACT_DTYPE:
-            raise ConfigError(f"out must be float16 of shape {(block.n_rows, self.layout.hidden_size)}, "
-                              f"not {out.dtype} {out.shape}")  # fmt: skip
+            raise ConfigError(
+                f"out must be float16 of shape {(block.n_rows, self.layout.hidden_size)}, "
+                f"not {out.dtype} {out.shape}"
+            )
         _read_rows(store, PARTS[part_idx], local, layer_idx, out)
         return out
 
     def block_rows(self, block: Block) -> tuple[np.ndarray, np.ndarray]:
         """(global sample index, token position within its part) of each row of ``block``."""
         k, local, _, _ = block.loc
-        return (np.full(block.n_rows, self.stores[k].offset + local, dtype=np.int64),
-                np.arange(block.n_rows, dtype=np.int64))  # fmt: skip
+        return (
+            np.full(block.n_rows, self.stores[k].offset + local, dtype=np.int64),
+            np.arange(block.n_rows, dtype=np.int64),
+        )
 
     # ------------------------------------------------------------------ statistics
 
@@ -461,17 +542,19 @@ class ZarrReader:
             "model": f"{attrs.get('model_id')} ({attrs.get('model_family')})",
             "dataset": attrs.get("dataset"),
             "sites": list(lay.sites),
-            "shape": (f"{lay.n_samples} samples x {lay.n_layers} sites {list(lay.sites)} x "
-                      f"(P_max {lay.p_max} + R_max {lay.r_max}) tokens x {lay.hidden_size} dims "
-                      "float16"),
+            "shape": (
+                f"{lay.n_samples} samples x {lay.n_layers} sites {list(lay.sites)} x "
+                f"(P_max {lay.p_max} + R_max {lay.r_max}) tokens x {lay.hidden_size} dims "
+                "float16"
+            ),
             "n_samples": lay.n_samples,
             "P_max": lay.p_max,
             "R_max": lay.r_max,
             "chunks": f"prompt (1, 1, {lay.t_chunk_prompt}, {lay.hidden_size}), response "
-                      f"(1, 1, {lay.t_chunk_response}, {lay.hidden_size})",
+            f"(1, 1, {lay.t_chunk_response}, {lay.hidden_size})",
             "truncated": f"{trunc['prompt']} prompts, {trunc['response']} responses",
             "stored_tokens": f"{int(self.prompt_len.sum())} prompt, {int(self.response_len.sum())} "
-                             "response",
+            "response",
             "stores": len(self.stores),
             "bytes": n_bytes,
             "n_files": n_files,
@@ -521,8 +604,15 @@ class ZarrPairDataset(torch.utils.data.Dataset):
         >>> loader = ds.loader(32, num_workers=4)  # per batch, faster  # doctest: +SKIP
     """
 
-    def __init__(self, reader: ZarrReader, *, part: str = "response", n_layers: int = 2,
-                 seed: int = 0, trim: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        reader: ZarrReader,
+        *,
+        part: str = "response",
+        n_layers: int = 2,
+        seed: int = 0,
+        trim: bool = False,
+    ) -> None:
         if part not in PARTS:
             raise ConfigError(f"part must be 'prompt' or 'response', not {part!r}")
         if not 1 <= n_layers <= reader.layout.n_layers:
@@ -548,17 +638,35 @@ class ZarrPairDataset(torch.utils.data.Dataset):
         acts, lengths = self.reader.read_batch_index(samples, idx, self.part, self.trim)
         layers = np.asarray(self.reader.layout.layers)[idx]
         if single:
-            return {"acts": torch.from_numpy(acts[0]), "length": int(lengths[0]),
-                    "layers": torch.from_numpy(layers[0]), "index": int(index)}  # fmt: skip
-        return {"acts": torch.from_numpy(acts), "length": torch.from_numpy(lengths.astype(np.int64)),
-                "layers": torch.from_numpy(layers), "index": torch.from_numpy(samples)}  # fmt: skip
+            return {
+                "acts": torch.from_numpy(acts[0]),
+                "length": int(lengths[0]),
+                "layers": torch.from_numpy(layers[0]),
+                "index": int(index),
+            }
+        return {
+            "acts": torch.from_numpy(acts),
+            "length": torch.from_numpy(lengths.astype(np.int64)),
+            "layers": torch.from_numpy(layers),
+            "index": torch.from_numpy(samples),
+        }
 
-    def loader(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
-               generator: torch.Generator | None = None, **kwargs: Any) -> torch.utils.data.DataLoader:
+    def loader(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        generator: torch.Generator | None = None,
+        **kwargs: Any,
+    ) -> torch.utils.data.DataLoader:
         """A DataLoader whose workers read whole batches (one array each, no collate copy);
         ``kwargs`` go to DataLoader (``num_workers``, ``pin_memory``...)."""
-        order = (torch.utils.data.RandomSampler(self, generator=generator) if shuffle
-                 else torch.utils.data.SequentialSampler(self))  # fmt: skip
+        order = (
+            torch.utils.data.RandomSampler(self, generator=generator)
+            if shuffle
+            else torch.utils.data.SequentialSampler(self)
+        )
         batches = torch.utils.data.BatchSampler(order, batch_size, drop_last)
         return torch.utils.data.DataLoader(self, sampler=batches, batch_size=None, **kwargs)
 
@@ -587,7 +695,8 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
             if size != chunk_bytes:
                 raise CorruptStoreError(
                     f"chunk {path} has {size} bytes, expected {chunk_bytes} "
-                    f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture")
+                    f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture"
+                )
             target = view[r0 * row_bytes : r1 * row_bytes]
             done = 0
             while done < len(target):
@@ -624,19 +733,24 @@ def _open_run(path: Path) -> tuple[dict[str, Any], list[StoreInfo]]:
     for entry in entries:
         info = open_store_info(path / entry["path"], offset=start)
         if int(entry["start"]) != start or int(entry["n_samples"]) != info.n_samples:
-            raise CorruptStoreError(f"{path / MANIFEST}: shard {entry['path']} should start at "
-                                    f"{start} with {info.n_samples} samples; it says {entry}")  # fmt: skip
+            raise CorruptStoreError(
+                f"{path / MANIFEST}: shard {entry['path']} should start at "
+                f"{start} with {info.n_samples} samples; it says {entry}"
+            )
         if stores and not info.layout.same_bytes_as(stores[0].layout):
             raise CorruptStoreError(f"{info.path} has another layout than {stores[0].path}")
         stores.append(info)
         start += info.n_samples
     if not stores or start != total:
-        raise CorruptStoreError(f"{path / MANIFEST} declares {total} samples; its shards hold {start}")
+        raise CorruptStoreError(
+            f"{path / MANIFEST} declares {total} samples; its shards hold {start}"
+        )
     return manifest, stores
 
 
-def _verify_store(store: StoreInfo, group: Any, report: VerifyReport,
-                  progress: Callable[[int], None] | None) -> int:  # fmt: skip
+def _verify_store(
+    store: StoreInfo, group: Any, report: VerifyReport, progress: Callable[[int], None] | None
+) -> int:
     lay, where = store.layout, store.path
     for part in PARTS:
         directory = store.path / ACTIVATIONS[part]
@@ -664,8 +778,10 @@ def _verify_store(store: StoreInfo, group: Any, report: VerifyReport,
     for part in PARTS:
         bad = np.flatnonzero(np.minimum(full[part], lay.max_len(part)) != store.lengths[part])
         if bad.size:
-            report.faults.append(f"{where}/{LENGTHS[part]} disagrees with the full lengths at "
-                                 f"samples {bad[:5].tolist()}")  # fmt: skip
+            report.faults.append(
+                f"{where}/{LENGTHS[part]} disagrees with the full lengths at "
+                f"samples {bad[:5].tolist()}"
+            )
     non_finite = 0
     prompt = np.empty((lay.n_layers, lay.p_max, lay.hidden_size), dtype=ACT_DTYPE)
     response = np.empty((lay.n_layers, lay.r_max, lay.hidden_size), dtype=ACT_DTYPE)
@@ -685,17 +801,23 @@ def _verify_store(store: StoreInfo, group: Any, report: VerifyReport,
         if progress is not None:
             progress(n_read)
         if h.hexdigest().encode("ascii") != digests[local]:
-            report.faults.append(f"{where}: sample {local} does not match its stored digest "
-                                 "(activation data was changed or lost)")  # fmt: skip
+            report.faults.append(
+                f"{where}: sample {local} does not match its stored digest "
+                "(activation data was changed or lost)"
+            )
     for part in PARTS:
         path = store.path / TEXT_FILES[part]
         if path.exists():
             report.files_checked += 1
             # split on "\n" only: str.splitlines() also splits at U+2028/U+0085, which
             # json.dumps(ensure_ascii=False) leaves raw inside a record
-            lines = [json.loads(x) for x in path.read_text(encoding="utf-8").split("\n") if x.strip()]
+            lines = [
+                json.loads(x) for x in path.read_text(encoding="utf-8").split("\n") if x.strip()
+            ]
             if [rec.get("i") for rec in lines] != list(range(lay.n_samples)):
-                report.faults.append(f"{path}: expected one record per sample, i = 0..{lay.n_samples - 1}")
+                report.faults.append(
+                    f"{path}: expected one record per sample, i = 0..{lay.n_samples - 1}"
+                )
     for name in store.attrs.get("optional_arrays", []):
         if OPTIONAL_ARRAYS[name][0] not in group:
             report.faults.append(f"{where} lacks {OPTIONAL_ARRAYS[name][0]} its attributes list")

@@ -104,17 +104,33 @@ def new_run_dir(root: str | Path) -> Path:
     raise StoreExistsError(f"could not create a fresh run directory under {root}")
 
 
-def shard_writer(layout: ZarrLayout, run_dir: str | Path, index: int, n_shards: int, *,
-                 attrs: dict[str, Any], config: dict[str, Any] | None = None,
-                 token_ids: bool = False, optional: tuple[str, ...] = ()) -> ZarrWriter:  # fmt: skip
+def shard_writer(
+    layout: ZarrLayout,
+    run_dir: str | Path,
+    index: int,
+    n_shards: int,
+    *,
+    attrs: dict[str, Any],
+    config: dict[str, Any] | None = None,
+    token_ids: bool = False,
+    optional: tuple[str, ...] = (),
+) -> ZarrWriter:
     """The writer of shard ``index`` of ``n_shards`` for a run of ``layout.n_samples`` samples
     (the layout of the whole run). Batches carry global sample ids."""
     start, stop = shard_ranges(layout.n_samples, n_shards)[index]
-    shard_attrs = {**attrs, "shard": {"index": index, "n_shards": n_shards, "start": start,
-                                      "stop": stop}}  # fmt: skip
-    return ZarrWriter(layout.with_samples(stop - start), shard_path(run_dir, index),
-                      attrs=shard_attrs, config=config, id_offset=start, token_ids=token_ids,
-                      optional=optional)  # fmt: skip
+    shard_attrs = {
+        **attrs,
+        "shard": {"index": index, "n_shards": n_shards, "start": start, "stop": stop},
+    }
+    return ZarrWriter(
+        layout.with_samples(stop - start),
+        shard_path(run_dir, index),
+        attrs=shard_attrs,
+        config=config,
+        id_offset=start,
+        token_ids=token_ids,
+        optional=optional,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,8 +153,16 @@ def run_shard_job(job: ShardJob) -> dict[str, Any]:
 
     Runs in a writer process with one torch thread: the parallelism is the processes."""
     torch.set_num_threads(1)
-    writer = shard_writer(job.layout, job.run_dir, job.index, job.n_shards, attrs=job.attrs,
-                          config=job.config, token_ids=job.token_ids, optional=job.optional)  # fmt: skip
+    writer = shard_writer(
+        job.layout,
+        job.run_dir,
+        job.index,
+        job.n_shards,
+        attrs=job.attrs,
+        config=job.config,
+        token_ids=job.token_ids,
+        optional=job.optional,
+    )
     start = writer.id_offset
     t0 = time.perf_counter()
     if not writer.complete:
@@ -149,14 +173,27 @@ def run_shard_job(job: ShardJob) -> dict[str, Any]:
         except BaseException:
             writer.abort()
             raise
-    return {"index": job.index, "path": str(writer.final_path), "pid": os.getpid(),
-            "n_samples": writer.layout.n_samples, "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "index": job.index,
+        "path": str(writer.final_path),
+        "pid": os.getpid(),
+        "n_samples": writer.layout.n_samples,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def write_shards(run_dir: str | Path, layout: ZarrLayout, producer: Producer, *, n_writers: int,
-                 attrs: dict[str, Any], config: dict[str, Any] | None = None,
-                 token_ids: bool = False, optional: tuple[str, ...] = (),
-                 progress: bool = True) -> dict[str, Any]:  # fmt: skip
+def write_shards(
+    run_dir: str | Path,
+    layout: ZarrLayout,
+    producer: Producer,
+    *,
+    n_writers: int,
+    attrs: dict[str, Any],
+    config: dict[str, Any] | None = None,
+    token_ids: bool = False,
+    optional: tuple[str, ...] = (),
+    progress: bool = True,
+) -> dict[str, Any]:
     """Write a run with ``n_writers`` processes, one shard each, then its manifest.
 
     ``producer`` must be picklable (processes are spawned); it runs in each writer process
@@ -168,14 +205,26 @@ def write_shards(run_dir: str | Path, layout: ZarrLayout, producer: Producer, *,
     """
     run_dir = Path(run_dir).expanduser()
     ranges = shard_ranges(layout.n_samples, n_writers)
-    jobs = [ShardJob(layout=layout, run_dir=str(run_dir), index=k, n_shards=len(ranges),
-                     producer=producer, attrs=attrs, config=config or {}, token_ids=token_ids,
-                     optional=optional) for k in range(len(ranges))]  # fmt: skip
+    jobs = [
+        ShardJob(
+            layout=layout,
+            run_dir=str(run_dir),
+            index=k,
+            n_shards=len(ranges),
+            producer=producer,
+            attrs=attrs,
+            config=config or {},
+            token_ids=token_ids,
+            optional=optional,
+        )
+        for k in range(len(ranges))
+    ]
     results = []
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=n_writers, mp_context=context) as pool, \
-            tqdm(total=len(jobs), desc="shards", unit="shard",
-                 **bar_switch(progress)) as bar:  # fmt: skip
+    with (
+        ProcessPoolExecutor(max_workers=n_writers, mp_context=context) as pool,
+        tqdm(total=len(jobs), desc="shards", unit="shard", **bar_switch(progress)) as bar,
+    ):
         futures = [pool.submit(run_shard_job, job) for job in jobs]
         for future in as_completed(futures):
             results.append(future.result())
@@ -198,19 +247,29 @@ def write_manifest(run_dir: str | Path) -> dict[str, Any]:
     by_index = {info.attrs["shard"]["index"]: info for info in infos}
     missing = [k for k in range(n_shards) if k not in by_index]
     if missing:
-        raise CaptureError(f"{run_dir}: shards {missing} of {n_shards} are not published; rerun "
-                           "their writers, then write the manifest")  # fmt: skip
+        raise CaptureError(
+            f"{run_dir}: shards {missing} of {n_shards} are not published; rerun "
+            "their writers, then write the manifest"
+        )
     entries, start = [], 0
     first = by_index[0]
     for k in range(n_shards):
         info = by_index[k]
         if info.attrs["shard"]["start"] != start:
-            raise CorruptStoreError(f"{info.path} starts at {info.attrs['shard']['start']}, "
-                                    f"expected {start} (overlapping or missing samples)")  # fmt: skip
+            raise CorruptStoreError(
+                f"{info.path} starts at {info.attrs['shard']['start']}, "
+                f"expected {start} (overlapping or missing samples)"
+            )
         if not info.layout.same_bytes_as(first.layout):
             raise CorruptStoreError(f"{info.path} has another layout than {first.path}")
-        entries.append({"index": k, "path": str(info.path.relative_to(run_dir)), "start": start,
-                        "n_samples": info.n_samples})  # fmt: skip
+        entries.append(
+            {
+                "index": k,
+                "path": str(info.path.relative_to(run_dir)),
+                "start": start,
+                "n_samples": info.n_samples,
+            }
+        )
         start += info.n_samples
     manifest = {
         "format": RUN_FORMAT_TAG,
@@ -221,17 +280,18 @@ def write_manifest(run_dir: str | Path) -> dict[str, Any]:
         "sites": list(first.layout.sites),
         "layout": first.layout.with_samples(start).to_dict(),
         "mapping": "global index g is in the shard with start <= g < start + n_samples, at "
-                   "local index g - start",
+        "local index g - start",
         "shards": entries,
         "merged": None,
-    }  # fmt: skip
+    }
     atomic_write_json(run_dir / MANIFEST, manifest)
     log.info("wrote %s: %d shards, %d samples", run_dir / MANIFEST, n_shards, start)
     return manifest
 
 
-def merge_run(run_dir: str | Path, dest: str | Path | None = None, *,
-              progress: bool = True) -> Path:  # fmt: skip
+def merge_run(
+    run_dir: str | Path, dest: str | Path | None = None, *, progress: bool = True
+) -> Path:
     """Merge the shards of a run into one store (default ``run_dir/merged/activations.zarr``).
 
     Chunking is preserved: activation chunk files are copied byte for byte under their new
@@ -254,8 +314,7 @@ def merge_run(run_dir: str | Path, dest: str | Path | None = None, *,
     try:
         root = create_arrays(tmp, lay, token_ids=token_ids, optional=optional)
         total = sum(_count_chunks(s) for s in stores)
-        with tqdm(total=total, desc="merge", unit="chunk",
-                  **bar_switch(progress)) as bar:
+        with tqdm(total=total, desc="merge", unit="chunk", **bar_switch(progress)) as bar:
             for store in stores:
                 _copy_chunks(store, tmp, bar)
         for path in sample_arrays(lay, token_ids=token_ids, optional=optional):
@@ -268,18 +327,25 @@ def merge_run(run_dir: str | Path, dest: str | Path | None = None, *,
             appender.close()
         _merge_texts(stores, tmp)
         (tmp / "meta").mkdir(exist_ok=True)
-        atomic_write_json(tmp / STATISTICS_FILE, {"sites": {
-            site: reader.statistics(site).to_dict() for site in lay.sites}}, indent=None)  # fmt: skip
+        atomic_write_json(
+            tmp / STATISTICS_FILE,
+            {"sites": {site: reader.statistics(site).to_dict() for site in lay.sites}},
+            indent=None,
+        )
         config_path = stores[0].path / CONFIG_FILE
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
         config["merged_from"] = [str(s.path) for s in stores]
         atomic_write_json(tmp / CONFIG_FILE, config)
         attrs = {k: v for k, v in stores[0].attrs.items() if k != "shard"}
-        counts = {p: sum(int(s.attrs.get(f"{p}_truncated_count", 0)) for s in stores) for p in PARTS}
+        counts = {
+            p: sum(int(s.attrs.get(f"{p}_truncated_count", 0)) for s in stores) for p in PARTS
+        }
         attrs.update(truncation_attrs_from_counts(counts, lay.n_samples))
         attrs.update(layout_attrs(lay))
-        attrs.update(merged_from=str(run_dir),
-                     created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))  # fmt: skip
+        attrs.update(
+            merged_from=str(run_dir),
+            created_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        )
         root.attrs.update(attrs)
         publish(tmp, dest)
     except BaseException:

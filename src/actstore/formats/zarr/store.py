@@ -68,8 +68,9 @@ def new_partial_dir(final: Path) -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
 
 
-def sample_arrays(layout: ZarrLayout, *, token_ids: bool,
-                  optional: Iterable[str] = ()) -> dict[str, tuple[tuple[int, ...], np.dtype, Any]]:  # fmt: skip
+def sample_arrays(
+    layout: ZarrLayout, *, token_ids: bool, optional: Iterable[str] = ()
+) -> dict[str, tuple[tuple[int, ...], np.dtype, Any]]:
     """Per-sample arrays of a store: path -> (row shape, dtype, fill value)."""
     out: dict[str, tuple[tuple[int, ...], np.dtype, Any]] = {}
     for part in PARTS:
@@ -91,24 +92,39 @@ def rows_per_chunk(row_shape: tuple[int, ...], dtype: np.dtype, n_samples: int) 
     return max(1, min(n_samples, SAMPLE_CHUNK_ROWS, TARGET_CHUNK_BYTES // max(row_bytes, 1)))
 
 
-def create_arrays(directory: Path, layout: ZarrLayout, *, token_ids: bool,
-                  optional: Iterable[str] = ()) -> Any:  # fmt: skip
+def create_arrays(
+    directory: Path, layout: ZarrLayout, *, token_ids: bool, optional: Iterable[str] = ()
+) -> Any:
     """Create the group and every array (metadata only; no chunk is written yet)."""
     zarr = zarr_module()
     root = zarr.open_group(str(directory), mode="w", zarr_format=2)
     arrays = root.require_group("arrays")
     for part in PARTS:
         arrays.create_array(
-            ACTIVATIONS[part].split("/", 1)[1], shape=layout.shape(part),
-            chunks=layout.chunk_shape(part), dtype=ACT_DTYPE, compressors=None, filters=None,
-            fill_value=0, order="C",
-        )  # fmt: skip
-    for path, (row_shape, dtype, fill) in sample_arrays(layout, token_ids=token_ids,
-                                                        optional=optional).items():  # fmt: skip
+            ACTIVATIONS[part].split("/", 1)[1],
+            shape=layout.shape(part),
+            chunks=layout.chunk_shape(part),
+            dtype=ACT_DTYPE,
+            compressors=None,
+            filters=None,
+            fill_value=0,
+            order="C",
+        )
+    for path, (row_shape, dtype, fill) in sample_arrays(
+        layout, token_ids=token_ids, optional=optional
+    ).items():
         shape = (layout.n_samples, *row_shape)
         chunks = (rows_per_chunk(row_shape, dtype, layout.n_samples), *row_shape)
-        arrays.create_array(path.split("/", 1)[1], shape=shape, chunks=chunks, dtype=dtype,
-                            compressors=None, filters=None, fill_value=fill, order="C")  # fmt: skip
+        arrays.create_array(
+            path.split("/", 1)[1],
+            shape=shape,
+            chunks=chunks,
+            dtype=dtype,
+            compressors=None,
+            filters=None,
+            fill_value=fill,
+            order="C",
+        )
     return root
 
 

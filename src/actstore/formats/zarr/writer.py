@@ -35,12 +35,12 @@ import numpy as np
 import torch
 import xxhash
 
-from ..base import WriterBase
 from ... import __version__
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, StoreExistsError
 from ...stats import RunningStats
 from ...storage import atomic_write_json
+from ..base import WriterBase
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
@@ -88,14 +88,19 @@ def plan_lengths(plan: CapturePlan) -> tuple[np.ndarray, np.ndarray]:
     prompt of ``tokens_per_example`` tokens with no response.
     """
     if "prompt_lengths" in plan.extras:
-        return (np.asarray(plan.extras["prompt_lengths"], dtype=np.int64),
-                np.asarray(plan.extras["response_lengths"], dtype=np.int64))  # fmt: skip
-    return (np.full(plan.n_examples, plan.tokens_per_example, dtype=np.int64),
-            np.zeros(plan.n_examples, dtype=np.int64))  # fmt: skip
+        return (
+            np.asarray(plan.extras["prompt_lengths"], dtype=np.int64),
+            np.asarray(plan.extras["response_lengths"], dtype=np.int64),
+        )
+    return (
+        np.full(plan.n_examples, plan.tokens_per_example, dtype=np.int64),
+        np.zeros(plan.n_examples, dtype=np.int64),
+    )
 
 
-def store_attrs(plan: CapturePlan, options: ZarrOptions, choice_attrs: dict[str, Any],
-                layout: ZarrLayout) -> dict[str, Any]:  # fmt: skip
+def store_attrs(
+    plan: CapturePlan, options: ZarrOptions, choice_attrs: dict[str, Any], layout: ZarrLayout
+) -> dict[str, Any]:
     """The global attributes (``.zattrs``) of a store captured by ``plan``.
 
     The writer adds the truncation record of the samples it stored and the creation time.
@@ -142,18 +147,28 @@ def layout_attrs(layout: ZarrLayout) -> dict[str, Any]:
 
 def fingerprint(attrs: dict[str, Any], data: dict[str, Any], options: ZarrOptions) -> str:
     """sha256 of what determines a store's content (a rerun with the same one is a no-op)."""
-    keep = {k: v for k, v in attrs.items() if k not in ("git_commit", "actstore_version",
-                                                         "fingerprint", "shard")}  # fmt: skip
-    text = json.dumps({"attrs": keep, "data": data, "options": options.__dict__},
-                      sort_keys=True, default=str)  # fmt: skip
+    keep = {
+        k: v
+        for k, v in attrs.items()
+        if k not in ("git_commit", "actstore_version", "fingerprint", "shard")
+    }
+    text = json.dumps(
+        {"attrs": keep, "data": data, "options": options.__dict__}, sort_keys=True, default=str
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _git_commit() -> str | None:
     """The git commit of the actstore checkout that wrote the store, when it is one."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
@@ -167,9 +182,17 @@ class ZarrWriter(WriterBase):
     the same fingerprint (the capture is done); any other existing store is refused.
     """
 
-    def __init__(self, layout: ZarrLayout, path: str | Path, *, attrs: dict[str, Any],
-                 config: dict[str, Any] | None = None, id_offset: int = 0,
-                 token_ids: bool = True, optional: tuple[str, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layout: ZarrLayout,
+        path: str | Path,
+        *,
+        attrs: dict[str, Any],
+        config: dict[str, Any] | None = None,
+        id_offset: int = 0,
+        token_ids: bool = True,
+        optional: tuple[str, ...] = (),
+    ) -> None:
         self.layout = layout
         self.final_path = Path(path).expanduser().resolve()
         self.attrs = dict(attrs)
@@ -178,7 +201,9 @@ class ZarrWriter(WriterBase):
         self.token_ids = token_ids
         for name in optional:
             if name not in OPTIONAL_ARRAYS:
-                raise ConfigError(f"unknown optional array {name!r}; known: {list(OPTIONAL_ARRAYS)}")
+                raise ConfigError(
+                    f"unknown optional array {name!r}; known: {list(OPTIONAL_ARRAYS)}"
+                )
         self.optional = tuple(optional)
         self.complete = False
         self.resume_from = 0
@@ -192,23 +217,31 @@ class ZarrWriter(WriterBase):
         self._root = create_arrays(self._tmp, layout, token_ids=token_ids, optional=self.optional)
         arrays = self._root["arrays"]
         self._acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
-        self._rows = {path: RowAppender(arrays[path.split("/", 1)[1]])
-                      for path in self._sample_array_paths()}  # fmt: skip
+        self._rows = {
+            path: RowAppender(arrays[path.split("/", 1)[1]]) for path in self._sample_array_paths()
+        }
         self._stats = [RunningStats(layout.hidden_size) for _ in layout.sites]
         self._truncated = {p: 0 for p in PARTS}
         self._texts: dict[str, Any] | None = None
 
     @classmethod
-    def from_plan(cls, plan: CapturePlan, out: str | Path,
-                  options: ZarrOptions | None = None) -> ZarrWriter:  # fmt: skip
+    def from_plan(
+        cls, plan: CapturePlan, out: str | Path, options: ZarrOptions | None = None
+    ) -> ZarrWriter:
         """The writer for a capture plan: ``out/activations.zarr`` (or ``out`` if it ends in
         ``.zarr``), with ``P_max``/``R_max``/``T_chunk`` chosen from the plan's lengths."""
         layout, kwargs = _plan_writer_args(plan, options or ZarrOptions())
         return cls(layout, store_path(out), **kwargs)
 
     @classmethod
-    def for_shard(cls, plan: CapturePlan, run_dir: str | Path, index: int, n_shards: int,
-                  options: ZarrOptions | None = None) -> ZarrWriter:  # fmt: skip
+    def for_shard(
+        cls,
+        plan: CapturePlan,
+        run_dir: str | Path,
+        index: int,
+        n_shards: int,
+        options: ZarrOptions | None = None,
+    ) -> ZarrWriter:
         """The writer of shard ``index`` of ``n_shards`` of a sharded run of ``plan``: the
         layout is chosen from the whole plan, so every shard agrees; the writer takes the
         examples of its :attr:`example_range` (capture feeds it only those)."""
@@ -236,17 +269,21 @@ class ZarrWriter(WriterBase):
             )
         self.complete = True
         self.resume_from = self.id_offset + self.layout.n_samples
-        log.info("%s is already published with the same fingerprint; nothing to write",
-                 self.final_path)  # fmt: skip
+        log.info(
+            "%s is already published with the same fingerprint; nothing to write", self.final_path
+        )
 
     def _warn_stale_partials(self) -> None:
         parent = self.final_path.parent
         if parent.is_dir():
             stale = sorted(parent.glob(f".{self.final_path.name}.*.partial"))
             if stale:
-                log.warning("unfinished writes of %s found (a crashed or running writer): %s; "
-                            "delete them once no writer uses them", self.final_path,
-                            ", ".join(p.name for p in stale))  # fmt: skip
+                log.warning(
+                    "unfinished writes of %s found (a crashed or running writer): %s; "
+                    "delete them once no writer uses them",
+                    self.final_path,
+                    ", ".join(p.name for p in stale),
+                )
 
     # ------------------------------------------------------------------ writing
 
@@ -267,8 +304,10 @@ class ZarrWriter(WriterBase):
             return
         expected = np.arange(self.id_offset + lo, self.id_offset + lo + n)
         if not np.array_equal(batch.example_ids, expected):
-            raise CaptureError(f"batches must arrive in sample order: expected ids from "
-                               f"{self.id_offset + lo}, got {batch.example_ids[:4].tolist()}...")  # fmt: skip
+            raise CaptureError(
+                f"batches must arrive in sample order: expected ids from "
+                f"{self.id_offset + lo}, got {batch.example_ids[:4].tolist()}..."
+            )
         if lo + n > lay.n_samples:
             raise CaptureError(f"more samples than the {lay.n_samples} this store was sized for")
         p_full, r_full = _batch_lengths(batch)
@@ -280,8 +319,10 @@ class ZarrWriter(WriterBase):
             if tensor is None:
                 raise CaptureError(f"batch lacks site {site}; it has {sorted(batch.acts)}")
             if tuple(tensor.shape) != (n, batch.n_tokens, lay.hidden_size):
-                raise CaptureError(f"site {site} has shape {tuple(tensor.shape)}; expected "
-                                   f"({n}, {batch.n_tokens}, {lay.hidden_size})")  # fmt: skip
+                raise CaptureError(
+                    f"site {site} has shape {tuple(tensor.shape)}; expected "
+                    f"({n}, {batch.n_tokens}, {lay.hidden_size})"
+                )
             half = tensor.detach().to(torch.float16).numpy()
             exact = tensor.detach()
             if exact.dtype not in (torch.float32, torch.float64):
@@ -303,9 +344,16 @@ class ZarrWriter(WriterBase):
         self._truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
         self._written += n
 
-    def _append_sample_rows(self, batch: Batch, lo: int, p_full: np.ndarray, r_full: np.ndarray,
-                            kept: list[tuple[int, int, int, int]], prompt: np.ndarray,
-                            response: np.ndarray) -> None:  # fmt: skip
+    def _append_sample_rows(
+        self,
+        batch: Batch,
+        lo: int,
+        p_full: np.ndarray,
+        r_full: np.ndarray,
+        kept: list[tuple[int, int, int, int]],
+        prompt: np.ndarray,
+        response: np.ndarray,
+    ) -> None:
         n, lay, extras = batch.n_examples, self.layout, batch.extras
         rows = self._rows
         rows[LENGTHS["prompt"]].append(np.array([k[1] for k in kept], dtype=np.int32))
@@ -324,14 +372,18 @@ class ZarrWriter(WriterBase):
         prompts, responses = _batch_texts(batch)
         keys = extras.get("sample_key")
         if keys is None:
-            keys = [sample_key(
-                prompt=None if prompts is None else prompts[b],
-                response=None if responses is None else responses[b],
-                prompt_ids=None if batch.token_ids is None else batch.token_ids[b, :p_full[b]],
-                response_ids=None if batch.token_ids is None
-                else batch.token_ids[b, p_full[b] : p_full[b] + r_full[b]],
-                fallback=str(int(batch.example_ids[b])),
-            ) for b in range(n)]  # fmt: skip
+            keys = [
+                sample_key(
+                    prompt=None if prompts is None else prompts[b],
+                    response=None if responses is None else responses[b],
+                    prompt_ids=None if batch.token_ids is None else batch.token_ids[b, : p_full[b]],
+                    response_ids=None
+                    if batch.token_ids is None
+                    else batch.token_ids[b, p_full[b] : p_full[b] + r_full[b]],
+                    fallback=str(int(batch.example_ids[b])),
+                )
+                for b in range(n)
+            ]
         keys = [k if isinstance(k, bytes) else str(k).encode("ascii") for k in keys]
         rows[SAMPLE_KEY].append(np.array(keys, dtype="|S64"))
         digests = [_digest(prompt[b], response[b]) for b in range(n)]
@@ -345,8 +397,9 @@ class ZarrWriter(WriterBase):
             rows[OPTIONAL_ARRAYS[name][0]].append(np.asarray(values, dtype=np.int8))
         self._write_texts(lo, keys, prompts, responses)
 
-    def _write_texts(self, lo: int, keys: list[bytes], prompts: list[str] | None,
-                     responses: list[str] | None) -> None:  # fmt: skip
+    def _write_texts(
+        self, lo: int, keys: list[bytes], prompts: list[str] | None, responses: list[str] | None
+    ) -> None:
         if self._texts is None:  # the first batch decides which text files exist
             self._texts = {}
             for part, texts in (("prompt", prompts), ("response", responses)):
@@ -375,16 +428,21 @@ class ZarrWriter(WriterBase):
         lay = self.layout
         if self._written != lay.n_samples:
             self.abort()
-            raise CaptureError(f"only {self._written} of {lay.n_samples} samples were written; "
-                               "nothing was published (rerun the capture)")  # fmt: skip
+            raise CaptureError(
+                f"only {self._written} of {lay.n_samples} samples were written; "
+                "nothing was published (rerun the capture)"
+            )
         for appender in self._rows.values():
             appender.close()
         for f in (self._texts or {}).values():
             f.close()
         self._texts = {}
         (self._tmp / "meta").mkdir(exist_ok=True)
-        atomic_write_json(self._tmp / STATISTICS_FILE, {"sites": {
-            site: self._stats[i].to_dict() for i, site in enumerate(lay.sites)}}, indent=None)  # fmt: skip
+        atomic_write_json(
+            self._tmp / STATISTICS_FILE,
+            {"sites": {site: self._stats[i].to_dict() for i, site in enumerate(lay.sites)}},
+            indent=None,
+        )
         atomic_write_json(self._tmp / CONFIG_FILE, self.config)
         attrs = {**self.attrs, **layout_attrs(lay)}
         attrs.update(truncation_attrs_from_counts(self._truncated, lay.n_samples))
@@ -395,8 +453,13 @@ class ZarrWriter(WriterBase):
         tmp, self._tmp = self._tmp, None
         publish(tmp, self.final_path)
         self.complete = True
-        log.info("published %s (%d samples, P_max %d, R_max %d)", self.final_path,
-                 lay.n_samples, lay.p_max, lay.r_max)  # fmt: skip
+        log.info(
+            "published %s (%d samples, P_max %d, R_max %d)",
+            self.final_path,
+            lay.n_samples,
+            lay.p_max,
+            lay.r_max,
+        )
         return self.final_path
 
     def abort(self) -> None:
@@ -413,36 +476,55 @@ def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dic
     """Layout, attributes and ``meta/config.json`` content of the store for ``plan``."""
     prompt_lengths, response_lengths = plan_lengths(plan)
     choice = choose_layout(
-        n_samples=plan.n_examples, sites=[str(s) for s in plan.sites], layers=plan.layers,
-        hidden_size=plan.d_model, prompt_lengths=prompt_lengths,
-        response_lengths=response_lengths, p_max=options.p_max, r_max=options.r_max,
-        quantile=options.quantile, t_chunk_prompt=options.t_chunk_prompt,
-        t_chunk_response=options.t_chunk_response, prompt_keep=options.prompt_keep,
-    )  # fmt: skip
+        n_samples=plan.n_examples,
+        sites=[str(s) for s in plan.sites],
+        layers=plan.layers,
+        hidden_size=plan.d_model,
+        prompt_lengths=prompt_lengths,
+        response_lengths=response_lengths,
+        p_max=options.p_max,
+        r_max=options.r_max,
+        quantile=options.quantile,
+        t_chunk_prompt=options.t_chunk_prompt,
+        t_chunk_response=options.t_chunk_response,
+        prompt_keep=options.prompt_keep,
+    )
     attrs = store_attrs(plan, options, choice.attrs, choice.layout)
     config = {
-        "model": {"ckpt": plan.ckpt, "family": plan.family, "modality": plan.modality,
-                  "n_layers": plan.n_model_layers, "d_model": plan.d_model},
+        "model": {
+            "ckpt": plan.ckpt,
+            "family": plan.family,
+            "modality": plan.modality,
+            "n_layers": plan.n_model_layers,
+            "d_model": plan.d_model,
+        },
         "sites": [str(s) for s in plan.sites],
         "dataset": {"root": plan.dataset_root, **plan.data},
         "options": dict(options.__dict__),
         "layout": choice.layout.to_dict(),
         "batch_size": plan.batch_size,
-    }  # fmt: skip
+    }
     return choice.layout, attrs, config
 
 
 def _plan_writer_args(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict[str, Any]]:
     layout, attrs, config = plan_store(plan, options)
     optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
-    return layout, {"attrs": attrs, "config": config, "token_ids": plan.has_tokens,
-                    "optional": optional}  # fmt: skip
+    return layout, {
+        "attrs": attrs,
+        "config": config,
+        "token_ids": plan.has_tokens,
+        "optional": optional,
+    }
 
 
 def truncation_attrs_from_counts(counts: dict[str, int], n: int) -> dict[str, Any]:
     """The spec's truncation record from per-part counts over ``n`` samples."""
-    return {f"{p}_truncated_{k}": (counts[p] if k == "count" else counts[p] / n)
-            for p in PARTS for k in ("count", "fraction")}  # fmt: skip
+    return {
+        f"{p}_truncated_{k}": (counts[p] if k == "count" else counts[p] / n)
+        for p in PARTS
+        for k in ("count", "fraction")
+    }
 
 
 def _digest(prompt: np.ndarray, response: np.ndarray) -> bytes:
@@ -460,16 +542,20 @@ def _batch_lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     else:
         p, r = np.full(n, t, dtype=np.int64), np.zeros(n, dtype=np.int64)
     if (p < 0).any() or (r < 0).any() or (p + r > t).any():
-        raise CaptureError(f"prompt_len + response_len must fit the batch's {t} tokens; got "
-                           f"{p.tolist()} + {r.tolist()}")  # fmt: skip
+        raise CaptureError(
+            f"prompt_len + response_len must fit the batch's {t} tokens; got "
+            f"{p.tolist()} + {r.tolist()}"
+        )
     return p, r
 
 
 def _batch_texts(batch: Batch) -> tuple[list[str] | None, list[str] | None]:
     prompts = batch.extras.get("prompt_text", batch.texts)
     responses = batch.extras.get("response_text")
-    return (None if prompts is None else [str(t) for t in prompts],
-            None if responses is None else [str(t) for t in responses])  # fmt: skip
+    return (
+        None if prompts is None else [str(t) for t in prompts],
+        None if responses is None else [str(t) for t in responses],
+    )
 
 
 __all__ = ["ZarrWriter", "plan_store", "store_attrs", "store_path"]
