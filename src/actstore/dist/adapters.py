@@ -22,13 +22,17 @@ from .parts import PartFormat, PartInfo, part_dir, parts_root
 from .split import Slice, split_examples
 
 
-def _dir_parts(final: Path, is_part: Callable[[Path], bool],
-               read: Callable[[Path], PartInfo]) -> list[PartInfo]:
+def _dir_parts(
+    final: Path, is_part: Callable[[Path], bool], read: Callable[[Path], PartInfo]
+) -> list[PartInfo]:
     root = parts_root(final)
     if not root.is_dir():
         return []
-    return [read(p) for p in sorted(root.iterdir())
-            if p.is_dir() and p.name.startswith("part-") and is_part(p)]
+    return [
+        read(p)
+        for p in sorted(root.iterdir())
+        if p.is_dir() and p.name.startswith("part-") and is_part(p)
+    ]
 
 
 def _aligned_slices(alignment: Callable[[CapturePlan, Any], int]):
@@ -46,19 +50,26 @@ def _saev() -> PartFormat:
     from ..formats.saev.writer import PART, merge_parts, read_part
 
     def metadata(plan, options):
-        return saev_metadata(plan, dialect=options.dialect,
-                             patches_per_shard=options.patches_per_shard)
+        return saev_metadata(
+            plan, dialect=options.dialect, patches_per_shard=options.patches_per_shard
+        )
 
     def part_writer(plan, final, options, sl):
-        return SaevWriter(metadata(plan, options), part_dir(final, sl),
-                          has_tokens=plan.has_tokens, classes=plan.classes,
-                          has_labels=plan.has_labels, example_range=(sl.start, sl.stop))
+        return SaevWriter(
+            metadata(plan, options),
+            part_dir(final, sl),
+            has_tokens=plan.has_tokens,
+            classes=plan.classes,
+            has_labels=plan.has_labels,
+            example_range=(sl.start, sl.stop),
+        )
 
     def info(path):
         md, manifest = read_part(path)
         start, stop = manifest["example_range"]
-        return PartInfo(path=path, start=start, stop=stop, n_examples=md.n_examples,
-                        identity=md.to_json_dict())
+        return PartInfo(
+            path=path, start=start, stop=stop, n_examples=md.n_examples, identity=md.to_json_dict()
+        )
 
     def merge(parts, final):
         location = merge_parts([p.path for p in parts], final)
@@ -67,8 +78,11 @@ def _saev() -> PartFormat:
 
     def pending(out):
         roots = list(out.glob(".*.parts")) + list((out / "saev" / "shards").glob(".*.parts"))
-        return [r.parent / r.name[1 : -len(".parts")] for r in sorted(roots)
-                if any((p / PART).is_file() for p in r.iterdir())]
+        return [
+            r.parent / r.name[1 : -len(".parts")]
+            for r in sorted(roots)
+            if any((p / PART).is_file() for p in r.iterdir())
+        ]
 
     return PartFormat(
         name="saev",
@@ -92,16 +106,26 @@ def _pickle() -> PartFormat:
         return options.samples_per_shard or samples_per_shard_for(plan, options.shard_mb)
 
     def part_writer(plan, final, options, sl):
-        return PickleWriter(plan, part_dir(final, sl), options,
-                            example_range=(sl.start, sl.stop), machine_id=sl.machine_id,
-                            total_machines=sl.n_machines, samples_per_machine=sl.per_machine)
+        return PickleWriter(
+            plan,
+            part_dir(final, sl),
+            options,
+            example_range=(sl.start, sl.stop),
+            machine_id=sl.machine_id,
+            total_machines=sl.n_machines,
+            samples_per_machine=sl.per_machine,
+        )
 
     def info(path):
         md = PickleReader(path).metadata
         start, stop = md.distributed_config["example_range"]
-        return PartInfo(path=path, start=start, stop=stop,
-                        n_examples=md.actstore.get("n_examples", stop),
-                        identity=md.extraction_config)
+        return PartInfo(
+            path=path,
+            start=start,
+            stop=stop,
+            n_examples=md.actstore.get("n_examples", stop),
+            identity=md.extraction_config,
+        )
 
     def merge(parts, final):
         location = merge_stores([p.path for p in parts], final)
@@ -141,8 +165,10 @@ def _zarr() -> PartFormat:
         ranges = shard_ranges(plan.n_examples, used) if used else []
         ranges += [(plan.n_examples, plan.n_examples)] * (n_machines - used)
         per = max((b - a for a, b in ranges), default=0)
-        return [Slice(machine_id=i, n_machines=n_machines, start=a, stop=b, per_machine=per)
-                for i, (a, b) in enumerate(ranges)]
+        return [
+            Slice(machine_id=i, n_machines=n_machines, start=a, stop=b, per_machine=per)
+            for i, (a, b) in enumerate(ranges)
+        ]
 
     def part_writer(plan, final, options, sl):
         used = min(sl.n_machines, plan.n_examples)
@@ -152,8 +178,13 @@ def _zarr() -> PartFormat:
         store = open_store_info(path)
         shard = store.attrs.get("shard") or {}
         total = read_json(path / CONFIG_FILE)["layout"]["n_samples"]
-        return PartInfo(path=path, start=shard["start"], stop=shard["stop"], n_examples=total,
-                        identity=store.attrs.get("fingerprint"))
+        return PartInfo(
+            path=path,
+            start=shard["start"],
+            stop=shard["stop"],
+            n_examples=total,
+            identity=store.attrs.get("fingerprint"),
+        )
 
     def list_parts(final):
         shards = final / SHARDS_DIR
@@ -168,10 +199,15 @@ def _zarr() -> PartFormat:
     def pending(out):
         return [out] if (out / SHARDS_DIR).is_dir() and not (out / MANIFEST).exists() else []
 
-    return PartFormat(name="zarr", slices=slices,
-                      final_location=lambda plan, out, options: Path(out).expanduser().resolve(),
-                      part_writer=part_writer, list_parts=list_parts, merge=merge,
-                      pending=pending)
+    return PartFormat(
+        name="zarr",
+        slices=slices,
+        final_location=lambda plan, out, options: Path(out).expanduser().resolve(),
+        part_writer=part_writer,
+        list_parts=list_parts,
+        merge=merge,
+        pending=pending,
+    )
 
 
 # ---------------------------------------------------------------------- activault
@@ -195,8 +231,9 @@ class _Rebased:
         return stop if self.inner.complete else start + self.inner.resume_from
 
     def write(self, batch: Batch) -> None:
-        self.inner.write(dataclasses.replace(batch, example_ids=batch.example_ids
-                                             - self.example_range[0]))
+        self.inner.write(
+            dataclasses.replace(batch, example_ids=batch.example_ids - self.example_range[0])
+        )
 
     def close(self) -> Any:
         return self.inner.close()
@@ -208,7 +245,6 @@ class _Rebased:
 def _activault() -> PartFormat:
     from ..formats.activault import ActivaultWriter
     from ..formats.activault.layout import CFG, METADATA, STATISTICS, data_file_name, group_uuid
-    from ..formats.activault.writer import file_shape
     from ..formats.activault.metadata import (
         HookMetadata,
         RunRecord,
@@ -216,6 +252,7 @@ def _activault() -> PartFormat:
         statistics_from_dict,
         statistics_to_dict,
     )
+    from ..formats.activault.writer import file_shape
     from ..stats import merge_all
     from ..storage.object import LocalStore, S3Store, base_name, join_key, open_location, parent_key
 
@@ -249,11 +286,20 @@ def _activault() -> PartFormat:
             if not record.complete:
                 continue
             _, start, stop = name.split("-")
-            identity = {k: v for k, v in record.to_dict().items() if k in (
-                "hooks", "rows_per_file", "sequence_length", "dtype", "plan", "token_mask")}
-            out.append(PartInfo(path=store.url(join_key(root, name)), start=int(start),
-                                stop=int(stop), n_examples=int(record.plan["n_examples"]),
-                                identity=identity))
+            identity = {
+                k: v
+                for k, v in record.to_dict().items()
+                if k in ("hooks", "rows_per_file", "sequence_length", "dtype", "plan", "token_mask")
+            }
+            out.append(
+                PartInfo(
+                    path=store.url(join_key(root, name)),
+                    start=int(start),
+                    stop=int(stop),
+                    n_examples=int(record.plan["n_examples"]),
+                    identity=identity,
+                )
+            )
         return out
 
     def copy(store, src: str, dst: str) -> None:
@@ -277,19 +323,31 @@ def _activault() -> PartFormat:
         merged_id = str(uuid.uuid5(uuid.NAMESPACE_URL, "|".join(r.run_id for r in records)))
         first = records[0]
         record = dataclasses.replace(
-            first, run_id=merged_id, groups=sum(r.groups for r in records),
-            next_example=parts[0].n_examples, next_skip=0, complete=False,
+            first,
+            run_id=merged_id,
+            groups=sum(r.groups for r in records),
+            next_example=parts[0].n_examples,
+            next_skip=0,
+            complete=False,
             dropped_tokens=sum(r.dropped_tokens for r in records),
-            num_runs=sum(r.num_runs for r in records))
+            num_runs=sum(r.num_runs for r in records),
+        )
         plan = first.plan
         bucket = store.bucket if isinstance(store, S3Store) else ""
         rows_per_batch = max(1, first.rows_per_file // max(int(plan.get("batch_size", 1)), 1))
 
         def write_cfg(rec):
-            store.put_json(join_key(prefix, CFG), run_cfg(
-                rec, run_name=base_name(prefix), bucket=bucket,
-                batch_size=int(plan.get("batch_size", 1)), batches_per_file=rows_per_batch),
-                indent=2)
+            store.put_json(
+                join_key(prefix, CFG),
+                run_cfg(
+                    rec,
+                    run_name=base_name(prefix),
+                    bucket=bucket,
+                    batch_size=int(plan.get("batch_size", 1)),
+                    batches_per_file=rows_per_batch,
+                ),
+                indent=2,
+            )
 
         write_cfg(record)  # incomplete: readers refuse the run until the end
         for hook in first.hooks:
@@ -300,17 +358,26 @@ def _activault() -> PartFormat:
             group = 0
             for run, rec in zip(runs, records):
                 for g in range(rec.groups):
-                    copy(store, join_key(run, hook, data_file_name(group_uuid(rec.run_id, g), g + 1)),
-                         join_key(prefix, hook, data_file_name(group_uuid(merged_id, group),
-                                                               group + 1)))
+                    copy(
+                        store,
+                        join_key(run, hook, data_file_name(group_uuid(rec.run_id, g), g + 1)),
+                        join_key(
+                            prefix, hook, data_file_name(group_uuid(merged_id, group), group + 1)
+                        ),
+                    )
                     group += 1
-            stats = [statistics_from_dict(store.get_json(join_key(r, hook, STATISTICS)),
-                                          source=store.url(join_key(r, hook, STATISTICS)))
-                     for r in runs]
+            stats = [
+                statistics_from_dict(
+                    store.get_json(join_key(r, hook, STATISTICS)),
+                    source=store.url(join_key(r, hook, STATISTICS)),
+                )
+                for r in runs
+            ]
             store.put_json(join_key(prefix, hook, METADATA), metas[0])
             if None not in stats:
-                store.put_json(join_key(prefix, hook, STATISTICS),
-                               statistics_to_dict(merge_all(stats)))
+                store.put_json(
+                    join_key(prefix, hook, STATISTICS), statistics_to_dict(merge_all(stats))
+                )
         write_cfg(dataclasses.replace(record, complete=True))  # publishes the run
         for obj in list(store.list(root_of(prefix) + "/")):
             store.delete(obj.key)
@@ -324,12 +391,21 @@ def _activault() -> PartFormat:
         waiting = any(store.size(join_key(root, d, CFG)) is not None for d in store.list_dirs(root))
         return [store.url(prefix)] if waiting else []
 
-    return PartFormat(name="activault", slices=_aligned_slices(examples_per_file),
-                      final_location=final_location, part_writer=part_writer,
-                      list_parts=list_parts, merge=merge, pending=pending, remote=True)
+    return PartFormat(
+        name="activault",
+        slices=_aligned_slices(examples_per_file),
+        final_location=final_location,
+        part_writer=part_writer,
+        list_parts=list_parts,
+        merge=merge,
+        pending=pending,
+        remote=True,
+    )
 
 
 FACTORIES: dict[str, Callable[[], PartFormat]] = {
-    "saev": _saev, "pickle": _pickle, "zarr": _zarr, "activault": _activault}
-
-
+    "saev": _saev,
+    "pickle": _pickle,
+    "zarr": _zarr,
+    "activault": _activault,
+}

@@ -220,8 +220,9 @@ def _merge(final: Path | str, layout: PartFormat) -> Path | str:
     if not parts:
         raise MissingPartsError(f"no part of {final} is published yet")
     if len({repr(p.identity) for p in parts}) > 1 or len({p.n_examples for p in parts}) > 1:
-        raise ConfigError(f"the parts of {final} come from different captures; delete the "
-                          "stale ones")
+        raise ConfigError(
+            f"the parts of {final} come from different captures; delete the stale ones"
+        )
     gaps = missing_ranges(parts, parts[0].n_examples)
     if gaps:
         raise MissingPartsError(
@@ -229,7 +230,8 @@ def _merge(final: Path | str, layout: PartFormat) -> Path | str:
             + ", ".join(f"[{a}, {b})" for a, b in gaps)
             + f" of {parts[0].n_examples}. Rerun the machines of those slices (the same "
             "capture command with their --machine-id, or the Ray run again: finished "
-            "slices are kept), then `actstore merge` the output", gaps
+            "slices are kept), then `actstore merge` the output",
+            gaps,
         )
     location = layout.merge(parts, final)
     log.info("published %s from %d parts", location, len(parts))

@@ -46,8 +46,9 @@ class RayCaptureResult:
     parts: list[PartResult]
 
 
-def _run_part(config: CaptureConfig, fmt: str, out: str, options: Any, machine_id: int,
-              n_machines: int) -> PartResult:
+def _run_part(
+    config: CaptureConfig, fmt: str, out: str, options: Any, machine_id: int, n_machines: int
+) -> PartResult:
     logging.basicConfig(level=os.environ.get("ACTSTORE_LOG", "INFO").upper())
     return capture_part(config, fmt, out, options, machine_id=machine_id, n_machines=n_machines)
 
@@ -65,12 +66,25 @@ def init_local_ray(num_cpus: int | None = None, **kwargs: Any) -> None:
     from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-             configure_logging=False, **kwargs)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        configure_logging=False,
+        **kwargs,
+    )
 
 
-def capture_on_ray(config: CaptureConfig, fmt: str, out: str, options: Any, *, workers: int,
-                   address: str = "local", retries: int = 2) -> RayCaptureResult:
+def capture_on_ray(
+    config: CaptureConfig,
+    fmt: str,
+    out: str,
+    options: Any,
+    *,
+    workers: int,
+    address: str = "local",
+    retries: int = 2,
+) -> RayCaptureResult:
     """Capture ``config`` with ``workers`` Ray tasks into format ``fmt`` at ``out``, merge
     the parts and return the published store (see the module docstring)."""
     ray = require("ray", "ray")
@@ -88,16 +102,20 @@ def capture_on_ray(config: CaptureConfig, fmt: str, out: str, options: Any, *, w
             raise ConfigError("--device cuda, but the Ray cluster has no GPUs")
         gpus = (1 if n_gpus >= workers else n_gpus / workers) if config.device != "cpu" else 0
         task = ray.remote(_run_part).options(
-            num_cpus=1, num_gpus=gpus, max_retries=retries,
-            retry_exceptions=[OSError, CaptureError], name="actstore-capture",
+            num_cpus=1,
+            num_gpus=gpus,
+            max_retries=retries,
+            retry_exceptions=[OSError, CaptureError],
+            name="actstore-capture",
         )
         quiet = dataclasses.replace(config, progress=False)  # one bar here, not one per worker
         refs = {task.remote(quiet, fmt, out, options, i, workers): i for i in range(workers)}
         results: dict[int, PartResult] = {}
         failures: dict[int, BaseException] = {}
         pending = list(refs)
-        with tqdm(total=workers, desc="ray capture", unit="slice",
-                  **bar_switch(config.progress)) as bar:
+        with tqdm(
+            total=workers, desc="ray capture", unit="slice", **bar_switch(config.progress)
+        ) as bar:
             while pending:
                 done, pending = ray.wait(pending, num_returns=1)
                 for ref in done:
@@ -117,8 +135,9 @@ def capture_on_ray(config: CaptureConfig, fmt: str, out: str, options: Any, *, w
             ray.shutdown()
 
 
-def _failure_report(failures: dict[int, BaseException], results: dict[int, PartResult],
-                    workers: int, retries: int) -> str:
+def _failure_report(
+    failures: dict[int, BaseException], results: dict[int, PartResult], workers: int, retries: int
+) -> str:
     known = next(iter(results.values()), None)
     lines = []
     for machine, err in sorted(failures.items()):
@@ -128,8 +147,12 @@ def _failure_report(failures: dict[int, BaseException], results: dict[int, PartR
             span = f" (examples [{sl.start}, {sl.stop}))"
         text = str(err).strip()
         cause = text.splitlines()[-1] if text else type(err).__name__
-        lines.append(f"machine {machine} of {workers}{span} failed after {retries + 1} "
-                     f"attempts: {cause}")
-    return ("the capture is incomplete, so nothing was published:\n  " + "\n  ".join(lines)
-            + "\nFinished slices are kept; run the same command again to redo only the failed "
-            "ones.")
+        lines.append(
+            f"machine {machine} of {workers}{span} failed after {retries + 1} attempts: {cause}"
+        )
+    return (
+        "the capture is incomplete, so nothing was published:\n  "
+        + "\n  ".join(lines)
+        + "\nFinished slices are kept; run the same command again to redo only the failed "
+        "ones."
+    )

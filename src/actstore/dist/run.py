@@ -63,8 +63,9 @@ class PartResult:
     """Every machine's slice of this capture (the split every machine computes alike)."""
 
 
-def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
-                 machine_id: int, n_machines: int) -> PartResult:
+def capture_part(
+    config: CaptureConfig, fmt: str, out: str, options: Any, *, machine_id: int, n_machines: int
+) -> PartResult:
     """Capture slice ``machine_id`` of ``n_machines`` into its part (see module docstring)."""
     if not 0 <= machine_id < n_machines:
         raise ConfigError(f"machine id {machine_id} is outside 0..{n_machines - 1}")
@@ -88,10 +89,16 @@ def capture_part(config: CaptureConfig, fmt: str, out: str, options: Any, *,
     result = capture(config, open_writer)
     sl, final = seen["slice"], seen["final"]
     part = None if result.output is None or str(result.output) == str(final) else result.output
-    return PartResult(slice=sl, part=part, final=final, store_examples=seen["n"],
-                      n_examples_run=result.n_examples_run,
-                      seconds=result.seconds, already_complete=result.already_complete,
-                      slices=seen["slices"])
+    return PartResult(
+        slice=sl,
+        part=part,
+        final=final,
+        store_examples=seen["n"],
+        n_examples_run=result.n_examples_run,
+        seconds=result.seconds,
+        already_complete=result.already_complete,
+        slices=seen["slices"],
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,8 +112,9 @@ class DistributedResult:
     """Example ranges ``[start, stop)`` other machines have not finished yet."""
 
 
-def capture_distributed(config: CaptureConfig, fmt: str, out: str, options: Any, *,
-                        machine_id: int, n_machines: int) -> DistributedResult:
+def capture_distributed(
+    config: CaptureConfig, fmt: str, out: str, options: Any, *, machine_id: int, n_machines: int
+) -> DistributedResult:
     """:func:`capture_part`, then merge if every slice is finished (the last machine to
     finish publishes the store; the others report what is still missing)."""
     part = capture_part(config, fmt, out, options, machine_id=machine_id, n_machines=n_machines)

@@ -42,8 +42,13 @@ class SlurmOptions:
     """Shell lines run first in each task, e.g. ``("source .venv/bin/activate",)``."""
 
 
-def sbatch_script(capture_args: Sequence[str], *, num_machines: int,
-                  options: SlurmOptions | None = None, **overrides: object) -> str:
+def sbatch_script(
+    capture_args: Sequence[str],
+    *,
+    num_machines: int,
+    options: SlurmOptions | None = None,
+    **overrides: object,
+) -> str:
     """The sbatch script text for ``actstore capture <capture_args>`` over ``num_machines``
     array tasks. ``overrides`` set :class:`SlurmOptions` fields directly."""
     opts = options or SlurmOptions()
@@ -54,14 +59,26 @@ def sbatch_script(capture_args: Sequence[str], *, num_machines: int,
     args = list(capture_args)
     for flag in ("--machine-id", "--num-machines", "--ray", "--workers"):
         if any(a == flag or a.startswith(flag + "=") for a in args):
-            raise ConfigError(f"leave {flag} out of the capture arguments: the script sets the "
-                              "machine from the Slurm array")
+            raise ConfigError(
+                f"leave {flag} out of the capture arguments: the script sets the "
+                "machine from the Slurm array"
+            )
     array = f"0-{num_machines - 1}" + (f"%{opts.max_parallel}" if opts.max_parallel else "")
-    lines = ["#!/bin/bash", f"#SBATCH --job-name={opts.job_name}", f"#SBATCH --array={array}",
-             "#SBATCH --ntasks=1", f"#SBATCH --output={opts.output}"]
-    for flag, value in (("partition", opts.partition), ("account", opts.account),
-                        ("time", opts.time), ("gpus-per-task", opts.gpus_per_task),
-                        ("cpus-per-task", opts.cpus_per_task), ("mem", opts.mem)):
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={opts.job_name}",
+        f"#SBATCH --array={array}",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH --output={opts.output}",
+    ]
+    for flag, value in (
+        ("partition", opts.partition),
+        ("account", opts.account),
+        ("time", opts.time),
+        ("gpus-per-task", opts.gpus_per_task),
+        ("cpus-per-task", opts.cpus_per_task),
+        ("mem", opts.mem),
+    ):
         if value is not None:
             lines.append(f"#SBATCH --{flag}={value}")
     command = shlex.join(["actstore", "capture", *args, "--num-machines", str(num_machines)])

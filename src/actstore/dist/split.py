@@ -58,8 +58,9 @@ class Slice:
         return (first, math.ceil(self.stop / batch_size) - first)
 
     def __str__(self) -> str:
-        return (f"machine {self.machine_id} of {self.n_machines}: examples "
-                f"[{self.start}, {self.stop})")
+        return (
+            f"machine {self.machine_id} of {self.n_machines}: examples [{self.start}, {self.stop})"
+        )
 
 
 def split_examples(n_examples: int, n_machines: int, *, align: int = 1) -> list[Slice]:
@@ -71,13 +72,21 @@ def split_examples(n_examples: int, n_machines: int, *, align: int = 1) -> list[
     if n_examples < 0:
         raise ConfigError(f"n_examples must be >= 0, not {n_examples}")
     per = align * max(1, math.ceil(n_examples / (align * n_machines)))
-    return [Slice(machine_id=i, n_machines=n_machines, start=min(i * per, n_examples),
-                  stop=min((i + 1) * per, n_examples), per_machine=per)
-            for i in range(n_machines)]
+    return [
+        Slice(
+            machine_id=i,
+            n_machines=n_machines,
+            start=min(i * per, n_examples),
+            stop=min((i + 1) * per, n_examples),
+            per_machine=per,
+        )
+        for i in range(n_machines)
+    ]
 
 
-def slurm_machine(environ: Mapping[str, str] | None = None, *,
-                  n_machines: int | None = None) -> tuple[int, int] | None:
+def slurm_machine(
+    environ: Mapping[str, str] | None = None, *, n_machines: int | None = None
+) -> tuple[int, int] | None:
     """``(machine_id, n_machines)`` of a Slurm array task; None outside array jobs.
 
     The array index is the machine id (``actstore slurm-script`` submits ``--array=0-{N-1}``,
