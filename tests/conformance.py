@@ -9,12 +9,18 @@ A format opts in with a small adapter and a subclass:
 The suite checks: exact round trip through blocks (or exact after the format's dtype
 cast), blocks cover every row once and align across sites, an unpublished store is not
 readable, damaged data is rejected, statistics match numpy, readers pickle (DataLoader
-workers), verify() passes and describe() summarises.
+workers), verify() passes and describe() summarises; and the optional capabilities of
+``ReaderBase``/``WriterBase``: a scatter read equals ``read_block``, ``cls_rows`` marks
+token 0 of each example or nothing, ``read_block`` is thread-safe under 8 concurrent
+readers, ``capture_plan()`` gives back the plan, and a writer aborted after k batches and
+reopened resumes to the same store as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import pickle
+import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +91,17 @@ class FormatCase:
     #: numpy dtype the format stores activations in (rows are compared after this cast).
     stored_dtype: str = "float32"
 
-    def write(self, root: Path, plan: CapturePlan, batches: list[Batch]) -> str:
-        """Write and publish a store; return its location. (override)"""
+    def open_writer(self, root: Path, plan: CapturePlan, batches: list[Batch]):
+        """``(writer, batches)``: a writer for the store under ``root`` (reopening it if
+        one was begun there) and the batches to give it. (override)"""
         raise NotImplementedError
+
+    def write(self, root: Path, plan: CapturePlan, batches: list[Batch]) -> str:
+        """Write and publish a store; return its location."""
+        writer, batches = self.open_writer(root, plan, batches)
+        for batch in batches:
+            writer.write(batch)
+        return str(writer.close())
 
     def write_unpublished(self, root: Path, plan: CapturePlan, batches: list[Batch]) -> str:
         """Write some batches, abort; return where the store would have been. (override)"""
@@ -208,3 +222,84 @@ class ConformanceSuite:
         assert report.ok, report.faults
         summary = reader.describe()
         assert {"format", "bytes"} <= set(summary)
+
+    # ------------------------------------------------------------------ optional capabilities
+
+    def test_scatter_read_equals_read_block(self, store):
+        plan, _, location = store
+        reader = self.case.open(location)
+        rng = np.random.default_rng(1)
+        for site in plan.sites:
+            for block in reader.blocks(self.case.site_name(site)):
+                want = reader.read_block(block)
+                rows = rng.permutation(2 * block.n_rows)[: block.n_rows]
+                rows[::3] = -1  # skipped rows
+                out = np.zeros((2 * block.n_rows, plan.d_model), dtype=reader.dtype)
+                reader.read_block_scatter(block, out, rows)
+                keep = rows >= 0
+                np.testing.assert_array_equal(out[rows[keep]], want[keep])
+                untouched = np.setdiff1d(np.arange(len(out)), rows[keep])
+                assert not out[untouched].any()
+
+    def test_cls_rows_mark_token_zero_or_nothing(self, store):
+        plan, _, location = store
+        reader = self.case.open(location)
+        for block in reader.blocks(self.case.site_name(plan.sites[0])):
+            rows = reader.cls_rows(block)
+            # this plan keeps no CLS token: a format marks none, or says it keeps none
+            assert rows is None or len(rows) == 0
+
+    def test_read_block_is_thread_safe(self, store):
+        plan, _, location = store
+        reader = self.case.open(location)
+        blocks = [b for s in plan.sites for b in reader.blocks(self.case.site_name(s))]
+        want = [reader.read_block(b).copy() for b in blocks]
+
+        def read_all(seed: int) -> bool:
+            order = list(range(len(blocks)))
+            random.Random(seed).shuffle(order)
+            return all(
+                np.array_equal(reader.read_block(blocks[i]), want[i], equal_nan=True)
+                for _ in range(3)
+                for i in order
+            )
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(read_all, range(8)))
+
+    def test_capture_plan_gives_back_the_plan(self, store):
+        plan, _, location = store
+        got = self.case.open(location).capture_plan()
+        assert got.sites == plan.sites
+        assert (got.n_examples, got.tokens_per_example, got.d_model) == (
+            plan.n_examples,
+            plan.tokens_per_example,
+            plan.d_model,
+        )
+
+    def test_resumed_writer_equals_uninterrupted(self, tmp_path, store):
+        plan, acts, location = store
+        batches = make_batches(plan, acts)
+        root = tmp_path / "resumed"
+        writer, given = self.case.open_writer(root, plan, batches)
+        for batch in given[:3]:
+            writer.write(batch)
+        writer.abort()
+        writer, given = self.case.open_writer(root, plan, batches)
+        start = writer.resume_from
+        assert 0 <= start <= 3 * plan.batch_size
+        # as capture does: whole batches from the one holding the first missing example
+        for batch in given:
+            if batch.example_ids[-1] >= start:
+                writer.write(batch)
+        resumed = self.case.open(str(writer.close()))
+        original = self.case.open(location)
+        for site in plan.sites:
+            name = self.case.site_name(site)
+            a = np.concatenate([original.read_block(b) for b in original.blocks(name)])
+            b = np.concatenate([resumed.read_block(b) for b in resumed.blocks(name)])
+            np.testing.assert_array_equal(a, b)
+            sa, sb = original.statistics(name), resumed.statistics(name)
+            assert sa.count == sb.count
+            np.testing.assert_array_equal(sa.mean, sb.mean)
+            np.testing.assert_array_equal(sa.var, sb.var)

@@ -36,11 +36,8 @@ class LocalCase(FormatCase):
             ActivaultOptions(rows_per_file=rows, sequence_length=seq, dtype=self.dtype),
         )
 
-    def write(self, root, plan, batches):
-        writer = self._writer(root, plan)
-        for batch in batches:
-            writer.write(batch)
-        return writer.close()
+    def open_writer(self, root, plan, batches):
+        return self._writer(root, plan), batches
 
     def write_unpublished(self, root, plan, batches):
         writer = self._writer(root, plan)
@@ -74,7 +71,7 @@ class S3Case(LocalCase):
     def damage(self, location):
         keys = sorted(
             k
-            for k in self.env
+            for k in self.env.keys()  # noqa: SIM118 - S3Env.keys() lists the bucket
             if "models.layers.1.post/" in k and k.endswith(".pt") and location.split("/", 3)[3] in k
         )
         client = self.env.client()

@@ -20,7 +20,6 @@ from actstore.convert import (
     compare_stores,
     convert,
     example_batches,
-    site_of,
     source_plan,
 )
 from actstore.errors import ConfigError, CorruptStoreError
@@ -51,7 +50,7 @@ def write_store(fmt: str, out, plan, acts) -> str:
 
 
 def rows_of(reader, site) -> np.ndarray:
-    name = next(n for n in reader.sites if site_of(reader, n) == site)
+    name = next(n for n in reader.sites if reader.site_of(n) == site)
     return np.concatenate([reader.read_block(b) for b in reader.blocks(name)])
 
 
@@ -244,4 +243,32 @@ def test_convert_to_and_from_object_storage(s3, tmp_path):
     np.testing.assert_array_equal(
         rows_of(open_store(down.location), plan.sites[0]),
         as_stored(acts["resid.1"].reshape(-1, plan.d_model), "bfloat16"),
+    )
+
+
+def test_report_names_the_target_dtype_and_what_it_drops(tmp_path):
+    plan = make_plan(has_tokens=True)
+    src = write_store("saev", tmp_path / "src", plan, make_acts(plan))
+    result = convert(src, tmp_path / "zarr", to="zarr", progress=False)
+    # zarr keeps float16 values and no token ids of a packed capture
+    assert result.stored_dtype == "float16" and not result.lossless
+    assert set(result.dropped) == {"has_tokens"}
+    assert "token ids" in result.dropped["has_tokens"]
+    lossless = convert(src, tmp_path / "pkl", to="pickle", progress=False)
+    assert lossless.stored_dtype == "float32" and lossless.lossless and not lossless.dropped
+
+
+@pytest.mark.parametrize("source", ["zarr", "activault"])
+def test_conversion_keeps_examples_and_cls(source, tmp_path):
+    """zarr and Activault stores carry their capture plan into saev: examples, tokens per
+    example and the CLS flag come back as captured (not rows/files guessed)."""
+    plan = make_plan(has_cls=True, has_tokens=False, family="dinov2", modality="image")
+    src = write_store(source, tmp_path / "src", plan, make_acts(plan))
+    result = convert(src, tmp_path / "saev", to="saev", progress=False)
+    got = open_store(result.location).capture_plan()
+    assert (got.n_examples, got.tokens_per_example, got.has_cls, got.family) == (
+        plan.n_examples,
+        plan.tokens_per_example,
+        True,
+        "dinov2",
     )

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from actstore.batch import Batch
 from actstore.errors import ConfigError, LayerNotStoredError
+from actstore.formats.base import ReaderBase
 from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
 from actstore.formats.saev.layout import encode_data
 from actstore.loader import ActivationDataLoader, ActivationLoader
@@ -206,10 +207,11 @@ def test_any_format_through_the_reader_contract(case, tmp_path):
 
 
 class _NoHooks(SaevReader):
-    """A saev reader without the optional hooks: the loader's generic path."""
+    """A saev reader that keeps ReaderBase's defaults for the optional capabilities (read
+    then copy; no CLS marks): the loader's generic path."""
 
-    read_block_scatter = None
-    cls_rows = None
+    read_block_scatter = ReaderBase.read_block_scatter
+    cls_rows = ReaderBase.cls_rows
 
 
 def test_readers_without_optional_hooks(store):

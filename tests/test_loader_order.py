@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actstore.errors import ConfigError
-from actstore.loader.order import (
+from actstore.order import (
     Span,
     batches_done_by_worker,
     key,

@@ -24,11 +24,8 @@ class SaevCase(FormatCase):
             patches_per_shard=5 * plan.tokens_per_example * len(plan.sites),
         )
 
-    def write(self, root, plan, batches):
-        writer = self._writer(root, plan)
-        for batch in batches:
-            writer.write(batch)
-        return str(writer.close())
+    def open_writer(self, root, plan, batches):
+        return self._writer(root, plan), batches
 
     def write_unpublished(self, root, plan, batches):
         writer = self._writer(root, plan)

@@ -49,11 +49,8 @@ class ZarrCase(FormatCase):
         plan, batches = as_prompt_response(plan, batches)
         return ZarrWriter.from_plan(plan, root, self.options), batches
 
-    def write(self, root, plan, batches):
-        writer, batches = self._writer(root, plan, batches)
-        for batch in batches:
-            writer.write(batch)
-        return str(writer.close())
+    def open_writer(self, root, plan, batches):
+        return self._writer(root, plan, batches)
 
     def write_unpublished(self, root, plan, batches):
         writer, batches = self._writer(root, plan, batches)

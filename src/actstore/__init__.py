@@ -22,13 +22,12 @@ for _name, _value in (
 ):
     os.environ.setdefault(_name, _value)
 
+from ._version import __version__
 from .errors import ActstoreError
 from .formats import open_store
 from .loader import ActivationDataLoader, ActivationLoader
 from .sites import Site
 from .stats import RunningStats
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ActivationDataLoader",

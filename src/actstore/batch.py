@@ -9,13 +9,19 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import torch
 
 from .sites import Site
+
+#: Split ids a prompt/response example carries (``Batch.extras["split"]``).
+SPLITS = {"train": 0, "val": 1, "test": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,3 +99,45 @@ class CapturePlan:
     @property
     def layers(self) -> list[int]:
         return [s.layer for s in self.sites]
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON values (sites as their names)."""
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        raw["sites"] = [str(s) for s in self.sites]
+        return json.loads(json.dumps(raw, default=str))
+
+    @classmethod
+    def from_json_dict(cls, doc: dict[str, Any]) -> CapturePlan:
+        """Inverse of :meth:`to_json_dict` (unknown keys are ignored)."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in doc.items() if k in known}
+        values["sites"] = tuple(Site.parse(s) for s in doc["sites"])
+        return cls(**values)
+
+
+def sample_key(
+    *,
+    prompt: str | None = None,
+    response: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
+    response_ids: Sequence[int] | None = None,
+    fallback: str = "",
+) -> str:
+    """sha256 hex (64 chars) identifying a sample by its text and tokens.
+
+    Example:
+        >>> sample_key(prompt="2+2?", response="4")[:12]
+        'aa20e581ed1c'
+    """
+    record: dict[str, Any] = {}
+    if prompt is not None or response is not None:
+        record.update(prompt=prompt, response=response)
+    if prompt_ids is not None or response_ids is not None:
+        record.update(
+            prompt_ids=None if prompt_ids is None else [int(t) for t in prompt_ids],
+            response_ids=None if response_ids is None else [int(t) for t in response_ids],
+        )
+    if not record:
+        record["id"] = fallback
+    text = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

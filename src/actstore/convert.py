@@ -11,14 +11,11 @@ is exact, float32 to float16 rounds (the largest absolute error introduced is re
 float16 to float32 is exact. Verification then re-reads both stores block by block and
 checks every row equals the source row cast to the target dtype.
 
-A reader may offer two optional hooks that make conversion richer:
-
-* ``capture_plan() -> CapturePlan``: the capture the store came from (model, sites,
-  dataset description...). Without it the plan is pieced together from the reader's
-  attributes (``n_examples``, ``tokens_per_ex``, ``metadata`` fields, ``tokens``...).
-* ``example_batches(batch_size, start) -> Iterator[Batch]``: the stored examples as
-  batches (token ids, labels and texts included). Without it batches are built from blocks,
-  with token ids from ``reader.tokens`` and labels from ``reader.labels`` when present.
+The source reader's ``capture_plan()`` says what the store holds (model, sites, dataset
+description, CLS, classes), and its ``example_batches()``, when the format keeps more per
+example than blocks show (texts, ragged lengths), streams whole examples; otherwise
+batches are built from blocks, with token ids from ``reader.tokens`` and labels from
+``reader.labels`` (see :class:`~actstore.formats.base.ReaderBase`).
 
 Example:
     >>> result = convert("acts/3f1c...", "acts-pkl", to="pickle")  # doctest: +SKIP
@@ -28,11 +25,10 @@ Example:
 
 from __future__ import annotations
 
-import base64
 import logging
 import time
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +36,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from . import safe_pickle
 from .batch import Batch, CapturePlan
-from .errors import ConfigError, CorruptStoreError, UnsafeDataError
+from .errors import ConfigError, CorruptStoreError
 from .formats import open_store
+from .formats.base import ReaderBase
 from .formats.registry import detect_format, get_format
 from .progress import bar_switch
-from .sites import Site
 
 log = logging.getLogger(__name__)
-
-#: Model families whose stores hold image patches (the rest are text).
-_VISION_FAMILIES = ("clip", "siglip", "dinov2", "dinov3", "fake-clip")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +62,10 @@ class ConvertResult:
     verified: bool
     already_complete: bool
     seconds: float
+    stored_dtype: str = "float32"
+    """The dtype the target stores values in (what any rounding rounded to)."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """What the source recorded that the target does not keep: field -> why."""
 
     @property
     def lossless(self) -> bool:
@@ -79,101 +75,25 @@ class ConvertResult:
 # ---------------------------------------------------------------------- the source side
 
 
-def site_of(reader: Any, name: Hashable) -> Site:
-    """A reader's site name as a :class:`Site`: through the reader's own ``site_of`` when
-    it names sites its way (Activault hooks), else parsed (ints: residual-stream layers)."""
-    own = getattr(reader, "site_of", None)
-    site = own(name) if callable(own) else None
-    if site is not None:
-        return site
-    return name if isinstance(name, Site) else Site.parse(str(name))
-
-
-def source_plan(reader: Any) -> CapturePlan:
-    """The capture plan a store was written from (see the module docstring)."""
-    plan_fn = getattr(reader, "capture_plan", None)
-    if callable(plan_fn):
-        return plan_fn()
-    sites = tuple(site_of(reader, s) for s in reader.sites)
-    n = _first_attr(reader, ("n_examples", "n_samples"))
-    if n is None:
-        n = len(reader)
-    first_site = next(iter(reader.sites))
-    rows = sum(b.n_rows for b in reader.blocks(first_site))
-    tokens_per = _first_attr(reader, ("tokens_per_ex", "tokens_per_example"))
-    if tokens_per is None:
-        if n == 0 or rows % n:
-            raise ConfigError(
-                f"{getattr(reader, 'path', reader)} holds {rows} rows for {n} examples: its "
-                "examples differ in length, and only fixed-length stores convert"
-            )
-        tokens_per = rows // n
-    md = getattr(reader, "metadata", None)
-    attrs = getattr(reader, "attrs", None) or {}
-    family = str(getattr(md, "family", None) or attrs.get("model_family") or "unknown")
-    tokens = getattr(reader, "tokens", None)
-    labels = getattr(reader, "labels", None)
-    return CapturePlan(
-        ckpt=str(
-            getattr(md, "ckpt", None)
-            or attrs.get("model_id")
-            or reader.describe().get("model", "unknown")
-        ),
-        family=family,
-        modality="image" if family in _VISION_FAMILIES else "text",
-        sites=sites,
-        n_model_layers=int(attrs.get("model_num_layers") or max(s.layer for s in sites) + 1),
-        d_model=int(reader.d_model),
-        tokens_per_example=int(tokens_per),
-        has_cls=bool(getattr(md, "cls_token", False)),
-        n_examples=int(n),
-        dataset_root=str(getattr(md, "dataset", None) or attrs.get("dataset_root") or ""),
-        data=_dataset_description(md),
-        classes=getattr(reader, "classes", None),
-        has_labels=labels is not None,
-        has_tokens=tokens is not None,
-        batch_size=32,
-    )
-
-
-def _first_attr(obj: Any, names: tuple[str, ...]) -> Any:
-    for name in names:
-        value = getattr(obj, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def _dataset_description(md: Any) -> dict[str, Any]:
-    """The dataset description a store recorded; saev's ``data`` (a base64 pickle) is
-    decoded with the restricted unpickler, so a store cannot run code through it."""
-    data = getattr(md, "data", None)
-    if isinstance(data, dict):
-        return data
-    if isinstance(data, str) and data:
-        try:
-            decoded = safe_pickle.loads(base64.b64decode(data))
-        except (UnsafeDataError, CorruptStoreError, ValueError):
-            decoded = None  # e.g. saev's own ImgFolder object: keep nothing rather than run it
-        if isinstance(decoded, dict):
-            return decoded
-    return {}
+def source_plan(reader: ReaderBase) -> CapturePlan:
+    """The capture plan a store was written from."""
+    return reader.capture_plan()
 
 
 def example_batches(
-    reader: Any, plan: CapturePlan, batch_size: int, start: int = 0
+    reader: ReaderBase, plan: CapturePlan, batch_size: int, start: int = 0
 ) -> Iterator[Batch]:
     """The stored examples ``start, start + 1, ...`` as batches of ``batch_size``."""
-    native = getattr(reader, "example_batches", None)
-    if callable(native):
-        yield from native(batch_size, start)
+    native = reader.example_batches(batch_size, start)
+    if native is not None:
+        yield from native
         return
     names = _reader_sites(reader, plan)
     blocks = [reader.blocks(name) for name in names]
     if len({len(b) for b in blocks}) > 1:
         raise CorruptStoreError("the sites of this store have different block lists")
     t, d = plan.tokens_per_example, plan.d_model
-    tokens, labels = getattr(reader, "tokens", None), getattr(reader, "labels", None)
+    tokens, labels = reader.tokens, reader.labels
     if labels is not None and np.ndim(labels) == 2:  # saev: one label per patch
         labels = np.asarray(labels)[:, 0]
     pending: list[list[np.ndarray]] = [[] for _ in names]
@@ -192,7 +112,7 @@ def example_batches(
         while pending_rows >= batch_size * t or (i == len(blocks[0]) - 1 and pending_rows):
             if pending_rows % t and pending_rows < batch_size * t:
                 raise ConfigError(
-                    f"{getattr(reader, 'path', reader)}: rows do not divide into "
+                    f"{reader.describe().get('location', 'the store')}: rows do not divide into "
                     f"examples of {t} tokens; only fixed-length stores convert"
                 )
             take = min(batch_size, pending_rows // t)
@@ -214,9 +134,9 @@ def example_batches(
             first_example += take
 
 
-def _reader_sites(reader: Any, plan: CapturePlan) -> list[Hashable]:
+def _reader_sites(reader: ReaderBase, plan: CapturePlan) -> list[Hashable]:
     """The reader's own site names, in the plan's site order."""
-    by_site = {site_of(reader, name): name for name in reader.sites}
+    by_site = {reader.site_of(name): name for name in reader.sites}
     return [by_site[site] for site in plan.sites]
 
 
@@ -245,12 +165,12 @@ def convert(
     plan = source_plan(reader)
     options = options if options is not None else dst_spec.options()
     writer = dst_spec.writer_for_plan(plan, str(target), options)
-    already = bool(getattr(writer, "complete", False))
+    already = writer.complete
     if already:
         location = writer.close()
         log.info("%s already holds this conversion; verifying it", location)
     else:
-        start = int(getattr(writer, "resume_from", 0))
+        start = writer.resume_from
         if start:
             log.info("resuming the conversion at example %d of %d", start, plan.n_examples)
         try:
@@ -270,15 +190,18 @@ def convert(
             raise
         location = writer.close()
     rows, errors = {}, {}
+    target_reader = open_store(location)
     if verify:
-        target_reader = open_store(location)
         rows, errors = compare_stores(
             reader,
             target_reader,
             plan,
-            stored_dtype=stored_dtype(target_reader, dst_spec.stored_dtype),
+            stored_dtype=target_reader.stored_dtype(),
             progress=progress,
         )
+    dropped = dropped_fields(plan, target_reader.capture_plan(), dst_spec.name)
+    for name, why in dropped.items():
+        log.warning("%s: %s", name, why)
     result = ConvertResult(
         location=location,
         source_format=src_spec.name,
@@ -289,7 +212,10 @@ def convert(
         verified=verify,
         already_complete=already,
         seconds=time.perf_counter() - t0,
+        stored_dtype=target_reader.stored_dtype(),
+        dropped=dropped,
     )
+    target_reader.close()
     log.info(
         "converted %s (%s) to %s (%s) in %.1fs",
         source,
@@ -299,6 +225,29 @@ def convert(
         result.seconds,
     )
     return result
+
+
+#: What a capture plan records beyond the values, as conversion reports it.
+_CARRIED = {
+    "ckpt": "the model checkpoint",
+    "family": "the model family",
+    "has_cls": "that token 0 of each example is a CLS token",
+    "classes": "the class names",
+    "has_labels": "the labels",
+    "has_tokens": "the token ids",
+    "dataset_root": "the dataset location",
+    "data": "the dataset description",
+}
+
+
+def dropped_fields(source: CapturePlan, target: CapturePlan, target_format: str) -> dict[str, str]:
+    """What ``source`` records that the store converted to ``target`` no longer says."""
+    out, a, b = {}, source.to_json_dict(), target.to_json_dict()
+    for name, what in _CARRIED.items():
+        before, after = a[name], b[name]
+        if before != after and before not in (None, False, "", {}, "unknown"):
+            out[name] = f"the {target_format} store does not keep {what} ({before!r})"
+    return out
 
 
 def compare_stores(
@@ -314,7 +263,7 @@ def compare_stores(
     ``"bfloat16"``; default: the target reader's dtype). Returns rows and the max abs
     error per site; raises :class:`CorruptStoreError` naming the first difference."""
     plan = plan or source_plan(source)
-    stored = stored_dtype or np.dtype(target.dtype).name
+    stored = stored_dtype or target.stored_dtype()
     src_names, dst_names = _reader_sites(source, plan), _reader_sites(target, plan)
     rows = {str(site): 0 for site in plan.sites}
     errors = {str(site): 0.0 for site in plan.sites}
@@ -349,18 +298,6 @@ def compare_stores(
                 rows[site] += a.shape[0]
                 bar.update(a.shape[0])
     return rows, errors
-
-
-def stored_dtype(reader: Any, default: str = "float32") -> str:
-    """The dtype a store holds its values in: the reader's ``torch_dtype`` when it widens
-    what it returns (bfloat16 read as float32), else its ``dtype``."""
-    torch_dtype = getattr(reader, "torch_dtype", None)
-    if isinstance(torch_dtype, torch.dtype):
-        return str(torch_dtype).removeprefix("torch.")
-    try:
-        return np.dtype(reader.dtype).name
-    except (AttributeError, TypeError):
-        return default
 
 
 def as_stored(rows: np.ndarray, dtype: str) -> np.ndarray:

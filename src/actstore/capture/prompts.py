@@ -46,8 +46,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..batch import SPLITS, sample_key
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
-from ..formats.zarr.layout import SPLITS, sample_key
 from ..progress import bar_switch
 from .data import ExampleSource, SourceBatch, _load_hf
 from .models import LoadedModel, quiet_transformers, resolve_checkpoint

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from ..batch import Batch, CapturePlan
 from ..errors import ConfigError
+from ..formats.base import WriterBase
 from ..progress import bar_switch
 from ..sites import Site
 from .background import BackgroundWriter
@@ -155,25 +156,28 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
     return model, source, plan
 
 
-def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) -> CaptureResult:
+def capture(
+    config: CaptureConfig, open_writer: Callable[[CapturePlan], WriterBase]
+) -> CaptureResult:
     """Run ``config.model`` over ``config.dataset`` and write the activations.
 
-    ``open_writer(plan)`` returns a writer with ``resume_from`` (examples already durable)
-    and ``complete`` (already published) attributes. Batches always start at multiples of
+    ``open_writer(plan)`` returns a :class:`~actstore.formats.base.WriterBase`; its
+    ``resume_from`` (examples already durable) and ``complete`` (already published) say
+    where to start. Batches always start at multiples of
     ``batch_size``, so a resumed run computes exactly the batches an uninterrupted one
     would (bitwise-identical activations on deterministic hardware).
 
-    A writer with an ``example_range = (start, stop)`` attribute (one part of a distributed
-    capture, see :mod:`actstore.dist`) gets only the examples ``start <= id < stop``, with
-    their global example ids. A writer with ``wants_texts = True`` also gets each example's
-    decoded text (text models).
+    A writer with an ``example_range = (start, stop)`` (one part of a distributed capture,
+    see :mod:`actstore.dist`) gets only the examples ``start <= id < stop``, with their
+    global example ids. A writer with ``wants_texts`` also gets each example's decoded
+    text (text models).
     """
     t0 = time.perf_counter()
     model, source, plan = plan_capture(config)
     writer = open_writer(plan)
     setup_seconds = time.perf_counter() - t0
-    start, stop = getattr(writer, "example_range", (0, plan.n_examples))
-    if getattr(writer, "complete", False):
+    start, stop = writer.example_range or (0, plan.n_examples)
+    if writer.complete:
         output = writer.close()
         log.info("already captured: %s", output)
         return CaptureResult(
@@ -186,11 +190,11 @@ def capture(config: CaptureConfig, open_writer: Callable[[CapturePlan], Any]) ->
             setup_seconds=setup_seconds,
             writer_wait_s=0.0,
         )
-    resume_from = max(int(getattr(writer, "resume_from", 0)), start)
+    resume_from = max(writer.resume_from, start)
     first = (resume_from // config.batch_size) * config.batch_size
     if resume_from > start:
         log.info("resuming at example %d of %d", resume_from, plan.n_examples)
-    decode = model.tokenizer if getattr(writer, "wants_texts", False) else None
+    decode = model.tokenizer if writer.wants_texts else None
     cleaner = None
     if config.clean_tokens and model.tokenizer is None:
         log.warning("token cleaning applies to text models; %s keeps every token", model.ckpt)

@@ -165,12 +165,7 @@ def capture(
     from ..formats.registry import get_format, parse_options
 
     spec = get_format(fmt)
-    shortcuts = {"dialect": dialect, "patches_per_shard": patches_per_shard}
-    if fmt != "saev" and any(v is not None for v in shortcuts.values()):
-        from ..errors import ConfigError
-
-        raise ConfigError("--dialect and --patches-per-shard apply to --format saev only")
-    options = parse_options(spec, opt, **(shortcuts if fmt == "saev" else {}))
+    options = parse_options(spec, opt, dialect=dialect, patches_per_shard=patches_per_shard)
     if sites:
         site_list = tuple(s.strip() for s in sites.split(",") if s.strip())
     else:
@@ -193,7 +188,7 @@ def capture(
         response_field=response_field,
         generate_max_new_tokens=generate_max_new_tokens,
         chat_template=chat_template,
-        clean_tokens=(fmt == "activault") if clean is None else clean,
+        clean_tokens=spec.clean_tokens if clean is None else clean,
     )
     from ..dist import slurm_machine
 

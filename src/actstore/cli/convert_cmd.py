@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from ..formats.registry import FORMAT_NAMES
 from . import app
 from .common import human_bytes
 
@@ -37,9 +38,7 @@ def convert(
         ...,
         help="Where to write: the target format's output location, as `capture --out` takes it.",
     ),
-    to: str = typer.Option(
-        ..., "--to", "-t", help="Target format: saev, zarr, activault or pickle."
-    ),
+    to: str = typer.Option(..., "--to", "-t", help=f"Target format: {', '.join(FORMAT_NAMES)}."),
     opt: list[str] = typer.Option(
         [], "--opt", help="Target format option KEY=VALUE, repeatable (see below)."
     ),
@@ -54,8 +53,8 @@ def convert(
     """Convert a store to another format: rows stream from the source reader to the target
     writer, then both are compared row by row.
 
-    float32 targets are exact; a float16 target (zarr) rounds, and the largest absolute
-    error it introduced is reported. Rerunning an interrupted conversion resumes it.
+    float32 targets are exact; a float16 or bfloat16 target rounds, and the largest
+    absolute error it introduced is reported, with anything the target format cannot keep. Rerunning an interrupted conversion resumes it.
     """
     from ..convert import convert as run_convert
     from ..formats import open_store
@@ -81,5 +80,11 @@ def convert(
     if result.verified:
         for site, rows in result.rows.items():
             err = result.max_abs_error[site]
-            note = "exact" if err == 0.0 else f"max abs error {err:.3g} (float16 rounding)"
+            note = (
+                "exact"
+                if err == 0.0
+                else f"max abs error {err:.3g} ({result.stored_dtype} rounding)"
+            )
             typer.echo(f"  site {site}: {rows} rows verified, {note}")
+    for name, why in result.dropped.items():
+        typer.echo(f"  dropped {name}: {why}")

@@ -39,14 +39,25 @@ from __future__ import annotations
 
 import fcntl
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from ..batch import CapturePlan
 from ..errors import ActstoreError, CaptureError, ConfigError
-from .split import Slice
+from ..formats.parts import PartFormat, PartInfo, part_dir, parts_root
+from ..formats.registry import available_formats, get_format
+
+__all__ = [
+    "MissingPartsError",
+    "PartFormat",
+    "PartInfo",
+    "find_unmerged",
+    "is_published",
+    "merge_store",
+    "missing_ranges",
+    "part_dir",
+    "part_format",
+    "part_formats",
+    "parts_root",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,82 +71,24 @@ class MissingPartsError(CaptureError):
         """The example ranges ``[start, stop)`` no finished part holds."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class PartInfo:
-    """What a published part says about itself."""
-
-    path: Path | str
-    """Its directory, or its URL for object storage."""
-    start: int
-    stop: int
-    n_examples: int
-    """Examples in the whole store."""
-    identity: Any
-    """The capture configuration it belongs to (parts of one store compare equal)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PartFormat:
-    """How one storage format captures and merges in parts."""
-
-    name: str
-    slices: Callable[[CapturePlan, Any, int], list[Slice]]
-    """The slices of ``(plan, options, n_machines)``, one per machine."""
-    final_location: Callable[[CapturePlan, str, Any], Path | str]
-    """Where the published store goes for ``(plan, out, options)`` (a path, or a URL)."""
-    part_writer: Callable[[CapturePlan, Path, Any, Slice], Any]
-    """A writer of one slice of the store at ``final`` (it knows where its part goes)."""
-    list_parts: Callable[[Path], list[PartInfo]]
-    """The published parts of the store at ``final``."""
-    merge: Callable[[list[PartInfo], Any], Path | str]
-    """Publish the store at ``final`` from its parts (in example order, tiling it) and
-    remove what is no longer needed; returns the store's location."""
-    pending: Callable[[Path], list[Path]]
-    """Final locations under an output directory whose parts are waiting for a merge."""
-    remote: bool = False
-    """Whether finals may be object-storage URLs (merged without a local lock)."""
-
-
-# ---------------------------------------------------------------------- part directories
-
-
-def parts_root(final: Path) -> Path:
-    """``<dir>/.<name>.parts``: where the parts of the store ``final`` live (saev, pickle)."""
-    return final.parent / f".{final.name}.parts"
-
-
-def part_dir(final: Path, sl: Slice) -> Path:
-    """The part directory of slice ``sl`` (named by its example range)."""
-    return parts_root(final) / f"part-{sl.start:010d}-{sl.stop:010d}"
-
-
 # ---------------------------------------------------------------------- formats
 
 
 def part_format(name: str) -> PartFormat:
-    """The :class:`PartFormat` of storage format ``name``."""
-    from .adapters import FACTORIES
-
-    factory = FACTORIES.get(name)
-    if factory is None:
+    """The :class:`PartFormat` of storage format ``name`` (its ``FormatSpec.parts``)."""
+    spec = get_format(name)
+    if spec.parts is None:
+        with_parts = [f.name for f in available_formats() if f.parts is not None]
         raise ConfigError(
             f"distributed capture does not support the {name!r} format yet; "
-            f"formats with parts: {', '.join(sorted(FACTORIES))}"
+            f"formats with parts: {', '.join(with_parts)}"
         )
-    return factory()
+    return spec.parts()
 
 
 def part_formats() -> list[PartFormat]:
     """Every format that captures in parts and whose code is importable."""
-    from .adapters import FACTORIES
-
-    out = []
-    for name in FACTORIES:
-        try:
-            out.append(part_format(name))
-        except ImportError:
-            continue
-    return out
+    return [spec.parts() for spec in available_formats() if spec.parts is not None]
 
 
 # ---------------------------------------------------------------------- merge
@@ -168,8 +121,6 @@ def missing_ranges(parts: list[PartInfo], n_examples: int) -> list[tuple[int, in
 def is_published(final: Path | str, fmt: str | PartFormat) -> bool:
     """True when the store at ``final`` opens with its format's reader (a half-merged or
     unmerged store does not)."""
-    from ..formats import get_format
-
     name = fmt.name if isinstance(fmt, PartFormat) else fmt
     spec = get_format(name)
     if not spec.detect(str(final)):
@@ -178,9 +129,7 @@ def is_published(final: Path | str, fmt: str | PartFormat) -> bool:
         reader = spec.open_reader(str(final))
     except ActstoreError:
         return False
-    close = getattr(reader, "close", None)
-    if callable(close):
-        close()
+    reader.close()
     return True
 
 

@@ -22,66 +22,13 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..formats.parts import Slice, split_examples
 
-
-@dataclass(frozen=True, kw_only=True)
-class Slice:
-    """The examples ``[start, stop)`` machine ``machine_id`` of ``n_machines`` captures."""
-
-    machine_id: int
-    n_machines: int
-    start: int
-    stop: int
-    per_machine: int
-    """The stride: examples per machine (all but the last hold exactly this many)."""
-
-    @property
-    def n_examples(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def empty(self) -> bool:
-        return self.stop <= self.start
-
-    def batches(self, batch_size: int) -> tuple[int, int]:
-        """(first batch index, number of batches) this slice runs: the blog's "exact batch
-        distribution" (a batch straddling an edge is run by both neighbours)."""
-        if self.empty:
-            return (self.start // batch_size, 0)
-        first = self.start // batch_size
-        return (first, math.ceil(self.stop / batch_size) - first)
-
-    def __str__(self) -> str:
-        return (
-            f"machine {self.machine_id} of {self.n_machines}: examples [{self.start}, {self.stop})"
-        )
-
-
-def split_examples(n_examples: int, n_machines: int, *, align: int = 1) -> list[Slice]:
-    """Split ``n_examples`` into ``n_machines`` contiguous slices (see the module docstring)."""
-    if n_machines < 1:
-        raise ConfigError(f"the number of machines must be >= 1, not {n_machines}")
-    if align < 1:
-        raise ConfigError(f"align must be >= 1, not {align}")
-    if n_examples < 0:
-        raise ConfigError(f"n_examples must be >= 0, not {n_examples}")
-    per = align * max(1, math.ceil(n_examples / (align * n_machines)))
-    return [
-        Slice(
-            machine_id=i,
-            n_machines=n_machines,
-            start=min(i * per, n_examples),
-            stop=min((i + 1) * per, n_examples),
-            per_machine=per,
-        )
-        for i in range(n_machines)
-    ]
+__all__ = ["Slice", "slurm_machine", "split_examples"]
 
 
 def slurm_machine(

@@ -1,10 +1,14 @@
-"""Contracts every storage format implements: :class:`Block`, :class:`Reader`, :class:`Writer`.
+"""Contracts every storage format implements: :class:`Block`, :class:`ReaderBase`,
+:class:`WriterBase`.
 
 A *block* is a contiguous run of rows (one row = one token's vector at one site) that costs
 one sequential read. Readers list blocks per site; the loader, conversion and verification
 are written once against blocks. Blocks at the same position of ``blocks(site)`` for two
 sites of one store cover the same tokens (so crosscoder batches can align sites), unless the
-reader's optional ``aligned_on(sites)`` says otherwise.
+reader's :meth:`ReaderBase.aligned_on` says otherwise.
+
+Required methods are abstract; every optional capability is declared here with a working
+default, so callers never probe a reader or writer for a hook by name.
 
 Example:
     >>> Block(site=3, n_rows=197, loc=(0, 5)).n_rows
@@ -13,15 +17,21 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import abc
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..sites import Site
+
 if TYPE_CHECKING:
-    from ..batch import Batch
+    import torch
+
+    from ..batch import Batch, CapturePlan
     from ..stats import RunningStats
 
 
@@ -49,73 +59,155 @@ class VerifyReport:
         return not self.faults
 
 
-@runtime_checkable
-class Reader(Protocol):
+class _Scratch(threading.local):
+    """A reusable per-thread buffer for the default scatter read."""
+
+    buf: np.ndarray | None = None
+
+
+_SCRATCH = _Scratch()
+
+
+class ReaderBase(abc.ABC):
     """Read side of a format. Implementations are cheap to pickle (they reopen lazily).
 
     ``read_block`` may be called from several threads of one process at once (the loader
-    reads a window's blocks in parallel). Optional hooks, found with ``getattr``:
-
-    - ``cls_rows(block) -> int ndarray``: rows of ``block`` that hold a CLS token; needed
-      for the loader's ``drop_cls``.
-    - ``read_block_scatter(block, out, rows) -> None``: write row ``i`` of ``block`` into
-      ``out[rows[i]]``, skipping rows where ``rows[i] < 0``; ``out`` is ``[n, D]`` of
-      ``dtype`` with contiguous rows (possibly strided between rows). Without it the loader
-      reads the block into a scratch buffer and copies each row into place.
-    - ``aligned_on(sites) -> bool``: for stores that cannot guarantee the alignment above
-      (e.g. Activault runs another tool wrote), whether block ``i`` of each of ``sites``
-      holds the same tokens; the loader refuses ``sites=`` when it is False.
+    reads a window's blocks in parallel).
     """
 
-    @property
-    def sites(self) -> Sequence[Hashable]:
-        """The sites stored, in the format's own naming (saev: layer ints)."""
-        ...
+    # ------------------------------------------------------------------ required
 
     @property
+    @abc.abstractmethod
+    def sites(self) -> Sequence[Hashable]:
+        """The sites stored, in the format's own naming (saev: layer ints)."""
+
+    @property
+    @abc.abstractmethod
     def d_model(self) -> int: ...
 
     @property
+    @abc.abstractmethod
     def dtype(self) -> np.dtype:
         """numpy dtype of the rows :meth:`read_block` returns."""
-        ...
 
+    @abc.abstractmethod
     def blocks(self, site: Hashable) -> list[Block]:
         """Every row of ``site`` exactly once, as contiguous blocks, in storage order."""
-        ...
 
+    @abc.abstractmethod
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``block`` as ``[n_rows, D]`` (into ``out`` when given)."""
-        ...
 
+    @abc.abstractmethod
     def statistics(self, site: Hashable) -> RunningStats | None:
         """Stored running statistics for ``site``, if the store has them."""
-        ...
 
+    @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
         """JSON-able summary for ``actstore inspect`` (format, model, shapes, sizes...)."""
-        ...
 
+    @abc.abstractmethod
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Full integrity check (checksums, sizes, metadata); ``progress(n_bytes)``."""
-        ...
 
-    def close(self) -> None: ...
+    @abc.abstractmethod
+    def capture_plan(self) -> CapturePlan:
+        """The capture this store came from (model, sites, shapes, dataset description),
+        so conversion rebuilds it without reading format internals."""
+
+    # ------------------------------------------------------------------ optional
+
+    tokens: np.ndarray | None = None
+    """Per-example token ids ``[n_examples, T]`` (text stores that keep them)."""
+    labels: np.ndarray | None = None
+    """Per-example class labels (image folders with classes); ``[n, T]`` in saev."""
+    classes: list[str] | None = None
+    """Class names for ``labels``."""
+    torch_dtype: torch.dtype | None = None
+    """The stored torch dtype when :attr:`dtype` widens it (bfloat16 read as float32)."""
+
+    def stored_dtype(self) -> str:
+        """The dtype the values are stored in, e.g. ``"bfloat16"`` or ``"float32"``."""
+        if self.torch_dtype is not None:
+            return str(self.torch_dtype).removeprefix("torch.")
+        return np.dtype(self.dtype).name
+
+    def site_of(self, name: Hashable) -> Site:
+        """The :class:`Site` a stored site name stands for (default: parse it, so layer
+        ints are residual-stream layers)."""
+        return name if isinstance(name, Site) else Site.parse(str(name))
+
+    def read_block_scatter(self, block: Block, out: np.ndarray, rows: np.ndarray) -> None:
+        """Write row ``i`` of ``block`` into ``out[rows[i]]``, skipping ``rows[i] < 0``.
+
+        ``out`` is ``[n, D]`` of :attr:`dtype` with contiguous rows. The default reads the
+        block into a per-thread scratch buffer and copies; formats that can read straight
+        into place override it."""
+        need = block.n_rows * int(self.d_model)
+        dtype = np.dtype(self.dtype)
+        scratch = _SCRATCH.buf
+        if scratch is None or scratch.dtype != dtype or scratch.size < need:
+            scratch = _SCRATCH.buf = np.empty(need, dtype=dtype)
+        data = self.read_block(block, scratch[:need].reshape(block.n_rows, -1))
+        keep = rows >= 0
+        out[rows[keep]] = data[keep]
+
+    def cls_rows(self, block: Block) -> np.ndarray | None:
+        """Rows of ``block`` that hold a CLS token (for the loader's ``drop_cls``), or
+        None when the store keeps no CLS token."""
+        return None
+
+    def aligned_on(self, sites: Sequence[Hashable]) -> bool:
+        """Whether block ``i`` of every one of ``sites`` holds the same tokens."""
+        return True
+
+    def example_batches(self, batch_size: int, start: int = 0) -> Iterator[Batch] | None:
+        """The stored examples ``start, start + 1, ...`` as capture batches, when the
+        format keeps more per example than blocks show (texts, ragged lengths); None
+        lets conversion build batches from blocks, :attr:`tokens` and :attr:`labels`."""
+        return None
+
+    def close(self) -> None:
+        """Release open files (the reader reopens them lazily if used again)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-class WriterBase:
-    """Context-manager behaviour shared by writers: publish on success, abort on error.
+class WriterBase(abc.ABC):
+    """Write side of a format. Nothing is visible to readers until :meth:`close` publishes.
+
+    Use as a context manager to publish on success and abort on error.
 
     Example:
         >>> with SaevWriter(metadata, "out") as writer:  # doctest: +SKIP
         ...     writer.write(batch)
     """
 
-    def close(self) -> Any:
-        raise NotImplementedError
+    resume_from: int = 0
+    """Examples already durable (capture restarts at the batch holding this example)."""
+    complete: bool = False
+    """The store is already published: capture and convert only report it."""
+    example_range: tuple[int, int] | None = None
+    """``(start, stop)`` of the examples this writer owns (one slice of a distributed
+    capture); None: all of them."""
+    wants_texts: bool = False
+    """The writer stores decoded text, so capture decodes each example's tokens."""
 
+    @abc.abstractmethod
+    def write(self, batch: Batch) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> Any:
+        """Finish, publish atomically, and return the location (format-specific)."""
+
+    @abc.abstractmethod
     def abort(self) -> None:
-        raise NotImplementedError
+        """Stop without publishing; durable progress is kept for a later resume."""
 
     def __enter__(self):
         return self
@@ -127,16 +219,6 @@ class WriterBase:
             self.abort()
 
 
-@runtime_checkable
-class Writer(Protocol):
-    """Write side of a format. Nothing is visible to readers until :meth:`close` publishes."""
-
-    def write(self, batch: Batch) -> None: ...
-
-    def close(self) -> Any:
-        """Finish, publish atomically, and return the manifest (format-specific)."""
-        ...
-
-    def abort(self) -> None:
-        """Stop without publishing; durable progress is kept for a later resume."""
-        ...
+#: Short names used in annotations across the package.
+Reader = ReaderBase
+Writer = WriterBase

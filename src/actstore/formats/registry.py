@@ -20,9 +20,12 @@ import importlib
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, MissingDependencyError, StoreNotFoundError
+
+if TYPE_CHECKING:
+    from .parts import PartFormat
 
 #: Detection order: the first format whose ``detect`` accepts a location opens it.
 FORMAT_NAMES = ("saev", "zarr", "pickle", "activault")
@@ -44,7 +47,12 @@ class FormatSpec:
     writer_for_plan: Callable[[Any, str, Any], Any]
     """``writer_for_plan(plan, out, options) -> Writer`` (used by capture)."""
     stored_dtype: str = "float32"
-    """numpy dtype name of stored activations (conversion reports precision loss)."""
+    """dtype name of stored activations (for help texts; conversion asks the reader)."""
+    parts: Callable[[], PartFormat] | None = None
+    """How the format captures in parts and merges (see :mod:`actstore.formats.parts`);
+    None: no distributed capture."""
+    clean_tokens: bool = False
+    """Capture drops special and chat-template tokens by default (``--clean/--no-clean``)."""
 
 
 def get_format(name: str) -> FormatSpec:
@@ -62,10 +70,7 @@ def get_format(name: str) -> FormatSpec:
             f"format {name!r} needs an optional dependency ({err.name}); install it with "
             f"`pip install 'actstore[all]'`"
         ) from err
-    spec = getattr(module, "FORMAT", None)
-    if spec is None:
-        raise ConfigError(f"format {name!r} is not implemented yet")
-    return spec
+    return module.FORMAT
 
 
 def available_formats() -> list[FormatSpec]:
@@ -98,6 +103,12 @@ def parse_options(spec: FormatSpec, pairs: list[str] | tuple[str, ...], **given:
         'saev'
     """
     fields = {f.name: f for f in dataclasses.fields(spec.options)}
+    for key, value in given.items():
+        if value is not None and key not in fields:
+            raise ConfigError(
+                f"--{key.replace('_', '-')} does not apply to format {spec.name!r} "
+                f"(its options: {', '.join(fields)})"
+            )
     values: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")

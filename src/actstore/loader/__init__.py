@@ -5,7 +5,7 @@
   workers, resumable with ``state_dict()``.
 - :class:`ActivationDataLoader`: runs it in DataLoader worker processes and counts what
   they deliver, so ``state_dict()`` stays exact.
-- :mod:`actstore.loader.order`: the order as pure functions (plan, windows, splits).
+- :mod:`actstore.order`: the order as pure functions (plan, windows, splits).
 
 Example:
     >>> from actstore.loader import ActivationLoader

@@ -23,7 +23,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import ConfigError
 from ..formats import open_store
-from .order import batches_done_by_worker, plan_epoch, rank_span, worker_span
+from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from .pipeline import BufferSet, Consumer, Finish, Layout, first_rows, kept_rows
 
 log = logging.getLogger(__name__)
@@ -147,23 +147,21 @@ class ActivationLoader(IterableDataset):
         for site, other in zip(self.sites[1:], blocks[1:]):
             if [b.n_rows for b in other] != sizes:
                 raise ConfigError(f"blocks of site {site!r} do not align with {self.sites[0]!r}")
-        aligned_on = getattr(reader, "aligned_on", None)
-        if len(self.sites) > 1 and aligned_on is not None and not aligned_on(self.sites):
+        if len(self.sites) > 1 and not reader.aligned_on(self.sites):
             raise ConfigError(
                 f"sites {[str(s) for s in self.sites]} are not aligned in this store: block i of "
                 "one holds other tokens than block i of another, so rows would pair different "
                 "tokens; load one site at a time (site=...)"
             )
-        cls_rows = getattr(reader, "cls_rows", None)
-        if config.drop_cls and cls_rows is None:
+        if config.drop_cls and blocks[0] and reader.cls_rows(blocks[0][0]) is None:
             raise ConfigError(
-                f"drop_cls needs a reader that marks CLS rows; {type(reader).__name__} does not"
+                f"drop_cls needs a store that keeps CLS tokens; {type(reader).__name__} marks none"
             )
         self.layout = Layout(
             reader=reader,
             blocks=blocks,
             drop_cls=config.drop_cls,
-            kept_rows=kept_rows(blocks[0], cls_rows if config.drop_cls else None),
+            kept_rows=kept_rows(blocks[0], reader.cls_rows if config.drop_cls else None),
             first_row=first_rows(blocks[0]),
             d_model=int(reader.d_model),
             dtype=np.dtype(reader.dtype),

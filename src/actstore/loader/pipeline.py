@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mmap
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from ..formats.base import Block
-from .order import EpochPlan
+from ..order import EpochPlan
 
 #: numpy arrays that hold each output dtype (bfloat16 lives in uint16 arrays, viewed).
 _NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
@@ -175,7 +174,6 @@ class Consumer:
         self._pools, self._carry = buffers.pools, buffers.carry
         self._stage, self._out = buffers.stage, buffers.out
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="actstore-io")
-        self._scratch = threading.local()
 
     def close(self) -> None:
         if not sys.is_finalizing():  # at interpreter exit the threads are gone already
@@ -206,17 +204,7 @@ class Consumer:
         return futures
 
     def _read(self, block: Block, out: np.ndarray, dest: np.ndarray) -> None:
-        scatter = getattr(self.layout.reader, "read_block_scatter", None)
-        if scatter is not None:
-            scatter(block, out, dest)
-            return
-        scratch = getattr(self._scratch, "rows", None)
-        if scratch is None or len(scratch) < block.n_rows:
-            scratch = np.empty((block.n_rows, self.layout.d_model), dtype=self.layout.dtype)
-            self._scratch.rows = scratch
-        rows = self.layout.reader.read_block(block, scratch[: block.n_rows])
-        keep = dest >= 0
-        out[dest[keep]] = rows[keep]
+        self.layout.reader.read_block_scatter(block, out, dest)
 
     def _row_ids(self, w: int, perm: np.ndarray) -> np.ndarray:
         """Storage row of each served position of window ``w``."""

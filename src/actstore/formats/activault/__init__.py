@@ -17,6 +17,7 @@ from ..registry import FormatSpec
 from .layout import CFG, METADATA, check_hook_prefixes, hook_name, hook_site
 from .metadata import HookMetadata
 from .options import ActivaultOptions
+from .parts import part_format
 from .reader import ActivaultReader
 from .stream import ActivaultStream
 from .writer import ActivaultWriter
@@ -76,6 +77,8 @@ FORMAT = FormatSpec(
     open_reader=ActivaultReader,
     writer_for_plan=_writer_for_plan,
     stored_dtype="bfloat16",
+    parts=part_format,
+    clean_tokens=True,
 )
 
 __all__ = [

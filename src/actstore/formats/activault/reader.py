@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -30,12 +31,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...batch import CapturePlan
 from ...errors import (
     ConfigError,
     CorruptStoreError,
     LayerNotStoredError,
     StoreNotFoundError,
 )
+from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.object import (
@@ -47,7 +50,7 @@ from ...storage.object import (
     open_location,
     parent_key,
 )
-from ..base import Block, VerifyReport
+from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     CFG,
     METADATA,
@@ -108,7 +111,7 @@ def resolve_hook(hooks: Sequence[str], site: Hashable) -> str:
     raise LayerNotStoredError(f"{site!r} is not stored; stored hooks: {', '.join(hooks)}")
 
 
-class ActivaultReader:
+class ActivaultReader(ReaderBase):
     """Read access to an Activault run or hook folder; picklable (clients reopen lazily).
 
     ``allow_incomplete`` reads the committed files of an unfinished capture; ``s3`` sets the
@@ -263,9 +266,50 @@ class ActivaultReader:
         """Stored hook names (``models.layers.{L}.{...}``), in capture order."""
         return list(self.listings)
 
-    def site_of(self, hook: str) -> Site | None:
-        """The actstore site a hook stores, when its name follows Activault's convention."""
-        return hook_site(hook)
+    def site_of(self, hook: Hashable) -> Site:
+        """The actstore site a hook stores (its name must follow Activault's convention)."""
+        site = hook_site(str(hook))
+        if site is None:
+            raise ConfigError(
+                f"hook {hook!r} does not follow Activault's naming (models.layers.L.post, "
+                "...mlp.post, ...self_attn.pre): actstore cannot tell which site it stores"
+            )
+        return site
+
+    def capture_plan(self) -> CapturePlan:
+        """The capture this run came from: actstore's record of it in ``cfg.json``, or,
+        for a run Activault wrote, what its metadata says (one example per sequence)."""
+        first = next(iter(self.listings.values()))
+        rows = len(first.files) * first.metadata.tokens_per_file
+        if self.record is not None:
+            plan = CapturePlan.from_json_dict(self.record.plan)
+            if rows != plan.n_examples * plan.tokens_per_example:
+                raise ConfigError(
+                    f"{self.location} holds {rows} tokens per hook, not {plan.n_examples} "
+                    f"examples x {plan.tokens_per_example} (token cleaning dropped some, or the "
+                    "last file was partial): only fixed-length stores convert"
+                )
+            # token ids stay inside the megabatch files; blocks do not carry them
+            return dataclasses.replace(plan, has_tokens=False, has_labels=False)
+        md = first.metadata
+        sites = tuple(self.site_of(h) for h in self.sites)
+        return CapturePlan(
+            ckpt=str(self.model_name or "unknown"),
+            family="unknown",
+            modality="text",
+            sites=sites,
+            n_model_layers=max(s.layer for s in sites) + 1,
+            d_model=md.d_in,
+            tokens_per_example=md.sequence_length,
+            has_cls=False,
+            n_examples=rows // md.sequence_length,
+            dataset_root=str((self.cfg.get("data_config") or {}).get("data_key") or ""),
+            data={},
+            classes=None,
+            has_labels=False,
+            has_tokens=False,
+            batch_size=md.batch_size,
+        )
 
     def metadata(self, site: Hashable) -> HookMetadata:
         return self.listings[resolve_hook(self.sites, site)].metadata
@@ -414,7 +458,7 @@ class ActivaultReader:
         first = next(iter(self.listings.values()))
         if not first.files or first.metadata.bytes_per_file > max_bytes:
             return None
-        tokenizer = _local_tokenizer(self.model_name)
+        tokenizer = local_tokenizer(self.model_name)
         if tokenizer is None:
             return None
         ids = self.megabatch(first.hook, 0)["input_ids"]
@@ -517,24 +561,3 @@ def check_megabatch(
             f"{list(md.input_ids_shape)} torch.int64"
         )
     return mb
-
-
-def _local_tokenizer(model_name: str | None) -> Any:
-    """The model's tokenizer if it is on this machine (never downloads), else None."""
-    if not model_name:
-        return None
-    try:
-        from transformers import AutoTokenizer
-
-        from ...capture.models import (
-            EMBEDDED_MODEL,
-            EMBEDDED_MODEL_ID,
-            quiet_transformers,
-            resolve_checkpoint,
-        )
-
-        name = resolve_checkpoint(EMBEDDED_MODEL) if model_name == EMBEDDED_MODEL_ID else model_name
-        with quiet_transformers():
-            return AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except Exception:  # noqa: BLE001 - no tokenizer simply means no decoded text
-        return None

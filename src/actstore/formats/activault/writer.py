@@ -27,8 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -88,9 +86,7 @@ def location_of(store: ObjectStore, prefix: str) -> str:
 
 def plan_record(plan: CapturePlan) -> dict[str, Any]:
     """The capture plan as plain JSON (what a resumed capture must match)."""
-    raw = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-    raw["sites"] = [str(s) for s in plan.sites]
-    return json.loads(json.dumps(raw, default=str))
+    return plan.to_json_dict()
 
 
 @dataclass

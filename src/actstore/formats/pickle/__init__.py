@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 from ..registry import FormatSpec
+from .dataset import ActivationDataset
 from .layout import VERSION, PickleMetadata, ShardInfo, layer_key, shard_filename
 from .options import PickleOptions
+from .parts import part_format
 from .reader import PickleReader
 from .writer import PickleWriter, merge_stores
 
@@ -37,17 +39,8 @@ FORMAT = FormatSpec(
     detect=_detect,
     open_reader=PickleReader,
     writer_for_plan=_writer_for_plan,
+    parts=part_format,
 )
-
-
-def __getattr__(name: str):
-    # The torch Dataset uses the loader's order functions; imported on first use so the
-    # format package does not pull in the loader.
-    if name == "ActivationDataset":
-        from .dataset import ActivationDataset
-
-        return ActivationDataset
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -3,7 +3,7 @@
 The spec's example is a map-style dataset that unpickles every shard to build its index
 and, under ``DataLoader(shuffle=True)``, decodes a whole shard for almost every item.
 This one reads the index from ``metadata.json`` alone, and each epoch follows the shared
-loader's order (:mod:`actstore.loader.order`): shards are permuted, grouped into windows
+loader's order (:mod:`actstore.order`): shards are permuted, grouped into windows
 of ``pool_shards``, and the samples of a window are shuffled together. Every shard is
 therefore decoded once per epoch (safely, checksum-verified), memory holds ``pool_shards``
 decoded shards, and the order is a pure function of (shard sizes, seed, epoch), split
@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ...errors import ConfigError
-from ...loader.order import plan_epoch, rank_span, worker_span
+from ...order import plan_epoch, rank_span, worker_span
 from .layout import layer_key
 from .reader import PickleReader
 

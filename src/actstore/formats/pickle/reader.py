@@ -41,7 +41,7 @@ from ...errors import (
 from ...stats import RunningStats
 from ...storage import FileHasher, read_json
 from ...storage.local import IO_CHUNK
-from ..base import Block, VerifyReport
+from ..base import Block, ReaderBase, VerifyReport
 from .layout import METADATA, PROGRESS, PickleMetadata, ShardInfo, layer_key, plan_sites
 
 
@@ -76,7 +76,7 @@ class _HashingReader:
             pass
 
 
-class PickleReader:
+class PickleReader(ReaderBase):
     """Read access to one pkl.gz store; picklable (the shard cache is not carried)."""
 
     def __init__(self, path: str | os.PathLike, *, cache_shards: int = 1) -> None:

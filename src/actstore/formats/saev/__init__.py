@@ -6,6 +6,7 @@ from ..base import VerifyReport
 from ..registry import FormatSpec
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .options import SaevOptions
+from .parts import part_format
 from .reader import SaevReader
 from .writer import SaevWriter, saev_metadata, store_dir
 
@@ -38,6 +39,7 @@ FORMAT = FormatSpec(
     detect=_detect,
     open_reader=SaevReader,
     writer_for_plan=_writer_for_plan,
+    parts=part_format,
 )
 
 __all__ = [

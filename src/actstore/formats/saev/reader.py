@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ...batch import CapturePlan
 from ...errors import (
     ConfigError,
     CorruptStoreError,
@@ -35,11 +36,12 @@ from ...errors import (
     StoreNotFoundError,
     UnsafeDataError,
 )
+from ...sites import Site
 from ...stats import RunningStats
 from ...storage import FileHasher, read_json
 from ...storage.local import IO_CHUNK
-from ..base import Block, VerifyReport
-from .layout import SaevMetadata, shard_name
+from ..base import Block, ReaderBase, VerifyReport
+from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .writer import CHECKSUMS, STATISTICS
 
 _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
@@ -53,7 +55,7 @@ _LIBC.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_i
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
 
 
-class SaevReader:
+class SaevReader(ReaderBase):
     """Read access to one saev directory. Picklable: worker processes reopen files lazily."""
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -308,6 +310,28 @@ class SaevReader:
 
         return pickle.loads(base64.b64decode(self.metadata.data))
 
+    def capture_plan(self) -> CapturePlan:
+        """The capture this store came from, as far as saev's metadata records it."""
+        md = self.metadata
+        tokens, labels = self.tokens, self.labels
+        return CapturePlan(
+            ckpt=md.ckpt,
+            family=md.family,
+            modality="image" if md.family in SAEV_FAMILIES else "text",
+            sites=tuple(Site("resid", layer) for layer in md.layers),
+            n_model_layers=max(md.layers) + 1,
+            d_model=md.d_model,
+            tokens_per_example=md.tokens_per_ex,
+            has_cls=md.cls_token,
+            n_examples=md.n_examples,
+            dataset_root=md.dataset,
+            data=_decode_data(md.data),
+            classes=self.classes,
+            has_labels=labels is not None,
+            has_tokens=tokens is not None,
+            batch_size=32,
+        )
+
     # ------------------------------------------------------------------ blocks (loader)
 
     def blocks(self, site: int, *, target_bytes: int = 1 << 20) -> list[Block]:
@@ -520,6 +544,24 @@ class SaevReader:
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
         return report
+
+
+def _decode_data(data: str) -> dict[str, Any]:
+    """The dataset description in metadata's ``data`` (a base64 pickle), decoded with the
+    restricted unpickler so a store cannot run code through it; {} if it is not a dict
+    (e.g. saev's own ImgFolder object)."""
+    if not data:
+        return {}
+    import base64
+
+    from ... import safe_pickle
+    from ...errors import UnsafeDataError
+
+    try:
+        decoded = safe_pickle.loads(base64.b64decode(data))
+    except (UnsafeDataError, CorruptStoreError, ValueError):
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
 
 
 def _as_indices(index: Any, n: int, what: str) -> np.ndarray:

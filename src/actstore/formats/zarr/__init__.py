@@ -17,6 +17,7 @@ from pathlib import Path
 from ..registry import FormatSpec
 from .layout import FORMAT_TAG, RUN_FORMAT_TAG, STORE_NAME, ZarrLayout, choose_layout
 from .options import ZarrOptions
+from .parts import part_format
 from .reader import MANIFEST, ZarrPairDataset, ZarrReader
 from .shards import merge_run, shard_ranges, write_manifest, write_shards
 from .writer import ZarrWriter, plan_store, store_path
@@ -55,6 +56,7 @@ FORMAT = FormatSpec(
     open_reader=ZarrReader,
     writer_for_plan=_writer_for_plan,
     stored_dtype="float16",
+    parts=part_format,
 )
 
 __all__ = [

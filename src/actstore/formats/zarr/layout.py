@@ -32,8 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -71,7 +69,6 @@ ACT_DTYPE = np.dtype("<f2")
 ITEMSIZE = ACT_DTYPE.itemsize
 SAMPLE_KEY_DTYPE = np.dtype("|S64")
 DIGEST_DTYPE = np.dtype("|S32")
-SPLITS = {"train": 0, "val": 1, "test": 2}
 
 TARGET_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 512 << 10
@@ -135,34 +132,6 @@ def length_summary(lengths: Sequence[int] | np.ndarray) -> dict[str, int]:
         return {}
     q = lambda p: int(np.quantile(values, p, method="inverted_cdf"))
     return {"p50": q(0.5), "p95": q(0.95), "p99": q(0.99), "max": int(values.max())}
-
-
-def sample_key(
-    *,
-    prompt: str | None = None,
-    response: str | None = None,
-    prompt_ids: Sequence[int] | None = None,
-    response_ids: Sequence[int] | None = None,
-    fallback: str = "",
-) -> str:
-    """sha256 hex (64 chars) identifying a sample by its text and tokens.
-
-    Example:
-        >>> sample_key(prompt="2+2?", response="4")[:12]
-        'aa20e581ed1c'
-    """
-    record: dict[str, Any] = {}
-    if prompt is not None or response is not None:
-        record.update(prompt=prompt, response=response)
-    if prompt_ids is not None or response_ids is not None:
-        record.update(
-            prompt_ids=None if prompt_ids is None else [int(t) for t in prompt_ids],
-            response_ids=None if response_ids is None else [int(t) for t in response_ids],
-        )
-    if not record:
-        record["id"] = fallback
-    text = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True, kw_only=True)

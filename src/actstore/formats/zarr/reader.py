@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import xxhash
 
+from ...batch import CapturePlan
 from ...errors import (
     ConfigError,
     CorruptStoreError,
@@ -38,12 +39,14 @@ from ...errors import (
     ProtocolVersionError,
     StoreNotFoundError,
 )
+from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ...storage import read_json
-from ..base import Block, VerifyReport
+from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
+    CONFIG_FILE,
     DIGEST,
     FORMAT_TAG,
     FULL_LENGTHS,
@@ -201,7 +204,7 @@ def resolve_location(location: str | os.PathLike) -> tuple[Path, bool]:
     return path, False
 
 
-class ZarrReader:
+class ZarrReader(ReaderBase):
     """Random access, training batches and loader blocks over one store or a sharded run.
 
     Sites are named as captured (``"resid.6"``); wherever a layer is asked for, give the
@@ -504,6 +507,45 @@ class ZarrReader:
         return (
             np.full(block.n_rows, self.stores[k].offset + local, dtype=np.int64),
             np.arange(block.n_rows, dtype=np.int64),
+        )
+
+    # ------------------------------------------------------------------ conversion
+
+    def capture_plan(self) -> CapturePlan:
+        """The capture this store came from (``meta/config.json`` and the attributes).
+
+        Conversion to a fixed-length format needs every sample to hold the same number of
+        tokens; the plan says so only when they do."""
+        lay, attrs = self.layout, self.attrs
+        config_path = self.stores[0].path / CONFIG_FILE
+        config = read_json(config_path) if config_path.exists() else {}
+        model, dataset = config.get("model") or {}, dict(config.get("dataset") or {})
+        lengths = self.prompt_len + self.response_len
+        if len(lengths) and (lengths != lengths[0]).any():
+            raise ConfigError(
+                f"{self.path}: its samples hold different numbers of tokens "
+                f"({int(lengths.min())}..{int(lengths.max())}); only fixed-length stores "
+                "convert to other formats"
+            )
+        family = str(model.get("family") or attrs.get("model_family") or "unknown")
+        return CapturePlan(
+            ckpt=str(model.get("ckpt") or attrs.get("model_id") or "unknown"),
+            family=family,
+            modality=str(model.get("modality") or "text"),
+            sites=tuple(Site.parse(name) for name in lay.sites),
+            n_model_layers=int(
+                model.get("n_layers") or attrs.get("model_num_layers") or max(lay.layers) + 1
+            ),
+            d_model=lay.hidden_size,
+            tokens_per_example=int(lengths[0]) if len(lengths) else 0,
+            has_cls=bool(model.get("has_cls", False)),
+            n_examples=lay.n_samples,
+            dataset_root=str(dataset.pop("root", None) or attrs.get("dataset_root") or ""),
+            data=dataset,
+            classes=config.get("classes"),
+            has_labels=False,
+            has_tokens=False,
+            batch_size=int(config.get("batch_size") or 32),
         )
 
     # ------------------------------------------------------------------ statistics

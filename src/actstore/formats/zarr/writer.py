@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ... import __version__
-from ...batch import Batch, CapturePlan
+from ..._version import __version__
+from ...batch import SPLITS, Batch, CapturePlan, sample_key
 from ...errors import CaptureError, ConfigError, StoreExistsError
 from ...stats import RunningStats
 from ...storage import atomic_write_json
@@ -52,14 +52,12 @@ from .layout import (
     PARTS,
     SAMPLE_KEY,
     SCHEMA_VERSION,
-    SPLITS,
     STATISTICS_FILE,
     STORE_NAME,
     TEXT_FILES,
     TOKEN_IDS,
     ZarrLayout,
     choose_layout,
-    sample_key,
 )
 from .options import ZarrOptions
 from .store import (
@@ -497,8 +495,10 @@ def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dic
             "modality": plan.modality,
             "n_layers": plan.n_model_layers,
             "d_model": plan.d_model,
+            "has_cls": plan.has_cls,
         },
         "sites": [str(s) for s in plan.sites],
+        "classes": plan.classes,
         "dataset": {"root": plan.dataset_root, **plan.data},
         "options": dict(options.__dict__),
         "layout": choice.layout.to_dict(),

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -1,0 +1,209 @@
+"""Activault in parts: each machine writes an Activault run of its own at
+``<parent>/.<run>.parts/part-A-B`` (local or ``s3://``); the merge copies the files
+(server-side on S3, hard links locally) into ``<run>`` with one group numbering, merged
+statistics and ``cfg.json`` last, then deletes the parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ...batch import Batch
+from ...errors import ConfigError
+from ...stats import merge_all
+from ...storage.object import LocalStore, S3Store, base_name, join_key, open_location, parent_key
+from ..base import WriterBase
+from ..parts import PartFormat, PartInfo, aligned_slices
+from .layout import CFG, METADATA, STATISTICS, data_file_name, group_uuid
+from .metadata import (
+    HookMetadata,
+    RunRecord,
+    run_cfg,
+    statistics_from_dict,
+    statistics_to_dict,
+)
+from .writer import ActivaultWriter, file_shape
+
+
+class _Rebased(WriterBase):
+    """Writer adapter for one slice of an Activault part: the part is a run of its own, so
+    example ids are shifted to start at 0 (the runner sends global ids)."""
+
+    def __init__(self, inner: Any, start: int, stop: int) -> None:
+        self.inner, self.example_range = inner, (start, stop)
+        self.wants_texts = inner.wants_texts
+
+    @property
+    def complete(self) -> bool:
+        return self.inner.complete
+
+    @property
+    def resume_from(self) -> int:
+        start, stop = self.example_range
+        return stop if self.inner.complete else start + self.inner.resume_from
+
+    def write(self, batch: Batch) -> None:
+        self.inner.write(
+            dataclasses.replace(batch, example_ids=batch.example_ids - self.example_range[0])
+        )
+
+    def close(self) -> Any:
+        return self.inner.close()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def part_format() -> PartFormat:
+    """How this format captures in parts and merges them."""
+
+    def root_of(prefix: str) -> str:
+        return join_key(parent_key(prefix), f".{base_name(prefix)}.parts")
+
+    def examples_per_file(plan, options):
+        rows, seq = file_shape(plan, options)  # the writer's own choice, default included
+        return math.lcm(rows * seq, plan.tokens_per_example) // plan.tokens_per_example
+
+    def final_location(plan, out, options):
+        store, prefix = open_location(out, options.s3_config())
+        return store.url(prefix)
+
+    def part_writer(plan, final, options, sl):
+        store, prefix = open_location(final, options.s3_config())
+        url = store.url(join_key(root_of(prefix), f"part-{sl.start:010d}-{sl.stop:010d}"))
+        return _Rebased(ActivaultWriter(plan, url, options), sl.start, sl.stop)
+
+    def read_record(store, run_prefix):
+        doc = store.get_json(join_key(run_prefix, CFG))
+        return RunRecord.from_dict(doc["actstore"], source=store.url(join_key(run_prefix, CFG)))
+
+    def list_parts(final):
+        store, prefix = open_location(final)
+        root, out = root_of(prefix), []
+        for name in store.list_dirs(root):
+            if not name.startswith("part-") or store.size(join_key(root, name, CFG)) is None:
+                continue
+            record = read_record(store, join_key(root, name))
+            if not record.complete:
+                continue
+            _, start, stop = name.split("-")
+            identity = {
+                k: v
+                for k, v in record.to_dict().items()
+                if k in ("hooks", "rows_per_file", "sequence_length", "dtype", "plan", "token_mask")
+            }
+            out.append(
+                PartInfo(
+                    path=store.url(join_key(root, name)),
+                    start=int(start),
+                    stop=int(stop),
+                    n_examples=int(record.plan["n_examples"]),
+                    identity=identity,
+                )
+            )
+        return out
+
+    def copy(store, src: str, dst: str) -> None:
+        if isinstance(store, LocalStore):
+            target = Path(store.url(dst))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            try:
+                os.link(store.url(src), target)
+            except OSError:
+                shutil.copyfile(store.url(src), target)
+        elif isinstance(store, S3Store):  # server-side copy (multipart for large objects)
+            store.client.copy({"Bucket": store.bucket, "Key": src}, store.bucket, dst)
+        else:
+            store.put(dst, store.get(src))
+
+    def merge(parts, final):
+        store, prefix = open_location(final)
+        runs = [join_key(root_of(prefix), base_name(str(p.path))) for p in parts]
+        records = [read_record(store, r) for r in runs]
+        merged_id = str(uuid.uuid5(uuid.NAMESPACE_URL, "|".join(r.run_id for r in records)))
+        first = records[0]
+        record = dataclasses.replace(
+            first,
+            run_id=merged_id,
+            groups=sum(r.groups for r in records),
+            next_example=parts[0].n_examples,
+            next_skip=0,
+            complete=False,
+            dropped_tokens=sum(r.dropped_tokens for r in records),
+            num_runs=sum(r.num_runs for r in records),
+        )
+        plan = first.plan
+        bucket = store.bucket if isinstance(store, S3Store) else ""
+        rows_per_batch = max(1, first.rows_per_file // max(int(plan.get("batch_size", 1)), 1))
+
+        def write_cfg(rec):
+            store.put_json(
+                join_key(prefix, CFG),
+                run_cfg(
+                    rec,
+                    run_name=base_name(prefix),
+                    bucket=bucket,
+                    batch_size=int(plan.get("batch_size", 1)),
+                    batches_per_file=rows_per_batch,
+                ),
+                indent=2,
+            )
+
+        write_cfg(record)  # incomplete: readers refuse the run until the end
+        for hook in first.hooks:
+            metas = [store.get_json(join_key(r, hook, METADATA)) for r in runs]
+            if any(m != metas[0] for m in metas):
+                raise ConfigError(f"the parts of {final} disagree on {hook}/metadata.json")
+            HookMetadata.from_dict(metas[0], source=store.url(join_key(runs[0], hook, METADATA)))
+            group = 0
+            for run, rec in zip(runs, records):
+                for g in range(rec.groups):
+                    copy(
+                        store,
+                        join_key(run, hook, data_file_name(group_uuid(rec.run_id, g), g + 1)),
+                        join_key(
+                            prefix, hook, data_file_name(group_uuid(merged_id, group), group + 1)
+                        ),
+                    )
+                    group += 1
+            stats = [
+                statistics_from_dict(
+                    store.get_json(join_key(r, hook, STATISTICS)),
+                    source=store.url(join_key(r, hook, STATISTICS)),
+                )
+                for r in runs
+            ]
+            store.put_json(join_key(prefix, hook, METADATA), metas[0])
+            if None not in stats:
+                store.put_json(
+                    join_key(prefix, hook, STATISTICS), statistics_to_dict(merge_all(stats))
+                )
+        write_cfg(dataclasses.replace(record, complete=True))  # publishes the run
+        for obj in list(store.list(root_of(prefix) + "/")):
+            store.delete(obj.key)
+        if isinstance(store, LocalStore):
+            shutil.rmtree(store.url(root_of(prefix)), ignore_errors=True)
+        return final
+
+    def pending(out):
+        store, prefix = open_location(out)
+        root = root_of(prefix)
+        waiting = any(store.size(join_key(root, d, CFG)) is not None for d in store.list_dirs(root))
+        return [store.url(prefix)] if waiting else []
+
+    return PartFormat(
+        name="activault",
+        slices=aligned_slices(examples_per_file),
+        final_location=final_location,
+        part_writer=part_writer,
+        list_parts=list_parts,
+        merge=merge,
+        pending=pending,
+        remote=True,
+    )
