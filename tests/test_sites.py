@@ -78,7 +78,7 @@ def test_every_kind_means_what_transformerlens_means(kind, model_dir):
         with ActivationRecorder(model, sites) as rec:
             a = rec.run(inputs)
         block = model.blocks[L]
-        close = lambda x, y: torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)  # noqa: E731
+        close = lambda x, y: torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
         assert torch.equal(a["resid_pre.2"], hidden[L])  # the block's input
         assert torch.equal(a["resid_pre.2"], a["resid.1"])
         assert torch.equal(a["resid.2"], hidden[L + 1])  # the block's output
@@ -118,3 +118,51 @@ def test_unmapped_family_keeps_residual_sites():
     check_sites("gpt_neox", [Site("resid", 1), Site("resid_pre", 1)])
     with pytest.raises(ConfigError, match="mlp_out sites are not mapped for the 'gpt_neox'"):
         check_sites("gpt_neox", [Site("mlp_out", 1)])
+
+
+@pytest.fixture(scope="module")
+def pickle_store(tmp_path_factory):
+    """A pkl.gz store of resid.1 and resid.3 of a 4-block model (reader keys: layer ints)."""
+    from conformance import make_acts, make_batches, make_plan
+    from test_pickle_conformance import PickleCase
+
+    case, plan = PickleCase(compress=False), make_plan()
+    root = tmp_path_factory.mktemp("pickle") / "store"
+    return case.open(case.write(root, plan, make_batches(plan, make_acts(plan))))
+
+
+@pytest.mark.parametrize(
+    "spelling", [3, "3", "resid.3", "blocks.3.hook_resid_post", -1, "resid.-1", Site("resid", 3)]
+)
+def test_loader_takes_every_spelling(spelling, pickle_store):
+    from actstore.loader import ActivationLoader
+
+    loader = ActivationLoader(pickle_store, site=spelling, batch_size=8)
+    assert loader.sites == (3,)
+    both = ActivationLoader(pickle_store, sites=["blocks.1.hook_resid_post", spelling])
+    assert both.sites == (1, 3)
+
+
+def test_loader_names_missing_and_bad_sites_in_one_line(pickle_store):
+    from actstore.errors import LayerNotStoredError
+    from actstore.loader import ActivationLoader
+
+    with pytest.raises(LayerNotStoredError, match=r"site resid.2 is not in this store; it holds "):
+        ActivationLoader(pickle_store, site="blocks.2.hook_resid_post")
+    with pytest.raises(LayerNotStoredError, match="site mlp_out.3 is not in this store"):
+        ActivationLoader(pickle_store, site="mlp_out.-1")
+    with pytest.raises(ConfigError, match="cannot parse site 'resid.x'"):
+        ActivationLoader(pickle_store, site="resid.x")
+
+
+def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
+    """Zarr stores name sites as captured ("resid.3"); a layer or a TL name finds them."""
+    from conformance import make_acts, make_batches, make_plan
+    from test_zarr_conformance import ZarrCase
+
+    from actstore.loader import ActivationLoader
+
+    case, plan = ZarrCase(), make_plan()
+    reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, make_acts(plan))))
+    for spelling in (3, "blocks.3.hook_resid_post", "resid.3"):
+        assert ActivationLoader(reader, site=spelling).sites == ("resid.3",)
