@@ -166,3 +166,23 @@ def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
     reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, make_acts(plan))))
     for spelling in (3, "blocks.3.hook_resid_post", "resid.3"):
         assert ActivationLoader(reader, site=spelling).sites == ("resid.3",)
+
+
+def test_capture_stops_before_the_last_block_when_only_its_input_is_needed(model_dir):
+    """resid_pre.L runs blocks 0..L-1 only; the value is still block L's input."""
+    from actstore.capture.models import model_family
+
+    model = load_model(str(model_dir("qwen2")))
+    ran = []
+    handle = model.blocks[2].register_forward_hook(lambda *_: ran.append(2))
+    inputs = _inputs(model, "qwen2")
+    with (
+        torch.inference_mode(),
+        ActivationRecorder(model, [Site.parse("blocks.2.hook_resid_pre")]) as rec,
+    ):
+        got = rec.run(inputs)["resid_pre.2"]
+    handle.remove()
+    with torch.inference_mode():
+        hidden = model.module(**inputs, output_hidden_states=True).hidden_states
+    assert ran == [] and torch.equal(got, hidden[2])
+    assert model_family("siglip_vision_model") == "siglip" and model_family("bert") == "bert"

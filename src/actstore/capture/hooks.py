@@ -45,7 +45,11 @@ class ActivationRecorder:
         for site in self.sites:
             self._handles.append(self._register(site))
         stop_block = self.model.blocks[self.last_layer]
-        self._handles.append(stop_block.register_forward_hook(self._stop))
+        if all(s.kind == "resid_pre" for s in self.sites if s.layer == self.last_layer):
+            # Only the last block's input is needed: stop before running it.
+            self._handles.append(stop_block.register_forward_pre_hook(self._stop))
+        else:
+            self._handles.append(stop_block.register_forward_hook(self._stop))
         return self
 
     def __exit__(self, *exc: object) -> None:

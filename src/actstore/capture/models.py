@@ -114,6 +114,16 @@ def _vision_family(model_type: str) -> str | None:
     return None
 
 
+def model_family(model_type: str) -> str:
+    """``LoadedModel.family`` for a config.json ``model_type`` (known before loading weights).
+
+    Example:
+        >>> model_family("clip_vision_model"), model_family("llama")
+        ('clip', 'llama')
+    """
+    return _vision_family(model_type) or model_type
+
+
 def load_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:
     """Load ``name`` (hub id, local directory or ``"embedded"``) for capture.
 

@@ -45,7 +45,8 @@ class CaptureConfig:
     max_tokens: int | None = None
     """Text: use at most this many tokens (``max_tokens // context_length`` contexts)."""
     sites: tuple[str, ...] = ("resid.-1",)
-    """Sites as ``kind.layer`` (``resid.6``, ``mlp_out.-1``); see :mod:`actstore.sites`."""
+    """Sites in any spelling :meth:`actstore.sites.Site.parse` takes (``resid.6``,
+    ``mlp_out.-1``, ``blocks.6.hook_resid_post``)."""
     batch_size: int = 32
     device: str = "cpu"
     dtype: str = "float32"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from ..errors import ConfigError
 from ..sites import Site
@@ -26,7 +27,7 @@ class Tap:
     """Read a site at module ``path`` of a block: its input (``"in"``) or output (``"out"``)."""
 
     path: str
-    io: str
+    io: Literal["in", "out"]
 
 
 def _subs(resid_mid: str, attn: str, attn_out: str, mlp: str, mlp_out: str) -> dict[str, Tap]:
@@ -99,6 +100,8 @@ def tap_for(family: str, site: Site) -> Tap:
 
 
 def check_sites(family: str, sites: Iterable[Site]) -> None:
-    """Raise :class:`ConfigError` for the first site ``family`` cannot provide."""
+    """Raise :class:`ConfigError` for the first site ``family`` cannot provide. ``family``
+    is :func:`actstore.capture.models.model_family` of config.json's ``model_type``, so this
+    runs before any weights load."""
     for site in sites:
         tap_for(family, site)

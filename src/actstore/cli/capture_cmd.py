@@ -72,8 +72,10 @@ def capture(
     ),
     sites: str = typer.Option(
         None,
-        help="Comma-separated sites kind.layer, overriding --layers, for formats that "
-        "store sub-layer sites: resid.6,attn_out.6,mlp_out.6,attn_in.6,mlp_in.6.",
+        help="Comma-separated sites, overriding --layers: kind.layer (resid.6, "
+        "resid_pre.6, resid_mid.6, attn_out.6, mlp_out.6, attn_in.6, mlp_in.6) or "
+        "TransformerLens names (blocks.6.hook_resid_post); see docs/sites.md. saev and pkl.gz "
+        "store resid only.",
     ),
     out: str = typer.Option(
         "actstore-data",
