@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from actstore.capture import CaptureConfig, capture, load_model, open_source
 from actstore.capture.data import HFDataset
@@ -146,6 +147,45 @@ def test_hub_repository_config_split_and_streaming(gpt2, repo):
     assert [r["text"] for r in streamed.load().take(3)] == DOCS[:3]
     with pytest.raises(ConfigError, match="has no split 'validation'; choose one with --split"):
         HFDataset(kind="hub", path=str(repo), config="all", split="validation").load()
+    # --dataset on the repository folder takes the same path, with config and split.
+    source = open_source(str(repo), gpt2, context_length=CTX, dataset_config="small", split="test")
+    want = open_source(str(repo / "small" / "test.parquet"), gpt2, context_length=CTX)
+    np.testing.assert_array_equal(source.token_ids, want.token_ids)
+    assert source.describe()["kind"] == "hf_repo" and source.describe()["config"] == "small"
+
+
+def test_options_that_do_not_apply_are_refused(gpt2, files):
+    with pytest.raises(ConfigError, match="--dataset-config applies to Hub ids"):
+        open_source(str(files / "docs.parquet"), gpt2, dataset_config="small")
+    with pytest.raises(ConfigError, match="plain data files, which form one split"):
+        open_source(str(files / "shards"), gpt2, split="test")
+
+
+def test_image_parquet_plain_and_streamed(model_dir, tmp_path):
+    from PIL import Image
+
+    model = load_model(str(model_dir("dinov2")))
+    rng = np.random.default_rng(2)
+    images = [Image.fromarray(rng.integers(0, 255, (36, 36, 3), dtype=np.uint8)) for _ in range(7)]
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])}
+    )
+    table = datasets.Dataset.from_dict(
+        {"image": images, "label": [0, 1, 2, 0, 1, 2, 0]}, features=features
+    )
+    table.save_to_disk(tmp_path / "saved")
+    table.to_parquet(tmp_path / "img.parquet")
+    saved = open_source(str(tmp_path / "saved"), model, max_examples=5)
+    plain = open_source(str(tmp_path / "img.parquet"), model, max_examples=5)
+    streamed = open_source(str(tmp_path / "img.parquet"), model, max_examples=5, streaming=True)
+    want = next(saved.batches(0, 5)).inputs["pixel_values"]
+    for source in (plain, streamed):
+        assert source.n_examples == 5 and source.classes == ["a", "b", "c"]
+        np.testing.assert_array_equal(source.labels[:5], [0, 1, 2, 0, 1])
+        batch = next(source.batches(0, 5))
+        assert torch.equal(batch.inputs["pixel_values"], want)
+    with pytest.raises(ConfigError, match="--max-tokens counts text tokens"):
+        open_source(str(tmp_path / "img.parquet"), model, max_tokens=100)
 
 
 def test_hub_id_without_network_fails_at_once(gpt2, monkeypatch):

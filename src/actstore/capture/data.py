@@ -430,11 +430,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 @dataclass(frozen=True, kw_only=True)
 class HFDataset:
     """How to load one split of a ``datasets`` dataset: a ``save_to_disk`` directory
-    (``saved``), local data files through a builder (``files``) or a Hub id (``hub``)."""
+    (``saved``), local data files through a builder (``files``), a Hub id (``hub``), or a
+    local copy of a Hub repository (``repo``: a folder with a README.md dataset card), which
+    ``datasets`` reads exactly as the Hub one."""
 
     kind: str
     path: str
-    """The saved directory, the builder name (``parquet``...) or the Hub id."""
+    """The saved directory, the builder name (``parquet``...), the Hub id or the repo folder."""
     data_files: tuple[str, ...] | None = None
     config: str | None = None
     split: str = "train"
@@ -445,7 +447,7 @@ class HFDataset:
         datasets = require("datasets", "datasets")
         if self.kind == "saved":
             return _load_hf(self.path, self.split)
-        where = self.path if self.kind == "hub" else ", ".join(self.data_files or ())
+        where = self.path if self.data_files is None else ", ".join(self.data_files)
         try:
             with _quiet_datasets():
                 ds = datasets.load_dataset(
@@ -480,7 +482,7 @@ class HFDataset:
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": f"hf_{self.kind}", "split": self.split}
-        if self.kind == "hub":
+        if self.kind in ("hub", "repo"):
             out.update(id=self.path, config=self.config)
         else:
             out.update(builder=self.path, data_files=list(self.data_files or ()))
@@ -822,6 +824,21 @@ def open_source(
             raise ConfigError(f"{path} is an image folder, read from disk; drop --streaming")
         return _image_folder(path, model, max_examples)
     found = _data_files(path)
+    if path.is_dir() and (dataset_config is not None or (found and (path / "README.md").exists())):
+        hf = HFDataset(
+            kind="repo", path=str(path), config=dataset_config, split=split, streaming=streaming
+        )
+        return _hf_open(hf, str(path), model, text_field, context_length, limit, progress)
+    if dataset_config is not None:
+        raise ConfigError(
+            f"--dataset-config applies to Hub ids and local copies of Hub repositories; "
+            f"{path} is neither"
+        )
+    if found is not None and split != "train":
+        raise ConfigError(
+            f"{path} is plain data files, which form one split ('train'); drop --split "
+            "(or add a README.md dataset card naming the splits)"
+        )
     if found is None and path.is_dir() and model.modality == "image":
         return _image_folder(path, model, max_examples)  # explains that it holds no images
     if found is None:
