@@ -3,6 +3,7 @@ each family what TransformerLens means by it, checked against a real forward pas
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,6 +167,9 @@ def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
     reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, make_acts(plan))))
     for spelling in (3, "blocks.3.hook_resid_post", "resid.3"):
         assert ActivationLoader(reader, site=spelling).sites == ("resid.3",)
+        np.testing.assert_array_equal(
+            reader.read(0, spelling, "prompt"), reader.read(0, 3, "prompt")
+        )
 
 
 def test_capture_stops_before_the_last_block_when_only_its_input_is_needed(model_dir):
