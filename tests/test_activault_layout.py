@@ -33,6 +33,8 @@ from actstore.formats.activault.writer import _Position
 from actstore.sites import SITE_KINDS, Site
 from actstore.stats import RunningStats
 
+NAMED_KINDS = [k for k in SITE_KINDS if k != "resid_mid"]  # Activault names no resid_mid
+
 
 def test_hook_names_follow_activault_and_round_trip():
     assert hook_name("mlp_out.24") == "models.layers.24.mlp.post"
@@ -40,7 +42,10 @@ def test_hook_names_follow_activault_and_round_trip():
     assert hook_name("attn_out.24") == "models.layers.24.self_attn.post"
     assert hook_name("attn_in.24") == "models.layers.24.self_attn.pre"
     assert hook_name("resid.24") == "models.layers.24.post"
-    for kind in SITE_KINDS:
+    assert hook_name("resid_pre.24") == "models.layers.24.pre"
+    with pytest.raises(ConfigError, match="Activault has no hook name for resid_mid.2"):
+        hook_name("resid_mid.2")
+    for kind in NAMED_KINDS:
         for layer in (0, 1, 10, 79):
             assert hook_site(hook_name(Site(kind, layer))) == Site(kind, layer)
     assert hook_site("blocks.7.hook_resid_post") == Site("resid", 7)  # Activault's old naming
@@ -50,7 +55,7 @@ def test_hook_names_follow_activault_and_round_trip():
 
 
 def test_no_generated_hook_name_is_a_prefix_of_another():
-    check_hook_prefixes(hook_name(Site(k, layer)) for k in SITE_KINDS for layer in range(120))
+    check_hook_prefixes(hook_name(Site(k, layer)) for k in NAMED_KINDS for layer in range(120))
 
 
 def test_prefix_collisions_are_refused():

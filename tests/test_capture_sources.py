@@ -121,8 +121,11 @@ def test_empty_or_unknown_datasets_are_explained(model_dir, tmp_path):
     with pytest.raises(ConfigError, match="holds no images"):
         open_source(str(tmp_path / "empty"), model)
     (tmp_path / "x.csv").write_text("a,b\n")
-    with pytest.raises(ConfigError, match="cannot tell what kind of dataset"):
+    with pytest.raises(ConfigError, match="x.csv holds no rows"):
         open_source(str(tmp_path / "x.csv"), model)
+    (tmp_path / "x.xyz").write_text("a,b\n")
+    with pytest.raises(ConfigError, match="cannot tell what kind of dataset"):
+        open_source(str(tmp_path / "x.xyz"), model)
     text_model = load_model(str(model_dir("gpt2")))
     (tmp_path / "tiny.txt").write_text("hi\n")
     with pytest.raises(ConfigError, match="fewer tokens than one context"):

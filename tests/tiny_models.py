@@ -42,7 +42,8 @@ def make_tokenizer(bos: bool):
 
 
 def save_text_model(kind: str, directory: Path) -> Path:
-    """Save a tiny causal LM of architecture ``kind`` (gpt2, llama, qwen2) with tokenizer."""
+    """Save a tiny model of architecture ``kind`` (gpt2, llama, qwen2, gemma2: causal LMs;
+    bert: a post-norm encoder) with tokenizer."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -74,6 +75,32 @@ def save_text_model(kind: str, directory: Path) -> Path:
                 max_position_embeddings=256,
                 **common,
             )
+        )
+    elif kind == "gemma2":
+        model = tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                max_position_embeddings=256,
+                **common,
+            )
+        )
+    elif kind == "bert":
+        model = tf.BertModel(
+            tf.BertConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                max_position_embeddings=256,
+                vocab_size=VOCAB,
+                pad_token_id=3,
+            ),
+            add_pooling_layer=False,
         )
     else:
         raise ValueError(kind)

@@ -1,30 +1,53 @@
 """Where in a transformer an activation is taken: a :class:`Site` is (kind, layer).
 
-Kinds:
-  ``resid``     the residual stream after block ``layer`` (the block's output; saev's "layers")
-  ``attn_out``  the attention sub-layer's output, before it is added to the residual
-  ``mlp_out``   the MLP sub-layer's output, before it is added to the residual
-  ``attn_in``   the attention sub-layer's input (after its layer norm)
-  ``mlp_in``    the MLP sub-layer's input (after its layer norm)
+Kinds (block ``L``; docs/sites.md maps each onto the modules of every supported family):
+  ``resid_pre``  the residual stream entering block ``L`` (``hidden_states[L]``)
+  ``resid_mid``  the residual stream between attention and MLP: ``resid_pre + attn_out``
+  ``resid``      the output of block ``L`` (``hidden_states[L + 1]``; saev's "layers")
+  ``attn_out``   what the attention sub-layer adds to the residual stream
+  ``mlp_out``    what the MLP sub-layer adds to the residual stream
+  ``attn_in``    the attention sub-layer's input (after its layer norm, if it has one)
+  ``mlp_in``     the MLP sub-layer's input (after its layer norm)
 
-Sites print as ``"kind.layer"`` (``"resid.3"``, ``"mlp_out.-1"``); negative layers count
-from the end and are resolved to absolute indices with :func:`resolve_layers`.
+The canonical spelling is ``kind.layer`` (``resid.3``, ``mlp_out.-1``): ``str(site)`` prints
+it, stores record it, and it means the same in every family. :meth:`Site.parse` also takes a
+bare layer (``5`` = ``resid.5``) and TransformerLens hook names (``blocks.5.hook_resid_post``
+= ``resid.5``, ``blocks.5.hook_resid_pre``, ``blocks.5.hook_mlp_in`` = ``resid_mid.5``, ...).
+Negative layers count from the end and are resolved with :meth:`Site.resolve`.
 
 Example:
     >>> Site.parse("mlp_out.-1").resolve(12)
     Site(kind='mlp_out', layer=11)
-    >>> str(Site("resid", 3))
-    'resid.3'
+    >>> str(Site.parse("blocks.5.hook_resid_post")), str(Site.parse(5))
+    ('resid.5', 'resid.5')
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
-SITE_KINDS = ("resid", "attn_out", "mlp_out", "attn_in", "mlp_in")
+SITE_KINDS = ("resid", "attn_out", "mlp_out", "attn_in", "mlp_in", "resid_pre", "resid_mid")
+
+#: TransformerLens hook (``blocks.L.<hook>``) -> site kind with the same meaning.
+TL_HOOKS = {
+    "hook_resid_pre": "resid_pre",
+    "hook_resid_mid": "resid_mid",
+    "hook_resid_post": "resid",
+    "hook_attn_out": "attn_out",
+    "hook_mlp_out": "mlp_out",
+    "hook_mlp_in": "resid_mid",  # TransformerLens: a copy of resid_mid, before ln2
+    "hook_normalized_resid_post": "resid",  # BERT-style blocks: the block output
+}
+_TL_NAME = {kind: hook for hook, kind in TL_HOOKS.items() if hook.startswith("hook_resid_")}
+_TL_NAME |= {"attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
+
+_SPELLINGS = "kind.layer (resid.6, mlp_out.-1), a layer (6) or blocks.6.hook_resid_post"
+_TL_RE = re.compile(r"^blocks\.(-?\d+)\.(\w+)$")
+_SITE_RE = re.compile(r"^(?:(\w+)\.)?(-?\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -33,6 +56,9 @@ class Site:
 
     kind: str
     layer: int
+    tl: bool = field(default=False, compare=False, repr=False)
+    """Spelled as TransformerLens's ``hook_resid_post``, which post-norm families (BERT)
+    do not have as a block output; see :func:`actstore.capture.sitemap.check_site`."""
 
     def __post_init__(self) -> None:
         if self.kind not in SITE_KINDS:
@@ -43,26 +69,39 @@ class Site:
     def __str__(self) -> str:
         return f"{self.kind}.{self.layer}"
 
+    @property
+    def tl_name(self) -> str | None:
+        """The TransformerLens hook name with this meaning in pre-norm models, if any."""
+        hook = _TL_NAME.get(self.kind)
+        return None if hook is None else f"blocks.{self.layer}.{hook}"
+
     @classmethod
-    def parse(cls, text: str | Site) -> Site:
-        """Parse ``"kind.layer"``; a bare integer means the residual stream at that layer."""
+    def parse(cls, text: str | int | Site) -> Site:
+        """Parse any accepted spelling: ``kind.layer``, a layer, or a TransformerLens name."""
         if isinstance(text, Site):
             return text
         text = str(text).strip()
-        kind, _, layer = text.rpartition(".")
-        if not kind:
-            kind = "resid"
-        try:
-            number = int(layer)
-        except ValueError as err:
-            raise ConfigError(
-                f"cannot parse site {text!r}; write it as kind.layer, e.g. resid.6 or mlp_out.-1"
-            ) from err
-        return cls(kind, number)
+        if m := _TL_RE.match(text):
+            hook, layer = m.group(2), int(m.group(1))
+            if hook == "hook_attn_in":
+                raise ConfigError(
+                    f"{text} is TransformerLens's resid_pre repeated once per head; "
+                    f"capture blocks.{layer}.hook_resid_pre (resid_pre.{layer}) instead"
+                )
+            if hook not in TL_HOOKS:
+                raise ConfigError(
+                    f"TransformerLens hook {hook!r} in {text!r} has no actstore site; "
+                    f"use one of {', '.join(TL_HOOKS)}"
+                )
+            return cls(TL_HOOKS[hook], layer, tl=hook == "hook_resid_post")
+        m = _SITE_RE.match(text)
+        if m is None:
+            raise ConfigError(f"cannot parse site {text!r}; write it as {_SPELLINGS}")
+        return cls(m.group(1) or "resid", int(m.group(2)))
 
     def resolve(self, n_layers: int) -> Site:
         """Turn a negative layer into an absolute one, checking the range."""
-        return Site(self.kind, resolve_layers([self.layer], n_layers)[0])
+        return Site(self.kind, resolve_layers([self.layer], n_layers)[0], tl=self.tl)
 
 
 def resolve_layers(layers: Iterable[int], n_layers: int) -> list[int]:

@@ -1,4 +1,6 @@
-"""Example sources for capture: image folders, text/JSONL files, saved Hugging Face datasets.
+"""Example sources for capture: image folders, text/JSONL files, and Hugging Face datasets
+(saved with ``save_to_disk``, local parquet/arrow/json/csv files or folders of them, or Hub
+ids, optionally streamed).
 
 Every source has a fixed, deterministic example order and a known ``n_examples`` before
 capture starts (the store's metadata and content hash depend on it), and can restart at
@@ -6,6 +8,13 @@ any example (resume). Text is tokenised once and packed into fixed-length contex
 documents are joined with the tokenizer's end-of-sequence (or separator) token and cut
 into windows of ``context_length`` tokens, each starting with the model's start token
 when it has one (BERT's [CLS], Llama's <s>); the incomplete tail is dropped and logged.
+Pre-tokenized datasets (a column of token ids) are packed the same way but used as is: no
+token is added or re-tokenised, so rows of exactly ``context_length`` tokens stay rows.
+
+Every kind but image folders, .txt/.jsonl files and saved datasets goes through one call,
+``datasets.load_dataset(builder_or_hub_id, data_files=..., ...)`` (:class:`HFDataset`), so
+local files exercise the same path as the Hub. Streaming reads the dataset in its stored
+order and stops as soon as the example budget (``max_examples``/``max_tokens``) is filled.
 
 Example:
     >>> src = open_source("embedded", model)  # doctest: +SKIP
@@ -15,18 +24,23 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
+import os
+import re
+import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
+from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError, require
 from ..progress import bar_switch
 from .models import LoadedModel
 
@@ -49,24 +63,52 @@ class SourceBatch:
     """Per-example fields for ``Batch.extras`` (prompt/response lengths, texts...)."""
 
 
-class ExampleSource:
-    """Base class: a deterministic, indexable sequence of model inputs."""
+class ExampleSource(abc.ABC):
+    """A deterministic, indexable sequence of model inputs (what capture runs over).
 
-    #: Total number of examples.
-    n_examples: int
-    #: Absolute path of the dataset root (saev's ``dataset`` field).
-    root: str
+    Optional facts have defaults here, so capture reads them directly: a source that
+    knows its examples' token count says so in ``tokens_per_example`` (else capture probes
+    one batch), text sources keep their ``token_ids``, labelled image sources ``labels`` and
+    ``classes``.
+    """
+
+    #: Tokens per example when known without running the model (else None).
+    tokens_per_example: int | None = None
+    #: int32 ``[n_examples, T]`` token ids when the source is packed text, else None.
+    token_ids: np.ndarray | None = None
+    #: int64 label per example when known, else None.
+    labels: np.ndarray | None = None
     #: Class names when labels are known (index = label), else None.
     classes: list[str] | None = None
 
+    @property
+    @abc.abstractmethod
+    def n_examples(self) -> int:
+        """Total number of examples."""
+
+    @property
+    @abc.abstractmethod
+    def root(self) -> str:
+        """Absolute path (or Hub id) of the dataset (saev's ``dataset`` field)."""
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether batches carry token ids."""
+        return self.token_ids is not None
+
+    @property
+    def plan_extras(self) -> dict[str, Any]:
+        """Facts for ``CapturePlan.extras`` (none by default)."""
+        return {}
+
+    @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
         """Plain, JSON-able description of the dataset (pickled into saev's ``data`` field)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def batches(self, start: int, batch_size: int, num_workers: int = 0) -> Iterator[SourceBatch]:
         """Batches of consecutive examples ``start, start+1, ...``; batch k starts at
         ``start + k * batch_size``."""
-        raise NotImplementedError
 
 
 # ---------------------------------------------------------------------------- images
@@ -89,22 +131,28 @@ class _ImageDataset(torch.utils.data.Dataset):
 
 
 class _Loader:
-    """Picklable callable index -> PIL image (files or a saved HF dataset column)."""
+    """Picklable callable index -> PIL image (files, a datasets column, or images in memory)."""
 
     def __init__(
         self,
         files: Sequence[str] | None = None,
-        hf_path: str | None = None,
-        split: str | None = None,
+        hf: HFDataset | None = None,
         column: str | None = None,
+        images: list | None = None,
     ) -> None:
-        self.files, self.hf_path, self.split, self.column = files, hf_path, split, column
+        self.files, self.hf, self.column, self.images = files, hf, column, images
         self._ds = None
-        self.n = len(files) if files is not None else len(self._dataset())
+        if files is not None:
+            self.n = len(files)
+        elif images is not None:
+            self.n = len(images)
+        else:
+            self.n = len(self._dataset())
 
     def _dataset(self):
         if self._ds is None:
-            self._ds = _load_hf(self.hf_path, self.split)
+            assert self.hf is not None
+            self._ds = self.hf.load()
         return self._ds
 
     def __getstate__(self):
@@ -115,11 +163,13 @@ class _Loader:
 
         if self.files is not None:
             return Image.open(self.files[index])
+        if self.images is not None:
+            return self.images[index]
         return self._dataset()[index][self.column]
 
 
 class ImageSource(ExampleSource):
-    """Images from a folder (class subfolders give labels) or a saved HF dataset."""
+    """Images from a folder (class subfolders give labels) or a datasets image column."""
 
     def __init__(
         self,
@@ -129,10 +179,19 @@ class ImageSource(ExampleSource):
         root: str,
         description: dict[str, Any],
         model: LoadedModel,
+        max_examples: int | None = None,
     ) -> None:
         self.loader, self.labels, self.classes = loader, labels, classes
-        self.root, self._description, self.model = root, description, model
-        self.n_examples = loader.n
+        self._root, self._description, self.model = root, description, model
+        self._n = loader.n if max_examples is None else min(loader.n, max_examples)
+
+    @property
+    def n_examples(self) -> int:
+        return self._n
+
+    @property
+    def root(self) -> str:
+        return self._root
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
@@ -175,7 +234,7 @@ def image_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
-def _image_folder(root: Path, model: LoadedModel) -> ImageSource:
+def _image_folder(root: Path, model: LoadedModel, max_examples: int | None) -> ImageSource:
     files = image_files(root)
     if not files:
         raise ConfigError(
@@ -194,9 +253,8 @@ def _image_folder(root: Path, model: LoadedModel) -> ImageSource:
         "n_images": len(files),
         "classes": classes,
     }
-    return ImageSource(
-        _Loader(files=[str(p) for p in files]), labels, classes, str(root), description, model
-    )
+    loader = _Loader(files=[str(p) for p in files])
+    return ImageSource(loader, labels, classes, str(root), description, model, max_examples)
 
 
 # ---------------------------------------------------------------------------- text
@@ -208,9 +266,17 @@ class TextSource(ExampleSource):
     def __init__(
         self, token_ids: np.ndarray, root: str, description: dict[str, Any], model: LoadedModel
     ) -> None:
-        self.token_ids, self.root, self._description = token_ids, root, description
-        self.model = model
-        self.n_examples = int(token_ids.shape[0])
+        self.token_ids: np.ndarray = token_ids
+        self.tokens_per_example = int(token_ids.shape[1])
+        self._root, self._description, self.model = root, description, model
+
+    @property
+    def n_examples(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def root(self) -> str:
+        return self._root
 
     def describe(self) -> dict[str, Any]:
         return dict(self._description)
@@ -285,9 +351,10 @@ def _text_source(
     description: dict[str, Any],
     model: LoadedModel,
     context_length: int,
-    max_examples: int | None,
+    limit: int | None,
     progress: bool = True,
 ) -> TextSource:
+    """Pack ``docs`` into contexts; keep the first ``limit`` (the example budget)."""
     if not docs:
         raise ConfigError(f"{root} holds no text documents")
     windows, dropped = pack_documents(docs, model.tokenizer, context_length, progress=progress)
@@ -296,8 +363,8 @@ def _text_source(
             f"{root} has fewer tokens than one context of {context_length}; "
             "lower --context-length or add text"
         )
-    if max_examples is not None:
-        windows = windows[:max_examples]
+    if limit is not None:
+        windows = windows[:limit]
     log.info(
         "packed %d documents into %d contexts of %d tokens (%d tail tokens dropped)",
         len(docs),
@@ -346,10 +413,108 @@ def embedded_documents() -> tuple[list[str], str]:
 
 # ---------------------------------------------------------------------------- HF datasets
 
+#: Local file suffix -> the ``datasets`` builder that reads it.
+BUILDERS = {
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".txt": "text",
+}
+#: Columns taken as pre-tokenized input when the text field is absent.
+TOKEN_COLUMNS = ("input_ids", "tokens")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFDataset:
+    """How to load one split of a ``datasets`` dataset: a ``save_to_disk`` directory
+    (``saved``), local data files through a builder (``files``), a Hub id (``hub``), or a
+    local copy of a Hub repository (``repo``: a folder with a README.md dataset card), which
+    ``datasets`` reads exactly as the Hub one."""
+
+    kind: str
+    path: str
+    """The saved directory, the builder name (``parquet``...), the Hub id or the repo folder."""
+    data_files: tuple[str, ...] | None = None
+    config: str | None = None
+    split: str = "train"
+    streaming: bool = False
+
+    def load(self):
+        """The split, as a ``Dataset`` (or an ``IterableDataset`` when streaming)."""
+        datasets = require("datasets", "datasets")
+        if self.kind == "saved":
+            return _load_hf(self.path, self.split)
+        where = self.path if self.data_files is None else ", ".join(self.data_files)
+        try:
+            with _quiet_datasets():
+                ds = datasets.load_dataset(
+                    self.path,
+                    name=self.config,
+                    data_files=None if self.data_files is None else list(self.data_files),
+                    split=self.split,
+                    streaming=self.streaming,
+                )
+        except ValueError as err:
+            if "corresponds to no data" in str(err):
+                raise ConfigError(f"{where} holds no rows") from err
+            if "split" in str(err).lower():
+                raise ConfigError(
+                    f"{where} has no split {self.split!r}; choose one with --split"
+                ) from err
+            raise ConfigError(f"cannot load {where}: {_first_line(err)}") from err
+        except ConnectionError as err:
+            raise StoreNotFoundError(
+                f"dataset {self.path!r} is not in the local Hugging Face cache and the Hub is "
+                "offline (HF_HUB_OFFLINE); download it once online, or give local files"
+            ) from err
+        except FileNotFoundError as err:
+            raise StoreNotFoundError(f"cannot load {where}: {_first_line(err)}") from err
+        except Exception as err:
+            if type(err).__name__ in ("DatasetNotFoundError", "DataFilesNotFoundError"):
+                raise StoreNotFoundError(f"cannot load {where}: {_first_line(err)}") from err
+            if type(err).__name__ in ("DatasetGenerationError", "ArrowInvalid"):
+                raise CorruptStoreError(f"cannot read {where}: {_first_line(err)}") from err
+            raise
+        return ds
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": f"hf_{self.kind}", "split": self.split}
+        if self.kind in ("hub", "repo"):
+            out.update(id=self.path, config=self.config)
+        else:
+            out.update(builder=self.path, data_files=list(self.data_files or ()))
+        if self.streaming:
+            out["streaming"] = True
+        return out
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+class _quiet_datasets:
+    """Silence ``datasets``' progress bars and info logs while loading."""
+
+    def __enter__(self):
+        from datasets.utils import logging as ds_logging
+
+        self._level = ds_logging.get_verbosity()
+        self._bars = ds_logging.is_progress_bar_enabled()
+        ds_logging.set_verbosity_error()
+        ds_logging.disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        from datasets.utils import logging as ds_logging
+
+        ds_logging.set_verbosity(self._level)
+        if self._bars:
+            ds_logging.enable_progress_bar()
+
 
 def _load_hf(path: str, split: str | None):
-    from ..errors import require
-
     datasets = require("datasets", "datasets")
     ds = datasets.load_from_disk(path)
     if isinstance(ds, datasets.DatasetDict):
@@ -359,39 +524,233 @@ def _load_hf(path: str, split: str | None):
     return ds
 
 
-def _hf_source(
-    path: Path,
+def check_hub_reachable(hub_id: str) -> None:
+    """Fail at once, in one line, when the Hub cannot answer (instead of minutes of retries).
+
+    Offline mode (``HF_HUB_OFFLINE``) is left to ``datasets``, which then reads its cache."""
+    datasets = require("datasets", "datasets")
+    if datasets.config.HF_HUB_OFFLINE:
+        return
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = endpoint.hostname or "huggingface.co", endpoint.port or 443
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+    except OSError as err:
+        raise StoreNotFoundError(
+            f"dataset {hub_id!r} is not a local path and the Hugging Face Hub ({host}) cannot "
+            "be reached; set HF_HUB_OFFLINE=1 to use a cached copy, or give local files"
+        ) from err
+
+
+def _budget(context_length: int, max_examples: int | None, max_tokens: int | None) -> int | None:
+    """Contexts the example and token budgets allow (None: no limit)."""
+    if max_tokens is None:
+        return max_examples
+    n = max_tokens // context_length
+    if n < 1:
+        raise ConfigError(
+            f"--max-tokens {max_tokens} is less than one context of {context_length} tokens"
+        )
+    return n if max_examples is None else min(n, max_examples)
+
+
+def _column(columns: Sequence[str], text_field: str, where: str) -> str:
+    if text_field in columns:
+        return text_field
+    for name in TOKEN_COLUMNS:
+        if name in columns:
+            return name
+    raise ConfigError(
+        f"{where} has no {text_field!r} column and no token column "
+        f"({', '.join(TOKEN_COLUMNS)}); columns: {list(columns)}; choose one with --text-field"
+    )
+
+
+def _stream_rows(ds, column: str, enough: Any) -> list:
+    """Values of ``column`` in dataset order until ``enough(values)`` says stop."""
+    rows: list = []
+    for record in ds:
+        rows.append(record[column])
+        if enough(rows):
+            break
+    return rows
+
+
+def pack_token_rows(rows: Sequence[Sequence[int]], context_length: int) -> tuple[np.ndarray, int]:
+    """Concatenate pre-tokenized rows, as is, and cut ``[n, context_length]`` windows.
+
+    Returns the windows and the number of trailing tokens dropped.
+
+    Example:
+        >>> pack_token_rows([[5, 6, 7], [8, 9]], 2)[0].tolist()
+        [[5, 6], [7, 8]]
+    """
+    pieces = [np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    n = len(stream) // context_length
+    windows = stream[: n * context_length].reshape(n, context_length)
+    return np.ascontiguousarray(windows.astype(np.int32)), len(stream) - n * context_length
+
+
+def _token_source(
+    rows: Sequence[Sequence[int]],
+    root: str,
+    description: dict[str, Any],
     model: LoadedModel,
-    split: str,
+    context_length: int,
+    limit: int | None,
+) -> TextSource:
+    windows, dropped = pack_token_rows(rows, context_length)
+    if len(windows) == 0:
+        raise ConfigError(
+            f"{root} has fewer tokens than one context of {context_length}; "
+            "lower --context-length or add rows"
+        )
+    vocab = model.module.get_input_embeddings().num_embeddings
+    if windows.min() < 0 or windows.max() >= vocab:
+        bad = int(windows.max() if windows.max() >= vocab else windows.min())
+        raise ConfigError(
+            f"{root} holds token id {bad}, outside {model.ckpt}'s vocabulary of {vocab}: "
+            "was it tokenized for another model? Use its text column with --text-field"
+        )
+    if limit is not None:
+        windows = windows[:limit]
+    log.info(
+        "packed %d pre-tokenized rows into %d contexts of %d tokens (%d tail tokens dropped)",
+        len(rows),
+        len(windows),
+        context_length,
+        dropped,
+    )
+    description = {**description, "context_length": context_length, "n_rows": len(rows)}
+    return TextSource(windows, root, description, model)
+
+
+def _hf_text(
+    hf: HFDataset,
+    root: str,
+    description: dict[str, Any],
+    model: LoadedModel,
     text_field: str,
     context_length: int,
+    limit: int | None,
+    progress: bool,
+) -> TextSource:
+    ds = hf.load()
+    first = next(iter(ds), None)
+    if first is None:
+        raise ConfigError(f"{root} holds no rows")
+    column = _column(list(ds.column_names or first), text_field, root)
+    tokenized = not isinstance(first[column], str)
+    if tokenized:
+        description = {**description, "token_column": column}
+    else:
+        description = {**description, "text_field": column}
+    if hf.streaming:
+        assert limit is not None
+        if tokenized:
+            rows = _stream_rows(ds, column, _TokenCount(limit * context_length))
+        else:
+            count = _DocTokenCount(limit, context_length, model.tokenizer)
+            rows = _stream_rows(ds, column, count)
+    else:
+        rows = ds[column]
+    if tokenized:
+        return _token_source(rows, root, description, model, context_length, limit)
+    docs = [str(t) for t in rows]
+    return _text_source(docs, root, description, model, context_length, limit, progress)
+
+
+class _TokenCount:
+    """Stop streaming token rows once ``need`` tokens are in hand."""
+
+    def __init__(self, need: int) -> None:
+        self.need, self.have, self.seen = need, 0, 0
+
+    def __call__(self, rows: list) -> bool:
+        for row in rows[self.seen :]:
+            self.have += len(row)
+        self.seen = len(rows)
+        return self.have >= self.need
+
+
+class _DocTokenCount(_TokenCount):
+    """Stop streaming documents once packing them fills ``n_windows`` contexts: counts
+    each document's tokens plus its separator, as :func:`pack_documents` lays them out."""
+
+    def __init__(self, n_windows: int, context_length: int, tokenizer) -> None:
+        prefix = _start_tokens(tokenizer)
+        super().__init__(n_windows * (context_length - len(prefix)))
+        self.tokenizer = tokenizer
+        sep = (
+            tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+        )
+        self.per_doc = 0 if sep is None else 1
+
+    def __call__(self, rows: list) -> bool:
+        for doc in rows[self.seen :]:
+            ids = self.tokenizer(str(doc), add_special_tokens=False)["input_ids"]
+            self.have += len(ids) + self.per_doc
+        self.seen = len(rows)
+        return self.have >= self.need
+
+
+def _hf_images(
+    hf: HFDataset,
+    root: str,
+    description: dict[str, Any],
+    model: LoadedModel,
     max_examples: int | None,
-    progress: bool = True,
-) -> ExampleSource:
-    ds = _load_hf(str(path), split)
-    columns = ds.column_names
+) -> ImageSource:
+    ds = hf.load()
+    columns = list(ds.column_names or next(iter(ds), {}))
+    column = next((c for c in ("image", "img", "pixel_values") if c in columns), None)
+    if column is None:
+        raise ConfigError(f"{root} has no image column (columns: {columns})")
+    label_col = next((c for c in ("label", "labels", "fine_label") if c in columns), None)
+    images = None
+    if hf.streaming:
+        assert max_examples is not None
+        records = list(ds.take(max_examples))
+        images = [r[column] for r in records]
+        label_values = None if label_col is None else [r[label_col] for r in records]
+        loader = _Loader(images=images)
+    else:
+        label_values = None if label_col is None else ds[label_col]
+        loader = _Loader(hf=hf, column=column)
+    labels = classes = None
+    if label_values is not None:
+        labels = np.asarray(label_values, dtype=np.int64)
+        names = getattr(ds.features[label_col], "names", None) if ds.features else None
+        classes = list(names) if names else [str(i) for i in range(int(labels.max()) + 1)]
+    description = {**description, "column": column, "n_images": loader.n, "classes": classes}
+    return ImageSource(loader, labels, classes, root, description, model, max_examples)
+
+
+def _hf_saved(path: Path, model, split, text_field, context_length, limit, max_examples, progress):
+    """A ``save_to_disk`` directory (description as in earlier versions: same store hash)."""
+    hf = HFDataset(kind="saved", path=str(path), split=split)
     description = {"kind": "hf_dataset", "root": str(path), "split": split}
     if model.modality == "image":
-        column = next((c for c in ("image", "img", "pixel_values") if c in columns), None)
-        if column is None:
-            raise ConfigError(f"{path} has no image column (columns: {columns})")
-        label_col = next((c for c in ("label", "labels", "fine_label") if c in columns), None)
-        labels = classes = None
-        if label_col is not None:
-            labels = np.asarray(ds[label_col], dtype=np.int64)
-            names = getattr(ds.features[label_col], "names", None)
-            classes = list(names) if names else [str(i) for i in range(int(labels.max()) + 1)]
-        loader = _Loader(hf_path=str(path), split=split, column=column)
-        description.update(column=column, n_images=loader.n, classes=classes)
-        return ImageSource(loader, labels, classes, str(path), description, model)
-    if text_field not in columns:
+        return _hf_images(hf, str(path), description, model, max_examples)
+    return _hf_text(hf, str(path), description, model, text_field, context_length, limit, progress)
+
+
+def _data_files(path: Path) -> tuple[str, tuple[str, ...]] | None:
+    """(builder, files) for a data file or a folder of them; None when ``path`` is neither."""
+    if path.is_file():
+        builder = BUILDERS.get(path.suffix.lower())
+        return None if builder is None else (builder, (str(path),))
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS)
+    if not files:
+        return None
+    builders = sorted({BUILDERS[p.suffix.lower()] for p in files})
+    if len(builders) > 1:
         raise ConfigError(
-            f"{path} has no {text_field!r} column (columns: {columns}); "
-            "choose one with --text-field"
+            f"{path} mixes data files of kinds {', '.join(builders)}; "
+            "point --dataset at one kind (a file, or a folder of one kind)"
         )
-    docs = [str(t) for t in ds[text_field]]
-    description["text_field"] = text_field
-    return _text_source(docs, str(path), description, model, context_length, max_examples, progress)
+    return builders[0], tuple(str(p) for p in files)
 
 
 # ---------------------------------------------------------------------------- entry point
@@ -403,43 +762,105 @@ def open_source(
     *,
     context_length: int = 128,
     max_examples: int | None = None,
+    max_tokens: int | None = None,
     split: str = "train",
     text_field: str = "text",
+    dataset_config: str | None = None,
+    streaming: bool = False,
     progress: bool = True,
 ) -> ExampleSource:
-    """Open ``dataset`` (path or ``"embedded"``) for ``model``'s modality."""
+    """Open ``dataset`` for ``model``'s modality: ``"embedded"``, an image folder, a .txt or
+    .jsonl file, a ``save_to_disk`` directory, parquet/arrow/json/csv files (or a folder of
+    them), or a Hugging Face Hub id (``org/name``, with ``dataset_config``).
+
+    ``max_tokens`` caps the examples at ``max_tokens // context_length`` contexts (text).
+    ``streaming`` reads Hub ids and data files without a full download, in stored order,
+    up to the budget, which it therefore needs."""
+    if model.modality == "text":
+        limit = _budget(context_length, max_examples, max_tokens)
+    elif max_tokens is not None:
+        raise ConfigError("--max-tokens counts text tokens; for images use --max-examples")
+    else:
+        limit = max_examples
+    if streaming and limit is None:
+        raise ConfigError(
+            "--streaming reads only what the store needs, so it needs --max-examples or "
+            "--max-tokens"
+        )
     if dataset == EMBEDDED_DATASET:
         if model.modality != "text":
             raise ConfigError("the embedded dataset is text; give an image folder for a ViT")
         docs, root = embedded_documents()
         description = {"kind": "embedded", "name": "python-language-reference"}
-        return _text_source(docs, root, description, model, context_length, max_examples, progress)
+        return _text_source(docs, root, description, model, context_length, limit, progress)
     path = Path(dataset).expanduser().resolve()
     if not path.exists():
-        raise StoreNotFoundError(f"dataset {dataset!r} does not exist")
+        local = dataset.startswith((".", "/", "~")) or Path(dataset).suffix.lower() in BUILDERS
+        if local or not _HUB_ID.match(dataset):
+            raise StoreNotFoundError(
+                f"dataset {dataset!r} does not exist (a Hub id looks like org/name)"
+            )
+        check_hub_reachable(dataset)
+        hf = HFDataset(
+            kind="hub", path=dataset, config=dataset_config, split=split, streaming=streaming
+        )
+        return _hf_open(hf, dataset, model, text_field, context_length, limit, progress)
     is_hf = (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()
     if path.is_dir() and is_hf:
-        source = _hf_source(path, model, split, text_field, context_length, max_examples, progress)
-    elif path.is_dir():
-        if model.modality != "image":
-            raise ConfigError(
-                f"{path} is a folder, which actstore reads as images, but {model.ckpt} is a "
-                "text model; give a .txt or .jsonl file or a saved HF dataset"
-            )
-        source = _image_folder(path, model)
-    elif path.suffix in (".txt", ".jsonl"):
-        if model.modality != "text":
-            raise ConfigError(f"{path} is text but {model.ckpt} is an image model")
+        if streaming:
+            raise ConfigError(f"{path} is a save_to_disk directory, read whole; drop --streaming")
+        return _hf_saved(
+            path, model, split, text_field, context_length, limit, max_examples, progress
+        )
+    legacy = path.is_file() and path.suffix in (".txt", ".jsonl") and not streaming
+    if legacy and model.modality == "text":
         docs = _read_text_file(path, text_field)
         description = {"kind": "text_file", "path": str(path), "text_field": text_field}
-        return _text_source(
-            docs, str(path), description, model, context_length, max_examples, progress
+        return _text_source(docs, str(path), description, model, context_length, limit, progress)
+    if legacy:
+        raise ConfigError(f"{path} is text but {model.ckpt} is an image model")
+    if path.is_dir() and model.modality == "image" and image_files(path):
+        if streaming:
+            raise ConfigError(f"{path} is an image folder, read from disk; drop --streaming")
+        return _image_folder(path, model, max_examples)
+    found = _data_files(path)
+    if path.is_dir() and (dataset_config is not None or (found and (path / "README.md").exists())):
+        hf = HFDataset(
+            kind="repo", path=str(path), config=dataset_config, split=split, streaming=streaming
         )
-    else:
+        return _hf_open(hf, str(path), model, text_field, context_length, limit, progress)
+    if dataset_config is not None:
         raise ConfigError(
-            f"cannot tell what kind of dataset {path} is: give an image folder, a .txt or "
-            ".jsonl file, or a directory written by datasets.Dataset.save_to_disk"
+            f"--dataset-config applies to Hub ids and local copies of Hub repositories; "
+            f"{path} is neither"
         )
-    if max_examples is not None and isinstance(source, ImageSource):
-        source.n_examples = min(source.n_examples, max_examples)
-    return source
+    if found is not None and split != "train":
+        raise ConfigError(
+            f"{path} is plain data files, which form one split ('train'); drop --split "
+            "(or add a README.md dataset card naming the splits)"
+        )
+    if found is None and path.is_dir() and model.modality == "image":
+        return _image_folder(path, model, max_examples)  # explains that it holds no images
+    if found is None:
+        raise ConfigError(
+            f"cannot tell what kind of dataset {path} is: give an image folder, a .txt, "
+            ".jsonl, .json, .csv, .parquet or .arrow file (or a folder of them), a directory "
+            "written by datasets' save_to_disk, or a Hub id"
+        )
+    builder, files = found
+    hf = HFDataset(kind="files", path=builder, data_files=files, split="train", streaming=streaming)
+    return _hf_open(hf, str(path), model, text_field, context_length, limit, progress)
+
+
+def _hf_open(
+    hf: HFDataset,
+    root: str,
+    model: LoadedModel,
+    text_field: str,
+    context_length: int,
+    limit: int | None,
+    progress: bool,
+) -> ExampleSource:
+    if model.modality == "image":
+        return _hf_images(hf, root, hf.describe(), model, limit)
+    return _hf_text(hf, root, hf.describe(), model, text_field, context_length, limit, progress)

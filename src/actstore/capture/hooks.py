@@ -1,6 +1,6 @@
 """Record activations at chosen sites with forward hooks, stopping after the last block needed.
 
-The recorder hooks the block (residual stream), attention and MLP sub-modules. When the last
+The recorder hooks the modules :mod:`actstore.capture.sitemap` names for each site. When the last
 block that any requested site needs has run, its hook raises :class:`StopForward`, so no
 compute is spent on the rest of the model (nor on an LM head, which is never loaded).
 
@@ -18,6 +18,7 @@ import torch
 
 from ..sites import Site
 from .models import LoadedModel
+from .sitemap import check_sites, tap_for
 
 
 class StopForward(Exception):
@@ -36,6 +37,7 @@ class ActivationRecorder:
         self.model = model
         self.sites = [s.resolve(model.n_layers) for s in sites]
         self.last_layer = max(s.layer for s in self.sites)
+        check_sites(model.family, self.sites)
         self._acts: dict[str, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -43,7 +45,11 @@ class ActivationRecorder:
         for site in self.sites:
             self._handles.append(self._register(site))
         stop_block = self.model.blocks[self.last_layer]
-        self._handles.append(stop_block.register_forward_hook(self._stop))
+        if all(s.kind == "resid_pre" for s in self.sites if s.layer == self.last_layer):
+            # Only the last block's input is needed: stop before running it.
+            self._handles.append(stop_block.register_forward_pre_hook(self._stop))
+        else:
+            self._handles.append(stop_block.register_forward_hook(self._stop))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -53,6 +59,10 @@ class ActivationRecorder:
 
     def _register(self, site: Site) -> torch.utils.hooks.RemovableHandle:
         name = str(site)
+        tap = tap_for(self.model.family, site)
+        module = self.model.blocks[site.layer]
+        if tap.path:
+            module = module.get_submodule(tap.path)
 
         def save_output(_module, _args, output):
             self._acts[name] = _first_tensor(output)
@@ -60,10 +70,7 @@ class ActivationRecorder:
         def save_input(_module, args, kwargs):
             self._acts[name] = args[0] if args else kwargs["hidden_states"]
 
-        if site.kind == "resid":
-            return self.model.blocks[site.layer].register_forward_hook(save_output)
-        module = self.model.submodule(site.layer, site.kind.split("_")[0])
-        if site.kind.endswith("_out"):
+        if tap.io == "out":
             return module.register_forward_hook(save_output)
         return module.register_forward_pre_hook(save_input, with_kwargs=True)
 

@@ -33,19 +33,6 @@ VISION_FAMILIES: dict[str, tuple[tuple[str, ...], bool]] = {
     "dinov2": (("dinov2",), True),
 }
 
-#: Attribute names of the attention and MLP sub-modules inside one block, by family.
-_SUBMODULES: dict[str, tuple[str, str]] = {
-    "gpt2": ("attn", "mlp"),
-    "llama": ("self_attn", "mlp"),
-    "qwen2": ("self_attn", "mlp"),
-    "qwen3": ("self_attn", "mlp"),
-    "mistral": ("self_attn", "mlp"),
-    "gemma": ("self_attn", "mlp"),
-    "gemma2": ("self_attn", "mlp"),
-    "clip": ("self_attn", "mlp"),
-    "siglip": ("self_attn", "mlp"),
-}
-
 
 @dataclass(frozen=True, kw_only=True)
 class LoadedModel:
@@ -73,16 +60,6 @@ class LoadedModel:
     def n_layers(self) -> int:
         return len(self.blocks)
 
-    def submodule(self, layer: int, which: str) -> nn.Module:
-        """The attention (``which="attn"``) or MLP (``"mlp"``) sub-layer of block ``layer``."""
-        names = _SUBMODULES.get(self.family)
-        if names is None:
-            raise ConfigError(
-                f"attention/MLP sites are not mapped for the {self.family!r} architecture; "
-                f"capture the residual stream (resid.N) or use one of: {', '.join(_SUBMODULES)}"
-            )
-        return getattr(self.blocks[layer], names[0] if which == "attn" else names[1])
-
 
 def _find_blocks(model: nn.Module, n_layers: int) -> nn.ModuleList:
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers]
@@ -99,6 +76,16 @@ def _vision_family(model_type: str) -> str | None:
         if model_type in types:
             return family
     return None
+
+
+def model_family(model_type: str) -> str:
+    """``LoadedModel.family`` for a config.json ``model_type`` (known before loading weights).
+
+    Example:
+        >>> model_family("clip_vision_model"), model_family("llama")
+        ('clip', 'llama')
+    """
+    return _vision_family(model_type) or model_type
 
 
 def load_model(name: str, *, device: str = "cpu", dtype: str = "float32") -> LoadedModel:

@@ -318,16 +318,12 @@ def generate_responses(
 class PromptResponseSource(ExampleSource):
     """Prompt/response samples, batched as right-padded ``prompt + response`` sequences."""
 
-    #: Batches carry token ids (the store keeps each sample's real ones).
-    has_tokens = True
-
     def __init__(
         self, samples: list[Sample], root: str, description: dict[str, Any], model: LoadedModel
     ) -> None:
         if not samples:
             raise ConfigError(f"{root} holds no samples")
-        self.samples, self.root, self._description, self.model = samples, root, description, model
-        self.n_examples = len(samples)
+        self.samples, self._root, self._description, self.model = samples, root, description, model
         self.pad_id = _pad_id(model.tokenizer)
         self.prompt_lengths = np.array([len(s.prompt_ids) for s in samples], dtype=np.int64)
         self.response_lengths = np.array([len(s.response_ids) for s in samples], dtype=np.int64)
@@ -342,6 +338,19 @@ class PromptResponseSource(ExampleSource):
                 f"{model.ckpt} takes at most {limit}: shorten it or drop it"
             )
         self.fields = [f for f in SAMPLE_FIELDS if all(getattr(s, f) is not None for s in samples)]
+
+    @property
+    def n_examples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def root(self) -> str:
+        return self._root
+
+    @property
+    def has_tokens(self) -> bool:
+        """Batches carry token ids (the store keeps each sample's real ones)."""
+        return True
 
     @property
     def plan_extras(self) -> dict[str, Any]:

@@ -37,9 +37,17 @@ class CaptureConfig:
     model: str = "embedded"
     """Hugging Face model id, local model directory, or ``embedded``."""
     dataset: str = "embedded"
-    """Image folder, .txt/.jsonl file, saved HF dataset directory, or ``embedded``."""
+    """Image folder, .txt/.jsonl file, saved HF dataset directory, parquet/arrow/json/csv
+    file or folder, Hugging Face Hub id (``org/name``), or ``embedded``."""
+    dataset_config: str | None = None
+    """Hub datasets: the configuration (subset) name."""
+    streaming: bool = False
+    """Hub ids and data files: stream in stored order, reading only the examples needed."""
+    max_tokens: int | None = None
+    """Text: use at most this many tokens (``max_tokens // context_length`` contexts)."""
     sites: tuple[str, ...] = ("resid.-1",)
-    """Sites as ``kind.layer`` (``resid.6``, ``mlp_out.-1``); see :mod:`actstore.sites`."""
+    """Sites in any spelling :meth:`actstore.sites.Site.parse` takes (``resid.6``,
+    ``mlp_out.-1``, ``blocks.6.hook_resid_post``)."""
     batch_size: int = 32
     device: str = "cpu"
     dtype: str = "float32"
@@ -78,6 +86,12 @@ class CaptureConfig:
             raise ConfigError("give at least one site (e.g. resid.-1)")
         if self.max_examples is not None and self.max_examples < 1:
             raise ConfigError("max_examples must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError("max_tokens must be >= 1")
+        if self.mode == "prompt_response" and (self.max_tokens or self.streaming):
+            raise ConfigError(
+                "--max-tokens and --streaming apply to packed text, not prompt-response"
+            )
         for site in self.sites:
             Site.parse(site)
         if self.mode not in ("packed", "prompt_response"):
@@ -106,9 +120,9 @@ class CaptureResult:
 
 
 def _probe_tokens(model: LoadedModel, source: ExampleSource, sites: list[Site]) -> int:
-    if getattr(source, "tokens_per_example", None) is not None:
+    if source.tokens_per_example is not None:
         return int(source.tokens_per_example)
-    if getattr(source, "token_ids", None) is not None:
+    if source.token_ids is not None:
         return int(source.token_ids.shape[1])
     first = next(source.batches(0, 1))
     with torch.inference_mode(), ActivationRecorder(model, sites[:1]) as rec:
@@ -131,8 +145,11 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
             model,
             context_length=config.context_length,
             max_examples=config.max_examples,
+            max_tokens=config.max_tokens,
             split=config.split,
             text_field=config.text_field,
+            dataset_config=config.dataset_config,
+            streaming=config.streaming,
             progress=config.progress,
         )
     plan = CapturePlan(
@@ -148,10 +165,10 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
         dataset_root=source.root,
         data=source.describe(),
         classes=source.classes,
-        has_labels=getattr(source, "labels", None) is not None,
-        has_tokens=getattr(source, "has_tokens", getattr(source, "token_ids", None) is not None),
+        has_labels=source.labels is not None,
+        has_tokens=source.has_tokens,
         batch_size=config.batch_size,
-        extras=getattr(source, "plan_extras", {}),
+        extras=source.plan_extras,
     )
     return model, source, plan
 

@@ -54,8 +54,16 @@ def capture(
     dataset: str = typer.Option(
         "embedded",
         help="Image folder (class subfolders become labels), .txt (one document "
-        "per line) or .jsonl file, a directory saved by datasets' save_to_disk, or "
-        "'embedded' (the Python language reference, shipped with Python).",
+        "per line) or .jsonl file, a directory saved by datasets' save_to_disk, a .parquet, "
+        ".arrow, .json or .csv file or a folder of them, a Hugging Face Hub id (org/name), or "
+        "'embedded' (the Python language reference, shipped with Python). A column of token "
+        "ids (input_ids or tokens) is used as is, without re-tokenizing.",
+    ),
+    dataset_config: str = typer.Option(None, help="Hub datasets: the configuration (subset)."),
+    streaming: bool = typer.Option(
+        False,
+        help="Hub ids and data files: stream in stored order and read only what the "
+        "store needs (no full download); needs --max-examples or --max-tokens.",
     ),
     layers: str = typer.Option(
         "-1",
@@ -64,8 +72,10 @@ def capture(
     ),
     sites: str = typer.Option(
         None,
-        help="Comma-separated sites kind.layer, overriding --layers, for formats that "
-        "store sub-layer sites: resid.6,attn_out.6,mlp_out.6,attn_in.6,mlp_in.6.",
+        help="Comma-separated sites, overriding --layers: kind.layer (resid.6, "
+        "resid_pre.6, resid_mid.6, attn_out.6, mlp_out.6, attn_in.6, mlp_in.6) or "
+        "TransformerLens names (blocks.6.hook_resid_post); see docs/sites.md. saev and pkl.gz "
+        "store resid only.",
     ),
     out: str = typer.Option(
         "actstore-data",
@@ -97,11 +107,16 @@ def capture(
         help="Use only the first N examples of the dataset (part of the store's "
         "config: another N is another store).",
     ),
+    max_tokens: int = typer.Option(
+        None,
+        help="Text: use at most N tokens (N // --context-length contexts); with "
+        "--max-examples the smaller budget wins.",
+    ),
     patches_per_shard: int = typer.Option(
         None, help="saev format: token budget per shard file (default 2.4M: ~10 GiB at d=1024)."
     ),
     num_workers: int = typer.Option(0, help="DataLoader workers decoding images."),
-    split: str = typer.Option("train", help="Split of a saved HF DatasetDict."),
+    split: str = typer.Option("train", help="Split of a Hub dataset or a saved DatasetDict."),
     text_field: str = typer.Option("text", help="Text field of JSONL records / HF datasets."),
     progress: bool = typer.Option(True, help="Show progress bars."),
     ray: str = typer.Option(
@@ -179,6 +194,9 @@ def capture(
         dtype=dtype,
         context_length=context_length,
         max_examples=max_examples,
+        max_tokens=max_tokens,
+        dataset_config=dataset_config,
+        streaming=streaming,
         num_workers=num_workers,
         split=split,
         text_field=text_field,

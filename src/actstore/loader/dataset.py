@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LayerNotStoredError
 from ..formats import open_store
 from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
+from ..sites import Site
 from .pipeline import BufferSet, Consumer, Finish, Layout, first_rows, kept_rows
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,9 @@ class LoaderConfig:
     """Options of :class:`ActivationLoader` (all keyword-only)."""
 
     site: Hashable | None = None
-    """The site to read, in the reader's naming (saev: the layer int). None: the store's
-    only site. Batches are ``[B, D]``."""
+    """The site to read, in any spelling :meth:`actstore.sites.Site.parse` takes (``5``,
+    ``"resid.5"``, ``"blocks.5.hook_resid_post"``, ``-1``) or the reader's own name. None:
+    the store's only site. Batches are ``[B, D]``."""
     sites: tuple[Hashable, ...] | None = None
     """Several sites aligned on the same tokens (crosscoders): batches ``[B, len(sites), D]``."""
     batch_size: int = 4096
@@ -100,6 +102,22 @@ class LoaderConfig:
             raise ConfigError("pin_memory and device='cuda' need CUDA, which is not available")
 
 
+def _stored_key(reader: Any, name: Hashable) -> Hashable:
+    """The reader's own key for site ``name`` given in any spelling (negative layers count
+    from the end of the model the store was captured from)."""
+    if name in reader.sites:
+        return name
+    wanted = Site.parse(name)  # type: ignore[arg-type]
+    if wanted.layer < 0:
+        wanted = wanted.resolve(reader.capture_plan().n_model_layers)
+    stored = {reader.site_of(key): key for key in reader.sites}
+    if wanted not in stored:
+        raise LayerNotStoredError(
+            f"site {wanted} is not in this store; it holds {', '.join(map(str, stored))}"
+        )
+    return stored[wanted]
+
+
 class ActivationLoader(IterableDataset):
     """Uniformly shuffled batches of activation rows, at sequential-read speed.
 
@@ -132,9 +150,9 @@ class ActivationLoader(IterableDataset):
         self.reader = open_store(source) if isinstance(source, (str, os.PathLike)) else source
         reader = self.reader
         if config.sites is not None:
-            self.sites: tuple[Hashable, ...] = config.sites
+            self.sites: tuple[Hashable, ...] = tuple(_stored_key(reader, s) for s in config.sites)
         elif config.site is not None:
-            self.sites = (config.site,)
+            self.sites = (_stored_key(reader, config.site),)
         elif len(reader.sites) == 1:
             self.sites = (reader.sites[0],)
         else:

@@ -59,10 +59,11 @@ _HOOK_SUFFIX = {
     "mlp_in": "mlp.pre",
     "attn_out": "self_attn.post",
     "attn_in": "self_attn.pre",
+    "resid_pre": "pre",  # the block's input, as Activault names a module's pre-hook
 }
 _SUFFIX_KIND = {v: k for k, v in _HOOK_SUFFIX.items()}
 _HOOK_RE = re.compile(
-    r"^models\.layers\.(\d+)\.(post|mlp\.post|mlp\.pre|self_attn\.post|self_attn\.pre)$"
+    r"^models\.layers\.(\d+)\.(post|pre|mlp\.post|mlp\.pre|self_attn\.post|self_attn\.pre)$"
 )
 _OLD_HOOK_RE = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
 
@@ -82,6 +83,10 @@ def hook_name(site: Site | str) -> str:
     site = Site.parse(site)
     if site.layer < 0:
         raise ConfigError(f"resolve negative layers before naming hooks (got {site})")
+    if site.kind not in _HOOK_SUFFIX:
+        raise ConfigError(
+            f"Activault has no hook name for {site}; store one of {', '.join(_HOOK_SUFFIX)}"
+        )
     return f"models.layers.{site.layer}.{_HOOK_SUFFIX[site.kind]}"
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, CorruptStoreError
+from ...sites import Site
 
 #: Version of this layout; readers accept the same major version.
 SCHEMA_VERSION = "1.0"
@@ -218,8 +219,14 @@ class ZarrLayout:
         return p_start, p_kept, prompt_len, min(response_len, self.r_max)
 
     def layer_index(self, layer: int | str) -> int:
-        """Position on the ``L`` axis of a stored site name, or of ``resid.<layer>`` for an int."""
-        name = f"resid.{int(layer)}" if isinstance(layer, (int, np.integer)) else str(layer)
+        """Position on the ``L`` axis of a site in any spelling :meth:`Site.parse` takes (an
+        int is ``resid.<layer>``), or of a stored name as written."""
+        try:
+            name = str(Site.parse(layer))
+        except ConfigError:
+            name = str(layer)
+        if name not in self.sites and str(layer) in self.sites:
+            name = str(layer)
         try:
             return self.sites.index(name)
         except ValueError:

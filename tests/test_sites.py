@@ -1,0 +1,192 @@
+"""Site names: every spelling parses to one canonical site, and every site kind means in
+each family what TransformerLens means by it, checked against a real forward pass."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from actstore.capture import ActivationRecorder, load_model
+from actstore.capture.sitemap import check_sites
+from actstore.errors import ConfigError
+from actstore.sites import SITE_KINDS, Site
+
+
+def test_every_spelling_parses_to_one_canonical_site():
+    for text in ("resid.5", "5", 5, " blocks.5.hook_resid_post ", Site("resid", 5)):
+        site = Site.parse(text)
+        assert site == Site("resid", 5) and str(site) == "resid.5"
+    assert Site.parse("-1") == Site("resid", -1)
+    assert Site.parse("blocks.-1.hook_resid_post").resolve(12) == Site("resid", 11)
+    assert Site.parse("blocks.3.hook_resid_pre") == Site("resid_pre", 3)
+    assert Site.parse("blocks.3.hook_resid_mid") == Site("resid_mid", 3)
+    assert Site.parse("blocks.3.hook_mlp_in") == Site("resid_mid", 3)  # TL: a copy of resid_mid
+    assert Site.parse("blocks.3.hook_attn_out") == Site("attn_out", 3)
+    assert Site.parse("blocks.3.hook_mlp_out") == Site("mlp_out", 3)
+    assert Site.parse("blocks.3.hook_normalized_resid_post") == Site("resid", 3)
+    assert Site.parse("resid_mid.-2").resolve(4) == Site("resid_mid", 2)
+    assert Site("resid", 5).tl_name == "blocks.5.hook_resid_post"
+    assert Site("mlp_out", 2).tl_name == "blocks.2.hook_mlp_out"
+    assert Site("mlp_in", 2).tl_name is None  # TL's hook_mlp_in is before ln2; ours is after
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("resid.five", "cannot parse site 'resid.five'; write it as kind.layer"),
+        ("mlp_post.3", "unknown site kind 'mlp_post'"),
+        ("blocks.3.hook_attn_in", "resid_pre repeated once per head"),
+        ("blocks.3.hook_q_input", "hook 'hook_q_input' in 'blocks.3.hook_q_input' has no"),
+        ("", "cannot parse site ''"),
+    ],
+)
+def test_bad_spellings_are_one_clear_line(text, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        Site.parse(text)
+    assert "\n" not in str(err.value)
+
+
+#: (ln before attention, ln before the MLP) of each pre-norm family, for the checks below.
+NORMS = {
+    "gpt2": ("ln_1", "ln_2"),
+    "llama": ("input_layernorm", "post_attention_layernorm"),
+    "qwen2": ("input_layernorm", "post_attention_layernorm"),
+    "gemma2": ("input_layernorm", "pre_feedforward_layernorm"),
+    "clip": ("layer_norm1", "layer_norm2"),
+    "siglip": ("layer_norm1", "layer_norm2"),
+    "dinov2": ("norm1", "norm2"),
+}
+TEXT = {"gpt2", "llama", "qwen2", "gemma2", "bert"}
+
+
+def _inputs(model, kind):
+    torch.manual_seed(1)
+    if kind in TEXT:
+        ids = torch.randint(4, 300, (2, 9))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return {"pixel_values": torch.randn(2, 3, 32, 32)}
+
+
+@pytest.mark.parametrize("kind", [*NORMS, "bert"])
+def test_every_kind_means_what_transformerlens_means(kind, model_dir):
+    model = load_model(str(model_dir(kind)))
+    inputs = _inputs(model, kind)
+    L = 2
+    sites = [Site(k, L) for k in SITE_KINDS] + [Site("resid", L - 1)]
+    with torch.inference_mode():
+        hidden = model.module(**inputs, output_hidden_states=True).hidden_states
+        with ActivationRecorder(model, sites) as rec:
+            a = rec.run(inputs)
+        block = model.blocks[L]
+        close = lambda x, y: torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a["resid_pre.2"], hidden[L])  # the block's input
+        assert torch.equal(a["resid_pre.2"], a["resid.1"])
+        assert torch.equal(a["resid.2"], hidden[L + 1])  # the block's output
+        close(a["resid_mid.2"], a["resid_pre.2"] + a["attn_out.2"])
+        if kind == "bert":  # post-norm: each sum passes a LayerNorm
+            assert torch.equal(a["attn_in.2"], a["resid_pre.2"])
+            close(a["mlp_in.2"], block.attention.output.LayerNorm(a["resid_mid.2"]))
+            close(a["resid.2"], block.output.LayerNorm(a["mlp_in.2"] + a["mlp_out.2"]))
+        else:
+            ln1, ln2 = (block.get_submodule(n) for n in NORMS[kind])
+            close(a["resid.2"], a["resid_mid.2"] + a["mlp_out.2"])
+            close(a["attn_in.2"], ln1(a["resid_pre.2"]))
+            close(a["mlp_in.2"], ln2(a["resid_mid.2"]))
+        assert not torch.equal(a["attn_out.2"], a["mlp_out.2"])
+
+
+def test_resid_pre_of_block_0_is_the_embedding_output(model_dir):
+    model = load_model(str(model_dir("llama")))
+    inputs = _inputs(model, "llama")
+    with torch.inference_mode():
+        hidden = model.module(**inputs, output_hidden_states=True).hidden_states
+        with ActivationRecorder(model, [Site("resid_pre", 0)]) as rec:
+            got = rec.run(inputs)["resid_pre.0"]
+    assert torch.equal(got, hidden[0])
+
+
+def test_post_norm_family_refuses_transformerlens_resid_post(model_dir):
+    model = load_model(str(model_dir("bert")))
+    site = Site.parse("blocks.1.hook_resid_post")
+    with pytest.raises(ConfigError, match="no equivalent in bert: its blocks are post-norm"):
+        ActivationRecorder(model, [site])
+    check_sites("bert", [Site.parse("resid.1"), Site.parse("blocks.1.hook_normalized_resid_post")])
+    check_sites("gpt2", [site])  # pre-norm: the block output
+
+
+def test_unmapped_family_keeps_residual_sites():
+    check_sites("gpt_neox", [Site("resid", 1), Site("resid_pre", 1)])
+    with pytest.raises(ConfigError, match="mlp_out sites are not mapped for the 'gpt_neox'"):
+        check_sites("gpt_neox", [Site("mlp_out", 1)])
+
+
+@pytest.fixture(scope="module")
+def pickle_store(tmp_path_factory):
+    """A pkl.gz store of resid.1 and resid.3 of a 4-block model (reader keys: layer ints)."""
+    from conformance import make_acts, make_batches, make_plan
+    from test_pickle_conformance import PickleCase
+
+    case, plan = PickleCase(compress=False), make_plan()
+    root = tmp_path_factory.mktemp("pickle") / "store"
+    return case.open(case.write(root, plan, make_batches(plan, make_acts(plan))))
+
+
+@pytest.mark.parametrize(
+    "spelling", [3, "3", "resid.3", "blocks.3.hook_resid_post", -1, "resid.-1", Site("resid", 3)]
+)
+def test_loader_takes_every_spelling(spelling, pickle_store):
+    from actstore.loader import ActivationLoader
+
+    loader = ActivationLoader(pickle_store, site=spelling, batch_size=8)
+    assert loader.sites == (3,)
+    both = ActivationLoader(pickle_store, sites=["blocks.1.hook_resid_post", spelling])
+    assert both.sites == (1, 3)
+
+
+def test_loader_names_missing_and_bad_sites_in_one_line(pickle_store):
+    from actstore.errors import LayerNotStoredError
+    from actstore.loader import ActivationLoader
+
+    with pytest.raises(LayerNotStoredError, match=r"site resid.2 is not in this store; it holds "):
+        ActivationLoader(pickle_store, site="blocks.2.hook_resid_post")
+    with pytest.raises(LayerNotStoredError, match="site mlp_out.3 is not in this store"):
+        ActivationLoader(pickle_store, site="mlp_out.-1")
+    with pytest.raises(ConfigError, match="cannot parse site 'resid.x'"):
+        ActivationLoader(pickle_store, site="resid.x")
+
+
+def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
+    """Zarr stores name sites as captured ("resid.3"); a layer or a TL name finds them."""
+    from conformance import make_acts, make_batches, make_plan
+    from test_zarr_conformance import ZarrCase
+
+    from actstore.loader import ActivationLoader
+
+    case, plan = ZarrCase(), make_plan()
+    reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, make_acts(plan))))
+    for spelling in (3, "blocks.3.hook_resid_post", "resid.3"):
+        assert ActivationLoader(reader, site=spelling).sites == ("resid.3",)
+        np.testing.assert_array_equal(
+            reader.read(0, spelling, "prompt"), reader.read(0, 3, "prompt")
+        )
+
+
+def test_capture_stops_before_the_last_block_when_only_its_input_is_needed(model_dir):
+    """resid_pre.L runs blocks 0..L-1 only; the value is still block L's input."""
+    from actstore.capture.models import model_family
+
+    model = load_model(str(model_dir("qwen2")))
+    ran = []
+    handle = model.blocks[2].register_forward_hook(lambda *_: ran.append(2))
+    inputs = _inputs(model, "qwen2")
+    with (
+        torch.inference_mode(),
+        ActivationRecorder(model, [Site.parse("blocks.2.hook_resid_pre")]) as rec,
+    ):
+        got = rec.run(inputs)["resid_pre.2"]
+    handle.remove()
+    with torch.inference_mode():
+        hidden = model.module(**inputs, output_hidden_states=True).hidden_states
+    assert ran == [] and torch.equal(got, hidden[2])
+    assert model_family("siglip_vision_model") == "siglip" and model_family("bert") == "bert"
