@@ -137,7 +137,13 @@ def go_offline_if_hub_unreachable(timeout: float = 3.0) -> None:
 def read_model_config(model: str) -> ModelFacts:
     """Read ``model``'s config.json (local directory, cache, or hub) without its weights."""
     path = resolve_checkpoint(model)
-    if not Path(path).expanduser().is_dir():
+    local = Path(path).expanduser()
+    if path.startswith(("/", ".", "~")) and not local.exists():
+        raise StoreNotFoundError(
+            f"--model {model}: no such directory; give a directory holding config.json "
+            "or a Hugging Face model id"
+        )
+    if not local.is_dir():
         go_offline_if_hub_unreachable()
     from transformers import AutoConfig
 

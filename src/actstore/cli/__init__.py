@@ -75,6 +75,9 @@ def _configure_logging() -> None:
     )
     for noisy in ("httpx", "urllib3", "botocore", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # huggingface_hub prints through its own handler; passing records on to ours too would
+    # print every hub warning twice.
+    logging.getLogger("huggingface_hub").propagate = False
 
 
 def main() -> None:
