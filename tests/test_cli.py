@@ -188,7 +188,8 @@ def run_cli(*args, cwd=None):
 
 def test_bad_input_gives_one_clear_error(tmp_path, model_dir):
     proc = run_cli("capture", "--model", str(tmp_path / "nope"), "--out", str(tmp_path))
-    assert proc.returncode == 2 and "error: cannot load a model config" in proc.stderr
+    assert proc.returncode == 2 and "error: --model" in proc.stderr
+    assert "no such directory" in proc.stderr
     assert "Traceback" not in proc.stderr
     proc = run_cli(
         "capture", "--model", str(model_dir("gpt2")), "--layers", "7", "--out", str(tmp_path)

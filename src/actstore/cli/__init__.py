@@ -22,15 +22,50 @@ app = typer.Typer(
         "Capture transformer activations into the formats SAE tools read, verify them, and "
         "stream them back for training. Run `actstore COMMAND --help` for each command."
     ),
-    no_args_is_help=True,
+    invoke_without_command=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
+def _show_version(value: bool) -> None:
+    if value:
+        from .._version import __version__
+
+        typer.echo(f"actstore {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print the version and exit.",
+        callback=_show_version,
+        is_eager=True,
+    ),
+) -> None:
+    """Capture transformer activations into the formats SAE tools read, verify them, and
+    stream them back for training. Run `actstore COMMAND --help` for each command."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
+
+
 # Command modules register themselves on `app` when imported.
-from . import capture_cmd, convert_cmd, dist_cmd, inspect_cmd, runs_cmd, s3_cmd  # noqa: F401
+from . import (
+    capture_cmd,  # noqa: F401
+    convert_cmd,  # noqa: F401
+    dist_cmd,  # noqa: F401
+    inspect_cmd,  # noqa: F401
+    runs_cmd,  # noqa: F401
+    s3_cmd,  # noqa: F401
+    status_cmd,  # noqa: F401
+)
 
 
 def _configure_logging() -> None:
@@ -40,6 +75,9 @@ def _configure_logging() -> None:
     )
     for noisy in ("httpx", "urllib3", "botocore", "filelock", "datasets"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # huggingface_hub prints through its own handler; passing records on to ours too would
+    # print every hub warning twice.
+    logging.getLogger("huggingface_hub").propagate = False
 
 
 def main() -> None:
@@ -50,3 +88,6 @@ def main() -> None:
     except ActstoreError as err:
         typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        typer.secho("interrupted", fg=typer.colors.YELLOW, err=True)
+        sys.exit(130)

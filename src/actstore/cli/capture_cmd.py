@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+from typing import Any
+
 import typer
 
 from . import app
@@ -160,6 +163,12 @@ def capture(
     chat_template: bool = typer.Option(
         True, help="prompt-response: apply the tokenizer's chat template when it has one."
     ),
+    space_check: bool = typer.Option(
+        True,
+        "--space-check/--no-space-check",
+        help="Before loading the model, refuse when the output's file system has less free "
+        "space than the store needs (estimated from the plan).",
+    ),
     clean: bool = typer.Option(
         None,
         "--clean/--no-clean",
@@ -208,10 +217,14 @@ def capture(
         chat_template=chat_template,
         clean_tokens=spec.clean_tokens if clean is None else clean,
     )
+    from ..capture.preflight import preflight
     from ..dist import slurm_machine
 
     sliced = machine_id is not None or num_machines is not None or (slurm and slurm_machine())
-    if ray is not None or sliced:
+    # Every check that needs no weights, before the model loads (one line each, exit 2).
+    distributed = ray is not None or bool(sliced)
+    pre = preflight(config, spec, out, options, space_check=space_check, open_store=not distributed)
+    if distributed:
         from .dist_cmd import run_distributed_capture
 
         run_distributed_capture(
@@ -226,11 +239,15 @@ def capture(
             num_machines=num_machines,
         )
         return
-    result = run_capture(config, lambda plan: spec.writer_for_plan(plan, out, options))
-    location = result.output
+    if pre.complete:
+        location = pre.writer.close()
+        already = True
+    else:
+        result = _run_interruptible(config, spec, out, options, pre, run_capture)
+        location, already = result.output, result.already_complete
     reader = open_store(location)
     summary = reader.describe()
-    if result.already_complete:
+    if already:
         typer.echo(f"Already captured (same config, same content hash): {location}")
     else:
         rate = result.n_examples_run / max(result.seconds, 1e-9)
@@ -246,4 +263,50 @@ def capture(
         f"  actstore inspect {location}\n  actstore verify {location}\n"
         f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
         f'print(r.read_block(r.blocks({site!r})[0])[0, :8])"'
+    )
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_interruptible(config, spec, out: str, options, pre, run_capture):
+    """Run the capture; on Ctrl-C or SIGTERM say what is durable and exit 130."""
+    planned: list = []
+
+    def open_writer(plan):
+        planned.append(plan)
+        return pre.take_writer(plan) or spec.writer_for_plan(plan, out, options)
+
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return run_capture(config, open_writer)
+    except KeyboardInterrupt:
+        pre.release()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        typer.secho(_durable_line(planned, spec, out, options), fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
+    finally:
+        pre.release()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _durable_line(planned: list, spec, out: str, options) -> str:
+    """``interrupted: kept 3,200 of 10,000 examples; ...`` from a fresh look at the store."""
+    if not planned:
+        return "interrupted before the first example was written; nothing was stored"
+    plan = planned[-1]
+    writer = spec.writer_for_plan(plan, out, options)
+    try:
+        kept = plan.n_examples if writer.complete else writer.resume_from
+    finally:
+        writer.abort()
+    if kept == 0:
+        return (
+            f"interrupted: nothing durable yet (0 of {plan.n_examples:,} examples); "
+            "rerun the same command to start again"
+        )
+    return (
+        f"interrupted: kept {kept:,} of {plan.n_examples:,} examples; rerun the same command "
+        f"to resume (`actstore status {out}` lists it)"
     )

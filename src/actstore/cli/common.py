@@ -6,19 +6,24 @@ from ..errors import ConfigError
 
 
 def parse_int_list(text: str, option: str) -> list[int]:
-    """Parse ``"3,5,-1"`` into ``[3, 5, -1]``.
+    """Parse ``"3,5,-1"`` into ``[3, 5, -1]``; spaces around entries are fine, empty
+    entries (``"3,,5"``, a trailing comma) are refused.
 
     Example:
         >>> parse_int_list("3, -1", "--layers")
         [3, -1]
     """
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        raise ConfigError(f"{option} needs at least one value, like 3,5,-1")
+    if not all(parts):
+        raise ConfigError(f"{option} {text!r} has an empty entry; write it like 3,5,-1")
     try:
-        values = [int(part) for part in text.split(",") if part.strip()]
+        return [int(part) for part in parts]
     except ValueError:
-        raise ConfigError(f"{option} takes comma-separated integers like 3,5,-1, not {text!r}")
-    if not values:
-        raise ConfigError(f"{option} needs at least one value")
-    return values
+        raise ConfigError(
+            f"{option} takes comma-separated integers like 3,5,-1, not {text!r}"
+        ) from None
 
 
 def human_bytes(n: float) -> str:

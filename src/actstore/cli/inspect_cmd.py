@@ -42,7 +42,9 @@ def inspect(
     Example: actstore inspect actstore-data/3f1c0e...
     """
     from ..formats import open_store
+    from .status_cmd import refuse_output_root
 
+    refuse_output_root(location, "inspect")
     reader = open_store(location)
     summary = reader.describe()
     summary["per_site"] = {str(s): _site_summary(reader, s, values) for s in reader.sites}
@@ -80,7 +82,9 @@ def verify(
     from ..errors import ActstoreError
     from ..formats import open_store
     from ..progress import bar_switch
+    from .status_cmd import refuse_output_root
 
+    refuse_output_root(location, "verify")
     try:
         reader = open_store(location)
     except ActstoreError as err:

@@ -1,0 +1,342 @@
+"""Checks that run before a capture loads model weights, cheapest first.
+
+In order: the output location is a writable directory (not a file); the dataset exists
+and is readable; the model's config.json is on this machine (or the hub answers) and every
+site fits it; then, for packed text, the store's plan is worked out from config.json, the
+tokenizer and the dataset alone, which gives the store's location and size: a store that
+is already complete is reported at once, and a disk without room for what remains to be
+written is refused (``space_check=False`` skips that). Each failure is one
+:class:`~actstore.errors.ActstoreError` line; nothing is written before the checks pass.
+
+Image models and prompt/response captures get the first three checks; their plan needs a
+forward pass (image token count) or the model itself (generated responses).
+
+Example:
+    >>> pre = preflight(config, get_format("saev"), "actstore-data", options)  # doctest: +SKIP
+    >>> pre.complete  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from ..batch import CapturePlan
+from ..errors import ConfigError, StorageError, StoreNotFoundError
+from ..formats.base import WriterBase
+from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
+from ..sites import Site
+from .runner import CaptureConfig
+
+log = logging.getLogger(__name__)
+
+#: Bytes per stored value, by the format's stored dtype.
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What config.json says, before any weights load."""
+
+    ckpt: str
+    """The name recorded in stores (the hub id for ``embedded``)."""
+    path: str
+    """What ``from_pretrained`` is given (a directory for ``embedded``)."""
+    model_type: str
+    is_vision: bool
+    n_layers: int
+    d_model: int
+
+
+def is_url(location: str) -> bool:
+    """True for ``s3://...`` and other URLs (no local checks apply)."""
+    return "://" in str(location)
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_output(out: str) -> None:
+    """``out`` is a directory, or can be created, and a file can be written there."""
+    if is_url(out):
+        return
+    path = Path(out).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"--out {out} is an existing file; give a directory (it is created if missing)"
+        )
+    base = _nearest_existing(path)
+    if not base.is_dir():
+        raise ConfigError(f"--out {out} cannot be created: {base} is a file, not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".actstore-write-test-", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(
+            f"--out {out} is not writable ({base}: {err.strerror or err}); "
+            "choose a directory you can write to"
+        ) from None
+
+
+def check_dataset(dataset: str) -> None:
+    """The dataset path exists and can be read (``embedded`` always can)."""
+    if dataset == "embedded":
+        return
+    path = Path(dataset).expanduser()
+    if not path.exists():
+        raise StoreNotFoundError(
+            f"dataset {dataset} does not exist; give an image folder, a .txt or .jsonl file, "
+            "or a directory written by datasets' save_to_disk"
+        )
+    try:
+        if path.is_dir():
+            os.listdir(path)
+        else:
+            with path.open("rb") as f:
+                f.read(1)
+    except OSError as err:
+        raise ConfigError(f"dataset {dataset} is not readable ({err.strerror or err})") from None
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def go_offline_if_hub_unreachable(timeout: float = 3.0) -> None:
+    """Turn on huggingface_hub's offline mode when its endpoint cannot be reached, so a
+    model that is not cached fails at once instead of after minutes of retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return
+    except OSError:
+        pass
+    log.debug("%s is unreachable; Hugging Face hub offline mode on", host)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
+
+
+def read_model_config(model: str) -> ModelFacts:
+    """Read ``model``'s config.json (local directory, cache, or hub) without its weights."""
+    path = resolve_checkpoint(model)
+    local = Path(path).expanduser()
+    if path.startswith(("/", ".", "~")) and not local.exists():
+        raise StoreNotFoundError(
+            f"--model {model}: no such directory; give a directory holding config.json "
+            "or a Hugging Face model id"
+        )
+    if not local.is_dir():
+        go_offline_if_hub_unreachable()
+    from transformers import AutoConfig
+
+    try:
+        with quiet_transformers():
+            config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        if Path(path).expanduser().exists():
+            raise StoreNotFoundError(
+                f"--model {model}: {path} holds no usable config.json ({err})"
+            ) from None
+        where = (
+            "and the Hugging Face hub is unreachable (offline)"
+            if _hub_offline()
+            else "nor on the Hugging Face hub"
+        )
+        raise StoreNotFoundError(
+            f"model {model!r} is not on this machine {where}; give a local model directory, "
+            f"or download it first (`hf download {model}`) where there is network"
+        ) from None
+    vision = getattr(config, "vision_config", None) or config
+    n_layers = getattr(vision, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    d_model = getattr(vision, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not n_layers or not d_model:
+        raise ConfigError(f"--model {model}: config.json gives no layer count or hidden size")
+    from .models import VISION_FAMILIES
+
+    is_vision = any(config.model_type in types for types, _ in VISION_FAMILIES.values())
+    return ModelFacts(
+        ckpt=EMBEDDED_MODEL_ID if model == EMBEDDED_MODEL else model,
+        path=path,
+        model_type=config.model_type,
+        is_vision=is_vision,
+        n_layers=int(n_layers),
+        d_model=int(d_model),
+    )
+
+
+def check_sites(sites: tuple[str, ...], n_layers: int) -> tuple[Site, ...]:
+    """Absolute sites, each in range for a model of ``n_layers`` blocks, none twice."""
+    resolved = tuple(Site.parse(s).resolve(n_layers) for s in sites)
+    if len(set(resolved)) != len(resolved):
+        raise ConfigError(f"sites {list(sites)} name the same site twice")
+    return resolved
+
+
+def text_plan(config: CaptureConfig, facts: ModelFacts, sites: tuple[Site, ...]) -> CapturePlan:
+    """The plan capture will make for packed text, from the tokenizer and the dataset only."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from .data import open_source
+    from .models import LoadedModel
+
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(facts.path)
+    except OSError:
+        raise StoreNotFoundError(
+            f"{facts.path!r} has no tokenizer files; save the tokenizer next to the model"
+        ) from None
+    # The dataset code needs only the model's modality, name and tokenizer: no weights.
+    stand_in = LoadedModel(
+        module=torch.nn.Module(),
+        ckpt=facts.ckpt,
+        family=facts.model_type,
+        modality="text",
+        blocks=torch.nn.ModuleList(),
+        d_model=facts.d_model,
+        has_cls=False,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        tokenizer=tokenizer,
+    )
+    source = open_source(
+        config.dataset,
+        stand_in,
+        context_length=config.context_length,
+        max_examples=config.max_examples,
+        split=config.split,
+        text_field=config.text_field,
+        progress=config.progress,
+    )
+    return CapturePlan(
+        ckpt=facts.ckpt,
+        family=facts.model_type,
+        modality="text",
+        sites=sites,
+        n_model_layers=facts.n_layers,
+        d_model=facts.d_model,
+        tokens_per_example=int(source.token_ids.shape[1]),
+        has_cls=False,
+        n_examples=source.n_examples,
+        dataset_root=source.root,
+        data=source.describe(),
+        classes=source.classes,
+        has_labels=False,
+        has_tokens=True,
+        batch_size=config.batch_size,
+        extras={},
+    )
+
+
+def store_bytes(plan: CapturePlan, stored_dtype: str) -> int:
+    """Upper estimate of a store's size: every site's vectors plus token ids."""
+    values = plan.n_examples * len(plan.sites) * plan.tokens_per_example * plan.d_model
+    tokens = plan.n_examples * plan.tokens_per_example * 4 if plan.has_tokens else 0
+    return values * _ITEMSIZE.get(stored_dtype, 4) + tokens
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def check_space(out: str, need: int) -> None:
+    """Refuse when the file system of ``out`` has less than ``need`` bytes free."""
+    if is_url(out) or need <= 0:
+        return
+    base = _nearest_existing(Path(out).expanduser().absolute())
+    free = shutil.disk_usage(base).free
+    if free < need:
+        raise StorageError(
+            f"--out {out}: the store needs about {_size(need)} but {base} has {_size(free)} "
+            "free; free some space, choose another --out, or pass --no-space-check"
+        )
+
+
+@dataclass(kw_only=True)
+class Preflight:
+    """What the checks found. ``writer`` (packed text only) is already open on the store."""
+
+    model: ModelFacts
+    sites: tuple[Site, ...]
+    plan: CapturePlan | None = None
+    writer: WriterBase | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.writer is not None and self.writer.complete
+
+    def take_writer(self, plan: CapturePlan) -> WriterBase | None:
+        """The open writer if ``plan`` is the one it was opened for (else it is aborted)."""
+        writer, self.writer = self.writer, None
+        if writer is None:
+            return None
+        if plan == self.plan:
+            return writer
+        log.debug("capture plan differs from the preflight plan; opening a new writer")
+        writer.abort()
+        return None
+
+    def release(self) -> None:
+        """Abort a writer that capture did not take (durable progress is kept)."""
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
+def preflight(
+    config: CaptureConfig,
+    spec: Any,
+    out: str,
+    options: Any,
+    *,
+    space_check: bool = True,
+    open_store: bool = True,
+) -> Preflight:
+    """Run the checks in order; see the module docstring. ``spec`` is the FormatSpec.
+
+    With ``open_store=False`` (distributed capture) only the first three checks run.
+    """
+    check_output(out)
+    check_dataset(config.dataset)
+    facts = read_model_config(config.model)
+    sites = check_sites(config.sites, facts.n_layers)
+    result = Preflight(model=facts, sites=sites)
+    if not open_store or facts.is_vision or config.mode != "packed":
+        return result
+    plan = text_plan(config, facts, sites)
+    writer = spec.writer_for_plan(plan, out, options)
+    result.plan, result.writer = plan, writer
+    if writer.complete:
+        return result
+    if space_check:
+        left = plan.n_examples - writer.resume_from
+        need = store_bytes(plan, spec.stored_dtype) * left // max(plan.n_examples, 1)
+        try:
+            check_space(out, need)
+        except StorageError:
+            result.release()
+            raise
+    return result
