@@ -167,7 +167,7 @@ CASES = {
     ),
     "folder dataset for a text model": (
         ["capture", "--model", "{model}", "--dataset", "{out}", "--out", "{tmp}/acts"],
-        "text model",
+        "cannot tell what kind of dataset",
     ),
     "inspect a missing store": (["inspect", "{tmp}/nothing-here"], "not an actstore-readable"),
     "status of a file": (["status", "{file}"], "is not a directory"),
