@@ -190,3 +190,83 @@ def test_capture_stops_before_the_last_block_when_only_its_input_is_needed(model
         hidden = model.module(**inputs, output_hidden_states=True).hidden_states
     assert ran == [] and torch.equal(got, hidden[2])
     assert model_family("siglip_vision_model") == "siglip" and model_family("bert") == "bert"
+
+
+#: TransformerLens hooks checked against TransformerLens itself, per family.
+TL_CHECKED = ("hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_mlp_out", "hook_mlp_in")
+
+
+def _transformerlens(kind, directory):
+    """TransformerLens's own model with the tiny checkpoint's weights (no folding)."""
+    tl = pytest.importorskip("transformer_lens")
+    import transformers as tf
+
+    if kind == "gpt2":
+        from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
+
+        hf = tf.GPT2LMHeadModel.from_pretrained(directory).eval()
+        c = hf.config
+        cfg = tl.HookedTransformerConfig(
+            n_layers=c.n_layer,
+            d_model=c.n_embd,
+            n_ctx=c.n_positions,
+            d_head=c.n_embd // c.n_head,
+            n_heads=c.n_head,
+            d_mlp=4 * c.n_embd,
+            d_vocab=c.vocab_size,
+            act_fn="gelu_new",
+            normalization_type="LN",
+            use_hook_mlp_in=True,
+        )
+        model = tl.HookedTransformer(cfg)
+        model.load_and_process_state_dict(
+            convert_gpt2_weights(hf, cfg),
+            fold_ln=False,
+            center_writing_weights=False,
+            center_unembed=False,
+            fold_value_biases=False,
+        )
+        return model
+    from transformer_lens.pretrained.weight_conversions.bert import convert_bert_weights
+
+    hf = tf.BertForPreTraining.from_pretrained(directory).eval()
+    c = hf.config
+    cfg = tl.HookedTransformerConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_ctx=c.max_position_embeddings,
+        d_head=c.hidden_size // c.num_attention_heads,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        act_fn="gelu",
+        normalization_type="LN",
+        eps=c.layer_norm_eps,
+        attention_dir="bidirectional",
+        original_architecture="BertForMaskedLM",
+        use_hook_mlp_in=True,
+    )
+    model = tl.HookedEncoder(cfg)
+    model.load_state_dict(convert_bert_weights(hf, cfg), strict=False)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_transformerlens_names_hold_transformerlens_values(kind, model_dir):
+    """Each TL hook name captured by actstore equals what TransformerLens caches under it."""
+    tl_model = _transformerlens(kind, model_dir(kind))
+    model = load_model(str(model_dir(kind)))
+    ids = torch.randint(4, 300, (2, 9), generator=torch.Generator().manual_seed(3))
+    names = [f"blocks.2.{hook}" for hook in TL_CHECKED]
+    names.append(
+        "blocks.2.hook_resid_post" if kind == "gpt2" else "blocks.2.hook_normalized_resid_post"
+    )
+    with torch.inference_mode():
+        _, cache = tl_model.run_with_cache(ids)
+        sites = sorted({Site.parse(n) for n in names})
+        with ActivationRecorder(model, sites) as rec:
+            acts = rec.run({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    for name in names:
+        torch.testing.assert_close(acts[str(Site.parse(name))], cache[name], rtol=1e-5, atol=1e-5)
+    if kind == "bert":  # TL's hook_resid_post is before the closing LayerNorm: not resid.2
+        assert not torch.allclose(acts["resid.2"], cache["blocks.2.hook_resid_post"], atol=1e-3)
