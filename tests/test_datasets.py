@@ -235,3 +235,27 @@ def test_cli_passes_the_new_dataset_options(model_dir, files, tmp_path):
     reader = SaevReader(store)
     assert reader.n_examples == 3 and reader.layers == (0, 2)
     assert reader.metadata.dataset == str(files / "shards")
+
+
+def test_example_sources_share_one_typed_contract(gpt2, files, model_dir, image_folder):
+    from actstore.capture.data import ExampleSource, ImageSource, TextSource
+    from actstore.capture.prompts import PromptResponseSource
+
+    with pytest.raises(TypeError, match="abstract"):
+        ExampleSource()  # type: ignore[abstract]
+
+    class Partial(ExampleSource):
+        n_examples = 1  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()  # type: ignore[abstract]
+    assert all(
+        issubclass(c, ExampleSource) for c in (TextSource, ImageSource, PromptResponseSource)
+    )
+    text = open_source(str(files / "docs.parquet"), gpt2, context_length=CTX, max_examples=3)
+    assert (text.n_examples, text.tokens_per_example, text.has_tokens) == (3, CTX, True)
+    assert text.labels is None and text.classes is None and text.plan_extras == {}
+    images = open_source(str(image_folder), load_model(str(model_dir("clip"))))
+    assert images.token_ids is None and not images.has_tokens and images.tokens_per_example is None
+    assert images.classes == ["cat", "dog", "owl"] and images.labels.shape == (15,)
+    assert images.plan_extras["image_files"][0].endswith("cat_000.jpg")
