@@ -259,3 +259,37 @@ def test_example_sources_share_one_typed_contract(gpt2, files, model_dir, image_
     assert images.token_ids is None and not images.has_tokens and images.tokens_per_example is None
     assert images.classes == ["cat", "dog", "owl"] and images.labels.shape == (15,)
     assert images.plan_extras["image_files"][0].endswith("cat_000.jpg")
+
+
+def test_streamed_capture_resumes_and_splits_exactly(model_dir, files, tmp_path):
+    """A streamed dataset is read in the same order by every run: the machines of a
+    distributed capture merge into the store one process writes, and a rerun finds it."""
+    from actstore.dist import capture_distributed
+    from actstore.formats import get_format
+    from actstore.formats.saev import SaevOptions
+
+    cfg = CaptureConfig(
+        model=str(model_dir("gpt2")),
+        dataset=str(files / "shards"),
+        streaming=True,
+        max_tokens=12 * CTX,
+        sites=("blocks.1.hook_resid_post",),
+        batch_size=2,
+        context_length=CTX,
+        progress=False,
+    )
+    options = SaevOptions(patches_per_shard=4 * CTX)
+    spec = get_format("saev")
+    single = capture(cfg, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options))
+    again = capture(cfg, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options))
+    assert again.already_complete and again.output == single.output
+    out = str(tmp_path / "many")
+    results = [
+        capture_distributed(cfg, "saev", out, options, machine_id=i, n_machines=2) for i in (1, 0)
+    ]
+    merged = results[-1].published
+    assert merged.name == single.output.name
+    one, many = SaevReader(single.output), SaevReader(merged)
+    assert one.n_examples == 12
+    np.testing.assert_array_equal(many.tokens, one.tokens)
+    np.testing.assert_array_equal(many[:, 1], one[:, 1])
