@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import numpy as np
@@ -434,7 +435,7 @@ class HFDataset:
     local copy of a Hub repository (``repo``: a folder with a README.md dataset card), which
     ``datasets`` reads exactly as the Hub one."""
 
-    kind: str
+    kind: Literal["saved", "files", "hub", "repo"]
     path: str
     """The saved directory, the builder name (``parquet``...), the Hub id or the repo folder."""
     data_files: tuple[str, ...] | None = None
@@ -495,22 +496,19 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-class _quiet_datasets:
+@contextlib.contextmanager
+def _quiet_datasets():
     """Silence ``datasets``' progress bars and info logs while loading."""
+    from datasets.utils import logging as ds_logging
 
-    def __enter__(self):
-        from datasets.utils import logging as ds_logging
-
-        self._level = ds_logging.get_verbosity()
-        self._bars = ds_logging.is_progress_bar_enabled()
-        ds_logging.set_verbosity_error()
-        ds_logging.disable_progress_bar()
-
-    def __exit__(self, *exc: object) -> None:
-        from datasets.utils import logging as ds_logging
-
-        ds_logging.set_verbosity(self._level)
-        if self._bars:
+    level, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity_error()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
             ds_logging.enable_progress_bar()
 
 
