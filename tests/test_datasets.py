@@ -33,7 +33,7 @@ def gpt2(model_dir):
 def files(tmp_path_factory) -> Path:
     """The same documents as .txt, .parquet, .arrow, .json, .csv and a folder of parquet."""
     root = tmp_path_factory.mktemp("data")
-    (root / "docs.txt").write_text("\n".join(DOCS))
+    (root / "docs.txt").write_text("\n\n".join(DOCS) + "\n  \n")  # blank lines are skipped
     table = datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))})
     table.to_parquet(root / "docs.parquet")
     table.to_json(root / "docs.json")

@@ -564,14 +564,21 @@ def _column(columns: Sequence[str], text_field: str, where: str) -> str:
     )
 
 
-def _stream_rows(ds, column: str, enough: Any) -> list:
-    """Values of ``column`` in dataset order until ``enough(values)`` says stop."""
+def _stream_rows(ds, column: str, enough: Any, keep: Any = None) -> list:
+    """Values of ``column`` in dataset order (those ``keep`` accepts) until
+    ``enough(values)`` says stop."""
     rows: list = []
     for record in ds:
+        if keep is not None and not keep(record[column]):
+            continue
         rows.append(record[column])
         if enough(rows):
             break
     return rows
+
+
+def _has_text(doc: Any) -> bool:
+    return bool(str(doc).strip())
 
 
 def pack_token_rows(rows: Sequence[Sequence[int]], context_length: int) -> tuple[np.ndarray, int]:
@@ -644,18 +651,20 @@ def _hf_text(
         description = {**description, "token_column": column}
     else:
         description = {**description, "text_field": column}
+    # Text files are read line by line: skip blank lines, as for a .txt read directly.
+    keep = _has_text if hf.kind == "files" and hf.path == "text" else None
     if hf.streaming:
         assert limit is not None
         if tokenized:
             rows = _stream_rows(ds, column, _TokenCount(limit * context_length))
         else:
             count = _DocTokenCount(limit, context_length, model.tokenizer)
-            rows = _stream_rows(ds, column, count)
+            rows = _stream_rows(ds, column, count, keep)
     else:
         rows = ds[column]
     if tokenized:
         return _token_source(rows, root, description, model, context_length, limit)
-    docs = [str(t) for t in rows]
+    docs = [str(t) for t in rows if keep is None or keep(t)]
     return _text_source(docs, root, description, model, context_length, limit, progress)
 
 
