@@ -270,3 +270,24 @@ def test_transformerlens_names_hold_transformerlens_values(kind, model_dir):
         torch.testing.assert_close(acts[str(Site.parse(name))], cache[name], rtol=1e-5, atol=1e-5)
     if kind == "bert":  # TL's hook_resid_post is before the closing LayerNorm: not resid.2
         assert not torch.allclose(acts["resid.2"], cache["blocks.2.hook_resid_post"], atol=1e-3)
+
+
+def test_inspect_and_the_loader_use_canonical_names_on_activault_hooks(tmp_path):
+    """Activault stores key sites by hook name; inspect prints the canonical site beside
+    it, and the loader finds the hook from any spelling."""
+    from conformance import make_acts, make_batches, make_plan
+    from test_activault_conformance import LocalCase
+    from typer.testing import CliRunner
+
+    from actstore.cli import app
+    from actstore.loader import ActivationLoader
+
+    case, plan = LocalCase(), make_plan()
+    location = case.write(tmp_path / "run", plan, make_batches(plan, make_acts(plan)))
+    reader = case.open(location)
+    assert ActivationLoader(reader, site="blocks.3.hook_resid_post").sites == (
+        "models.layers.3.post",
+    )
+    result = CliRunner().invoke(app, ["inspect", str(location)])
+    assert result.exit_code == 0, result.output
+    assert "site resid.3 (models.layers.3.post)" in result.output
