@@ -291,3 +291,19 @@ def test_inspect_and_the_loader_use_canonical_names_on_activault_hooks(tmp_path)
     result = CliRunner().invoke(app, ["inspect", str(location)])
     assert result.exit_code == 0, result.output
     assert "site resid.3 (models.layers.3.post)" in result.output
+
+
+def test_loader_on_a_saev_store_takes_every_spelling(tmp_path):
+    """saev keys sites by layer int (unchanged); "resid.5" used to fail with a raw
+    ValueError, now every spelling finds the layer and state_dict stays the same."""
+    from test_loader import write_store
+
+    from actstore.loader import ActivationLoader
+
+    reader, _ = write_store(tmp_path, n=5, layers=(2, 5))
+    states = []
+    for spelling in (5, "5", "resid.5", "blocks.5.hook_resid_post", Site("resid", 5)):
+        loader = ActivationLoader(reader, site=spelling, batch_size=4)
+        assert loader.sites == (5,)
+        states.append(loader.state_dict())
+    assert all(s == states[0] for s in states)
