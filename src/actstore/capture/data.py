@@ -591,43 +591,58 @@ def pack_token_rows(rows: Sequence[Sequence[int]], context_length: int) -> tuple
         [[5, 6], [7, 8]]
     """
     pieces = [np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return _cut(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64), context_length)
+
+
+def _cut(stream: np.ndarray, context_length: int) -> tuple[np.ndarray, int]:
     n = len(stream) // context_length
     windows = stream[: n * context_length].reshape(n, context_length)
     return np.ascontiguousarray(windows.astype(np.int32)), len(stream) - n * context_length
 
 
+def _token_stream(ds, column: str) -> tuple[np.ndarray, int]:
+    """Every token of a (non-streamed) dataset's token column, concatenated in row order,
+    straight from Arrow (no Python list per row), and the number of rows."""
+    import pyarrow.compute as pc
+
+    table = ds.select_columns([column]).with_format("arrow")[:]
+    flat = pc.list_flatten(table.column(column))
+    return flat.to_numpy().astype(np.int64, copy=False), table.num_rows
+
+
 def _token_source(
-    rows: Sequence[Sequence[int]],
+    stream: np.ndarray,
+    n_rows: int,
     root: str,
     description: dict[str, Any],
     model: LoadedModel,
     context_length: int,
     limit: int | None,
 ) -> TextSource:
-    windows, dropped = pack_token_rows(rows, context_length)
+    windows, dropped = _cut(stream, context_length)
     if len(windows) == 0:
         raise ConfigError(
             f"{root} has fewer tokens than one context of {context_length}; "
             "lower --context-length or add rows"
         )
     vocab = model.module.get_input_embeddings().num_embeddings
-    if windows.min() < 0 or windows.max() >= vocab:
-        bad = int(windows.max() if windows.max() >= vocab else windows.min())
+    low, high = int(stream.min()), int(stream.max())
+    if low < 0 or high >= vocab:
         raise ConfigError(
-            f"{root} holds token id {bad}, outside {model.ckpt}'s vocabulary of {vocab}: "
-            "was it tokenized for another model? Use its text column with --text-field"
+            f"{root} holds token id {high if high >= vocab else low}, outside {model.ckpt}'s "
+            f"vocabulary of {vocab}: was it tokenized for another model? Use its text column "
+            "with --text-field"
         )
     if limit is not None:
         windows = windows[:limit]
     log.info(
         "packed %d pre-tokenized rows into %d contexts of %d tokens (%d tail tokens dropped)",
-        len(rows),
+        n_rows,
         len(windows),
         context_length,
         dropped,
     )
-    description = {**description, "context_length": context_length, "n_rows": len(rows)}
+    description = {**description, "context_length": context_length, "n_rows": n_rows}
     return TextSource(windows, root, description, model)
 
 
@@ -653,17 +668,21 @@ def _hf_text(
         description = {**description, "text_field": column}
     # Text files are read line by line: skip blank lines, as for a .txt read directly.
     keep = _has_text if hf.kind == "files" and hf.path == "text" else None
+    if tokenized:
+        if hf.streaming:
+            assert limit is not None
+            rows = _stream_rows(ds, column, _TokenCount(limit * context_length))
+            stream = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1) for r in rows])
+            n_rows = len(rows)
+        else:
+            stream, n_rows = _token_stream(ds, column)
+        return _token_source(stream, n_rows, root, description, model, context_length, limit)
     if hf.streaming:
         assert limit is not None
-        if tokenized:
-            rows = _stream_rows(ds, column, _TokenCount(limit * context_length))
-        else:
-            count = _DocTokenCount(limit, context_length, model.tokenizer)
-            rows = _stream_rows(ds, column, count, keep)
+        count = _DocTokenCount(limit, context_length, model.tokenizer)
+        rows = _stream_rows(ds, column, count, keep)
     else:
         rows = ds[column]
-    if tokenized:
-        return _token_source(rows, root, description, model, context_length, limit)
     docs = [str(t) for t in rows if keep is None or keep(t)]
     return _text_source(docs, root, description, model, context_length, limit, progress)
 
