@@ -95,6 +95,11 @@ def test_pre_tokenized_rows_are_used_as_is(gpt2, model_dir, tmp_path):
     datasets.Dataset.from_dict({"tokens": ragged}).to_parquet(tmp_path / "ragged.parquet")
     got = open_source(str(tmp_path / "ragged.parquet"), gpt2, context_length=4).token_ids
     assert got.tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
+    # A save_to_disk dataset of fixed-length token sequences (as SAELens pretokenizes).
+    fixed = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=CTX)})
+    datasets.Dataset.from_dict({"input_ids": rows}, features=fixed).save_to_disk(tmp_path / "s")
+    saved = open_source(str(tmp_path / "s"), gpt2, context_length=CTX, max_tokens=5 * CTX)
+    np.testing.assert_array_equal(saved.token_ids, rows[:5])
     streamed = open_source(
         str(tmp_path / "tok.parquet"), gpt2, context_length=CTX, max_examples=2, streaming=True
     )
