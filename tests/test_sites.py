@@ -307,3 +307,18 @@ def test_loader_on_a_saev_store_takes_every_spelling(tmp_path):
         assert loader.sites == (5,)
         states.append(loader.state_dict())
     assert all(s == states[0] for s in states)
+
+
+def test_capture_names_a_site_given_twice_in_two_spellings(model_dir, tmp_path):
+    from actstore.capture import CaptureConfig, capture
+
+    cfg = CaptureConfig(
+        model=str(model_dir("gpt2")),
+        sites=("blocks.3.hook_resid_post", "resid.-1"),
+        max_examples=2,
+        progress=False,
+    )
+    with pytest.raises(
+        ConfigError, match=r"blocks.3.hook_resid_post and resid.-1 both name resid.3"
+    ):
+        capture(cfg, lambda plan: pytest.fail("no writer may open"))
