@@ -154,6 +154,8 @@ def test_loader_names_missing_and_bad_sites_in_one_line(pickle_store):
         ActivationLoader(pickle_store, site="mlp_out.-1")
     with pytest.raises(ConfigError, match="cannot parse site 'resid.x'"):
         ActivationLoader(pickle_store, site="resid.x")
+    with pytest.raises(ConfigError, match="name one stored site twice"):
+        ActivationLoader(pickle_store, sites=["resid.3", "blocks.3.hook_resid_post"])
 
 
 def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
