@@ -108,7 +108,8 @@ def test_inspect_and_verify(small_store):
     assert result.exit_code == 0
     summary = json.loads(result.output)
     assert summary["layers"] == [0, 3] and summary["n_examples"] == 12
-    assert summary["per_site"]["3"]["count"] == summary["per_site"]["3"]["rows"] == 12 * 8
+    site = summary["per_site"]["resid.3"]  # canonical site names
+    assert site["count"] == site["rows"] == 12 * 8
     assert runner.invoke(app, ["inspect", str(small_store)]).exit_code == 0
     result = runner.invoke(app, ["verify", str(small_store), "--no-progress"])
     assert result.exit_code == 0 and "OK" in result.output

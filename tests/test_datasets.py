@@ -33,7 +33,7 @@ def gpt2(model_dir):
 def files(tmp_path_factory) -> Path:
     """The same documents as .txt, .parquet, .arrow, .json, .csv and a folder of parquet."""
     root = tmp_path_factory.mktemp("data")
-    (root / "docs.txt").write_text("\n".join(DOCS))
+    (root / "docs.txt").write_text("\n\n".join(DOCS) + "\n  \n")  # blank lines are skipped
     table = datasets.Dataset.from_dict({"text": DOCS, "id": list(range(len(DOCS)))})
     table.to_parquet(root / "docs.parquet")
     table.to_json(root / "docs.json")
@@ -95,6 +95,11 @@ def test_pre_tokenized_rows_are_used_as_is(gpt2, model_dir, tmp_path):
     datasets.Dataset.from_dict({"tokens": ragged}).to_parquet(tmp_path / "ragged.parquet")
     got = open_source(str(tmp_path / "ragged.parquet"), gpt2, context_length=4).token_ids
     assert got.tolist() == [[5, 6, 7, 8], [9, 10, 11, 12]]
+    # A save_to_disk dataset of fixed-length token sequences (as SAELens pretokenizes).
+    fixed = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32"), length=CTX)})
+    datasets.Dataset.from_dict({"input_ids": rows}, features=fixed).save_to_disk(tmp_path / "s")
+    saved = open_source(str(tmp_path / "s"), gpt2, context_length=CTX, max_tokens=5 * CTX)
+    np.testing.assert_array_equal(saved.token_ids, rows[:5])
     streamed = open_source(
         str(tmp_path / "tok.parquet"), gpt2, context_length=CTX, max_examples=2, streaming=True
     )
@@ -235,3 +240,61 @@ def test_cli_passes_the_new_dataset_options(model_dir, files, tmp_path):
     reader = SaevReader(store)
     assert reader.n_examples == 3 and reader.layers == (0, 2)
     assert reader.metadata.dataset == str(files / "shards")
+
+
+def test_example_sources_share_one_typed_contract(gpt2, files, model_dir, image_folder):
+    from actstore.capture.data import ExampleSource, ImageSource, TextSource
+    from actstore.capture.prompts import PromptResponseSource
+
+    with pytest.raises(TypeError, match="abstract"):
+        ExampleSource()  # type: ignore[abstract]
+
+    class Partial(ExampleSource):
+        n_examples = 1  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="abstract"):
+        Partial()  # type: ignore[abstract]
+    assert all(
+        issubclass(c, ExampleSource) for c in (TextSource, ImageSource, PromptResponseSource)
+    )
+    text = open_source(str(files / "docs.parquet"), gpt2, context_length=CTX, max_examples=3)
+    assert (text.n_examples, text.tokens_per_example, text.has_tokens) == (3, CTX, True)
+    assert text.labels is None and text.classes is None and text.plan_extras == {}
+    images = open_source(str(image_folder), load_model(str(model_dir("clip"))))
+    assert images.token_ids is None and not images.has_tokens and images.tokens_per_example is None
+    assert images.classes == ["cat", "dog", "owl"] and images.labels.shape == (15,)
+    assert images.plan_extras["image_files"][0].endswith("cat_000.jpg")
+
+
+def test_streamed_capture_resumes_and_splits_exactly(model_dir, files, tmp_path):
+    """A streamed dataset is read in the same order by every run: the machines of a
+    distributed capture merge into the store one process writes, and a rerun finds it."""
+    from actstore.dist import capture_distributed
+    from actstore.formats import get_format
+    from actstore.formats.saev import SaevOptions
+
+    cfg = CaptureConfig(
+        model=str(model_dir("gpt2")),
+        dataset=str(files / "shards"),
+        streaming=True,
+        max_tokens=12 * CTX,
+        sites=("blocks.1.hook_resid_post",),
+        batch_size=2,
+        context_length=CTX,
+        progress=False,
+    )
+    options = SaevOptions(patches_per_shard=4 * CTX)
+    spec = get_format("saev")
+    single = capture(cfg, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options))
+    again = capture(cfg, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options))
+    assert again.already_complete and again.output == single.output
+    out = str(tmp_path / "many")
+    results = [
+        capture_distributed(cfg, "saev", out, options, machine_id=i, n_machines=2) for i in (1, 0)
+    ]
+    merged = results[-1].published
+    assert merged.name == single.output.name
+    one, many = SaevReader(single.output), SaevReader(merged)
+    assert one.n_examples == 12
+    np.testing.assert_array_equal(many.tokens, one.tokens)
+    np.testing.assert_array_equal(many[:, 1], one[:, 1])

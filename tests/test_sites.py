@@ -154,6 +154,8 @@ def test_loader_names_missing_and_bad_sites_in_one_line(pickle_store):
         ActivationLoader(pickle_store, site="mlp_out.-1")
     with pytest.raises(ConfigError, match="cannot parse site 'resid.x'"):
         ActivationLoader(pickle_store, site="resid.x")
+    with pytest.raises(ConfigError, match="name one stored site twice"):
+        ActivationLoader(pickle_store, sites=["resid.3", "blocks.3.hook_resid_post"])
 
 
 def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
@@ -190,3 +192,135 @@ def test_capture_stops_before_the_last_block_when_only_its_input_is_needed(model
         hidden = model.module(**inputs, output_hidden_states=True).hidden_states
     assert ran == [] and torch.equal(got, hidden[2])
     assert model_family("siglip_vision_model") == "siglip" and model_family("bert") == "bert"
+
+
+#: TransformerLens hooks checked against TransformerLens itself, per family.
+TL_CHECKED = ("hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_mlp_out", "hook_mlp_in")
+
+
+def _transformerlens(kind, directory):
+    """TransformerLens's own model with the tiny checkpoint's weights (no folding)."""
+    tl = pytest.importorskip("transformer_lens")
+    import transformers as tf
+
+    if kind == "gpt2":
+        from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
+
+        hf = tf.GPT2LMHeadModel.from_pretrained(directory).eval()
+        c = hf.config
+        cfg = tl.HookedTransformerConfig(
+            n_layers=c.n_layer,
+            d_model=c.n_embd,
+            n_ctx=c.n_positions,
+            d_head=c.n_embd // c.n_head,
+            n_heads=c.n_head,
+            d_mlp=4 * c.n_embd,
+            d_vocab=c.vocab_size,
+            act_fn="gelu_new",
+            normalization_type="LN",
+            use_hook_mlp_in=True,
+        )
+        model = tl.HookedTransformer(cfg)
+        model.load_and_process_state_dict(
+            convert_gpt2_weights(hf, cfg),
+            fold_ln=False,
+            center_writing_weights=False,
+            center_unembed=False,
+            fold_value_biases=False,
+        )
+        return model
+    from transformer_lens.pretrained.weight_conversions.bert import convert_bert_weights
+
+    hf = tf.BertForPreTraining.from_pretrained(directory).eval()
+    c = hf.config
+    cfg = tl.HookedTransformerConfig(
+        n_layers=c.num_hidden_layers,
+        d_model=c.hidden_size,
+        n_ctx=c.max_position_embeddings,
+        d_head=c.hidden_size // c.num_attention_heads,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        d_vocab=c.vocab_size,
+        act_fn="gelu",
+        normalization_type="LN",
+        eps=c.layer_norm_eps,
+        attention_dir="bidirectional",
+        original_architecture="BertForMaskedLM",
+        use_hook_mlp_in=True,
+    )
+    model = tl.HookedEncoder(cfg)
+    model.load_state_dict(convert_bert_weights(hf, cfg), strict=False)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_transformerlens_names_hold_transformerlens_values(kind, model_dir):
+    """Each TL hook name captured by actstore equals what TransformerLens caches under it."""
+    tl_model = _transformerlens(kind, model_dir(kind))
+    model = load_model(str(model_dir(kind)))
+    ids = torch.randint(4, 300, (2, 9), generator=torch.Generator().manual_seed(3))
+    names = [f"blocks.2.{hook}" for hook in TL_CHECKED]
+    names.append(
+        "blocks.2.hook_resid_post" if kind == "gpt2" else "blocks.2.hook_normalized_resid_post"
+    )
+    with torch.inference_mode():
+        _, cache = tl_model.run_with_cache(ids)
+        sites = sorted({Site.parse(n) for n in names})
+        with ActivationRecorder(model, sites) as rec:
+            acts = rec.run({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    for name in names:
+        torch.testing.assert_close(acts[str(Site.parse(name))], cache[name], rtol=1e-5, atol=1e-5)
+    if kind == "bert":  # TL's hook_resid_post is before the closing LayerNorm: not resid.2
+        assert not torch.allclose(acts["resid.2"], cache["blocks.2.hook_resid_post"], atol=1e-3)
+
+
+def test_inspect_and_the_loader_use_canonical_names_on_activault_hooks(tmp_path):
+    """Activault stores key sites by hook name; inspect prints the canonical site beside
+    it, and the loader finds the hook from any spelling."""
+    from conformance import make_acts, make_batches, make_plan
+    from test_activault_conformance import LocalCase
+    from typer.testing import CliRunner
+
+    from actstore.cli import app
+    from actstore.loader import ActivationLoader
+
+    case, plan = LocalCase(), make_plan()
+    location = case.write(tmp_path / "run", plan, make_batches(plan, make_acts(plan)))
+    reader = case.open(location)
+    assert ActivationLoader(reader, site="blocks.3.hook_resid_post").sites == (
+        "models.layers.3.post",
+    )
+    result = CliRunner().invoke(app, ["inspect", str(location)])
+    assert result.exit_code == 0, result.output
+    assert "site resid.3 (models.layers.3.post)" in result.output
+
+
+def test_loader_on_a_saev_store_takes_every_spelling(tmp_path):
+    """saev keys sites by layer int (unchanged); "resid.5" used to fail with a raw
+    ValueError, now every spelling finds the layer and state_dict stays the same."""
+    from test_loader import write_store
+
+    from actstore.loader import ActivationLoader
+
+    reader, _ = write_store(tmp_path, n=5, layers=(2, 5))
+    states = []
+    for spelling in (5, "5", "resid.5", "blocks.5.hook_resid_post", Site("resid", 5)):
+        loader = ActivationLoader(reader, site=spelling, batch_size=4)
+        assert loader.sites == (5,)
+        states.append(loader.state_dict())
+    assert all(s == states[0] for s in states)
+
+
+def test_capture_names_a_site_given_twice_in_two_spellings(model_dir, tmp_path):
+    from actstore.capture import CaptureConfig, capture
+
+    cfg = CaptureConfig(
+        model=str(model_dir("gpt2")),
+        sites=("blocks.3.hook_resid_post", "resid.-1"),
+        max_examples=2,
+        progress=False,
+    )
+    with pytest.raises(
+        ConfigError, match=r"blocks.3.hook_resid_post and resid.-1 both name resid.3"
+    ):
+        capture(cfg, lambda plan: pytest.fail("no writer may open"))

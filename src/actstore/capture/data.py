@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 import numpy as np
@@ -434,7 +435,7 @@ class HFDataset:
     local copy of a Hub repository (``repo``: a folder with a README.md dataset card), which
     ``datasets`` reads exactly as the Hub one."""
 
-    kind: str
+    kind: Literal["saved", "files", "hub", "repo"]
     path: str
     """The saved directory, the builder name (``parquet``...), the Hub id or the repo folder."""
     data_files: tuple[str, ...] | None = None
@@ -495,22 +496,19 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-class _quiet_datasets:
+@contextlib.contextmanager
+def _quiet_datasets():
     """Silence ``datasets``' progress bars and info logs while loading."""
+    from datasets.utils import logging as ds_logging
 
-    def __enter__(self):
-        from datasets.utils import logging as ds_logging
-
-        self._level = ds_logging.get_verbosity()
-        self._bars = ds_logging.is_progress_bar_enabled()
-        ds_logging.set_verbosity_error()
-        ds_logging.disable_progress_bar()
-
-    def __exit__(self, *exc: object) -> None:
-        from datasets.utils import logging as ds_logging
-
-        ds_logging.set_verbosity(self._level)
-        if self._bars:
+    level, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity_error()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if bars:
             ds_logging.enable_progress_bar()
 
 
@@ -566,14 +564,21 @@ def _column(columns: Sequence[str], text_field: str, where: str) -> str:
     )
 
 
-def _stream_rows(ds, column: str, enough: Any) -> list:
-    """Values of ``column`` in dataset order until ``enough(values)`` says stop."""
+def _stream_rows(ds, column: str, enough: Any, keep: Any = None) -> list:
+    """Values of ``column`` in dataset order (those ``keep`` accepts) until
+    ``enough(values)`` says stop."""
     rows: list = []
     for record in ds:
+        if keep is not None and not keep(record[column]):
+            continue
         rows.append(record[column])
         if enough(rows):
             break
     return rows
+
+
+def _has_text(doc: Any) -> bool:
+    return bool(str(doc).strip())
 
 
 def pack_token_rows(rows: Sequence[Sequence[int]], context_length: int) -> tuple[np.ndarray, int]:
@@ -586,43 +591,58 @@ def pack_token_rows(rows: Sequence[Sequence[int]], context_length: int) -> tuple
         [[5, 6], [7, 8]]
     """
     pieces = [np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return _cut(np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64), context_length)
+
+
+def _cut(stream: np.ndarray, context_length: int) -> tuple[np.ndarray, int]:
     n = len(stream) // context_length
     windows = stream[: n * context_length].reshape(n, context_length)
     return np.ascontiguousarray(windows.astype(np.int32)), len(stream) - n * context_length
 
 
+def _token_stream(ds, column: str) -> tuple[np.ndarray, int]:
+    """Every token of a (non-streamed) dataset's token column, concatenated in row order,
+    straight from Arrow (no Python list per row), and the number of rows."""
+    import pyarrow.compute as pc
+
+    table = ds.select_columns([column]).with_format("arrow")[:]
+    flat = pc.list_flatten(table.column(column))
+    return flat.to_numpy().astype(np.int64, copy=False), table.num_rows
+
+
 def _token_source(
-    rows: Sequence[Sequence[int]],
+    stream: np.ndarray,
+    n_rows: int,
     root: str,
     description: dict[str, Any],
     model: LoadedModel,
     context_length: int,
     limit: int | None,
 ) -> TextSource:
-    windows, dropped = pack_token_rows(rows, context_length)
+    windows, dropped = _cut(stream, context_length)
     if len(windows) == 0:
         raise ConfigError(
             f"{root} has fewer tokens than one context of {context_length}; "
             "lower --context-length or add rows"
         )
     vocab = model.module.get_input_embeddings().num_embeddings
-    if windows.min() < 0 or windows.max() >= vocab:
-        bad = int(windows.max() if windows.max() >= vocab else windows.min())
+    low, high = int(stream.min()), int(stream.max())
+    if low < 0 or high >= vocab:
         raise ConfigError(
-            f"{root} holds token id {bad}, outside {model.ckpt}'s vocabulary of {vocab}: "
-            "was it tokenized for another model? Use its text column with --text-field"
+            f"{root} holds token id {high if high >= vocab else low}, outside {model.ckpt}'s "
+            f"vocabulary of {vocab}: was it tokenized for another model? Use its text column "
+            "with --text-field"
         )
     if limit is not None:
         windows = windows[:limit]
     log.info(
         "packed %d pre-tokenized rows into %d contexts of %d tokens (%d tail tokens dropped)",
-        len(rows),
+        n_rows,
         len(windows),
         context_length,
         dropped,
     )
-    description = {**description, "context_length": context_length, "n_rows": len(rows)}
+    description = {**description, "context_length": context_length, "n_rows": n_rows}
     return TextSource(windows, root, description, model)
 
 
@@ -646,18 +666,24 @@ def _hf_text(
         description = {**description, "token_column": column}
     else:
         description = {**description, "text_field": column}
+    # Text files are read line by line: skip blank lines, as for a .txt read directly.
+    keep = _has_text if hf.kind == "files" and hf.path == "text" else None
+    if tokenized:
+        if hf.streaming:
+            assert limit is not None
+            rows = _stream_rows(ds, column, _TokenCount(limit * context_length))
+            stream = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1) for r in rows])
+            n_rows = len(rows)
+        else:
+            stream, n_rows = _token_stream(ds, column)
+        return _token_source(stream, n_rows, root, description, model, context_length, limit)
     if hf.streaming:
         assert limit is not None
-        if tokenized:
-            rows = _stream_rows(ds, column, _TokenCount(limit * context_length))
-        else:
-            count = _DocTokenCount(limit, context_length, model.tokenizer)
-            rows = _stream_rows(ds, column, count)
+        count = _DocTokenCount(limit, context_length, model.tokenizer)
+        rows = _stream_rows(ds, column, count, keep)
     else:
         rows = ds[column]
-    if tokenized:
-        return _token_source(rows, root, description, model, context_length, limit)
-    docs = [str(t) for t in rows]
+    docs = [str(t) for t in rows if keep is None or keep(t)]
     return _text_source(docs, root, description, model, context_length, limit, progress)
 
 

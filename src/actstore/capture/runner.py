@@ -133,8 +133,10 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
     """Load the model and dataset and work out the shapes the store will have."""
     model = load_model(config.model, device=config.device, dtype=config.dtype)
     sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
-    if len(set(sites)) != len(sites):
-        raise ConfigError(f"sites {list(config.sites)} name the same site twice")
+    for i, site in enumerate(sites):
+        if site in sites[:i]:
+            first = config.sites[sites.index(site)]
+            raise ConfigError(f"sites {first} and {config.sites[i]} both name {site}; give it once")
     if config.mode == "prompt_response":
         from .prompts import open_prompt_source
 

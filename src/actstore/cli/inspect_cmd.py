@@ -14,6 +14,18 @@ from . import app
 from .common import human_bytes
 
 
+def _site_label(reader, key) -> str:
+    """A stored site's canonical name (``resid.3``), with the format's own name when that
+    is not a site spelling (Activault hooks)."""
+    from ..errors import ConfigError
+
+    try:
+        site = reader.site_of(key)
+    except ConfigError:  # a foreign Activault hook no site spelling names
+        return str(key)
+    return str(site) if str(key) in (str(site), str(site.layer)) else f"{site} ({key})"
+
+
 def _site_summary(reader, site, values: int) -> dict:
     out: dict = {}
     stats = reader.statistics(site)
@@ -47,7 +59,9 @@ def inspect(
     refuse_output_root(location, "inspect")
     reader = open_store(location)
     summary = reader.describe()
-    summary["per_site"] = {str(s): _site_summary(reader, s, values) for s in reader.sites}
+    summary["per_site"] = {
+        _site_label(reader, s): _site_summary(reader, s, values) for s in reader.sites
+    }
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
         return

@@ -151,6 +151,8 @@ class ActivationLoader(IterableDataset):
         reader = self.reader
         if config.sites is not None:
             self.sites: tuple[Hashable, ...] = tuple(_stored_key(reader, s) for s in config.sites)
+            if len(set(self.sites)) != len(self.sites):
+                raise ConfigError(f"sites {list(config.sites)} name one stored site twice")
         elif config.site is not None:
             self.sites = (_stored_key(reader, config.site),)
         elif len(reader.sites) == 1:
