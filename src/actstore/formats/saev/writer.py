@@ -185,7 +185,7 @@ class SaevWriter(WriterBase):
         self._shards: list[dict[str, Any]] = []
         self._file = None
         self._hasher: BlockHasher | None = None
-        self._stats: list[RunningStats] = []
+        self._stats: _ShardStats | None = None
         self._in_shard = 0
         self._written = 0  # examples written by this process (after resume_from)
         self._side_files: dict[str, Any] = {}
@@ -402,15 +402,15 @@ class SaevWriter(WriterBase):
         index = self._first_shard + len(self._shards)
         self._file = open(self.partial_dir / shard_name(index), "wb")  # noqa: SIM115 - open until the shard ends
         self._hasher = BlockHasher(self._unit)
-        self._stats = [RunningStats(self.metadata.d_model) for _ in self.metadata.layers]
+        md = self.metadata
+        self._stats = _ShardStats(len(md.layers), md.tokens_per_ex, md.d_model)
         self._in_shard = 0
 
     def _append(self, part: np.ndarray) -> None:
         view = memoryview(part).cast("B")
         self._file.write(view)
         self._hasher.update(view)
-        for layer_idx, stats in enumerate(self._stats):
-            stats.update(part[:, layer_idx])
+        self._stats.update(part)
         self._in_shard += part.shape[0]
 
     def _finish_shard(self) -> None:
@@ -438,7 +438,7 @@ class SaevWriter(WriterBase):
                 "name": shard_name(index),
                 "n_examples": self._in_shard,
                 "blocks": _xxh128(sidecar),
-                "stats": [s.to_dict() for s in self._stats],
+                "stats": [s.to_dict() for s in self._stats.finish()],
             }
         )
         atomic_write_json(self.partial_dir / PROGRESS, {"shards": self._shards}, indent=None)
@@ -496,6 +496,50 @@ class SaevWriter(WriterBase):
             f.close()
         self._side_files.clear()
         self._lock.release()
+
+
+class _ShardStats:
+    """Per-layer statistics of one shard, folded in runs of examples counted from the shard
+    start: the result does not depend on how batches (or a resume) split the shard."""
+
+    def __init__(self, n_layers: int, tokens: int, d: int) -> None:
+        self.stats = [RunningStats(d) for _ in range(n_layers)]
+        self.per = max(1, self.stats[0].rows_per_chunk // tokens)
+        self._pending: np.ndarray | None = None
+        self._fill = 0
+        self._shape = (n_layers, tokens, d)
+
+    def update(self, part: np.ndarray) -> None:
+        """Fold ``part`` (``[n, L, T, D]``, the shard's next examples)."""
+        i, n = 0, len(part)
+        if self._fill or n < self.per:
+            if self._pending is None:
+                self._pending = np.empty((self.per, *self._shape), dtype=part.dtype)
+            take = min(self.per - self._fill, n)
+            self._pending[self._fill : self._fill + take] = part[:take]
+            self._fill += take
+            i = take
+            if self._fill == self.per:
+                self._fold(self._pending)
+                self._fill = 0
+        while n - i >= self.per:
+            self._fold(part[i : i + self.per])
+            i += self.per
+        if i < n:
+            if self._pending is None:
+                self._pending = np.empty((self.per, *self._shape), dtype=part.dtype)
+            self._pending[: n - i] = part[i:]
+            self._fill = n - i
+
+    def finish(self) -> list[RunningStats]:
+        if self._fill:
+            self._fold(self._pending[: self._fill])
+            self._fill = 0
+        return self.stats
+
+    def _fold(self, chunk: np.ndarray) -> None:
+        for layer_idx, stats in enumerate(self.stats):
+            stats.update(chunk[:, layer_idx])
 
 
 def _xxh128(data: bytes) -> str:
