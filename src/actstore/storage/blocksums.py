@@ -88,6 +88,16 @@ class BlockHasher:
             self._partial.update(view[pos:])
             self._fill = len(view) - pos
 
+    def update_blocks(self, views: list[memoryview]) -> None:
+        """:meth:`update` with the bytes of ``views`` in order; one digest per view when
+        each is exactly one block and none is pending (no copy, no concatenation)."""
+        if self._fill or any(len(v) != self.unit for v in views):
+            for view in views:
+                self.update(view)
+            return
+        self._done.append(np.fromiter(map(_digest, views), dtype="<u8", count=len(views)))
+        self.size += self.unit * len(views)
+
     def digests(self) -> np.ndarray:
         """Digests of every block so far (the last, unfinished block included)."""
         tail = [np.array([self._partial.intdigest()], dtype="<u8")] if self._fill else []

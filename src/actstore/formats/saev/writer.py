@@ -28,10 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import shutil
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +187,8 @@ class SaevWriter(WriterBase):
         self.resume_from = self.example_range[0]
         self._shards: list[dict[str, Any]] = []
         self._file = None
+        self._io: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
         self._hasher: BlockHasher | None = None
         self._stats: _ShardStats | None = None
         self._in_shard = 0
@@ -365,24 +370,20 @@ class SaevWriter(WriterBase):
             raise CaptureError(
                 f"examples beyond {self.example_range[1]}, the end of what this writer holds"
             )
-        acts = _stack_layers(batch, md)  # [B, L, T, D] float32
-        if acts.shape[1:] != (len(md.layers), md.tokens_per_ex, md.d_model):
-            raise CaptureError(
-                f"batch activations have shape {acts.shape[1:]}, metadata says "
-                f"{(len(md.layers), md.tokens_per_ex, md.d_model)}"
-            )
+        acts = _layer_arrays(batch, md)  # L x [B, T, D] float32, no copy
         self._write_side(batch, md)
         row = 0
         while row < batch.n_examples:
             if self._file is None:
                 self._start_shard()
             room = md.examples_per_shard - self._in_shard
-            part = acts[row : row + room]
-            self._append(part)
+            parts = [a[row : row + room] for a in acts]
+            self._append(parts)
             point("saev.appended")
-            row += part.shape[0]
+            row += len(parts[0])
             if self._in_shard == md.examples_per_shard:
                 self._finish_shard()
+        self._wait_io()  # the batch's memory is the caller's again once write() returns
         self._written += batch.n_examples
 
     def _write_side(self, batch: Batch, md: SaevMetadata) -> None:
@@ -400,29 +401,51 @@ class SaevWriter(WriterBase):
 
     def _start_shard(self) -> None:
         index = self._first_shard + len(self._shards)
-        self._file = open(self.partial_dir / shard_name(index), "wb")  # noqa: SIM115 - open until the shard ends
+        self._file = open(self.partial_dir / shard_name(index), "wb", buffering=0)  # noqa: SIM115 - open until the shard ends
         self._hasher = BlockHasher(self._unit)
         md = self.metadata
         self._stats = _ShardStats(len(md.layers), md.tokens_per_ex, md.d_model)
         self._in_shard = 0
 
-    def _append(self, part: np.ndarray) -> None:
-        view = memoryview(part).cast("B")
-        self._file.write(view)
-        self._hasher.update(view)
-        self._stats.update(part)
-        self._in_shard += part.shape[0]
+    def _append(self, parts: list[np.ndarray]) -> None:
+        """Append the shard's next examples, given per layer (``[n, T, D]`` each).
+
+        Each (example, layer) slab is one checksum block and, in the file, follows the
+        previous one: one gathered write (``writev``) straight from the capture's tensors,
+        on the I/O thread, while this thread digests the slabs and folds them into the
+        statistics (file writes, xxhash and numpy release the GIL). No copy is made; at
+        most one write is in flight, and none outlives :meth:`write`."""
+        n = len(parts[0])
+        slabs = [memoryview(a[i]).cast("B") for i in range(n) for a in parts]
+        self._wait_io()
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="saev-writer-io")
+        self._pending = self._io.submit(_write_all, self._file.fileno(), slabs)
+        self._hasher.update_blocks(slabs)
+        self._stats.update(parts)
+        self._in_shard += n
+
+    def _wait_io(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _stop_io(self) -> None:
+        io, self._io = self._io, None
+        if io is not None:
+            io.shutdown()
+        self._wait_io()
 
     def _finish_shard(self) -> None:
         """Pad (saev dialect), fsync and record the current shard as finished."""
         md = self.metadata
         index = self._first_shard + len(self._shards)
         pad = md.shard_nbytes(index) - self._in_shard * md.example_nbytes
+        self._wait_io()
         if pad:
             zeros = bytes(pad)
-            self._file.write(zeros)
+            _write_all(self._file.fileno(), [memoryview(zeros)])
             self._hasher.update(zeros)
-        self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
@@ -464,6 +487,7 @@ class SaevWriter(WriterBase):
             )
         if self._file is not None:
             self._finish_shard()
+        self._stop_io()
         for f in self._side_files.values():
             f.close()
         self._side_files.clear()
@@ -489,6 +513,8 @@ class SaevWriter(WriterBase):
 
     def abort(self) -> None:
         """Close files without publishing; finished shards stay for a resume."""
+        with contextlib.suppress(Exception):  # the failed write is the caller's error
+            self._stop_io()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -505,41 +531,83 @@ class _ShardStats:
     def __init__(self, n_layers: int, tokens: int, d: int) -> None:
         self.stats = [RunningStats(d) for _ in range(n_layers)]
         self.per = max(1, self.stats[0].rows_per_chunk // tokens)
-        self._pending: np.ndarray | None = None
+        self._pending = np.empty((n_layers, self.per, tokens, d), dtype="<f4")
         self._fill = 0
-        self._shape = (n_layers, tokens, d)
 
-    def update(self, part: np.ndarray) -> None:
-        """Fold ``part`` (``[n, L, T, D]``, the shard's next examples)."""
-        i, n = 0, len(part)
+    def update(self, parts: list[np.ndarray]) -> None:
+        """Fold the shard's next examples, given per layer (``[n, T, D]`` each). Whole runs
+        are folded straight from the caller's arrays; only a run's ends are buffered."""
+        i, n = 0, len(parts[0])
         if self._fill or n < self.per:
-            if self._pending is None:
-                self._pending = np.empty((self.per, *self._shape), dtype=part.dtype)
             take = min(self.per - self._fill, n)
-            self._pending[self._fill : self._fill + take] = part[:take]
+            for buf, part in zip(self._pending, parts):
+                buf[self._fill : self._fill + take] = part[:take]
             self._fill += take
             i = take
             if self._fill == self.per:
-                self._fold(self._pending)
+                self._fold(list(self._pending))
                 self._fill = 0
         while n - i >= self.per:
-            self._fold(part[i : i + self.per])
+            self._fold([part[i : i + self.per] for part in parts])
             i += self.per
         if i < n:
-            if self._pending is None:
-                self._pending = np.empty((self.per, *self._shape), dtype=part.dtype)
-            self._pending[: n - i] = part[i:]
+            for buf, part in zip(self._pending, parts):
+                buf[: n - i] = part[i:]
             self._fill = n - i
 
     def finish(self) -> list[RunningStats]:
         if self._fill:
-            self._fold(self._pending[: self._fill])
+            self._fold([buf[: self._fill] for buf in self._pending])
             self._fill = 0
         return self.stats
 
-    def _fold(self, chunk: np.ndarray) -> None:
-        for layer_idx, stats in enumerate(self.stats):
-            stats.update(chunk[:, layer_idx])
+    def _fold(self, chunks: list[np.ndarray]) -> None:
+        for stats, chunk in zip(self.stats, chunks):
+            stats.update(chunk)
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing these dirty pages to disk now, without waiting
+    (Linux ``sync_file_range``): the disk works while the capture goes on, and the
+    shard's ``fsync`` waits only for the tail."""
+    if _SYNC_FILE_RANGE is not None and nbytes:
+        _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), 2)  # _WRITE
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` one after another at the file position (``writev``, resuming
+    after short writes), then start their writeback."""
+    start = os.lseek(fd, 0, os.SEEK_CUR)
+    total = sum(len(v) for v in views)
+    _write_views(fd, views)
+    _start_writeback(fd, start, total)
+
+
+def _write_views(fd: int, views: list[memoryview]) -> None:
+    max_iov = min(1024, os.sysconf("SC_IOV_MAX"))
+    i = 0
+    while i < len(views):
+        batch = views[i : i + max_iov]
+        done = os.writev(fd, batch)
+        for view in batch:  # skip the views written, trim a partly written one
+            if done >= len(view):
+                done -= len(view)
+                i += 1
+                continue
+            views[i] = view[done:]
+            break
 
 
 def _xxh128(data: bytes) -> str:
@@ -548,14 +616,23 @@ def _xxh128(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def _stack_layers(batch: Batch, md: SaevMetadata) -> np.ndarray:
-    """``[B, L, T, D]`` float32 C-order from the batch's ``resid.<layer>`` tensors."""
+def _layer_arrays(batch: Batch, md: SaevMetadata) -> list[np.ndarray]:
+    """The batch's ``resid.<layer>`` tensors as C-order float32 ``[B, T, D]`` arrays, one
+    per stored layer (views of the tensors when they already are: no copy)."""
     try:
         tensors = [batch.acts[f"resid.{layer}"] for layer in md.layers]
     except KeyError as err:
         raise CaptureError(f"batch lacks site {err}; it has {sorted(batch.acts)}") from None
-    stacked = torch.stack([t.to(torch.float32) for t in tensors], dim=1)
-    return np.ascontiguousarray(stacked.numpy(), dtype="<f4")
+    arrays = [
+        np.ascontiguousarray(t.detach().to(torch.float32).numpy(), dtype="<f4") for t in tensors
+    ]
+    want = (batch.n_examples, md.tokens_per_ex, md.d_model)
+    for layer, array in zip(md.layers, arrays):
+        if array.shape != want:
+            raise CaptureError(
+                f"batch activations of layer {layer} have shape {array.shape}, metadata says {want}"
+            )
+    return arrays
 
 
 def remove_partial(final_dir: Path) -> None:
