@@ -169,7 +169,10 @@ def _rewrite_metadata(store: Path, meta: dict) -> None:
     """Replace metadata.json and its digest in the manifest (as an attacker could)."""
     text = json.dumps(meta)
     for name, data in (
-        (".actstore-manifest.xxh128", f"{xxhash.xxh3_128_hexdigest(text.encode())}  metadata.json\n"),
+        (
+            ".actstore-manifest.xxh128",
+            f"{xxhash.xxh3_128_hexdigest(text.encode())}  metadata.json\n",
+        ),
         ("metadata.json", text),
     ):
         (store / name).chmod(0o644)
