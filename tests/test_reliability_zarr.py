@@ -111,7 +111,22 @@ def test_symlinked_chunk_out_of_the_store_is_refused(store, tmp_path):
     outside = tmp_path / "outside.bin"
     shutil.move(chunk, outside)
     chunk.symlink_to(outside)
-    with pytest.raises(CorruptStoreError, match="outside the store"):
+    reader = open_store(store)
+    with pytest.raises(
+        CorruptStoreError, match=r"1\.0\.0\.0 cannot be opened .*plain files inside"
+    ):
+        reader.read_block(_block(reader, 1, 0))
+    assert any("a symlink, not a chunk file" in f for f in reader.verify().faults)
+    shutil.move(store / "meta", tmp_path / "meta")
+    (store / "meta").symlink_to(tmp_path / "meta")
+    with pytest.raises(CorruptStoreError, match="meta is a symlink to .*outside the store"):
+        open_store(store)
+
+
+@pytest.mark.parametrize("name", [".zattrs", "arrays/prompt_len/.zarray", ".zgroup"])
+def test_malformed_zarr_metadata_file_is_corrupt_store_naming_it(store, name):
+    (store / name).write_text("{bad")
+    with pytest.raises(CorruptStoreError, match=f"{name} is not valid JSON"):
         open_store(store)
 
 

@@ -148,6 +148,7 @@ def open_store_info(path: Path, *, offset: int = 0, verify_reads: bool = True) -
             meta, ACTIVATIONS[part], layout.shape(part), list(layout.chunk_shape(part)), path
         )
     info = StoreInfo(path=path, attrs=attrs, layout=layout, separators=separators, offset=offset)
+    _check_inside(path)
     group = zarr_module().open_consolidated(str(path), mode="r", zarr_format=2)
     for part in PARTS:
         lengths = np.asarray(_array(group, LENGTHS[part], path)[:], dtype=np.int32)
@@ -158,23 +159,30 @@ def open_store_info(path: Path, *, offset: int = 0, verify_reads: bool = True) -
                 f"in 0..{cap}; it does not"
             )
         info.lengths[part] = lengths
-    _check_inside(path)
     if verify_reads:
         info.chunksums = _load_chunksums(path, layout)
     return info
 
 
 def _check_inside(path: Path) -> None:
-    """Refuse a store with files (or folders) that are symlinks out of it."""
+    """Refuse a store whose folders or metadata files are symlinks out of it, and check
+    that every zarr metadata file is valid JSON (zarr-python would raise a raw error).
+    Chunk files are not listed here (there may be millions): reads open them with
+    ``O_NOFOLLOW`` and ``verify`` checks them."""
     root = path.resolve()
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in [*dirnames, *filenames]:
-            entry = Path(dirpath) / name
-            if entry.is_symlink() and not entry.resolve().is_relative_to(root):
-                raise CorruptStoreError(
-                    f"{entry} is a symlink to {entry.resolve()}, outside the store; a store's "
-                    "files must lie inside it: copy the file in or re-capture"
-                )
+    entries = [*path.iterdir()]
+    for folder in ("arrays", "meta", "text"):
+        if (path / folder).is_dir() and not (path / folder).is_symlink():
+            entries += [*(path / folder).iterdir()]
+    entries += [e / name for e in entries if e.is_dir() for name in (".zarray", ".zattrs")]
+    for entry in entries:
+        if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+            raise CorruptStoreError(
+                f"{entry} is a symlink to {entry.resolve()}, outside the store; a store's "
+                "files must lie inside it: copy the file in or re-capture"
+            )
+        if entry.name in (".zgroup", ".zattrs", ".zarray") and entry.is_file():
+            read_json(entry)
 
 
 _WARNED_UNVERIFIED: set[str] = set()
@@ -744,8 +752,13 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
         r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
         path = f"{prefix}{local}{sep}{layer_idx}{sep}{c}{sep}0"
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as err:
+            if not isinstance(err, FileNotFoundError):
+                raise CorruptStoreError(
+                    f"chunk {path} cannot be opened ({err.strerror}): chunk files must be "
+                    "plain files inside the store; restore it or re-capture"
+                ) from err
             if sums is not None and sums[c]:
                 raise CorruptStoreError(
                     f"chunk {path} (sample {local}, layer {layer_idx}, chunk {c}, bytes "
@@ -867,6 +880,9 @@ def _verify_store(
             for name in names:
                 rel = os.path.relpath(os.path.join(dirpath, name), directory)
                 if rel in (".zarray", ".zattrs"):
+                    continue
+                if os.path.islink(os.path.join(dirpath, name)):
+                    report.faults.append(f"{directory}/{rel}: a symlink, not a chunk file")
                     continue
                 key = parse_chunk_key(rel.replace(os.sep, "/"), store.separators[part])
                 if key is None or len(key) != 4 or any(k >= g for k, g in zip(key, grid)):
