@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 #: files that follow from the activation bytes (checksums, statistics)
-_DERIVED = ("checksums.sha256", "statistics.json")
+_DERIVED = ("checksums.xxh128", "statistics.json")
 
 
 def files(store: Path) -> dict[str, bytes]:

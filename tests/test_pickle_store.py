@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 from conformance import make_acts, make_batches, make_plan
 
 from actstore import safe_pickle
@@ -160,9 +161,22 @@ def _replace_shard(store: Path, payload, index: int = 0) -> Path:
     path.write_bytes(data)
     shard["checksum"] = "sha256:" + hashlib.sha256(data).hexdigest()
     shard["size_bytes"] = len(data)
-    meta_path.chmod(0o644)
-    meta_path.write_text(json.dumps(meta))
+    _rewrite_metadata(store, meta)
     return path
+
+
+def _rewrite_metadata(store: Path, meta: dict) -> None:
+    """Replace metadata.json and its digest in the manifest (as an attacker could)."""
+    text = json.dumps(meta)
+    for name, data in (
+        (
+            ".actstore-manifest.xxh128",
+            f"{xxhash.xxh3_128_hexdigest(text.encode())}  metadata.json\n",
+        ),
+        ("metadata.json", text),
+    ):
+        (store / name).chmod(0o644)
+        (store / name).write_text(data)
 
 
 def test_malicious_shard_runs_no_code(tmp_path):
@@ -265,8 +279,7 @@ def test_sample_ids_are_checked_for_uniqueness(tmp_path):
     out, *_ = write(tmp_path / "acts")
     meta = json.loads((out / "metadata.json").read_text())
     meta["shards"][1]["sample_id_range"] = [4, 9]  # overlaps shard 1's [0, 4]
-    (out / "metadata.json").chmod(0o644)
-    (out / "metadata.json").write_text(json.dumps(meta))
+    _rewrite_metadata(out, meta)
     with pytest.raises(CorruptStoreError, match="overlapping sample id ranges"):
         PickleReader(out)
     out2, *_ = write(tmp_path / "acts2")
@@ -298,7 +311,9 @@ def test_nothing_is_published_until_close(tmp_path):
         writer.write(batch)
     out = writer.close()
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["metadata.json"] + [f"shard_{i:04d}.pkl.gz" for i in range(1, 6)]
+    assert names == [".actstore-manifest.xxh128", "metadata.json"] + [
+        f"shard_{i:04d}.pkl.gz" for i in range(1, 6)
+    ]
     assert all(not os.access(out / n, os.W_OK) or os.geteuid() == 0 for n in names)
     assert isinstance(open_store(out), PickleReader)
 
@@ -601,7 +616,8 @@ def test_merge_drops_shards_an_interrupted_merge_left(tmp_path):
     out.mkdir()
     (out / "shard_0009.pkl.gz").write_bytes(b"left by a crashed merge")
     merged = merge_stores(parts, out)
-    assert sorted(p.name for p in merged.iterdir()) == ["metadata.json"] + [
-        f"shard_{i:04d}.pkl.gz" for i in range(1, 6)
-    ]
+    assert sorted(p.name for p in merged.iterdir()) == [
+        ".actstore-manifest.xxh128",
+        "metadata.json",
+    ] + [f"shard_{i:04d}.pkl.gz" for i in range(1, 6)]
     assert PickleReader(merged).verify().ok

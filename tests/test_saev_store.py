@@ -106,10 +106,10 @@ def test_files_match_the_spec_bytes(tmp_path):
         assert not f.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
     listed = dict(
         line.split("  ")[::-1]
-        for line in (path / "checksums.sha256").read_text().split("\n")
+        for line in (path / "checksums.xxh128").read_text().split("\n")
         if line
     )
-    assert set(listed) >= {s["name"] for s in shards} | {"tokens.bin"}
+    assert set(listed) >= {s["name"] + ".xxh3" for s in shards} | {"tokens.bin"}
 
 
 def test_saev_dialect_layout(tmp_path):

@@ -62,6 +62,10 @@ class CaptureError(ActstoreError, RuntimeError):
     """Capture failed (model, dataset, or writer thread error)."""
 
 
+class StoreLockedError(ActstoreError, RuntimeError):
+    """Another live capture holds the store's write lock."""
+
+
 class StorageError(ActstoreError, OSError):
     """Reading or writing bytes failed (local disk or object storage) after retries."""
 

@@ -5,7 +5,12 @@ whatever it names, so a crafted file can run any code. :func:`load` admits only 
 activation shards are made of: numpy arrays and scalars of numeric dtypes, and plain
 containers and scalars (dict, list, tuple, set, str, bytes, int, float, complex, bool,
 None). Any other class or function named in the stream raises
-:class:`~actstore.errors.UnsafeDataError` naming it, before anything is called.
+:class:`~actstore.errors.UnsafeDataError` naming it, before anything is called. Arrays
+of object (or any non-numeric) dtype are refused however the stream builds them: through
+``numpy.dtype``, a dtype string passed to ``numpy.ndarray(...)`` or ``_reconstruct``, and
+a final walk over the result. ``max_bytes`` bounds what the stream may hold: reading past
+it raises :class:`~actstore.errors.CorruptStoreError` before more is read (a small
+compressed file cannot expand into a huge allocation).
 
 Example:
     >>> import io, pickle, numpy as np
@@ -54,15 +59,27 @@ def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
     return text.encode("latin1")
 
 
+def _checked_ndarray(shape: Any, dtype: Any = float, *args: Any, **kwargs: Any) -> np.ndarray:
+    """``numpy.ndarray(shape, dtype, ...)`` called by a pickle: numeric dtypes only."""
+    return np.ndarray(shape, _checked_dtype(dtype), *args, **kwargs)
+
+
+def _checked_reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """numpy's ``_reconstruct``: plain ndarrays of numeric dtypes only."""
+    if subtype is not _checked_ndarray:
+        raise UnsafeDataError(f"refusing to reconstruct an array of type {subtype!r}")
+    return np.ndarray.__new__(np.ndarray, shape, _checked_dtype(dtype))
+
+
 def _numpy_allowed() -> dict[tuple[str, str], Callable[..., Any]]:
     from numpy._core import multiarray, numeric  # the names numpy >= 2 pickles refer to
 
     rebuild = {
-        "_reconstruct": multiarray._reconstruct,
+        "_reconstruct": _checked_reconstruct,
         "scalar": multiarray.scalar,
     }
     out: dict[tuple[str, str], Callable[..., Any]] = {
-        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "ndarray"): _checked_ndarray,
         ("numpy", "dtype"): _checked_dtype,
     }
     for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
@@ -105,15 +122,67 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeDataError("refusing a pickle with persistent ids (not activation data)")
 
 
-def load(file: IO[bytes]) -> Any:
+class _Bounded:
+    """A read-only file view that refuses to read past ``limit`` bytes in total."""
+
+    def __init__(self, raw: IO[bytes], limit: int) -> None:
+        self.raw, self.left, self.limit = raw, limit, limit
+        self.name = getattr(raw, "name", "")
+
+    def _take(self, n: int) -> int:
+        if n < 0 or n > self.left:
+            raise CorruptStoreError(
+                f"{self.name or 'the pickle stream'} holds more than the {self.limit} bytes its "
+                "metadata declares (a decompression bomb or a damaged file); refusing it"
+            )
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            data = self.raw.read(self.left + 1)
+        else:
+            data = self.raw.read(self._take(n))
+        self.left -= self._take(len(data))
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        got = self.raw.readinto(view[: self._take(len(view))])
+        self.left -= got
+        return got
+
+    def readline(self, limit: int = -1) -> bytes:
+        data = self.raw.readline(self.left + 1 if limit < 0 else self._take(limit))
+        self.left -= self._take(len(data))
+        return data
+
+
+def _check_arrays(obj: Any) -> None:
+    """Refuse non-numeric arrays anywhere in an unpickled result (iteratively: a crafted
+    stream may nest containers deeper than Python's recursion limit)."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, np.ndarray):
+            _checked_dtype(item.dtype)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+
+
+def load(file: IO[bytes], *, max_bytes: int | None = None) -> Any:
     """Unpickle one object from a binary file object, refusing anything but plain data.
 
     Raises :class:`UnsafeDataError` for disallowed objects and :class:`CorruptStoreError`
-    for a truncated or malformed stream.
+    for a truncated or malformed stream, or one longer than ``max_bytes``.
     """
+    source = file if max_bytes is None else _Bounded(file, max_bytes)
     try:
-        return RestrictedUnpickler(file).load()
-    except UnsafeDataError:
+        result = RestrictedUnpickler(source).load()
+        _check_arrays(result)
+        return result
+    except (UnsafeDataError, CorruptStoreError):
         raise
     except (
         pickle.UnpicklingError,

@@ -62,19 +62,33 @@ class RunningStats:
         """Population standard deviation per dimension."""
         return np.sqrt(self.var)
 
+    @property
+    def rows_per_chunk(self) -> int:
+        """Rows folded at a time (the float64 scratch buffer's height)."""
+        return max(16, SCRATCH_BYTES // (8 * self.d))
+
     def update(self, rows: np.ndarray) -> None:
-        """Fold ``rows`` (shape ``[..., d]``) into the statistics, in place."""
-        flat = np.asarray(rows).reshape(-1, rows.shape[-1])
-        if flat.shape[1] != self.d:
-            raise ConfigError(f"rows have width {flat.shape[1]}, statistics expect {self.d}")
-        rows_per_chunk = max(16, SCRATCH_BYTES // (8 * self.d))
-        if self._scratch is None:
-            self._scratch = np.empty((rows_per_chunk, self.d), dtype=np.float64)
-        for start in range(0, flat.shape[0], rows_per_chunk):
-            chunk = flat[start : start + rows_per_chunk]
-            n = chunk.shape[0]
+        """Fold ``rows`` (shape ``[..., d]``, any strides) into the statistics, in place.
+
+        Rows are copied straight from their float32 (or other) source into a reused
+        float64 scratch buffer, whole sub-arrays of the first axis at a time (no
+        intermediate copy for strided views such as one layer of ``[B, L, T, D]``)."""
+        rows = np.asarray(rows)
+        if rows.shape[-1] != self.d:
+            raise ConfigError(f"rows have width {rows.shape[-1]}, statistics expect {self.d}")
+        if rows.ndim == 1:
+            rows = rows[None]
+        inner = int(np.prod(rows.shape[1:-1], dtype=np.int64))
+        per = max(1, self.rows_per_chunk // max(inner, 1))
+        if self._scratch is None or len(self._scratch) < per * inner:
+            self._scratch = np.empty((max(self.rows_per_chunk, per * inner), self.d), np.float64)
+        for start in range(0, rows.shape[0], per):
+            chunk = rows[start : start + per]
+            n = chunk.shape[0] * inner
+            if n == 0:
+                continue
             x = self._scratch[:n]
-            np.copyto(x, chunk)  # float64, in a reused buffer (no page faults per chunk)
+            np.copyto(x.reshape(chunk.shape), chunk)  # float64, no page faults per chunk
             norm_mean = float(np.sqrt(np.einsum("nd,nd->n", x, x)).mean())
             mean = x.mean(axis=0)
             np.subtract(x, mean, out=x)

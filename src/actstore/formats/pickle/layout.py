@@ -39,6 +39,8 @@ VERSION = "1.0"
 METADATA = "metadata.json"
 #: The writer's resume record while a capture runs (hidden; removed on publication).
 PROGRESS = ".actstore-progress.json"
+#: xxh3-128 digest of metadata.json, written with it (hidden: the spec's loader ignores it).
+MANIFEST = ".actstore-manifest.xxh128"
 TEXT_PREVIEW_CHARS = 200
 #: The spec's shard size guidance (bytes): recommended 50-500 MB, min 10 MB, max 2 GB.
 MIN_SHARD_BYTES = 10 * 1000**2

@@ -1,12 +1,16 @@
 """Read a pkl.gz store safely: checksums verified, a restricted unpickler, ids checked.
 
 Opening validates ``metadata.json`` (required fields, disjoint sample id ranges, every
-listed shard present with its recorded size). Loading a shard reads it once, hashing the
-bytes as they stream through gzip into :mod:`actstore.safe_pickle` (which refuses
-anything but arrays, plain containers and scalars), then compares the sha256 with the
-metadata and checks the shard's structure: every layer lists the same sample ids, inside
-the declared range, without repeats. The last decoded shard is cached, so reading the
-blocks of every layer of one shard decodes it once.
+listed shard present with its recorded size, inside the store, and, in stores actstore
+wrote, every shard holding every layer and metadata.json matching the xxh3-128 digest in
+the hidden manifest ``.actstore-manifest.xxh128``). Loading a shard reads it once, hashing
+the bytes as they stream through gzip into :mod:`actstore.safe_pickle` (which refuses
+anything but numeric arrays, plain containers and scalars, and stops reading past the
+size the metadata declares), then compares the sha256 with the metadata (unless
+``verify_reads=False``) and checks the shard's structure: exactly the listed layers, each
+listing the same sample ids, inside the declared range, without repeats, arrays of the
+declared width. The last decoded shard is cached, so reading the blocks of every layer of
+one shard decodes it once.
 
 Example:
     >>> r = PickleReader("acts-pkl")  # doctest: +SKIP
@@ -39,10 +43,23 @@ from ...errors import (
     UnsafeDataError,
 )
 from ...stats import RunningStats
-from ...storage import FileHasher, read_json
+from ...storage import FileHasher, hash_file, read_json
 from ...storage.local import IO_CHUNK
 from ..base import Block, ReaderBase, VerifyReport
-from .layout import METADATA, PROGRESS, PickleMetadata, ShardInfo, layer_key, plan_sites
+from .layout import (
+    MANIFEST,
+    MAX_SHARD_BYTES,
+    METADATA,
+    PROGRESS,
+    PickleMetadata,
+    ShardInfo,
+    is_shard_filename,
+    layer_key,
+    plan_sites,
+)
+
+#: Bytes an item may hold besides its activation array (text preview, token ids, ...).
+ITEM_OVERHEAD = 64 << 10
 
 
 class _HashingReader:
@@ -79,8 +96,11 @@ class _HashingReader:
 class PickleReader(ReaderBase):
     """Read access to one pkl.gz store; picklable (the shard cache is not carried)."""
 
-    def __init__(self, path: str | os.PathLike, *, cache_shards: int = 1) -> None:
+    def __init__(
+        self, path: str | os.PathLike, *, cache_shards: int = 1, verify_reads: bool = True
+    ) -> None:
         self.path = Path(path).expanduser()
+        self.verify_reads = verify_reads
         meta = self.path / METADATA
         if not self.path.is_dir():
             raise StoreNotFoundError(f"{self.path} is not a directory of pkl.gz shards")
@@ -91,10 +111,18 @@ class PickleReader(ReaderBase):
                     "same capture command to resume and publish it"
                 )
             raise StoreNotFoundError(f"{meta} does not exist; is {self.path} a pkl.gz store?")
+        self._check_manifest(meta)
         self.metadata = PickleMetadata.from_json_dict(read_json(meta), source=str(meta))
         self.shards = sorted(self.metadata.shards, key=lambda s: s.sample_id_range)
+        self._check_declared()
+        root = self.path.resolve()
         for info in self.shards:
             file = self.path / info.filename
+            if not file.resolve().is_relative_to(root):
+                raise CorruptStoreError(
+                    f"shard {file} is a symlink to {file.resolve()}, outside the store; a "
+                    "store's files must lie inside it: copy the file in or re-capture"
+                )
             if not file.exists():
                 raise StoreNotFoundError(f"shard {file} is missing; restore it or re-capture")
             if file.stat().st_size != info.size_bytes:
@@ -106,6 +134,63 @@ class PickleReader(ReaderBase):
         self._cache_size = max(1, cache_shards)
         self._cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._rows: dict[int, int] = {}
+
+    def _check_manifest(self, meta: Path) -> None:
+        """metadata.json must match the digest actstore recorded when it published."""
+        manifest = self.path / MANIFEST
+        if not manifest.exists():
+            return
+        listed = dict(
+            line.split("  ", 1)[::-1] for line in manifest.read_text().splitlines() if "  " in line
+        )
+        if listed.get(METADATA) != hash_file(meta, "xxh128"):
+            raise CorruptStoreError(
+                f"{meta} does not match the digest in {MANIFEST}: it was edited after the "
+                "store was published; restore it or re-capture"
+            )
+
+    def _check_declared(self) -> None:
+        """Cheap consistency checks, so tampered metadata fails instead of serving less."""
+        md = self.metadata
+        hidden = (md.extraction_config.get("model_params") or {}).get("hidden_size")
+        if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
+            raise CorruptStoreError(f"{self.path / METADATA}: hidden_size {hidden!r} is invalid")
+        stray = [info.layers for info in self.shards if set(info.layers) - set(md.layers)]
+        if stray:
+            raise CorruptStoreError(
+                f"{self.path / METADATA}: a shard lists layers {list(stray[0])} outside "
+                f"layers_extracted {list(md.layers)}"
+            )
+        if md.actstore:  # written by actstore: every shard holds every layer
+            short = [i.filename for i in self.shards if set(i.layers) != set(md.layers)]
+            if short:
+                raise CorruptStoreError(
+                    f"{self.path / METADATA}: shard {short[0]} does not list every layer of "
+                    f"{list(md.layers)} (actstore writes all layers to every shard): the "
+                    "metadata was edited; restore it or re-capture"
+                )
+            ranged = md.distributed_config.get("example_range")
+            if ranged is None:
+                ranged = [0, md.actstore.get("n_examples")]
+            try:
+                declared = int(ranged[1]) - int(ranged[0])
+            except (TypeError, ValueError, IndexError):
+                declared = md.n_samples
+            if md.n_samples != declared:
+                raise CorruptStoreError(
+                    f"{self.path / METADATA}: the shards hold {md.n_samples} samples, the "
+                    f"capture declared {declared}; restore the metadata or re-capture"
+                )
+
+    def _max_shard_bytes(self, info: ShardInfo) -> int:
+        """The most bytes shard ``info`` may decompress to, from what the metadata declares."""
+        config = self.metadata.extraction_config
+        hidden = (config.get("model_params") or {}).get("hidden_size")
+        seq = config.get("max_seq_length")
+        if not (isinstance(hidden, int) and isinstance(seq, int) and seq > 0):
+            return MAX_SHARD_BYTES + (MAX_SHARD_BYTES >> 2)
+        per_item = seq * hidden * 4 + ITEM_OVERHEAD
+        return (len(info.layers) * info.num_samples * per_item) * 5 // 4 + (1 << 20)
 
     # ------------------------------------------------------------------ properties
 
@@ -177,11 +262,11 @@ class PickleReader(ReaderBase):
                 tee = _HashingReader(raw, progress)
                 if info.compressed:
                     with gzip.GzipFile(fileobj=tee, mode="rb") as gz:
-                        data = safe_pickle.load(gz)
-                        while gz.read(IO_CHUNK):  # to the end: checks gzip's CRC too
-                            pass
+                        data = safe_pickle.load(gz, max_bytes=self._max_shard_bytes(info))
+                        if gz.read(IO_CHUNK):  # to the end: checks gzip's CRC too
+                            raise CorruptStoreError("bytes follow the pickle")
                 else:
-                    data = safe_pickle.load(tee)
+                    data = safe_pickle.load(tee, max_bytes=self._max_shard_bytes(info))
                 tee.drain()
         except (OSError, EOFError, zlib.error) as err:
             raise CorruptStoreError(
@@ -190,7 +275,7 @@ class PickleReader(ReaderBase):
             ) from err
         except CorruptStoreError as err:
             raise CorruptStoreError(f"shard {file}: {err}") from err
-        if tee.hasher.hexdigest() != info.sha256:
+        if self.verify_reads and tee.hasher.hexdigest() != info.sha256:
             raise CorruptStoreError(
                 f"shard {file} fails its checksum (metadata.json has {info.checksum}); the file "
                 "was changed after it was written: restore it or re-capture"
@@ -201,6 +286,13 @@ class PickleReader(ReaderBase):
     def _check_structure(self, data: Any, info: ShardInfo, file: Path) -> None:
         if not isinstance(data, dict):
             raise CorruptStoreError(f"shard {file} holds a {type(data).__name__}, not a dict")
+        if set(data) != {layer_key(layer) for layer in info.layers}:
+            raise CorruptStoreError(
+                f"shard {file} holds {sorted(data)}, metadata.json lists layers "
+                f"{list(info.layers)}: the metadata was edited; restore it or re-capture"
+            )
+        config = self.metadata.extraction_config
+        hidden = (config.get("model_params") or {}).get("hidden_size")
         reference: list[int] | None = None
         lo, hi = info.sample_id_range
         for layer in info.layers:
@@ -221,11 +313,12 @@ class PickleReader(ReaderBase):
                     or act.dtype.kind != "f"
                     or not isinstance(shape, (tuple, list))
                     or tuple(shape) != act.shape
+                    or (isinstance(hidden, int) and act.shape[1] != hidden)
                 ):
                     raise CorruptStoreError(
                         f"shard {file}: sample {item.get('sample_idx')} has activation "
                         f"{act.dtype}{list(act.shape)} and shape {item.get('shape')}; expected "
-                        "a float [seq_len, hidden] array matching 'shape'"
+                        f"a float [seq_len, {hidden or 'hidden'}] array matching 'shape'"
                     )
                 ids.append(item.get("sample_idx"))
             # numpy integers too: a foreign writer may store np.int64 ids (pickle keeps them)
@@ -422,6 +515,7 @@ class PickleReader(ReaderBase):
         """Re-read every shard: checksum, safe unpickling, structure, NaN/Inf values, and
         the statistics' totals against the shards. ``progress(n_bytes)`` as data is read."""
         report = VerifyReport(str(self.path))
+        self._verify_files(report)
         non_finite = 0
         for index, info in enumerate(self.shards):
             self._cache.pop(index, None)
@@ -443,6 +537,44 @@ class PickleReader(ReaderBase):
                 f"statistics.total_samples is {totals['total_samples']} but the "
                 f"shards hold {self.n_examples} samples"
             )
+        for layer in self.layers:
+            stats = self.statistics(layer) if self._has_stats(layer, report) else None
+            rows = sum(self.shard_rows(i) for i, s in enumerate(self.shards) if layer in s.layers)
+            if stats is not None and (stats.count != rows or stats.d != self.d_model):
+                report.faults.append(
+                    f"statistics of layer {layer} count {stats.count} rows of width "
+                    f"{stats.d}; the shards hold {rows} of {self.d_model}"
+                )
+        for key, want in (
+            ("total_shards", len(self.shards)),
+            ("total_size_bytes", sum(s.size_bytes for s in self.shards)),
+        ):
+            if key in totals and totals[key] != want:
+                report.faults.append(f"statistics.{key} is {totals[key]}, the store has {want}")
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
         return report
+
+    def _has_stats(self, layer: int, report: VerifyReport) -> bool:
+        try:
+            stats = self.statistics(layer)
+        except CorruptStoreError as err:
+            report.faults.append(f"statistics of layer {layer}: {err}")
+            return False
+        if stats is not None and (stats.mean.shape != (stats.d,) or stats.m2.shape != (stats.d,)):
+            report.faults.append(f"statistics of layer {layer} have vectors of the wrong length")
+            return False
+        return stats is not None
+
+    def _verify_files(self, report: VerifyReport) -> None:
+        """Every file inside the store and accounted for; the manifest present (own stores)."""
+        root = self.path.resolve()
+        listed = {s.filename for s in self.shards}
+        for child in sorted(self.path.iterdir()):
+            if not child.resolve().is_relative_to(root):
+                report.faults.append(f"{child.name} is a symlink out of the store")
+            elif is_shard_filename(child.name) and child.name not in listed:
+                report.faults.append(f"{child.name} is not listed in {METADATA}")
+        if not (self.path / MANIFEST).exists():
+            message = f"no checksum manifest ({MANIFEST}): metadata.json cannot be verified"
+            (report.faults if self.metadata.actstore else report.notes).append(message)

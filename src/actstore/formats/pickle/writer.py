@@ -3,9 +3,13 @@
 Shards are pickled (protocol 5) through gzip into hidden temporary files, fsynced and
 renamed to ``shard_{id:04d}.pkl.gz``; each finished shard is recorded, with the running
 statistics so far, in a hidden progress file. ``metadata.json`` is written last, so a
-reader never sees a store before every shard it lists is complete. A crashed capture
-rerun with the same configuration keeps the finished shards (re-checked against their
-checksums) and resumes after them.
+reader never sees a store before every shard it lists is complete; the hidden
+``.actstore-manifest.xxh128`` (digest of metadata.json) is written just before it. A
+crashed capture rerun with the same configuration keeps the finished shards (re-checked
+against their checksums) and resumes after them; a crash after publication leaves nothing
+but the published store once rerun. The writer holds the store's lock
+(:mod:`actstore.storage.lock`) from open to close; every step calls
+:func:`actstore.faults.point` (crash tests).
 
 Shard ``k`` (id ``k + 1``) always holds samples ``[k * S, (k + 1) * S)`` with ``S`` samples
 per shard, so one machine's part of a distributed capture (``example_range``, starting
@@ -22,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import os
 import pickle
@@ -34,20 +39,25 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, StoreExistsError
+from ...faults import point
 from ...stats import RunningStats, merge_all
 from ...storage import (
     FileHasher,
+    atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
     hash_file,
     make_read_only,
     read_json,
 )
+from ...storage.lock import StoreLock
 from ..base import WriterBase
 from .layout import (
+    MANIFEST,
     MAX_SHARD_BYTES,
     METADATA,
     MIN_SHARD_BYTES,
@@ -104,6 +114,7 @@ class PickleWriter(WriterBase):
         machine_id: int = 0,
         total_machines: int = 1,
         samples_per_machine: int | None = None,
+        break_lock: bool = False,
     ) -> None:
         options = options or PickleOptions()
         self.plan, self.options = plan, options
@@ -142,7 +153,12 @@ class PickleWriter(WriterBase):
         self._items: dict[str, list[dict[str, Any]]] = {}
         self._buffered = 0
         self._written = 0
-        self._open()
+        self._lock = StoreLock.acquire(self.out, break_lock=break_lock)
+        try:
+            self._open()
+        except BaseException:
+            self._lock.release()
+            raise
 
     # ------------------------------------------------------------------ open / resume
 
@@ -169,8 +185,10 @@ class PickleWriter(WriterBase):
                     f"{self.out} already holds a different pkl.gz store; move it away or "
                     "choose another output directory"
                 )
+            self._clean_after_publish()
             self.complete = True
             self.resume_from = self.example_range[1]
+            self._lock.release()
             log.info("%s is already published; nothing to write", self.out)
             return
         self.out.mkdir(parents=True, exist_ok=True)
@@ -184,6 +202,7 @@ class PickleWriter(WriterBase):
             )
         self._clean_unlisted()
         self._save_progress()
+        point("pickle.opened")
 
     def _resume(self, progress: dict[str, Any]) -> None:
         if (
@@ -221,10 +240,14 @@ class PickleWriter(WriterBase):
         """Remove shard files and temporaries the progress record does not list."""
         keep = {s.filename for s in self._shards}
         for child in self.out.iterdir():
-            ours = is_shard_filename(child.name) or (
-                child.name.startswith(".shard_") and child.name.endswith(".tmp")
-            )
+            ours = is_shard_filename(child.name) or _is_temporary(child.name)
             if ours and child.name not in keep:
+                child.unlink()
+
+    def _clean_after_publish(self) -> None:
+        """Remove what a crash between publishing and cleaning up left (we hold the lock)."""
+        for child in self.out.iterdir():
+            if child.name == PROGRESS or _is_temporary(child.name):
                 child.unlink()
 
     def _save_progress(self) -> None:
@@ -321,9 +344,11 @@ class PickleWriter(WriterBase):
             else:
                 pickle.dump(items, sink, protocol=PICKLE_PROTOCOL)
             raw.flush()
+            point("pickle.shard_written")
             os.fsync(raw.fileno())
         os.replace(tmp, self.out / name)
         fsync_dir(self.out)
+        point("pickle.shard_renamed")
         n_tokens = 0
         for layer in self.plan.layers:
             rows = [item["activation"] for item in items[layer_key(layer)]]
@@ -344,6 +369,7 @@ class PickleWriter(WriterBase):
         )
         self._items, self._buffered = {}, 0
         self._save_progress()
+        point("pickle.shard_recorded")
 
     # ------------------------------------------------------------------ publish
 
@@ -376,10 +402,13 @@ class PickleWriter(WriterBase):
                 f"only {total} of {stop - start} samples were written; rerun the "
                 f"same capture to resume in {self.out}"
             )
-        atomic_write_json(self.out / METADATA, self.metadata().to_json_dict())
+        _publish_metadata(self.out, self.metadata().to_json_dict())
+        point("pickle.published")
         (self.out / PROGRESS).unlink()
         fsync_dir(self.out)
+        point("pickle.progress_removed")
         make_read_only(self.out)
+        self._lock.release()
         self.complete = True
         log.info("published %s (%d shards, %d samples)", self.out, len(self._shards), total)
         return self.out
@@ -387,6 +416,21 @@ class PickleWriter(WriterBase):
     def abort(self) -> None:
         """Drop the unfinished shard; finished shards stay for a resume."""
         self._items, self._buffered = {}, 0
+        self._lock.release()
+
+
+def _is_temporary(name: str) -> bool:
+    """A temporary file of this writer or of :func:`atomic_write` (hidden, ``.tmp``)."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _publish_metadata(out: Path, doc: dict[str, Any]) -> None:
+    """Write the manifest (digest of the metadata), then metadata.json: the publication."""
+    data = (json.dumps(doc, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    digest = xxhash.xxh3_128_hexdigest(data)
+    atomic_write_bytes(out / MANIFEST, f"{digest}  {METADATA}\n".encode())
+    point("pickle.manifest_written")
+    atomic_write_bytes(out / METADATA, data)
 
 
 def _statistics(
@@ -498,7 +542,7 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
         shards=tuple(shards),
         statistics=_statistics(shards, layers, stats, seconds),
     )
-    atomic_write_json(out / METADATA, merged.to_json_dict())
+    _publish_metadata(out, merged.to_json_dict())
     make_read_only(out)
     log.info("merged %d machines' stores into %s (%d shards)", len(readers), out, len(shards))
     return out

@@ -1,9 +1,12 @@
 """Open and read a saev protocol 2.1 directory (either dialect).
 
 Opening validates metadata.json against shards.json and every shard's file size, so a
-missing or truncated shard is reported up front with the file named. Random access goes
-through read-only memmaps advised for random reads (no readahead of whole files); block
-reads for training use ``pread`` straight into the caller's buffer.
+missing or truncated shard is reported up front with the file named; files that are
+symlinks out of the directory are refused. Random access goes through read-only memmaps
+advised for random reads (no readahead of whole files); block reads for training use
+``pread`` straight into the caller's buffer and are checked against the shard's block
+checksums (``verify_reads=False`` skips that; stores without them read unverified, with
+one warning). Random access (``reader[...]``, ``gather``) is not checked: run ``verify``.
 
 Example:
     >>> r = SaevReader("/scratch/acts/3f1c...")  # doctest: +SKIP
@@ -22,6 +25,7 @@ import mmap
 import os
 import pickle
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,11 +42,12 @@ from ...errors import (
 )
 from ...sites import Site
 from ...stats import RunningStats
-from ...storage import FileHasher, read_json
+from ...storage import FileHasher, hash_file, read_json
+from ...storage.blocksums import SUFFIX, BlockHasher, BlockSums, parse_sidecar, sidecar_name
 from ...storage.local import IO_CHUNK
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
-from .writer import CHECKSUMS, STATISTICS
+from .writer import CHECKSUMS, LEGACY_CHECKSUMS, STATISTICS
 
 _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
 
@@ -58,7 +63,7 @@ _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
 class SaevReader(ReaderBase):
     """Read access to one saev directory. Picklable: worker processes reopen files lazily."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, verify_reads: bool = True) -> None:
         self.path = Path(path).expanduser()
         if self.path.name.endswith(".partial"):
             raise CorruptStoreError(
@@ -71,7 +76,12 @@ class SaevReader(ReaderBase):
             read_json(self.path / "metadata.json"), source=str(self.path / "metadata.json")
         )
         self.shard_counts = self._read_shards_json()
+        self._check_inside()
         self._check_sizes()
+        self._sums = BlockSums(
+            self.path, enabled=verify_reads, required=(self.path / CHECKSUMS).exists()
+        )
+        self._scratch = threading.local()
         self._memmaps: dict[int, np.memmap] = {}
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
@@ -110,6 +120,16 @@ class SaevReader(ReaderBase):
                     f"{md.shard_examples(i)} examples"
                 )
         return [e["n_examples"] for e in doc]
+
+    def _check_inside(self) -> None:
+        """Refuse files that resolve outside the store (symlinks out of it)."""
+        root = self.path.resolve()
+        for child in self.path.iterdir():
+            if child.is_symlink() and not child.resolve().is_relative_to(root):
+                raise CorruptStoreError(
+                    f"{child} is a symlink to {child.resolve()}, outside the store; a store's "
+                    "files must lie inside it: copy the file in or re-capture"
+                )
 
     def _check_sizes(self) -> None:
         md = self.metadata
@@ -217,7 +237,13 @@ class SaevReader(ReaderBase):
         self._memmaps, self._fds = {}, {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_memmaps": {}, "_fds": {}}
+        state = {**self.__dict__, "_memmaps": {}, "_fds": {}}
+        del state["_scratch"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._scratch = threading.local()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
@@ -364,6 +390,7 @@ class SaevReader(ReaderBase):
             out = np.empty((block.n_rows, md.d_model), dtype="<f4")
         vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
         _pread_into(self._fd(shard), out, vectors * md.d_model * 4)
+        self._sums.check(shard_name(shard), vectors * md.d_model * 4, out)
         return out
 
     def read_block_scatter(self, block: Block, out: np.ndarray, rows: np.ndarray) -> None:
@@ -385,11 +412,28 @@ class SaevReader(ReaderBase):
                 "contiguous rows"
             )
         row_bytes = md.d_model * 4
+        vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
+        verified = self._sums.enabled and self._sums.sums(shard_name(shard)) is not None
+        if verified and (rows < 0).any():  # skipped rows cannot be checked: read them all
+            scratch = self._scratch_rows(block.n_rows)
+            self.read_block(block, scratch)
+            keep = rows >= 0
+            out[rows[keep]] = scratch[keep]
+            return
         addr = np.where(rows >= 0, out.ctypes.data + rows * out.strides[0], _trash_addr())
         iov = np.empty((block.n_rows, 2), dtype=np.uint64)
         iov[:, 0], iov[:, 1] = addr, row_bytes
-        vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
         _preadv(self._fd(shard), iov, vectors * row_bytes)
+        if verified:
+            scratch = self._scratch_rows(block.n_rows)
+            self._sums.check_rows(shard_name(shard), vectors * row_bytes, out, rows, scratch)
+
+    def _scratch_rows(self, n: int) -> np.ndarray:
+        """A reused per-thread ``[n, D]`` float32 buffer."""
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = self._scratch.buf = np.empty((n, self.metadata.d_model), dtype="<f4")
+        return buf[:n]
 
     def cls_rows(self, block: Block) -> np.ndarray:
         """Rows of ``block`` holding a CLS token (token 0 of each example, if stored)."""
@@ -499,9 +543,12 @@ class SaevReader(ReaderBase):
     # ------------------------------------------------------------------ verify
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Re-hash every file listed in checksums.sha256, check metadata consistency, the
-        directory name against the content hash, zero padding (saev dialect) and
-        non-finite values. ``progress(n_bytes)`` is called as data is read."""
+        """Check every file against the manifest checksums.xxh128 (and every shard block
+        against its sidecar), that the manifest covers every file in the directory, that
+        no file leads outside it, the statistics, the directory name against the content
+        hash, zero padding (saev dialect) and non-finite values. Stores of older actstore
+        versions are checked against checksums.sha256. ``progress(n_bytes)`` is called as
+        data is read."""
         md, report = self.metadata, VerifyReport(str(self.path))
         expected_hash = md.content_hash()
         if _HASH_NAME.match(self.path.name) and self.path.name != expected_hash:
@@ -509,41 +556,138 @@ class SaevReader(ReaderBase):
                 f"directory name {self.path.name} differs from the metadata hash "
                 f"{expected_hash}: metadata.json was edited after publication"
             )
-        listing = self.path / CHECKSUMS
-        if not listing.exists():
-            report.notes.append(f"no {CHECKSUMS}: sizes checked, contents not verifiable")
-            return report
+        root = self.path.resolve()
+        for child in sorted(self.path.iterdir()):
+            if not child.resolve().is_relative_to(root):
+                report.faults.append(f"{child.name} is a symlink out of the store")
+        self._verify_statistics(report)
+        if (self.path / CHECKSUMS).exists():
+            self._verify_blocks(report, progress)
+        elif (self.path / LEGACY_CHECKSUMS).exists():
+            self._verify_legacy(report, progress)
+        else:
+            report.faults.append(
+                f"no checksum manifest ({CHECKSUMS}): the contents cannot be verified "
+                "(deleted, or a store written by another tool)"
+            )
+        return report
+
+    def _verify_statistics(self, report: VerifyReport) -> None:
+        path = self.path / STATISTICS
+        if not path.exists():
+            return
+        md = self.metadata
+        try:
+            doc = read_json(path)
+            sites = doc["sites"]
+            if sorted(sites) != sorted(str(layer) for layer in md.layers):
+                raise CorruptStoreError(f"layers {sorted(sites)}, expected {list(md.layers)}")
+            for layer in md.layers:
+                stats = RunningStats.from_dict(sites[str(layer)])
+                if stats.count != md.n_examples * md.tokens_per_ex or stats.d != md.d_model:
+                    raise CorruptStoreError(
+                        f"layer {layer} counts {stats.count} rows of width {stats.d}, expected "
+                        f"{md.n_examples * md.tokens_per_ex} of {md.d_model}"
+                    )
+                if stats.mean.shape != (md.d_model,) or stats.m2.shape != (md.d_model,):
+                    raise CorruptStoreError(f"layer {layer} has vectors of the wrong length")
+        except (CorruptStoreError, KeyError, TypeError, AttributeError) as err:
+            report.faults.append(f"{STATISTICS} is malformed: {err}")
+
+    def _verify_blocks(self, report: VerifyReport, progress: Callable[[int], None] | None):
+        md = self.metadata
+        expected: dict[str, str] = {}
+        for line in (self.path / CHECKSUMS).read_text().splitlines():
+            digest, sep, name = line.partition("  ")
+            if not sep or "/" in name or name in ("", ".", ".."):
+                report.faults.append(f"{CHECKSUMS}: malformed line {line!r}")
+                continue
+            expected[name] = digest
+        shards = {shard_name(i) for i in range(md.n_shards)}
+        for child in sorted(self.path.iterdir()):
+            name = child.name
+            covered = name in expected or (name in shards and sidecar_name(name) in expected)
+            if name != CHECKSUMS and not covered:
+                report.faults.append(f"{name} is not covered by {CHECKSUMS}")
+        non_finite = 0
+        for name, digest in expected.items():
+            path = self.path / name
+            if not path.is_file():
+                report.faults.append(f"{name} is listed in {CHECKSUMS} but missing")
+                continue
+            report.files_checked += 1
+            report.bytes_checked += path.stat().st_size
+            if hash_file(path, "xxh128") != digest:
+                report.faults.append(f"{name}: checksum mismatch (the file was changed)")
+                continue
+            shard = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else None
+            if shard not in shards:
+                continue
+            data = self.path / shard
+            try:
+                unit, sums = parse_sidecar(path.read_bytes(), data.stat().st_size, str(path))
+            except (CorruptStoreError, FileNotFoundError) as err:
+                report.faults.append(str(err))
+                continue
+            index = int(shard[4:10])
+            digests, bad, pad_ok = _scan(
+                data,
+                unit=unit,
+                valid_bytes=self.shard_counts[index] * md.example_nbytes,
+                progress=progress,
+            )
+            non_finite += bad
+            report.files_checked += 1
+            report.bytes_checked += data.stat().st_size
+            wrong = np.flatnonzero(digests != sums)
+            if len(wrong):
+                first = int(wrong[0])
+                report.faults.append(
+                    f"{shard}: checksum mismatch in {len(wrong)} blocks, first block {first} "
+                    f"(bytes {first * unit}-{(first + 1) * unit}): stored data was changed"
+                )
+            if not pad_ok:
+                report.faults.append(f"{shard}: padding after the last example is not zero")
+        if non_finite:
+            report.notes.append(f"{non_finite} activation values are NaN or infinite")
+
+    def _verify_legacy(self, report: VerifyReport, progress: Callable[[int], None] | None):
+        md = self.metadata
         expected = {}
-        for line in listing.read_text().splitlines():
+        for line in (self.path / LEGACY_CHECKSUMS).read_text().splitlines():
             digest, _, name = line.partition("  ")
             expected[name.strip()] = digest.strip()
         for i in range(md.n_shards):
             if shard_name(i) not in expected:
-                report.faults.append(f"{shard_name(i)} has no checksum in {CHECKSUMS}")
+                report.faults.append(f"{shard_name(i)} has no checksum in {LEGACY_CHECKSUMS}")
         non_finite = 0
         for name, digest in expected.items():
             path = self.path / name
-            if not path.exists():
-                report.faults.append(f"{name} is listed in {CHECKSUMS} but missing")
+            if "/" in name or not path.is_file():
+                report.faults.append(f"{name} is listed in {LEGACY_CHECKSUMS} but missing")
                 continue
             is_shard = name.startswith("acts") and name.endswith(".bin")
             valid_bytes = None
             if is_shard:
-                index = int(name[4:10])
-                valid_bytes = self.shard_counts[index] * md.example_nbytes
-            actual, bad, pad_ok = _scan(
-                path, check_floats=is_shard, valid_bytes=valid_bytes, progress=progress
+                valid_bytes = self.shard_counts[int(name[4:10])] * md.example_nbytes
+            hasher = FileHasher("sha256")
+            _, bad, pad_ok = _scan(
+                path,
+                unit=None,
+                valid_bytes=valid_bytes,
+                progress=progress,
+                hasher=hasher,
+                check_floats=is_shard,
             )
             non_finite += bad
             report.files_checked += 1
             report.bytes_checked += path.stat().st_size
-            if actual != digest:
+            if hasher.hexdigest() != digest:
                 report.faults.append(f"{name}: checksum mismatch (stored data was changed)")
             if not pad_ok:
                 report.faults.append(f"{name}: padding after the last example is not zero")
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
-        return report
 
 
 def _decode_data(data: str) -> dict[str, Any]:
@@ -623,20 +767,27 @@ def _preadv(fd: int, iov: np.ndarray, offset: int) -> None:
 def _scan(
     path: Path,
     *,
-    check_floats: bool,
+    unit: int | None,
     valid_bytes: int | None,
     progress: Callable[[int], None] | None,
-) -> tuple[str, int, bool]:
-    """sha256 of a file, its count of non-finite float32 values, and whether any bytes past
-    ``valid_bytes`` are zero; one sequential read."""
-    hasher = FileHasher("sha256")
-    buf = bytearray(IO_CHUNK)
+    hasher: FileHasher | None = None,
+    check_floats: bool = True,
+) -> tuple[np.ndarray | None, int, bool]:
+    """Block digests of a file (``unit`` bytes each; None: none), its count of non-finite
+    float32 values, and whether any bytes past ``valid_bytes`` are zero; one sequential
+    read. ``hasher`` also digests the whole file."""
+    blocks = BlockHasher(unit) if unit else None
+    size = IO_CHUNK if not unit else max(unit, IO_CHUNK // unit * unit)
+    buf = bytearray(size)
     view = memoryview(buf)
     non_finite, pad_ok, pos = 0, True, 0
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             chunk = view[:n]
-            hasher.update(chunk)
+            if blocks is not None:
+                blocks.update(chunk)
+            if hasher is not None:
+                hasher.update(chunk)
             if check_floats:
                 valid = n if valid_bytes is None else max(0, min(n, valid_bytes - pos))
                 values = np.frombuffer(chunk[: valid - valid % 4], dtype="<f4")
@@ -646,4 +797,4 @@ def _scan(
             pos += n
             if progress is not None:
                 progress(n)
-    return hasher.hexdigest(), non_finite, pad_ok
+    return (blocks.digests() if blocks is not None else None), non_finite, pad_ok

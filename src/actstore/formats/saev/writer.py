@@ -1,15 +1,23 @@
 """Write a saev protocol 2.1 directory, crash-safely and resumably.
 
-Shards are appended sequentially into ``<dump_to>/.<HASH>.partial/``. When a shard is full
-it is fsynced, hashed, and recorded (with its statistics) in ``progress.json``; a crashed
-capture rerun with the same config finds that directory, re-verifies the finished shards,
-drops the unfinished one and resumes at the next shard. ``close()`` writes shards.json,
-statistics.json and checksums.sha256, then renames the directory to ``<dump_to>/<HASH>``
-and makes its files read-only. Readers never accept a ``.partial`` directory.
+A writer holds the store's lock (``.<HASH>.lock``, see :mod:`actstore.storage.lock`)
+from open to close. ``<dump_to>/.<HASH>.partial/`` is created complete (metadata.json and
+an empty progress.json) under a temporary name and renamed, so a crash leaves no partial
+directory or a resumable one. Shards are appended sequentially into it; each write is
+digested block by block (xxh3, one block per example and layer). When a shard is full it
+is fsynced, its block checksums are written beside it (``acts000000.bin.xxh3``) and it is
+recorded (with its statistics) in ``progress.json``; a crashed capture rerun with the same
+config finds that directory, re-checks the finished shards, drops the unfinished one and
+resumes at the next shard. ``close()`` writes shards.json, statistics.json and the
+manifest checksums.xxh128, renames the directory to ``<dump_to>/<HASH>``, removes
+progress.json and makes the files read-only. Readers never accept a ``.partial``
+directory. Every step calls :func:`actstore.faults.point` (crash tests).
 
 Files besides the spec's: ``statistics.json`` (per-layer mean/variance/norm),
-``checksums.sha256`` (``sha256sum -c`` format), ``tokens.bin`` (int32 ``[n_examples, T]``
-token ids, text models) and ``classes.json`` (label names, when labels.bin holds classes).
+``acts*.bin.xxh3`` (block checksums, :mod:`actstore.storage.blocksums`),
+``checksums.xxh128`` (``xxhsum -c`` format: xxh3-128 of every other file except the
+shards, which their sidecars cover), ``tokens.bin`` (int32 ``[n_examples, T]`` token ids,
+text models) and ``classes.json`` (label names, when labels.bin holds classes).
 
 Example:
     >>> w = SaevWriter(metadata, dump_to="/scratch/acts")  # doctest: +SKIP
@@ -20,10 +28,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import shutil
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +43,9 @@ import torch
 
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
+from ...faults import point
 from ...stats import RunningStats, merge_all
 from ...storage import (
-    FileHasher,
     atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
@@ -43,6 +54,8 @@ from ...storage import (
     publish_dir,
     read_json,
 )
+from ...storage.blocksums import BlockHasher, hash_blocks_of_file, sidecar_name
+from ...storage.lock import StoreLock
 from ..base import WriterBase
 from .layout import (
     DEFAULT_PATCHES_PER_SHARD,
@@ -55,7 +68,9 @@ from .layout import (
 log = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"
-CHECKSUMS = "checksums.sha256"
+CHECKSUMS = "checksums.xxh128"
+#: The manifest of stores written before block checksums (whole-file sha256).
+LEGACY_CHECKSUMS = "checksums.sha256"
 STATISTICS = "statistics.json"
 PART = "part.json"
 
@@ -154,6 +169,7 @@ class SaevWriter(WriterBase):
         classes: list[str] | None = None,
         has_labels: bool = False,
         example_range: tuple[int, int] | None = None,
+        break_lock: bool = False,
     ) -> None:
         self.metadata = metadata
         self.is_part = example_range is not None
@@ -171,12 +187,19 @@ class SaevWriter(WriterBase):
         self.resume_from = self.example_range[0]
         self._shards: list[dict[str, Any]] = []
         self._file = None
-        self._hasher: FileHasher | None = None
-        self._stats: list[RunningStats] = []
+        self._io: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._hasher: BlockHasher | None = None
+        self._stats: _ShardStats | None = None
         self._in_shard = 0
         self._written = 0  # examples written by this process (after resume_from)
         self._side_files: dict[str, Any] = {}
-        self._open()
+        self._lock = StoreLock.acquire(self.final_dir, break_lock=break_lock)
+        try:
+            self._open()
+        except BaseException:
+            self.abort()
+            raise
 
     @classmethod
     def from_plan(
@@ -186,6 +209,7 @@ class SaevWriter(WriterBase):
         *,
         dialect: str = "protocol",
         patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD,
+        break_lock: bool = False,
     ) -> SaevWriter:
         """The writer for a capture plan (used as ``open_writer`` by capture)."""
         metadata = saev_metadata(plan, dialect=dialect, patches_per_shard=patches_per_shard)
@@ -195,6 +219,7 @@ class SaevWriter(WriterBase):
             has_tokens=plan.has_tokens,
             classes=plan.classes,
             has_labels=plan.has_labels,
+            break_lock=break_lock,
         )
 
     # ------------------------------------------------------------------ open / resume
@@ -203,8 +228,13 @@ class SaevWriter(WriterBase):
         md = self.metadata
         if self.final_dir.exists():
             self._check_existing(self.final_dir)
+            leftover = self.final_dir / PROGRESS  # a crash between publish and cleanup
+            if leftover.exists():
+                leftover.unlink()
+                make_read_only(self.final_dir)
             self.complete = True
             self.resume_from = self.example_range[1]
+            self._lock.release()
             log.info("%s is already published; nothing to write", self.final_dir)
             return
         self.final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -212,9 +242,19 @@ class SaevWriter(WriterBase):
             self._check_existing(self.partial_dir)
             self._resume()
         else:
-            self.partial_dir.mkdir()
-            atomic_write_bytes(self.partial_dir / "metadata.json", md.to_json_text().encode())
-            atomic_write_json(self.partial_dir / PROGRESS, {"shards": []})
+            # Built complete under a temporary name, then renamed: a crash leaves either no
+            # partial directory or one a rerun can resume.
+            init = self.partial_dir.with_name(self.partial_dir.name + "-init")
+            if init.exists():
+                shutil.rmtree(init)  # a crash while creating it (we hold the lock)
+            init.mkdir()
+            point("saev.init_created")
+            atomic_write_bytes(init / "metadata.json", md.to_json_text().encode())
+            atomic_write_json(init / PROGRESS, {"shards": []})
+            point("saev.init_filled")
+            os.rename(init, self.partial_dir)
+            fsync_dir(self.partial_dir.parent)
+            point("saev.partial_created")
         for name, needed in (("tokens.bin", self.has_tokens), ("labels.bin", self.has_labels)):
             if needed:
                 done = self.resume_from - self.example_range[0]
@@ -236,10 +276,17 @@ class SaevWriter(WriterBase):
             )
 
     def _resume(self) -> None:
-        """Keep finished shards whose checksum still matches; drop everything after them."""
-        progress = read_json(self.partial_dir / PROGRESS)
+        """Keep finished shards whose checksums still match; drop everything after them."""
+        try:
+            progress = read_json(self.partial_dir / PROGRESS)
+            entries = list(progress["shards"])
+        except (CorruptStoreError, KeyError, TypeError) as err:
+            log.warning("%s is unreadable (%s); starting the capture over", PROGRESS, err)
+            entries = []
         kept: list[dict[str, Any]] = []
-        for entry in progress.get("shards", []):
+        for entry in entries:
+            if not isinstance(entry, dict):
+                break
             index = self._first_shard + len(kept)
             if (
                 index >= self.metadata.n_shards
@@ -248,19 +295,30 @@ class SaevWriter(WriterBase):
             ):
                 break  # a kept shard must hold its full count, or later examples would shift
             path = self.partial_dir / entry["name"]
+            side = self.partial_dir / sidecar_name(entry["name"])
             expected = self.metadata.shard_nbytes(index)
-            if not path.exists() or path.stat().st_size != expected:
+            if not path.exists() or path.stat().st_size != expected or not side.exists():
                 break
-            if hash_file(path) != entry["sha256"]:
-                log.warning("%s fails its checksum; rewriting from there", path)
+            raw = side.read_bytes()
+            recorded = np.frombuffer(raw[16:], dtype="<u8") if len(raw) >= 16 else None
+            if (
+                _xxh128(raw) != entry.get("blocks")
+                or recorded is None
+                or not np.array_equal(hash_blocks_of_file(path, self._unit), recorded)
+            ):
+                log.warning("%s fails its checksums; rewriting from there", path)
                 break
             kept.append(entry)
-        keep_names = {e["name"] for e in kept} | {
-            "metadata.json",
-            PROGRESS,
-            "tokens.bin",
-            "labels.bin",
-        }
+        keep_names = (
+            {e["name"] for e in kept}
+            | {sidecar_name(e["name"]) for e in kept}
+            | {
+                "metadata.json",
+                PROGRESS,
+                "tokens.bin",
+                "labels.bin",
+            }
+        )
         for child in self.partial_dir.iterdir():
             if child.name not in keep_names:
                 child.unlink()
@@ -275,12 +333,19 @@ class SaevWriter(WriterBase):
                     f"delete {self.partial_dir} and capture again"
                 )
         atomic_write_json(self.partial_dir / PROGRESS, {"shards": kept})
+        point("saev.resumed")
         log.info(
             "resuming %s: %d finished shards (%d examples) kept",
             self.partial_dir,
             len(kept),
             self.resume_from - self.example_range[0],
         )
+
+    @property
+    def _unit(self) -> int:
+        """Checksum block: one example's tokens at one layer (what a loader block reads)."""
+        md = self.metadata
+        return md.tokens_per_ex * md.d_model * 4
 
     # ------------------------------------------------------------------ writing
 
@@ -305,23 +370,20 @@ class SaevWriter(WriterBase):
             raise CaptureError(
                 f"examples beyond {self.example_range[1]}, the end of what this writer holds"
             )
-        acts = _stack_layers(batch, md)  # [B, L, T, D] float32
-        if acts.shape[1:] != (len(md.layers), md.tokens_per_ex, md.d_model):
-            raise CaptureError(
-                f"batch activations have shape {acts.shape[1:]}, metadata says "
-                f"{(len(md.layers), md.tokens_per_ex, md.d_model)}"
-            )
+        acts = _layer_arrays(batch, md)  # L x [B, T, D] float32, no copy
         self._write_side(batch, md)
         row = 0
         while row < batch.n_examples:
             if self._file is None:
                 self._start_shard()
             room = md.examples_per_shard - self._in_shard
-            part = acts[row : row + room]
-            self._append(part)
-            row += part.shape[0]
+            parts = [a[row : row + room] for a in acts]
+            self._append(parts)
+            point("saev.appended")
+            row += len(parts[0])
             if self._in_shard == md.examples_per_shard:
                 self._finish_shard()
+        self._wait_io()  # the batch's memory is the caller's again once write() returns
         self._written += batch.n_examples
 
     def _write_side(self, batch: Batch, md: SaevMetadata) -> None:
@@ -339,32 +401,58 @@ class SaevWriter(WriterBase):
 
     def _start_shard(self) -> None:
         index = self._first_shard + len(self._shards)
-        self._file = open(self.partial_dir / shard_name(index), "wb")  # noqa: SIM115 - open until the shard ends
-        self._hasher = FileHasher("sha256")
-        self._stats = [RunningStats(self.metadata.d_model) for _ in self.metadata.layers]
+        self._file = open(self.partial_dir / shard_name(index), "wb", buffering=0)  # noqa: SIM115 - open until the shard ends
+        self._hasher = BlockHasher(self._unit)
+        md = self.metadata
+        self._stats = _ShardStats(len(md.layers), md.tokens_per_ex, md.d_model)
         self._in_shard = 0
 
-    def _append(self, part: np.ndarray) -> None:
-        view = memoryview(part).cast("B")
-        self._file.write(view)
-        self._hasher.update(view)
-        for layer_idx, stats in enumerate(self._stats):
-            stats.update(part[:, layer_idx])
-        self._in_shard += part.shape[0]
+    def _append(self, parts: list[np.ndarray]) -> None:
+        """Append the shard's next examples, given per layer (``[n, T, D]`` each).
+
+        Each (example, layer) slab is one checksum block and, in the file, follows the
+        previous one: one gathered write (``writev``) straight from the capture's tensors,
+        on the I/O thread, while this thread digests the slabs and folds them into the
+        statistics (file writes, xxhash and numpy release the GIL). No copy is made; at
+        most one write is in flight, and none outlives :meth:`write`."""
+        n = len(parts[0])
+        slabs = [memoryview(a[i]).cast("B") for i in range(n) for a in parts]
+        self._wait_io()
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="saev-writer-io")
+        self._pending = self._io.submit(_write_all, self._file.fileno(), slabs)
+        self._hasher.update_blocks(slabs)
+        self._stats.update(parts)
+        self._in_shard += n
+
+    def _wait_io(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _stop_io(self) -> None:
+        io, self._io = self._io, None
+        if io is not None:
+            io.shutdown()
+        self._wait_io()
 
     def _finish_shard(self) -> None:
         """Pad (saev dialect), fsync and record the current shard as finished."""
         md = self.metadata
         index = self._first_shard + len(self._shards)
         pad = md.shard_nbytes(index) - self._in_shard * md.example_nbytes
+        self._wait_io()
         if pad:
             zeros = bytes(pad)
-            self._file.write(zeros)
+            _write_all(self._file.fileno(), [memoryview(zeros)])
             self._hasher.update(zeros)
-        self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
+        point("saev.shard_synced")
+        sidecar = self._hasher.sidecar_bytes()
+        atomic_write_bytes(self.partial_dir / sidecar_name(shard_name(index)), sidecar)
+        point("saev.sidecar_written")
         for f in self._side_files.values():
             f.flush()
             os.fsync(f.fileno())
@@ -372,11 +460,12 @@ class SaevWriter(WriterBase):
             {
                 "name": shard_name(index),
                 "n_examples": self._in_shard,
-                "sha256": self._hasher.hexdigest(),
-                "stats": [s.to_dict() for s in self._stats],
+                "blocks": _xxh128(sidecar),
+                "stats": [s.to_dict() for s in self._stats.finish()],
             }
         )
         atomic_write_json(self.partial_dir / PROGRESS, {"shards": self._shards}, indent=None)
+        point("saev.shard_recorded")
 
     # ------------------------------------------------------------------ publish
 
@@ -398,6 +487,7 @@ class SaevWriter(WriterBase):
             )
         if self._file is not None:
             self._finish_shard()
+        self._stop_io()
         for f in self._side_files.values():
             f.close()
         self._side_files.clear()
@@ -410,32 +500,139 @@ class SaevWriter(WriterBase):
                 atomic_write_json(d / "classes.json", self.classes)
         else:
             _write_index(d, md, self._shards, self.classes if self.has_labels else None)
-        (d / PROGRESS).unlink()
-        fsync_dir(d)
+        point("saev.index_written")
         publish_dir(d, self.final_dir)
+        point("saev.published")
+        (self.final_dir / PROGRESS).unlink()
+        fsync_dir(self.final_dir)
         make_read_only(self.final_dir)
+        self._lock.release()
         self.complete = True
         log.info("published %s (%d shards, %d examples)", self.final_dir, len(self._shards), total)
         return self.final_dir
 
     def abort(self) -> None:
         """Close files without publishing; finished shards stay for a resume."""
+        with contextlib.suppress(Exception):  # the failed write is the caller's error
+            self._stop_io()
         if self._file is not None:
             self._file.close()
             self._file = None
         for f in self._side_files.values():
             f.close()
         self._side_files.clear()
+        self._lock.release()
 
 
-def _stack_layers(batch: Batch, md: SaevMetadata) -> np.ndarray:
-    """``[B, L, T, D]`` float32 C-order from the batch's ``resid.<layer>`` tensors."""
+class _ShardStats:
+    """Per-layer statistics of one shard, folded in runs of examples counted from the shard
+    start: the result does not depend on how batches (or a resume) split the shard."""
+
+    def __init__(self, n_layers: int, tokens: int, d: int) -> None:
+        self.stats = [RunningStats(d) for _ in range(n_layers)]
+        self.per = max(1, self.stats[0].rows_per_chunk // tokens)
+        self._pending = np.empty((n_layers, self.per, tokens, d), dtype="<f4")
+        self._fill = 0
+
+    def update(self, parts: list[np.ndarray]) -> None:
+        """Fold the shard's next examples, given per layer (``[n, T, D]`` each). Whole runs
+        are folded straight from the caller's arrays; only a run's ends are buffered."""
+        i, n = 0, len(parts[0])
+        if self._fill or n < self.per:
+            take = min(self.per - self._fill, n)
+            for buf, part in zip(self._pending, parts):
+                buf[self._fill : self._fill + take] = part[:take]
+            self._fill += take
+            i = take
+            if self._fill == self.per:
+                self._fold(list(self._pending))
+                self._fill = 0
+        while n - i >= self.per:
+            self._fold([part[i : i + self.per] for part in parts])
+            i += self.per
+        if i < n:
+            for buf, part in zip(self._pending, parts):
+                buf[: n - i] = part[i:]
+            self._fill = n - i
+
+    def finish(self) -> list[RunningStats]:
+        if self._fill:
+            self._fold([buf[: self._fill] for buf in self._pending])
+            self._fill = 0
+        return self.stats
+
+    def _fold(self, chunks: list[np.ndarray]) -> None:
+        for stats, chunk in zip(self.stats, chunks):
+            stats.update(chunk)
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing these dirty pages to disk now, without waiting
+    (Linux ``sync_file_range``): the disk works while the capture goes on, and the
+    shard's ``fsync`` waits only for the tail."""
+    if _SYNC_FILE_RANGE is not None and nbytes:
+        _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), 2)  # _WRITE
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Write ``views`` one after another at the file position (``writev``, resuming
+    after short writes), then start their writeback."""
+    start = os.lseek(fd, 0, os.SEEK_CUR)
+    total = sum(len(v) for v in views)
+    _write_views(fd, views)
+    _start_writeback(fd, start, total)
+
+
+def _write_views(fd: int, views: list[memoryview]) -> None:
+    max_iov = min(1024, os.sysconf("SC_IOV_MAX"))
+    i = 0
+    while i < len(views):
+        batch = views[i : i + max_iov]
+        done = os.writev(fd, batch)
+        for view in batch:  # skip the views written, trim a partly written one
+            if done >= len(view):
+                done -= len(view)
+                i += 1
+                continue
+            views[i] = view[done:]
+            break
+
+
+def _xxh128(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _layer_arrays(batch: Batch, md: SaevMetadata) -> list[np.ndarray]:
+    """The batch's ``resid.<layer>`` tensors as C-order float32 ``[B, T, D]`` arrays, one
+    per stored layer (views of the tensors when they already are: no copy)."""
     try:
         tensors = [batch.acts[f"resid.{layer}"] for layer in md.layers]
     except KeyError as err:
         raise CaptureError(f"batch lacks site {err}; it has {sorted(batch.acts)}") from None
-    stacked = torch.stack([t.to(torch.float32) for t in tensors], dim=1)
-    return np.ascontiguousarray(stacked.numpy(), dtype="<f4")
+    arrays = [
+        np.ascontiguousarray(t.detach().to(torch.float32).numpy(), dtype="<f4") for t in tensors
+    ]
+    want = (batch.n_examples, md.tokens_per_ex, md.d_model)
+    for layer, array in zip(md.layers, arrays):
+        if array.shape != want:
+            raise CaptureError(
+                f"batch activations of layer {layer} have shape {array.shape}, metadata says {want}"
+            )
+    return arrays
 
 
 def remove_partial(final_dir: Path) -> None:
@@ -448,8 +645,10 @@ def remove_partial(final_dir: Path) -> None:
 def _write_index(
     directory: Path, md: SaevMetadata, shards: list[dict[str, Any]], classes: list[str] | None
 ) -> None:
-    """shards.json, statistics.json, classes.json and checksums.sha256 of a finished store,
-    from the shard records (name, n_examples, sha256, per-layer stats) in shard order."""
+    """shards.json, statistics.json, classes.json and checksums.xxh128 of a finished store,
+    from the shard records (name, n_examples, sidecar digest, per-layer stats) in shard
+    order. The manifest lists every file but itself and the shards (covered by their
+    sidecars, which it lists)."""
     d = directory
     atomic_write_json(
         d / "shards.json", [{"name": e["name"], "n_examples": e["n_examples"]} for e in shards]
@@ -468,10 +667,12 @@ def _write_index(
     )
     if classes is not None:
         atomic_write_json(d / "classes.json", classes)
-    lines = [f"{e['sha256']}  {e['name']}" for e in shards]
-    for name in ("tokens.bin", "labels.bin", "shards.json", STATISTICS):
+    lines = [f"{e['blocks']}  {sidecar_name(e['name'])}" for e in shards]
+    for name in ("metadata.json", "tokens.bin", "labels.bin", "classes.json"):
         if (d / name).exists():
-            lines.append(f"{hash_file(d / name)}  {name}")
+            lines.append(f"{hash_file(d / name, 'xxh128')}  {name}")
+    for name in ("shards.json", STATISTICS):
+        lines.append(f"{hash_file(d / name, 'xxh128')}  {name}")
     atomic_write_bytes(d / CHECKSUMS, ("\n".join(lines) + "\n").encode())
 
 
@@ -553,7 +754,8 @@ def merge_parts(part_dirs: Sequence[str | os.PathLike], final_dir: str | os.Path
     shutil.copyfile(parts[0] / "metadata.json", work / "metadata.json")
     for part in parts:
         for entry in read_part(part)[1]["shards"]:
-            _link_or_copy(part / entry["name"], work / entry["name"])
+            for name in (entry["name"], sidecar_name(entry["name"])):
+                _link_or_copy(part / name, work / name)
     for name in ("tokens.bin", "labels.bin"):
         if (parts[0] / name).exists():
             with open(work / name, "wb") as out:

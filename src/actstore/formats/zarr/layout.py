@@ -65,6 +65,8 @@ SPLIT = "arrays/split"
 DIGEST = "arrays/content_xxh128"
 CONFIG_FILE = "meta/config.json"
 STATISTICS_FILE = "meta/statistics.json"
+#: xxh3-64 of every activation chunk file, per part (uint64 [n, L, n_chunks]; 0: not stored).
+CHUNKSUMS = {p: f"meta/chunksums.{p}.npy" for p in ("prompt", "response")}
 
 ACT_DTYPE = np.dtype("<f2")
 ITEMSIZE = ACT_DTYPE.itemsize

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
+    CHUNKSUMS,
     CONFIG_FILE,
     DIGEST,
     FORMAT_TAG,
@@ -67,6 +69,8 @@ from .store import OPTIONAL_ARRAYS, byte_view, zarr_module
 
 MANIFEST = "manifest.json"
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class StoreInfo:
@@ -81,6 +85,8 @@ class StoreInfo:
     """Global index of this store's first sample."""
     lengths: dict[str, np.ndarray] = field(default_factory=dict)
     """Stored (capped) token lengths per part, int32 ``[n_samples]``."""
+    chunksums: dict[str, np.ndarray] | None = None
+    """xxh3-64 per activation chunk (``meta/chunksums.<part>.npy``); None: not checked."""
     geometry: dict[str, tuple[str, str, int, int, int]] = field(init=False, repr=False)
     """Per part: (array directory + "/", key separator, T_chunk, chunk bytes, row bytes)."""
 
@@ -106,8 +112,9 @@ class StoreInfo:
         return prefix + chunk_key(indices, separator)
 
 
-def open_store_info(path: Path, *, offset: int = 0) -> StoreInfo:
-    """Validate the store at ``path`` from its consolidated metadata and load its lengths."""
+def open_store_info(path: Path, *, offset: int = 0, verify_reads: bool = True) -> StoreInfo:
+    """Validate the store at ``path`` from its consolidated metadata and load its lengths
+    (and, with ``verify_reads``, its chunk checksums)."""
     if path.name.endswith(".partial"):
         raise CorruptStoreError(
             f"{path} is an unfinished write (a .partial directory); "
@@ -144,6 +151,7 @@ def open_store_info(path: Path, *, offset: int = 0) -> StoreInfo:
             meta, ACTIVATIONS[part], layout.shape(part), list(layout.chunk_shape(part)), path
         )
     info = StoreInfo(path=path, attrs=attrs, layout=layout, separators=separators, offset=offset)
+    _check_inside(path)
     group = zarr_module().open_consolidated(str(path), mode="r", zarr_format=2)
     for part in PARTS:
         lengths = np.asarray(_array(group, LENGTHS[part], path)[:], dtype=np.int32)
@@ -154,7 +162,62 @@ def open_store_info(path: Path, *, offset: int = 0) -> StoreInfo:
                 f"in 0..{cap}; it does not"
             )
         info.lengths[part] = lengths
+    if verify_reads:
+        info.chunksums = _load_chunksums(path, layout)
     return info
+
+
+def _check_inside(path: Path) -> None:
+    """Refuse a store whose folders or metadata files are symlinks out of it, and check
+    that every zarr metadata file is valid JSON (zarr-python would raise a raw error).
+    Chunk files are not listed here (there may be millions): reads open them with
+    ``O_NOFOLLOW`` and ``verify`` checks them."""
+    root = path.resolve()
+    entries = [*path.iterdir()]
+    for folder in ("arrays", "meta", "text"):
+        if (path / folder).is_dir() and not (path / folder).is_symlink():
+            entries += [*(path / folder).iterdir()]
+    entries += [e / name for e in entries if e.is_dir() for name in (".zarray", ".zattrs")]
+    for entry in entries:
+        if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+            raise CorruptStoreError(
+                f"{entry} is a symlink to {entry.resolve()}, outside the store; a store's "
+                "files must lie inside it: copy the file in or re-capture"
+            )
+        if entry.name in (".zgroup", ".zattrs", ".zarray") and entry.is_file():
+            read_json(entry)
+
+
+_WARNED_UNVERIFIED: set[str] = set()
+
+
+def _load_chunksums(path: Path, layout: ZarrLayout) -> dict[str, np.ndarray] | None:
+    files = {p: path / CHUNKSUMS[p] for p in PARTS}
+    if not any(f.exists() for f in files.values()):
+        if str(path) not in _WARNED_UNVERIFIED:
+            _WARNED_UNVERIFIED.add(str(path))
+            log.warning(
+                "%s has no chunk checksums (written by another tool or an older actstore): "
+                "its reads are not verified",
+                path,
+            )
+        return None
+    out = {}
+    for part, file in files.items():
+        want = (layout.n_samples, layout.n_layers, layout.n_chunks(part))
+        try:
+            sums = np.load(file, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise CorruptStoreError(
+                f"{file} is missing or unreadable ({err}); restore it or re-capture"
+            ) from err
+        if sums.shape != want or sums.dtype != np.dtype("<u8"):
+            raise CorruptStoreError(
+                f"{file} holds {sums.dtype} {sums.shape}, expected uint64 {want}; restore it "
+                "or re-capture"
+            )
+        out[part] = sums
+    return out
 
 
 def _check_zarray(meta: dict, name: str, shape: tuple, chunks: list, path: Path) -> str:
@@ -211,14 +274,14 @@ class ZarrReader(ReaderBase):
     site name or, for the residual stream, the block index (``6``).
     """
 
-    def __init__(self, location: str | os.PathLike) -> None:
+    def __init__(self, location: str | os.PathLike, *, verify_reads: bool = True) -> None:
         path, is_run = resolve_location(location)
         self.path = path
         self.manifest: dict[str, Any] | None = None
         if is_run:
-            self.manifest, self.stores = _open_run(path)
+            self.manifest, self.stores = _open_run(path, verify_reads=verify_reads)
         else:
-            self.stores = [open_store_info(path)]
+            self.stores = [open_store_info(path, verify_reads=verify_reads)]
         first = self.stores[0]
         self.layout = first.layout.with_samples(sum(s.n_samples for s in self.stores))
         self._starts = np.array([s.offset for s in self.stores], dtype=np.int64)
@@ -718,18 +781,32 @@ class ZarrPairDataset(torch.utils.data.Dataset):
 
 def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray) -> int:
     """Fill ``out`` (``[n, H]`` float16, C order) with tokens ``0..n`` of one (sample, layer),
-    reading chunk files directly; a missing chunk is zeros (the fill value). Returns the
-    number of bytes read from files."""
+    reading chunk files directly; a chunk not stored is zeros (the fill value). Where the
+    store has chunk checksums, each chunk read is checked (a partly needed chunk is read
+    whole into a scratch buffer) and a chunk they list but the store lacks is an error.
+    Returns the number of bytes read from files."""
     n_rows = out.shape[0]
     prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
+    sums = None if store.chunksums is None else store.chunksums[part][local, layer_idx]
     view = byte_view(out)
     n_read = 0
     for c in range(-(-n_rows // t_chunk)):
         r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
         path = f"{prefix}{local}{sep}{layer_idx}{sep}{c}{sep}0"
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as err:
+            if not isinstance(err, FileNotFoundError):
+                raise CorruptStoreError(
+                    f"chunk {path} cannot be opened ({err.strerror}): chunk files must be "
+                    "plain files inside the store; restore it or re-capture"
+                ) from err
+            if sums is not None and sums[c]:
+                raise CorruptStoreError(
+                    f"chunk {path} (sample {local}, layer {layer_idx}, chunk {c}, bytes "
+                    f"0-{chunk_bytes}) is missing: the store recorded it; restore it or "
+                    "re-capture"
+                ) from None
             out[r0:r1] = 0
             continue
         try:
@@ -739,7 +816,12 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
                     f"chunk {path} has {size} bytes, expected {chunk_bytes} "
                     f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture"
                 )
-            target = view[r0 * row_bytes : r1 * row_bytes]
+            whole = sums is not None and (r1 - r0) * row_bytes != chunk_bytes
+            target = (
+                memoryview(bytearray(chunk_bytes))
+                if whole
+                else view[r0 * row_bytes : r1 * row_bytes]
+            )
             done = 0
             while done < len(target):
                 got = os.preadv(fd, [target[done:]], done)
@@ -749,6 +831,15 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
             n_read += done
         finally:
             os.close(fd)
+        if sums is not None:
+            if (xxhash.xxh3_64_intdigest(target) or 1) != sums[c]:
+                raise CorruptStoreError(
+                    f"chunk {path} (sample {local}, layer {layer_idx}, chunk {c}, bytes "
+                    f"0-{chunk_bytes}) fails its xxh3 checksum: the stored data was changed "
+                    "or damaged; restore it or re-capture (verify_reads=False reads it anyway)"
+                )
+            if whole:
+                view[r0 * row_bytes : r1 * row_bytes] = target[: (r1 - r0) * row_bytes]
     return n_read
 
 
@@ -762,7 +853,7 @@ def _line_offsets(path: Path) -> np.ndarray:
     return np.asarray(offsets, dtype=np.int64)
 
 
-def _open_run(path: Path) -> tuple[dict[str, Any], list[StoreInfo]]:
+def _open_run(path: Path, *, verify_reads: bool = True) -> tuple[dict[str, Any], list[StoreInfo]]:
     manifest = read_json(path / MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT_TAG:
         raise CorruptStoreError(f"{path / MANIFEST} is not an actstore zarr run manifest")
@@ -773,7 +864,7 @@ def _open_run(path: Path) -> tuple[dict[str, Any], list[StoreInfo]]:
         raise CorruptStoreError(f"{path / MANIFEST} lacks {err}; re-create the manifest") from None
     stores, start = [], 0
     for entry in entries:
-        info = open_store_info(path / entry["path"], offset=start)
+        info = open_store_info(path / entry["path"], offset=start, verify_reads=verify_reads)
         if int(entry["start"]) != start or int(entry["n_samples"]) != info.n_samples:
             raise CorruptStoreError(
                 f"{path / MANIFEST}: shard {entry['path']} should start at "
@@ -790,10 +881,39 @@ def _open_run(path: Path) -> tuple[dict[str, Any], list[StoreInfo]]:
     return manifest, stores
 
 
+def _verify_statistics(store: StoreInfo, report: VerifyReport) -> None:
+    path, lay = store.path / STATISTICS_FILE, store.layout
+    if not path.exists():
+        report.faults.append(f"{path} is missing")
+        return
+    rows = int(store.lengths["prompt"].sum()) + int(store.lengths["response"].sum())
+    try:
+        sites = read_json(path)["sites"]
+        if sorted(sites) != sorted(lay.sites):
+            raise CorruptStoreError(f"sites {sorted(sites)}, expected {sorted(lay.sites)}")
+        for site in lay.sites:
+            stats = RunningStats.from_dict(sites[site])
+            if stats.count != rows or stats.d != lay.hidden_size:
+                raise CorruptStoreError(
+                    f"{site} counts {stats.count} rows of width {stats.d}; the store holds "
+                    f"{rows} of {lay.hidden_size}"
+                )
+            if stats.mean.shape != (stats.d,) or stats.m2.shape != (stats.d,):
+                raise CorruptStoreError(f"{site} has vectors of the wrong length")
+    except (CorruptStoreError, KeyError, TypeError, AttributeError) as err:
+        report.faults.append(f"{path} is malformed: {err}")
+
+
 def _verify_store(
     store: StoreInfo, group: Any, report: VerifyReport, progress: Callable[[int], None] | None
 ) -> int:
     lay, where = store.layout, store.path
+    _verify_statistics(store, report)
+    if store.chunksums is None:
+        report.faults.append(
+            f"{where} has no chunk checksums ({CHUNKSUMS['prompt']}): its chunks cannot be "
+            "verified (deleted, or a store written by another tool)"
+        )
     for part in PARTS:
         directory = store.path / ACTIVATIONS[part]
         grid = (lay.n_samples, lay.n_layers, lay.n_chunks(part), 1)
@@ -802,6 +922,9 @@ def _verify_store(
             for name in names:
                 rel = os.path.relpath(os.path.join(dirpath, name), directory)
                 if rel in (".zarray", ".zattrs"):
+                    continue
+                if os.path.islink(os.path.join(dirpath, name)):
+                    report.faults.append(f"{directory}/{rel}: a symlink, not a chunk file")
                     continue
                 key = parse_chunk_key(rel.replace(os.sep, "/"), store.separators[part])
                 if key is None or len(key) != 4 or any(k >= g for k, g in zip(key, grid)):

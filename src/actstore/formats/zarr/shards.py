@@ -45,8 +45,10 @@ from ...batch import Batch
 from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
 from ...progress import bar_switch
 from ...storage import atomic_write_json
+from ...storage.local import atomic_write
 from .layout import (
     ACTIVATIONS,
+    CHUNKSUMS,
     CONFIG_FILE,
     PARTS,
     RUN_FORMAT_TAG,
@@ -332,6 +334,10 @@ def merge_run(
             {"sites": {site: reader.statistics(site).to_dict() for site in lay.sites}},
             indent=None,
         )
+        if all(s.chunksums is not None for s in stores):
+            for part in PARTS:
+                with atomic_write(tmp / CHUNKSUMS[part]) as f:
+                    np.save(f, np.concatenate([s.chunksums[part] for s in stores]))
         config_path = stores[0].path / CONFIG_FILE
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
         config["merged_from"] = [str(s.path) for s in stores]

@@ -9,9 +9,14 @@ chunks, since chunks are ``(1, 1, T_chunk, H)``. Chunks that would hold only pad
 stored (zarr's default; readers return the fill value 0 for them, bit-exactly).
 
 Besides the spec's arrays the writer keeps the untruncated lengths, token ids (fill -1),
-an xxh3-128 digest per sample (``verify`` recomputes it), and exact running statistics per
+an xxh3-128 digest per sample (``verify`` recomputes it), exact running statistics per
 site in ``meta/statistics.json``, computed from the activations as captured (before the
-float16 cast) over every stored (unpadded) prompt and response token.
+float16 cast) over every stored (unpadded) prompt and response token, and an xxh3-64
+digest of every activation chunk file in ``meta/chunksums.<part>.npy`` (uint64
+``[n_samples, n_layers, n_chunks]``, 0 for a chunk not stored): readers check each chunk
+they read against it, and a chunk it lists but the store lacks is an error, not zeros.
+The writer holds the store's lock (:mod:`actstore.storage.lock`) while it writes and
+removes the unfinished writes of dead writers it finds.
 
 Example:
     >>> writer = ZarrWriter.from_plan(plan, "out", ZarrOptions(r_max=64))  # doctest: +SKIP
@@ -40,10 +45,13 @@ from ...batch import SPLITS, Batch, CapturePlan, sample_key
 from ...errors import CaptureError, ConfigError, StoreExistsError
 from ...stats import RunningStats
 from ...storage import atomic_write_json
+from ...storage.local import atomic_write
+from ...storage.lock import StoreLock
 from ..base import WriterBase
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
+    CHUNKSUMS,
     CONFIG_FILE,
     DIGEST,
     FORMAT_TAG,
@@ -190,6 +198,7 @@ class ZarrWriter(WriterBase):
         id_offset: int = 0,
         token_ids: bool = True,
         optional: tuple[str, ...] = (),
+        break_lock: bool = False,
     ) -> None:
         self.layout = layout
         self.final_path = Path(path).expanduser().resolve()
@@ -207,11 +216,17 @@ class ZarrWriter(WriterBase):
         self.resume_from = 0
         self._written = 0
         self._tmp: Path | None = None
+        self._lock: StoreLock | None = None
         if self.final_path.exists():
             self._check_existing()
             return
-        self._warn_stale_partials()
+        self._lock = StoreLock.acquire(self.final_path, break_lock=break_lock)
+        self._remove_stale_partials()
         self._tmp = new_partial_dir(self.final_path)
+        self._chunksums = {
+            p: np.zeros((layout.n_samples, layout.n_layers, layout.n_chunks(p)), dtype="<u8")
+            for p in PARTS
+        }
         self._root = create_arrays(self._tmp, layout, token_ids=token_ids, optional=self.optional)
         arrays = self._root["arrays"]
         self._acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
@@ -271,17 +286,13 @@ class ZarrWriter(WriterBase):
             "%s is already published with the same fingerprint; nothing to write", self.final_path
         )
 
-    def _warn_stale_partials(self) -> None:
+    def _remove_stale_partials(self) -> None:
+        """Delete unfinished writes of this store: holding its lock, no live writer has one."""
         parent = self.final_path.parent
         if parent.is_dir():
-            stale = sorted(parent.glob(f".{self.final_path.name}.*.partial"))
-            if stale:
-                log.warning(
-                    "unfinished writes of %s found (a crashed or running writer): %s; "
-                    "delete them once no writer uses them",
-                    self.final_path,
-                    ", ".join(p.name for p in stale),
-                )
+            for stale in sorted(parent.glob(f".{self.final_path.name}.*.partial")):
+                log.warning("removing %s, the unfinished write of a dead writer", stale)
+                shutil.rmtree(stale, ignore_errors=True)
 
     # ------------------------------------------------------------------ writing
 
@@ -310,8 +321,15 @@ class ZarrWriter(WriterBase):
             raise CaptureError(f"more samples than the {lay.n_samples} this store was sized for")
         p_full, r_full = _batch_lengths(batch)
         kept = [lay.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
-        prompt = np.zeros((n, lay.n_layers, lay.p_max, lay.hidden_size), dtype=ACT_DTYPE)
-        response = np.zeros((n, lay.n_layers, lay.r_max, lay.hidden_size), dtype=ACT_DTYPE)
+        # padded to whole chunks, as zarr stores edge chunks (the chunk digests need it)
+        padded = {
+            p: np.zeros(
+                (n, lay.n_layers, lay.n_chunks(p) * lay.t_chunk(p), lay.hidden_size), ACT_DTYPE
+            )
+            for p in PARTS
+        }
+        prompt = padded["prompt"][:, :, : lay.p_max]
+        response = padded["response"][:, :, : lay.r_max]
         for layer_idx, site in enumerate(lay.sites):
             tensor = batch.acts.get(site)
             if tensor is None:
@@ -337,6 +355,8 @@ class ZarrWriter(WriterBase):
                     stats.update(exact[b, r0 : r0 + rk])
         self._acts["prompt"][lo : lo + n] = prompt
         self._acts["response"][lo : lo + n] = response
+        for part, data in padded.items():
+            self._chunksums[part][lo : lo + n] = chunk_digests(data, lay.n_chunks(part))
         self._append_sample_rows(batch, lo, p_full, r_full, kept, prompt, response)
         self._truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
         self._truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
@@ -442,6 +462,9 @@ class ZarrWriter(WriterBase):
             indent=None,
         )
         atomic_write_json(self._tmp / CONFIG_FILE, self.config)
+        for part in PARTS:
+            with atomic_write(self._tmp / CHUNKSUMS[part]) as f:
+                np.save(f, self._chunksums[part])
         attrs = {**self.attrs, **layout_attrs(lay)}
         attrs.update(truncation_attrs_from_counts(self._truncated, lay.n_samples))
         attrs["created_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
@@ -450,6 +473,7 @@ class ZarrWriter(WriterBase):
         self._root.attrs.update(attrs)
         tmp, self._tmp = self._tmp, None
         publish(tmp, self.final_path)
+        self._lock.release()
         self.complete = True
         log.info(
             "published %s (%d samples, P_max %d, R_max %d)",
@@ -468,6 +492,23 @@ class ZarrWriter(WriterBase):
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if self._lock is not None:
+            self._lock.release()
+
+
+def chunk_digests(data: np.ndarray, n_chunks: int) -> np.ndarray:
+    """xxh3-64 of each activation chunk of ``data`` (``[n, L, n_chunks * T_chunk, H]``
+    float16, zero-padded to whole chunks): uint64 ``[n, L, n_chunks]``, 0 where the chunk
+    holds only zeros (zarr does not store it)."""
+    n, n_layers = data.shape[:2]
+    if n_chunks == 0:
+        return np.zeros((n, n_layers, 0), dtype="<u8")
+    chunks = data.reshape(n, n_layers, n_chunks, -1)
+    stored = (chunks != 0).any(axis=3)
+    out = np.zeros((n, n_layers, n_chunks), dtype="<u8")
+    for index in zip(*np.nonzero(stored)):
+        out[index] = xxhash.xxh3_64_intdigest(byte_view(chunks[index])) or 1
+    return out
 
 
 def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict, dict]:
