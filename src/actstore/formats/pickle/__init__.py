@@ -9,11 +9,13 @@ from pathlib import Path
 from ..registry import FormatSpec
 from .layout import VERSION, PickleMetadata, ShardInfo, layer_key, shard_filename
 from .options import PickleOptions
-from .reader import PickleReader
+from .reader import PickleReader, detect_remote
 from .writer import PickleWriter, merge_stores
 
 
 def _detect(location: str) -> bool:
+    if location.startswith("s3://"):
+        return detect_remote(location)
     p = Path(location).expanduser()
     meta = p / "metadata.json"
     if not meta.is_file():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import io
 import os
 import zlib
 from collections import OrderedDict
@@ -40,7 +41,9 @@ from ...errors import (
 )
 from ...stats import RunningStats
 from ...storage import FileHasher, read_json
+from ...storage.files import StoreFiles, open_files
 from ...storage.local import IO_CHUNK
+from ...storage.object import S3Config
 from ..base import Block, VerifyReport
 from .layout import METADATA, PROGRESS, PickleMetadata, ShardInfo, layer_key, plan_sites
 
@@ -77,29 +80,47 @@ class _HashingReader:
 
 
 class PickleReader:
-    """Read access to one pkl.gz store; picklable (the shard cache is not carried)."""
+    """Read access to one pkl.gz store, local or ``s3://bucket/prefix``; picklable (the
+    shard cache is not carried). ``cache_dir`` / ``cache_bytes`` / ``s3``: the local cache
+    tier and S3 settings of a remote store (default ``$ACTSTORE_CACHE``)."""
 
-    def __init__(self, path: str | os.PathLike, *, cache_shards: int = 1) -> None:
-        self.path = Path(path).expanduser()
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        cache_shards: int = 1,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
+        s3: S3Config | None = None,
+    ) -> None:
+        self.files: StoreFiles = open_files(
+            path, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
+        )
+        self.remote = self.files.local_path is None
+        self.path = self.files.local_path or Path(self.files.url)
         meta = self.path / METADATA
-        if not self.path.is_dir():
+        if not self.remote and not self.path.is_dir():
             raise StoreNotFoundError(f"{self.path} is not a directory of pkl.gz shards")
-        if not meta.exists():
-            if (self.path / PROGRESS).exists():
+        if not self.files.exists(METADATA):
+            meta = self.files.url_of(METADATA)
+            if self.files.exists(PROGRESS):
                 raise CorruptStoreError(
                     f"{self.path} is an unfinished capture (no metadata.json yet): rerun the "
                     "same capture command to resume and publish it"
                 )
             raise StoreNotFoundError(f"{meta} does not exist; is {self.path} a pkl.gz store?")
-        self.metadata = PickleMetadata.from_json_dict(read_json(meta), source=str(meta))
+        self.metadata = PickleMetadata.from_json_dict(
+            self.files.read_json(METADATA) if self.remote else read_json(meta),
+            source=self.files.url_of(METADATA),
+        )
         self.shards = sorted(self.metadata.shards, key=lambda s: s.sample_id_range)
         for info in self.shards:
-            file = self.path / info.filename
-            if not file.exists():
+            file, size = self._where(info.filename), self.files.size(info.filename)
+            if size is None:
                 raise StoreNotFoundError(f"shard {file} is missing; restore it or re-capture")
-            if file.stat().st_size != info.size_bytes:
+            if size != info.size_bytes:
                 raise CorruptStoreError(
-                    f"shard {file} has {file.stat().st_size} bytes, metadata.json says "
+                    f"shard {file} has {size} bytes, metadata.json says "
                     f"{info.size_bytes}: it is truncated or was replaced; restore it"
                 )
         self._firsts = [s.sample_id_range[0] for s in self.shards]
@@ -170,10 +191,21 @@ class PickleReader:
             self._cache.popitem(last=False)
         return data
 
+    def _where(self, name: str) -> Any:
+        """How messages name file ``name`` (its path, or its URL on object storage)."""
+        return self.files.url_of(name) if self.remote else self.path / name
+
+    def _open(self, info: ShardInfo) -> Any:
+        """A binary file object over shard ``info`` (the I/O seam): the local file, or the
+        whole remote object fetched with ranged GETs (kept in the cache tier if any)."""
+        if not self.remote:
+            return open(self.path / info.filename, "rb")
+        return io.BytesIO(self.files.read_range(info.filename, 0, info.size_bytes))
+
     def _read(self, info: ShardInfo, progress: Callable[[int], None] | None) -> dict[str, Any]:
-        file = self.path / info.filename
+        file = self._where(info.filename)
         try:
-            with open(file, "rb") as raw:
+            with self._open(info) as raw:
                 tee = _HashingReader(raw, progress)
                 if info.compressed:
                     with gzip.GzipFile(fileobj=tee, mode="rb") as gz:
@@ -198,7 +230,7 @@ class PickleReader:
         self._check_structure(data, info, file)
         return data
 
-    def _check_structure(self, data: Any, info: ShardInfo, file: Path) -> None:
+    def _check_structure(self, data: Any, info: ShardInfo, file: Any) -> None:
         if not isinstance(data, dict):
             raise CorruptStoreError(f"shard {file} holds a {type(data).__name__}, not a dict")
         reference: list[int] | None = None
@@ -392,9 +424,9 @@ class PickleReader:
         """Summary for ``actstore inspect``."""
         md = self.metadata
         config = md.extraction_config
-        files = [self.path / METADATA] + [self.path / s.filename for s in self.shards]
+        files = [METADATA] + [s.filename for s in self.shards]
         out: dict[str, Any] = {
-            "path": str(self.path),
+            "path": self.files.url if self.remote else str(self.path),
             "format": f"pkl.gz activation shards v{md.version}",
             "model": f"{config.get('model_name')} ({config.get('model_architecture')})",
             "dataset": config.get("dataset_name"),
@@ -413,15 +445,15 @@ class PickleReader:
                 for k in ("machine_id", "total_machines")
                 if k in md.distributed_config
             },
-            "bytes": sum(f.stat().st_size for f in files),
-            "files": [f.name for f in files],
+            "bytes": sum(self.files.size(f) or 0 for f in files),
+            "files": files,
         }
         return out
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Re-read every shard: checksum, safe unpickling, structure, NaN/Inf values, and
         the statistics' totals against the shards. ``progress(n_bytes)`` as data is read."""
-        report = VerifyReport(str(self.path))
+        report = VerifyReport(self.files.url if self.remote else str(self.path))
         non_finite = 0
         for index, info in enumerate(self.shards):
             self._cache.pop(index, None)
@@ -446,3 +478,18 @@ class PickleReader:
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
         return report
+
+
+def detect_remote(location: str) -> bool:
+    """Whether ``s3://bucket/prefix`` holds a pkl.gz store (one HEAD and one small GET)."""
+    from ...storage.object import join_key, open_location
+
+    store, prefix = open_location(location)
+    key = join_key(prefix, METADATA)
+    if store.size(key) is None:
+        return False
+    try:
+        doc = store.get_json(key)
+    except CorruptStoreError:
+        return False
+    return isinstance(doc, dict) and "shards" in doc and "extraction_config" in doc

@@ -6,11 +6,13 @@ from ..base import VerifyReport
 from ..registry import FormatSpec
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .options import SaevOptions
-from .reader import SaevReader
+from .reader import SaevReader, detect_remote
 from .writer import SaevWriter, saev_metadata, store_dir
 
 
 def _detect(location: str) -> bool:
+    if location.startswith("s3://"):
+        return detect_remote(location)
     p = Path(location).expanduser()
     if not (p / "shards.json").is_file() or not (p / "metadata.json").is_file():
         return False

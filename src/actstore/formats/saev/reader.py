@@ -3,7 +3,10 @@
 Opening validates metadata.json against shards.json and every shard's file size, so a
 missing or truncated shard is reported up front with the file named. Random access goes
 through read-only memmaps advised for random reads (no readahead of whole files); block
-reads for training use ``pread`` straight into the caller's buffer.
+reads for training use ``pread`` straight into the caller's buffer. At ``s3://bucket/prefix``
+the same reads are ranged GETs through :mod:`actstore.storage.files` (concurrent, straight
+into the caller's buffer, optionally kept in the local cache tier); random access fetches
+only the bytes of the rows asked for.
 
 Example:
     >>> r = SaevReader("/scratch/acts/3f1c...")  # doctest: +SKIP
@@ -22,7 +25,7 @@ import mmap
 import os
 import pickle
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,8 @@ from ...errors import (
 )
 from ...stats import RunningStats
 from ...storage import FileHasher, read_json
-from ...storage.local import IO_CHUNK
+from ...storage.files import StoreFiles, open_files
+from ...storage.object import S3Config
 from ..base import Block, VerifyReport
 from .layout import SaevMetadata, shard_name
 from .writer import CHECKSUMS, STATISTICS
@@ -54,19 +58,40 @@ _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
 
 
 class SaevReader:
-    """Read access to one saev directory. Picklable: worker processes reopen files lazily."""
+    """Read access to one saev directory, local or ``s3://bucket/prefix``. Picklable: worker
+    processes reopen files lazily.
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path).expanduser()
+    ``cache_dir`` / ``cache_bytes`` / ``s3``: the local cache tier and S3 settings of a remote
+    store (see :func:`~actstore.storage.files.open_files`; default ``$ACTSTORE_CACHE``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
+        s3: S3Config | None = None,
+    ) -> None:
+        self.files: StoreFiles = open_files(
+            path, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
+        )
+        self.remote = self.files.local_path is None
+        self.path = self.files.local_path or Path(self.files.url.rstrip("/").rpartition("/")[2])
         if self.path.name.endswith(".partial"):
             raise CorruptStoreError(
-                f"{self.path} is an unfinished capture (a .partial directory): rerun the same "
-                "capture command to resume and publish it"
+                f"{self.files.url} is an unfinished capture (a .partial directory): rerun the "
+                "same capture command to resume and publish it"
             )
-        if not self.path.is_dir():
+        if not self.remote and not self.path.is_dir():
             raise StoreNotFoundError(f"{self.path} is not a directory of saev shards")
+        if self.remote and not self.files.exists("metadata.json"):
+            raise StoreNotFoundError(
+                f"{self.files.url} holds no saev store (no metadata.json): an unfinished upload "
+                "or a wrong URL; finish the copy (actstore cp) or fix the URL"
+            )
         self.metadata = SaevMetadata.from_json_dict(
-            read_json(self.path / "metadata.json"), source=str(self.path / "metadata.json")
+            self._json("metadata.json"), source=self.files.url_of("metadata.json")
         )
         self.shard_counts = self._read_shards_json()
         self._check_sizes()
@@ -76,9 +101,13 @@ class SaevReader:
 
     # ------------------------------------------------------------------ validation
 
+    def _json(self, name: str) -> Any:
+        """A JSON file of the store (the I/O seam: local path or remote object)."""
+        return self.files.read_json(name) if self.remote else read_json(self.path / name)
+
     def _read_shards_json(self) -> list[int]:
-        md, source = self.metadata, self.path / "shards.json"
-        doc = read_json(source)
+        md, source = self.metadata, self.files.url_of("shards.json")
+        doc = self._json("shards.json")
         if not isinstance(doc, list) or not all(
             isinstance(e, dict)
             and isinstance(e.get("name"), str)
@@ -112,20 +141,20 @@ class SaevReader:
     def _check_sizes(self) -> None:
         md = self.metadata
         for i in range(md.n_shards):
-            path = self.path / shard_name(i)
-            if not path.exists():
+            path = self.files.url_of(shard_name(i))
+            size, want = self.files.size(shard_name(i)), md.shard_nbytes(i)
+            if size is None:
                 raise StoreNotFoundError(f"shard {path} is missing; restore it or re-capture")
-            size, want = path.stat().st_size, md.shard_nbytes(i)
             if size != want:
                 raise CorruptStoreError(
                     f"shard {path} has {size} bytes, expected {want} "
                     f"({'truncated' if size < want else 'too long'}); restore it or re-capture"
                 )
         for name, row in (("tokens.bin", md.tokens_per_ex * 4), ("labels.bin", md.patches_per_ex)):
-            path = self.path / name
-            if path.exists() and path.stat().st_size != md.n_examples * row:
+            size = self.files.size(name)
+            if size is not None and size != md.n_examples * row:
                 raise CorruptStoreError(
-                    f"{path} has {path.stat().st_size} bytes, expected {md.n_examples * row}"
+                    f"{self.files.url_of(name)} has {size} bytes, expected {md.n_examples * row}"
                 )
 
     # ------------------------------------------------------------------ properties
@@ -172,7 +201,7 @@ class SaevReader:
     def __repr__(self) -> str:
         n, _layers, t, d = self.shape
         return (
-            f"SaevReader({str(self.path)!r}, dialect={self.dialect!r}, n_examples={n}, "
+            f"SaevReader({self.files.url!r}, dialect={self.dialect!r}, n_examples={n}, "
             f"layers={list(self.layers)}, tokens={t}, d_model={d})"
         )
 
@@ -212,7 +241,39 @@ class SaevReader:
         if os.getpid() == self._pid:
             for fd in self._fds.values():
                 os.close(fd)
+            self.files.close()
         self._memmaps, self._fds = {}, {}
+
+    def _read_into(self, shard: int, out: np.ndarray, offset: int) -> None:
+        """``out``'s bytes from shard ``shard`` at byte ``offset`` (the I/O seam)."""
+        if self.remote:
+            self.files.read_range(shard_name(shard), offset, out.nbytes, out)
+        else:
+            _pread_into(self._fd(shard), out, offset)
+
+    def _rows_remote(self, shard: int, rows: np.ndarray, layer_sel: Any, token: Any) -> np.ndarray:
+        """``memmap[rows, layer_sel][..., token, :]`` of a remote shard, fetching only the
+        span of tokens asked for of each (row, layer)."""
+        md = self.metadata
+        n_tok, n_lay = md.tokens_per_ex, len(md.layers)
+        layer_ids = range(n_lay) if isinstance(layer_sel, slice) else [layer_sel]
+        picked = _as_indices(token, n_tok, "token")
+        t0, t1 = (int(picked.min()), int(picked.max()) + 1) if picked.size else (0, 0)
+        buf = np.empty((len(rows), len(layer_ids), t1 - t0, md.d_model), dtype="<f4")
+        ranges = [
+            (((int(r) * n_lay + li) * n_tok + t0) * md.d_model * 4, buf[i, j])
+            for i, r in enumerate(rows)
+            for j, li in enumerate(layer_ids)
+        ]
+        if t1 > t0:
+            self.files.read_ranges(shard_name(shard), ranges)
+        if isinstance(token, (int, np.integer)):
+            tok: Any = 0
+        elif isinstance(token, slice):
+            tok = picked - t0
+        else:
+            tok = np.asarray(token) % n_tok - t0
+        return buf[:, :, tok] if isinstance(layer_sel, slice) else buf[:, 0][:, tok]
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_memmaps": {}, "_fds": {}}
@@ -249,6 +310,9 @@ class SaevReader:
         shard_of = examples // md.examples_per_shard
         for shard in np.unique(shard_of):
             rows = examples[shard_of == shard] - shard * md.examples_per_shard
+            if self.remote:
+                out.append(self._rows_remote(int(shard), rows, layer_sel, token_sel))
+                continue
             part = self._memmap(int(shard))[rows, layer_sel]  # copies just these rows
             out.append(
                 part[:, :, token_sel] if isinstance(layer_sel, slice) else part[:, token_sel]
@@ -263,12 +327,14 @@ class SaevReader:
         """One activation vector via the spec's offset arithmetic (section 4.2)."""
         shard, offset = self.metadata.locate(example, layer, token)
         out = np.empty(self.metadata.d_model, dtype="<f4")
-        _pread_into(self._fd(shard), out, offset)
+        self._read_into(shard, out, offset)
         return out
 
     @property
     def tokens(self) -> np.ndarray | None:
         """Token ids ``[n_examples, T]`` (int32 memmap) for text captures, else None."""
+        if self.remote:
+            return self._remote_array("tokens.bin", "<i4", self.tokens_per_ex)
         path = self.path / "tokens.bin"
         if not path.exists():
             return None
@@ -277,24 +343,36 @@ class SaevReader:
     @property
     def labels(self) -> np.ndarray | None:
         """Per-patch labels ``[n_examples, patches_per_ex]`` (uint8 memmap), else None."""
+        if self.remote:
+            return self._remote_array("labels.bin", "u1", self.metadata.patches_per_ex)
         path = self.path / "labels.bin"
         if not path.exists():
             return None
         md = self.metadata
         return np.memmap(path, dtype=np.uint8, mode="r", shape=(md.n_examples, md.patches_per_ex))
 
+    def _remote_array(self, name: str, dtype: str, width: int) -> np.ndarray | None:
+        """A small side file of a remote store, fetched once and kept in memory."""
+        kept = self.__dict__.setdefault("_side_files", {})
+        if name not in kept:
+            data = self.files.read_bytes(name) if self.files.exists(name) else None
+            kept[name] = (
+                None
+                if data is None
+                else np.frombuffer(data, dtype=dtype).reshape(self.n_examples, width)
+            )
+        return kept[name]
+
     @property
     def classes(self) -> list[str] | None:
-        path = self.path / "classes.json"
-        return read_json(path) if path.exists() else None
+        return self._json("classes.json") if self.files.exists("classes.json") else None
 
     def statistics(self, site: int) -> RunningStats | None:
         """Running statistics of stored layer ``site`` (None if the file is absent)."""
-        path = self.path / STATISTICS
-        if not path.exists():
+        if not self.files.exists(STATISTICS):
             return None
         self.metadata.layer_index(int(site))
-        return RunningStats.from_dict(read_json(path)["sites"][str(int(site))])
+        return RunningStats.from_dict(self._json(STATISTICS)["sites"][str(int(site))])
 
     def dataset_description(self, *, allow_pickle: bool = False) -> Any:
         """Decode metadata's ``data`` field. It is a pickle, and unpickling can run code,
@@ -339,7 +417,7 @@ class SaevReader:
         if out is None:
             out = np.empty((block.n_rows, md.d_model), dtype="<f4")
         vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
-        _pread_into(self._fd(shard), out, vectors * md.d_model * 4)
+        self._read_into(shard, out, vectors * md.d_model * 4)
         return out
 
     def read_block_scatter(self, block: Block, out: np.ndarray, rows: np.ndarray) -> None:
@@ -360,6 +438,11 @@ class SaevReader:
                 f"per block row and a float32 [n, {md.d_model}] out with "
                 "contiguous rows"
             )
+        if self.remote:  # one ranged read, then rows to their places
+            rows_read = self.read_block(block)
+            keep = rows >= 0
+            out[rows[keep]] = rows_read[keep]
+            return
         row_bytes = md.d_model * 4
         addr = np.where(rows >= 0, out.ctypes.data + rows * out.strides[0], _trash_addr())
         iov = np.empty((block.n_rows, 2), dtype=np.uint64)
@@ -422,6 +505,13 @@ class SaevReader:
         new_run = np.ones(len(rows), dtype=bool)
         new_run[1:] = (shard[1:] != shard[:-1]) | (gap_bytes > min(max_gap, GAP_BYTES))
         starts = np.flatnonzero(new_run)
+        if self.remote:  # each row straight into its slot; the file layer merges nearby rows
+            for s in np.unique(shard):
+                at = np.flatnonzero(shard == s)
+                self.files.read_ranges(
+                    shard_name(int(s)), [(int(offset[i]), out[slots[i]]) for i in at]
+                )
+            starts = starts[:0]
         for lo, hi in zip(starts, [*starts[1:], len(rows)]):
             gaps = gap_bytes[lo : hi - 1]
             iov = np.zeros((2 * (hi - lo) - 1, 2), dtype=np.uint64)
@@ -445,9 +535,9 @@ class SaevReader:
     def describe(self) -> dict[str, Any]:
         """Summary for ``actstore inspect``."""
         md = self.metadata
-        files = sorted(p for p in self.path.iterdir() if p.is_file())
+        files = {n: size for n, size in self.files.list().items() if "/" not in n}
         out: dict[str, Any] = {
-            "path": str(self.path),
+            "path": self.files.url if self.remote else str(self.path),
             "format": f"saev protocol {md.protocol} ({self.dialect} dialect)",
             "model": f"{md.ckpt} ({md.family})",
             "dataset": md.dataset,
@@ -463,8 +553,8 @@ class SaevReader:
             "cls_token": md.cls_token,
             "d_model": md.d_model,
             "shards": f"{md.n_shards} x up to {md.examples_per_shard} examples",
-            "bytes": sum(p.stat().st_size for p in files),
-            "files": [p.name for p in files],
+            "bytes": sum(files.values()),
+            "files": list(files),
         }
         if self.tokens is not None and md.n_examples:
             out["token_ids[0][:16]"] = self.tokens[0, :16].tolist()
@@ -478,19 +568,18 @@ class SaevReader:
         """Re-hash every file listed in checksums.sha256, check metadata consistency, the
         directory name against the content hash, zero padding (saev dialect) and
         non-finite values. ``progress(n_bytes)`` is called as data is read."""
-        md, report = self.metadata, VerifyReport(str(self.path))
+        md, report = self.metadata, VerifyReport(self.files.url if self.remote else str(self.path))
         expected_hash = md.content_hash()
         if _HASH_NAME.match(self.path.name) and self.path.name != expected_hash:
             report.faults.append(
                 f"directory name {self.path.name} differs from the metadata hash "
                 f"{expected_hash}: metadata.json was edited after publication"
             )
-        listing = self.path / CHECKSUMS
-        if not listing.exists():
+        if not self.files.exists(CHECKSUMS):
             report.notes.append(f"no {CHECKSUMS}: sizes checked, contents not verifiable")
             return report
         expected = {}
-        for line in listing.read_text().splitlines():
+        for line in self.files.read_bytes(CHECKSUMS).decode("utf-8").splitlines():
             digest, _, name = line.partition("  ")
             expected[name.strip()] = digest.strip()
         for i in range(md.n_shards):
@@ -498,8 +587,8 @@ class SaevReader:
                 report.faults.append(f"{shard_name(i)} has no checksum in {CHECKSUMS}")
         non_finite = 0
         for name, digest in expected.items():
-            path = self.path / name
-            if not path.exists():
+            size = self.files.size(name)
+            if size is None:
                 report.faults.append(f"{name} is listed in {CHECKSUMS} but missing")
                 continue
             is_shard = name.startswith("acts") and name.endswith(".bin")
@@ -508,11 +597,14 @@ class SaevReader:
                 index = int(name[4:10])
                 valid_bytes = self.shard_counts[index] * md.example_nbytes
             actual, bad, pad_ok = _scan(
-                path, check_floats=is_shard, valid_bytes=valid_bytes, progress=progress
+                self.files.iter_chunks(name),
+                check_floats=is_shard,
+                valid_bytes=valid_bytes,
+                progress=progress,
             )
             non_finite += bad
             report.files_checked += 1
-            report.bytes_checked += path.stat().st_size
+            report.bytes_checked += size
             if actual != digest:
                 report.faults.append(f"{name}: checksum mismatch (stored data was changed)")
             if not pad_ok:
@@ -579,29 +671,42 @@ def _preadv(fd: int, iov: np.ndarray, offset: int) -> None:
 
 
 def _scan(
-    path: Path,
+    chunks: Iterable[memoryview],
     *,
     check_floats: bool,
     valid_bytes: int | None,
     progress: Callable[[int], None] | None,
 ) -> tuple[str, int, bool]:
-    """sha256 of a file, its count of non-finite float32 values, and whether any bytes past
-    ``valid_bytes`` are zero; one sequential read."""
+    """sha256 of a file's ``chunks``, its count of non-finite float32 values, and whether any
+    bytes past ``valid_bytes`` are zero; one sequential read."""
     hasher = FileHasher("sha256")
-    buf = bytearray(IO_CHUNK)
-    view = memoryview(buf)
     non_finite, pad_ok, pos = 0, True, 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            chunk = view[:n]
-            hasher.update(chunk)
-            if check_floats:
-                valid = n if valid_bytes is None else max(0, min(n, valid_bytes - pos))
-                values = np.frombuffer(chunk[: valid - valid % 4], dtype="<f4")
-                non_finite += int(values.size - np.count_nonzero(np.isfinite(values)))
-                if valid < n and np.frombuffer(chunk[valid:], dtype=np.uint8).any():
-                    pad_ok = False
-            pos += n
-            if progress is not None:
-                progress(n)
+    for chunk in chunks:
+        n = len(chunk)
+        hasher.update(chunk)
+        if check_floats:
+            valid = n if valid_bytes is None else max(0, min(n, valid_bytes - pos))
+            values = np.frombuffer(chunk[: valid - valid % 4], dtype="<f4")
+            non_finite += int(values.size - np.count_nonzero(np.isfinite(values)))
+            if valid < n and np.frombuffer(chunk[valid:], dtype=np.uint8).any():
+                pad_ok = False
+        pos += n
+        if progress is not None:
+            progress(n)
     return hasher.hexdigest(), non_finite, pad_ok
+
+
+def detect_remote(location: str) -> bool:
+    """Whether ``s3://bucket/prefix`` holds a saev store (two HEADs and one small GET)."""
+    from ...storage.object import join_key, open_location
+
+    store, prefix = open_location(location)
+    if any(store.size(join_key(prefix, n)) is None for n in ("shards.json", "metadata.json")):
+        return False
+    try:
+        doc = store.get_json(join_key(prefix, "metadata.json"))
+    except CorruptStoreError:
+        return True  # let the reader report the damaged file
+    return isinstance(doc, dict) and (
+        "patches_per_ex" in doc or "content_tokens_per_example" in doc
+    )

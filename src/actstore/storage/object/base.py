@@ -17,6 +17,8 @@ class ObjectInfo:
 
     key: str
     size: int
+    version: str = ""
+    """Changes when the object is replaced: the ETag on S3 ("" where unknown)."""
 
 
 class ObjectStore(abc.ABC):
@@ -40,6 +42,14 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the object."""
+
+    def get_range_into(
+        self, key: str, out: bytearray | memoryview, start: int, *, total: int | None = None
+    ) -> None:
+        """Fill ``out`` with bytes ``[start, start + len(out))`` of the object; ``total``: the
+        object's expected size, checked where the backend can."""
+        view = memoryview(out).cast("B")
+        view[:] = self.get_range(key, start, start + len(view))
 
     @abc.abstractmethod
     def get_into(

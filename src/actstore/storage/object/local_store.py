@@ -54,6 +54,20 @@ class LocalStore(ObjectStore):
         with self._open(key) as f:
             return os.pread(f.fileno(), end - start, start)
 
+    def get_range_into(
+        self, key: str, out: bytearray | memoryview, start: int, *, total: int | None = None
+    ) -> None:
+        from ...errors import CorruptStoreError
+
+        view = memoryview(out).cast("B")
+        with self._open(key) as f:
+            done = 0
+            while done < len(view):
+                n = os.preadv(f.fileno(), [view[done:]], start + done)
+                if n == 0:
+                    raise CorruptStoreError(f"{self._path(key)} ended at byte {start + done}")
+                done += n
+
     def get_into(
         self,
         key: str,

@@ -180,8 +180,13 @@ class S3Store(ObjectStore):
         self._get_range_into(key, memoryview(out), start, None)
         return bytes(out)
 
+    def get_range_into(
+        self, key: str, out: bytearray | memoryview, start: int, *, total: int | None = None
+    ) -> None:
+        """One ranged GET into ``out``; checks the object's total size when given."""
+        self._get_range_into(key, memoryview(out).cast("B"), start, total)
+
     def _get_range_into(self, key: str, view: memoryview, start: int, total: int | None) -> None:
-        """One ranged GET into ``view``; checks the object's total size when given."""
         from ...errors import CorruptStoreError
 
         end = start + len(view) - 1
@@ -264,7 +269,7 @@ class S3Store(ObjectStore):
                 kwargs["ContinuationToken"] = token
             page = self._call("LIST", prefix, lambda kw=kwargs: self.client.list_objects_v2(**kw))
             for item in page.get("Contents", []):
-                yield ObjectInfo(item["Key"], int(item["Size"]))
+                yield ObjectInfo(item["Key"], int(item["Size"]), item.get("ETag", "").strip('"'))
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]
