@@ -26,6 +26,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +122,7 @@ class BlockCache:
             self._count("damaged")
             self._count("misses")
             return False
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)  # the LRU clock
+        _touch(path)
         self._count("hits")
         return True
 
@@ -141,6 +141,7 @@ class BlockCache:
                     f.write(view)
                     f.write(xxhash.xxh3_128(view).digest())
                 os.replace(tmp, path)
+                _touch(path)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
@@ -195,3 +196,11 @@ class BlockCache:
     def _count(self, name: str) -> None:
         with self._lock:
             setattr(self.stats, name, getattr(self.stats, name) + 1)
+
+
+def _touch(path: Path) -> None:
+    """Set ``path``'s mtime, the LRU clock, to now at full resolution (the kernel's own file
+    times are coarse: entries written within a few ms would tie)."""
+    now = time.time_ns()
+    with contextlib.suppress(FileNotFoundError):
+        os.utime(path, ns=(now, now))

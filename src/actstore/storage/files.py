@@ -305,17 +305,21 @@ def open_files(
     cache_bytes: int | str | None = None,
     s3: S3Config | None = None,
     threads: int = 16,
+    cache: bool = True,
 ) -> StoreFiles:
     """The files at ``location``: a local directory or ``s3://bucket/prefix``.
 
     ``cache_dir`` (default ``$ACTSTORE_CACHE``) turns on the local cache tier for remote
-    stores, capped at ``cache_bytes`` (default ``$ACTSTORE_CACHE_MAX`` or 10 GiB).
+    stores, capped at ``cache_bytes`` (default ``$ACTSTORE_CACHE_MAX`` or 10 GiB);
+    ``cache=False``: no cache tier whatever the environment says.
     """
     if not is_remote(str(location)):
         text = str(location)
         return LocalFiles(text.removeprefix("file://"))
     store, prefix = open_location(location, s3)
     assert isinstance(store, S3Store)
+    if not cache:
+        return S3Files(store, prefix, threads=threads)
     if cache_dir is not None:
         cap = parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
         cache: BlockCache | None = BlockCache(cache_dir, cap) if cap else BlockCache(cache_dir)

@@ -319,28 +319,15 @@ class S3Store(ObjectStore):
 
     def _put_multipart(self, key: str, view: memoryview) -> None:
         """Multipart upload: the object appears only when complete; aborted on failure."""
-        client = self.client
-        upload = self._call(
-            "CREATE multipart",
-            key,
-            lambda: client.create_multipart_upload(
-                Bucket=self.bucket, Key=key, ContentType="application/octet-stream"
-            ),
-        )
-        upload_id = upload["UploadId"]
+        upload_id = self.create_upload(key)
         size = self.config.part_size
         offsets = list(range(0, len(view), size))
 
         def send(number: int, offset: int) -> dict[str, Any]:
-            body = bytes(view[offset : offset + size])
-            part = self._call(
-                f"PUT part {number}/{len(offsets)} of",
-                key,
-                lambda: client.upload_part(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
-                ),
+            etag = self.upload_part(
+                key, upload_id, number, view[offset : offset + size], of=len(offsets)
             )
-            return {"PartNumber": number, "ETag": part["ETag"]}
+            return {"PartNumber": number, "ETag": etag}
 
         try:
             workers = min(self.config.part_concurrency, len(offsets))
@@ -348,11 +335,47 @@ class S3Store(ObjectStore):
                 parts = list(pool.map(lambda a: send(*a), enumerate(offsets, start=1)))
             self._complete(key, upload_id, parts, len(view))
         except BaseException:
-            try:
-                client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
-            except Exception as err:  # noqa: BLE001 - the original error matters more
-                log.warning("could not abort multipart upload of %s: %s", self.url(key), err)
+            self.abort_upload(key, upload_id)
             raise
+
+    # Multipart primitives, for callers that stream parts themselves (``actstore cp``).
+
+    def create_upload(self, key: str) -> str:
+        """Start a multipart upload of ``key``; returns its upload id."""
+        upload = self._call(
+            "CREATE multipart",
+            key,
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, ContentType="application/octet-stream"
+            ),
+        )
+        return upload["UploadId"]
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, data: Any, *, of: int | None = None
+    ) -> str:
+        """Send part ``number`` (1-based) of an upload; returns its ETag."""
+        body = bytes(data)
+        part = self._call(
+            f"PUT part {number}{f'/{of}' if of else ''} of",
+            key,
+            lambda: self.client.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+            ),
+        )
+        return part["ETag"]
+
+    def complete_upload(self, key: str, upload_id: str, etags: list[str], size: int) -> None:
+        """Publish ``key`` from its parts (ETags in part order); ``size``: the total bytes."""
+        parts = [{"PartNumber": i, "ETag": e} for i, e in enumerate(etags, start=1)]
+        self._complete(key, upload_id, parts, size)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished upload (logged, not raised, if that fails)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except Exception as err:  # noqa: BLE001 - the original error matters more
+            log.warning("could not abort multipart upload of %s: %s", self.url(key), err)
 
     def _complete(self, key: str, upload_id: str, parts: list[dict[str, Any]], size: int) -> None:
         botocore_exc = require("botocore.exceptions", "s3")
