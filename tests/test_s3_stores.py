@@ -4,6 +4,8 @@ exactly once, the local cache tier, ``actstore cp`` both ways, and faults throug
 from __future__ import annotations
 
 import multiprocessing
+import os
+import time
 
 import numpy as np
 import pytest
@@ -241,3 +243,56 @@ def test_reads_survive_connection_resets_through_the_proxy(s3_proxy, saev_local)
         np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
     assert reader.files.store.retries >= 1
     np.testing.assert_array_equal(reader[[3, 20], 2], acts[[3, 20], 0])
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from test_saev_store import batches, make_acts, make_metadata
+from actstore.formats.saev.remote import SaevS3Writer
+writer = SaevS3Writer(make_metadata(), sys.argv[1], staging=sys.argv[2], has_tokens=True)
+for i, batch in enumerate(batches(make_acts())):
+    writer.write(batch)
+    if i == 3:  # 16 examples: shards 0-2 finished (and queued for upload), 1 in the open one
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path):
+    import subprocess
+    import sys
+
+    from test_saev_store import batches, make_metadata
+
+    from actstore.formats.saev.remote import SaevS3Writer
+
+    acts = make_acts()
+    url, staging = s3.url("captures"), str(tmp_path / "staging")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, url, staging],
+        env=env,
+        capture_output=True,
+        check=False,
+    )
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert not any(k.endswith("metadata.json") for k in s3.keys("captures/"))
+    resumed = SaevS3Writer(make_metadata(), url, staging=staging, has_tokens=True)
+    assert resumed.resume_from == 15
+    for batch in batches(acts, start=12):
+        resumed.write(batch)
+    shard3 = f"captures/{make_metadata().content_hash()}/acts000003.bin"
+    for _ in range(300):  # the finished shard goes up in the background, before close()
+        if shard3 in s3.keys("captures/"):
+            break
+        time.sleep(0.1)
+    assert shard3 in s3.keys("captures/")
+    published = resumed.close()
+    assert published == f"{url}/{make_metadata().content_hash()}"
+    assert not (tmp_path / "staging" / make_metadata().content_hash()).exists()
+    reference = write_store(tmp_path / "ref", acts)
+    remote = open_files(published)
+    assert remote.list() == {p.name: p.stat().st_size for p in reference.iterdir()}
+    for f in reference.iterdir():
+        assert remote.read_bytes(f.name) == f.read_bytes(), f.name
+    again = SaevS3Writer(make_metadata(), url, staging=staging, has_tokens=True)
+    assert again.complete and again.close() == published

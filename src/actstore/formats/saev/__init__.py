@@ -28,6 +28,12 @@ def _detect(location: str) -> bool:
 
 
 def _writer_for_plan(plan, out: str, options: SaevOptions) -> SaevWriter:
+    if str(out).startswith("s3://"):
+        from .remote import SaevS3Writer
+
+        return SaevS3Writer.from_plan(
+            plan, out, dialect=options.dialect, patches_per_shard=options.patches_per_shard
+        )
     return SaevWriter.from_plan(
         plan, out, dialect=options.dialect, patches_per_shard=options.patches_per_shard
     )
