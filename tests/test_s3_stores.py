@@ -296,3 +296,18 @@ def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path):
         assert remote.read_bytes(f.name) == f.read_bytes(), f.name
     again = SaevS3Writer(make_metadata(), url, staging=staging, has_tokens=True)
     assert again.complete and again.close() == published
+
+
+def test_cli_capture_saev_straight_to_s3(s3, model_dir, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
+    args = ["capture", "--model", str(model_dir("gpt2")), "--dataset", str(text_file)]
+    args += ["--layers", "0,-1", "--context-length", "8", "--max-examples", "12"]
+    result = CliRunner().invoke(app, [*args, "--out", s3.url("cap"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    reader = open_store(next(line.strip() for line in result.output.split() if "s3://" in line))
+    assert isinstance(reader, SaevReader) and reader.remote and reader.verify().ok
+    local = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "here"), "--no-progress"])
+    assert local.exit_code == 0, local.output
+    here = SaevReader(next((tmp_path / "here").iterdir()))
+    assert reader.files.list() == {p.name: p.stat().st_size for p in here.path.iterdir()}
+    np.testing.assert_allclose(reader[:], here[:], rtol=0, atol=1e-6)
