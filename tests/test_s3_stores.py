@@ -97,6 +97,24 @@ def test_loader_over_s3_serves_every_row_exactly_once(s3, saev_local):
     np.testing.assert_array_equal(np.concatenate(xs), acts[:, 1].reshape(-1, acts.shape[-1])[rows])
 
 
+def test_dataloader_workers_over_s3_with_a_shared_cache(s3, saev_local, tmp_path):
+    """Worker processes (forked after the parent read blocks: its threads and client must
+    not be reused) serve every row once, sharing one cache directory."""
+    from actstore.loader import ActivationDataLoader
+
+    local, acts = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    reader = SaevReader(url, cache_dir=tmp_path / "cache")
+    reader.read_block(reader.blocks(5)[-1])  # the parent has a client and a cache entry
+    options = {"site": 5, "batch_size": 16, "pool_blocks": 3, "return_index": True}
+    for _ in range(2):  # the second epoch comes from the cache
+        data = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
+        rows = np.concatenate([b.rows.numpy() for b in data])
+        assert sorted(rows.tolist()) == list(range(len(acts) * T))
+    assert BlockCache(tmp_path / "cache").usage()[0] == len(reader.blocks(5))
+
+
 def test_cache_serves_a_second_epoch_and_evicts_least_recently_used(s3, saev_local, tmp_path):
     local, _ = saev_local
     url = s3.url("acts", local.name)

@@ -95,7 +95,7 @@ def copy_store(
     todo = [n for n in listing if present.get(n) != listing[n]]
     # metadata.json last, so the destination is openable only once everything is in.
     todo.sort(key=lambda n: (n in PUBLISH_LAST, n))
-    copier = _Copier(source, store, prefix, part_bytes, progress)
+    copier = FileCopier(source, store, prefix, part_bytes, progress)
     with ThreadPoolExecutor(threads, thread_name_prefix="actstore-cp") as pool:
         last = [n for n in todo if n in PUBLISH_LAST]
         copier.run(pool, [n for n in todo if n not in PUBLISH_LAST], listing)
@@ -112,7 +112,7 @@ def copy_store(
     )
 
 
-class _Copier:
+class FileCopier:
     """Copies files part by part on a shared pool; remembers the ETag each S3 object
     should have."""
 

@@ -183,6 +183,7 @@ class S3Files(StoreFiles):
         self.threads, self.part_bytes = threads, part_bytes
         self._listing: dict[str, tuple[int, str]] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = os.getpid()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -213,10 +214,12 @@ class S3Files(StoreFiles):
         return None if entry is None else entry[0]
 
     def _pool_(self) -> ThreadPoolExecutor:
-        if self._pool is None:
+        """This process's GET threads (a forked worker must not use its parent's)."""
+        if self._pool is None or self._pool_pid != os.getpid():
             with self._lock:
-                if self._pool is None:
+                if self._pool is None or self._pool_pid != os.getpid():
                     self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-get")
+                    self._pool_pid = os.getpid()
         return self._pool
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
@@ -293,9 +296,9 @@ class S3Files(StoreFiles):
             f.result()
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._pool is not None and self._pool_pid == os.getpid():
             self._pool.shutdown(wait=False)
-            self._pool = None
+        self._pool = None
 
 
 def open_files(

@@ -28,7 +28,7 @@ from typing import Any
 
 from ...errors import CaptureError
 from ...storage.cache import CACHE_ENV
-from ...storage.copy import DEFAULT_PART_BYTES, _Copier, copy_store
+from ...storage.copy import DEFAULT_PART_BYTES, FileCopier, copy_store
 from ...storage.files import open_files
 from ...storage.object import S3Config, S3Store, join_key, open_location
 from .writer import SaevWriter
@@ -104,7 +104,7 @@ class SaevS3Writer(SaevWriter):
     def _upload_loop(self) -> None:
         files = open_files(self.partial_dir)
         prefix = self._remote_key("")
-        copier = _Copier(files, self.store, prefix, DEFAULT_PART_BYTES, None)
+        copier = FileCopier(files, self.store, prefix, DEFAULT_PART_BYTES, None)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-s3-part") as pool:
             while (name := self._queue.get()) is not None:
                 if self._errors:
