@@ -1,6 +1,7 @@
 """saev stores on S3 (moto, in its own process on 127.0.0.1): the reader, the loader, the
 cache tier and ``actstore cp``, each against a raw boto3 baseline in the same run on the same
-server and the same bytes.
+server and the same bytes; each figure is the best of interleaved repeats (runs take turns,
+so load from other work on the machine hits a measurement and its baseline alike).
 
 1. loader over ``s3://`` (ActivationLoader, ``io_threads`` readers) vs raw parallel ranged
    GETs of the same block byte ranges with the same concurrency (goal >= 0.8);
@@ -170,12 +171,21 @@ class _Seconds:
 
 def best(run, *, times: int = 2) -> _Seconds:
     """Fastest of ``times`` runs of ``run(i)`` (each writes a fresh destination)."""
-    out = []
+    return interleaved(run, times=times)[0]
+
+
+def interleaved(*runs, times: int = 3) -> list[_Seconds]:
+    """Fastest of ``times`` runs of each ``run(i)``, the runs taking turns (first one,
+    then another) so that load from other work on the machine hits them alike."""
+    out: list[list[float]] = [[] for _ in runs]
     for i in range(times):
-        with Timer() as t:
-            run(i)
-        out.append(t.seconds)
-    return _Seconds(min(out))
+        order = list(range(len(runs)))
+        order = order[i % len(runs) :] + order[: i % len(runs)]
+        for k in order:
+            with Timer() as t:
+                runs[k](i)
+            out[k].append(t.seconds)
+    return [_Seconds(min(o)) for o in out]
 
 
 def epoch(loader) -> int:
@@ -211,14 +221,16 @@ def main() -> None:
         available_formats()  # import the format modules before any timing
         kw = {"threads": args.threads, "part_bytes": part}
         url = f"s3://{bucket}/acts0"  # the first cp upload's copy, read below
-        t_raw_up = best(lambda i: raw_upload(c, bucket, local, f"raw{i}", part, args.threads))
-        t_cp_up = best(lambda i: copy_store(local, f"s3://{bucket}/acts{i}", **kw))
-        t_cp_up_nv = best(lambda i: copy_store(local, f"s3://{bucket}/nv{i}", verify=False, **kw))
-        t_raw_down = best(
-            lambda i: raw_download(c, bucket, "raw0", tmp / f"raw-down{i}", part, args.threads)
+        t_raw_up, t_cp_up, t_cp_up_nv = interleaved(
+            lambda i: raw_upload(c, bucket, local, f"raw{i}", part, args.threads),
+            lambda i: copy_store(local, f"s3://{bucket}/acts{i}", **kw),
+            lambda i: copy_store(local, f"s3://{bucket}/nv{i}", verify=False, **kw),
         )
-        t_cp_down = best(lambda i: copy_store(url, tmp / f"cp-down{i}", **kw))
-        t_cp_down_nv = best(lambda i: copy_store(url, tmp / f"cp-nv{i}", verify=False, **kw))
+        t_raw_down, t_cp_down, t_cp_down_nv = interleaved(
+            lambda i: raw_download(c, bucket, "raw0", tmp / f"raw-down{i}", part, args.threads),
+            lambda i: copy_store(url, tmp / f"cp-down{i}", **kw),
+            lambda i: copy_store(url, tmp / f"cp-nv{i}", verify=False, **kw),
+        )
 
         # 1. loader over s3 vs raw ranged GETs of the same blocks.
         reader = SaevReader(url)
@@ -233,8 +245,10 @@ def main() -> None:
             for b in blocks
         ]
         opts = {"site": 6, "batch_size": args.batch, "io_threads": args.threads}
-        t_raw_get = best(lambda i: raw_ranged_gets(c, bucket, ranges, args.threads))
-        t_loader = best(lambda i: epoch(ActivationLoader(reader, **opts)))
+        t_raw_get, t_loader = interleaved(
+            lambda i: raw_ranged_gets(c, bucket, ranges, args.threads),
+            lambda i: epoch(ActivationLoader(reader, **opts)),
+        )
 
         # 2. random rows: reader[...] one by one vs one raw GET per row; gather in one call.
         rng = np.random.default_rng(1)
@@ -254,15 +268,16 @@ def main() -> None:
                     "Body"
                 ].read()
 
-        t_raw_rows = best(raw_rows)
-        t_rows = best(rows_one_by_one)
+        t_raw_rows, t_rows = interleaved(raw_rows, rows_one_by_one)
         t_gather = best(lambda i: reader.gather((ex, tok), 6))
 
         # 3. second epoch with the cache vs a local-disk loader.
         cached = SaevReader(url, cache_dir=tmp / "cache", cache_bytes=4 * nbytes)
         t_first = best(lambda i: epoch(ActivationLoader(cached, **opts)), times=1)
-        t_second = best(lambda i: epoch(ActivationLoader(cached, **opts)))
-        t_local = best(lambda i: epoch(ActivationLoader(SaevReader(local), **opts)))
+        t_second, t_local = interleaved(
+            lambda i: epoch(ActivationLoader(cached, **opts)),
+            lambda i: epoch(ActivationLoader(SaevReader(local), **opts)),
+        )
 
         mib = nbytes / MiB
         rows = [
