@@ -95,7 +95,7 @@ def copy_store(
     todo = [n for n in listing if present.get(n) != listing[n]]
     # metadata.json last, so the destination is openable only once everything is in.
     todo.sort(key=lambda n: (n in PUBLISH_LAST, n))
-    copier = FileCopier(source, store, prefix, part_bytes, progress)
+    copier = FileCopier(source, store, prefix, part_bytes, progress, etags=verify)
     with ThreadPoolExecutor(threads, thread_name_prefix="actstore-cp") as pool:
         last = [n for n in todo if n in PUBLISH_LAST]
         copier.run(pool, [n for n in todo if n not in PUBLISH_LAST], listing)
@@ -113,8 +113,8 @@ def copy_store(
 
 
 class FileCopier:
-    """Copies files part by part on a shared pool; remembers the ETag each S3 object
-    should have."""
+    """Copies files part by part on a shared pool; with ``etags`` it remembers the ETag each
+    S3 object should have (an MD5 of every byte sent: CPU a verified copy pays for)."""
 
     def __init__(
         self,
@@ -123,9 +123,12 @@ class FileCopier:
         prefix: str,
         part_bytes: int,
         progress: Callable[[int], None] | None,
+        *,
+        etags: bool = True,
     ) -> None:
         self.source, self.store, self.prefix = source, store, prefix
         self.part_bytes, self.progress = part_bytes, progress
+        self.hash = hashlib.md5 if etags else None
         self.etags: dict[str, str] = {}
         self._lock = threading.Lock()
 
@@ -174,10 +177,11 @@ class FileCopier:
                 data = self._read(name, 0, size)
                 store.put(key, data)
                 self._done(size)
-                return hashlib.md5(data).digest()
+                return self.hash(data).digest() if self.hash else b""
 
             def finish(digests: list[bytes]) -> None:
-                self.etags[name] = digests[0].hex()
+                if self.hash:
+                    self.etags[name] = digests[0].hex()
 
             return [pool.submit(put)], finish, lambda: None
 
@@ -187,14 +191,15 @@ class FileCopier:
             data = self._read(name, offset, min(self.part_bytes, size - offset))
             etag = store.upload_part(key, upload_id, number, data, of=len(offsets))
             self._done(len(data))
-            return etag, hashlib.md5(data).digest()
+            return etag, self.hash(data).digest() if self.hash else b""
 
         futures = [pool.submit(send, i, o) for i, o in enumerate(offsets, start=1)]
 
         def finish(results: list[tuple[str, bytes]]) -> None:
             store.complete_upload(key, upload_id, [e for e, _ in results], size)
-            joined = hashlib.md5(b"".join(d for _, d in results)).hexdigest()
-            self.etags[name] = f"{joined}-{len(results)}"
+            if self.hash:
+                joined = self.hash(b"".join(d for _, d in results)).hexdigest()
+                self.etags[name] = f"{joined}-{len(results)}"
 
         return futures, finish, lambda: store.abort_upload(key, upload_id)
 

@@ -105,10 +105,10 @@ class PickleReader:
             meta = self.files.url_of(METADATA)
             if self.files.exists(PROGRESS):
                 raise CorruptStoreError(
-                    f"{self.path} is an unfinished capture (no metadata.json yet): rerun the "
+                    f"{self.files.url} is an unfinished capture (no metadata.json yet): rerun the "
                     "same capture command to resume and publish it"
                 )
-            raise StoreNotFoundError(f"{meta} does not exist; is {self.path} a pkl.gz store?")
+            raise StoreNotFoundError(f"{meta} does not exist; is {self.files.url} a pkl.gz store?")
         self.metadata = PickleMetadata.from_json_dict(
             self.files.read_json(METADATA) if self.remote else read_json(meta),
             source=self.files.url_of(METADATA),
@@ -145,7 +145,7 @@ class PickleReader:
         if isinstance(hidden, int):
             return hidden
         if not self.shards:
-            raise CorruptStoreError(f"{self.path}: no shards and no model_params.hidden_size")
+            raise CorruptStoreError(f"{self.files.url}: no shards and no model_params.hidden_size")
         first = self.load_shard(0)[layer_key(self.shards[0].layers[0])][0]
         return int(first["activation"].shape[1])
 
@@ -162,7 +162,7 @@ class PickleReader:
 
     def __repr__(self) -> str:
         return (
-            f"PickleReader({str(self.path)!r}, samples={self.n_examples}, "
+            f"PickleReader({self.files.url!r}, samples={self.n_examples}, "
             f"layers={list(self.layers)}, shards={len(self.shards)})"
         )
 
@@ -337,7 +337,7 @@ class PickleReader:
             for item in self.load_shard(index)[key]:
                 if item["sample_idx"] == sample_idx:
                     return item
-        raise IndexOutOfRangeError(f"sample id {sample_idx} is not stored in {self.path}")
+        raise IndexOutOfRangeError(f"sample id {sample_idx} is not stored in {self.files.url}")
 
     # ------------------------------------------------------------------ conversion
 
@@ -354,7 +354,9 @@ class PickleReader:
             first = self.load_shard(0)[layer_key(info.layers[0])][0]
             tokens = int(first["activation"].shape[0])
         if not isinstance(tokens, int):
-            raise ConfigError(f"{self.path}: metadata gives no sequence length; cannot convert")
+            raise ConfigError(
+                f"{self.files.url}: metadata gives no sequence length; cannot convert"
+            )
         return CapturePlan(
             ckpt=str(config.get("model_name", "unknown")),
             family=str(config.get("model_architecture", "unknown")),
@@ -400,7 +402,7 @@ class PickleReader:
             }
         except ValueError as err:
             raise ConfigError(
-                f"{self.path}: samples have different lengths; only fixed-length "
+                f"{self.files.url}: samples have different lengths; only fixed-length "
                 "stores convert to other formats"
             ) from err
         first = columns[0][lo:hi]
@@ -426,7 +428,7 @@ class PickleReader:
         config = md.extraction_config
         files = [METADATA] + [s.filename for s in self.shards]
         out: dict[str, Any] = {
-            "path": self.files.url if self.remote else str(self.path),
+            "path": self.files.url,
             "format": f"pkl.gz activation shards v{md.version}",
             "model": f"{config.get('model_name')} ({config.get('model_architecture')})",
             "dataset": config.get("dataset_name"),
@@ -453,7 +455,7 @@ class PickleReader:
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Re-read every shard: checksum, safe unpickling, structure, NaN/Inf values, and
         the statistics' totals against the shards. ``progress(n_bytes)`` as data is read."""
-        report = VerifyReport(self.files.url if self.remote else str(self.path))
+        report = VerifyReport(self.files.url)
         non_finite = 0
         for index, info in enumerate(self.shards):
             self._cache.pop(index, None)

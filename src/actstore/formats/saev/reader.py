@@ -537,7 +537,7 @@ class SaevReader:
         md = self.metadata
         files = {n: size for n, size in self.files.list().items() if "/" not in n}
         out: dict[str, Any] = {
-            "path": self.files.url if self.remote else str(self.path),
+            "path": self.files.url,
             "format": f"saev protocol {md.protocol} ({self.dialect} dialect)",
             "model": f"{md.ckpt} ({md.family})",
             "dataset": md.dataset,
@@ -568,7 +568,7 @@ class SaevReader:
         """Re-hash every file listed in checksums.sha256, check metadata consistency, the
         directory name against the content hash, zero padding (saev dialect) and
         non-finite values. ``progress(n_bytes)`` is called as data is read."""
-        md, report = self.metadata, VerifyReport(self.files.url if self.remote else str(self.path))
+        md, report = self.metadata, VerifyReport(self.files.url)
         expected_hash = md.content_hash()
         if _HASH_NAME.match(self.path.name) and self.path.name != expected_hash:
             report.faults.append(
