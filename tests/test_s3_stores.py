@@ -329,3 +329,37 @@ def test_cli_capture_saev_straight_to_s3(s3, model_dir, text_file, tmp_path, mon
     here = SaevReader(next((tmp_path / "here").iterdir()))
     assert reader.files.list() == {p.name: p.stat().st_size for p in here.path.iterdir()}
     np.testing.assert_allclose(reader[:], here[:], rtol=0, atol=1e-6)
+
+
+def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_path):
+    from conformance import make_acts as make_plan_acts
+    from conformance import make_batches
+    from test_pickle_store import PER_SHARD
+
+    from actstore.formats.pickle import PickleOptions, PickleWriter
+    from actstore.formats.s3_staged import StagedS3Writer
+
+    plan = make_plan()
+    batches = make_batches(plan, make_plan_acts(plan))
+    url, staging = s3.url("pk"), tmp_path / "staging"
+
+    def make(directory):
+        return PickleWriter(plan, directory, PickleOptions(samples_per_shard=PER_SHARD))
+
+    crashed = StagedS3Writer(url, make, staging=staging)
+    for batch in batches[:3]:
+        crashed.write(batch)
+    crashed.abort()
+    assert s3.keys("pk/") == {}
+    resumed = StagedS3Writer(url, make, staging=staging)
+    assert resumed.resume_from == 10 and not resumed.complete
+    for batch in batches:
+        resumed.write(batch)
+    assert resumed.close() == url and not staging.exists()
+    reference, *_ = write_pickle(tmp_path / "ref", plan)
+    remote = open_store(url)
+    assert isinstance(remote, PickleReader) and remote.verify().ok
+    for name in (f"shard_{i:04d}.pkl.gz" for i in range(1, 6)):
+        assert remote.files.read_bytes(name) == (reference / name).read_bytes(), name
+    again = StagedS3Writer(url, make, staging=staging)
+    assert again.complete and again.close() == url

@@ -28,6 +28,10 @@ def _detect(location: str) -> bool:
 
 
 def _writer_for_plan(plan, out: str, options: PickleOptions) -> PickleWriter:
+    if str(out).startswith("s3://"):
+        from ..s3_staged import StagedS3Writer
+
+        return StagedS3Writer(out, lambda staging: PickleWriter(plan, staging, options))
     return PickleWriter(plan, out, options)
 
 
