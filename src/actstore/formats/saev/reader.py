@@ -25,6 +25,7 @@ import mmap
 import os
 import pickle
 import re
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,20 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.preadv.restype = ctypes.c_ssize_t
 _LIBC.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
+
+
+class _Scratch(threading.local):
+    """Per-thread buffer for remote block reads (no fresh pages to fault in per block)."""
+
+    buf = np.empty(0, dtype="<f4")
+
+    def rows_for(self, n: int, d: int) -> np.ndarray:
+        if self.buf.size < n * d:
+            self.buf = np.empty(n * d, dtype="<f4")
+        return self.buf[: n * d].reshape(n, d)
+
+
+_SCRATCH = _Scratch()
 
 
 class SaevReader:
@@ -438,8 +453,8 @@ class SaevReader:
                 f"per block row and a float32 [n, {md.d_model}] out with "
                 "contiguous rows"
             )
-        if self.remote:  # one ranged read, then rows to their places
-            rows_read = self.read_block(block)
+        if self.remote:  # one ranged read into this thread's scratch, then rows to their places
+            rows_read = self.read_block(block, _SCRATCH.rows_for(block.n_rows, md.d_model))
             keep = rows >= 0
             out[rows[keep]] = rows_read[keep]
             return
