@@ -95,6 +95,8 @@ def copy_store(
     todo = [n for n in listing if present.get(n) != listing[n]]
     # metadata.json last, so the destination is openable only once everything is in.
     todo.sort(key=lambda n: (n in PUBLISH_LAST, n))
+    if progress is not None:  # files already there count as done
+        progress(sum(listing.values()) - sum(listing[n] for n in todo))
     copier = FileCopier(source, store, prefix, part_bytes, progress, etags=verify)
     with ThreadPoolExecutor(threads, thread_name_prefix="actstore-cp") as pool:
         last = [n for n in todo if n in PUBLISH_LAST]
