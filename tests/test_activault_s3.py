@@ -490,7 +490,7 @@ def test_wrong_credentials_and_missing_bucket_are_clear(s3, monkeypatch):
 def test_open_store_names_the_s3_problem_not_an_unknown_format(s3, monkeypatch, tmp_path):
     """Regression: format detection swallowed a missing bucket or missing credentials, so
     open_store (and the loader, inspect, verify) said "not an actstore-readable store"."""
-    import actstore.storage.object as object_storage
+    import actstore.storage.object.s3_store as object_storage
     from actstore.loader import ActivationLoader
 
     with pytest.raises(StoreNotFoundError, match="bucket 'no-such-bucket' does not exist"):

@@ -60,6 +60,7 @@ def _root(
 from . import (
     capture_cmd,  # noqa: F401
     convert_cmd,  # noqa: F401
+    cp_cmd,  # noqa: F401
     dist_cmd,  # noqa: F401
     inspect_cmd,  # noqa: F401
     runs_cmd,  # noqa: F401

@@ -50,13 +50,15 @@ def ls(
         None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."
     ),
 ) -> None:
-    """List runs, hooks and megabatch files of an Activault layout (or any prefix).
+    """List a saev or pkl.gz store (its shape and files), the runs, hooks and megabatch files
+    of an Activault layout, or any prefix.
 
     \b
     Examples:
       actstore ls s3://bucket                    # runs in the bucket
       actstore ls s3://bucket/run                # hooks: files, sizes, shapes, progress
       actstore ls s3://bucket/run/models.layers.6.post --all
+      actstore ls s3://bucket/acts/3f1c0e        # a saev or pkl.gz store
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
@@ -67,6 +69,10 @@ def ls(
         store.check_bucket()
     elif not (store.root / prefix).exists():
         raise StoreNotFoundError(f"{store.url(prefix)} does not exist")
+    described = _store_summary(location, store.url(prefix))
+    if described is not None:
+        _print_store(described, as_json)
+        return
     if store.size(join_key(prefix, METADATA)) is not None:
         summary = {"hook": store.url(prefix), **_hook_summary(store, prefix)}
         _print_hook(summary, show_all, as_json)
@@ -97,6 +103,27 @@ def ls(
             typer.echo(f"  {d}/")
         return
     _print_run(store.url(prefix), cfg, hooks, as_json)
+
+
+def _store_summary(location: str, url: str) -> dict[str, Any] | None:
+    """``describe()`` of a saev or pkl.gz store at ``location`` (None: not one of those)."""
+    from ..formats import get_format
+
+    for name in ("saev", "pickle"):
+        spec = get_format(name)
+        if spec.detect(location):
+            return {"store": url, **spec.open_reader(location).describe()}
+    return None
+
+
+def _print_store(summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, default=str))
+        return
+    typer.echo(f"{summary['store']}: {summary['format']}, {human_bytes(summary['bytes'])}")
+    typer.echo(f"  {summary['shape']}")
+    for name in summary["files"]:
+        typer.echo(f"  {name}")
 
 
 def _print_hook(summary: dict[str, Any], show_all: bool, as_json: bool) -> None:

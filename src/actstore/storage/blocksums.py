@@ -25,9 +25,13 @@ import os
 import struct
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from .files import StoreFiles
 
 from ..errors import CorruptStoreError, StoreNotFoundError
 from .local import IO_CHUNK, atomic_write_bytes
@@ -151,8 +155,12 @@ class BlockSums:
     a sidecar are read unverified and one warning says so. ``enabled=False`` checks nothing.
     """
 
-    def __init__(self, root: str | os.PathLike, *, enabled: bool = True, required: bool = False):
-        self.root = Path(root)
+    def __init__(
+        self, root: str | os.PathLike | StoreFiles, *, enabled: bool = True, required: bool = False
+    ):
+        from .files import LocalFiles, StoreFiles
+
+        self.files = root if isinstance(root, StoreFiles) else LocalFiles(root)
         self.enabled = enabled
         self.required = required
         self._sums: dict[str, tuple[int, np.ndarray] | None] = {}
@@ -171,13 +179,12 @@ class BlockSums:
         found = self._sums.get(name, False)
         if found is not False:
             return found
-        data, side = self.root / name, self.root / sidecar_name(name)
-        try:
-            raw = side.read_bytes()
-        except FileNotFoundError:
+        side = sidecar_name(name)
+        if self.files.size(side) is None:
             if self.required:
                 raise CorruptStoreError(
-                    f"{side} is missing: the store lists block checksums for {name} but the "
+                    f"{self.files.url_of(side)} is missing: the store lists block checksums for "
+                    f"{name} but the "
                     "file is gone; restore it or re-capture"
                 ) from None
             with self._lock:
@@ -186,15 +193,16 @@ class BlockSums:
                     log.warning(
                         "%s has no block checksums (written by another tool or an older "
                         "actstore): its reads are not verified",
-                        self.root,
+                        self.files.url,
                     )
             found = None
         else:
-            try:
-                size = data.stat().st_size
-            except FileNotFoundError:
-                raise StoreNotFoundError(f"{data} is missing; restore it or re-capture") from None
-            found = parse_sidecar(raw, size, str(side))
+            size = self.files.size(name)
+            if size is None:
+                raise StoreNotFoundError(
+                    f"{self.files.url_of(name)} is missing; restore it or re-capture"
+                )
+            found = parse_sidecar(self.files.read_bytes(side), size, self.files.url_of(side))
         with self._lock:
             return self._sums.setdefault(name, found)
 
@@ -213,7 +221,7 @@ class BlockSums:
         last = first + math.ceil(len(view) / unit)
         if misaligned or last > len(digests):
             raise CorruptStoreError(
-                f"{self.root / name}: bytes {offset}-{offset + len(view)} are not whole "
+                f"{self.files.url_of(name)}: bytes {offset}-{offset + len(view)} are not whole "
                 f"checksum blocks of {unit} bytes within the file's {len(digests)} blocks"
             )
         got = digest_blocks(view, unit)
@@ -221,7 +229,7 @@ class BlockSums:
         if len(bad):
             block = first + int(bad[0])
             raise CorruptStoreError(
-                f"{self.root / name}: block {block} (bytes {block * unit}-"
+                f"{self.files.url_of(name)}: block {block} (bytes {block * unit}-"
                 f"{block * unit + min(unit, len(view) - int(bad[0]) * unit)}) fails its xxh3 "
                 "checksum: the stored data was changed or damaged; restore the file or "
                 "re-capture (verify_reads=False reads it anyway)"

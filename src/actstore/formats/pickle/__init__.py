@@ -11,11 +11,13 @@ from .dataset import ActivationDataset
 from .layout import VERSION, PickleMetadata, ShardInfo, layer_key, shard_filename
 from .options import PickleOptions
 from .parts import part_format
-from .reader import PickleReader
+from .reader import PickleReader, detect_remote
 from .writer import PickleWriter, merge_stores
 
 
 def _detect(location: str) -> bool:
+    if location.startswith("s3://"):
+        return detect_remote(location)
     p = Path(location).expanduser()
     meta = p / "metadata.json"
     if not meta.is_file():
@@ -28,6 +30,10 @@ def _detect(location: str) -> bool:
 
 
 def _writer_for_plan(plan, out: str, options: PickleOptions) -> PickleWriter:
+    if str(out).startswith("s3://"):
+        from ..s3_staged import StagedS3Writer
+
+        return StagedS3Writer(out, lambda staging: PickleWriter(plan, staging, options))
     return PickleWriter(plan, out, options)
 
 

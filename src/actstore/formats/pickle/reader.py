@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import io
 import os
 import zlib
 from collections import OrderedDict
@@ -43,8 +44,10 @@ from ...errors import (
     UnsafeDataError,
 )
 from ...stats import RunningStats
-from ...storage import FileHasher, hash_file, read_json
+from ...storage import FileHasher, read_json
+from ...storage.files import StoreFiles, open_files
 from ...storage.local import IO_CHUNK
+from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     MANIFEST,
@@ -94,40 +97,58 @@ class _HashingReader:
 
 
 class PickleReader(ReaderBase):
-    """Read access to one pkl.gz store; picklable (the shard cache is not carried)."""
+    """Read access to one pkl.gz store, local or ``s3://bucket/prefix``; picklable (the
+    shard cache is not carried). ``verify_reads``: check each shard against its checksum when
+    it is read. ``cache_dir`` / ``cache_bytes`` / ``s3``: the local cache tier and S3
+    settings of a remote store (default ``$ACTSTORE_CACHE``)."""
 
     def __init__(
-        self, path: str | os.PathLike, *, cache_shards: int = 1, verify_reads: bool = True
+        self,
+        path: str | os.PathLike,
+        *,
+        cache_shards: int = 1,
+        verify_reads: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
+        s3: S3Config | None = None,
     ) -> None:
-        self.path = Path(path).expanduser()
+        self.files: StoreFiles = open_files(
+            path, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
+        )
+        self.remote = self.files.local_path is None
         self.verify_reads = verify_reads
+        self.path = self.files.local_path or Path(self.files.url)
         meta = self.path / METADATA
-        if not self.path.is_dir():
+        if not self.remote and not self.path.is_dir():
             raise StoreNotFoundError(f"{self.path} is not a directory of pkl.gz shards")
-        if not meta.exists():
-            if (self.path / PROGRESS).exists():
+        if not self.files.exists(METADATA):
+            meta = self.files.url_of(METADATA)
+            if self.files.exists(PROGRESS):
                 raise CorruptStoreError(
-                    f"{self.path} is an unfinished capture (no metadata.json yet): rerun the "
+                    f"{self.files.url} is an unfinished capture (no metadata.json yet): rerun the "
                     "same capture command to resume and publish it"
                 )
-            raise StoreNotFoundError(f"{meta} does not exist; is {self.path} a pkl.gz store?")
-        self._check_manifest(meta)
-        self.metadata = PickleMetadata.from_json_dict(read_json(meta), source=str(meta))
+            raise StoreNotFoundError(f"{meta} does not exist; is {self.files.url} a pkl.gz store?")
+        self._check_manifest()
+        self.metadata = PickleMetadata.from_json_dict(
+            self.files.read_json(METADATA) if self.remote else read_json(meta),
+            source=self.files.url_of(METADATA),
+        )
         self.shards = sorted(self.metadata.shards, key=lambda s: s.sample_id_range)
         self._check_declared()
         root = self.path.resolve()
         for info in self.shards:
-            file = self.path / info.filename
-            if not file.resolve().is_relative_to(root):
+            file, size = self._where(info.filename), self.files.size(info.filename)
+            if not self.remote and not Path(file).resolve().is_relative_to(root):
                 raise CorruptStoreError(
-                    f"shard {file} is a symlink to {file.resolve()}, outside the store; a "
-                    "store's files must lie inside it: copy the file in or re-capture"
+                    f"shard {file} is a symlink to {Path(file).resolve()}, outside the store; "
+                    "a store's files must lie inside it: copy the file in or re-capture"
                 )
-            if not file.exists():
+            if size is None:
                 raise StoreNotFoundError(f"shard {file} is missing; restore it or re-capture")
-            if file.stat().st_size != info.size_bytes:
+            if size != info.size_bytes:
                 raise CorruptStoreError(
-                    f"shard {file} has {file.stat().st_size} bytes, metadata.json says "
+                    f"shard {file} has {size} bytes, metadata.json says "
                     f"{info.size_bytes}: it is truncated or was replaced; restore it"
                 )
         self._firsts = [s.sample_id_range[0] for s in self.shards]
@@ -135,17 +156,17 @@ class PickleReader(ReaderBase):
         self._cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._rows: dict[int, int] = {}
 
-    def _check_manifest(self, meta: Path) -> None:
+    def _check_manifest(self) -> None:
         """metadata.json must match the digest actstore recorded when it published."""
-        manifest = self.path / MANIFEST
-        if not manifest.exists():
+        if not self.files.exists(MANIFEST):
             return
-        listed = dict(
-            line.split("  ", 1)[::-1] for line in manifest.read_text().splitlines() if "  " in line
-        )
-        if listed.get(METADATA) != hash_file(meta, "xxh128"):
+        text = self.files.read_bytes(MANIFEST).decode("utf-8")
+        listed = dict(line.split("  ", 1)[::-1] for line in text.splitlines() if "  " in line)
+        hasher = FileHasher("xxh128")
+        hasher.update(self.files.read_bytes(METADATA))
+        if listed.get(METADATA) != hasher.hexdigest():
             raise CorruptStoreError(
-                f"{meta} does not match the digest in {MANIFEST}: it was edited after the "
+                f"{self.files.url_of(METADATA)} does not match the digest in {MANIFEST}: it was edited after the "
                 "store was published; restore it or re-capture"
             )
 
@@ -209,7 +230,7 @@ class PickleReader(ReaderBase):
         if isinstance(hidden, int):
             return hidden
         if not self.shards:
-            raise CorruptStoreError(f"{self.path}: no shards and no model_params.hidden_size")
+            raise CorruptStoreError(f"{self.files.url}: no shards and no model_params.hidden_size")
         first = self.load_shard(0)[layer_key(self.shards[0].layers[0])][0]
         return int(first["activation"].shape[1])
 
@@ -226,7 +247,7 @@ class PickleReader(ReaderBase):
 
     def __repr__(self) -> str:
         return (
-            f"PickleReader({str(self.path)!r}, samples={self.n_examples}, "
+            f"PickleReader({self.files.url!r}, samples={self.n_examples}, "
             f"layers={list(self.layers)}, shards={len(self.shards)})"
         )
 
@@ -255,10 +276,21 @@ class PickleReader(ReaderBase):
             self._cache.popitem(last=False)
         return data
 
+    def _where(self, name: str) -> Any:
+        """How messages name file ``name`` (its path, or its URL on object storage)."""
+        return self.files.url_of(name) if self.remote else self.path / name
+
+    def _open(self, info: ShardInfo) -> Any:
+        """A binary file object over shard ``info`` (the I/O seam): the local file, or the
+        whole remote object fetched with ranged GETs (kept in the cache tier if any)."""
+        if not self.remote:
+            return open(self.path / info.filename, "rb")
+        return io.BytesIO(self.files.read_range(info.filename, 0, info.size_bytes))
+
     def _read(self, info: ShardInfo, progress: Callable[[int], None] | None) -> dict[str, Any]:
-        file = self.path / info.filename
+        file = self._where(info.filename)
         try:
-            with open(file, "rb") as raw:
+            with self._open(info) as raw:
                 tee = _HashingReader(raw, progress)
                 if info.compressed:
                     with gzip.GzipFile(fileobj=tee, mode="rb") as gz:
@@ -283,7 +315,7 @@ class PickleReader(ReaderBase):
         self._check_structure(data, info, file)
         return data
 
-    def _check_structure(self, data: Any, info: ShardInfo, file: Path) -> None:
+    def _check_structure(self, data: Any, info: ShardInfo, file: Any) -> None:
         if not isinstance(data, dict):
             raise CorruptStoreError(f"shard {file} holds a {type(data).__name__}, not a dict")
         if set(data) != {layer_key(layer) for layer in info.layers}:
@@ -398,7 +430,7 @@ class PickleReader(ReaderBase):
             for item in self.load_shard(index)[key]:
                 if item["sample_idx"] == sample_idx:
                     return item
-        raise IndexOutOfRangeError(f"sample id {sample_idx} is not stored in {self.path}")
+        raise IndexOutOfRangeError(f"sample id {sample_idx} is not stored in {self.files.url}")
 
     # ------------------------------------------------------------------ conversion
 
@@ -415,7 +447,9 @@ class PickleReader(ReaderBase):
             first = self.load_shard(0)[layer_key(info.layers[0])][0]
             tokens = int(first["activation"].shape[0])
         if not isinstance(tokens, int):
-            raise ConfigError(f"{self.path}: metadata gives no sequence length; cannot convert")
+            raise ConfigError(
+                f"{self.files.url}: metadata gives no sequence length; cannot convert"
+            )
         return CapturePlan(
             ckpt=str(config.get("model_name", "unknown")),
             family=str(config.get("model_architecture", "unknown")),
@@ -461,7 +495,7 @@ class PickleReader(ReaderBase):
             }
         except ValueError as err:
             raise ConfigError(
-                f"{self.path}: samples have different lengths; only fixed-length "
+                f"{self.files.url}: samples have different lengths; only fixed-length "
                 "stores convert to other formats"
             ) from err
         first = columns[0][lo:hi]
@@ -485,9 +519,9 @@ class PickleReader(ReaderBase):
         """Summary for ``actstore inspect``."""
         md = self.metadata
         config = md.extraction_config
-        files = [self.path / METADATA] + [self.path / s.filename for s in self.shards]
+        files = [METADATA] + [s.filename for s in self.shards]
         out: dict[str, Any] = {
-            "path": str(self.path),
+            "path": self.files.url,
             "format": f"pkl.gz activation shards v{md.version}",
             "model": f"{config.get('model_name')} ({config.get('model_architecture')})",
             "dataset": config.get("dataset_name"),
@@ -506,15 +540,15 @@ class PickleReader(ReaderBase):
                 for k in ("machine_id", "total_machines")
                 if k in md.distributed_config
             },
-            "bytes": sum(f.stat().st_size for f in files),
-            "files": [f.name for f in files],
+            "bytes": sum(self.files.size(f) or 0 for f in files),
+            "files": files,
         }
         return out
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Re-read every shard: checksum, safe unpickling, structure, NaN/Inf values, and
         the statistics' totals against the shards. ``progress(n_bytes)`` as data is read."""
-        report = VerifyReport(str(self.path))
+        report = VerifyReport(self.files.url)
         self._verify_files(report)
         non_finite = 0
         for index, info in enumerate(self.shards):
@@ -568,13 +602,30 @@ class PickleReader(ReaderBase):
 
     def _verify_files(self, report: VerifyReport) -> None:
         """Every file inside the store and accounted for; the manifest present (own stores)."""
-        root = self.path.resolve()
         listed = {s.filename for s in self.shards}
-        for child in sorted(self.path.iterdir()):
-            if not child.resolve().is_relative_to(root):
-                report.faults.append(f"{child.name} is a symlink out of the store")
-            elif is_shard_filename(child.name) and child.name not in listed:
-                report.faults.append(f"{child.name} is not listed in {METADATA}")
-        if not (self.path / MANIFEST).exists():
+        if not self.remote:
+            root = self.path.resolve()
+            for child in sorted(self.path.iterdir()):
+                if not child.resolve().is_relative_to(root):
+                    report.faults.append(f"{child.name} is a symlink out of the store")
+        for name in sorted(self.files.list()):
+            if is_shard_filename(name) and name not in listed:
+                report.faults.append(f"{name} is not listed in {METADATA}")
+        if not self.files.exists(MANIFEST):
             message = f"no checksum manifest ({MANIFEST}): metadata.json cannot be verified"
             (report.faults if self.metadata.actstore else report.notes).append(message)
+
+
+def detect_remote(location: str) -> bool:
+    """Whether ``s3://bucket/prefix`` holds a pkl.gz store (one HEAD and one small GET)."""
+    from ...storage.object import join_key, open_location
+
+    store, prefix = open_location(location)
+    key = join_key(prefix, METADATA)
+    if store.size(key) is None:
+        return False
+    try:
+        doc = store.get_json(key)
+    except CorruptStoreError:
+        return False
+    return isinstance(doc, dict) and "shards" in doc and "extraction_config" in doc

@@ -7,11 +7,13 @@ from ..registry import FormatSpec
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .options import SaevOptions
 from .parts import part_format
-from .reader import SaevReader
+from .reader import SaevReader, detect_remote
 from .writer import SaevWriter, saev_metadata, store_dir
 
 
 def _detect(location: str) -> bool:
+    if location.startswith("s3://"):
+        return detect_remote(location)
     p = Path(location).expanduser()
     if not (p / "shards.json").is_file() or not (p / "metadata.json").is_file():
         return False
@@ -27,6 +29,12 @@ def _detect(location: str) -> bool:
 
 
 def _writer_for_plan(plan, out: str, options: SaevOptions) -> SaevWriter:
+    if str(out).startswith("s3://"):
+        from .remote import SaevS3Writer
+
+        return SaevS3Writer.from_plan(
+            plan, out, dialect=options.dialect, patches_per_shard=options.patches_per_shard
+        )
     return SaevWriter.from_plan(
         plan, out, dialect=options.dialect, patches_per_shard=options.patches_per_shard
     )

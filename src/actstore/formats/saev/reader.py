@@ -7,6 +7,10 @@ advised for random reads (no readahead of whole files); block reads for training
 ``pread`` straight into the caller's buffer and are checked against the shard's block
 checksums (``verify_reads=False`` skips that; stores without them read unverified, with
 one warning). Random access (``reader[...]``, ``gather``) is not checked: run ``verify``.
+At ``s3://bucket/prefix`` the same reads are ranged GETs through
+:mod:`actstore.storage.files` (concurrent, straight into the caller's buffer, optionally
+kept in the local cache tier), checked the same way; random access fetches only the
+bytes of the rows asked for.
 
 Example:
     >>> r = SaevReader("/scratch/acts/3f1c...")  # doctest: +SKIP
@@ -26,7 +30,7 @@ import os
 import pickle
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +46,11 @@ from ...errors import (
 )
 from ...sites import Site
 from ...stats import RunningStats
-from ...storage import FileHasher, hash_file, read_json
+from ...storage import FileHasher, read_json
 from ...storage.blocksums import SUFFIX, BlockHasher, BlockSums, parse_sidecar, sidecar_name
+from ...storage.files import StoreFiles, open_files
 from ...storage.local import IO_CHUNK
+from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .writer import CHECKSUMS, LEGACY_CHECKSUMS, STATISTICS
@@ -60,37 +66,77 @@ _LIBC.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_i
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
 
 
-class SaevReader(ReaderBase):
-    """Read access to one saev directory. Picklable: worker processes reopen files lazily."""
+class _Scratch(threading.local):
+    """Per-thread buffer for remote block reads (no fresh pages to fault in per block)."""
 
-    def __init__(self, path: str | os.PathLike, *, verify_reads: bool = True) -> None:
-        self.path = Path(path).expanduser()
+    buf = np.empty(0, dtype="<f4")
+
+    def rows_for(self, n: int, d: int) -> np.ndarray:
+        if self.buf.size < n * d:
+            self.buf = np.empty(n * d, dtype="<f4")
+        return self.buf[: n * d].reshape(n, d)
+
+
+_SCRATCH = _Scratch()
+
+
+class SaevReader(ReaderBase):
+    """Read access to one saev directory, local or ``s3://bucket/prefix``. Picklable: worker
+    processes reopen files lazily.
+
+    ``verify_reads``: check every block read against the store's block checksums.
+    ``cache_dir`` / ``cache_bytes`` / ``s3``: the local cache tier and S3 settings of a remote
+    store (see :func:`~actstore.storage.files.open_files`; default ``$ACTSTORE_CACHE``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        verify_reads: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
+        s3: S3Config | None = None,
+    ) -> None:
+        self.files: StoreFiles = open_files(
+            path, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
+        )
+        self.remote = self.files.local_path is None
+        self.path = self.files.local_path or Path(self.files.url.rstrip("/").rpartition("/")[2])
         if self.path.name.endswith(".partial"):
             raise CorruptStoreError(
-                f"{self.path} is an unfinished capture (a .partial directory): rerun the same "
-                "capture command to resume and publish it"
+                f"{self.files.url} is an unfinished capture (a .partial directory): rerun the "
+                "same capture command to resume and publish it"
             )
-        if not self.path.is_dir():
+        if not self.remote and not self.path.is_dir():
             raise StoreNotFoundError(f"{self.path} is not a directory of saev shards")
+        if self.remote and not self.files.exists("metadata.json"):
+            raise StoreNotFoundError(
+                f"{self.files.url} holds no saev store (no metadata.json): an unfinished upload "
+                "or a wrong URL; finish the copy (actstore cp) or fix the URL"
+            )
         self.metadata = SaevMetadata.from_json_dict(
-            read_json(self.path / "metadata.json"), source=str(self.path / "metadata.json")
+            self._json("metadata.json"), source=self.files.url_of("metadata.json")
         )
         self.shard_counts = self._read_shards_json()
         self._check_inside()
         self._check_sizes()
         self._sums = BlockSums(
-            self.path, enabled=verify_reads, required=(self.path / CHECKSUMS).exists()
+            self.files, enabled=verify_reads, required=self.files.exists(CHECKSUMS)
         )
-        self._scratch = threading.local()
         self._memmaps: dict[int, np.memmap] = {}
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
     # ------------------------------------------------------------------ validation
 
+    def _json(self, name: str) -> Any:
+        """A JSON file of the store (the I/O seam: local path or remote object)."""
+        return self.files.read_json(name) if self.remote else read_json(self.path / name)
+
     def _read_shards_json(self) -> list[int]:
-        md, source = self.metadata, self.path / "shards.json"
-        doc = read_json(source)
+        md, source = self.metadata, self.files.url_of("shards.json")
+        doc = self._json("shards.json")
         if not isinstance(doc, list) or not all(
             isinstance(e, dict)
             and isinstance(e.get("name"), str)
@@ -123,6 +169,8 @@ class SaevReader(ReaderBase):
 
     def _check_inside(self) -> None:
         """Refuse files that resolve outside the store (symlinks out of it)."""
+        if self.remote:
+            return
         root = self.path.resolve()
         for child in self.path.iterdir():
             if child.is_symlink() and not child.resolve().is_relative_to(root):
@@ -134,20 +182,20 @@ class SaevReader(ReaderBase):
     def _check_sizes(self) -> None:
         md = self.metadata
         for i in range(md.n_shards):
-            path = self.path / shard_name(i)
-            if not path.exists():
+            path = self.files.url_of(shard_name(i))
+            size, want = self.files.size(shard_name(i)), md.shard_nbytes(i)
+            if size is None:
                 raise StoreNotFoundError(f"shard {path} is missing; restore it or re-capture")
-            size, want = path.stat().st_size, md.shard_nbytes(i)
             if size != want:
                 raise CorruptStoreError(
                     f"shard {path} has {size} bytes, expected {want} "
                     f"({'truncated' if size < want else 'too long'}); restore it or re-capture"
                 )
         for name, row in (("tokens.bin", md.tokens_per_ex * 4), ("labels.bin", md.patches_per_ex)):
-            path = self.path / name
-            if path.exists() and path.stat().st_size != md.n_examples * row:
+            size = self.files.size(name)
+            if size is not None and size != md.n_examples * row:
                 raise CorruptStoreError(
-                    f"{path} has {path.stat().st_size} bytes, expected {md.n_examples * row}"
+                    f"{self.files.url_of(name)} has {size} bytes, expected {md.n_examples * row}"
                 )
 
     # ------------------------------------------------------------------ properties
@@ -194,7 +242,7 @@ class SaevReader(ReaderBase):
     def __repr__(self) -> str:
         n, _layers, t, d = self.shape
         return (
-            f"SaevReader({str(self.path)!r}, dialect={self.dialect!r}, n_examples={n}, "
+            f"SaevReader({self.files.url!r}, dialect={self.dialect!r}, n_examples={n}, "
             f"layers={list(self.layers)}, tokens={t}, d_model={d})"
         )
 
@@ -234,16 +282,42 @@ class SaevReader(ReaderBase):
         if os.getpid() == self._pid:
             for fd in self._fds.values():
                 os.close(fd)
+            self.files.close()
         self._memmaps, self._fds = {}, {}
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = {**self.__dict__, "_memmaps": {}, "_fds": {}}
-        del state["_scratch"]
-        return state
+    def _read_into(self, shard: int, out: np.ndarray, offset: int) -> None:
+        """``out``'s bytes from shard ``shard`` at byte ``offset`` (the I/O seam)."""
+        if self.remote:
+            self.files.read_range(shard_name(shard), offset, out.nbytes, out)
+        else:
+            _pread_into(self._fd(shard), out, offset)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._scratch = threading.local()
+    def _rows_remote(self, shard: int, rows: np.ndarray, layer_sel: Any, token: Any) -> np.ndarray:
+        """``memmap[rows, layer_sel][..., token, :]`` of a remote shard, fetching only the
+        span of tokens asked for of each (row, layer)."""
+        md = self.metadata
+        n_tok, n_lay = md.tokens_per_ex, len(md.layers)
+        layer_ids = range(n_lay) if isinstance(layer_sel, slice) else [layer_sel]
+        picked = _as_indices(token, n_tok, "token")
+        t0, t1 = (int(picked.min()), int(picked.max()) + 1) if picked.size else (0, 0)
+        buf = np.empty((len(rows), len(layer_ids), t1 - t0, md.d_model), dtype="<f4")
+        ranges = [
+            (((int(r) * n_lay + li) * n_tok + t0) * md.d_model * 4, buf[i, j])
+            for i, r in enumerate(rows)
+            for j, li in enumerate(layer_ids)
+        ]
+        if t1 > t0:
+            self.files.read_ranges(shard_name(shard), ranges)
+        if isinstance(token, (int, np.integer)):
+            tok: Any = 0
+        elif isinstance(token, slice):
+            tok = picked - t0
+        else:
+            tok = np.asarray(token) % n_tok - t0
+        return buf[:, :, tok] if isinstance(layer_sel, slice) else buf[:, 0][:, tok]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_memmaps": {}, "_fds": {}}
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
@@ -277,6 +351,9 @@ class SaevReader(ReaderBase):
         shard_of = examples // md.examples_per_shard
         for shard in np.unique(shard_of):
             rows = examples[shard_of == shard] - shard * md.examples_per_shard
+            if self.remote:
+                out.append(self._rows_remote(int(shard), rows, layer_sel, token_sel))
+                continue
             part = self._memmap(int(shard))[rows, layer_sel]  # copies just these rows
             out.append(
                 part[:, :, token_sel] if isinstance(layer_sel, slice) else part[:, token_sel]
@@ -291,12 +368,14 @@ class SaevReader(ReaderBase):
         """One activation vector via the spec's offset arithmetic (section 4.2)."""
         shard, offset = self.metadata.locate(example, layer, token)
         out = np.empty(self.metadata.d_model, dtype="<f4")
-        _pread_into(self._fd(shard), out, offset)
+        self._read_into(shard, out, offset)
         return out
 
     @property
     def tokens(self) -> np.ndarray | None:
         """Token ids ``[n_examples, T]`` (int32 memmap) for text captures, else None."""
+        if self.remote:
+            return self._remote_array("tokens.bin", "<i4", self.tokens_per_ex)
         path = self.path / "tokens.bin"
         if not path.exists():
             return None
@@ -305,24 +384,36 @@ class SaevReader(ReaderBase):
     @property
     def labels(self) -> np.ndarray | None:
         """Per-patch labels ``[n_examples, patches_per_ex]`` (uint8 memmap), else None."""
+        if self.remote:
+            return self._remote_array("labels.bin", "u1", self.metadata.patches_per_ex)
         path = self.path / "labels.bin"
         if not path.exists():
             return None
         md = self.metadata
         return np.memmap(path, dtype=np.uint8, mode="r", shape=(md.n_examples, md.patches_per_ex))
 
+    def _remote_array(self, name: str, dtype: str, width: int) -> np.ndarray | None:
+        """A small side file of a remote store, fetched once and kept in memory."""
+        kept = self.__dict__.setdefault("_side_files", {})
+        if name not in kept:
+            data = self.files.read_bytes(name) if self.files.exists(name) else None
+            kept[name] = (
+                None
+                if data is None
+                else np.frombuffer(data, dtype=dtype).reshape(self.n_examples, width)
+            )
+        return kept[name]
+
     @property
     def classes(self) -> list[str] | None:
-        path = self.path / "classes.json"
-        return read_json(path) if path.exists() else None
+        return self._json("classes.json") if self.files.exists("classes.json") else None
 
     def statistics(self, site: int) -> RunningStats | None:
         """Running statistics of stored layer ``site`` (None if the file is absent)."""
-        path = self.path / STATISTICS
-        if not path.exists():
+        if not self.files.exists(STATISTICS):
             return None
         self.metadata.layer_index(int(site))
-        return RunningStats.from_dict(read_json(path)["sites"][str(int(site))])
+        return RunningStats.from_dict(self._json(STATISTICS)["sites"][str(int(site))])
 
     def dataset_description(self, *, allow_pickle: bool = False) -> Any:
         """Decode metadata's ``data`` field. It is a pickle, and unpickling can run code,
@@ -389,7 +480,7 @@ class SaevReader(ReaderBase):
         if out is None:
             out = np.empty((block.n_rows, md.d_model), dtype="<f4")
         vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
-        _pread_into(self._fd(shard), out, vectors * md.d_model * 4)
+        self._read_into(shard, out, vectors * md.d_model * 4)
         self._sums.check(shard_name(shard), vectors * md.d_model * 4, out)
         return out
 
@@ -411,11 +502,14 @@ class SaevReader(ReaderBase):
                 f"per block row and a float32 [n, {md.d_model}] out with "
                 "contiguous rows"
             )
+        if self.remote:  # one ranged read into this thread's scratch, then rows to their places
+            super().read_block_scatter(block, out, rows)
+            return
         row_bytes = md.d_model * 4
         vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
         verified = self._sums.enabled and self._sums.sums(shard_name(shard)) is not None
         if verified and (rows < 0).any():  # skipped rows cannot be checked: read them all
-            scratch = self._scratch_rows(block.n_rows)
+            scratch = _SCRATCH.rows_for(block.n_rows, md.d_model)
             self.read_block(block, scratch)
             keep = rows >= 0
             out[rows[keep]] = scratch[keep]
@@ -425,15 +519,8 @@ class SaevReader(ReaderBase):
         iov[:, 0], iov[:, 1] = addr, row_bytes
         _preadv(self._fd(shard), iov, vectors * row_bytes)
         if verified:
-            scratch = self._scratch_rows(block.n_rows)
+            scratch = _SCRATCH.rows_for(block.n_rows, md.d_model)
             self._sums.check_rows(shard_name(shard), vectors * row_bytes, out, rows, scratch)
-
-    def _scratch_rows(self, n: int) -> np.ndarray:
-        """A reused per-thread ``[n, D]`` float32 buffer."""
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._scratch.buf = np.empty((n, self.metadata.d_model), dtype="<f4")
-        return buf[:n]
 
     def cls_rows(self, block: Block) -> np.ndarray:
         """Rows of ``block`` holding a CLS token (token 0 of each example, if stored)."""
@@ -490,6 +577,13 @@ class SaevReader(ReaderBase):
         new_run = np.ones(len(rows), dtype=bool)
         new_run[1:] = (shard[1:] != shard[:-1]) | (gap_bytes > min(max_gap, GAP_BYTES))
         starts = np.flatnonzero(new_run)
+        if self.remote:  # each row straight into its slot; the file layer merges nearby rows
+            for s in np.unique(shard):
+                at = np.flatnonzero(shard == s)
+                self.files.read_ranges(
+                    shard_name(int(s)), [(int(offset[i]), out[slots[i]]) for i in at]
+                )
+            starts = starts[:0]
         for lo, hi in zip(starts, [*starts[1:], len(rows)]):
             gaps = gap_bytes[lo : hi - 1]
             iov = np.zeros((2 * (hi - lo) - 1, 2), dtype=np.uint64)
@@ -513,9 +607,9 @@ class SaevReader(ReaderBase):
     def describe(self) -> dict[str, Any]:
         """Summary for ``actstore inspect``."""
         md = self.metadata
-        files = sorted(p for p in self.path.iterdir() if p.is_file())
+        files = {n: size for n, size in self.files.list().items() if "/" not in n}
         out: dict[str, Any] = {
-            "path": str(self.path),
+            "path": self.files.url,
             "format": f"saev protocol {md.protocol} ({self.dialect} dialect)",
             "model": f"{md.ckpt} ({md.family})",
             "dataset": md.dataset,
@@ -531,8 +625,8 @@ class SaevReader(ReaderBase):
             "cls_token": md.cls_token,
             "d_model": md.d_model,
             "shards": f"{md.n_shards} x up to {md.examples_per_shard} examples",
-            "bytes": sum(p.stat().st_size for p in files),
-            "files": [p.name for p in files],
+            "bytes": sum(files.values()),
+            "files": list(files),
         }
         if self.tokens is not None and md.n_examples:
             out["token_ids[0][:16]"] = self.tokens[0, :16].tolist()
@@ -549,21 +643,22 @@ class SaevReader(ReaderBase):
         hash, zero padding (saev dialect) and non-finite values. Stores of older actstore
         versions are checked against checksums.sha256. ``progress(n_bytes)`` is called as
         data is read."""
-        md, report = self.metadata, VerifyReport(str(self.path))
+        md, report = self.metadata, VerifyReport(self.files.url)
         expected_hash = md.content_hash()
         if _HASH_NAME.match(self.path.name) and self.path.name != expected_hash:
             report.faults.append(
                 f"directory name {self.path.name} differs from the metadata hash "
                 f"{expected_hash}: metadata.json was edited after publication"
             )
-        root = self.path.resolve()
-        for child in sorted(self.path.iterdir()):
-            if not child.resolve().is_relative_to(root):
-                report.faults.append(f"{child.name} is a symlink out of the store")
+        if not self.remote:
+            root = self.path.resolve()
+            for child in sorted(self.path.iterdir()):
+                if not child.resolve().is_relative_to(root):
+                    report.faults.append(f"{child.name} is a symlink out of the store")
         self._verify_statistics(report)
-        if (self.path / CHECKSUMS).exists():
+        if self.files.exists(CHECKSUMS):
             self._verify_blocks(report, progress)
-        elif (self.path / LEGACY_CHECKSUMS).exists():
+        elif self.files.exists(LEGACY_CHECKSUMS):
             self._verify_legacy(report, progress)
         else:
             report.faults.append(
@@ -573,12 +668,11 @@ class SaevReader(ReaderBase):
         return report
 
     def _verify_statistics(self, report: VerifyReport) -> None:
-        path = self.path / STATISTICS
-        if not path.exists():
+        if not self.files.exists(STATISTICS):
             return
         md = self.metadata
         try:
-            doc = read_json(path)
+            doc = self._json(STATISTICS)
             sites = doc["sites"]
             if sorted(sites) != sorted(str(layer) for layer in md.layers):
                 raise CorruptStoreError(f"layers {sorted(sites)}, expected {list(md.layers)}")
@@ -597,48 +691,51 @@ class SaevReader(ReaderBase):
     def _verify_blocks(self, report: VerifyReport, progress: Callable[[int], None] | None):
         md = self.metadata
         expected: dict[str, str] = {}
-        for line in (self.path / CHECKSUMS).read_text().splitlines():
+        for line in self.files.read_bytes(CHECKSUMS).decode("utf-8").splitlines():
             digest, sep, name = line.partition("  ")
             if not sep or "/" in name or name in ("", ".", ".."):
                 report.faults.append(f"{CHECKSUMS}: malformed line {line!r}")
                 continue
             expected[name] = digest
         shards = {shard_name(i) for i in range(md.n_shards)}
-        for child in sorted(self.path.iterdir()):
-            name = child.name
+        for name in sorted(n for n in self.files.list() if "/" not in n):
             covered = name in expected or (name in shards and sidecar_name(name) in expected)
             if name != CHECKSUMS and not covered:
                 report.faults.append(f"{name} is not covered by {CHECKSUMS}")
         non_finite = 0
         for name, digest in expected.items():
-            path = self.path / name
-            if not path.is_file():
+            size = self.files.size(name)
+            if size is None:
                 report.faults.append(f"{name} is listed in {CHECKSUMS} but missing")
                 continue
             report.files_checked += 1
-            report.bytes_checked += path.stat().st_size
-            if hash_file(path, "xxh128") != digest:
+            report.bytes_checked += size
+            if _digest(self.files.iter_chunks(name), "xxh128") != digest:
                 report.faults.append(f"{name}: checksum mismatch (the file was changed)")
                 continue
             shard = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else None
             if shard not in shards:
                 continue
-            data = self.path / shard
+            data_size = self.files.size(shard)
             try:
-                unit, sums = parse_sidecar(path.read_bytes(), data.stat().st_size, str(path))
-            except (CorruptStoreError, FileNotFoundError) as err:
+                if data_size is None:
+                    raise StoreNotFoundError(f"{shard} is missing")
+                unit, sums = parse_sidecar(
+                    self.files.read_bytes(name), data_size, self.files.url_of(name)
+                )
+            except (CorruptStoreError, StoreNotFoundError) as err:
                 report.faults.append(str(err))
                 continue
             index = int(shard[4:10])
             digests, bad, pad_ok = _scan(
-                data,
+                self.files.iter_chunks(shard, _chunk_of(unit)),
                 unit=unit,
                 valid_bytes=self.shard_counts[index] * md.example_nbytes,
                 progress=progress,
             )
             non_finite += bad
             report.files_checked += 1
-            report.bytes_checked += data.stat().st_size
+            report.bytes_checked += data_size
             wrong = np.flatnonzero(digests != sums)
             if len(wrong):
                 first = int(wrong[0])
@@ -654,7 +751,7 @@ class SaevReader(ReaderBase):
     def _verify_legacy(self, report: VerifyReport, progress: Callable[[int], None] | None):
         md = self.metadata
         expected = {}
-        for line in (self.path / LEGACY_CHECKSUMS).read_text().splitlines():
+        for line in self.files.read_bytes(LEGACY_CHECKSUMS).decode("utf-8").splitlines():
             digest, _, name = line.partition("  ")
             expected[name.strip()] = digest.strip()
         for i in range(md.n_shards):
@@ -662,8 +759,8 @@ class SaevReader(ReaderBase):
                 report.faults.append(f"{shard_name(i)} has no checksum in {LEGACY_CHECKSUMS}")
         non_finite = 0
         for name, digest in expected.items():
-            path = self.path / name
-            if "/" in name or not path.is_file():
+            size = None if "/" in name else self.files.size(name)
+            if size is None:
                 report.faults.append(f"{name} is listed in {LEGACY_CHECKSUMS} but missing")
                 continue
             is_shard = name.startswith("acts") and name.endswith(".bin")
@@ -672,7 +769,7 @@ class SaevReader(ReaderBase):
                 valid_bytes = self.shard_counts[int(name[4:10])] * md.example_nbytes
             hasher = FileHasher("sha256")
             _, bad, pad_ok = _scan(
-                path,
+                self.files.iter_chunks(name),
                 unit=None,
                 valid_bytes=valid_bytes,
                 progress=progress,
@@ -681,7 +778,7 @@ class SaevReader(ReaderBase):
             )
             non_finite += bad
             report.files_checked += 1
-            report.bytes_checked += path.stat().st_size
+            report.bytes_checked += size
             if hasher.hexdigest() != digest:
                 report.faults.append(f"{name}: checksum mismatch (stored data was changed)")
             if not pad_ok:
@@ -764,8 +861,20 @@ def _preadv(fd: int, iov: np.ndarray, offset: int) -> None:
         iov[i, 1] -= np.uint64(done)
 
 
+def _chunk_of(unit: int | None) -> int:
+    """Read size for a scan: whole blocks of ``unit`` bytes, about ``IO_CHUNK`` at a time."""
+    return IO_CHUNK if not unit else max(unit, IO_CHUNK // unit * unit)
+
+
+def _digest(chunks: Iterable[memoryview], algorithm: str) -> str:
+    hasher = FileHasher(algorithm)
+    for chunk in chunks:
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
 def _scan(
-    path: Path,
+    chunks: Iterable[memoryview],
     *,
     unit: int | None,
     valid_bytes: int | None,
@@ -773,28 +882,40 @@ def _scan(
     hasher: FileHasher | None = None,
     check_floats: bool = True,
 ) -> tuple[np.ndarray | None, int, bool]:
-    """Block digests of a file (``unit`` bytes each; None: none), its count of non-finite
-    float32 values, and whether any bytes past ``valid_bytes`` are zero; one sequential
-    read. ``hasher`` also digests the whole file."""
+    """Block digests of a file's ``chunks`` (``unit`` bytes each; None: none), its count of
+    non-finite float32 values, and whether any bytes past ``valid_bytes`` are zero; one
+    sequential read. ``hasher`` also digests the whole file."""
     blocks = BlockHasher(unit) if unit else None
-    size = IO_CHUNK if not unit else max(unit, IO_CHUNK // unit * unit)
-    buf = bytearray(size)
-    view = memoryview(buf)
     non_finite, pad_ok, pos = 0, True, 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            chunk = view[:n]
-            if blocks is not None:
-                blocks.update(chunk)
-            if hasher is not None:
-                hasher.update(chunk)
-            if check_floats:
-                valid = n if valid_bytes is None else max(0, min(n, valid_bytes - pos))
-                values = np.frombuffer(chunk[: valid - valid % 4], dtype="<f4")
-                non_finite += int(values.size - np.count_nonzero(np.isfinite(values)))
-                if valid < n and np.frombuffer(chunk[valid:], dtype=np.uint8).any():
-                    pad_ok = False
-            pos += n
-            if progress is not None:
-                progress(n)
+    for chunk in chunks:
+        n = len(chunk)
+        if blocks is not None:
+            blocks.update(chunk)
+        if hasher is not None:
+            hasher.update(chunk)
+        if check_floats:
+            valid = n if valid_bytes is None else max(0, min(n, valid_bytes - pos))
+            values = np.frombuffer(chunk[: valid - valid % 4], dtype="<f4")
+            non_finite += int(values.size - np.count_nonzero(np.isfinite(values)))
+            if valid < n and np.frombuffer(chunk[valid:], dtype=np.uint8).any():
+                pad_ok = False
+        pos += n
+        if progress is not None:
+            progress(n)
     return (blocks.digests() if blocks is not None else None), non_finite, pad_ok
+
+
+def detect_remote(location: str) -> bool:
+    """Whether ``s3://bucket/prefix`` holds a saev store (two HEADs and one small GET)."""
+    from ...storage.object import join_key, open_location
+
+    store, prefix = open_location(location)
+    if any(store.size(join_key(prefix, n)) is None for n in ("shards.json", "metadata.json")):
+        return False
+    try:
+        doc = store.get_json(join_key(prefix, "metadata.json"))
+    except CorruptStoreError:
+        return True  # let the reader report the damaged file
+    return isinstance(doc, dict) and (
+        "patches_per_ex" in doc or "content_tokens_per_example" in doc
+    )

@@ -1,0 +1,57 @@
+"""``actstore cp``: copy a whole store between local disk and S3, either direction."""
+
+from __future__ import annotations
+
+import typer
+
+from . import app
+from .common import human_bytes
+
+
+@app.command("cp")
+def cp(
+    src: str = typer.Argument(..., help="The store to copy: a directory or s3://bucket/prefix."),
+    dst: str = typer.Argument(..., help="Where the copy goes: a directory or s3://bucket/prefix."),
+    threads: int = typer.Option(16, help="Parts copied at once."),
+    part_mb: int = typer.Option(16, help="Part size in MiB (>= 5, an S3 limit)."),
+    verify: bool = typer.Option(True, help="Check sizes, ETags and the store's checksums."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+    endpoint_url: str = typer.Option(
+        None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."
+    ),
+) -> None:
+    """Copy a store (every file under SRC) to DST, in parallel. Run the same command again
+    to resume an interrupted copy: files already at DST with the right size are skipped.
+    metadata.json is written last, so DST is openable only once the copy is complete.
+
+    \b
+    Examples:
+      actstore cp actstore-data/3f1c0e s3://bucket/acts/3f1c0e
+      actstore cp s3://bucket/acts/3f1c0e /scratch/3f1c0e
+    """
+    from tqdm.auto import tqdm
+
+    from ..formats import verify_store
+    from ..progress import bar_switch
+    from ..storage.copy import copy_store
+    from ..storage.files import open_files
+    from ..storage.object import MiB, S3Config
+
+    s3 = S3Config(endpoint_url=endpoint_url)
+    total = sum(open_files(src, s3=s3, cache=False).list().values())
+    with tqdm(total=total, unit="B", unit_scale=True, desc="cp", **bar_switch(progress)) as bar:
+        report = copy_store(
+            src,
+            dst,
+            s3=s3,
+            threads=threads,
+            part_bytes=part_mb * MiB,
+            verify=verify,
+            progress=bar.update,
+            check_store=verify_store,
+        )
+    typer.secho(
+        f"OK: {report.copied} files ({human_bytes(report.bytes_copied)}) copied, "
+        f"{report.skipped} already there; verified: {report.verified}",
+        fg=typer.colors.GREEN,
+    )

@@ -1,0 +1,331 @@
+"""The files of one store directory, on local disk or under ``s3://bucket/prefix``, read by
+byte range. Format readers get their bytes through this layer, so one reader serves both.
+
+* :class:`LocalFiles` reads with ``pread`` (and exposes ``local_path`` so readers keep their
+  memmaps);
+* :class:`S3Files` lists the prefix once (names, sizes, ETags), then serves
+  ``read_range`` with concurrent ranged GETs straight into the caller's buffer, and
+  ``read_ranges`` by coalescing nearby ranges into few GETs. With a :class:`BlockCache`
+  (``cache_dir=`` or ``$ACTSTORE_CACHE``) ranges fetched once are kept on local disk.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "a.bin").write_bytes(b"0123456789")
+    >>> files = open_files(d)
+    >>> files.size("a.bin"), bytes(files.read_range("a.bin", 2, 3)), files.list()
+    (10, b'234', {'a.bin': 10})
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..errors import CorruptStoreError, StoreNotFoundError
+from .cache import BlockCache, parse_size
+from .local import IO_CHUNK
+from .object import MiB, S3Config, S3Store, is_remote, join_key, open_location
+
+#: Ranges longer than this are split into parts fetched concurrently.
+PART_BYTES = 8 * MiB
+#: ``read_ranges`` merges ranges less than this many bytes apart into one GET.
+MERGE_GAP = 256 << 10
+
+
+class StoreFiles(abc.ABC):
+    """Named files of one store directory (names are ``/``-separated, relative)."""
+
+    #: The location as the user wrote it (a path or ``s3://bucket/prefix``).
+    url: str
+    #: The directory on local disk, or None for remote stores.
+    local_path: Path | None = None
+
+    @abc.abstractmethod
+    def list(self) -> dict[str, int]:
+        """Every file below the directory: name -> size in bytes, sorted by name."""
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int | None:
+        """Size of ``name`` in bytes, or None if it does not exist."""
+
+    @abc.abstractmethod
+    def read_range(
+        self,
+        name: str,
+        offset: int,
+        length: int,
+        out: bytearray | memoryview | Any = None,
+        *,
+        cache: bool = True,
+    ) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of ``name``, into ``out`` (any writable
+        buffer of exactly ``length`` bytes, e.g. a numpy array) or a new buffer. ``cache``:
+        keep the range in the local cache tier, if there is one."""
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, Any]]) -> None:
+        """Fill each ``(offset, out)`` buffer from ``name`` (no caching)."""
+        for offset, out in ranges:
+            view = _bytes_view(out)
+            self.read_range(name, offset, len(view), view, cache=False)
+
+    def exists(self, name: str) -> bool:
+        return self.size(name) is not None
+
+    def read_bytes(self, name: str) -> bytes:
+        """The whole of ``name``."""
+        size = self.require(name)
+        return bytes(self.read_range(name, 0, size, cache=False))
+
+    def read_json(self, name: str) -> Any:
+        """``name`` parsed as UTF-8 JSON (clear errors for missing or damaged files)."""
+        data = self.read_bytes(name)
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CorruptStoreError(
+                f"{self.url_of(name)} is not valid JSON ({err}); the store is damaged: "
+                "re-create it or restore this file"
+            ) from err
+
+    def iter_chunks(self, name: str, chunk: int = IO_CHUNK) -> Iterator[memoryview]:
+        """The bytes of ``name`` in order, ``chunk`` bytes at a time (one reused buffer)."""
+        size = self.require(name)
+        buf = memoryview(bytearray(min(chunk, max(size, 1))))
+        for start in range(0, size, chunk):
+            n = min(chunk, size - start)
+            yield self.read_range(name, start, n, buf[:n], cache=False)
+
+    def require(self, name: str) -> int:
+        """Size of ``name``; :class:`StoreNotFoundError` naming it if it is missing."""
+        size = self.size(name)
+        if size is None:
+            raise StoreNotFoundError(f"{self.url_of(name)} does not exist")
+        return size
+
+    def url_of(self, name: str) -> str:
+        return f"{self.url.rstrip('/')}/{name}"
+
+    def close(self) -> None:
+        """Release file handles and threads (reopened on next use)."""
+
+
+def _bytes_view(out: Any) -> memoryview:
+    view = memoryview(out)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class LocalFiles(StoreFiles):
+    """A directory on local disk."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.local_path = Path(path).expanduser()
+        self.url = str(self.local_path)
+
+    def list(self) -> dict[str, int]:
+        out = {}
+        for dirpath, _, names in os.walk(self.local_path):
+            for n in names:
+                p = Path(dirpath) / n
+                out[p.relative_to(self.local_path).as_posix()] = p.stat().st_size
+        return dict(sorted(out.items()))
+
+    def size(self, name: str) -> int | None:
+        path = self.local_path / name
+        return path.stat().st_size if path.is_file() else None
+
+    def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
+        view = memoryview(bytearray(length)) if out is None else _bytes_view(out)
+        if len(view) != length:
+            raise ValueError(f"out holds {len(view)} bytes, not {length}")
+        try:
+            fd = os.open(self.local_path / name, os.O_RDONLY)
+        except FileNotFoundError as err:
+            raise StoreNotFoundError(f"{self.url_of(name)} does not exist") from err
+        try:
+            done = 0
+            while done < length:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise CorruptStoreError(
+                        f"{self.url_of(name)} ended at byte {offset + done}, expected "
+                        f"{offset + length}: the file is truncated; restore or re-create it"
+                    )
+                done += n
+        finally:
+            os.close(fd)
+        return view
+
+
+class S3Files(StoreFiles):
+    """The objects under ``s3://bucket/prefix/``: listed once, read with ranged GETs.
+
+    Picklable (worker processes make their own client, threads and cache handle).
+    """
+
+    def __init__(
+        self,
+        store: S3Store,
+        prefix: str,
+        *,
+        cache: BlockCache | None = None,
+        threads: int = 16,
+        part_bytes: int = PART_BYTES,
+    ) -> None:
+        self.store, self.prefix = store, prefix.strip("/")
+        self.url = store.url(self.prefix)
+        self.cache = cache
+        self.threads, self.part_bytes = threads, part_bytes
+        self._listing: dict[str, tuple[int, str]] | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = os.getpid()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def key(self, name: str) -> str:
+        return join_key(self.prefix, name)
+
+    def _objects(self) -> dict[str, tuple[int, str]]:
+        if self._listing is None:
+            base = self.prefix + "/" if self.prefix else ""
+            self._listing = {o.key[len(base) :]: (o.size, o.version) for o in self.store.list(base)}
+        return self._listing
+
+    def refresh(self) -> None:
+        """Forget the listing (after the prefix changed)."""
+        self._listing = None
+
+    def list(self) -> dict[str, int]:
+        return {name: size for name, (size, _) in sorted(self._objects().items())}
+
+    def size(self, name: str) -> int | None:
+        entry = self._objects().get(name)
+        return None if entry is None else entry[0]
+
+    def _pool_(self) -> ThreadPoolExecutor:
+        """This process's GET threads (a forked worker must not use its parent's)."""
+        if self._pool is None or self._pool_pid != os.getpid():
+            with self._lock:
+                if self._pool is None or self._pool_pid != os.getpid():
+                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-get")
+                    self._pool_pid = os.getpid()
+        return self._pool
+
+    def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
+        view = memoryview(bytearray(length)) if out is None else _bytes_view(out)
+        if len(view) != length:
+            raise ValueError(f"out holds {len(view)} bytes, not {length}")
+        size = self.require(name)
+        if offset + length > size:
+            raise CorruptStoreError(
+                f"{self.url_of(name)} is {size} bytes, a read of bytes {offset}..{offset + length}"
+                " goes past its end: the object is truncated; re-create it"
+            )
+        cache_key = None
+        if cache and self.cache is not None:
+            cache_key = f"{self.url_of(name)}#{self._objects()[name][1]}@{offset}+{length}"
+            if self.cache.get_into(cache_key, view):
+                return view
+        self._fetch(name, offset, view, size)
+        if cache_key is not None:
+            self.cache.put(cache_key, view)  # type: ignore[union-attr]
+        return view
+
+    def _fetch(self, name: str, offset: int, view: memoryview, size: int) -> None:
+        """Ranged GETs of ``view``'s bytes, ``part_bytes`` each, run concurrently."""
+        key, part = self.key(name), self.part_bytes
+        if len(view) <= part:
+            self.store.get_range_into(key, view, offset, total=size)
+            return
+        pool = self._pool_()
+        futures = [
+            pool.submit(self.store.get_range_into, key, view[s : s + part], offset + s, total=size)
+            for s in range(0, len(view), part)
+        ]
+        for f in futures:
+            f.result()
+
+    def read_ranges(self, name: str, ranges: Sequence[tuple[int, Any]]) -> None:
+        """Nearby ranges (gaps under ``MERGE_GAP``, spans up to ``part_bytes``) become one GET;
+        the GETs run concurrently; each range lands in its own buffer."""
+        if not ranges:
+            return
+        size = self.require(name)
+        items = sorted(((int(o), _bytes_view(b)) for o, b in ranges), key=lambda r: r[0])
+        groups: list[list[tuple[int, memoryview]]] = []
+        end = 0
+        for offset, view in items:
+            if (
+                groups
+                and offset - end <= MERGE_GAP
+                and offset + len(view) - groups[-1][0][0] <= self.part_bytes
+            ):
+                groups[-1].append((offset, view))
+                end = max(end, offset + len(view))
+            else:
+                groups.append([(offset, view)])
+                end = offset + len(view)
+        key = self.key(name)
+
+        def fetch(group: list[tuple[int, memoryview]]) -> None:
+            if len(group) == 1:
+                self.store.get_range_into(key, group[0][1], group[0][0], total=size)
+                return
+            start = group[0][0]
+            stop = max(o + len(v) for o, v in group)
+            buf = memoryview(bytearray(stop - start))
+            self.store.get_range_into(key, buf, start, total=size)
+            for o, v in group:
+                v[:] = buf[o - start : o - start + len(v)]
+
+        if len(groups) == 1:
+            fetch(groups[0])
+            return
+        for f in [self._pool_().submit(fetch, g) for g in groups]:
+            f.result()
+
+    def close(self) -> None:
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._pool = None
+
+
+def open_files(
+    location: str | os.PathLike,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    cache_bytes: int | str | None = None,
+    s3: S3Config | None = None,
+    threads: int = 16,
+    cache: bool = True,
+) -> StoreFiles:
+    """The files at ``location``: a local directory or ``s3://bucket/prefix``.
+
+    ``cache_dir`` (default ``$ACTSTORE_CACHE``) turns on the local cache tier for remote
+    stores, capped at ``cache_bytes`` (default ``$ACTSTORE_CACHE_MAX`` or 10 GiB);
+    ``cache=False``: no cache tier whatever the environment says.
+    """
+    if not is_remote(str(location)):
+        text = str(location)
+        return LocalFiles(text.removeprefix("file://"))
+    store, prefix = open_location(location, s3)
+    assert isinstance(store, S3Store)
+    if not cache:
+        return S3Files(store, prefix, threads=threads)
+    if cache_dir is not None:
+        cap = parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
+        cache: BlockCache | None = BlockCache(cache_dir, cap) if cap else BlockCache(cache_dir)
+    else:
+        cache = BlockCache.from_env()
+    return S3Files(store, prefix, cache=cache, threads=threads)

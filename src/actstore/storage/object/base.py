@@ -1,0 +1,131 @@
+"""The abstract object store and key helpers shared by every backend."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .config import MiB
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its full key and size in bytes."""
+
+    key: str
+    size: int
+    version: str = ""
+    """Changes when the object is replaced: the ETag on S3 ("" where unknown)."""
+
+
+class ObjectStore(abc.ABC):
+    """Bytes by key. Subclasses: :class:`S3Store` and :class:`LocalStore`."""
+
+    #: Human-readable root, e.g. ``s3://bucket`` or ``/data``.
+    root_url: str
+
+    @abc.abstractmethod
+    def url(self, key: str) -> str:
+        """The location of ``key`` as a user would write it."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Publish ``data`` under ``key`` atomically (whole object or nothing)."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the object."""
+
+    def get_range_into(
+        self, key: str, out: bytearray | memoryview, start: int, *, total: int | None = None
+    ) -> None:
+        """Fill ``out`` with bytes ``[start, start + len(out))`` of the object; ``total``: the
+        object's expected size, checked where the backend can."""
+        view = memoryview(out).cast("B")
+        view[:] = self.get_range(key, start, start + len(view))
+
+    @abc.abstractmethod
+    def get_into(
+        self,
+        key: str,
+        out: bytearray | memoryview,
+        *,
+        chunk_size: int = 8 * MiB,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """Fill ``out`` with the first ``len(out)`` bytes of the object, in chunks fetched
+        concurrently on ``pool`` (sequentially without one). The object must be exactly
+        ``len(out)`` bytes long, else :class:`~actstore.errors.CorruptStoreError`."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int | None:
+        """Size of the object, or None if it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (string prefix, S3 semantics)."""
+
+    @abc.abstractmethod
+    def list_dirs(self, prefix: str) -> list[str]:
+        """Names of the immediate "sub-directories" of ``prefix`` (``prefix/NAME/...``)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key`` (no error if it is absent)."""
+
+    @abc.abstractmethod
+    def abort_incomplete(self, prefix: str) -> int:
+        """Drop unfinished uploads under ``prefix`` (S3 multipart, local temp files)."""
+
+    def get_json(self, key: str) -> Any:
+        """Parse the object as UTF-8 JSON (:class:`CorruptStoreError` if it is not)."""
+        import json
+
+        from ...errors import CorruptStoreError
+
+        data = self.get(key)
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CorruptStoreError(
+                f"{self.url(key)} is not valid JSON ({err}); the store is damaged: restore or "
+                "re-create this file"
+            ) from err
+
+    def put_json(self, key: str, obj: Any, *, indent: int | None = None) -> None:
+        """Serialise ``obj`` as JSON and publish it atomically."""
+        import json
+
+        self.put(key, json.dumps(obj, indent=indent).encode("utf-8"))
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with single slashes, skipping empty parts.
+
+    Example:
+        >>> join_key("run", "", "models.layers.1.post/", "metadata.json")
+        'run/models.layers.1.post/metadata.json'
+    """
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+def parent_key(key: str) -> str:
+    """``"a/b/c"`` -> ``"a/b"``; ``"c"`` -> ``""``."""
+    return key.rstrip("/").rpartition("/")[0]
+
+
+def base_name(key: str) -> str:
+    """``"a/b/c"`` -> ``"c"``."""
+    return key.rstrip("/").rpartition("/")[2]
+
+
+def is_remote(location: str) -> bool:
+    """True for ``s3://`` URLs."""
+    return str(location).startswith("s3://")

@@ -1,0 +1,153 @@
+"""A local directory as an :class:`~.base.ObjectStore`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from ...errors import StorageError, StoreNotFoundError
+from ..local import atomic_write
+from .base import ObjectInfo, ObjectStore, base_name, parent_key
+from .config import MiB
+
+
+class LocalStore(ObjectStore):
+    """A directory treated as a bucket: keys are ``/``-separated relative paths.
+
+    ``put`` writes a hidden temp file (``.NAME.*.tmp``) in the target directory, fsyncs and
+    renames it into place; listings skip such temp files, like S3 hides unfinished
+    multipart uploads, and :meth:`abort_incomplete` removes them.
+    """
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.root_url = str(self.root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key if key else self.root
+
+    def url(self, key: str) -> str:
+        return str(self._path(key))
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with atomic_write(path) as f:
+                f.write(data)
+        except OSError as err:
+            raise StorageError(f"cannot write {path}: {err}") from err
+
+    def _open(self, key: str):
+        try:
+            return open(self._path(key), "rb", buffering=0)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as err:
+            raise StoreNotFoundError(f"{self._path(key)} does not exist") from err
+
+    def get(self, key: str) -> bytes:
+        with self._open(key) as f:
+            return f.read()
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        with self._open(key) as f:
+            return os.pread(f.fileno(), end - start, start)
+
+    def get_range_into(
+        self, key: str, out: bytearray | memoryview, start: int, *, total: int | None = None
+    ) -> None:
+        from ...errors import CorruptStoreError
+
+        view = memoryview(out).cast("B")
+        with self._open(key) as f:
+            done = 0
+            while done < len(view):
+                n = os.preadv(f.fileno(), [view[done:]], start + done)
+                if n == 0:
+                    raise CorruptStoreError(f"{self._path(key)} ended at byte {start + done}")
+                done += n
+
+    def get_into(
+        self,
+        key: str,
+        out: bytearray | memoryview,
+        *,
+        chunk_size: int = 8 * MiB,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        from ...errors import CorruptStoreError
+
+        view = memoryview(out).cast("B")
+        with self._open(key) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != len(view):
+                raise CorruptStoreError(
+                    f"{self._path(key)} is {size} bytes, expected {len(view)}: the file was "
+                    "truncated or replaced; re-create it"
+                )
+            done = 0
+            while done < len(view):
+                n = os.preadv(f.fileno(), [view[done : done + chunk_size]], done)
+                if n == 0:
+                    raise CorruptStoreError(f"{self._path(key)} ended at byte {done}")
+                done += n
+
+    def size(self, key: str) -> int | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_size if self._path(key).is_file() else None
+
+    @staticmethod
+    def _is_temp(name: str) -> bool:
+        return name.startswith(".") and name.endswith(".tmp")
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # Only the entries of the prefix's directory that start with its last component are
+        # walked (never the whole root), then everything below them.
+        top_key, stem = (
+            (prefix, "") if prefix.endswith("/") else (parent_key(prefix), base_name(prefix))
+        )
+        top = self._path(top_key.strip("/"))
+        if not top.is_dir():
+            return
+        out = []
+        for entry in top.iterdir():
+            if not entry.name.startswith(stem) or self._is_temp(entry.name):
+                continue
+            if entry.is_file():
+                out.append(
+                    ObjectInfo(entry.relative_to(self.root).as_posix(), entry.stat().st_size)
+                )
+                continue
+            for dirpath, _, filenames in os.walk(entry):
+                for name in filenames:
+                    if not self._is_temp(name):
+                        path = Path(dirpath) / name
+                        out.append(
+                            ObjectInfo(path.relative_to(self.root).as_posix(), path.stat().st_size)
+                        )
+        yield from sorted(out, key=lambda o: o.key)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        directory = self._path(prefix.strip("/"))
+        if not directory.is_dir():
+            return []
+        return sorted(p.name for p in directory.iterdir() if p.is_dir())
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def abort_incomplete(self, prefix: str) -> int:
+        directory = self._path(prefix.strip("/"))
+        if not directory.is_dir():
+            return 0
+        n = 0
+        for dirpath, _, filenames in os.walk(directory):
+            for name in filenames:
+                if self._is_temp(name):
+                    (Path(dirpath) / name).unlink(missing_ok=True)
+                    n += 1
+        return n

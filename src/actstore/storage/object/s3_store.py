@@ -1,0 +1,418 @@
+"""An S3-compatible bucket as an :class:`~.base.ObjectStore`, through boto3."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import urlparse
+
+from ...errors import ConfigError, StorageError, StoreNotFoundError, require
+from .base import ObjectInfo, ObjectStore
+from .config import MiB, S3Config, _env
+from .retry import _AUTH_CODES, _MISSING_CODES, Retrier, _describe_error
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SESSION_LOCK = threading.Lock()
+_SESSION: tuple[int, Any] | None = None
+
+
+def _session(boto3: Any) -> Any:
+    """One boto3 session per process: it caches the service model, so each new client
+    costs milliseconds instead of a fresh session's ~150 ms. Call under ``_SESSION_LOCK``."""
+    global _SESSION
+    if _SESSION is None or _SESSION[0] != os.getpid():
+        _SESSION = (os.getpid(), boto3.session.Session())
+    return _SESSION[1]
+
+
+class S3Store(ObjectStore):
+    """One bucket of an S3-compatible service, through boto3.
+
+    Each instance creates its own boto3 client lazily (and again after a fork), so stores are
+    picklable and each uploader thread group or worker process gets its own connection pool.
+    Retries are done here (botocore's own are turned off) so that every transient fault,
+    including a body cut short mid-download, follows one documented policy.
+    """
+
+    def __init__(self, bucket: str, config: S3Config | None = None) -> None:
+        self.bucket = bucket
+        self.config = config or S3Config()
+        self.root_url = f"s3://{bucket}"
+        self._retry = Retrier(self.config)
+        self._client: Any = None
+        self._pid = os.getpid()
+        self._client_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {**self.__dict__, "_client": None}
+        del state["_client_lock"], state["_retry"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._client_lock = threading.Lock()
+        self._retry = Retrier(self.config)
+
+    @property
+    def retries(self) -> int:
+        """Transient faults retried by this store so far."""
+        return self._retry.retries
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (created on first use in each process)."""
+        if self._client is None or self._pid != os.getpid():
+            with self._client_lock:
+                if self._client is None or self._pid != os.getpid():
+                    self._client = self._make_client()
+                    self._pid = os.getpid()
+        return self._client
+
+    def _make_client(self) -> Any:
+        boto3 = require("boto3", "s3")
+        from botocore.config import Config
+
+        cfg = self.config
+        endpoint = cfg.resolved_endpoint()
+        if endpoint is not None and urlparse(endpoint).scheme not in ("http", "https"):
+            raise ConfigError(
+                f"S3 endpoint {endpoint!r} (from {cfg.endpoint_setting()}) is not an http:// or "
+                f"https:// URL; set it to e.g. https://{endpoint.partition('://')[2] or endpoint}"
+            )
+        key_id = cfg.access_key_id or _env("AWS_ACCESS_KEY_ID")
+        secret = cfg.secret_access_key or _env("AWS_SECRET_ACCESS_KEY")
+        kwargs: dict[str, Any] = {}
+        if key_id and secret:
+            kwargs.update(
+                aws_access_key_id=key_id,
+                aws_secret_access_key=secret,
+                aws_session_token=_env("AWS_SESSION_TOKEN"),
+            )
+        botocore_config = Config(
+            signature_version="s3v4",
+            s3={"addressing_style": "path"},
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            connect_timeout=cfg.connect_timeout_s,
+            read_timeout=cfg.read_timeout_s,
+            max_pool_connections=cfg.max_pool_connections,
+            # S3-compatible services (Nebius, older MinIO, Ceph) often reject the streaming
+            # trailing checksums newer botocore sends by default; send them only if required.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            tcp_keepalive=True,
+        )
+        with _SESSION_LOCK:  # clients are thread-safe; creating them from a session is not
+            return _session(boto3).client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name=cfg.region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1",
+                config=botocore_config,
+                **kwargs,
+            )
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # -------------------------------------------------------------- error mapping
+
+    def _classify(self, key: str | None) -> Callable[[BaseException], Any]:
+        """Map permanent errors to actstore errors (None: let the retrier decide)."""
+
+        def classify(err: BaseException) -> Any:
+            botocore_exc = require("botocore.exceptions", "s3")
+            where = self.url(key) if key is not None else self.root_url
+            endpoint = self.config.resolved_endpoint() or "AWS S3"
+            if isinstance(err, botocore_exc.NoCredentialsError):
+                return ConfigError(
+                    f"no S3 credentials for {where}: set AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY (and S3_ENDPOINT_URL for a non-AWS service)"
+                )
+            if not isinstance(err, botocore_exc.ClientError):
+                return None
+            code = str(err.response.get("Error", {}).get("Code", ""))
+            status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if code == "NoSuchBucket" or (key is None and status == 404):
+                return StoreNotFoundError(
+                    f"bucket {self.bucket!r} does not exist at {endpoint}; create it or fix the "
+                    f"URL ({where})"
+                )
+            if code in _MISSING_CODES or (status == 404 and code != "NoSuchUpload"):
+                return StoreNotFoundError(f"{where} does not exist")
+            if code in _AUTH_CODES or status == 403:
+                return StorageError(
+                    f"{endpoint} refused access to {where} ({_describe_error(err)}): check "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's permissions"
+                )
+            if code == "InvalidRange" or status == 416:
+                from ...errors import CorruptStoreError
+
+                return CorruptStoreError(
+                    f"{where} is shorter than expected (HTTP 416 for a byte range): the object "
+                    "is truncated; re-create it"
+                )
+            return None
+
+        return classify
+
+    def _call(self, what: str, key: str | None, fn: Callable[[], T]) -> T:
+        return self._retry(
+            f"{what} {self.url(key) if key is not None else self.root_url}", fn, self._classify(key)
+        )
+
+    # -------------------------------------------------------------- reads
+
+    def get(self, key: str) -> bytes:
+        def attempt() -> bytes:
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            return response["Body"].read()
+
+        return self._call("GET", key, attempt)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        out = bytearray(end - start)
+        self._get_range_into(key, memoryview(out), start, None)
+        return bytes(out)
+
+    def get_range_into(
+        self, key: str, out: bytearray | memoryview, start: int, *, total: int | None = None
+    ) -> None:
+        """One ranged GET into ``out``; checks the object's total size when given."""
+        self._get_range_into(key, memoryview(out).cast("B"), start, total)
+
+    def _get_range_into(self, key: str, view: memoryview, start: int, total: int | None) -> None:
+        from ...errors import CorruptStoreError
+
+        end = start + len(view) - 1
+
+        def attempt() -> None:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end}"
+            )
+            if total is not None:
+                content_range = response.get("ContentRange") or ""
+                size = content_range.rpartition("/")[2]
+                if size.isdigit() and int(size) != total:
+                    response["Body"].close()
+                    raise CorruptStoreError(
+                        f"{self.url(key)} is {size} bytes, expected {total}: the object was "
+                        "truncated or replaced; re-create it"
+                    )
+            body, done = response["Body"], 0
+            while done < len(view):
+                n = body.readinto(view[done:])
+                if n == 0:
+                    break
+                done += n
+            if done != len(view):
+                if total is not None and start + done < total:
+                    # The connection ended early: a transient fault, retry the range.
+                    raise ConnectionError(f"response ended after {done} of {len(view)} bytes")
+                raise CorruptStoreError(
+                    f"{self.url(key)} ended at byte {start + done}, expected {start + len(view)}: "
+                    "the object is truncated; re-create it"
+                )
+
+        self._call("GET range", key, attempt)
+
+    def get_into(
+        self,
+        key: str,
+        out: bytearray | memoryview,
+        *,
+        chunk_size: int = 8 * MiB,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        view = memoryview(out).cast("B")
+        total = len(view)
+        starts = list(range(0, total, chunk_size)) or [0]
+        if total == 0:
+            return
+        if pool is None or len(starts) == 1:
+            for s in starts:
+                self._get_range_into(key, view[s : s + chunk_size], s, total)
+            return
+        futures = [
+            pool.submit(self._get_range_into, key, view[s : s + chunk_size], s, total)
+            for s in starts
+        ]
+        errors = [f.exception() for f in futures]
+        for err in errors:
+            if err is not None:
+                raise err
+
+    def size(self, key: str) -> int | None:
+        botocore_exc = require("botocore.exceptions", "s3")
+
+        def attempt() -> Any:
+            try:
+                return self.client.head_object(Bucket=self.bucket, Key=key)
+            except botocore_exc.ClientError as err:
+                if err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
+                    return None  # HEAD has no body: a missing key and bucket look alike
+                raise
+
+        head = self._call("HEAD", key, attempt)
+        return None if head is None else int(head["ContentLength"])
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call("LIST", prefix, lambda kw=kwargs: self.client.list_objects_v2(**kw))
+            for item in page.get("Contents", []):
+                yield ObjectInfo(item["Key"], int(item["Size"]), item.get("ETag", "").strip('"'))
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        base = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
+        names: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call("LIST", base, lambda kw=kwargs: self.client.list_objects_v2(**kw))
+            for item in page.get("CommonPrefixes", []):
+                names.append(item["Prefix"][len(base) :].rstrip("/"))
+            if not page.get("IsTruncated"):
+                return names
+            token = page["NextContinuationToken"]
+
+    def presigned_url(self, key: str, expires_s: int = 3600) -> str:
+        """A plain-HTTP GET URL for ``key`` (what Activault's reader downloads from)."""
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires_s
+        )
+
+    # -------------------------------------------------------------- writes
+
+    def check_bucket(self) -> None:
+        """Raise a clear error now if the bucket is missing or the credentials are wrong."""
+        self._call("HEAD bucket", None, lambda: self.client.head_bucket(Bucket=self.bucket))
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        if len(view) <= self.config.multipart_threshold:
+            self._call(
+                "PUT",
+                key,
+                lambda: self.client.put_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=bytes(view),
+                    ContentType="application/octet-stream",
+                ),
+            )
+            return
+        self._put_multipart(key, view)
+
+    def _put_multipart(self, key: str, view: memoryview) -> None:
+        """Multipart upload: the object appears only when complete; aborted on failure."""
+        upload_id = self.create_upload(key)
+        size = self.config.part_size
+        offsets = list(range(0, len(view), size))
+
+        def send(number: int, offset: int) -> dict[str, Any]:
+            etag = self.upload_part(
+                key, upload_id, number, view[offset : offset + size], of=len(offsets)
+            )
+            return {"PartNumber": number, "ETag": etag}
+
+        try:
+            workers = min(self.config.part_concurrency, len(offsets))
+            with ThreadPoolExecutor(workers, thread_name_prefix="actstore-part") as pool:
+                parts = list(pool.map(lambda a: send(*a), enumerate(offsets, start=1)))
+            self._complete(key, upload_id, parts, len(view))
+        except BaseException:
+            self.abort_upload(key, upload_id)
+            raise
+
+    # Multipart primitives, for callers that stream parts themselves (``actstore cp``).
+
+    def create_upload(self, key: str) -> str:
+        """Start a multipart upload of ``key``; returns its upload id."""
+        upload = self._call(
+            "CREATE multipart",
+            key,
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, ContentType="application/octet-stream"
+            ),
+        )
+        return upload["UploadId"]
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, data: Any, *, of: int | None = None
+    ) -> str:
+        """Send part ``number`` (1-based) of an upload; returns its ETag."""
+        body = bytes(data)
+        part = self._call(
+            f"PUT part {number}{f'/{of}' if of else ''} of",
+            key,
+            lambda: self.client.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+            ),
+        )
+        return part["ETag"]
+
+    def complete_upload(self, key: str, upload_id: str, etags: list[str], size: int) -> None:
+        """Publish ``key`` from its parts (ETags in part order); ``size``: the total bytes."""
+        parts = [{"PartNumber": i, "ETag": e} for i, e in enumerate(etags, start=1)]
+        self._complete(key, upload_id, parts, size)
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished upload (logged, not raised, if that fails)."""
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+        except Exception as err:  # noqa: BLE001 - the original error matters more
+            log.warning("could not abort multipart upload of %s: %s", self.url(key), err)
+
+    def _complete(self, key: str, upload_id: str, parts: list[dict[str, Any]], size: int) -> None:
+        botocore_exc = require("botocore.exceptions", "s3")
+
+        def attempt() -> None:
+            try:
+                self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+            except botocore_exc.ClientError as err:
+                # A retried complete whose first try succeeded (response lost) finds no upload.
+                code = err.response.get("Error", {}).get("Code")
+                if code == "NoSuchUpload" and self.size(key) == size:
+                    return
+                raise
+
+        self._call("COMPLETE multipart", key, attempt)
+
+    def delete(self, key: str) -> None:
+        self._call("DELETE", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))
+
+    def abort_incomplete(self, prefix: str) -> int:
+        response = self._call(
+            "LIST uploads",
+            prefix,
+            lambda: self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=prefix),
+        )
+        uploads = response.get("Uploads", [])
+        for up in uploads:
+            self._call(
+                "ABORT multipart",
+                up["Key"],
+                lambda up=up: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                ),
+            )
+        return len(uploads)

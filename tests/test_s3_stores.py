@@ -1,0 +1,368 @@
+"""saev and pkl.gz stores on the loopback S3 server: readers over ranged GETs, the loader
+exactly once, the local cache tier, ``actstore cp`` both ways, and faults through the proxy."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+from conformance import make_plan
+from test_pickle_store import write as write_pickle
+from test_saev_store import T, make_acts, write_store
+from typer.testing import CliRunner
+
+from actstore.cli import app
+from actstore.errors import CorruptStoreError, StoreNotFoundError
+from actstore.formats import open_store, verify_store
+from actstore.formats.pickle import PickleReader
+from actstore.formats.saev import SaevReader
+from actstore.loader import ActivationLoader
+from actstore.storage.cache import BlockCache
+from actstore.storage.copy import copy_store
+from actstore.storage.files import open_files
+
+
+@pytest.fixture
+def saev_local(tmp_path):
+    acts = make_acts()
+    return write_store(tmp_path / "local", acts), acts
+
+
+def upload(local, url):
+    report = copy_store(local, url, threads=4, check_store=verify_store)
+    assert report.copied == report.files and report.skipped == 0
+    return report
+
+
+def gets(s3) -> int:
+    """GETs of shard data (block checksum sidecars, ``*.bin.xxh3``, are fetched once each)."""
+    return sum(
+        1 for method, path, _ in s3.faults.requests if method == "GET" and path.endswith(".bin")
+    )
+
+
+def test_saev_reader_over_s3_matches_the_local_reader(s3, saev_local):
+    local, acts = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    remote, here = open_store(url), SaevReader(local)
+    assert isinstance(remote, SaevReader) and remote.remote
+    assert remote.shape == here.shape
+    np.testing.assert_array_equal(remote[7, 5, 3], acts[7, 1, 3])
+    np.testing.assert_array_equal(remote[[21, 2, 7], 2], acts[[21, 2, 7], 0])
+    np.testing.assert_array_equal(remote[3:9, :, 1:4], acts[3:9, :, 1:4])
+    np.testing.assert_array_equal(remote[[4, 11], 5, [5, 0, 2]], here[[4, 11], 5, [5, 0, 2]])
+    np.testing.assert_array_equal(remote[-1, :, -1], acts[-1, :, -1])
+    np.testing.assert_array_equal(remote.vector(12, 2, 4), acts[12, 0, 4])
+    rows = np.array([5, 130, 5, 0, 137])
+    np.testing.assert_array_equal(remote.gather(rows, 5), here.gather(rows, 5))
+    for block in remote.blocks(2):
+        np.testing.assert_array_equal(remote.read_block(block), here.read_block(block))
+    np.testing.assert_array_equal(remote.tokens, here.tokens)
+    assert remote.statistics(5).to_dict() == here.statistics(5).to_dict()
+    assert remote.describe()["files"] == here.describe()["files"]
+    report = remote.verify()
+    assert report.ok and report.files_checked == here.verify().files_checked
+
+
+def test_one_row_costs_one_small_ranged_get(s3, saev_local):
+    local, acts = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    reader = SaevReader(url)
+    before = len(s3.faults.requests)
+    np.testing.assert_array_equal(reader[9, 5, 2], acts[9, 1, 2])
+    assert [m for m, _, _ in s3.faults.requests[before:]] == ["GET"]
+
+
+def test_reader_refuses_a_prefix_without_its_manifest(s3, saev_local):
+    local, _ = saev_local
+    url = s3.url("partial")
+    upload(local, url)
+    s3.client().delete_object(Bucket=s3.bucket, Key="partial/metadata.json")
+    with pytest.raises(StoreNotFoundError, match="no metadata.json"):
+        SaevReader(url)
+    with pytest.raises(StoreNotFoundError, match="not an actstore-readable store"):
+        open_store(url)
+
+
+def test_loader_over_s3_serves_every_row_exactly_once(s3, saev_local):
+    local, acts = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    loader = ActivationLoader(url, site=5, batch_size=16, pool_blocks=3, return_index=True)
+    xs, rows = zip(*[(b.acts.numpy(), b.rows.numpy()) for b in loader])
+    rows = np.concatenate(rows)
+    assert sorted(rows.tolist()) == list(range(len(acts) * T))
+    np.testing.assert_array_equal(np.concatenate(xs), acts[:, 1].reshape(-1, acts.shape[-1])[rows])
+
+
+def test_dataloader_workers_over_s3_with_a_shared_cache(s3, saev_local, tmp_path):
+    """Worker processes (forked after the parent read blocks: its threads and client must
+    not be reused) serve every row once, sharing one cache directory."""
+    from actstore.loader import ActivationDataLoader
+
+    local, acts = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    reader = SaevReader(url, cache_dir=tmp_path / "cache")
+    reader.read_block(reader.blocks(5)[-1])  # the parent has a client and a cache entry
+    options = {"site": 5, "batch_size": 16, "pool_blocks": 3, "return_index": True}
+    for _ in range(2):  # the second epoch comes from the cache
+        data = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
+        rows = np.concatenate([b.rows.numpy() for b in data])
+        assert sorted(rows.tolist()) == list(range(len(acts) * T))
+    assert BlockCache(tmp_path / "cache").usage()[0] == len(reader.blocks(5))
+
+
+def test_cache_serves_a_second_epoch_and_evicts_least_recently_used(s3, saev_local, tmp_path):
+    local, _ = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    here = SaevReader(local)
+    reader = SaevReader(url, cache_dir=tmp_path / "cache", cache_bytes="1M")
+    blocks = reader.blocks(2)
+    first = gets(s3)
+    for block in blocks:
+        reader.read_block(block)
+    assert gets(s3) - first == len(blocks)
+    for block in blocks:  # second epoch: no request reaches the server
+        np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
+    cache = reader.files.cache
+    assert gets(s3) - first == len(blocks) and cache.stats.hits == len(blocks)
+    # A damaged entry is dropped and fetched again.
+    victim = next(p for p in (tmp_path / "cache").rglob("*.blk"))
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    for block in blocks:
+        np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
+    assert cache.stats.damaged == 1 and gets(s3) - first == len(blocks) + 1
+    # Eviction: a cap of three blocks keeps the three used last.
+    block_bytes = blocks[0].n_rows * reader.d_model * 4 + 16
+    small = BlockCache(tmp_path / "small", max_bytes=3 * block_bytes)
+    reader.files.cache = small
+    for block in blocks:
+        reader.read_block(block)
+    small.evict()
+    entries, size = small.usage()
+    assert entries == 3 and size <= small.max_bytes and small.stats.evicted >= len(blocks) - 3
+    before = gets(s3)
+    for block in blocks[-3:]:
+        reader.read_block(block)
+    assert gets(s3) == before
+    reader.read_block(blocks[0])
+    assert gets(s3) == before + 1
+
+
+def _read_all(url: str, cache_dir: str) -> int:
+    reader = SaevReader(url, cache_dir=cache_dir)
+    for block in reader.blocks(2):
+        reader.read_block(block)
+    return reader.files.cache.stats.stores
+
+
+def test_processes_share_one_cache(s3, saev_local, tmp_path):
+    local, _ = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    cache_dir = str(tmp_path / "shared")
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        stores = pool.starmap(_read_all, [(url, cache_dir)] * 2)
+    n_blocks = len(SaevReader(local).blocks(2))
+    assert n_blocks <= sum(stores) <= 2 * n_blocks
+    assert BlockCache(cache_dir).usage()[0] == n_blocks  # one entry per block, whole
+    before = gets(s3)
+    _read_all(url, cache_dir)
+    assert gets(s3) == before
+
+
+def test_cp_both_ways_publishes_last_resumes_and_verifies(s3, saev_local, tmp_path):
+    local, _ = saev_local
+    url = s3.url("copy", local.name)
+    start = len(s3.faults.requests)
+    report = upload(local, url)
+    assert "SaevReader.verify()" in report.verified and "ETags" in report.verified
+    puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT"]
+    assert puts[-1].endswith("/metadata.json")
+    names = {p.name: p.stat().st_size for p in local.iterdir()}
+    assert s3.keys(f"copy/{local.name}/") == {f"copy/{local.name}/{n}": s for n, s in names.items()}
+    # Resume: only the missing object is sent again.
+    s3.client().delete_object(Bucket=s3.bucket, Key=f"copy/{local.name}/acts000002.bin")
+    again = copy_store(local, url)
+    assert (again.copied, again.skipped) == (1, len(names) - 1)
+    # Download and compare bytes.
+    back = tmp_path / "back" / local.name
+    copy_store(url, back, part_bytes=5 << 20)
+    for name in names:
+        assert (back / name).read_bytes() == (local / name).read_bytes()
+    # A same-sized but different file at the destination is skipped, then caught.
+    damaged = bytearray((back / "acts000001.bin").read_bytes())
+    damaged[100] ^= 1
+    (back / "acts000001.bin").write_bytes(bytes(damaged))
+    with pytest.raises(CorruptStoreError, match="acts000001.bin: checksum mismatch"):
+        copy_store(url, back, check_store=verify_store)
+
+
+def test_cp_multipart_upload_carries_the_etags_of_the_bytes_sent(s3, tmp_path):
+    src = tmp_path / "blob"
+    src.mkdir()
+    data = np.random.default_rng(1).integers(0, 255, 11 << 20, dtype=np.uint8).tobytes()
+    (src / "big.bin").write_bytes(data)
+    report = copy_store(src, s3.url("blob"), part_bytes=5 << 20)
+    assert report.bytes_copied == len(data) and "1 ETags" in report.verified
+    head = s3.client().head_object(Bucket=s3.bucket, Key="blob/big.bin")
+    assert head["ETag"].strip('"').endswith("-3")
+    out = bytearray(len(data))
+    open_files(s3.url("blob")).read_range("big.bin", 0, len(data), out)
+    assert bytes(out) == data
+
+
+def test_cli_cp_ls_verify_on_s3(s3, saev_local, tmp_path):
+    local, _ = saev_local
+    url = s3.url("cli", local.name)
+    runner = CliRunner()
+    result = runner.invoke(app, ["cp", str(local), url, "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "copied" in result.output
+    result = runner.invoke(app, ["ls", url])
+    assert result.exit_code == 0, result.output
+    assert "saev protocol 2.1" in result.output and "acts000000.bin" in result.output
+    result = runner.invoke(app, ["verify", url, "--no-progress"])
+    assert result.exit_code == 0 and "OK:" in result.output, result.output
+    result = runner.invoke(app, ["cp", url, str(tmp_path / "down"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+
+
+def test_pickle_store_on_s3(s3, tmp_path):
+    plan = make_plan()
+    store, plan, _ = write_pickle(tmp_path / "pkl", plan)
+    url = s3.url("pkl")
+    upload(store, url)
+    remote, here = open_store(url), PickleReader(store)
+    assert isinstance(remote, PickleReader) and remote.remote
+    site = remote.sites[0]
+    for a, b in zip(remote.blocks(site), here.blocks(site)):
+        np.testing.assert_array_equal(remote.read_block(a), here.read_block(b))
+    assert remote.verify().ok
+    loader = ActivationLoader(url, site=site, batch_size=7, return_index=True)
+    rows = np.concatenate([b.rows.numpy() for b in loader])
+    assert sorted(rows.tolist()) == list(range(sum(b.n_rows for b in here.blocks(site))))
+
+
+def test_reads_survive_connection_resets_through_the_proxy(s3_proxy, saev_local):
+    local, acts = saev_local
+    url = s3_proxy.url("acts", local.name)
+    upload(local, url)
+    reader = SaevReader(url)
+    here = SaevReader(local)
+    s3_proxy.proxy.reset_connections(times=3, after_bytes=200)
+    for block in reader.blocks(5):
+        np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
+    assert reader.files.store.retries >= 1
+    np.testing.assert_array_equal(reader[[3, 20], 2], acts[[3, 20], 0])
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+from test_saev_store import batches, make_acts, make_metadata
+from actstore.formats.saev.remote import SaevS3Writer
+writer = SaevS3Writer(make_metadata(), sys.argv[1], staging=sys.argv[2], has_tokens=True)
+for i, batch in enumerate(batches(make_acts())):
+    writer.write(batch)
+    if i == 3:  # 16 examples: shards 0-2 finished (and queued for upload), 1 in the open one
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path):
+    import subprocess
+    import sys
+
+    from test_saev_store import batches, make_metadata
+
+    from actstore.formats.saev.remote import SaevS3Writer
+
+    acts = make_acts()
+    url, staging = s3.url("captures"), str(tmp_path / "staging")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, url, staging],
+        env=env,
+        capture_output=True,
+        check=False,
+    )
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert not any(k.endswith("metadata.json") for k in s3.keys("captures/"))
+    resumed = SaevS3Writer(make_metadata(), url, staging=staging, has_tokens=True)
+    assert resumed.resume_from == 15
+    for batch in batches(acts, start=12):
+        resumed.write(batch)
+    shard3 = f"captures/{make_metadata().content_hash()}/acts000003.bin"
+    for _ in range(300):  # the finished shard goes up in the background, before close()
+        if shard3 in s3.keys("captures/"):
+            break
+        time.sleep(0.1)
+    assert shard3 in s3.keys("captures/")
+    published = resumed.close()
+    assert published == f"{url}/{make_metadata().content_hash()}"
+    assert not (tmp_path / "staging" / make_metadata().content_hash()).exists()
+    reference = write_store(tmp_path / "ref", acts)
+    remote = open_files(published)
+    assert remote.list() == {p.name: p.stat().st_size for p in reference.iterdir()}
+    for f in reference.iterdir():
+        assert remote.read_bytes(f.name) == f.read_bytes(), f.name
+    again = SaevS3Writer(make_metadata(), url, staging=staging, has_tokens=True)
+    assert again.complete and again.close() == published
+
+
+def test_cli_capture_saev_straight_to_s3(s3, model_dir, text_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
+    args = ["capture", "--model", str(model_dir("gpt2")), "--dataset", str(text_file)]
+    args += ["--layers", "0,-1", "--context-length", "8", "--max-examples", "12"]
+    result = CliRunner().invoke(app, [*args, "--out", s3.url("cap"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    reader = open_store(next(line.strip() for line in result.output.split() if "s3://" in line))
+    assert isinstance(reader, SaevReader) and reader.remote and reader.verify().ok
+    local = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "here"), "--no-progress"])
+    assert local.exit_code == 0, local.output
+    here = SaevReader(next((tmp_path / "here").iterdir()))
+    assert reader.files.list() == {p.name: p.stat().st_size for p in here.path.iterdir()}
+    np.testing.assert_allclose(reader[:], here[:], rtol=0, atol=1e-6)
+
+
+def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_path):
+    from conformance import make_acts as make_plan_acts
+    from conformance import make_batches
+    from test_pickle_store import PER_SHARD
+
+    from actstore.formats.pickle import PickleOptions, PickleWriter
+    from actstore.formats.s3_staged import StagedS3Writer
+
+    plan = make_plan()
+    batches = make_batches(plan, make_plan_acts(plan))
+    url, staging = s3.url("pk"), tmp_path / "staging"
+
+    def make(directory):
+        return PickleWriter(plan, directory, PickleOptions(samples_per_shard=PER_SHARD))
+
+    crashed = StagedS3Writer(url, make, staging=staging)
+    for batch in batches[:3]:
+        crashed.write(batch)
+    crashed.abort()
+    assert s3.keys("pk/") == {}
+    resumed = StagedS3Writer(url, make, staging=staging)
+    assert resumed.resume_from == 10 and not resumed.complete
+    for batch in batches:
+        resumed.write(batch)
+    assert resumed.close() == url and not staging.exists()
+    reference, *_ = write_pickle(tmp_path / "ref", plan)
+    remote = open_store(url)
+    assert isinstance(remote, PickleReader) and remote.verify().ok
+    for name in (f"shard_{i:04d}.pkl.gz" for i in range(1, 6)):
+        assert remote.files.read_bytes(name) == (reference / name).read_bytes(), name
+    again = StagedS3Writer(url, make, staging=staging)
+    assert again.complete and again.close() == url
