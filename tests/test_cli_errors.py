@@ -291,7 +291,8 @@ def test_interrupted_capture_says_what_is_durable(world):
     assert "Traceback" not in stderr
     (line,) = [x for x in stderr.splitlines() if x.startswith("interrupted:")]
     kept, total = line.split("kept ")[1].split(" examples")[0].split(" of ")
-    assert int(kept.replace(",", "")) >= 4 and int(total.replace(",", "")) > int(kept)
+    # at least the first shard (2 examples of 16 tokens x 2 layers) is durable
+    assert 2 <= int(kept.replace(",", "")) < int(total.replace(",", ""))
     assert line.endswith(
         "rerun the same command to resume (`actstore status " + world["out"] + "` lists it)"
     )
