@@ -98,3 +98,34 @@ def test_readme_defines_every_site_kind():
         assert f"`{kind}." in section, kind
     assert "`hidden_states[i + 1]`" in section
     assert "**before** any final layer norm, in every format" in section
+
+
+@pytest.mark.parametrize(
+    ("kind", "last_is_normed"),
+    [("gpt2", True), ("llama", True), ("clip", False), ("siglip", False)],
+)
+def test_site_definitions_hold(model_dir, kind, last_is_normed):
+    """What the README says a site is: resid.i = hidden_states[i + 1], and at the last block
+    the block output, which differs from hidden_states[-1] exactly for the decoder LMs."""
+    import torch
+
+    from actstore.capture.hooks import ActivationRecorder
+    from actstore.capture.models import load_model
+    from actstore.sites import Site
+
+    model = load_model(str(model_dir(kind)))
+    n = model.n_layers
+    if model.modality == "text":
+        inputs = {"input_ids": torch.arange(4, 12).reshape(1, 8)}
+    else:
+        size = model.module.config.image_size
+        inputs = {"pixel_values": torch.linspace(-1, 1, 3 * size * size).reshape(1, 3, size, size)}
+    sites = [Site("resid", i) for i in range(n)]
+    with torch.inference_mode(), ActivationRecorder(model, sites) as recorder:
+        acts = recorder.run(inputs)
+    with torch.inference_mode():
+        hidden = model.module(**inputs, output_hidden_states=True).hidden_states
+    for i, site in enumerate(sites[:-1]):
+        torch.testing.assert_close(acts[str(site)], hidden[i + 1], rtol=0, atol=0)
+    last_differs = not torch.equal(acts[str(sites[-1])], hidden[-1])
+    assert last_differs is last_is_normed

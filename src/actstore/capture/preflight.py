@@ -2,14 +2,14 @@
 
 In order: the output location is a writable directory (not a file); the dataset exists
 and is readable; the model's config.json is on this machine (or the hub answers) and every
-site fits it; then, for packed text, the store's plan is worked out from config.json, the
-tokenizer and the dataset alone, which gives the store's location and size: a store that
+site fits it; then the store's plan is worked out from config.json, the tokenizer or
+image processor, and the dataset alone, which gives the store's location and size: a store that
 is already complete is reported at once, and a disk without room for what remains to be
 written is refused (``space_check=False`` skips that). Each failure is one
 :class:`~actstore.errors.ActstoreError` line; nothing is written before the checks pass.
 
-Image models and prompt/response captures get the first three checks; their plan needs a
-forward pass (image token count) or the model itself (generated responses).
+Prompt/response captures get the checks up to the sites only: their plan may need the
+model itself (generated responses).
 
 Example:
     >>> pre = preflight(config, get_format("saev"), "actstore-data", options)  # doctest: +SKIP
@@ -52,7 +52,12 @@ class ModelFacts:
     path: str
     """What ``from_pretrained`` is given (a directory for ``embedded``)."""
     model_type: str
+    family: str
+    """``LoadedModel.family``: clip/siglip/dinov2 for vision towers, else the model type."""
     is_vision: bool
+    has_cls: bool
+    patch_size: int | None
+    """Vision towers: pixels per patch side (tokens = patches + CLS)."""
     n_layers: int
     d_model: int
 
@@ -171,12 +176,19 @@ def read_model_config(model: str) -> ModelFacts:
         raise ConfigError(f"--model {model}: config.json gives no layer count or hidden size")
     from .models import VISION_FAMILIES
 
-    is_vision = any(config.model_type in types for types, _ in VISION_FAMILIES.values())
+    family = next(
+        (name for name, (types, _) in VISION_FAMILIES.items() if config.model_type in types),
+        config.model_type,
+    )
+    is_vision = family in VISION_FAMILIES
     return ModelFacts(
         ckpt=EMBEDDED_MODEL_ID if model == EMBEDDED_MODEL else model,
         path=path,
         model_type=config.model_type,
+        family=family,
         is_vision=is_vision,
+        has_cls=is_vision and VISION_FAMILIES[family][1],
+        patch_size=getattr(vision, "patch_size", None) if is_vision else None,
         n_layers=int(n_layers),
         d_model=int(d_model),
     )
@@ -190,60 +202,89 @@ def check_sites(sites: tuple[str, ...], n_layers: int) -> tuple[Site, ...]:
     return resolved
 
 
-def text_plan(config: CaptureConfig, facts: ModelFacts, sites: tuple[Site, ...]) -> CapturePlan:
-    """The plan capture will make for packed text, from the tokenizer and the dataset only."""
+def _stand_in(facts: ModelFacts, tokenizer: Any = None, image_processor: Any = None):
+    """What the dataset code needs of a model (modality, name, tokenizer or image
+    processor), with no weights: an empty module in place of the network."""
     import torch
-    from transformers import AutoTokenizer
 
-    from .data import open_source
     from .models import LoadedModel
 
-    try:
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(facts.path)
-    except OSError:
-        raise StoreNotFoundError(
-            f"{facts.path!r} has no tokenizer files; save the tokenizer next to the model"
-        ) from None
-    # The dataset code needs only the model's modality, name and tokenizer: no weights.
-    stand_in = LoadedModel(
+    return LoadedModel(
         module=torch.nn.Module(),
         ckpt=facts.ckpt,
-        family=facts.model_type,
-        modality="text",
+        family=facts.family,
+        modality="image" if facts.is_vision else "text",
         blocks=torch.nn.ModuleList(),
         d_model=facts.d_model,
-        has_cls=False,
+        has_cls=facts.has_cls,
         device=torch.device("cpu"),
         dtype=torch.float32,
         tokenizer=tokenizer,
+        image_processor=image_processor,
+    )
+
+
+def _image_tokens(source: Any, facts: ModelFacts) -> int:
+    """Tokens per image: the processor's output size in patches, plus the CLS token."""
+    first = next(source.batches(0, 1))
+    height, width = first.inputs["pixel_values"].shape[-2:]
+    return (height // facts.patch_size) * (width // facts.patch_size) + int(facts.has_cls)
+
+
+def weightless_plan(
+    config: CaptureConfig, facts: ModelFacts, sites: tuple[Site, ...]
+) -> CapturePlan:
+    """The plan capture will make (packed mode), from config.json, the tokenizer or image
+    processor, and the dataset only."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from .data import open_source
+
+    loader = AutoImageProcessor if facts.is_vision else AutoTokenizer
+    try:
+        with quiet_transformers():
+            helper = loader.from_pretrained(facts.path)
+    except OSError:
+        what = "image processor config" if facts.is_vision else "tokenizer files"
+        raise StoreNotFoundError(
+            f"{facts.path!r} has no {what}; save them next to the model"
+        ) from None
+    model = (
+        _stand_in(facts, image_processor=helper) if facts.is_vision else _stand_in(facts, helper)
     )
     source = open_source(
         config.dataset,
-        stand_in,
+        model,
         context_length=config.context_length,
         max_examples=config.max_examples,
         split=config.split,
         text_field=config.text_field,
         progress=config.progress,
     )
+    token_ids = getattr(source, "token_ids", None)
+    if token_ids is not None:
+        tokens = int(token_ids.shape[1])
+    elif facts.patch_size:
+        tokens = _image_tokens(source, facts)
+    else:
+        raise ConfigError(f"--model {config.model}: config.json gives no patch size")
     return CapturePlan(
         ckpt=facts.ckpt,
-        family=facts.model_type,
-        modality="text",
+        family=facts.family,
+        modality=model.modality,
         sites=sites,
         n_model_layers=facts.n_layers,
         d_model=facts.d_model,
-        tokens_per_example=int(source.token_ids.shape[1]),
-        has_cls=False,
+        tokens_per_example=tokens,
+        has_cls=facts.has_cls,
         n_examples=source.n_examples,
         dataset_root=source.root,
         data=source.describe(),
         classes=source.classes,
-        has_labels=False,
-        has_tokens=True,
+        has_labels=getattr(source, "labels", None) is not None,
+        has_tokens=getattr(source, "has_tokens", token_ids is not None),
         batch_size=config.batch_size,
-        extras={},
+        extras=getattr(source, "plan_extras", {}),
     )
 
 
@@ -277,7 +318,7 @@ def check_space(out: str, need: int) -> None:
 
 @dataclass(kw_only=True)
 class Preflight:
-    """What the checks found. ``writer`` (packed text only) is already open on the store."""
+    """What the checks found. ``writer`` (packed mode) is already open on the store."""
 
     model: ModelFacts
     sites: tuple[Site, ...]
@@ -324,9 +365,9 @@ def preflight(
     facts = read_model_config(config.model)
     sites = check_sites(config.sites, facts.n_layers)
     result = Preflight(model=facts, sites=sites)
-    if not open_store or facts.is_vision or config.mode != "packed":
+    if not open_store or config.mode != "packed":
         return result
-    plan = text_plan(config, facts, sites)
+    plan = weightless_plan(config, facts, sites)
     writer = spec.writer_for_plan(plan, out, options)
     result.plan, result.writer = plan, writer
     if writer.complete:

@@ -284,6 +284,8 @@ def _run_interruptible(config, spec, out: str, options, pre, run_capture):
     except KeyboardInterrupt:
         pre.release()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not planned and pre.plan is not None:  # stopped while the model was loading
+            planned.append(pre.plan)
         typer.secho(_durable_line(planned, spec, out, options), fg=typer.colors.YELLOW, err=True)
         raise typer.Exit(130) from None
     finally:
