@@ -25,7 +25,7 @@ from typing import Any
 from ..errors import ConfigError, MissingDependencyError, StoreNotFoundError
 
 #: Detection order: the first format whose ``detect`` accepts a location opens it.
-FORMAT_NAMES = ("saev", "zarr", "pickle", "activault")
+FORMAT_NAMES = ("saev", "zarr", "pickle", "activault", "saelens")
 
 
 @dataclass(frozen=True, kw_only=True)
