@@ -329,7 +329,14 @@ def _activault() -> PartFormat:
                       list_parts=list_parts, merge=merge, pending=pending, remote=True)
 
 
+def _saelens() -> PartFormat:
+    from ..formats.saelens.parts import part_format
+
+    return part_format()
+
+
 FACTORIES: dict[str, Callable[[], PartFormat]] = {
-    "saev": _saev, "pickle": _pickle, "zarr": _zarr, "activault": _activault}
+    "saev": _saev, "pickle": _pickle, "zarr": _zarr, "activault": _activault,
+    "saelens": _saelens}
 
 
