@@ -286,7 +286,10 @@ class SaelensReader:
         """Row ``i`` of ``block`` into ``out[rows[i]]`` (skipped where ``rows[i] < 0``)."""
         values = self._values(block)
         keep = rows >= 0
-        out[rows[keep]] = values[keep]
+        if keep.all():
+            out[rows] = values
+        else:
+            out[rows[keep]] = values[keep]
 
     def cls_rows(self, block: Block) -> np.ndarray | None:
         return None
