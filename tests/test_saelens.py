@@ -388,3 +388,53 @@ class SaelensCase(FormatCase):
 
 class TestSaelensConformance(ConformanceSuite):
     case = SaelensCase()
+
+
+# ---------------------------------------------------------------- kill -9
+
+
+@pytest.mark.slow
+def test_sigkill_mid_capture_then_resume_is_byte_identical(model_dir, text_file, tmp_path):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from actstore.errors import CorruptStoreError
+
+    def run(out):
+        cmd = [sys.executable, "-m", "actstore", "capture", "--model", str(model_dir("gpt2"))]
+        cmd += ["--dataset", str(text_file), "--sites", "resid.1,mlp_out.3", "--batch-size", "2"]
+        cmd += ["--context-length", "16", "--max-examples", "120", "--format", "saelens"]
+        cmd += ["--opt", "examples_per_shard=2", "--out", str(out), "--no-progress"]
+        env = {**os.environ, "TQDM_DISABLE": "1"}
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def finished(partial):
+        try:
+            return len(json.loads((partial / "progress.json").read_text())["shards"])
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return 0
+
+    crashed, clean = tmp_path / "crashed", tmp_path / "clean"
+    partial = tmp_path / ".crashed.partial"
+    proc = run(crashed)
+    deadline = time.monotonic() + 120
+    while finished(partial) < 3:
+        assert proc.poll() is None, "finished before the kill:\n" + proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "capture made no progress"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not crashed.exists()
+    with pytest.raises(CorruptStoreError, match="unfinished capture"):
+        SaelensReader(partial)
+    resumed = run(crashed)
+    log = resumed.communicate(timeout=300)[0].decode()
+    assert resumed.returncode == 0 and "resuming at example" in log, log
+    reference = run(clean)
+    assert reference.communicate(timeout=300)[0] is not None and reference.returncode == 0
+    assert files(crashed) == files(clean)
+    assert len(list(clean.glob("data-*.arrow"))) == 60
+    assert not partial.exists()
