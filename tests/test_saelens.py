@@ -148,6 +148,18 @@ def test_sae_lens_activations_store_reads_the_capture_exactly(captured):
     assert SaelensReader(captured).verify().ok
 
 
+def test_inspect_and_verify_commands(captured):
+    import json
+
+    shown = CliRunner().invoke(app, ["inspect", str(captured), "--json"])
+    assert shown.exit_code == 0, shown.output
+    summary = json.loads(shown.output)
+    assert summary["n_examples"] == N_EXAMPLES and summary["context_size"] == CONTEXT
+    assert "blocks.2.hook_mlp_out (mlp_out.2)" in summary["sites"]
+    checked = CliRunner().invoke(app, ["verify", str(captured), "--no-progress"])
+    assert checked.exit_code == 0, checked.output
+
+
 def test_sae_lens_trains_an_sae_from_the_capture(captured, tmp_path):
     from sae_lens import (
         LanguageModelSAERunnerConfig,
