@@ -345,6 +345,29 @@ def test_opens_a_cache_sae_lens_wrote(model_dir, tmp_path):
         reader.capture_plan()
 
 
+def test_a_sae_lens_cache_with_transformer_lens_names_converts(tmp_path):
+    # The features sae_lens's CacheActivationsRunner declares, saved the way it saves
+    # (save_to_disk), for a TransformerLens model's hook: no actstore sidecars.
+    n, t, d = 9, 5, 6
+    acts = np.random.default_rng(1).standard_normal((n, t, d)).astype(np.float32)
+    ids = np.arange(n * t, dtype=np.int32).reshape(n, t)
+    features = datasets.Features(
+        {
+            "blocks.2.hook_resid_post": datasets.Array2D(shape=(t, d), dtype="float32"),
+            "token_ids": datasets.Sequence(datasets.Value(dtype="int32"), length=t),
+        }
+    )
+    datasets.Dataset.from_dict(
+        {"blocks.2.hook_resid_post": acts, "token_ids": ids}, features=features
+    ).save_to_disk(str(tmp_path / "theirs"), num_shards=2)
+    with pytest.warns(UnverifiedStoreWarning):
+        result = convert(tmp_path / "theirs", tmp_path / "saev", to="saev", progress=False)
+    assert result.lossless and result.rows == {"resid.2": n * t}
+    saev = open_store(result.location)
+    np.testing.assert_array_equal(rows(saev, 2), acts.reshape(-1, d))
+    np.testing.assert_array_equal(np.asarray(saev.tokens), ids)
+
+
 # ---------------------------------------------------------------- bad input
 
 
