@@ -385,6 +385,18 @@ def test_bad_options_and_plans_are_refused_clearly(tmp_path):
     assert isinstance(result.exception, ConfigError) and "dtype" in str(result.exception)
 
 
+def test_sae_lens_reads_a_float16_store(tmp_path):
+    plan = make_plan()
+    acts = make_acts(plan)
+    writer = SaelensWriter.from_plan(plan, tmp_path / "half", SaelensOptions(dtype="float16"))
+    for batch in make_batches(plan, acts):
+        writer.write(batch)
+    store = sae_lens_store(writer.close(), "blocks.3.hook_resid_post", 6, 8, batch=4)
+    got, _ = store.get_raw_llm_batch()
+    want = acts["resid.3"][:4].reshape(-1, 8).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
 def test_site_spellings(tmp_path):
     plan = make_plan()
     writer = SaelensWriter.from_plan(plan, tmp_path / "s", SMALL)
@@ -400,9 +412,12 @@ def test_site_spellings(tmp_path):
 
 
 class SaelensCase(FormatCase):
+    def __init__(self, dtype: str = "float32") -> None:
+        self.stored_dtype = dtype
+
     def write(self, root, plan, batches):
         writer = SaelensWriter.from_plan(
-            plan, root, SaelensOptions(examples_per_shard=10, block_kb=1)
+            plan, root, SaelensOptions(examples_per_shard=10, block_kb=1, dtype=self.stored_dtype)
         )
         for batch in batches:
             writer.write(batch)
@@ -423,6 +438,10 @@ class SaelensCase(FormatCase):
 
 class TestSaelensConformance(ConformanceSuite):
     case = SaelensCase()
+
+
+class TestSaelensFloat16Conformance(ConformanceSuite):
+    case = SaelensCase("float16")
 
 
 # ---------------------------------------------------------------- kill -9

@@ -245,6 +245,8 @@ class SaelensWriter(WriterBase):
                     f"({n}, {lay.context_size}, {lay.d_in})"
                 )
             columns.append(_as_numpy(tensor, lay.dtype))
+        if lay.dtype != "float32":  # statistics are of the values as captured, as in zarr
+            columns += [_as_numpy(batch.acts[site], "float32") for site in lay.sites]
         tokens = None
         if lay.has_tokens:
             if batch.token_ids is None:
@@ -308,13 +310,15 @@ class SaelensWriter(WriterBase):
         self._stats = [RunningStats(self.layout.d_in) for _ in self.layout.sites]
 
     def _write_block(self, columns: list[np.ndarray], tokens: np.ndarray | None) -> None:
+        n_sites = len(self.layout.sites)
+        columns, exact = columns[:n_sites], columns[n_sites:] or columns[:n_sites]
         row: dict[str, Any] = dict(zip(self.layout.columns, columns))
         digests = [xxhash.xxh3_64_hexdigest(memoryview(c).cast("B")) for c in columns]
         if tokens is not None:
             row[TOKENS] = tokens
             digests.append(xxhash.xxh3_64_hexdigest(memoryview(tokens).cast("B")))
         self._arrow.write_batch(row)
-        for stats, values in zip(self._stats, columns):
+        for stats, values in zip(self._stats, exact):
             stats.update(values)
         self._blocks.append(digests)
         self._in_shard += columns[0].shape[0]
