@@ -33,6 +33,7 @@ SMALL_SHARDS = {
     "saev": ["patches_per_shard=60"],
     "pickle": ["samples_per_shard=5"],
     "activault": ["rows_per_file=1"],
+    "saelens": ["examples_per_shard=10", "block_kb=1"],
 }
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .parts import PartFormat
 
 #: Detection order: the first format whose ``detect`` accepts a location opens it.
-FORMAT_NAMES = ("saev", "zarr", "pickle", "activault")
+FORMAT_NAMES = ("saev", "zarr", "pickle", "activault", "saelens")
 
 
 @dataclass(frozen=True, kw_only=True)

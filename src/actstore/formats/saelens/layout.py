@@ -1,0 +1,220 @@
+"""SAELens's cached-activations layout: names, features and how examples fall into files.
+
+A store is one Hugging Face ``datasets`` directory as ``Dataset.save_to_disk`` leaves it:
+``data-{i:05d}-of-{n:05d}.arrow`` files (Arrow IPC streams), ``state.json`` (which lists
+them) and ``dataset_info.json`` (the features). Every row is one example: one column per
+site, named by its TransformerLens hook name, of feature ``Array2D((context_size, d_in))``,
+and ``token_ids`` as a fixed-length list of int32. ``sae_lens``'s ``ActivationsStore``
+loads it with ``datasets.load_from_disk`` and reads the column of its ``hook_name``.
+
+actstore adds sidecar files that ``datasets`` and ``sae_lens`` ignore: ``actstore.json``
+(the layout and capture plan), ``statistics.json`` (exact per-site statistics) and
+``checksums.json`` (sha256 per file and xxh3-64 per block of every column).
+
+Example i of a store lives in file ``i // examples_per_shard``; inside a file, Arrow record
+batches of ``examples_per_block`` examples are the blocks actstore reads and checksums.
+
+Example:
+    >>> hook_name(Site("resid", 5)), hook_site("blocks.3.hook_mlp_out")
+    ('blocks.5.hook_resid_post', Site(kind='mlp_out', layer=3))
+    >>> data_file_name(0, 3)
+    'data-00000-of-00003.arrow'
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ...batch import CapturePlan
+from ...errors import ConfigError, CorruptStoreError
+from ...sites import Site
+
+STATE = "state.json"
+INFO = "dataset_info.json"
+SIDECAR = "actstore.json"
+STATISTICS = "statistics.json"
+CHECKSUMS = "checksums.json"
+PROGRESS = "progress.json"
+TOKENS = "token_ids"
+FORMAT_TAG = "actstore-saelens"
+VERSION = 1
+#: numpy/Arrow dtypes an ``Array2D`` column may hold here.
+DTYPES = ("float32", "float16")
+#: Target bytes of one block of one column (an Arrow record batch).
+BLOCK_BYTES = 2 << 20
+
+#: Sub-layer inputs have no site spelling in TransformerLens; its layer-norm outputs are them.
+_LN_HOOKS = {"attn_in": "ln1.hook_normalized", "mlp_in": "ln2.hook_normalized"}
+_HOOK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+
+def hook_name(site: Site | str) -> str:
+    """The TransformerLens hook name of an actstore site (:attr:`Site.tl_name`)."""
+    site = Site.parse(site)
+    if site.kind in _LN_HOOKS:
+        return f"blocks.{site.layer}.{_LN_HOOKS[site.kind]}"
+    if site.tl_name is None:
+        raise ConfigError(f"site {site} has no TransformerLens hook name for the saelens format")
+    return site.tl_name
+
+
+def hook_site(name: str) -> Site | None:
+    """The actstore site a TransformerLens hook name denotes (None if it has none)."""
+    match = _HOOK.match(str(name))
+    if match is None:
+        return None
+    ln = {hook: kind for kind, hook in _LN_HOOKS.items()}
+    if match.group(2) in ln:
+        return Site(ln[match.group(2)], int(match.group(1)))
+    try:
+        return Site.parse(name)
+    except ConfigError:
+        return None
+
+
+def data_file_name(index: int, n_files: int) -> str:
+    """The name ``save_to_disk`` gives file ``index`` of ``n_files``."""
+    return f"data-{index:05d}-of-{n_files:05d}.arrow"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaelensLayout:
+    """Shape of one store: what every file and block holds."""
+
+    sites: tuple[str, ...]
+    """actstore site names (``"resid.3"``), in column order."""
+    context_size: int
+    d_in: int
+    dtype: str
+    """Stored dtype of the activation columns (``float32`` or ``float16``)."""
+    n_examples: int
+    examples_per_shard: int
+    examples_per_block: int
+    has_tokens: bool
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not supported; choose one of {DTYPES}")
+        if min(self.context_size, self.d_in, self.examples_per_shard, self.examples_per_block) < 1:
+            raise ConfigError("context_size, d_in and examples per file and block must be >= 1")
+        if self.examples_per_shard % self.examples_per_block:
+            raise ConfigError(
+                f"examples_per_shard ({self.examples_per_shard}) must be a multiple of "
+                f"examples_per_block ({self.examples_per_block})"
+            )
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The activation columns: one TransformerLens hook name per site."""
+        return tuple(hook_name(s) for s in self.sites)
+
+    @property
+    def n_shards(self) -> int:
+        return max(1, math.ceil(self.n_examples / self.examples_per_shard))
+
+    def shard_range(self, index: int) -> tuple[int, int]:
+        """Examples ``[start, stop)`` of file ``index``."""
+        start = index * self.examples_per_shard
+        return start, min(start + self.examples_per_shard, self.n_examples)
+
+    def file_name(self, index: int) -> str:
+        return data_file_name(index, self.n_shards)
+
+    @property
+    def example_nbytes(self) -> int:
+        """Activation bytes of one example, all sites."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return len(self.sites) * self.context_size * self.d_in * itemsize
+
+    def features(self) -> Any:
+        """The ``datasets.Features`` of a row (what sae_lens's cache runner declares)."""
+        from datasets import Array2D, Features, Sequence, Value
+
+        spec: dict[str, Any] = {
+            column: Array2D(shape=(self.context_size, self.d_in), dtype=self.dtype)
+            for column in self.columns
+        }
+        if self.has_tokens:
+            spec[TOKENS] = Sequence(Value("int32"), length=self.context_size)
+        return Features(spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sites": list(self.sites),
+            "context_size": self.context_size,
+            "d_in": self.d_in,
+            "dtype": self.dtype,
+            "n_examples": self.n_examples,
+            "examples_per_shard": self.examples_per_shard,
+            "examples_per_block": self.examples_per_block,
+            "has_tokens": self.has_tokens,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Any, *, source: str = SIDECAR) -> SaelensLayout:
+        try:
+            return cls(
+                sites=tuple(str(s) for s in doc["sites"]),
+                context_size=int(doc["context_size"]),
+                d_in=int(doc["d_in"]),
+                dtype=str(doc["dtype"]),
+                n_examples=int(doc["n_examples"]),
+                examples_per_shard=int(doc["examples_per_shard"]),
+                examples_per_block=int(doc["examples_per_block"]),
+                has_tokens=bool(doc["has_tokens"]),
+            )
+        except (KeyError, TypeError, ValueError, ConfigError) as err:
+            raise CorruptStoreError(f"{source}: malformed layout ({err}); re-capture") from err
+
+
+def choose_layout(
+    plan: CapturePlan,
+    *,
+    dtype: str = "float32",
+    shard_mb: float = 1000.0,
+    examples_per_shard: int | None = None,
+    block_kb: int | None = None,
+) -> SaelensLayout:
+    """The layout of a capture ``plan``: blocks of about :data:`BLOCK_BYTES` per column
+    (``block_kb`` overrides), files of about ``shard_mb`` MB (at most 2 GB)."""
+    for site in plan.sites:
+        hook_name(site)  # every kind has a hook name; fails clearly if not
+    if plan.modality != "text":
+        raise ConfigError(
+            "the saelens format holds language-model activations (sae_lens trains on text); "
+            "capture image models into the saev, zarr, activault or pickle formats"
+        )
+    itemsize = 4 if dtype == "float32" else 2
+    column_bytes = plan.tokens_per_example * plan.d_model * itemsize
+    example_bytes = column_bytes * len(plan.sites) + (4 * plan.tokens_per_example)
+    per_block = max(1, (block_kb * 1024 if block_kb else BLOCK_BYTES) // column_bytes)
+    if examples_per_shard is None:
+        if not 0 < shard_mb <= 2000:
+            raise ConfigError(
+                f"shard_mb must be in (0, 2000] (files of at most ~2 GB), not {shard_mb}"
+            )
+        examples_per_shard = max(1, int(shard_mb * 1e6) // example_bytes)
+        examples_per_shard = max(1, examples_per_shard // per_block) * per_block
+    if examples_per_shard < 1:
+        raise ConfigError(f"examples_per_shard must be >= 1, not {examples_per_shard}")
+    if examples_per_shard * example_bytes > 2_000_000_000:
+        raise ConfigError(
+            f"{examples_per_shard} examples make {examples_per_shard * example_bytes / 1e9:.1f} GB "
+            "files; Arrow files here stay under 2 GB: lower examples_per_shard"
+        )
+    per_block = min(per_block, examples_per_shard)
+    while examples_per_shard % per_block:
+        per_block -= 1
+    return SaelensLayout(
+        sites=tuple(str(s) for s in plan.sites),
+        context_size=plan.tokens_per_example,
+        d_in=plan.d_model,
+        dtype=dtype,
+        n_examples=plan.n_examples,
+        examples_per_shard=examples_per_shard,
+        examples_per_block=per_block,
+        has_tokens=plan.has_tokens,
+    )
