@@ -138,6 +138,16 @@ def test_cache_serves_a_second_epoch_and_evicts_least_recently_used(s3, saev_loc
     for block in blocks:
         np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
     assert cache.stats.damaged == 1 and gets(s3) - first == len(blocks) + 1
+    # The loader's scatter reads map cache entries (no copy) and check them the same way.
+    victim.write_bytes(bytes(data))
+    for block in blocks:
+        rows = np.random.default_rng(0).permutation(block.n_rows)
+        rows[0] = -1  # a row the loader drops
+        out = np.full((block.n_rows, reader.d_model), np.nan, dtype=np.float32)
+        reader.read_block_scatter(block, out, rows)
+        expect = here.read_block(block)
+        np.testing.assert_array_equal(out[rows[1:]], expect[1:])
+    assert cache.stats.damaged == 2 and gets(s3) - first == len(blocks) + 2
     # Eviction: a cap of three blocks keeps the three used last.
     block_bytes = blocks[0].n_rows * reader.d_model * 4 + 16
     small = BlockCache(tmp_path / "small", max_bytes=3 * block_bytes)

@@ -68,6 +68,11 @@ class StoreFiles(abc.ABC):
         buffer of exactly ``length`` bytes, e.g. a numpy array) or a new buffer. ``cache``:
         keep the range in the local cache tier, if there is one."""
 
+    def read_view(self, name: str, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of ``name`` as a read-only buffer, for callers
+        that place the bytes themselves: a mapped cache entry on a hit (no copy)."""
+        return self.read_range(name, offset, length)
+
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, Any]]) -> None:
         """Fill each ``(offset, out)`` buffer from ``name`` (no caching)."""
         for offset, out in ranges:
@@ -234,13 +239,28 @@ class S3Files(StoreFiles):
             )
         cache_key = None
         if cache and self.cache is not None:
-            cache_key = f"{self.url_of(name)}#{self._objects()[name][1]}@{offset}+{length}"
+            cache_key = self._cache_key(name, offset, length)
             if self.cache.get_into(cache_key, view):
                 return view
         self._fetch(name, offset, view, size)
         if cache_key is not None:
             self.cache.put(cache_key, view)  # type: ignore[union-attr]
         return view
+
+    def _cache_key(self, name: str, offset: int, length: int) -> str:
+        """The object's URL and ETag (a replaced object never hits) and the range."""
+        return f"{self.url_of(name)}#{self._objects()[name][1]}@{offset}+{length}"
+
+    def read_view(self, name: str, offset: int, length: int) -> memoryview:
+        if self.cache is not None and name in self._objects():
+            hit = self.cache.view(self._cache_key(name, offset, length), length)
+            if hit is not None:
+                return hit
+            view = memoryview(bytearray(length))
+            self._fetch(name, offset, view, self.require(name))
+            self.cache.put(self._cache_key(name, offset, length), view)
+            return view
+        return self.read_range(name, offset, length)
 
     def _fetch(self, name: str, offset: int, view: memoryview, size: int) -> None:
         """Ranged GETs of ``view``'s bytes, ``part_bytes`` each, run concurrently."""

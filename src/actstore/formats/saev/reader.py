@@ -25,7 +25,6 @@ import mmap
 import os
 import pickle
 import re
-import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -56,20 +55,6 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.preadv.restype = ctypes.c_ssize_t
 _LIBC.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
-
-
-class _Scratch(threading.local):
-    """Per-thread buffer for remote block reads (no fresh pages to fault in per block)."""
-
-    buf = np.empty(0, dtype="<f4")
-
-    def rows_for(self, n: int, d: int) -> np.ndarray:
-        if self.buf.size < n * d:
-            self.buf = np.empty(n * d, dtype="<f4")
-        return self.buf[: n * d].reshape(n, d)
-
-
-_SCRATCH = _Scratch()
 
 
 class SaevReader:
@@ -453,10 +438,15 @@ class SaevReader:
                 f"per block row and a float32 [n, {md.d_model}] out with "
                 "contiguous rows"
             )
-        if self.remote:  # one ranged read into this thread's scratch, then rows to their places
-            rows_read = self.read_block(block, _SCRATCH.rows_for(block.n_rows, md.d_model))
+        if self.remote:  # one ranged read (or a mapped cache entry), then rows to their places
+            start = (first * len(md.layers) + layer_idx) * md.tokens_per_ex * md.d_model * 4
+            view = self.files.read_view(shard_name(shard), start, block.n_rows * md.d_model * 4)
+            rows_read = np.frombuffer(view, dtype="<f4").reshape(block.n_rows, md.d_model)
             keep = rows >= 0
-            out[rows[keep]] = rows_read[keep]
+            if keep.all():
+                out[rows] = rows_read
+            else:
+                out[rows[keep]] = rows_read[keep]
             return
         row_bytes = md.d_model * 4
         addr = np.where(rows >= 0, out.ctypes.data + rows * out.strides[0], _trash_addr())
