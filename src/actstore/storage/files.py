@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import CorruptStoreError, StoreNotFoundError
 from .cache import BlockCache, parse_size
 from .local import IO_CHUNK
@@ -101,7 +103,7 @@ class StoreFiles(abc.ABC):
     def iter_chunks(self, name: str, chunk: int = IO_CHUNK) -> Iterator[memoryview]:
         """The bytes of ``name`` in order, ``chunk`` bytes at a time (one reused buffer)."""
         size = self.require(name)
-        buf = memoryview(bytearray(min(chunk, max(size, 1))))
+        buf = _buffer(min(chunk, max(size, 1)))
         for start in range(0, size, chunk):
             n = min(chunk, size - start)
             yield self.read_range(name, start, n, buf[:n], cache=False)
@@ -118,6 +120,11 @@ class StoreFiles(abc.ABC):
 
     def close(self) -> None:
         """Release file handles and threads (reopened on next use)."""
+
+
+def _buffer(n: int) -> memoryview:
+    """A fresh writable buffer of ``n`` bytes, not zero-filled (every byte is read into)."""
+    return memoryview(np.empty(n, dtype=np.uint8))
 
 
 def _bytes_view(out: Any) -> memoryview:
@@ -145,7 +152,7 @@ class LocalFiles(StoreFiles):
         return path.stat().st_size if path.is_file() else None
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
-        view = memoryview(bytearray(length)) if out is None else _bytes_view(out)
+        view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
             raise ValueError(f"out holds {len(view)} bytes, not {length}")
         try:
@@ -228,7 +235,7 @@ class S3Files(StoreFiles):
         return self._pool
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
-        view = memoryview(bytearray(length)) if out is None else _bytes_view(out)
+        view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
             raise ValueError(f"out holds {len(view)} bytes, not {length}")
         size = self.require(name)
@@ -256,7 +263,7 @@ class S3Files(StoreFiles):
             hit = self.cache.view(self._cache_key(name, offset, length), length)
             if hit is not None:
                 return hit
-            view = memoryview(bytearray(length))
+            view = _buffer(length)
             self._fetch(name, offset, view, self.require(name))
             self.cache.put(self._cache_key(name, offset, length), view)
             return view
@@ -304,7 +311,7 @@ class S3Files(StoreFiles):
                 return
             start = group[0][0]
             stop = max(o + len(v) for o, v in group)
-            buf = memoryview(bytearray(stop - start))
+            buf = _buffer(stop - start)
             self.store.get_range_into(key, buf, start, total=size)
             for o, v in group:
                 v[:] = buf[o - start : o - start + len(v)]
