@@ -54,9 +54,7 @@ class StagedS3Writer(WriterBase):
         self.example_range: tuple[int, int] = self.inner.example_range
         self._published = store.size(join_key(prefix, manifest)) is not None
         self.complete: bool = self._published or self.inner.complete
-        self.resume_from: int = (
-            self.example_range[1] if self._published else self.inner.resume_from
-        )
+        self.resume_from: int = self.example_range[1] if self._published else self.inner.resume_from
 
     def write(self, batch: Batch) -> None:
         self.inner.write(batch)
