@@ -373,3 +373,29 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
         assert remote.files.read_bytes(name) == (reference / name).read_bytes(), name
     again = StagedS3Writer(url, make, staging=staging)
     assert again.complete and again.close() == url
+
+
+def test_cp_mistakes_give_one_line_and_exit_2(s3, saev_local, tmp_path):
+    import subprocess
+    import sys
+
+    local, _ = saev_local
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TQDM_DISABLE": "1"}
+
+    def cp(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "actstore", "cp", *map(str, args)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    for args, message in (
+        ((tmp_path / "nothing", s3.url("x")), "holds no files; check the source location"),
+        ((local, "s3://no-such-bucket/x"), "bucket 'no-such-bucket' does not exist"),
+        ((local, s3.url("x"), "--part-mb", "1"), "part_bytes must be >= 5 MiB"),
+    ):
+        proc = cp(*args)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
