@@ -141,6 +141,16 @@ def test_cache_serves_a_second_epoch_and_evicts_least_recently_used(s3, saev_loc
     for block in blocks:
         np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
     assert cache.stats.damaged == 1 and gets(s3) - first == len(blocks) + 1
+    # The loader's scatter reads map cache entries (no copy) and check them the same way.
+    victim.write_bytes(bytes(data))
+    for block in blocks:
+        rows = np.random.default_rng(0).permutation(block.n_rows)
+        rows[0] = -1  # a row the loader drops
+        out = np.full((block.n_rows, reader.d_model), np.nan, dtype=np.float32)
+        reader.read_block_scatter(block, out, rows)
+        expect = here.read_block(block)
+        np.testing.assert_array_equal(out[rows[1:]], expect[1:])
+    assert cache.stats.damaged == 2 and gets(s3) - first == len(blocks) + 2
     # Eviction: a cap of three blocks keeps the three used last.
     block_bytes = blocks[0].n_rows * reader.d_model * 4 + 16
     small = BlockCache(tmp_path / "small", max_bytes=3 * block_bytes)
@@ -366,3 +376,29 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
         assert remote.files.read_bytes(name) == (reference / name).read_bytes(), name
     again = StagedS3Writer(url, make, staging=staging)
     assert again.complete and again.close() == url
+
+
+def test_cp_mistakes_give_one_line_and_exit_2(s3, saev_local, tmp_path):
+    import subprocess
+    import sys
+
+    local, _ = saev_local
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TQDM_DISABLE": "1"}
+
+    def cp(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "actstore", "cp", *map(str, args)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    for args, message in (
+        ((tmp_path / "nothing", s3.url("x")), "holds no files; check the source location"),
+        ((local, "s3://no-such-bucket/x"), "bucket 'no-such-bucket' does not exist"),
+        ((local, s3.url("x"), "--part-mb", "1"), "part_bytes must be >= 5 MiB"),
+    ):
+        proc = cp(*args)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import re
 import tempfile
@@ -125,6 +126,28 @@ class BlockCache:
         _touch(path)
         self._count("hits")
         return True
+
+    def view(self, key: str, size: int) -> memoryview | None:
+        """The entry of ``key`` (``size`` bytes), checked, as a read-only memory-mapped view:
+        no copy for callers that scatter the bytes themselves; None on a miss."""
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                whole = os.fstat(f.fileno()).st_size == size + _DIGEST
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if whole else None
+        except FileNotFoundError:
+            self._count("misses")
+            return None
+        data = memoryview(mapped)[:size] if mapped is not None else None
+        if data is None or mapped[size:] != xxhash.xxh3_128(data).digest():
+            log.warning("cache entry %s is damaged; fetching it again", path)
+            path.unlink(missing_ok=True)
+            self._count("damaged")
+            self._count("misses")
+            return None
+        _touch(path)
+        self._count("hits")
+        return data
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Keep ``data`` as the entry of ``key`` (entries larger than the cap are not kept)."""

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import CorruptStoreError, StoreNotFoundError
 from .cache import BlockCache, parse_size
 from .local import IO_CHUNK
@@ -68,6 +70,11 @@ class StoreFiles(abc.ABC):
         buffer of exactly ``length`` bytes, e.g. a numpy array) or a new buffer. ``cache``:
         keep the range in the local cache tier, if there is one."""
 
+    def read_view(self, name: str, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of ``name`` as a read-only buffer, for callers
+        that place the bytes themselves: a mapped cache entry on a hit (no copy)."""
+        return self.read_range(name, offset, length)
+
     def read_ranges(self, name: str, ranges: Sequence[tuple[int, Any]]) -> None:
         """Fill each ``(offset, out)`` buffer from ``name`` (no caching)."""
         for offset, out in ranges:
@@ -96,7 +103,7 @@ class StoreFiles(abc.ABC):
     def iter_chunks(self, name: str, chunk: int = IO_CHUNK) -> Iterator[memoryview]:
         """The bytes of ``name`` in order, ``chunk`` bytes at a time (one reused buffer)."""
         size = self.require(name)
-        buf = memoryview(bytearray(min(chunk, max(size, 1))))
+        buf = _buffer(min(chunk, max(size, 1)))
         for start in range(0, size, chunk):
             n = min(chunk, size - start)
             yield self.read_range(name, start, n, buf[:n], cache=False)
@@ -113,6 +120,11 @@ class StoreFiles(abc.ABC):
 
     def close(self) -> None:
         """Release file handles and threads (reopened on next use)."""
+
+
+def _buffer(n: int) -> memoryview:
+    """A fresh writable buffer of ``n`` bytes, not zero-filled (every byte is read into)."""
+    return memoryview(np.empty(n, dtype=np.uint8))
 
 
 def _bytes_view(out: Any) -> memoryview:
@@ -140,7 +152,7 @@ class LocalFiles(StoreFiles):
         return path.stat().st_size if path.is_file() else None
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
-        view = memoryview(bytearray(length)) if out is None else _bytes_view(out)
+        view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
             raise ValueError(f"out holds {len(view)} bytes, not {length}")
         try:
@@ -223,7 +235,7 @@ class S3Files(StoreFiles):
         return self._pool
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
-        view = memoryview(bytearray(length)) if out is None else _bytes_view(out)
+        view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
             raise ValueError(f"out holds {len(view)} bytes, not {length}")
         size = self.require(name)
@@ -234,13 +246,28 @@ class S3Files(StoreFiles):
             )
         cache_key = None
         if cache and self.cache is not None:
-            cache_key = f"{self.url_of(name)}#{self._objects()[name][1]}@{offset}+{length}"
+            cache_key = self._cache_key(name, offset, length)
             if self.cache.get_into(cache_key, view):
                 return view
         self._fetch(name, offset, view, size)
         if cache_key is not None:
             self.cache.put(cache_key, view)  # type: ignore[union-attr]
         return view
+
+    def _cache_key(self, name: str, offset: int, length: int) -> str:
+        """The object's URL and ETag (a replaced object never hits) and the range."""
+        return f"{self.url_of(name)}#{self._objects()[name][1]}@{offset}+{length}"
+
+    def read_view(self, name: str, offset: int, length: int) -> memoryview:
+        if self.cache is not None and name in self._objects():
+            hit = self.cache.view(self._cache_key(name, offset, length), length)
+            if hit is not None:
+                return hit
+            view = _buffer(length)
+            self._fetch(name, offset, view, self.require(name))
+            self.cache.put(self._cache_key(name, offset, length), view)
+            return view
+        return self.read_range(name, offset, length)
 
     def _fetch(self, name: str, offset: int, view: memoryview, size: int) -> None:
         """Ranged GETs of ``view``'s bytes, ``part_bytes`` each, run concurrently."""
@@ -284,7 +311,7 @@ class S3Files(StoreFiles):
                 return
             start = group[0][0]
             stop = max(o + len(v) for o, v in group)
-            buf = memoryview(bytearray(stop - start))
+            buf = _buffer(stop - start)
             self.store.get_range_into(key, buf, start, total=size)
             for o, v in group:
                 v[:] = buf[o - start : o - start + len(v)]

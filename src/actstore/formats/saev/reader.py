@@ -502,8 +502,16 @@ class SaevReader(ReaderBase):
                 f"per block row and a float32 [n, {md.d_model}] out with "
                 "contiguous rows"
             )
-        if self.remote:  # one ranged read into this thread's scratch, then rows to their places
-            super().read_block_scatter(block, out, rows)
+        if self.remote:  # one ranged read (or a mapped cache entry), then rows to their places
+            start = (first * len(md.layers) + layer_idx) * md.tokens_per_ex * md.d_model * 4
+            view = self.files.read_view(shard_name(shard), start, block.n_rows * md.d_model * 4)
+            self._sums.check(shard_name(shard), start, view)
+            rows_read = np.frombuffer(view, dtype="<f4").reshape(block.n_rows, md.d_model)
+            keep = rows >= 0
+            if keep.all():
+                out[rows] = rows_read
+            else:
+                out[rows[keep]] = rows_read[keep]
             return
         row_bytes = md.d_model * 4
         vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
