@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: Bytes of one shuffle window when ``pool_blocks`` is not given.
 DEFAULT_POOL_BYTES = 256 << 20
+#: Bytes of one run of consecutive blocks (one sequential read) when ``run_blocks`` is not given.
+DEFAULT_RUN_BYTES = 16 << 20
 NORMALIZE = ("standardize", "mean_norm")
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATE_VERSION = 1
@@ -48,6 +50,10 @@ class LoaderConfig:
     pool_blocks: int | None = None
     """Blocks per shuffle window (K). None: as many as fit in 256 MiB. Memory is about
     ``2 x K x block bytes x n_sites`` per consumer (one window served, one being read)."""
+    run_blocks: int | None = None
+    """Blocks are shuffled in runs of this many consecutive blocks (read as one sequential
+    stretch). None: as many as fit in 16 MiB, at most ``pool_blocks``. 1 shuffles single
+    blocks. Runs do not change how many examples a window mixes."""
     seed: int = 0
     epoch: int = 0
     """The epoch to start at (see :meth:`ActivationLoader.set_epoch`)."""
@@ -84,8 +90,9 @@ class LoaderConfig:
         for name in ("batch_size", "io_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
-        if self.pool_blocks is not None and self.pool_blocks < 1:
-            raise ConfigError(f"pool_blocks must be >= 1, not {self.pool_blocks}")
+        for name in ("pool_blocks", "run_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         if self.seed < 0 or self.epoch < 0:
             raise ConfigError("seed and epoch must be >= 0")
         if self.dtype not in OUT_DTYPES:
@@ -175,6 +182,12 @@ class ActivationLoader(IterableDataset):
             pool_blocks = max(1, DEFAULT_POOL_BYTES // max(block_bytes * len(self.sites), 1))
         # a window never holds more than the whole store (the order is the same either way)
         self.pool_blocks = min(pool_blocks, max(len(sizes), 1))
+        if config.run_blocks is not None:
+            run_blocks = config.run_blocks
+        else:
+            block_bytes = max(sizes, default=1) * reader.d_model * self.layout.dtype.itemsize
+            run_blocks = max(1, DEFAULT_RUN_BYTES // max(block_bytes, 1))
+        self.run_blocks = min(run_blocks, self.pool_blocks)
         self.rank, self.world_size = _rank_and_world(config)
         self._finish = self._make_finish()
         self.epoch = config.epoch
@@ -210,6 +223,16 @@ class ActivationLoader(IterableDataset):
         largest = max((b.n_rows for b in self.layout.blocks[0]), default=0)
         row_bytes = len(self.sites) * self.d_model * self.layout.dtype.itemsize
         return 2 * self.pool_blocks * largest * row_bytes
+
+    def plan(self, epoch: int):
+        """The order of epoch ``epoch`` (see :mod:`actstore.loader.order`)."""
+        return plan_epoch(
+            self.layout.kept_rows,
+            pool_blocks=self.pool_blocks,
+            seed=self.config.seed,
+            epoch=epoch,
+            run_blocks=self.run_blocks,
+        )
 
     def _rank_span(self):
         return rank_span(
@@ -320,6 +343,7 @@ class ActivationLoader(IterableDataset):
             "seed": cfg.seed,
             "batch_size": cfg.batch_size,
             "pool_blocks": self.pool_blocks,
+            "run_blocks": self.run_blocks,
             "world_size": self.world_size,
             "drop_last": cfg.drop_last,
             "drop_cls": cfg.drop_cls,
@@ -408,9 +432,7 @@ class ActivationLoader(IterableDataset):
 
     def _generate(self, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         cfg, epoch = self.config, self.epoch
-        plan = plan_epoch(
-            self.layout.kept_rows, pool_blocks=self.pool_blocks, seed=cfg.seed, epoch=epoch
-        )
+        plan = self.plan(epoch)
         span = worker_span(
             self._rank_span(), worker=worker, num_workers=num_workers, batch_size=cfg.batch_size
         )
@@ -431,6 +453,7 @@ class ActivationLoader(IterableDataset):
             batch_size=cfg.batch_size,
             io_threads=cfg.io_threads,
             finish=finish,
+            read_blocks=self.run_blocks,
         )
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
