@@ -30,7 +30,7 @@ app = typer.Typer(
 )
 
 # Command modules register themselves on `app` when imported.
-from . import capture_cmd, convert_cmd, dist_cmd, inspect_cmd, runs_cmd, s3_cmd  # noqa: F401
+from . import capture_cmd, convert_cmd, dist_cmd, inspect_cmd, runs_cmd, s3_cmd, serve_cmd  # noqa: F401
 
 
 def _configure_logging() -> None:
