@@ -13,6 +13,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,7 +25,16 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import ConfigError
 from ..formats import open_store
 from .order import batches_done_by_worker, plan_epoch, rank_span, worker_span
-from .pipeline import BufferSet, Consumer, Finish, Layout, first_rows, kept_rows
+from .pipeline import (
+    BufferSet,
+    Consumer,
+    Finish,
+    Layout,
+    LoaderBatch,
+    RingBatch,
+    first_rows,
+    kept_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +207,10 @@ class ActivationLoader(IterableDataset):
         self._buffers: tuple[int, BufferSet] | None = None  # (pid, buffers), never pickled
         # (epoch, batches, consumers) in shared memory, for persistent DataLoader workers
         self._shared_position: torch.Tensor | None = None
+        # [workers, slots] int8 in shared memory, set by ActivationDataLoader: workers fill
+        # shared batch slots (see _fill_ring); _ring_slots: (pid, this worker's slots)
+        self._ring_flags: torch.Tensor | None = None
+        self._ring_slots: tuple[int, list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -376,7 +390,7 @@ class ActivationLoader(IterableDataset):
         return self._buffers[1]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_buffers": None}
+        return {**self.__dict__, "_buffers": None, "_ring_slots": None}
 
     def _share_position(self) -> None:
         """Keep the position in shared memory too, so worker processes that persist
@@ -405,7 +419,50 @@ class ActivationLoader(IterableDataset):
         # The DataLoader's round-robin starts at worker 0; after k delivered batches the
         # next one belongs to run k % N, so DataLoader worker i serves run (i + k) % N.
         n = info.num_workers
-        return self._iterate(worker=(info.id + self._batches_done) % n, num_workers=n, count=False)
+        batches = self._iterate(
+            worker=(info.id + self._batches_done) % n, num_workers=n, count=False
+        )
+        if self._ring_flags is None:
+            return batches
+        return self._fill_ring(batches, info.id)
+
+    def _fill_ring(self, batches: Iterator[Any], worker: int) -> Iterator[RingBatch]:
+        """Worker process: copy each batch into a shared-memory slot the main process
+        hands back once the batch is no longer referenced there, and send only the slot's
+        number (and the slot itself the first time): no per-batch pickling into fresh
+        shared memory. ``_ring_flags[worker, s]`` is 1 while slot ``s`` is in use."""
+        flags = self._ring_flags[worker].numpy()
+        if self._ring_slots is None or self._ring_slots[0] != os.getpid():
+            self._ring_slots = (os.getpid(), [])
+        slots: list[torch.Tensor] = self._ring_slots[1]
+        for batch in batches:
+            acts, rows = (
+                (batch.acts, batch.rows) if isinstance(batch, LoaderBatch) else (batch, None)
+            )
+            nbytes = acts.numel() * acts.element_size()
+            while True:
+                free = np.flatnonzero(flags[: len(slots)] == 0)
+                if len(free) or len(slots) < len(flags):
+                    break
+                time.sleep(0.001)  # every slot held by the main process: wait for one
+            fresh = not len(free)
+            if fresh:
+                full = self.batch_size * nbytes // max(len(acts), 1)
+                slots.append(torch.empty(max(full, nbytes), dtype=torch.uint8).share_memory_())
+                s = len(slots) - 1
+            else:
+                s = int(free[0])
+            flags[s] = 1
+            slots[s][:nbytes].view(acts.dtype).view(acts.shape).copy_(acts)
+            yield RingBatch(
+                worker=worker,
+                slot=s,
+                nbytes=nbytes,
+                shape=tuple(acts.shape),
+                dtype=str(acts.dtype).removeprefix("torch."),
+                storage=slots[s] if fresh else None,
+                rows=None if rows is None else rows.numpy().copy(),
+            )
 
     def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         """This consumer's batches from the current position (``count``: advance it)."""

@@ -45,6 +45,19 @@ class LoaderBatch(NamedTuple):
     saev store ``example * T + token``; ``reader.gather(rows, layer)`` reads it again)."""
 
 
+class RingBatch(NamedTuple):
+    """What a DataLoader worker sends for one batch: where in its shared slots it lies."""
+
+    worker: int
+    slot: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    storage: torch.Tensor | None
+    """The slot's shared uint8 tensor, sent once (the main process keeps it)."""
+    rows: np.ndarray | None
+
+
 class Buffers:
     """Arrays of one shape and dtype, reused only once no view of them is alive."""
 
