@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="how cold runs empty the page cache: evict the store's files, or also "
         "drop the whole cache (root)",
     )
-    p.add_argument("--mix", type=int, default=1, help="the loader's mix option (see docs)")
+
     p.add_argument(
         "--mixing-pools",
         default="16,64,256",
@@ -282,8 +282,6 @@ def _distinct(n_examples: int, t: int, b: int) -> float:
 
 
 def make_loader(path, args, layer, *, pool_mib=None, **options) -> ActivationLoader:
-    if options.get("mix", 1) == 1:
-        options.pop("mix", None)
     reader = SaevReader(path)
     block_bytes = reader.blocks(layer)[0].n_rows * reader.d_model * 4
     pool_blocks = max(1, ((pool_mib or args.pool_mib) << 20) // block_bytes)
@@ -429,12 +427,12 @@ def main(argv: list[str] | None = None) -> None:
             # A fresh loader each repetition: its first epoch allocates the pools (fresh
             # memory is slow to touch); the next epoch reuses them. Workers persist.
             runs: list[tuple[str, object]] = []
-            loader = make_loader(path, args, layer, mix=args.mix)
+            loader = make_loader(path, args, layer)
             runs += [(loader_names[0], loader), (loader_names[1], loader)]
             kept = []
             for n in (n for n in worker_counts if n > 0):
                 data = ActivationDataLoader(
-                    make_loader(path, args, layer, mix=args.mix),
+                    make_loader(path, args, layer),
                     num_workers=n,
                     persistent_workers=True,
                 )
@@ -491,12 +489,12 @@ def main(argv: list[str] | None = None) -> None:
     latency = []
     drop_cache(files, args.cold)
     with Timer() as t:
-        loader = make_loader(path, args, layer, mix=args.mix)
+        loader = make_loader(path, args, layer)
         next(iter(loader))
     latency.append(
         ["time to first batch (open store, build loader, first batch)", "cold", t.seconds, "< 2 s"]
     )
-    loader = make_loader(path, args, layer, mix=args.mix)
+    loader = make_loader(path, args, layer)
     it = iter(loader)
     for _ in range(len(loader) // 2):
         next(it)
@@ -505,7 +503,7 @@ def main(argv: list[str] | None = None) -> None:
     for cache in caches:
         if cache == "cold":
             drop_cache(files, args.cold)
-        resumed = make_loader(path, args, layer, mix=args.mix)
+        resumed = make_loader(path, args, layer)
         with Timer() as t:
             resumed.load_state_dict(state)
             next(iter(resumed))
@@ -530,11 +528,11 @@ def main(argv: list[str] | None = None) -> None:
             table(
                 [
                     "window",
-                    "mode",
                     "same-example pairs",
                     "formula (T-1)/(R-1)",
                     "ideal uniform",
                     "distinct examples/batch",
+                    "formula",
                     "ideal uniform",
                 ],
                 mixing,
