@@ -77,7 +77,29 @@ _PER_CONSUMER = 2  # pid, cursor (oldest global batch still needed)
 _PER_SLOT = 2  # global batch held, its rows
 _TEXT_BYTES = 16384  # settings (JSON), then the failure message
 _STARTING, _RUNNING, _FINISHED, _FAILED = range(4)
-_POLL_S = 0.0002
+_POLL_S = 0.0002  # first wait between polls; it doubles up to _POLL_MAX_S
+_POLL_MAX_S = 0.002
+_CHECK_S = 0.1  # how often a waiting process checks that the others are alive
+
+
+class _Backoff:
+    """Sleeps between polls of shared counters: short at first, then longer (waiting
+    processes must not take the CPU the server needs); ``check()`` is true every
+    ``_CHECK_S`` seconds, when it is time to look for processes that are gone."""
+
+    def __init__(self) -> None:
+        self.delay, self.last = _POLL_S, time.monotonic()
+
+    def sleep(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(2 * self.delay, _POLL_MAX_S)
+
+    def check(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < _CHECK_S:
+            return False
+        self.last = now
+        return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,15 +402,18 @@ class Server:
 
     def _put(self, shared: _Shared, g: int, batch: LoaderBatch) -> None:
         r, s = shared.r, g % shared.r
+        backoff = _Backoff()
         while True:  # wait until no live consumer needs the slot's batch (and one exists)
-            with shared.lock():
-                pids, cursors = shared.consumer[:, 0], shared.consumer[:, 1]
-                holders = (pids != 0) & (cursors <= g - r)
-                if pids.any() and not holders.any():
-                    shared.slot[s, 0] = -1  # being written: consumers registering now see it
-                    break
-            self._live(shared)
-            time.sleep(_POLL_S)
+            pids, cursors = shared.consumer[:, 0], shared.consumer[:, 1]
+            if pids.any() and not ((pids != 0) & (cursors <= g - r)).any():
+                with shared.lock():  # again under the lock: a consumer may be registering
+                    holders = (pids != 0) & (cursors <= g - r)
+                    if pids.any() and not holders.any():
+                        shared.slot[s, 0] = -1  # being written: registering consumers see it
+                        break
+            if backoff.check():
+                self._live(shared)
+            backoff.sleep()
         acts, rows = batch
         n = len(rows)
         data = acts.view(torch.uint16) if acts.dtype == torch.bfloat16 else acts
@@ -590,13 +615,14 @@ class ServedLoader:
         shared, words = self.shared, self.shared.words
         self._release(g)
         s = g % shared.r
+        backoff = _Backoff()
         while int(words[_H_PRODUCED]) <= g:
             status = int(words[_H_STATUS])
             if status == _FAILED:
                 raise ServeError(shared.message())
             if status == _FINISHED:
                 raise ServeError(f"server {self.name!r} finished before batch {g}")
-            if not _alive(int(words[_H_PID])):
+            if backoff.check() and not _alive(int(words[_H_PID])):
                 raise ServeError(f"server {self.name!r} (pid {int(words[_H_PID])}) is gone")
             if self._held and self._held[0][0] <= g - shared.r:
                 raise ServeError(
@@ -605,7 +631,7 @@ class ServedLoader:
                     "start the server with more slots"
                 )
             self._release(g)
-            time.sleep(_POLL_S)
+            backoff.sleep()
         if int(shared.slot[s, 0]) != g:
             raise ServeError(f"batch {g} was overwritten before this consumer read it")
         return s
