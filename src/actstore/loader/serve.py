@@ -359,12 +359,11 @@ class Server:
 
     def _live(self, shared: _Shared) -> np.ndarray:
         """Consumers whose process is registered and alive (gone ones are deregistered)."""
-        pids = shared.consumer[:, 0]
-        for c in np.flatnonzero(pids):
-            if not _alive(int(pids[c])):
+        for c, pid in enumerate(shared.consumer[:, 0].tolist()):
+            if pid and not _alive(pid):
                 with shared.lock():
-                    if shared.consumer[c, 0] == pids[c]:
-                        log.warning("consumer %d (pid %d) is gone", c, pids[c])
+                    if shared.consumer[c, 0] == pid:
+                        log.warning("consumer %d (pid %d) is gone", c, pid)
                         shared.consumer[c, 0] = 0
         return shared.consumer[:, 0] != 0
 
