@@ -520,3 +520,18 @@ def test_worker_batches_arrive_in_reused_shared_slots(single):
         for x, r in data:  # each batch dropped before the next: a few slots per worker
             np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
     assert len(data._slots) <= 2 * 4
+
+
+def test_runs_of_blocks_keep_every_row_once_and_old_states_resume(single):
+    reader, acts = single
+    loader = ActivationLoader(reader, batch_size=8, pool_blocks=4, run_blocks=2, return_index=True)
+    x, r = zip(*collect(loader))
+    rows = np.concatenate(r)
+    assert sorted(rows.tolist()) == list(range(45 * T))
+    np.testing.assert_array_equal(np.concatenate(x), expected(acts, rows, 0))
+    single_blocks = ActivationLoader(reader, batch_size=8, pool_blocks=4, run_blocks=1)
+    state = single_blocks.state_dict()
+    del state["run_blocks"]  # as saved before runs existed
+    single_blocks.load_state_dict(state)
+    with pytest.raises(ConfigError, match="run_blocks=1"):
+        ActivationLoader(reader, batch_size=8, pool_blocks=4).load_state_dict(state)

@@ -333,6 +333,7 @@ class ActivationLoader(IterableDataset):
                 f"loader state version {state.get('version')!r} is not "
                 f"{STATE_VERSION}: another actstore version saved it"
             )
+        state = {"run_blocks": 1, **state}  # states saved before runs existed: single blocks
         mine = self._fingerprint()
         wrong = [
             f"{k}={state.get(k)!r} (this loader: {v!r})"
