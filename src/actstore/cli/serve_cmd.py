@@ -44,8 +44,18 @@ def serve(
     """Serve a store's shuffled stream to several trainer processes from one disk pass."""
     from ..convert import site_of
     from ..formats import open_store
+    from ..loader.serve import ServeConfig
     from ..loader.serve import serve as run_server
 
+    # the sharing options are checked before the store is opened
+    ServeConfig(
+        name=name,
+        consumers=consumers,
+        mode=mode,
+        slots=slots,
+        epochs=epochs or None,
+        directory=directory,
+    )
     reader = open_store(store)
     chosen = None
     if site is not None:
