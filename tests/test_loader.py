@@ -503,3 +503,37 @@ def test_configuration_errors(store):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA"):
             ActivationLoader(reader, site=2, pin_memory=True)
+
+
+def test_worker_batches_arrive_in_reused_shared_slots(single):
+    """Workers fill shared slots the main process hands back once a batch is dropped: held
+    batches stay intact, and dropped ones let a worker reuse its slot."""
+    reader, acts = single
+    options = {"batch_size": 5, "pool_blocks": 2, "return_index": True}
+    data = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
+    held = [(x, r) for x, r in data]  # every batch kept: no slot may be reused under them
+    for x, r in held:
+        np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
+    assert len(data._slots) == len(held)
+    data = ActivationDataLoader(
+        ActivationLoader(reader, **options), num_workers=2, persistent_workers=True
+    )
+    for _ in range(2):
+        for x, r in data:  # each batch dropped before the next: a few slots per worker
+            np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
+    assert len(data._slots) <= 2 * 4
+
+
+def test_runs_of_blocks_keep_every_row_once_and_old_states_resume(single):
+    reader, acts = single
+    loader = ActivationLoader(reader, batch_size=8, pool_blocks=4, run_blocks=2, return_index=True)
+    x, r = zip(*collect(loader))
+    rows = np.concatenate(r)
+    assert sorted(rows.tolist()) == list(range(45 * T))
+    np.testing.assert_array_equal(np.concatenate(x), expected(acts, rows, 0))
+    single_blocks = ActivationLoader(reader, batch_size=8, pool_blocks=4, run_blocks=1)
+    state = single_blocks.state_dict()
+    del state["run_blocks"]  # as saved before runs existed
+    single_blocks.load_state_dict(state)
+    with pytest.raises(ConfigError, match="run_blocks=1"):
+        ActivationLoader(reader, batch_size=8, pool_blocks=4).load_state_dict(state)

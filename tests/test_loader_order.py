@@ -134,3 +134,19 @@ def test_bad_split_arguments():
         rank_span(10, rank=0, world_size=1, batch_size=0, drop_last=False)
     with pytest.raises(ConfigError, match="pool_blocks"):
         plan_epoch([1, 2], pool_blocks=0, seed=0, epoch=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(block_sizes, st.integers(1, 8), st.integers(1, 5), st.integers(0, 1000))
+def test_runs_are_consecutive_blocks_in_a_permuted_order(sizes, k, g, seed):
+    plan = plan_epoch(sizes, pool_blocks=k, seed=seed, epoch=0, run_blocks=g)
+    order = plan.block_order.tolist()
+    assert sorted(order) == list(range(len(sizes)))
+    i = 0
+    while i < len(order):  # each run: g consecutive blocks from a multiple of g (last short)
+        first = order[i]
+        n = min(g, len(sizes) - first)
+        assert first % g == 0 and order[i : i + n] == list(range(first, first + n))
+        i += n
+    single = plan_epoch(sizes, pool_blocks=k, seed=seed, epoch=0)
+    assert single.block_order.tolist() == permutation(key(seed, 0, 0), len(sizes)).tolist()

@@ -70,6 +70,10 @@ class StorageError(ActstoreError, OSError):
     """Reading or writing bytes failed (local disk or object storage) after retries."""
 
 
+class ServeError(ActstoreError, RuntimeError):
+    """A served stream cannot go on (server gone or failed, position no longer held)."""
+
+
 def require(module: str, extra: str):
     """Import an optional dependency or raise a helpful :class:`MissingDependencyError`.
 

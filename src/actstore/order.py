@@ -3,7 +3,11 @@
 One epoch is planned as follows (every step is a pure function, so any process computes
 the same plan without talking to the others):
 
-1. The blocks are permuted: ``block_order = permutation(key(seed, epoch, 0), n_blocks)``.
+1. The blocks are permuted in *runs* of ``run_blocks`` (g) consecutive blocks:
+   ``block_order`` lists run ``permutation(key(seed, epoch, 0), n_runs)[0]``'s blocks, then
+   the next run's, and so on (g = 1: ``block_order = permutation(key(seed, epoch, 0),
+   n_blocks)``). Consecutive blocks are usually adjacent on disk, so a run is one long
+   sequential read; it does not change how many examples a window mixes.
 2. Consecutive groups of ``pool_blocks`` (K) blocks of that order form *windows*.
 3. The rows of window ``w`` (block after block in window order, storage order inside a
    block, dropped rows left out) are permuted by ``permutation(key(seed, epoch, 1, w), R_w)``.
@@ -108,13 +112,21 @@ class EpochPlan:
 
 
 def plan_epoch(
-    block_rows: Sequence[int] | np.ndarray, *, pool_blocks: int, seed: int, epoch: int
+    block_rows: Sequence[int] | np.ndarray,
+    *,
+    pool_blocks: int,
+    seed: int,
+    epoch: int,
+    run_blocks: int = 1,
 ) -> EpochPlan:
-    """Plan epoch ``epoch``: ``block_rows[i]`` is the number of rows block ``i`` serves."""
+    """Plan epoch ``epoch``: ``block_rows[i]`` is the number of rows block ``i`` serves;
+    blocks are shuffled in runs of ``run_blocks`` consecutive blocks."""
     rows = np.asarray(block_rows, dtype=np.int64)
-    if pool_blocks < 1:
-        raise ConfigError(f"pool_blocks must be >= 1, not {pool_blocks}")
-    order = permutation(key(seed, epoch, 0), len(rows))
+    if pool_blocks < 1 or run_blocks < 1:
+        raise ConfigError(
+            f"pool_blocks and run_blocks must be >= 1, not {pool_blocks}, {run_blocks}"
+        )
+    order = run_order(len(rows), run_blocks, key(seed, epoch, 0))
     bounds = np.unique(np.minimum(np.arange(0, len(rows) + pool_blocks, pool_blocks), len(rows)))
     per_block = np.concatenate([[0], np.cumsum(rows[order])])
     return EpochPlan(
@@ -124,6 +136,17 @@ def plan_epoch(
         window_bounds=bounds.astype(np.int64),
         row_starts=per_block[bounds].astype(np.int64),
     )
+
+
+def run_order(n_blocks: int, run_blocks: int, k: int) -> np.ndarray:
+    """Blocks ``0..n_blocks-1`` as runs of ``run_blocks`` consecutive blocks (the last run
+    may be short) in the order ``permutation(k, n_runs)``."""
+    if run_blocks == 1:
+        return permutation(k, n_blocks)
+    n_runs = -(-n_blocks // run_blocks)
+    starts = permutation(k, n_runs) * run_blocks
+    order = (starts[:, None] + np.arange(run_blocks)).reshape(-1)
+    return order[order < n_blocks]
 
 
 class Span(NamedTuple):

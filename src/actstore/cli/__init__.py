@@ -65,6 +65,7 @@ from . import (
     inspect_cmd,  # noqa: F401
     runs_cmd,  # noqa: F401
     s3_cmd,  # noqa: F401
+    serve_cmd,  # noqa: F401
     status_cmd,  # noqa: F401
 )
 

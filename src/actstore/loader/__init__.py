@@ -6,6 +6,8 @@
 - :class:`ActivationDataLoader`: runs it in DataLoader worker processes and counts what
   they deliver, so ``state_dict()`` stays exact.
 - :mod:`actstore.order`: the order as pure functions (plan, windows, splits).
+- :mod:`actstore.loader.serve`: one server reads a store once per epoch and feeds K
+  trainer processes through shared memory (:func:`serve`, :class:`ServedLoader`).
 
 Example:
     >>> from actstore.loader import ActivationLoader
@@ -18,6 +20,7 @@ from __future__ import annotations
 from .dataloader import ActivationDataLoader
 from .dataset import DEFAULT_POOL_BYTES, ActivationLoader, LoaderConfig
 from .pipeline import LoaderBatch
+from .serve import ServedLoader, serve, start_server
 
 __all__ = [
     "DEFAULT_POOL_BYTES",
@@ -25,4 +28,7 @@ __all__ = [
     "ActivationLoader",
     "LoaderBatch",
     "LoaderConfig",
+    "ServedLoader",
+    "serve",
+    "start_server",
 ]

@@ -9,14 +9,21 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
 from .dataset import ActivationLoader
-from .pipeline import LoaderBatch
+from .pipeline import LoaderBatch, RingBatch
+
+#: Batch slots each worker may have in use at once (only batches you hold use more than
+#: a few; each costs one batch of shared memory).
+MAX_SLOTS = 1024
 
 _FIXED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
 
@@ -51,11 +58,23 @@ class ActivationDataLoader(DataLoader):
             pin = pin or finish.pin_memory
         elif finish.pin_memory or finish.device is not None:  # the loader already does
             pin = False
+        # with workers, batches arrive in shared slots: this process pins them itself
         super().__init__(
-            dataset, batch_size=None, num_workers=num_workers, pin_memory=pin, **kwargs
+            dataset,
+            batch_size=None,
+            num_workers=num_workers,
+            pin_memory=pin and num_workers == 0,
+            **kwargs,
         )
+        self._pin = pin and num_workers > 0
         self._device = finish.device if num_workers > 0 else None
         dataset._device_in_main = num_workers > 0
+        # the main process's side of the workers' batch slots: (worker, slot) -> (the
+        # slot as a numpy array, its reference count when no batch refers to it)
+        self._slots: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
+        self._delivered: list[tuple[int, int]] = []
+        if num_workers > 0:
+            dataset._ring_flags = _new_flags(num_workers)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         loader: ActivationLoader = self.dataset  # type: ignore[assignment]
@@ -64,12 +83,44 @@ class ActivationDataLoader(DataLoader):
             return
         loader._begin(self.num_workers)
         loader._publish_position()  # persistent workers read it when this iteration starts
+        if not self.persistent_workers or self._iterator is None:
+            # new worker processes: new slots, new flags (held batches keep their memory)
+            loader._ring_flags = _new_flags(self.num_workers)
+            self._slots, self._delivered = {}, []
         epoch = loader.epoch
-        for batch in super().__iter__():
+        for message in super().__iter__():
+            batch = self._receive(message)
+            del message
             loader._batches_done += 1
             yield batch if self._device is None else _to_device(batch, self._device)
+            del batch
         if loader.epoch == epoch:
             loader.set_epoch(epoch + 1)
+
+    def _receive(self, message: RingBatch) -> Any:
+        """The batch in a worker's slot, as a zero-copy view; slots whose batches are no
+        longer referenced are handed back to their workers first."""
+        flags = self.dataset._ring_flags  # type: ignore[attr-defined]
+        kept = []
+        for key in self._delivered:
+            root, idle = self._slots[key]
+            if sys.getrefcount(root) == idle:
+                flags[key[0], key[1]] = 0
+            else:
+                kept.append(key)
+        key = (message.worker, message.slot)
+        if message.storage is not None:
+            root = message.storage.numpy()
+            self._slots[key] = (root, sys.getrefcount(root))
+        self._delivered = [*kept, key]
+        root = self._slots[key][0]
+        acts = torch.from_numpy(root[: message.nbytes]).view(getattr(torch, message.dtype))
+        acts = acts.view(message.shape)
+        if self._pin:
+            acts = acts.pin_memory()
+        if message.rows is None:
+            return acts
+        return LoaderBatch(acts, torch.as_tensor(message.rows))
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's position counted in batches delivered by this DataLoader."""
@@ -78,6 +129,10 @@ class ActivationDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` was taken (same options and ``num_workers``)."""
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def _new_flags(num_workers: int) -> torch.Tensor:
+    return torch.zeros((num_workers, MAX_SLOTS), dtype=torch.int8).share_memory_()
 
 
 def _to_device(batch: Any, device: Any) -> Any:

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import math
 import os
+import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,12 +26,23 @@ from ..errors import ConfigError, LayerNotStoredError
 from ..formats import open_store
 from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
-from .pipeline import BufferSet, Consumer, Finish, Layout, first_rows, kept_rows
+from .pipeline import (
+    BufferSet,
+    Consumer,
+    Finish,
+    Layout,
+    LoaderBatch,
+    RingBatch,
+    first_rows,
+    kept_rows,
+)
 
 log = logging.getLogger(__name__)
 
 #: Bytes of one shuffle window when ``pool_blocks`` is not given.
 DEFAULT_POOL_BYTES = 256 << 20
+#: Bytes of one run of consecutive blocks (one sequential read) when ``run_blocks`` is not given.
+DEFAULT_RUN_BYTES = 16 << 20
 NORMALIZE = ("standardize", "mean_norm")
 OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 STATE_VERSION = 1
@@ -50,6 +62,10 @@ class LoaderConfig:
     pool_blocks: int | None = None
     """Blocks per shuffle window (K). None: as many as fit in 256 MiB. Memory is about
     ``2 x K x block bytes x n_sites`` per consumer (one window served, one being read)."""
+    run_blocks: int | None = None
+    """Blocks are shuffled in runs of this many consecutive blocks (read as one sequential
+    stretch). None: as many as fit in 16 MiB, at most ``pool_blocks``. 1 shuffles single
+    blocks. Runs do not change how many examples a window mixes."""
     seed: int = 0
     epoch: int = 0
     """The epoch to start at (see :meth:`ActivationLoader.set_epoch`)."""
@@ -86,8 +102,9 @@ class LoaderConfig:
         for name in ("batch_size", "io_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
-        if self.pool_blocks is not None and self.pool_blocks < 1:
-            raise ConfigError(f"pool_blocks must be >= 1, not {self.pool_blocks}")
+        for name in ("pool_blocks", "run_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         if self.seed < 0 or self.epoch < 0:
             raise ConfigError("seed and epoch must be >= 0")
         if self.dtype not in OUT_DTYPES:
@@ -193,6 +210,12 @@ class ActivationLoader(IterableDataset):
             pool_blocks = max(1, DEFAULT_POOL_BYTES // max(block_bytes * len(self.sites), 1))
         # a window never holds more than the whole store (the order is the same either way)
         self.pool_blocks = min(pool_blocks, max(len(sizes), 1))
+        if config.run_blocks is not None:
+            run_blocks = config.run_blocks
+        else:
+            block_bytes = max(sizes, default=1) * reader.d_model * self.layout.dtype.itemsize
+            run_blocks = max(1, DEFAULT_RUN_BYTES // max(block_bytes, 1))
+        self.run_blocks = min(run_blocks, self.pool_blocks)
         self.rank, self.world_size = _rank_and_world(config)
         self._finish = self._make_finish()
         self.epoch = config.epoch
@@ -202,6 +225,10 @@ class ActivationLoader(IterableDataset):
         self._buffers: tuple[int, BufferSet] | None = None  # (pid, buffers), never pickled
         # (epoch, batches, consumers) in shared memory, for persistent DataLoader workers
         self._shared_position: torch.Tensor | None = None
+        # [workers, slots] int8 in shared memory, set by ActivationDataLoader: workers fill
+        # shared batch slots (see _fill_ring); _ring_slots: (pid, this worker's slots)
+        self._ring_flags: torch.Tensor | None = None
+        self._ring_slots: tuple[int, list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -228,6 +255,16 @@ class ActivationLoader(IterableDataset):
         largest = max((b.n_rows for b in self.layout.blocks[0]), default=0)
         row_bytes = len(self.sites) * self.d_model * self.layout.dtype.itemsize
         return 2 * self.pool_blocks * largest * row_bytes
+
+    def plan(self, epoch: int):
+        """The order of epoch ``epoch`` (see :mod:`actstore.order`)."""
+        return plan_epoch(
+            self.layout.kept_rows,
+            pool_blocks=self.pool_blocks,
+            seed=self.config.seed,
+            epoch=epoch,
+            run_blocks=self.run_blocks,
+        )
 
     def _rank_span(self):
         return rank_span(
@@ -314,6 +351,7 @@ class ActivationLoader(IterableDataset):
                 f"loader state version {state.get('version')!r} is not "
                 f"{STATE_VERSION}: another actstore version saved it"
             )
+        state = {"run_blocks": 1, **state}  # states saved before runs existed: single blocks
         mine = self._fingerprint()
         wrong = [
             f"{k}={state.get(k)!r} (this loader: {v!r})"
@@ -338,6 +376,7 @@ class ActivationLoader(IterableDataset):
             "seed": cfg.seed,
             "batch_size": cfg.batch_size,
             "pool_blocks": self.pool_blocks,
+            "run_blocks": self.run_blocks,
             "world_size": self.world_size,
             "drop_last": cfg.drop_last,
             "drop_cls": cfg.drop_cls,
@@ -370,7 +409,7 @@ class ActivationLoader(IterableDataset):
         return self._buffers[1]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_buffers": None}
+        return {**self.__dict__, "_buffers": None, "_ring_slots": None}
 
     def _share_position(self) -> None:
         """Keep the position in shared memory too, so worker processes that persist
@@ -399,7 +438,50 @@ class ActivationLoader(IterableDataset):
         # The DataLoader's round-robin starts at worker 0; after k delivered batches the
         # next one belongs to run k % N, so DataLoader worker i serves run (i + k) % N.
         n = info.num_workers
-        return self._iterate(worker=(info.id + self._batches_done) % n, num_workers=n, count=False)
+        batches = self._iterate(
+            worker=(info.id + self._batches_done) % n, num_workers=n, count=False
+        )
+        if self._ring_flags is None:
+            return batches
+        return self._fill_ring(batches, info.id)
+
+    def _fill_ring(self, batches: Iterator[Any], worker: int) -> Iterator[RingBatch]:
+        """Worker process: copy each batch into a shared-memory slot the main process
+        hands back once the batch is no longer referenced there, and send only the slot's
+        number (and the slot itself the first time): no per-batch pickling into fresh
+        shared memory. ``_ring_flags[worker, s]`` is 1 while slot ``s`` is in use."""
+        flags = self._ring_flags[worker].numpy()
+        if self._ring_slots is None or self._ring_slots[0] != os.getpid():
+            self._ring_slots = (os.getpid(), [])
+        slots: list[torch.Tensor] = self._ring_slots[1]
+        for batch in batches:
+            acts, rows = (
+                (batch.acts, batch.rows) if isinstance(batch, LoaderBatch) else (batch, None)
+            )
+            nbytes = acts.numel() * acts.element_size()
+            while True:
+                free = np.flatnonzero(flags[: len(slots)] == 0)
+                if len(free) or len(slots) < len(flags):
+                    break
+                time.sleep(0.001)  # every slot held by the main process: wait for one
+            fresh = not len(free)
+            if fresh:
+                full = self.batch_size * nbytes // max(len(acts), 1)
+                slots.append(torch.empty(max(full, nbytes), dtype=torch.uint8).share_memory_())
+                s = len(slots) - 1
+            else:
+                s = int(free[0])
+            flags[s] = 1
+            slots[s][:nbytes].view(acts.dtype).view(acts.shape).copy_(acts)
+            yield RingBatch(
+                worker=worker,
+                slot=s,
+                nbytes=nbytes,
+                shape=tuple(acts.shape),
+                dtype=str(acts.dtype).removeprefix("torch."),
+                storage=slots[s] if fresh else None,
+                rows=None if rows is None else rows.numpy().copy(),
+            )
 
     def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         """This consumer's batches from the current position (``count``: advance it)."""
@@ -426,9 +508,7 @@ class ActivationLoader(IterableDataset):
 
     def _generate(self, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         cfg, epoch = self.config, self.epoch
-        plan = plan_epoch(
-            self.layout.kept_rows, pool_blocks=self.pool_blocks, seed=cfg.seed, epoch=epoch
-        )
+        plan = self.plan(epoch)
         span = worker_span(
             self._rank_span(), worker=worker, num_workers=num_workers, batch_size=cfg.batch_size
         )
@@ -449,6 +529,7 @@ class ActivationLoader(IterableDataset):
             batch_size=cfg.batch_size,
             io_threads=cfg.io_threads,
             finish=finish,
+            read_blocks=self.run_blocks,
         )
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop

@@ -1,0 +1,644 @@
+"""One disk pass, many trainers: one server reads a store once per epoch and feeds K
+consumer processes on the same machine through a shared-memory ring of batches.
+
+- **broadcast**: every consumer sees the same shuffled stream (K SAEs with different
+  hyperparameters trained on the same data);
+- **partition**: consumer ``c`` of ``K`` gets stream batches ``c, c + K, c + 2K, ...`` of
+  each epoch: disjoint parts, together every row once (data parallel).
+
+The stream is exactly :class:`~actstore.loader.ActivationLoader`'s (same options, same
+seed: same batches), numbered globally ``g = epoch * M + k`` (``M`` batches per epoch).
+Batch ``g`` lives in ring slot ``g % slots`` until every live consumer that needs it has
+moved past it, so a slow consumer stalls the others only once it is ``slots`` batches
+behind. Each consumer publishes its cursor (the oldest batch it still uses) and its pid;
+the server skips consumers whose process has gone, so a dead consumer does not stop the
+others, and a new process can take its place from its ``state_dict``.
+
+Two files under ``directory`` (``/dev/shm``: memory, not disk) make up a server:
+``actstore-serve-<name>.ctl`` (counters, one row per consumer and per slot, the server's
+settings as JSON) and ``actstore-serve-<name>.ring`` (the batch slots). The server removes
+them when it ends; consumers that still map them keep working until they are done.
+
+Example:
+    >>> # one process (or `actstore serve STORE --name sae --consumers 2`):
+    >>> serve("acts/3f1c...", name="sae", consumers=2, epochs=3, batch_size=4096)  # doctest: +SKIP
+    >>> # each trainer process:
+    >>> stream = ServedLoader("sae", consumer=0)  # doctest: +SKIP
+    >>> for epoch in range(3):  # doctest: +SKIP
+    ...     for acts in stream: sae.step(acts)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import mmap
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ServeError
+from .dataset import OUT_DTYPES, ActivationLoader, LoaderConfig
+from .pipeline import _NUMPY_STORAGE, LoaderBatch
+
+log = logging.getLogger(__name__)
+
+MODES = ("broadcast", "partition")
+STATE_VERSION = 1
+_MAGIC = 0x6163747365727631  # "actserv1"
+# header fields of the control file (int64 each)
+(
+    _H_MAGIC,
+    _H_CONSUMERS,
+    _H_MODE,
+    _H_SLOTS,
+    _H_BATCH,
+    _H_ROW,
+    _H_PER_EPOCH,
+    _H_END,
+    _H_PRODUCED,
+    _H_PID,
+    _H_STATUS,
+    _H_START,
+    _H_TEXT,
+) = range(13)
+_HEADER = 16
+_PER_CONSUMER = 2  # pid, cursor (oldest global batch still needed)
+_PER_SLOT = 2  # global batch held, its rows
+_TEXT_BYTES = 16384  # settings (JSON), then the failure message
+_STARTING, _RUNNING, _FINISHED, _FAILED = range(4)
+_POLL_S = 0.0002  # first wait between polls; it doubles up to _POLL_MAX_S
+_POLL_MAX_S = 0.002
+_CHECK_S = 0.1  # how often a waiting process checks that the others are alive
+
+
+class _Backoff:
+    """Sleeps between polls of shared counters: short at first, then longer (waiting
+    processes must not take the CPU the server needs); ``check()`` is true every
+    ``_CHECK_S`` seconds, when it is time to look for processes that are gone."""
+
+    def __init__(self) -> None:
+        self.delay, self.last = _POLL_S, time.monotonic()
+
+    def sleep(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(2 * self.delay, _POLL_MAX_S)
+
+    def check(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < _CHECK_S:
+            return False
+        self.last = now
+        return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """How a server shares its stream (the stream itself is a :class:`LoaderConfig`)."""
+
+    name: str
+    """Consumers find the server by this name."""
+    consumers: int
+    """K: the server starts once all K consumer slots are taken."""
+    mode: str = "broadcast"
+    """``broadcast`` (every consumer gets every batch) or ``partition`` (consumer ``c``
+    gets batches ``c, c + K, ...`` of each epoch)."""
+    slots: int | None = None
+    """Batches the ring holds: how far the fastest consumer may run ahead of the slowest
+    (memory: ``slots x batch bytes`` of shared memory). None: 8 (broadcast) or K + 8
+    (partition). A consumer keeps its last batch while it asks for the next, so broadcast
+    needs at least 2 and partition more than K."""
+    epochs: int | None = 1
+    """Serve until the end of this epoch count (epochs ``0..epochs-1``; a resumed server
+    serves what is left). None: until stopped."""
+    directory: str = "/dev/shm"
+    """Where the control and ring files live (a memory file system)."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"a server name must be non-empty without '/', not {self.name!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, not {self.mode!r}")
+        if self.consumers < 1:
+            raise ConfigError(f"consumers must be >= 1, not {self.consumers}")
+        least = 2 if self.mode == "broadcast" else self.consumers + 1
+        if self.slots is None:
+            object.__setattr__(self, "slots", 8 if self.mode == "broadcast" else self.consumers + 8)
+        elif self.slots < least:
+            raise ConfigError(
+                f"slots must be >= {least} in {self.mode} mode with {self.consumers} consumers "
+                "(a consumer holds its last batch while it waits for the next), not "
+                f"{self.slots}"
+            )
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError(f"epochs must be >= 1 or None, not {self.epochs}")
+
+
+def _paths(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
+    base = Path(directory) / f"actstore-serve-{name}"
+    return base.with_suffix(".ctl"), base.with_suffix(".ring")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+class _Shared:
+    """The mapped control and ring files, as numpy views (used by server and consumers)."""
+
+    def __init__(self, ctl: Path, ring: Path, *, settings: dict[str, Any] | None = None) -> None:
+        self.fd = os.open(ctl, os.O_RDWR)
+        self.ctl_map = mmap.mmap(self.fd, 0)
+        self.words = np.frombuffer(self.ctl_map, dtype=np.int64, count=_HEADER)
+        k, r = int(self.words[_H_CONSUMERS]), int(self.words[_H_SLOTS])
+        self.k, self.r = k, r
+        self.consumer = np.frombuffer(
+            self.ctl_map, dtype=np.int64, count=k * _PER_CONSUMER, offset=_HEADER * 8
+        ).reshape(k, _PER_CONSUMER)
+        self.slot = np.frombuffer(
+            self.ctl_map,
+            dtype=np.int64,
+            count=r * _PER_SLOT,
+            offset=(_HEADER + k * _PER_CONSUMER) * 8,
+        ).reshape(r, _PER_SLOT)
+        text_at = (_HEADER + k * _PER_CONSUMER + r * _PER_SLOT) * 8
+        self.text = np.frombuffer(self.ctl_map, dtype=np.uint8, count=_TEXT_BYTES, offset=text_at)
+        size = int(self.words[_H_TEXT])
+        self.settings = settings or json.loads(bytes(self.text[:size]).decode())
+        self.batch, self.row = int(self.words[_H_BATCH]), int(self.words[_H_ROW])
+        storage = np.dtype(_NUMPY_STORAGE[OUT_DTYPES[self.settings["dtype"]]])
+        ring_fd = os.open(ring, os.O_RDWR)
+        try:
+            self.ring_map = mmap.mmap(ring_fd, 0)
+        finally:
+            os.close(ring_fd)
+        acts_bytes = self.batch * self.row * storage.itemsize
+        # one array per slot (not views of one array): a slot is free once no batch
+        # refers to its array, which reference counts tell (see Buffers)
+        self.acts = [
+            np.frombuffer(
+                self.ring_map, dtype=storage, count=self.batch * self.row, offset=s * acts_bytes
+            )
+            for s in range(r)
+        ]
+        self.ids = np.frombuffer(
+            self.ring_map, dtype=np.int64, count=r * self.batch, offset=r * acts_bytes
+        ).reshape(r, self.batch)
+        self.idle_refs = [sys.getrefcount(self.acts[s]) for s in range(r)]
+
+    def lock(self) -> _Lock:
+        return _Lock(self.fd)
+
+    def message(self) -> str:
+        size = int(self.words[_H_TEXT])
+        raw = bytes(self.text[size:]).split(b"\0", 1)[0]
+        return raw.decode(errors="replace") or "unknown error"
+
+
+class _Lock:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+
+def ring_bytes(loader: ActivationLoader, slots: int) -> int:
+    """Shared memory of a ring of ``slots`` batches of ``loader`` (activations + row ids)."""
+    storage = np.dtype(_NUMPY_STORAGE[loader._finish.out_dtype])
+    row = len(loader.sites) * loader.d_model
+    return slots * loader.batch_size * (row * storage.itemsize + 8)
+
+
+class Server:
+    """Reads one :class:`ActivationLoader` stream and shares it with K consumers.
+
+    Example:
+        >>> Server("acts/3f1c...", ServeConfig(name="sae", consumers=2), batch_size=4096).run()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        config: ServeConfig,
+        loader_config: LoaderConfig | None = None,
+        **loader_options: Any,
+    ) -> None:
+        if loader_config is None:
+            loader_config = LoaderConfig(**loader_options)
+        elif loader_options:
+            raise ConfigError("pass a LoaderConfig or keyword options, not both")
+        if loader_config.pin_memory or loader_config.device is not None:
+            raise ConfigError("pin_memory/device act in each consumer: move batches there yourself")
+        if (loader_config.rank or 0) != 0 or (loader_config.world_size or 1) != 1:
+            raise ConfigError("a server streams the whole store: leave rank and world_size unset")
+        self.config = config
+        self.loader = ActivationLoader(
+            source, replace(loader_config, return_index=True, rank=0, world_size=1)
+        )
+        self.ctl_path, self.ring_path = _paths(config.directory, config.name)
+        self.shared: _Shared | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.loader)
+
+    def _settings(self) -> dict[str, Any]:
+        loader = self.loader
+        return {
+            "name": self.config.name,
+            "mode": self.config.mode,
+            "consumers": self.config.consumers,
+            "dtype": loader.config.dtype,
+            "sites": [str(s) for s in loader.sites],
+            "single_site": loader.config.sites is None,
+            "d_model": loader.d_model,
+            "n_rows": loader.n_rows,
+            "fingerprint": loader._fingerprint(),
+        }
+
+    def _create(self) -> _Shared:
+        cfg, loader = self.config, self.loader
+        if self.ctl_path.exists():
+            try:
+                old = _Shared(self.ctl_path, self.ring_path)
+                pid = int(old.words[_H_PID])
+            except (OSError, ValueError, KeyError):
+                pid = 0
+            if pid != os.getpid() and _alive(pid):
+                raise ServeError(
+                    f"a server named {cfg.name!r} is running (pid {pid}); choose another name"
+                )
+            for path in (self.ctl_path, self.ring_path):
+                path.unlink(missing_ok=True)
+        text = json.dumps(self._settings()).encode()
+        if len(text) > _TEXT_BYTES // 2:
+            raise ConfigError("server settings too long (site names?)")
+        k, r = cfg.consumers, cfg.slots
+        ctl_bytes = (_HEADER + k * _PER_CONSUMER + r * _PER_SLOT) * 8 + _TEXT_BYTES
+        tmp_ring = self.ring_path.with_suffix(f".ring.{os.getpid()}")
+        tmp_ctl = self.ctl_path.with_suffix(f".ctl.{os.getpid()}")
+        try:
+            with open(tmp_ring, "wb") as f:
+                f.truncate(ring_bytes(loader, r))
+            with open(tmp_ctl, "wb") as f:
+                f.truncate(ctl_bytes)
+        except OSError as err:
+            raise ServeError(f"cannot create the ring under {cfg.directory}: {err}") from err
+        fd = os.open(tmp_ctl, os.O_RDWR)
+        try:
+            words = np.frombuffer(mmap.mmap(fd, 0), dtype=np.int64, count=_HEADER)
+        finally:
+            os.close(fd)
+        words[_H_MAGIC] = _MAGIC
+        words[_H_CONSUMERS], words[_H_SLOTS] = k, r
+        words[_H_MODE] = MODES.index(cfg.mode)
+        words[_H_BATCH] = loader.batch_size
+        words[_H_ROW] = len(loader.sites) * loader.d_model
+        words[_H_PER_EPOCH] = len(loader)
+        words[_H_END] = -1 if cfg.epochs is None else cfg.epochs * len(loader)
+        words[_H_PID] = os.getpid()
+        words[_H_TEXT] = len(text)
+        os.rename(tmp_ring, self.ring_path)
+        shared = _Shared(tmp_ctl, self.ring_path, settings=self._settings())
+        shared.text[: len(text)] = np.frombuffer(text, dtype=np.uint8)
+        shared.slot[:, 0] = -1
+        os.rename(tmp_ctl, self.ctl_path)  # consumers see the server only now, complete
+        return shared
+
+    def run(self) -> None:
+        """Create the ring, wait for the K consumers, serve, and clean up when done."""
+        shared = self.shared = self._create()
+        log.info(
+            "serving %s as %r to %d consumers (%s), ring of %d batches (%s)",
+            self.loader.reader,
+            self.config.name,
+            self.config.consumers,
+            self.config.mode,
+            shared.r,
+            f"{ring_bytes(self.loader, shared.r) / 2**20:.0f} MiB",
+        )
+        try:
+            self._serve(shared)
+        except BaseException as err:
+            message = f"server {self.config.name!r} failed: {type(err).__name__}: {err}"
+            raw = message.encode()[: _TEXT_BYTES // 2 - 1]
+            at = int(shared.words[_H_TEXT])
+            shared.text[at : at + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+            shared.words[_H_STATUS] = _FAILED
+            raise
+        finally:
+            for path in (self.ctl_path, self.ring_path):
+                path.unlink(missing_ok=True)
+
+    def _live(self, shared: _Shared) -> np.ndarray:
+        """Consumers whose process is registered and alive (gone ones are deregistered)."""
+        for c, pid in enumerate(shared.consumer[:, 0].tolist()):
+            if pid and not _alive(pid):
+                with shared.lock():
+                    if shared.consumer[c, 0] == pid:
+                        log.warning("consumer %d (pid %d) is gone", c, pid)
+                        shared.consumer[c, 0] = 0
+        return shared.consumer[:, 0] != 0
+
+    def _serve(self, shared: _Shared) -> None:
+        words, k = shared.words, shared.k
+        while True:  # every consumer slot taken: start where the earliest one wants
+            live = self._live(shared)
+            if live.all():
+                break
+            time.sleep(0.01)
+        per_epoch = int(words[_H_PER_EPOCH])
+        start = int(shared.consumer[:, 1].min())
+        end = int(words[_H_END])
+        words[_H_START] = words[_H_PRODUCED] = start
+        words[_H_STATUS] = _RUNNING
+        log.info("%d consumers attached; serving from batch %d", k, start)
+        g = start
+        loader = self.loader
+        if per_epoch and (end < 0 or g < end):
+            state = loader.state_dict()
+            state.update(epoch=g // per_epoch, batches=g % per_epoch)
+            loader.load_state_dict(state)
+            while end < 0 or g < end:
+                for batch in loader:
+                    self._put(shared, g, batch)
+                    g += 1
+                    if g == end:
+                        break
+        words[_H_STATUS] = _FINISHED
+        while True:  # wait until every live consumer has moved past the last batch
+            live = self._live(shared)
+            if not (live & (shared.consumer[:, 1] < g)).any():
+                return
+            time.sleep(0.01)
+
+    def _put(self, shared: _Shared, g: int, batch: LoaderBatch) -> None:
+        r, s = shared.r, g % shared.r
+        backoff = _Backoff()
+        while True:  # wait until no live consumer needs the slot's batch (and one exists)
+            pids, cursors = shared.consumer[:, 0], shared.consumer[:, 1]
+            if pids.any() and not ((pids != 0) & (cursors <= g - r)).any():
+                with shared.lock():  # again under the lock: a consumer may be registering
+                    holders = (pids != 0) & (cursors <= g - r)
+                    if pids.any() and not holders.any():
+                        shared.slot[s, 0] = -1  # being written: registering consumers see it
+                        break
+            if backoff.check():
+                self._live(shared)
+            backoff.sleep()
+        acts, rows = batch
+        n = len(rows)
+        data = acts.view(torch.uint16) if acts.dtype == torch.bfloat16 else acts
+        shared.acts[s][: n * shared.row] = data.reshape(-1).numpy()
+        shared.ids[s, :n] = rows.numpy()
+        shared.slot[s, 1] = n
+        shared.slot[s, 0] = g
+        shared.words[_H_PRODUCED] = g + 1
+
+
+def serve(source: Any, *, name: str, consumers: int, **options: Any) -> None:
+    """Run a server in this process until it is done (see :class:`Server`): ``options``
+    are :class:`ServeConfig`'s (``mode``, ``slots``, ``epochs``, ``directory``) and
+    :class:`LoaderConfig`'s (``batch_size``, ``seed``, ``site``, ...)."""
+    serve_keys = {"mode", "slots", "epochs", "directory"}
+    config = ServeConfig(
+        name=name, consumers=consumers, **{k: v for k, v in options.items() if k in serve_keys}
+    )
+    loader_options = {k: v for k, v in options.items() if k not in serve_keys}
+    Server(source, config, **loader_options).run()
+
+
+def start_server(
+    source: Any, *, name: str, consumers: int, context: str = "spawn", **options: Any
+) -> multiprocessing.process.BaseProcess:
+    """:func:`serve` in a new process (started; ``join()`` it or let it end by itself)."""
+    ctx = multiprocessing.get_context(context)
+    process = ctx.Process(
+        target=serve,
+        args=(source,),
+        kwargs={"name": name, "consumers": consumers, **options},
+        name=f"actstore-serve-{name}",
+    )
+    process.start()
+    return process
+
+
+class ServedLoader:
+    """Consumer ``consumer`` of the server named ``name``: iterate it like an
+    :class:`ActivationLoader` (each ``for`` loop is one epoch from the current position).
+
+    Batches are zero-copy views of the shared ring, valid for as long as you hold them; a
+    consumer that holds ``slots`` batches at once stalls the server (an error says so).
+    ``state_dict()`` / ``load_state_dict()`` resume this consumer exactly, also with a
+    restarted server (the server starts at the earliest position its consumers ask for).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        consumer: int,
+        *,
+        directory: str = "/dev/shm",
+        return_index: bool = False,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.name, self.consumer, self.return_index = name, int(consumer), return_index
+        self.ctl_path, self.ring_path = _paths(directory, name)
+        deadline = time.monotonic() + timeout_s
+        while not self.ctl_path.exists():
+            if time.monotonic() > deadline:
+                raise ServeError(
+                    f"no server named {name!r} under {directory} after {timeout_s:.0f} s; start "
+                    "one with `actstore serve STORE --name NAME` (or actstore.loader.serve)"
+                )
+            time.sleep(0.01)
+        self.shared = _Shared(self.ctl_path, self.ring_path)
+        words = self.shared.words
+        if int(words[_H_MAGIC]) != _MAGIC:
+            raise ServeError(f"{self.ctl_path} is not an actstore server of this version")
+        if not 0 <= self.consumer < self.shared.k:
+            raise ConfigError(
+                f"consumer must lie in 0..{self.shared.k - 1} (the server has "
+                f"{self.shared.k} consumers), not {consumer}"
+            )
+        settings = self.shared.settings
+        self.mode: str = settings["mode"]
+        self.per_epoch = int(words[_H_PER_EPOCH])
+        self._shape = (
+            (self.shared.row,)
+            if settings["single_site"]
+            else (len(settings["sites"]), settings["d_model"])
+        )
+        self._bf16 = settings["dtype"] == "bfloat16"
+        self.epoch, self._batches = 0, 0
+        self._registered = False
+        self._held: deque[tuple[int, int]] = deque()  # (global batch, slot) handed out
+
+    # ------------------------------------------------------------------ positions
+
+    def __len__(self) -> int:
+        """Batches this consumer gets per epoch."""
+        if self.mode == "broadcast":
+            return self.per_epoch
+        return len(range(self.consumer, self.per_epoch, self.shared.k))
+
+    def _global(self, epoch: int, batch: int) -> int:
+        if self.mode == "broadcast":
+            return epoch * self.per_epoch + batch
+        return epoch * self.per_epoch + self.consumer + batch * self.shared.k
+
+    def state_dict(self) -> dict[str, Any]:
+        """This consumer's position (epoch, batches it received) and the stream's identity."""
+        return {
+            "version": STATE_VERSION,
+            "served": self.mode,
+            "consumers": self.shared.k,
+            "consumer": self.consumer,
+            "epoch": self.epoch,
+            "batches": self._batches,
+            **self.shared.settings["fingerprint"],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (taken from a consumer of the same number and stream)."""
+        if not isinstance(state, dict) or state.get("served") is None:
+            raise ConfigError("this is not a ServedLoader state (see ServedLoader.state_dict)")
+        if state.get("version") != STATE_VERSION:
+            raise ConfigError(
+                f"served state version {state.get('version')!r} is not {STATE_VERSION}"
+            )
+        mine = self.state_dict()
+        wrong = [
+            f"{k}={state.get(k)!r} (this consumer: {mine[k]!r})"
+            for k in mine
+            if k not in ("epoch", "batches", "version") and state.get(k) != mine[k]
+        ]
+        if wrong:
+            raise ConfigError("the saved state belongs to another stream: " + "; ".join(wrong))
+        if not 0 <= state["batches"] <= len(self):
+            raise ConfigError(f"state says {state['batches']} batches of {len(self)}")
+        self.epoch, self._batches = int(state["epoch"]), int(state["batches"])
+
+    def _register(self, g: int) -> None:
+        """Claim this consumer's row with cursor ``g`` (the server keeps ``g`` from then on)."""
+        shared, c = self.shared, self.consumer
+        with shared.lock():
+            pid = int(shared.consumer[c, 0])
+            if pid not in (0, os.getpid()) and _alive(pid):
+                raise ServeError(f"consumer {c} of server {self.name!r} is in use by process {pid}")
+            status = int(shared.words[_H_STATUS])
+            if status != _STARTING:
+                produced, start = int(shared.words[_H_PRODUCED]), int(shared.words[_H_START])
+                s = g % shared.r
+                if g < start or (g < produced and int(shared.slot[s, 0]) != g):
+                    raise ServeError(
+                        f"batch {g} (epoch {g // max(self.per_epoch, 1)}) is no longer held by "
+                        f"server {self.name!r} (it is at batch {produced}); restart the server "
+                        "and its consumers from their saved states"
+                    )
+            shared.consumer[c, 1] = g
+            shared.consumer[c, 0] = os.getpid()
+        self._registered = True
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._batches >= len(self) > 0:
+            self.epoch, self._batches = self.epoch + 1, 0
+        end = int(self.shared.words[_H_END])
+        epoch = self.epoch
+        if end >= 0 and self._global(epoch, 0) >= end:
+            raise ServeError(
+                f"server {self.name!r} serves {end // max(self.per_epoch, 1)} epochs; this "
+                f"consumer asks for epoch {epoch} (start the server with more --epochs)"
+            )
+        self._register(self._global(epoch, self._batches))
+        return self._generate(epoch)
+
+    def _generate(self, epoch: int) -> Iterator[Any]:
+        shared = self.shared
+        while self._batches < len(self):
+            g = self._global(epoch, self._batches)
+            s = self._wait(g)
+            n = int(shared.slot[s, 1])
+            acts = torch.from_numpy(shared.acts[s][: n * shared.row].reshape(n, *self._shape))
+            if self._bf16:
+                acts = acts.view(torch.bfloat16)
+            self._held.append((g, s))
+            self._batches += 1
+            if self.return_index:
+                yield LoaderBatch(acts, torch.from_numpy(shared.ids[s, :n].copy()))
+            else:
+                yield acts
+            del acts
+        self._release(self._global(epoch + 1, 0))
+        self.epoch, self._batches = epoch + 1, 0
+
+    def _release(self, upto: int) -> None:
+        """Publish the oldest batch still needed: handed-out batches nobody refers to any
+        more are done; ``upto`` is the next one this consumer will ask for."""
+        shared, held = self.shared, self._held
+        while held and sys.getrefcount(shared.acts[held[0][1]]) == shared.idle_refs[held[0][1]]:
+            held.popleft()
+        shared.consumer[self.consumer, 1] = held[0][0] if held else upto
+
+    def _wait(self, g: int) -> int:
+        """Slot of batch ``g`` once the server has written it."""
+        shared, words = self.shared, self.shared.words
+        self._release(g)
+        s = g % shared.r
+        backoff = _Backoff()
+        while int(words[_H_PRODUCED]) <= g:
+            status = int(words[_H_STATUS])
+            if status == _FAILED:
+                raise ServeError(shared.message())
+            if status == _FINISHED:
+                raise ServeError(f"server {self.name!r} finished before batch {g}")
+            if backoff.check() and not _alive(int(words[_H_PID])):
+                raise ServeError(f"server {self.name!r} (pid {int(words[_H_PID])}) is gone")
+            if self._held and self._held[0][0] <= g - shared.r:
+                raise ServeError(
+                    f"this consumer holds {len(self._held)} batches of a ring of {shared.r}: "
+                    "the server cannot write the next one; clone() batches you keep, or "
+                    "start the server with more slots"
+                )
+            self._release(g)
+            backoff.sleep()
+        if int(shared.slot[s, 0]) != g:
+            raise ServeError(f"batch {g} was overwritten before this consumer read it")
+        return s
+
+    def close(self) -> None:
+        """Give up this consumer's row (the server stops waiting for it)."""
+        if self._registered:
+            with self.shared.lock():
+                if int(self.shared.consumer[self.consumer, 0]) == os.getpid():
+                    self.shared.consumer[self.consumer, 0] = 0
+            self._registered = False

@@ -1,0 +1,198 @@
+"""``actstore serve``: one server process streams a store into shared memory and real
+consumer processes read it: the same stream as ActivationLoader (broadcast), disjoint
+parts (partition), exact resume after a restart, and a dead consumer not stopping the rest."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_loader import T, expected, write_store
+
+from actstore.errors import ConfigError, ServeError
+from actstore.loader import ActivationLoader
+from actstore.loader.serve import ServedLoader, start_server
+
+FORK = multiprocessing.get_context("fork")
+OPTIONS = {"site": 5, "batch_size": 7, "pool_blocks": 3, "seed": 4}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return write_store(tmp_path_factory.mktemp("serve"), n=23)
+
+
+def stream(reader, epochs, **options):
+    loader = ActivationLoader(reader, return_index=True, **{**OPTIONS, **options})
+    return [b.rows.tolist() for _ in range(epochs) for b in loader]
+
+
+def consume(name, consumer, directory, out, epochs=1, state=None, stop=None, die=None):
+    """A trainer process: read ``epochs`` epochs (or ``stop`` batches), save what it got."""
+    loader = ServedLoader(name, consumer, directory=directory, return_index=True)
+    if state is not None:
+        loader.load_state_dict(state)
+    rows, acts = [], []
+    for _ in range(epochs):
+        for batch in loader:
+            if die is not None and len(rows) == die:
+                os.kill(os.getpid(), signal.SIGKILL)  # dies holding a batch
+            rows.append(batch.rows.tolist())
+            acts.append(batch.acts.numpy().copy())
+            if stop is not None and len(rows) == stop:
+                break
+        if stop is not None and len(rows) == stop:
+            break
+    with open(out, "wb") as f:
+        pickle.dump({"rows": rows, "acts": acts, "state": loader.state_dict()}, f)
+    loader.close()
+
+
+def run_consumers(name, directory, tmp_path, jobs):
+    procs, outs = [], []
+    for c, kwargs in jobs:
+        out = tmp_path / f"{name}-{c}-{len(outs)}.pkl"
+        procs.append(FORK.Process(target=consume, args=(name, c, directory, out), kwargs=kwargs))
+        outs.append(out)
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    return procs, [pickle.loads(o.read_bytes()) if o.exists() else None for o in outs]
+
+
+def check_values(acts, got):
+    for x, r in zip(got["acts"], got["rows"]):
+        np.testing.assert_array_equal(x, expected(acts, r, 1))
+
+
+def test_broadcast_gives_every_consumer_the_loaders_stream(store, tmp_path):
+    reader, acts = store
+    server = start_server(
+        reader,
+        name="bc",
+        consumers=2,
+        slots=3,
+        epochs=2,
+        directory=tmp_path,
+        context="fork",
+        **OPTIONS,
+    )
+    _, got = run_consumers("bc", tmp_path, tmp_path, [(0, {"epochs": 2}), (1, {"epochs": 2})])
+    server.join(30)
+    assert server.exitcode == 0
+    want = stream(reader, 2)
+    for g in got:
+        assert g["rows"] == want
+        check_values(acts, g)
+        assert (g["state"]["epoch"], g["state"]["batches"]) == (2, 0)
+    assert not list(tmp_path.glob("actstore-serve-*"))  # the server cleaned up
+
+
+def test_partition_gives_disjoint_parts_that_cover_the_epoch(store, tmp_path):
+    reader, acts = store
+    server = start_server(
+        reader,
+        name="pt",
+        consumers=3,
+        mode="partition",
+        slots=4,
+        directory=tmp_path,
+        context="fork",
+        **OPTIONS,
+    )
+    _, got = run_consumers("pt", tmp_path, tmp_path, [(c, {}) for c in range(3)])
+    server.join(30)
+    want = stream(reader, 1)
+    for c, g in enumerate(got):
+        assert g["rows"] == want[c::3]
+        check_values(acts, g)
+    rows = sorted(r for g in got for b in g["rows"] for r in b)
+    assert rows == list(range(23 * T))
+
+
+def test_each_consumer_resumes_from_its_own_state(store, tmp_path):
+    reader, _ = store
+    options = {**OPTIONS, "epochs": 2, "directory": tmp_path, "context": "fork", "slots": 2}
+    server = start_server(reader, name="rs", consumers=2, **options)
+    _, head = run_consumers(
+        "rs", tmp_path, tmp_path, [(0, {"epochs": 2, "stop": 4}), (1, {"epochs": 2, "stop": 6})]
+    )
+    server.kill()  # the whole job stops (its files stay behind)
+    server.join(30)
+    server = start_server(reader, name="rs", consumers=2, **options)
+    _, tail = run_consumers(
+        "rs",
+        tmp_path,
+        tmp_path,
+        [(c, {"epochs": 2, "state": head[c]["state"]}) for c in range(2)],
+    )
+    server.join(30)
+    want = stream(reader, 2)
+    for c in range(2):
+        assert head[c]["rows"] + tail[c]["rows"] == want
+
+
+def test_a_dead_consumer_does_not_stop_the_others(store, tmp_path):
+    reader, acts = store
+    server = start_server(
+        reader, name="dd", consumers=2, slots=2, directory=tmp_path, context="fork", **OPTIONS
+    )
+    procs, got = run_consumers("dd", tmp_path, tmp_path, [(0, {}), (1, {"die": 2})])
+    server.join(30)
+    assert procs[1].exitcode == -signal.SIGKILL and got[1] is None
+    assert got[0]["rows"] == stream(reader, 1)
+    check_values(acts, got[0])
+    assert server.exitcode == 0
+
+
+def test_cli_serves_a_store(store, tmp_path):
+    reader, _ = store
+    env = {**os.environ, "ACTSTORE_LOG": "WARNING"}
+    cmd = [sys.executable, "-m", "actstore", "serve", str(reader.path), "--name", "cli"]
+    cmd += ["--consumers", "1", "--directory", str(tmp_path), "--site", "5"]
+    cmd += ["--batch-size", "7", "--pool-blocks", "3", "--seed", "4"]
+    server = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        loader = ServedLoader("cli", 0, directory=tmp_path, return_index=True, timeout_s=60)
+        assert [b.rows.tolist() for b in loader] == stream(reader, 1)
+        loader.close()
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+    bad = subprocess.run(
+        [*cmd[:5], "--name", "x/y", "--consumers", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "name" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_consumer_errors(store, tmp_path):
+    with pytest.raises(ServeError, match="no server named 'none'"):
+        ServedLoader("none", 0, directory=tmp_path, timeout_s=0.05)
+    reader, _ = store
+    server = start_server(
+        reader, name="er", consumers=1, directory=tmp_path, context="fork", **OPTIONS
+    )
+    try:
+        with pytest.raises(ConfigError, match=r"0\.\.0"):
+            ServedLoader("er", 1, directory=tmp_path)
+        loader = ServedLoader("er", 0, directory=tmp_path)
+        with pytest.raises(ConfigError, match="not a ServedLoader state"):
+            loader.load_state_dict({"epoch": 0})
+        held = list(loader)  # keeps every batch: the ring stalls
+        pytest.fail(f"held {len(held)} batches without an error")
+    except ServeError as err:
+        assert "clone()" in str(err)
+    finally:
+        server.kill()
+        server.join(30)
