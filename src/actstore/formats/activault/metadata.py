@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -180,6 +180,9 @@ class RunRecord:
     dropped_tokens: int = 0
     """Kept tokens after the last full file, not stored (files must be equal size)."""
     num_runs: int = 1
+    xxh3: dict[str, list[str]] = field(default_factory=dict)
+    """Hook -> xxh3-64 hex digest of each committed file (readers check every file they
+    fetch; Activault's own reader ignores this key)."""
 
     @property
     def tokens_per_file(self) -> int:
@@ -202,6 +205,7 @@ class RunRecord:
             "hooks": self.hooks,
             "plan": self.plan,
             "num_runs": self.num_runs,
+            "xxh3": self.xxh3,
         }
 
     @classmethod
@@ -212,7 +216,7 @@ class RunRecord:
                     f"{source} was written by a newer actstore (record version {doc['version']}); "
                     "upgrade actstore"
                 )
-            return cls(
+            record = cls(
                 run_id=str(doc["run_id"]),
                 hooks=dict(doc["hooks"]),
                 rows_per_file=int(doc["rows_per_file"]),
@@ -226,9 +230,34 @@ class RunRecord:
                 complete=bool(doc["complete"]),
                 dropped_tokens=int(doc.get("dropped_tokens", 0)),
                 num_runs=int(doc.get("num_runs", 1)),
+                xxh3={str(h): [str(x) for x in v] for h, v in dict(doc.get("xxh3", {})).items()},
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source}: malformed 'actstore' section ({err!r})") from err
+        record.check(source)
+        return record
+
+    def check(self, source: str) -> None:
+        """Refuse impossible values (an edited cfg.json must fail, never serve fewer rows)."""
+        positive = {"rows_per_file": self.rows_per_file, "sequence_length": self.sequence_length}
+        counts = {
+            "groups": self.groups,
+            "next_example": self.next_example,
+            "next_skip": self.next_skip,
+            "dropped_tokens": self.dropped_tokens,
+        }
+        bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
+        bad += [f"{k}={v}" for k, v in counts.items() if v < 0]
+        bad += [
+            f"xxh3 of {h} lists {len(v)} files for {self.groups} groups"
+            for h, v in self.xxh3.items()
+            if len(v) != self.groups
+        ]
+        if bad:
+            raise CorruptStoreError(
+                f"{source}: impossible values in the 'actstore' section ({', '.join(bad)}); "
+                "the file was edited or damaged: restore it or capture again"
+            )
 
 
 def run_cfg(
