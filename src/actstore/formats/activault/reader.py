@@ -235,7 +235,7 @@ class ActivaultReader:
         else:
             files = sorted(found.values(), key=lambda f: f.name.sort_key)
         if isinstance(self.store, LocalStore):  # files must lie inside the run
-            root = Path(self.store.root).resolve()
+            root = (Path(self.store.root) / self.run_prefix).resolve()
             for f in files:
                 path = Path(self.store.root) / f.key
                 if not path.resolve().is_relative_to(root):
