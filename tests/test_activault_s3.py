@@ -534,9 +534,12 @@ def test_corrupt_and_short_files_are_clear_errors(s3):
     client.put_object(Bucket=s3.bucket, Key=keys[0], Body=b"\0" * size)  # right size, garbage
     reader = open_store(s3.url("run"))
     index = [f.key for f in reader.files(hook)].index(keys[0])
-    with pytest.raises(CorruptStoreError, match="not a loadable megabatch"):
+    with pytest.raises(CorruptStoreError, match=f"block {index} .* fails its xxh3 checksum"):
         reader.read_block(reader.blocks(hook)[index])
-    assert any("not a loadable megabatch" in f for f in reader.verify().faults)
+    unchecked = open_store(s3.url("run"), verify_reads=False)
+    with pytest.raises(CorruptStoreError, match="not a loadable megabatch"):
+        unchecked.read_block(unchecked.blocks(hook)[index])
+    assert any("not a loadable megabatch" in f for f in unchecked.verify().faults)
     client.put_object(Bucket=s3.bucket, Key=keys[1], Body=b"\0" * (size - 7))  # short
     with pytest.raises(
         CorruptStoreError, match=f"{size - 7} bytes but metadata.json says every file is {size}"

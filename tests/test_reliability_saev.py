@@ -270,3 +270,22 @@ def test_lock_of_a_dead_capture_is_taken_over_with_a_warning(tmp_path, caplog, r
     )
     assert writer.resume_from == 10
     writer.abort()
+
+
+def test_consistently_edited_metadata_is_caught_on_open(tmp_path, reference):
+    """Dropping the last shard from metadata.json and shards.json alike would serve fewer
+    rows; the manifest digests of the small metadata files catch it on open."""
+    store = _writable_copy(reference, tmp_path / reference.name)
+    md = json.loads((store / "metadata.json").read_text())
+    md["n_examples"] = 20
+    (store / "metadata.json").write_text(json.dumps(md, indent=2))
+    shards = json.loads((store / "shards.json").read_text())[:-1]
+    (store / "shards.json").write_text(json.dumps(shards))
+    with pytest.raises(CorruptStoreError, match="metadata.json does not match its digest"):
+        open_store(store)
+    stats = store / "statistics.json"
+    store2 = _writable_copy(reference, tmp_path / "copy2")
+    (store2 / "statistics.json").write_text(stats.read_text().replace('"count": 138', '"count": 1'))
+    reader = SaevReader(store2)
+    with pytest.raises(CorruptStoreError, match="statistics.json does not match its digest"):
+        reader.statistics(2)

@@ -137,10 +137,98 @@ def test_second_writer_is_refused_and_a_dead_writers_partial_is_removed(tmp_path
         ZarrWriter(layout(), final, attrs=ATTRS)
     first.write(next(SyntheticBatches()(0, N)))
     first._lock.release()  # as if its process died: the kernel drops a dead holder's flock
-    (stale,) = tmp_path.glob(".activations.zarr.*.partial")
+    stale = tmp_path / ".activations.zarr.k2j4x.partial"  # a dead writer of an older actstore
+    stale.mkdir()
     second = ZarrWriter(layout(), final, attrs=ATTRS)
     assert not stale.exists()
+    assert second.resume_from == 0  # the first writer made no checkpoint: start over
     for batch in SyntheticBatches()(0, N):
         second.write(batch)
     second.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["activations.zarr"]
+
+
+ZARR_POINTS = [
+    "zarr.written:1",
+    "zarr.synced:1",
+    "zarr.checkpointed:2",
+    "zarr.written:3",
+    "zarr.checkpointed:4",
+    "zarr.closing",
+    "zarr.published",
+]
+
+WRITE = """
+import sys
+from test_zarr_store import ATTRS, N, SyntheticBatches, layout
+from actstore.formats.zarr import ZarrWriter
+w = ZarrWriter(layout(), sys.argv[1], attrs=ATTRS, optional=("hallu_label",), checkpoint_s=0)
+if not w.complete:
+    for batch in SyntheticBatches()(w.resume_from, N):
+        w.write(batch)
+print(w.close())
+"""
+
+
+def _run_writer(final: Path, crash_at: str | None):
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{Path(__file__).parents[1] / 'src'}:{Path(__file__).parent}",
+    }
+    env.pop("ACTSTORE_CRASH_AT", None)
+    if crash_at:
+        env["ACTSTORE_CRASH_AT"] = crash_at
+    return subprocess.run(
+        [sys.executable, "-c", WRITE, str(final)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def _zarr_files(store: Path) -> dict[str, bytes]:
+    out = {}
+    for f in sorted(store.rglob("*")):
+        if f.is_file():
+            data = f.read_bytes()
+            if f.name in (".zattrs", ".zmetadata"):
+                data = b"".join(
+                    line for line in data.splitlines(True) if b'"created_at"' not in line
+                )
+            out[str(f.relative_to(store))] = data
+    return out
+
+
+@pytest.fixture(scope="module")
+def zarr_reference(tmp_path_factory) -> Path:
+    return write_store(tmp_path_factory.mktemp("zref") / "activations.zarr")
+
+
+@pytest.mark.parametrize("crash_at", ZARR_POINTS)
+def test_zarr_crash_at_every_writer_step_resumes_to_the_same_store(
+    tmp_path, zarr_reference, crash_at
+):
+    from actstore.faults import CRASH_EXIT
+
+    final = tmp_path / "activations.zarr"
+    crashed = _run_writer(final, crash_at)
+    assert crashed.returncode == CRASH_EXIT, crashed.stderr
+    rerun = _run_writer(final, None)
+    assert rerun.returncode == 0, rerun.stderr
+    assert _zarr_files(final) == _zarr_files(zarr_reference)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["activations.zarr"]
+    assert ZarrReader(final).verify().ok
+
+
+def test_zarr_rerun_resumes_from_the_last_checkpoint(tmp_path):
+    final = tmp_path / "activations.zarr"
+    assert _run_writer(final, "zarr.checkpointed:2").returncode != 0
+    writer = ZarrWriter(layout(), final, attrs=ATTRS, optional=("hallu_label",), checkpoint_s=0)
+    assert writer.resume_from == 6  # two batches of 3 samples were checkpointed
+    writer.abort()
+    assert (tmp_path / ".activations.zarr.resumable.partial").exists()  # kept: resumable

@@ -176,6 +176,12 @@ def capture(
         "(text models; the rest is packed into full rows). Default: on for --format activault, "
         "as Activault does; formats that store every token position ignore it.",
     ),
+    break_lock: bool = typer.Option(
+        False,
+        "--break-lock",
+        help="Take over the write lock of the store from a capture that is dead (one on "
+        "another host; a dead one on this host is taken over by itself).",
+    ),
 ) -> None:
     """Run a model over a dataset and store its activations.
 
@@ -223,6 +229,12 @@ def capture(
     sliced = machine_id is not None or num_machines is not None or (slurm and slurm_machine())
     # Every check that needs no weights, before the model loads (one line each, exit 2).
     distributed = ray is not None or bool(sliced)
+    if break_lock:
+        import os
+
+        from ..storage.lock import BREAK_LOCK_ENV
+
+        os.environ[BREAK_LOCK_ENV] = "1"
     pre = preflight(config, spec, out, options, space_check=space_check, open_store=not distributed)
     if distributed:
         from .dist_cmd import run_distributed_capture

@@ -13,7 +13,7 @@ Example:
     >>> d = pathlib.Path(tempfile.mkdtemp())
     >>> data = bytes(range(256)) * 64
     >>> _ = (d / "a.bin").write_bytes(data)
-    >>> h = BlockHasher(4096); h.update(data); h.write_sidecar(d / "a.bin")
+    >>> h = BlockHasher(4096); h.update(data); _ = h.write_sidecar(d / "a.bin")
     >>> BlockSums(d).check("a.bin", 4096, data[4096:8192])
 """
 

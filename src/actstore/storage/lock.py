@@ -50,6 +50,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+#: Environment switch that makes every writer of this process take over held locks.
+BREAK_LOCK_ENV = "ACTSTORE_BREAK_LOCK"
+
+
 class StoreLock:
     """A held write lock; :meth:`release` (or process death) frees it."""
 
@@ -58,8 +62,11 @@ class StoreLock:
 
     @classmethod
     def acquire(cls, store: str | os.PathLike, *, break_lock: bool = False) -> StoreLock:
-        """Lock ``store`` for writing or raise :class:`StoreLockedError`."""
+        """Lock ``store`` for writing or raise :class:`StoreLockedError`. ``break_lock`` (or
+        ``ACTSTORE_BREAK_LOCK=1``, which ``capture --break-lock`` sets) takes a held lock
+        over: only for a capture known to be dead on another host."""
         store = Path(store)
+        break_lock = break_lock or os.environ.get(BREAK_LOCK_ENV) == "1"
         path = lock_path(store)
         path.parent.mkdir(parents=True, exist_ok=True)
         while True:

@@ -15,8 +15,9 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,8 @@ from .layout import parse_dtype
 
 #: Version of the ``actstore`` section in cfg.json.
 RUN_RECORD_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,6 +183,9 @@ class RunRecord:
     dropped_tokens: int = 0
     """Kept tokens after the last full file, not stored (files must be equal size)."""
     num_runs: int = 1
+    xxh3: dict[str, list[str]] = field(default_factory=dict)
+    """Hook -> xxh3-64 hex digest of each committed file (readers check every file they
+    fetch; Activault's own reader ignores this key)."""
 
     @property
     def tokens_per_file(self) -> int:
@@ -202,6 +208,7 @@ class RunRecord:
             "hooks": self.hooks,
             "plan": self.plan,
             "num_runs": self.num_runs,
+            "xxh3": self.xxh3,
         }
 
     @classmethod
@@ -212,7 +219,7 @@ class RunRecord:
                     f"{source} was written by a newer actstore (record version {doc['version']}); "
                     "upgrade actstore"
                 )
-            return cls(
+            record = cls(
                 run_id=str(doc["run_id"]),
                 hooks=dict(doc["hooks"]),
                 rows_per_file=int(doc["rows_per_file"]),
@@ -226,9 +233,37 @@ class RunRecord:
                 complete=bool(doc["complete"]),
                 dropped_tokens=int(doc.get("dropped_tokens", 0)),
                 num_runs=int(doc.get("num_runs", 1)),
+                xxh3={str(h): [str(x) for x in v] for h, v in dict(doc.get("xxh3", {})).items()},
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source}: malformed 'actstore' section ({err!r})") from err
+        record.check(source)
+        if any(len(v) != record.groups for v in record.xxh3.values()):
+            # e.g. parts merged by code that does not carry the digests over: unverified
+            log.warning(
+                "%s lists file checksums for fewer files than it commits; reads of this run "
+                "are not verified",
+                source,
+            )
+            record = replace(record, xxh3={})
+        return record
+
+    def check(self, source: str) -> None:
+        """Refuse impossible values (an edited cfg.json must fail, never serve fewer rows)."""
+        positive = {"rows_per_file": self.rows_per_file, "sequence_length": self.sequence_length}
+        counts = {
+            "groups": self.groups,
+            "next_example": self.next_example,
+            "next_skip": self.next_skip,
+            "dropped_tokens": self.dropped_tokens,
+        }
+        bad = [f"{k}={v}" for k, v in positive.items() if v < 1]
+        bad += [f"{k}={v}" for k, v in counts.items() if v < 0]
+        if bad:
+            raise CorruptStoreError(
+                f"{source}: impossible values in the 'actstore' section ({', '.join(bad)}); "
+                "the file was edited or damaged: restore it or capture again"
+            )
 
 
 def run_cfg(

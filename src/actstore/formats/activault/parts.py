@@ -137,6 +137,12 @@ def part_format() -> PartFormat:
             complete=False,
             dropped_tokens=sum(r.dropped_tokens for r in records),
             num_runs=sum(r.num_runs for r in records),
+            # the merged run's files are the parts' files in order, so are their digests
+            xxh3=(
+                {h: [d for r in records for d in r.xxh3.get(h, [])] for h in first.hooks}
+                if all(r.xxh3 for r in records)
+                else {}
+            ),
         )
         plan = first.plan
         bucket = store.bucket if isinstance(store, S3Store) else ""

@@ -26,10 +26,12 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from ...batch import CapturePlan
 from ...errors import (
@@ -42,6 +44,7 @@ from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.object import (
+    LocalStore,
     MiB,
     S3Config,
     S3Store,
@@ -128,8 +131,10 @@ class ActivaultReader(ReaderBase):
         s3: S3Config | None = None,
         chunk_size: int | None = None,
         concurrency: int = 8,
+        verify_reads: bool = True,
     ) -> None:
         self.location = str(location)
+        self.verify_reads = verify_reads
         self.chunk_size, self.concurrency = chunk_size, concurrency
         self.store, prefix = open_location(location, s3)
         self._pool: ThreadPoolExecutor | None = None
@@ -182,6 +187,12 @@ class ActivaultReader(ReaderBase):
                     f"{clash[0]!r}"
                 )
         self.listings = {h: self._list_hook(h) for h in hook_names}
+        if verify_reads and (self.record is None or not self.record.xxh3):
+            log.warning(
+                "%s has no file checksums (written by Activault or an older actstore): its "
+                "reads are not verified",
+                self.location,
+            )
         self.notes: list[str] = []
         self._check_alignment()
 
@@ -217,9 +228,24 @@ class ActivaultReader(ReaderBase):
                     f"{missing[0]}); the run is damaged: capture it again"
                 )
             uncommitted = sorted(set(found) - set(names))
+            if rec.complete and uncommitted:
+                raise CorruptStoreError(
+                    f"{self.store.url(prefix)} holds {len(uncommitted)} files beyond the "
+                    f"{rec.groups} its complete cfg.json commits (first: {uncommitted[0]}): "
+                    "cfg.json was edited or damaged; restore it or capture again"
+                )
             files = [found[n] for n in names]
         else:
             files = sorted(found.values(), key=lambda f: f.name.sort_key)
+        if isinstance(self.store, LocalStore):  # files must lie inside the run
+            root = (Path(self.store.root) / self.run_prefix).resolve()
+            for f in files:
+                path = Path(self.store.root) / f.key
+                if not path.resolve().is_relative_to(root):
+                    raise CorruptStoreError(
+                        f"{path} is a symlink to {path.resolve()}, outside the store; a "
+                        "store's files must lie inside it: copy the file in or capture again"
+                    )
         for f in files:
             if f.size != md.bytes_per_file:
                 raise CorruptStoreError(
@@ -366,7 +392,21 @@ class ActivaultReader(ReaderBase):
             chunk_size=self.chunk_size or auto_chunk(size, self.concurrency),
             pool=self._thread_pool(),
         )
+        self._check_file(listing.hook, index, out)
         return out
+
+    def _check_file(self, hook: str, index: int, data: bytearray) -> None:
+        """The fetched bytes of file ``index`` of ``hook`` against the run's digest."""
+        digests = self.record.xxh3.get(hook, []) if self.record is not None else []
+        if not self.verify_reads or index >= len(digests):
+            return
+        if xxhash.xxh3_64_hexdigest(data) != digests[index]:
+            key = self.listings[hook].files[index].key
+            raise CorruptStoreError(
+                f"{self.store.url(key)}: block {index} (bytes 0-{len(data)}) fails its xxh3 "
+                "checksum: the stored data was changed or damaged; restore it or capture "
+                "again (verify_reads=False reads it anyway)"
+            )
 
     def decode(
         self, site: Hashable, index: int, data: bytes | bytearray
@@ -472,6 +512,11 @@ class ActivaultReader(ReaderBase):
         statistics against the data, stray objects and group alignment across hooks."""
         report = VerifyReport(self.store.url(self.run_prefix))
         report.notes.extend(self.notes)
+        if self.record is not None and not self.record.xxh3:
+            report.notes.append(
+                "cfg.json records no file checksums (its 'xxh3' list): files are checked for "
+                "size, loadability, shapes and statistics, not against what was written"
+            )
         for hook, listing in self.listings.items():
             for name in listing.strays:
                 report.faults.append(

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from ...batch import Batch, CapturePlan
 from ...errors import ActstoreError, CaptureError, CorruptStoreError, StoreExistsError
@@ -113,7 +114,7 @@ class HookUploader:
         threads: int,
         queue_files: int,
         expected_bytes: int | None,
-        on_done: Callable[[int, str, int, RunningStats], None],
+        on_done: Callable[[int, str, int, RunningStats, str], None],
         on_error: Callable[[BaseException], None],
     ) -> None:
         self.hook, self.prefix, self.store = hook, prefix, store
@@ -167,13 +168,14 @@ class HookUploader:
                 f"{expected} bytes (bytes_per_file); Activault's reader needs every file of a "
                 "hook to be exactly the same size"
             )
+        digest = xxhash.xxh3_64_hexdigest(data)
         self.store.put(key, data)
         del data
         with self._lock:
             self.files += 1
             self.bytes += expected
             self.busy_s += time.perf_counter() - start
-        self.on_done(job.group, self.hook, expected, stats)
+        self.on_done(job.group, self.hook, expected, stats, digest)
 
     def close(self, *, abort: bool = False) -> None:
         """Finish queued uploads (or skip them with ``abort``) and stop the threads."""
@@ -502,19 +504,27 @@ class ActivaultWriter(WriterBase):
         name = group_uuid(self.record.run_id, group)
         position = self._position.advance(self.tokens_per_file)
         with self._lock:
-            self._pending[group] = {"left": set(self.hooks), "position": position, "stats": {}}
+            self._pending[group] = {
+                "left": set(self.hooks),
+                "position": position,
+                "stats": {},
+                "xxh3": {},
+            }
         ids = ids.view(self.rows, self.seq)
         for hook in self.hooks:
             job = _Job(group, name, states[hook].view(self.rows, self.seq, -1), ids)
             self.blocked_s += self._uploaders[hook].submit(job)
 
-    def _uploaded(self, group: int, hook: str, nbytes: int, stats: RunningStats) -> None:
+    def _uploaded(
+        self, group: int, hook: str, nbytes: int, stats: RunningStats, digest: str
+    ) -> None:
         """Called on an uploader thread when ``hook``'s file of ``group`` is stored."""
         try:
             with self._lock:
                 self._metadata_bytes.setdefault(hook, nbytes)
                 self._pending[group]["left"].discard(hook)
                 self._pending[group]["stats"][hook] = stats
+                self._pending[group]["xxh3"][hook] = digest
                 while True:  # commit finished groups in order
                     head = self._pending.get(self.record.groups)
                     if head is None or head["left"]:
@@ -538,7 +548,15 @@ class ActivaultWriter(WriterBase):
                 ).with_bytes(self._metadata_bytes[hook])
                 self.store.put_json(join_key(self._hook_prefix(hook), METADATA), md.to_dict())
         example, skip = pending["position"]
-        self.record = replace(self.record, groups=group + 1, next_example=example, next_skip=skip)
+        known = all(len(self.record.xxh3.get(h, [])) == group for h in self.hooks)
+        xxh3 = (  # a run begun by an actstore without digests stays without them
+            {h: [*self.record.xxh3.get(h, []), pending["xxh3"][h]] for h in self.hooks}
+            if known
+            else {}
+        )
+        self.record = replace(
+            self.record, groups=group + 1, next_example=example, next_skip=skip, xxh3=xxh3
+        )
         self._write_cfg()
         for hook, stats in pending["stats"].items():  # merged in group order: deterministic
             self._stats[hook] = self._stats[hook].merge(stats)

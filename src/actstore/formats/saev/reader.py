@@ -119,6 +119,9 @@ class SaevReader(ReaderBase):
             self._json("metadata.json"), source=self.files.url_of("metadata.json")
         )
         self.shard_counts = self._read_shards_json()
+        self._listed = self._read_manifest()
+        for name in ("metadata.json", "shards.json"):
+            self._check_listed(name)
         self._check_inside()
         self._check_sizes()
         self._sums = BlockSums(
@@ -166,6 +169,26 @@ class SaevReader(ReaderBase):
                     f"{md.shard_examples(i)} examples"
                 )
         return [e["n_examples"] for e in doc]
+
+    def _read_manifest(self) -> dict[str, str]:
+        """checksums.xxh128 as {name: digest} ({} when absent)."""
+        if not self.files.exists(CHECKSUMS):
+            return {}
+        listed = {}
+        for line in self.files.read_bytes(CHECKSUMS).decode("utf-8").splitlines():
+            digest, sep, name = line.partition("  ")
+            if sep:
+                listed[name] = digest
+        return listed
+
+    def _check_listed(self, name: str) -> None:
+        """A small metadata file must match its manifest digest (cheap: checked on open)."""
+        digest = self._listed.get(name)
+        if digest is not None and _digest([self.files.read_bytes(name)], "xxh128") != digest:
+            raise CorruptStoreError(
+                f"{self.files.url_of(name)} does not match its digest in {CHECKSUMS}: it was edited "
+                "after the store was published; restore it or re-capture"
+            )
 
     def _check_inside(self) -> None:
         """Refuse files that resolve outside the store (symlinks out of it)."""
@@ -413,7 +436,13 @@ class SaevReader(ReaderBase):
         if not self.files.exists(STATISTICS):
             return None
         self.metadata.layer_index(int(site))
-        return RunningStats.from_dict(self._json(STATISTICS)["sites"][str(int(site))])
+        self._check_listed(STATISTICS)
+        try:
+            return RunningStats.from_dict(self._json(STATISTICS)["sites"][str(int(site))])
+        except (KeyError, TypeError) as err:
+            raise CorruptStoreError(
+                f"{self.files.url_of(STATISTICS)} has no statistics of layer {site}"
+            ) from err
 
     def dataset_description(self, *, allow_pickle: bool = False) -> Any:
         """Decode metadata's ``data`` field. It is a pickle, and unpickling can run code,

@@ -179,12 +179,16 @@ class RowAppender:
     """Appends rows to a per-sample array, writing only whole chunks (no read-modify-write)
     and keeping at most one chunk of rows in memory."""
 
-    def __init__(self, array: Any) -> None:
+    def __init__(self, array: Any, written: int = 0) -> None:
         self.array = array
         self.rows = int(array.chunks[0])
         self._pending: list[np.ndarray] = []
         self._n_pending = 0
-        self.written = 0
+        self.written = written
+
+    def checkpoint(self) -> None:
+        """Write the rows held in memory now (a partial chunk: read, modified, written)."""
+        self._flush(final=True)
 
     def append(self, values: np.ndarray) -> None:
         self._pending.append(np.asarray(values, dtype=self.array.dtype))

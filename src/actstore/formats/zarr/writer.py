@@ -15,8 +15,13 @@ float16 cast) over every stored (unpadded) prompt and response token, and an xxh
 digest of every activation chunk file in ``meta/chunksums.<part>.npy`` (uint64
 ``[n_samples, n_layers, n_chunks]``, 0 for a chunk not stored): readers check each chunk
 they read against it, and a chunk it lists but the store lacks is an error, not zeros.
-The writer holds the store's lock (:mod:`actstore.storage.lock`) while it writes and
-removes the unfinished writes of dead writers it finds.
+The writer holds the store's lock (:mod:`actstore.storage.lock`) while it writes, in
+``.<name>.resumable.partial`` beside the store. Every ``checkpoint_s`` seconds (at the end
+of a ``write``) it makes its state durable: buffered per-sample rows are written, files
+synced, the chunk checksums saved, then ``meta/progress.json`` records the samples written
+with the statistics, truncation counts and text file sizes. A rerun with the same
+fingerprint resumes from the last checkpoint (``resume_from``); the result equals an
+uninterrupted capture. Other unfinished writes of the store (dead writers') are removed.
 
 Example:
     >>> writer = ZarrWriter.from_plan(plan, "out", ZarrOptions(r_max=64))  # doctest: +SKIP
@@ -27,12 +32,15 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import datetime as dt
 import hashlib
 import json
 import logging
+import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +50,10 @@ import xxhash
 
 from ..._version import __version__
 from ...batch import SPLITS, Batch, CapturePlan, sample_key
-from ...errors import CaptureError, ConfigError, StoreExistsError
+from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
+from ...faults import point
 from ...stats import RunningStats
-from ...storage import atomic_write_json
+from ...storage import atomic_write_json, read_json
 from ...storage.local import atomic_write
 from ...storage.lock import StoreLock
 from ..base import WriterBase
@@ -73,10 +82,13 @@ from .store import (
     RowAppender,
     byte_view,
     create_arrays,
-    new_partial_dir,
     publish,
     sample_arrays,
+    zarr_module,
 )
+
+#: The writer's last checkpoint inside its unfinished store (removed before publishing).
+PROGRESS_FILE = "meta/progress.json"
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +211,7 @@ class ZarrWriter(WriterBase):
         token_ids: bool = True,
         optional: tuple[str, ...] = (),
         break_lock: bool = False,
+        checkpoint_s: float = 30.0,
     ) -> None:
         self.layout = layout
         self.final_path = Path(path).expanduser().resolve()
@@ -216,26 +229,114 @@ class ZarrWriter(WriterBase):
         self.resume_from = 0
         self._written = 0
         self._tmp: Path | None = None
-        self._lock: StoreLock | None = None
+        self._lock = StoreLock.acquire(self.final_path, break_lock=break_lock)
         if self.final_path.exists():
+            self._lock.release()
             self._check_existing()
             return
-        self._lock = StoreLock.acquire(self.final_path, break_lock=break_lock)
+        self.checkpoint_s = checkpoint_s
+        self._last_checkpoint = time.monotonic()
+        self._tmp = self.final_path.parent / f".{self.final_path.name}.resumable.partial"
         self._remove_stale_partials()
-        self._tmp = new_partial_dir(self.final_path)
         self._chunksums = {
             p: np.zeros((layout.n_samples, layout.n_layers, layout.n_chunks(p)), dtype="<u8")
             for p in PARTS
         }
-        self._root = create_arrays(self._tmp, layout, token_ids=token_ids, optional=self.optional)
-        arrays = self._root["arrays"]
-        self._acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
-        self._rows = {
-            path: RowAppender(arrays[path.split("/", 1)[1]]) for path in self._sample_array_paths()
-        }
         self._stats = [RunningStats(layout.hidden_size) for _ in layout.sites]
         self._truncated = {p: 0 for p in PARTS}
         self._texts: dict[str, Any] | None = None
+        progress = self._read_progress()
+        if progress is None:
+            if self._tmp.exists():
+                shutil.rmtree(self._tmp)
+            self._tmp.mkdir(parents=True)
+            self._root = create_arrays(
+                self._tmp, layout, token_ids=token_ids, optional=self.optional
+            )
+        else:
+            self._root = zarr_module().open_group(str(self._tmp), mode="r+", zarr_format=2)
+        arrays = self._root["arrays"]
+        self._acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
+        written = 0 if progress is None else int(progress["written"])
+        self._rows = {
+            path: RowAppender(arrays[path.split("/", 1)[1]], written)
+            for path in self._sample_array_paths()
+        }
+        if progress is not None:
+            self._resume(progress)
+
+    def _read_progress(self) -> dict[str, Any] | None:
+        """The last checkpoint of an unfinished write of this same store, if any."""
+        path = self._tmp / PROGRESS_FILE
+        if not path.exists():
+            return None
+        try:
+            progress = read_json(path)
+            ok = (
+                progress["fingerprint"] == self.attrs.get("fingerprint")
+                and progress["layout"] == self.layout.to_dict()
+                and progress["optional"] == list(self.optional)
+                and progress["token_ids"] == self.token_ids
+            )
+        except (CorruptStoreError, KeyError, TypeError) as err:
+            log.warning("%s is unreadable (%s); starting over", path, err)
+            return None
+        if not ok:
+            log.warning("%s belongs to another capture; starting over", self._tmp)
+            return None
+        return progress
+
+    def _resume(self, progress: dict[str, Any]) -> None:
+        self._written = int(progress["written"])
+        self.resume_from = self.id_offset + self._written
+        self._stats = [RunningStats.from_dict(d) for d in progress["stats"]]
+        self._truncated = {p: int(progress["truncated"][p]) for p in PARTS}
+        for part in PARTS:
+            self._chunksums[part][:] = np.load(self._tmp / CHUNKSUMS[part], allow_pickle=False)
+        texts = progress["texts"]
+        if texts is not None:
+            self._texts = {}
+            for part, size in texts.items():
+                f = (self._tmp / TEXT_FILES[part]).open("r+", encoding="utf-8")
+                f.truncate(size)
+                f.seek(size)
+                self._texts[part] = f
+        log.info("resuming %s at sample %d", self._tmp, self._written)
+        point("zarr.resumed")
+
+    def _checkpoint(self) -> None:
+        """Make everything written so far durable, then record it (see the module doc)."""
+        for appender in self._rows.values():
+            appender.checkpoint()
+        sizes = None
+        if self._texts is not None:
+            sizes = {}
+            for part, f in self._texts.items():
+                f.flush()
+                os.fsync(f.fileno())
+                sizes[part] = f.tell()
+        (self._tmp / "meta").mkdir(exist_ok=True)
+        for part in PARTS:
+            with atomic_write(self._tmp / CHUNKSUMS[part]) as f:
+                np.save(f, self._chunksums[part])
+        _sync_filesystem(self._tmp)
+        point("zarr.synced")
+        atomic_write_json(
+            self._tmp / PROGRESS_FILE,
+            {
+                "fingerprint": self.attrs.get("fingerprint"),
+                "layout": self.layout.to_dict(),
+                "optional": list(self.optional),
+                "token_ids": self.token_ids,
+                "written": self._written,
+                "stats": [s.to_dict() for s in self._stats],
+                "truncated": self._truncated,
+                "texts": sizes,
+            },
+            indent=None,
+        )
+        self._last_checkpoint = time.monotonic()
+        point("zarr.checkpointed")
 
     @classmethod
     def from_plan(
@@ -287,12 +388,14 @@ class ZarrWriter(WriterBase):
         )
 
     def _remove_stale_partials(self) -> None:
-        """Delete unfinished writes of this store: holding its lock, no live writer has one."""
+        """Delete unfinished writes of this store but the resumable one: holding its lock,
+        no live writer has one."""
         parent = self.final_path.parent
         if parent.is_dir():
             for stale in sorted(parent.glob(f".{self.final_path.name}.*.partial")):
-                log.warning("removing %s, the unfinished write of a dead writer", stale)
-                shutil.rmtree(stale, ignore_errors=True)
+                if stale != self._tmp:
+                    log.warning("removing %s, the unfinished write of a dead writer", stale)
+                    shutil.rmtree(stale, ignore_errors=True)
 
     # ------------------------------------------------------------------ writing
 
@@ -361,6 +464,9 @@ class ZarrWriter(WriterBase):
         self._truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
         self._truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
         self._written += n
+        point("zarr.written")
+        if time.monotonic() - self._last_checkpoint >= self.checkpoint_s:
+            self._checkpoint()
 
     def _append_sample_rows(
         self,
@@ -471,8 +577,11 @@ class ZarrWriter(WriterBase):
         attrs["optional_arrays"] = list(self.optional)
         attrs["text_files"] = [TEXT_FILES[p] for p in PARTS if (self._tmp / TEXT_FILES[p]).exists()]
         self._root.attrs.update(attrs)
+        (self._tmp / PROGRESS_FILE).unlink(missing_ok=True)
         tmp, self._tmp = self._tmp, None
+        point("zarr.closing")
         publish(tmp, self.final_path)
+        point("zarr.published")
         self._lock.release()
         self.complete = True
         log.info(
@@ -485,15 +594,34 @@ class ZarrWriter(WriterBase):
         return self.final_path
 
     def abort(self) -> None:
-        """Stop without publishing and delete the temporary store."""
+        """Stop without publishing; the temporary store is kept only if it holds a
+        checkpoint a rerun can resume from."""
         for f in (self._texts or {}).values():
             f.close()
         self._texts = {}
         if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            if not (self._tmp / PROGRESS_FILE).exists():  # else a rerun resumes from it
+                shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
         if self._lock is not None:
             self._lock.release()
+
+
+def _sync_filesystem(path: Path) -> None:
+    """Flush every dirty page of the file system holding ``path`` (Linux ``syncfs``; the
+    whole system's elsewhere): zarr writes chunk files through its own store, so they are
+    not fsynced one by one."""
+    try:
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if syncfs(fd) != 0:
+            os.sync()
+    finally:
+        os.close(fd)
 
 
 def chunk_digests(data: np.ndarray, n_chunks: int) -> np.ndarray:
