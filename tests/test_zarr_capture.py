@@ -98,14 +98,23 @@ def reference_hidden(model, reader):
     return out
 
 
+def assert_same_f16(got, want):
+    """Equal float16 values, but for rare one-ulp flips: a batched, padded forward and a
+    one-sample forward may differ in the last float32 bit, which can move a value across
+    a float16 rounding boundary (see docs/design.md, Reproducibility)."""
+    assert got.shape == want.shape and got.dtype == want.dtype == np.float16
+    ulp = np.spacing(np.abs(want)).astype(np.float32)
+    diff = np.abs(got.astype(np.float32) - want.astype(np.float32))
+    assert (diff <= ulp).all(), f"max difference {diff.max()} is more than one float16 ulp"
+    assert np.count_nonzero(diff) <= max(1, got.size // 100), "more than 1% of values differ"
+
+
 def assert_exact(reader, reference):
     for i, hidden in enumerate(reference):
         p, r = int(reader.prompt_len[i]), int(reader.response_len[i])
         for layer in LAYERS:
-            np.testing.assert_array_equal(reader.read(i, layer, "prompt"), hidden[layer][:p])
-            np.testing.assert_array_equal(
-                reader.read(i, layer, "response"), hidden[layer][p : p + r]
-            )
+            assert_same_f16(reader.read(i, layer, "prompt"), hidden[layer][:p])
+            assert_same_f16(reader.read(i, layer, "response"), hidden[layer][p : p + r])
             padded = reader.read(i, layer, "response", trim=False)
             assert padded.shape == (reader.layout.r_max, reader.d_model) and not padded[r:].any()
 

@@ -428,6 +428,13 @@ TOKEN_COLUMNS = ("input_ids", "tokens")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
+def looks_like_hub_id(dataset: str) -> bool:
+    """Whether ``dataset``, not a local path, could name a Hub dataset (``org/name``)."""
+    return (
+        "/" in dataset and not Path(dataset).expanduser().exists() and bool(_HUB_ID.match(dataset))
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class HFDataset:
     """How to load one split of a ``datasets`` dataset: a ``save_to_disk`` directory

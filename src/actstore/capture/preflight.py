@@ -98,13 +98,16 @@ def check_output(out: str) -> None:
 
 def check_dataset(dataset: str) -> None:
     """The dataset path exists and can be read (``embedded`` always can)."""
-    if dataset == "embedded":
-        return
+    from .data import looks_like_hub_id
+
+    if dataset == "embedded" or looks_like_hub_id(dataset):
+        return  # Hub ids are checked (offline: at once) when the source opens
     path = Path(dataset).expanduser()
     if not path.exists():
         raise StoreNotFoundError(
-            f"dataset {dataset} does not exist; give an image folder, a .txt or .jsonl file, "
-            "or a directory written by datasets' save_to_disk"
+            f"dataset {dataset} does not exist; give an image folder, a .txt, .jsonl, .json, "
+            ".csv, .parquet or .arrow file (or a folder of them), a directory written by "
+            "datasets' save_to_disk, or a Hub id (org/name)"
         )
     try:
         if path.is_dir():
@@ -238,7 +241,7 @@ def weightless_plan(
     processor, and the dataset only."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from .data import open_source
+    from .runner import packed_source
 
     loader = AutoImageProcessor if facts.is_vision else AutoTokenizer
     try:
@@ -252,17 +255,11 @@ def weightless_plan(
     model = (
         _stand_in(facts, image_processor=helper) if facts.is_vision else _stand_in(facts, helper)
     )
-    source = open_source(
-        config.dataset,
-        model,
-        context_length=config.context_length,
-        max_examples=config.max_examples,
-        split=config.split,
-        text_field=config.text_field,
-        progress=config.progress,
-    )
-    token_ids = getattr(source, "token_ids", None)
-    if token_ids is not None:
+    source = packed_source(config, model)
+    token_ids = source.token_ids
+    if source.tokens_per_example is not None:
+        tokens = int(source.tokens_per_example)
+    elif token_ids is not None:
         tokens = int(token_ids.shape[1])
     elif facts.patch_size:
         tokens = _image_tokens(source, facts)
@@ -281,10 +278,10 @@ def weightless_plan(
         dataset_root=source.root,
         data=source.describe(),
         classes=source.classes,
-        has_labels=getattr(source, "labels", None) is not None,
-        has_tokens=getattr(source, "has_tokens", token_ids is not None),
+        has_labels=source.labels is not None,
+        has_tokens=source.has_tokens,
         batch_size=config.batch_size,
-        extras=getattr(source, "plan_extras", {}),
+        extras=source.plan_extras,
     )
 
 

@@ -129,6 +129,23 @@ def _probe_tokens(model: LoadedModel, source: ExampleSource, sites: list[Site]) 
         return int(next(iter(rec.run(first.inputs).values())).shape[1])
 
 
+def packed_source(config: CaptureConfig, model: Any) -> ExampleSource:
+    """The packed-mode example source of ``config`` for ``model`` (a loaded model, or the
+    weightless stand-in preflight uses: both must see the same examples)."""
+    return open_source(
+        config.dataset,
+        model,
+        context_length=config.context_length,
+        max_examples=config.max_examples,
+        max_tokens=config.max_tokens,
+        split=config.split,
+        text_field=config.text_field,
+        dataset_config=config.dataset_config,
+        streaming=config.streaming,
+        progress=config.progress,
+    )
+
+
 def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
     """Load the model and dataset and work out the shapes the store will have."""
     model = load_model(config.model, device=config.device, dtype=config.dtype)
@@ -142,18 +159,7 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
 
         source = open_prompt_source(config, model)
     else:
-        source = open_source(
-            config.dataset,
-            model,
-            context_length=config.context_length,
-            max_examples=config.max_examples,
-            max_tokens=config.max_tokens,
-            split=config.split,
-            text_field=config.text_field,
-            dataset_config=config.dataset_config,
-            streaming=config.streaming,
-            progress=config.progress,
-        )
+        source = packed_source(config, model)
     plan = CapturePlan(
         ckpt=model.ckpt,
         family=model.family,
