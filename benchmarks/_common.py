@@ -19,7 +19,9 @@ import resource
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
+
+from actstore.formats.base import WriterBase
 
 
 class Timer:
@@ -103,3 +105,16 @@ def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     lines.insert(1, " | ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+class DiscardWriter(WriterBase):
+    """Accepts batches and drops them: capture with no storage cost (the baseline)."""
+
+    def write(self, batch: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        pass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Timer, table
+from _common import DiscardWriter, Timer, table
 
 from actstore.batch import Batch
 from actstore.capture import CaptureConfig, capture
@@ -225,20 +225,6 @@ def bench_wait(args, bucket: str, file_bytes: int) -> list:
     after_warmup = t.seconds - stream.stats.warmup_s
     frac = stream.stats.wait_s / after_warmup
     return [["consumer wait after warm-up (fraction)", frac, stream.stats.warmup_s, t.seconds]]
-
-
-class DiscardWriter:
-    resume_from = 0
-    complete = False
-
-    def write(self, batch: Batch) -> None:
-        pass
-
-    def close(self) -> None:
-        return None
-
-    def abort(self) -> None:
-        pass
 
 
 def bench_capture(args, bucket: str) -> list:

@@ -26,27 +26,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import DiscardWriter
 
 from actstore.batch import Batch
 from actstore.capture import CaptureConfig, capture
 from actstore.formats.saev import SaevMetadata, SaevWriter
 from actstore.formats.saev.layout import encode_data
-
-
-class DiscardWriter:
-    """Accepts batches and drops them: capture with no storage cost."""
-
-    resume_from = 0
-    complete = False
-
-    def write(self, batch: Batch) -> None:
-        pass
-
-    def close(self) -> None:
-        return None
-
-    def abort(self) -> None:
-        pass
 
 
 def bench_capture_overhead(args, root: Path) -> None:

@@ -12,9 +12,10 @@ import torch
 from actstore.batch import Batch
 from actstore.capture import BackgroundWriter
 from actstore.errors import CaptureError, CorruptStoreError
+from actstore.formats.base import WriterBase
 
 
-class SlowWriter:
+class SlowWriter(WriterBase):
     def __init__(self, delay=0.0, fail_at=None):
         self.delay, self.fail_at, self.seen, self.closed = delay, fail_at, [], False
         self.max_pending = 0

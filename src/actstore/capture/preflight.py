@@ -241,7 +241,7 @@ def weightless_plan(
     processor, and the dataset only."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from .runner import packed_source
+    from .runner import packed_source, source_plan
 
     loader = AutoImageProcessor if facts.is_vision else AutoTokenizer
     try:
@@ -265,23 +265,17 @@ def weightless_plan(
         tokens = _image_tokens(source, facts)
     else:
         raise ConfigError(f"--model {config.model}: config.json gives no patch size")
-    return CapturePlan(
+    return source_plan(
+        config,
+        source,
         ckpt=facts.ckpt,
         family=facts.family,
         modality=model.modality,
         sites=sites,
-        n_model_layers=facts.n_layers,
+        n_layers=facts.n_layers,
         d_model=facts.d_model,
-        tokens_per_example=tokens,
+        tokens=tokens,
         has_cls=facts.has_cls,
-        n_examples=source.n_examples,
-        dataset_root=source.root,
-        data=source.describe(),
-        classes=source.classes,
-        has_labels=source.labels is not None,
-        has_tokens=source.has_tokens,
-        batch_size=config.batch_size,
-        extras=source.plan_extras,
     )
 
 

@@ -160,15 +160,45 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
         source = open_prompt_source(config, model)
     else:
         source = packed_source(config, model)
-    plan = CapturePlan(
+    plan = source_plan(
+        config,
+        source,
         ckpt=model.ckpt,
         family=model.family,
         modality=model.modality,
         sites=tuple(sites),
-        n_model_layers=model.n_layers,
+        n_layers=model.n_layers,
         d_model=model.d_model,
-        tokens_per_example=_probe_tokens(model, source, sites),
+        tokens=_probe_tokens(model, source, sites),
         has_cls=model.has_cls,
+    )
+    return model, source, plan
+
+
+def source_plan(
+    config: CaptureConfig,
+    source: ExampleSource,
+    *,
+    ckpt: str,
+    family: str,
+    modality: str,
+    sites: tuple[Site, ...],
+    n_layers: int,
+    d_model: int,
+    tokens: int,
+    has_cls: bool,
+) -> CapturePlan:
+    """The plan of a capture of ``source`` by a model with these facts (capture and the
+    weightless preflight build it here, so they agree)."""
+    return CapturePlan(
+        ckpt=ckpt,
+        family=family,
+        modality=modality,
+        sites=sites,
+        n_model_layers=n_layers,
+        d_model=d_model,
+        tokens_per_example=tokens,
+        has_cls=has_cls,
         n_examples=source.n_examples,
         dataset_root=source.root,
         data=source.describe(),
@@ -178,7 +208,6 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
         batch_size=config.batch_size,
         extras=source.plan_extras,
     )
-    return model, source, plan
 
 
 def capture(

@@ -1,23 +1,10 @@
-"""Deterministic, contiguous split of a dataset's examples across machines.
-
-Machine ``i`` of ``n`` captures examples ``[i * per, min((i + 1) * per, N))`` where
-``per = align * ceil(N / (align * n))``: every machine but the last gets the same number of
-examples, a multiple of ``align`` (a format's shard size, so parts are whole shards), and
-the last takes the rest (possibly nothing, for tiny datasets). Because every slice starts at
-``machine_id * per``, the pkl.gz spec's global sample id ``machine_id * samples_per_machine
-+ local_idx`` is exactly the example's index in the dataset.
-
-Capture computes batches at multiples of ``batch_size`` whatever the slice, so a slice
-whose edges fall inside a batch recomputes that batch and keeps only its own rows: the
-activations are bitwise those of a single-process capture.
+"""Which machine captures which examples: the split itself is the formats' parts contract
+(:func:`actstore.formats.parts.split_examples`, re-exported here); this module adds how a
+Slurm array task finds its machine id.
 
 Example:
     >>> [(s.start, s.stop) for s in split_examples(10, 3)]
     [(0, 4), (4, 8), (8, 10)]
-    >>> [(s.start, s.stop) for s in split_examples(10, 3, align=4)]
-    [(0, 4), (4, 8), (8, 10)]
-    >>> [(s.start, s.stop) for s in split_examples(10, 4, align=4)]
-    [(0, 4), (4, 8), (8, 10), (10, 10)]
 """
 
 from __future__ import annotations
