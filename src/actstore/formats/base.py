@@ -209,6 +209,14 @@ class WriterBase(abc.ABC):
     def abort(self) -> None:
         """Stop without publishing; durable progress is kept for a later resume."""
 
+    def sealed_files(self) -> list[tuple[str, Path]]:
+        """Files that are durable and will never change again, for an uploader to send while
+        the capture goes on: ``(name, path)`` pairs, ``name`` relative to the directory the
+        writer was given, as the file will be named once published; ``path`` where it is
+        now. Each call lists every sealed file so far (callers skip ones already sent). The
+        default, none, means everything is uploaded when the store is published."""
+        return []
+
     def __enter__(self):
         return self
 
