@@ -234,13 +234,3 @@ class BlockSums:
                 "checksum: the stored data was changed or damaged; restore the file or "
                 "re-capture (verify_reads=False reads it anyway)"
             )
-
-    def check_rows(
-        self, name: str, offset: int, out: np.ndarray, rows: np.ndarray, scratch: np.ndarray
-    ) -> None:
-        """Check rows scattered into ``out[rows]`` (all ``>= 0``) as if read contiguously from
-        ``offset``: they are gathered into ``scratch`` (``[len(rows), D]``) and checked."""
-        if not self.enabled or self.sums(name) is None:
-            return
-        np.take(out, rows, axis=0, out=scratch)
-        self.check(name, offset, scratch)

@@ -67,7 +67,7 @@ _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
 
 
 class _Scratch(threading.local):
-    """Per-thread buffer for remote block reads (no fresh pages to fault in per block)."""
+    """Per-thread block buffer for verified and remote reads (no fresh pages per block)."""
 
     buf = np.empty(0, dtype="<f4")
 
@@ -78,6 +78,15 @@ class _Scratch(threading.local):
 
 
 _SCRATCH = _Scratch()
+
+
+def _place(out: np.ndarray, rows: np.ndarray, data: np.ndarray) -> None:
+    """Row ``i`` of ``data`` into ``out[rows[i]]``, skipping ``rows[i] < 0``."""
+    keep = rows >= 0
+    if keep.all():
+        out[rows] = data
+    else:
+        out[rows[keep]] = data[keep]
 
 
 class SaevReader(ReaderBase):
@@ -514,8 +523,9 @@ class SaevReader(ReaderBase):
         return out
 
     def read_block_scatter(self, block: Block, out: np.ndarray, rows: np.ndarray) -> None:
-        """Row ``i`` of ``block`` into ``out[rows[i]]`` (skipped where ``rows[i] < 0``) with
-        vectored preads straight into place: the loader's shuffle costs no extra copy."""
+        """Row ``i`` of ``block`` into ``out[rows[i]]`` (skipped where ``rows[i] < 0``).
+        Unverified local reads are one vectored pread straight into place; verified ones
+        read the block whole, check it, then place its rows."""
         md = self.metadata
         shard, first, _, layer_idx = block.loc
         if (
@@ -531,33 +541,24 @@ class SaevReader(ReaderBase):
                 f"per block row and a float32 [n, {md.d_model}] out with "
                 "contiguous rows"
             )
-        if self.remote:  # one ranged read (or a mapped cache entry), then rows to their places
-            start = (first * len(md.layers) + layer_idx) * md.tokens_per_ex * md.d_model * 4
-            view = self.files.read_view(shard_name(shard), start, block.n_rows * md.d_model * 4)
-            self._sums.check(shard_name(shard), start, view)
-            rows_read = np.frombuffer(view, dtype="<f4").reshape(block.n_rows, md.d_model)
-            keep = rows >= 0
-            if keep.all():
-                out[rows] = rows_read
-            else:
-                out[rows[keep]] = rows_read[keep]
-            return
         row_bytes = md.d_model * 4
         vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
-        verified = self._sums.enabled and self._sums.sums(shard_name(shard)) is not None
-        if verified and (rows < 0).any():  # skipped rows cannot be checked: read them all
-            scratch = _SCRATCH.rows_for(block.n_rows, md.d_model)
-            self.read_block(block, scratch)
-            keep = rows >= 0
-            out[rows[keep]] = scratch[keep]
+        if self.remote:  # one ranged read (or a mapped cache entry), then rows to their places
+            start = vectors * row_bytes
+            view = self.files.read_view(shard_name(shard), start, block.n_rows * row_bytes)
+            self._sums.check(shard_name(shard), start, view)
+            _place(out, rows, np.frombuffer(view, dtype="<f4").reshape(block.n_rows, md.d_model))
+            return
+        if self._sums.enabled and self._sums.sums(shard_name(shard)) is not None:
+            # Verified: one pread into a per-thread scratch block (hot in cache), checked
+            # there, then rows to their places. Checking rows already scattered would need
+            # one more pass over cold memory (measured 1.5x slower warm).
+            _place(out, rows, self.read_block(block, _SCRATCH.rows_for(block.n_rows, md.d_model)))
             return
         addr = np.where(rows >= 0, out.ctypes.data + rows * out.strides[0], _trash_addr())
         iov = np.empty((block.n_rows, 2), dtype=np.uint64)
         iov[:, 0], iov[:, 1] = addr, row_bytes
         _preadv(self._fd(shard), iov, vectors * row_bytes)
-        if verified:
-            scratch = _SCRATCH.rows_for(block.n_rows, md.d_model)
-            self._sums.check_rows(shard_name(shard), vectors * row_bytes, out, rows, scratch)
 
     def cls_rows(self, block: Block) -> np.ndarray:
         """Rows of ``block`` holding a CLS token (token 0 of each example, if stored)."""
