@@ -506,15 +506,19 @@ def test_configuration_errors(store):
 
 
 def test_worker_batches_arrive_in_reused_shared_slots(single):
-    """Workers fill shared slots the main process hands back once a batch is dropped: held
-    batches stay intact, and dropped ones let a worker reuse its slot."""
+    """Workers send batches cut from their shared window pools without a copy, and the
+    others through shared slots; the main process hands pools and slots back once their
+    batches are dropped: held batches stay intact, dropped ones let a worker reuse its
+    pools and slots."""
     reader, acts = single
     options = {"batch_size": 5, "pool_blocks": 2, "return_index": True}
     data = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
     held = [(x, r) for x, r in data]  # every batch kept: no slot may be reused under them
     for x, r in held:
         np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
-    assert len(data._slots) == len(held)
+    from_pools = len(data._pool_batches)
+    assert from_pools and len(data._slots) + from_pools == len(held)
+    assert len(data._pools) > 2 * 2  # held batches pinned their pools: more were made
     data = ActivationDataLoader(
         ActivationLoader(reader, **options), num_workers=2, persistent_workers=True
     )
@@ -522,6 +526,7 @@ def test_worker_batches_arrive_in_reused_shared_slots(single):
         for x, r in data:  # each batch dropped before the next: a few slots per worker
             np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
     assert len(data._slots) <= 2 * 4
+    assert len(data._pools) <= 2 * 3 and data._pool_batches
 
 
 def test_runs_of_blocks_keep_every_row_once_and_old_states_resume(single):

@@ -24,6 +24,8 @@ from .pipeline import LoaderBatch, RingBatch
 #: Batch slots each worker may have in use at once (only batches you hold use more than
 #: a few; each costs one batch of shared memory).
 MAX_SLOTS = 1024
+#: Window pools one worker may have (two in turn, more only while you hold batches).
+MAX_POOLS = 64
 
 _FIXED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
 
@@ -73,8 +75,22 @@ class ActivationDataLoader(DataLoader):
         # slot as a numpy array, its reference count when no batch refers to it)
         self._slots: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
         self._delivered: list[tuple[int, int]] = []
+        # batches delivered from workers' window pools: (worker, pool) -> the pool, and
+        # one (worker, pool, view, references when dropped) per batch still referenced
+        self._pools: dict[tuple[int, int], np.ndarray] = {}
+        self._pool_batches: list[tuple[int, int, np.ndarray, int]] = []
         if num_workers > 0:
-            dataset._ring_flags = _new_flags(num_workers)
+            self._new_ring(dataset)
+
+    def _new_ring(self, loader: ActivationLoader) -> None:
+        """Fresh slot flags and pool counters for a new set of worker processes (batches
+        still held keep their memory)."""
+        loader._ring_flags = torch.zeros((self.num_workers, MAX_SLOTS), dtype=torch.int8)
+        loader._ring_flags.share_memory_()
+        loader._pool_released = torch.zeros((self.num_workers, MAX_POOLS), dtype=torch.int64)
+        loader._pool_released.share_memory_()
+        self._slots, self._delivered = {}, []
+        self._pools, self._pool_batches = {}, []
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         loader: ActivationLoader = self.dataset  # type: ignore[assignment]
@@ -84,9 +100,7 @@ class ActivationDataLoader(DataLoader):
         loader._begin(self.num_workers)
         loader._publish_position()  # persistent workers read it when this iteration starts
         if not self.persistent_workers or self._iterator is None:
-            # new worker processes: new slots, new flags (held batches keep their memory)
-            loader._ring_flags = _new_flags(self.num_workers)
-            self._slots, self._delivered = {}, []
+            self._new_ring(loader)  # new worker processes
         epoch = loader.epoch
         for message in super().__iter__():
             batch = self._receive(message)
@@ -108,14 +122,32 @@ class ActivationDataLoader(DataLoader):
                 flags[key[0], key[1]] = 0
             else:
                 kept.append(key)
-        key = (message.worker, message.slot)
-        if message.storage is not None:
-            root = message.storage.numpy()
-            self._slots[key] = (root, sys.getrefcount(root))
-        self._delivered = [*kept, key]
-        root = self._slots[key][0]
-        acts = torch.from_numpy(root[: message.nbytes]).view(getattr(torch, message.dtype))
+        released = self.dataset._pool_released  # type: ignore[attr-defined]
+        still = []
+        for entry in self._pool_batches:
+            if sys.getrefcount(entry[2]) == entry[3]:
+                released[entry[0], entry[1]] += 1
+            else:
+                still.append(entry)
+        self._pool_batches = still
+        if message.pool >= 0:
+            key = (message.worker, message.pool)
+            if message.storage is not None:
+                self._pools[key] = message.storage.numpy()
+            view = self._pools[key][message.offset : message.offset + message.nbytes]
+            idle = sys.getrefcount(view)  # one name + the argument, as the tuple above
+            self._pool_batches.append((message.worker, message.pool, view, idle))
+            self._delivered = kept
+        else:
+            key = (message.worker, message.slot)
+            if message.storage is not None:
+                root = message.storage.numpy()
+                self._slots[key] = (root, sys.getrefcount(root))
+            self._delivered = [*kept, key]
+            view = self._slots[key][0][: message.nbytes]
+        acts = torch.from_numpy(view).view(getattr(torch, message.dtype))
         acts = acts.view(message.shape)
+        del view
         if self._pin:
             acts = acts.pin_memory()
         if message.rows is None:
@@ -129,10 +161,6 @@ class ActivationDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` was taken (same options and ``num_workers``)."""
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
-
-
-def _new_flags(num_workers: int) -> torch.Tensor:
-    return torch.zeros((num_workers, MAX_SLOTS), dtype=torch.int8).share_memory_()
 
 
 def _to_device(batch: Any, device: Any) -> Any:

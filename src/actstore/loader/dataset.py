@@ -228,7 +228,10 @@ class ActivationLoader(IterableDataset):
         # [workers, slots] int8 in shared memory, set by ActivationDataLoader: workers fill
         # shared batch slots (see _fill_ring); _ring_slots: (pid, this worker's slots)
         self._ring_flags: torch.Tensor | None = None
-        self._ring_slots: tuple[int, list[torch.Tensor]] | None = None
+        self._ring_slots: tuple[int, list[torch.Tensor], set[int]] | None = None
+        # [workers, pools] int64 in shared memory, counted up by ActivationDataLoader as
+        # it drops batches that lie in a worker's window pool (sent without a copy)
+        self._pool_released: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -397,6 +400,10 @@ class ActivationLoader(IterableDataset):
     def _buffer_set(self) -> BufferSet:
         """This process's buffers, made on first use and kept across epochs."""
         if self._buffers is None or self._buffers[0] != os.getpid():
+            info = get_worker_info()
+            released = None
+            if info is not None and self._pool_released is not None:
+                released = self._pool_released[info.id].numpy()
             self._buffers = (
                 os.getpid(),
                 BufferSet(
@@ -404,6 +411,7 @@ class ActivationLoader(IterableDataset):
                     batch_size=self.batch_size,
                     pool_blocks=self.pool_blocks,
                     out_dtype=self._finish.out_dtype,
+                    released=released,
                 ),
             )
         return self._buffers[1]
@@ -446,19 +454,45 @@ class ActivationLoader(IterableDataset):
         return self._fill_ring(batches, info.id)
 
     def _fill_ring(self, batches: Iterator[Any], worker: int) -> Iterator[RingBatch]:
-        """Worker process: copy each batch into a shared-memory slot the main process
-        hands back once the batch is no longer referenced there, and send only the slot's
-        number (and the slot itself the first time): no per-batch pickling into fresh
-        shared memory. ``_ring_flags[worker, s]`` is 1 while slot ``s`` is in use."""
+        """Worker process: send each batch through shared memory the main process owns.
+        A batch that is a slice of a window pool (the common case: no carry across windows,
+        no dtype change or normalisation) is sent as its place in the pool, with no copy;
+        any other is copied into a batch slot. Either way only numbers travel (and a slot
+        or pool itself the first time), never a per-batch pickle of the data.
+        ``_ring_flags[worker, s]`` is 1 while slot ``s`` is in use; pools are reused once
+        the main process has dropped every batch sent from them (``BufferSet.held``)."""
         flags = self._ring_flags[worker].numpy()
         if self._ring_slots is None or self._ring_slots[0] != os.getpid():
-            self._ring_slots = (os.getpid(), [])
-        slots: list[torch.Tensor] = self._ring_slots[1]
+            self._ring_slots = (os.getpid(), [], set())
+        _, slots, pools_sent = self._ring_slots
+        buffers = self._buffer_set()
         for batch in batches:
             acts, rows = (
                 (batch.acts, batch.rows) if isinstance(batch, LoaderBatch) else (batch, None)
             )
+            del batch
             nbytes = acts.numel() * acts.element_size()
+            rows = None if rows is None else rows.numpy().copy()
+            shape, dtype = tuple(acts.shape), str(acts.dtype).removeprefix("torch.")
+            place = buffers.pool_of(acts)
+            if place is not None:
+                pool, offset = place
+                buffers.pool_sent[pool] += 1
+                fresh = pool not in pools_sent
+                pools_sent.add(pool)
+                del acts  # the pool is free again once the main process drops the batch
+                yield RingBatch(
+                    worker=worker,
+                    slot=-1,
+                    nbytes=nbytes,
+                    shape=shape,
+                    dtype=dtype,
+                    storage=buffers.pool_storage[pool] if fresh else None,
+                    rows=rows,
+                    pool=pool,
+                    offset=offset,
+                )
+                continue
             while True:
                 free = np.flatnonzero(flags[: len(slots)] == 0)
                 if len(free) or len(slots) < len(flags):
@@ -473,14 +507,15 @@ class ActivationLoader(IterableDataset):
                 s = int(free[0])
             flags[s] = 1
             slots[s][:nbytes].view(acts.dtype).view(acts.shape).copy_(acts)
+            del acts
             yield RingBatch(
                 worker=worker,
                 slot=s,
                 nbytes=nbytes,
-                shape=tuple(acts.shape),
-                dtype=str(acts.dtype).removeprefix("torch."),
+                shape=shape,
+                dtype=dtype,
                 storage=slots[s] if fresh else None,
-                rows=None if rows is None else rows.numpy().copy(),
+                rows=rows,
             )
 
     def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..errors import ConfigError
 from ..formats.base import Block
 from ..order import EpochPlan
 
@@ -53,15 +54,29 @@ class RingBatch(NamedTuple):
     shape: tuple[int, ...]
     dtype: str
     storage: torch.Tensor | None
-    """The slot's shared uint8 tensor, sent once (the main process keeps it)."""
+    """The slot's (or pool's) shared uint8 tensor, sent once (the main process keeps it)."""
     rows: np.ndarray | None
+    pool: int = -1
+    """>= 0: the batch lies in the worker's window pool ``pool`` at byte ``offset`` (no
+    copy was made; ``slot`` is unused)."""
+    offset: int = 0
 
 
 class Buffers:
-    """Arrays of one shape and dtype, reused only once no view of them is alive."""
+    """Arrays of one shape and dtype, reused only once no view of them is alive (here, and,
+    given ``held``, in another process: ``held(i)`` is true while it still uses array i)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype | type) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype | type,
+        *,
+        allocate: Callable[[int, np.dtype], np.ndarray] | None = None,
+        held: Callable[[int], bool] | None = None,
+    ) -> None:
         self.shape, self.dtype = shape, np.dtype(dtype)
+        self._allocate = allocate or _allocate
+        self._held = held
         self._arrays: list[np.ndarray] = []
         self._roots: list[np.ndarray] = []  # the array every view's ``.base`` points to
         self._idle_refs: list[int] = []  # references to a root when no view is alive
@@ -70,12 +85,16 @@ class Buffers:
     def acquire(self, *, allocate: bool = True) -> int | None:
         """Index of a free array (allocating one if none is free and ``allocate``)."""
         for i in range(len(self._arrays)):
-            if not self._busy[i] and sys.getrefcount(self._roots[i]) == self._idle_refs[i]:
+            if (
+                not self._busy[i]
+                and sys.getrefcount(self._roots[i]) == self._idle_refs[i]
+                and not (self._held and self._held(i))
+            ):
                 self._busy[i] = True
                 return i
         if not allocate:
             return None
-        root = _allocate(int(np.prod(self.shape)), self.dtype)
+        root = self._allocate(int(np.prod(self.shape)), self.dtype)
         self._roots.append(root)
         self._arrays.append(root.reshape(self.shape))
         del root
@@ -156,19 +175,65 @@ class Finish:
 class BufferSet:
     """The buffers of one consumer process, kept across epochs (fresh memory is slow to
     touch the first time): window pools, batches assembled across windows, a float32
-    stage (normalising non-float32 rows) and the output dtype."""
+    stage (normalising non-float32 rows) and the output dtype.
+
+    ``released`` (a DataLoader worker's, set by :class:`ActivationDataLoader`): the window
+    pools are shared memory, batches cut from them are sent to the main process without a
+    copy (:attr:`pool_storage`), and a pool is reused only once ``released[i]`` (counted by
+    the main process) catches up with :attr:`pool_sent` ``[i]``."""
 
     def __init__(
-        self, layout: Layout, *, batch_size: int, pool_blocks: int, out_dtype: torch.dtype
+        self,
+        layout: Layout,
+        *,
+        batch_size: int,
+        pool_blocks: int,
+        out_dtype: torch.dtype,
+        released: np.ndarray | None = None,
     ) -> None:
         max_block = max((b.n_rows for b in layout.blocks[0]), default=0)
-        self.pools = Buffers(
-            (max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model), layout.dtype
-        )
+        pool_shape = (max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model)
+        self.pool_storage: list[torch.Tensor] = []
+        self.pool_sent = np.zeros(0 if released is None else len(released), dtype=np.int64)
+        if released is None:
+            self.pools = Buffers(pool_shape, layout.dtype)
+        else:
+            self.pools = Buffers(
+                pool_shape,
+                layout.dtype,
+                allocate=self._allocate_shared,
+                held=lambda i: bool(self.pool_sent[i] != released[i]),
+            )
         row_shape = (batch_size, layout.n_sites, layout.d_model)
         self.carry = Buffers(row_shape, layout.dtype)
         self.stage = Buffers(row_shape, np.float32)
         self.out = Buffers(row_shape, _NUMPY_STORAGE[out_dtype])
+
+    def _allocate_shared(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """A window pool in shared memory (its pages are touched by the first reads)."""
+        if len(self.pool_storage) >= len(self.pool_sent):
+            raise ConfigError(
+                f"more than {len(self.pool_sent)} window pools held at once in one worker: "
+                "drop batches you no longer need"
+            )
+        # made shared directly (``empty().share_memory_()`` would fill private pages, then
+        # copy them into shared ones: measured 2.5x the time for a fresh pool)
+        shared = torch.UntypedStorage._new_shared(max(count * dtype.itemsize, 1))
+        storage = torch.empty(0, dtype=torch.uint8).set_(shared)
+        self.pool_storage.append(storage)
+        # through a memoryview, so every view's ``.base`` is the array returned here
+        return np.frombuffer(memoryview(storage.numpy()), dtype=dtype, count=count)
+
+    def pool_of(self, acts: torch.Tensor) -> tuple[int, int] | None:
+        """``(pool, byte offset)`` when ``acts`` is a contiguous slice of a shared pool."""
+        if not self.pool_storage or not acts.is_contiguous():
+            return None
+        ptr, nbytes = acts.data_ptr(), acts.numel() * acts.element_size()
+        for i, storage in enumerate(self.pool_storage):
+            offset = ptr - storage.data_ptr()
+            if 0 <= offset and offset + nbytes <= storage.numel():
+                return i, offset
+        return None
 
 
 class Consumer:
