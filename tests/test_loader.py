@@ -542,3 +542,26 @@ def test_runs_of_blocks_keep_every_row_once_and_old_states_resume(single):
     single_blocks.load_state_dict(state)
     with pytest.raises(ConfigError, match="run_blocks=1"):
         ActivationLoader(reader, batch_size=8, pool_blocks=4).load_state_dict(state)
+
+
+def test_workers_refuse_a_shared_memory_too_small_for_their_windows(single, monkeypatch):
+    """A /dev/shm smaller than the workers' windows is one clear error up front, not a bus
+    error mid-epoch (the file system's free space is what the OS reports: faked here)."""
+    import os as real_os
+
+    from actstore.loader import dataloader
+
+    reader, _ = single
+    loader = ActivationLoader(reader, batch_size=5, pool_blocks=2)
+    statvfs = real_os.statvfs
+
+    def tiny(path):
+        got = statvfs(path)
+        if path != dataloader.SHM:
+            return got
+        return real_os.statvfs_result((*got[:4], 1, *got[5:]))  # one free block
+
+    monkeypatch.setattr(real_os, "statvfs", tiny)
+    with pytest.raises(ConfigError, match=r"2 DataLoader workers .* /dev/shm.*shm-size"):
+        ActivationDataLoader(loader, num_workers=2)
+    ActivationDataLoader(loader, num_workers=0)  # no workers: nothing is shared

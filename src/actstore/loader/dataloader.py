@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,8 @@ from .pipeline import LoaderBatch, RingBatch
 #: Batch slots each worker may have in use at once (only batches you hold use more than
 #: a few; each costs one batch of shared memory).
 MAX_SLOTS = 1024
+#: Where torch keeps shared memory (its ``file_descriptor`` strategy).
+SHM = "/dev/shm"
 #: Window pools one worker may have (two in turn, more only while you hold batches).
 MAX_POOLS = 64
 
@@ -80,6 +83,7 @@ class ActivationDataLoader(DataLoader):
         self._pools: dict[tuple[int, int], np.ndarray] = {}
         self._pool_batches: list[tuple[int, int, np.ndarray, int]] = []
         if num_workers > 0:
+            _check_shared_memory(dataset, num_workers)
             self._new_ring(dataset)
 
     def _new_ring(self, loader: ActivationLoader) -> None:
@@ -161,6 +165,23 @@ class ActivationDataLoader(DataLoader):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` was taken (same options and ``num_workers``)."""
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+def _check_shared_memory(loader: ActivationLoader, num_workers: int) -> None:
+    """Workers keep their windows in shared memory (``/dev/shm``): refuse at once, not with a
+    bus error mid-epoch, when it cannot hold them."""
+    need = num_workers * loader.memory_bytes
+    try:
+        vfs = os.statvfs(SHM)
+    except OSError:
+        return  # no /dev/shm to measure: torch reports what it finds
+    free = vfs.f_bavail * vfs.f_frsize
+    if need > free:
+        raise ConfigError(
+            f"{num_workers} DataLoader workers keep their shuffle windows in {SHM}: they need "
+            f"{need / 2**20:.0f} MiB but {free / 2**20:.0f} MiB is free; enlarge it (docker: "
+            "--shm-size), use fewer workers or a smaller pool_blocks"
+        )
 
 
 def _to_device(batch: Any, device: Any) -> Any:
