@@ -81,9 +81,19 @@ class Buffers:
         self._roots: list[np.ndarray] = []  # the array every view's ``.base`` points to
         self._idle_refs: list[int] = []  # references to a root when no view is alive
         self._busy: list[bool] = []
+        self._reserved: deque[Future] = deque()
 
-    def acquire(self, *, allocate: bool = True) -> int | None:
-        """Index of a free array (allocating one if none is free and ``allocate``)."""
+    def reserve(self, count: int) -> None:
+        """Start allocating ``count`` arrays on a background thread (fresh memory is slow to
+        touch; the kernel does it there while the first reads run), for ``acquire``."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="actstore-alloc")
+        n = int(np.prod(self.shape))
+        self._reserved.extend(pool.submit(self._allocate, n, self.dtype) for _ in range(count))
+        pool.shutdown(wait=False)  # the thread ends once the arrays are made
+
+    def acquire(self, *, allocate: bool = True, wait: bool = True) -> int | None:
+        """Index of a free array (allocating one if none is free and ``allocate``; with
+        ``wait=False``, None rather than wait for a reserved array still being made)."""
         for i in range(len(self._arrays)):
             if (
                 not self._busy[i]
@@ -92,9 +102,12 @@ class Buffers:
             ):
                 self._busy[i] = True
                 return i
-        if not allocate:
+        if not allocate or (self._reserved and not wait and not self._reserved[0].done()):
             return None
-        root = self._allocate(int(np.prod(self.shape)), self.dtype)
+        if self._reserved:
+            root = self._reserved.popleft().result()
+        else:
+            root = self._allocate(int(np.prod(self.shape)), self.dtype)
         self._roots.append(root)
         self._arrays.append(root.reshape(self.shape))
         del root
@@ -197,6 +210,7 @@ class BufferSet:
         self.pool_sent = np.zeros(0 if released is None else len(released), dtype=np.int64)
         if released is None:
             self.pools = Buffers(pool_shape, layout.dtype)
+            self.pools.reserve(2)  # a window being served and the next one being read
         else:
             self.pools = Buffers(
                 pool_shape,
@@ -332,7 +346,11 @@ class Consumer:
             # a third only if nothing is left to serve while the user still holds a batch
             # from both (it would otherwise be overwritten).
             while todo and len(loaded) < 2:
-                pool = self._pools.acquire(allocate=not loaded or len(self._pools) < 2)
+                # the first window waits for its pool; the next is read once its pool,
+                # made in the background meanwhile, is ready
+                pool = self._pools.acquire(
+                    allocate=not loaded or len(self._pools) < 2, wait=not loaded
+                )
                 if pool is None:
                     return
                 w = todo.popleft()
