@@ -78,21 +78,21 @@ class StagedS3Writer(WriterBase):
         self.store = store
         self.staging = Path(staging or staging_root(url)).expanduser().resolve()
         self.inner: WriterBase | None = None
-        self._lock: S3Lock | None = None
+        self.lock: S3Lock | None = None
         self._uploader: BackgroundUploader | None = None
         self._published = store.size(join_key(self._prefix, self.subdir, manifest)) is not None
         self.complete: bool = self._published
         if self._published:
             log.info("%s is already published; nothing to write", self.url)
             return
-        self._lock = S3Lock.acquire(
+        self.lock = S3Lock.acquire(
             store, join_key(self._prefix, self.subdir), break_lock=break_lock, lease_s=lease_s
         )
         try:
             self.staging.parent.mkdir(parents=True, exist_ok=True)
             self.inner = make_local(self.staging)
         except BaseException:
-            self._lock.release()
+            self.lock.release()
             raise
         self.wants_texts = self.inner.wants_texts
         self.example_range = self.inner.example_range
@@ -111,8 +111,8 @@ class StagedS3Writer(WriterBase):
             self._uploader.offer(self.inner.sealed_files())
 
     def write(self, batch: Batch) -> None:
-        if self._lock is not None:
-            self._lock.check()
+        if self.lock is not None:
+            self.lock.check()
         if self.inner is None:
             raise CaptureError(f"{self.url} is already published")
         self.inner.write(batch)
@@ -124,8 +124,8 @@ class StagedS3Writer(WriterBase):
         if self._published or self.inner is None:
             return self.url
         try:
-            if self._lock is not None:
-                self._lock.check()
+            if self.lock is not None:
+                self.lock.check()
             sent = self._uploader.finish() if self._uploader is not None else {}
             local = Path(self.inner.close())
             failed = self._uploader.errors if self._uploader is not None else []
@@ -136,11 +136,11 @@ class StagedS3Writer(WriterBase):
                     f"{local}: rerun the same capture to upload the rest"
                 ) from err
             copy_store(local, self.url, s3=self.s3, threads=self.threads, sent=sent)
-            if self._lock is not None:
-                self._lock.check()
+            if self.lock is not None:
+                self.lock.check()
         finally:
-            if self._lock is not None:
-                self._lock.release()
+            if self.lock is not None:
+                self.lock.release()
         if not self.keep_local:
             _remove_tree(local)
         log.info("published %s", self.url)
@@ -156,8 +156,8 @@ class StagedS3Writer(WriterBase):
             if self.inner is not None:
                 self.inner.abort()
         finally:
-            if self._lock is not None:
-                self._lock.release()
+            if self.lock is not None:
+                self.lock.release()
 
 
 def _remove_tree(path: Path) -> None:

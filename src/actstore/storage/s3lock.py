@@ -205,6 +205,11 @@ class S3Lock:
             )
             log.error("%s", self._lost)
 
+    @property
+    def lost(self) -> str | None:
+        """Why the lock is no longer ours (another writer took it over), or None."""
+        return self._lost
+
     def check(self) -> None:
         """Raise :class:`StoreLockedError` if another writer took the lock over."""
         if self._lost is not None:
