@@ -399,3 +399,16 @@ def test_a_download_journal_of_another_object_version_is_not_trusted(s3, tmp_pat
     (dst / ".big.bin.parts.tmp").write_text(f"{header}\n0\n{5 * MiB}\n")
     report = copy_store(url, dst, part_bytes=5 * MiB, check_store=None)
     assert report.parts_reused == 0 and (dst / "big.bin").read_bytes() == data
+
+
+def test_a_service_without_conditional_writes_gets_the_logged_fallback(s3, tmp_path, caplog):
+    s3.faults.fail(method="PUT", path_contains=LOCK_NAME, status=501, code="NotImplemented")
+    plan = make_plan()
+    with caplog.at_level(logging.WARNING, logger="actstore.storage.s3lock"):
+        writer = StagedS3Writer(s3.url("nc"), _pickle_maker(plan), staging=tmp_path / "a")
+    assert "does not support conditional writes" in caplog.text
+    assert f"nc/{LOCK_NAME}" in s3.keys("nc/")
+    with pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
+        StagedS3Writer(s3.url("nc"), _pickle_maker(plan), staging=tmp_path / "b")
+    writer.abort()
+    assert f"nc/{LOCK_NAME}" not in s3.keys("nc/")
