@@ -182,12 +182,7 @@ class S3Lock:
             if self._conditional:
                 etag = self.store.put_if(self.key, data, etag=self._etag)
             else:
-                found = self.store.get_with_age(self.key)
-                mine = found is not None and _parse(found[0]).get("token") == record["token"]
-                etag = None
-                if mine:
-                    self.store.put(self.key, data)
-                    etag = "?"
+                etag = self._put_if_mine(data)
             if etag is not None:
                 self._etag = etag
                 return
@@ -204,6 +199,15 @@ class S3Lock:
                 "capture to resume"
             )
             log.error("%s", self._lost)
+
+    def _put_if_mine(self, data: bytes) -> str | None:
+        """The fallback refresh: rewrite the object if it still holds our token."""
+        found = self.store.get_with_age(self.key)
+        if found is None or _parse(found[0]).get("token") != self.record["token"]:
+            return None
+        self.store.put(self.key, data)
+        back = self.store.get_with_age(self.key)
+        return back[1] if back is not None else None
 
     @property
     def lost(self) -> str | None:
