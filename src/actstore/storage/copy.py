@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
+from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFoundError
 from ..faults import point
 from .files import StoreFiles, open_files
 from .local import atomic_write_bytes, fsync_dir
@@ -238,7 +238,11 @@ class FileCopier:
         """An unfinished upload of ``key`` to continue, with the ETags of its parts that
         have the size this copy gives them; else a new upload and no parts."""
         store: S3Store = self.store
-        pending = store.pending_upload(key)
+        try:
+            pending = store.pending_upload(key)
+        except StorageError as err:  # e.g. no s3:ListBucketMultipartUploads permission
+            log.debug("cannot list unfinished uploads of %s (%s); starting over", key, err)
+            pending = None
         if pending is None:
             return store.create_upload(key), {}
         upload_id, parts = pending
