@@ -363,7 +363,8 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
     for batch in batches[:3]:
         crashed.write(batch)
     crashed.abort()
-    assert s3.keys("pk/") == {}
+    # Finished shards may already be up (background upload); nothing a reader opens, no lock.
+    assert set(s3.keys("pk/")) <= {"pk/shard_0001.pkl.gz", "pk/shard_0002.pkl.gz"}
     resumed = StagedS3Writer(url, make, staging=staging)
     assert resumed.resume_from == 10 and not resumed.complete
     for batch in batches:

@@ -180,7 +180,8 @@ def capture(
         False,
         "--break-lock",
         help="Take over the write lock of the store from a capture that is dead (one on "
-        "another host; a dead one on this host is taken over by itself).",
+        "another host; a dead one on this host, or an s3:// lock whose lease ran out, is "
+        "taken over by itself).",
     ),
 ) -> None:
     """Run a model over a dataset and store its activations.

@@ -21,7 +21,8 @@ def cp(
     ),
 ) -> None:
     """Copy a store (every file under SRC) to DST, in parallel. Run the same command again
-    to resume an interrupted copy: files already at DST with the right size are skipped.
+    to resume an interrupted copy: files already at DST with the right size are skipped,
+    and a large file cut off mid-way resumes from the parts already at DST.
     metadata.json is written last, so DST is openable only once the copy is complete.
 
     \b
@@ -50,8 +51,11 @@ def cp(
             progress=bar.update,
             check_store=verify_store,
         )
+    reused = f", {report.parts_reused} parts of an interrupted copy kept" * bool(
+        report.parts_reused
+    )
     typer.secho(
         f"OK: {report.copied} files ({human_bytes(report.bytes_copied)}) copied, "
-        f"{report.skipped} already there; verified: {report.verified}",
+        f"{report.skipped} already there{reused}; verified: {report.verified}",
         fg=typer.colors.GREEN,
     )

@@ -62,7 +62,7 @@ def ls(
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
-    from ..storage.object import S3Config, S3Store, join_key, open_location
+    from ..storage.object import S3Config, S3Store, is_internal, join_key, open_location
 
     store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
     if isinstance(store, S3Store):
@@ -85,7 +85,8 @@ def ls(
         if store.size(join_key(prefix, d, METADATA)) is not None
     }
     if cfg is None and not hooks:
-        objects = [o for o in store.list(prefix.rstrip("/") + "/" if prefix else "")][:1000]
+        listed = store.list(prefix.rstrip("/") + "/" if prefix else "")
+        objects = [o for o in listed if not is_internal(o.key)][:1000]
         out = {
             "location": store.url(prefix),
             "folders": dirs,

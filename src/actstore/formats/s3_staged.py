@@ -1,77 +1,171 @@
-"""Any format's local writer, published to ``s3://`` when it closes.
+"""Any format's local writer, published to ``s3://`` as it goes.
 
 :class:`StagedS3Writer` runs the format's own writer (crash protocol unchanged) in a
-staging directory (:func:`~actstore.formats.saev.remote.staging_root`) and, at ``close()``,
-copies the published store to the destination with
-:func:`~actstore.storage.copy.copy_store`: parallel multipart uploads, ``metadata.json``
-last (readers refuse a prefix without it), verified. A rerun after ``kill -9`` resumes the
-staged writer where it stopped and skips the files already uploaded. Used for pkl.gz;
-saev has :class:`~actstore.formats.saev.remote.SaevS3Writer`, which also uploads each shard
-in the background while the capture runs.
+staging directory (:func:`staging_root`), and:
+
+* **uploads in the background**: after each ``write()`` it asks the writer for its
+  :meth:`~.base.WriterBase.sealed_files` and queues the new ones on a
+  :class:`~actstore.storage.upload.BackgroundUploader` (its own thread and part pool), so
+  the capture never waits on the network;
+* **holds the destination's write lock** (:class:`~actstore.storage.s3lock.S3Lock`, a
+  lease object in the store's prefix) from open to close: a second capture of the same
+  ``s3://`` store, on any machine, is refused with one line naming the holder;
+* **publishes at close()**: waits for the queued uploads, lets the local writer publish,
+  and sends the rest with :func:`~actstore.storage.copy.copy_store` (``metadata.json``
+  last: readers refuse a prefix without it; every object checked against the ETag of its
+  bytes, the local store against its own checksums), then drops the staged copy.
+
+A rerun after ``kill -9`` resumes the staged writer where it stopped; files already on S3
+with the right size and ETag are not sent again, and a large file whose multipart upload
+was cut resumes from the parts already there.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..batch import Batch
-from ..errors import ConfigError
+from ..errors import CaptureError, ConfigError
+from ..storage.cache import CACHE_ENV
 from ..storage.copy import copy_store
 from ..storage.object import S3Config, S3Store, join_key, open_location
+from ..storage.s3lock import DEFAULT_LEASE_S, S3Lock
+from ..storage.upload import BackgroundUploader
 from .base import WriterBase
-from .saev.remote import _remove_tree, staging_root
 
 log = logging.getLogger(__name__)
 
 
+def staging_root(url: str) -> Path:
+    """Where a capture to ``url`` stages its files: ``$ACTSTORE_CACHE/staging/<id>``, else
+    ``~/.cache/actstore/staging/<id>``, one directory per destination."""
+    base = os.environ.get(CACHE_ENV)
+    root = Path(base).expanduser() / "staging" if base else Path.home() / ".cache/actstore/staging"
+    return root / hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
+
+
 class StagedS3Writer(WriterBase):
-    """``make_local(staging_dir)`` builds the local writer; the store it publishes under
-    ``staging_dir`` is uploaded to the same relative place under ``url``."""
+    """``make_local(staging_dir)`` builds the local writer. The store it publishes at
+    ``staging_dir / subdir`` goes to ``url / subdir``; :attr:`url` is that location."""
 
     def __init__(
         self,
         url: str,
-        make_local: Callable[[Path], Any],
+        make_local: Callable[[Path], WriterBase],
         *,
         s3: S3Config | None = None,
         staging: str | os.PathLike | None = None,
         keep_local: bool = False,
         manifest: str = "metadata.json",
+        subdir: str = "",
+        threads: int = 8,
+        break_lock: bool = False,
+        lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
-        self.url, self.s3, self.keep_local = url.rstrip("/"), s3, keep_local
-        store, prefix = open_location(url, s3)
+        self.dest, self.s3, self.keep_local, self.threads = url.rstrip("/"), s3, keep_local, threads
+        self.subdir = subdir.strip("/")
+        store, self._prefix = open_location(url, s3)
         if not isinstance(store, S3Store):
             raise ConfigError(f"{url} is not an s3:// location")
         store.check_bucket()
+        self.store = store
         self.staging = Path(staging or staging_root(url)).expanduser().resolve()
-        self.staging.parent.mkdir(parents=True, exist_ok=True)
-        self.inner = make_local(self.staging)
-        self.wants_texts: bool = self.inner.wants_texts
-        self.example_range: tuple[int, int] = self.inner.example_range
-        self._published = store.size(join_key(prefix, manifest)) is not None
-        self.complete: bool = self._published or self.inner.complete
-        self.resume_from: int = self.example_range[1] if self._published else self.inner.resume_from
+        self.inner: WriterBase | None = None
+        self.lock: S3Lock | None = None
+        self._uploader: BackgroundUploader | None = None
+        self._published = store.size(join_key(self._prefix, self.subdir, manifest)) is not None
+        self.complete: bool = self._published
+        if self._published:
+            log.info("%s is already published; nothing to write", self.url)
+            return
+        self.lock = S3Lock.acquire(
+            store, join_key(self._prefix, self.subdir), break_lock=break_lock, lease_s=lease_s
+        )
+        try:
+            self.staging.parent.mkdir(parents=True, exist_ok=True)
+            self.inner = make_local(self.staging)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.wants_texts = self.inner.wants_texts
+        self.example_range = self.inner.example_range
+        self.complete = self.inner.complete
+        self.resume_from = self.inner.resume_from
+        self._uploader = BackgroundUploader(store, self._prefix, threads=threads)
+        self._offer()
+
+    @property
+    def url(self) -> str:
+        """Where the store is published."""
+        return f"{self.dest}/{self.subdir}" if self.subdir else self.dest
+
+    def _offer(self) -> None:
+        if self._uploader is not None and self.inner is not None and not self.inner.complete:
+            self._uploader.offer(self.inner.sealed_files())
 
     def write(self, batch: Batch) -> None:
+        if self.lock is not None:
+            self.lock.check()
+        if self.inner is None:
+            raise CaptureError(f"{self.url} is already published")
         self.inner.write(batch)
+        self._offer()
 
     def close(self) -> str:
-        """Publish locally, upload (``metadata.json`` last, verified), drop the staged copy."""
-        if self._published:
+        """Wait for the background uploads, publish locally, send the rest
+        (``metadata.json`` last, verified), drop the staged copy and the lock."""
+        if self._published or self.inner is None:
             return self.url
-        local = Path(self.inner.close())
-        rel = local.relative_to(self.staging).as_posix()
-        url = self.url if rel == "." else f"{self.url}/{rel}"
-        copy_store(local, url, s3=self.s3)
+        try:
+            if self.lock is not None:
+                self.lock.check()
+            sent = self._uploader.finish() if self._uploader is not None else {}
+            local = Path(self.inner.close())
+            failed = self._uploader.errors if self._uploader is not None else []
+            if failed:
+                name, err = failed[0]
+                raise CaptureError(
+                    f"uploading {name} to {self.url} failed: {err}; the store is complete in "
+                    f"{local}: rerun the same capture to upload the rest"
+                ) from err
+            copy_store(local, self.url, s3=self.s3, threads=self.threads, sent=sent)
+            if self.lock is not None:
+                self.lock.check()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
         if not self.keep_local:
             _remove_tree(local)
-        log.info("published %s", url)
+        log.info("published %s", self.url)
         self._published = True
-        return url
+        return self.url
 
     def abort(self) -> None:
-        self.inner.abort()
+        """Stop uploading (the file in flight finishes, or stays resumable), stop the local
+        writer (durable progress kept) and release the lock."""
+        try:
+            if self._uploader is not None:
+                self._uploader.stop()
+            if self.inner is not None:
+                self.inner.abort()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a published (read-only) staged store."""
+
+    def writable(func: Any, target: str, _: Any) -> None:
+        os.chmod(os.path.dirname(target), stat.S_IRWXU)
+        os.chmod(target, stat.S_IRUSR | stat.S_IWUSR)
+        func(target)
+
+    shutil.rmtree(path, onerror=writable)  # files are read-only once published

@@ -6,7 +6,10 @@ files), or a hidden temporary file filled with ``pwrite`` and renamed into place
 Every destination object appears whole or not at all, so:
 
 * **resume**: running the same copy again skips files already at the destination with the
-  source's size;
+  source's size, and resumes a large file part by part: an unfinished multipart upload is
+  continued (its parts listed, those whose MD5 matches the source kept), and an unfinished
+  download continues in its partial file (``.NAME.partial.tmp``, with a journal of the
+  parts already written, ``.NAME.parts.tmp``, valid while the source object is unchanged);
 * **publish last**: ``metadata.json`` (what every reader opens first, and what detection
   looks for) is written after every other file is in, so a reader never opens a store
   whose copy is half done;
@@ -23,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -33,10 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
+from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFoundError
+from ..faults import point
 from .files import StoreFiles, open_files
-from .local import fsync_dir
-from .object import LocalStore, MiB, S3Config, S3Store, join_key, open_location
+from .local import atomic_write_bytes, fsync_dir
+from .object import LocalStore, MiB, S3Config, S3Store, is_internal, join_key, open_location
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,8 @@ class CopyReport:
     bytes_copied: int
     verified: str
     """How the copy was checked, in words."""
+    parts_reused: int = 0
+    """Parts of interrupted copies found at the destination and not sent again."""
 
 
 def _is_temp(name: str) -> bool:
@@ -72,12 +79,14 @@ def copy_store(
     verify: bool = True,
     progress: Callable[[int], None] | None = None,
     check_store: Callable[[str], str] | None = None,
+    sent: dict[str, str] | None = None,
 ) -> CopyReport:
     """Copy every file of the store at ``src`` to ``dst`` (local paths or ``s3://`` URLs).
 
     ``progress(n_bytes)`` is called as bytes land. ``check_store(location)``, given, runs
     the format's own verification on the local side (raising on a fault) and returns
-    what it checked (this layer knows no formats). Raises :class:`CorruptStoreError` if
+    what it checked (this layer knows no formats). ``sent``: ETags of files the caller
+    already uploaded (a background uploader), checked with the rest. Raises :class:`CorruptStoreError` if
     the verification finds a difference (the copy is left in place to be resumed).
     """
     if threads < 1:
@@ -85,7 +94,9 @@ def copy_store(
     if part_bytes < 5 * MiB:
         raise ConfigError(f"part_bytes must be >= 5 MiB (an S3 limit), not {part_bytes}")
     source = open_files(src, s3=s3, threads=threads, cache=False)
-    listing = {n: size for n, size in source.list().items() if not _is_temp(n)}
+    listing = {
+        n: size for n, size in source.list().items() if not _is_temp(n) and not is_internal(n)
+    }
     if not listing:
         raise StoreNotFoundError(f"{source.url} holds no files; check the source location")
     store, prefix = open_location(dst, s3)
@@ -107,13 +118,15 @@ def copy_store(
         copier.run(pool, last, listing)
     verified = "not verified (--no-verify)"
     if verify:
-        verified = _verify(source, store, prefix, listing, copier.etags, check_store)
+        etags = {**(sent or {}), **copier.etags}
+        verified = _verify(source, store, prefix, listing, etags, check_store)
     return CopyReport(
         files=len(listing),
         copied=len(todo),
         skipped=len(listing) - len(todo),
         bytes_copied=sum(listing[n] for n in todo),
         verified=verified,
+        parts_reused=copier.parts_reused,
     )
 
 
@@ -135,6 +148,8 @@ class FileCopier:
         self.part_bytes, self.progress = part_bytes, progress
         self.hash = hashlib.md5 if etags else None
         self.etags: dict[str, str] = {}
+        self.parts_reused = 0
+        """Parts of earlier, interrupted copies kept (not sent again)."""
         self._lock = threading.Lock()
 
     def run(self, pool: ThreadPoolExecutor, names: list[str], sizes: dict[str, int]) -> None:
@@ -190,13 +205,21 @@ class FileCopier:
 
             return [pool.submit(put)], finish, lambda: None
 
-        upload_id = store.create_upload(key)
+        upload_id, found = self._resumable(key, size, len(offsets))
 
         def send(number: int, offset: int) -> tuple[str, bytes]:
             data = self._read(name, offset, min(self.part_bytes, size - offset))
-            etag = store.upload_part(key, upload_id, number, data, of=len(offsets))
+            old = found.get(number)
+            digest = hashlib.md5(data).digest() if old or self.hash else b""
+            if old is not None and old.strip('"') == digest.hex():
+                etag = old  # sent by an interrupted copy: keep it
+                with self._lock:
+                    self.parts_reused += 1
+            else:
+                etag = store.upload_part(key, upload_id, number, data, of=len(offsets))
+            point("copy.part_sent")
             self._done(len(data))
-            return etag, self.hash(data).digest() if self.hash else b""
+            return etag, digest
 
         futures = [pool.submit(send, i, o) for i, o in enumerate(offsets, start=1)]
 
@@ -206,10 +229,36 @@ class FileCopier:
                 joined = self.hash(b"".join(d for _, d in results)).hexdigest()
                 self.etags[name] = f"{joined}-{len(results)}"
 
-        return futures, finish, lambda: store.abort_upload(key, upload_id)
+        def keep() -> None:  # the parts sent stay for the next run to resume
+            log.info("upload of %s left unfinished; run the same copy again to resume it", key)
+
+        return futures, finish, keep
+
+    def _resumable(self, key: str, size: int, n_parts: int) -> tuple[str, dict[int, str]]:
+        """An unfinished upload of ``key`` to continue, with the ETags of its parts that
+        have the size this copy gives them; else a new upload and no parts."""
+        store: S3Store = self.store
+        try:
+            pending = store.pending_upload(key)
+        except StorageError as err:  # e.g. no s3:ListBucketMultipartUploads permission
+            log.debug("cannot list unfinished uploads of %s (%s); starting over", key, err)
+            pending = None
+        if pending is None:
+            return store.create_upload(key), {}
+        upload_id, parts = pending
+        part = self.part_bytes
+        keep = {
+            n: etag
+            for n, (etag, length) in parts.items()
+            if 1 <= n <= n_parts and length == min(part, size - (n - 1) * part)
+        }
+        log.info("resuming the upload of %s: %d of %d parts are there", key, len(keep), n_parts)
+        return upload_id, keep
 
     def _start_local(self, pool, name, key, size, offsets):
         target = Path(self.store.url(key))
+        if len(offsets) > 1:
+            return self._start_local_parts(pool, name, target, size, offsets)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -219,9 +268,7 @@ class FileCopier:
 
         def write(offset: int) -> None:
             data = self._read(name, offset, min(self.part_bytes, size - offset))
-            done = 0
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], offset + done)
+            _pwrite_all(fd, data, offset)
             self._done(len(data))
 
         futures = [pool.submit(write, o) for o in offsets] if size else []
@@ -241,6 +288,119 @@ class FileCopier:
             Path(tmp).unlink(missing_ok=True)
 
         return futures, finish, abort
+
+    def _start_local_parts(self, pool, name, target: Path, size: int, offsets: list[int]):
+        """A large file, resumable: parts go into ``.NAME.partial.tmp`` and each finished
+        part is appended to the journal ``.NAME.parts.tmp`` (headed by the source's size,
+        version and the part size: a changed source or part size starts over)."""
+        partial = target.parent / f".{target.name}.partial.tmp"
+        journal = target.parent / f".{target.name}.parts.tmp"
+        header = json.dumps(
+            {"size": size, "version": self.source.version(name), "part": self.part_bytes}
+        )
+        done = _journaled(journal, header) if partial.exists() else set()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not done:
+                atomic_write_bytes(journal, (header + "\n").encode())
+            fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+            os.ftruncate(fd, size)
+            jfd = os.open(journal, os.O_WRONLY | os.O_APPEND)
+        except OSError as err:
+            raise ConfigError(f"cannot write {target}: {err}") from err
+        if done:
+            log.info(
+                "resuming the download of %s: %d of %d parts are there",
+                target,
+                len(done),
+                len(offsets),
+            )
+
+        def write(offset: int) -> None:
+            length = min(self.part_bytes, size - offset)
+            if offset in done:
+                with self._lock:
+                    self.parts_reused += 1
+                self._done(length)
+                return
+            data = self._read(name, offset, length)
+            _pwrite_all(fd, data, offset)
+            os.write(jfd, f"{offset}\n".encode())  # one small append: whole or absent
+            point("copy.part_sent")
+            self._done(len(data))
+
+        futures = [pool.submit(write, o) for o in offsets]
+
+        def finish(_: list[Any]) -> None:
+            os.fsync(fd)
+            os.close(fd)
+            os.close(jfd)
+            os.replace(partial, target)
+            journal.unlink(missing_ok=True)
+            fsync_dir(target.parent)
+
+        def keep() -> None:  # the partial file and its journal stay for the next run
+            for f in (fd, jfd):
+                try:
+                    os.close(f)
+                except OSError:
+                    pass
+
+        return futures, finish, keep
+
+
+def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _journaled(journal: Path, header: str) -> set[int]:
+    """Offsets of the parts a journal lists, if it belongs to this source (else none)."""
+    try:
+        lines = journal.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return set()
+    if not lines or lines[0] != header:
+        return set()
+    return {int(line) for line in lines[1:] if line.isdigit()}
+
+
+def multipart_etag(path: str | os.PathLike, etag: str) -> str:
+    """The ETag S3 gives the bytes of local file ``path`` uploaded the way ``etag`` (an
+    existing object's ETag) says: the MD5, or for ``<md5>-<n>`` the MD5 of the MD5s of
+    ``n`` equal parts (part size guessed from common sizes; "" if none fits).
+
+    Example:
+        >>> import tempfile; f = tempfile.NamedTemporaryFile(delete=False); _ = f.write(b"x")
+        >>> f.close(); multipart_etag(f.name, "anything")
+        '9dd4e461268c8034f5c8564e155c67a6'
+    """
+    size = os.path.getsize(path)
+    n = int(etag.rpartition("-")[2]) if "-" in etag and etag.rpartition("-")[2].isdigit() else 0
+    if n == 0:
+        part = max(size, 1)
+    else:
+        fits = [
+            p
+            for p in (DEFAULT_PART_BYTES, 32 * MiB, 8 * MiB, 5 * MiB, 64 * MiB)
+            if -(-size // p) == n
+        ]
+        if not fits:
+            return ""
+        part = fits[0]
+    digests = []
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(part)
+            if not block and digests:
+                break
+            digests.append(hashlib.md5(block).digest())
+            if len(block) < part:
+                break
+    if n == 0:
+        return digests[0].hex()
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
 
 
 def _verify(

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import CorruptStoreError, StoreNotFoundError
 from .cache import BlockCache, parse_size
 from .local import IO_CHUNK
-from .object import MiB, S3Config, S3Store, is_remote, join_key, open_location
+from .object import MiB, S3Config, S3Store, is_internal, is_remote, join_key, open_location
 
 #: Ranges longer than this are split into parts fetched concurrently.
 PART_BYTES = 8 * MiB
@@ -118,6 +118,10 @@ class StoreFiles(abc.ABC):
     def url_of(self, name: str) -> str:
         return f"{self.url.rstrip('/')}/{name}"
 
+    def version(self, name: str) -> str:
+        """A string that changes when ``name`` is replaced (the ETag on S3)."""
+        return ""
+
     def close(self) -> None:
         """Release file handles and threads (reopened on next use)."""
 
@@ -139,6 +143,9 @@ class LocalFiles(StoreFiles):
         self.local_path = Path(path).expanduser()
         self.url = str(self.local_path)
 
+    def _path(self, name: str) -> Path:
+        return self.local_path / name
+
     def list(self) -> dict[str, int]:
         out = {}
         for dirpath, _, names in os.walk(self.local_path):
@@ -148,15 +155,19 @@ class LocalFiles(StoreFiles):
         return dict(sorted(out.items()))
 
     def size(self, name: str) -> int | None:
-        path = self.local_path / name
+        path = self._path(name)
         return path.stat().st_size if path.is_file() else None
+
+    def version(self, name: str) -> str:
+        st = self._path(name).stat()
+        return f"{st.st_size}-{st.st_mtime_ns}"
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
         view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
             raise ValueError(f"out holds {len(view)} bytes, not {length}")
         try:
-            fd = os.open(self.local_path / name, os.O_RDONLY)
+            fd = os.open(self._path(name), os.O_RDONLY)
         except FileNotFoundError as err:
             raise StoreNotFoundError(f"{self.url_of(name)} does not exist") from err
         try:
@@ -172,6 +183,32 @@ class LocalFiles(StoreFiles):
         finally:
             os.close(fd)
         return view
+
+
+class PathFiles(LocalFiles):
+    """Local files listed by name, each at its own path (a writer's sealed files, named as
+    they will be published but still in its staging directory). :meth:`add` names more."""
+
+    def __init__(self, url: str = "sealed files") -> None:
+        self.local_path = None
+        self.url = url
+        self._paths: dict[str, Path] = {}
+
+    def add(self, name: str, path: Path) -> None:
+        self._paths[name] = Path(path)
+
+    def _path(self, name: str) -> Path:
+        path = self._paths.get(name)
+        if path is None:
+            raise StoreNotFoundError(f"{name} is not among the {self.url}")
+        return path
+
+    def list(self) -> dict[str, int]:
+        return {n: p.stat().st_size for n, p in sorted(self._paths.items())}
+
+    def size(self, name: str) -> int | None:
+        path = self._paths.get(name)
+        return path.stat().st_size if path is not None and path.is_file() else None
 
 
 class S3Files(StoreFiles):
@@ -211,7 +248,11 @@ class S3Files(StoreFiles):
     def _objects(self) -> dict[str, tuple[int, str]]:
         if self._listing is None:
             base = self.prefix + "/" if self.prefix else ""
-            self._listing = {o.key[len(base) :]: (o.size, o.version) for o in self.store.list(base)}
+            self._listing = {
+                o.key[len(base) :]: (o.size, o.version)
+                for o in self.store.list(base)
+                if not is_internal(o.key)
+            }
         return self._listing
 
     def refresh(self) -> None:
@@ -224,6 +265,10 @@ class S3Files(StoreFiles):
     def size(self, name: str) -> int | None:
         entry = self._objects().get(name)
         return None if entry is None else entry[0]
+
+    def version(self, name: str) -> str:
+        entry = self._objects().get(name)
+        return "" if entry is None else entry[1]
 
     def _pool_(self) -> ThreadPoolExecutor:
         """This process's GET threads (a forked worker must not use its parent's)."""

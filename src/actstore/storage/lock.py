@@ -8,8 +8,8 @@ next one finds the dead holder's record and says it takes over. ``break_lock=Tru
 removes a lock that a live process (or a process on another host sharing the file system)
 still holds: only for a holder known to be dead.
 
-Object storage has no flock; there the writers' commit protocol is the guard (see
-docs/reliability.md).
+Object storage has no flock: writers to ``s3://`` hold a lease object there instead
+(:mod:`actstore.storage.s3lock`), with the same refusal and the same ``break_lock``.
 
 Example:
     >>> import tempfile, pathlib

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..base import WriterBase
 from ..registry import FormatSpec
 from .dataset import ActivationDataset
 from .layout import VERSION, PickleMetadata, ShardInfo, layer_key, shard_filename
@@ -29,7 +30,7 @@ def _detect(location: str) -> bool:
     return isinstance(doc, dict) and "shards" in doc and "extraction_config" in doc
 
 
-def _writer_for_plan(plan, out: str, options: PickleOptions) -> PickleWriter:
+def _writer_for_plan(plan, out: str, options: PickleOptions) -> WriterBase:
     if str(out).startswith("s3://"):
         from ..s3_staged import StagedS3Writer
 

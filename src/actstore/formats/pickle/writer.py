@@ -371,6 +371,12 @@ class PickleWriter(WriterBase):
         self._save_progress()
         point("pickle.shard_recorded")
 
+    def sealed_files(self) -> list[tuple[str, Path]]:
+        """Every finished shard (recorded in the progress file, never rewritten)."""
+        if self.complete:
+            return []
+        return [(s.filename, self.out / s.filename) for s in self._shards]
+
     # ------------------------------------------------------------------ publish
 
     def metadata(self) -> PickleMetadata:

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from ..base import VerifyReport
+from ..base import VerifyReport, WriterBase
 from ..registry import FormatSpec
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .options import SaevOptions
@@ -28,7 +28,7 @@ def _detect(location: str) -> bool:
     )
 
 
-def _writer_for_plan(plan, out: str, options: SaevOptions) -> SaevWriter:
+def _writer_for_plan(plan, out: str, options: SaevOptions) -> WriterBase:
     if str(out).startswith("s3://"):
         from .remote import SaevS3Writer
 

@@ -175,8 +175,9 @@ class SaevWriter(WriterBase):
         self.is_part = example_range is not None
         self.example_range = _check_part_range(metadata, example_range)
         self._first_shard = self.example_range[0] // metadata.examples_per_shard
+        self.dump_to = Path(dump_to).expanduser().resolve()
         if self.is_part:
-            self.final_dir = Path(dump_to).expanduser().resolve()
+            self.final_dir = self.dump_to
         else:
             self.final_dir = store_dir(metadata, dump_to)
         self.partial_dir = self.final_dir.parent / f".{self.final_dir.name}.partial"
@@ -466,6 +467,19 @@ class SaevWriter(WriterBase):
         )
         atomic_write_json(self.partial_dir / PROGRESS, {"shards": self._shards}, indent=None)
         point("saev.shard_recorded")
+
+    def sealed_files(self) -> list[tuple[str, Path]]:
+        """Every finished shard and its block checksums, named as published (``<HASH>/...``
+        relative to ``dump_to``); they live in the ``.partial`` directory until close."""
+        rel = self.final_dir.relative_to(self.dump_to).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        if self.complete:
+            return []
+        return [
+            (prefix + name, self.partial_dir / name)
+            for entry in self._shards
+            for name in (entry["name"], sidecar_name(entry["name"]))
+        ]
 
     # ------------------------------------------------------------------ publish
 

@@ -35,13 +35,23 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from ...errors import ConfigError
-from .base import ObjectInfo, ObjectStore, base_name, is_remote, join_key, parent_key
+from .base import (
+    LOCK_NAME,
+    ObjectInfo,
+    ObjectStore,
+    base_name,
+    is_internal,
+    is_remote,
+    join_key,
+    parent_key,
+)
 from .config import MiB, S3Config
 from .local_store import LocalStore
 from .retry import Retrier
 from .s3_store import S3Store
 
 __all__ = [
+    "LOCK_NAME",
     "LocalStore",
     "MiB",
     "ObjectInfo",
@@ -50,6 +60,7 @@ __all__ = [
     "S3Config",
     "S3Store",
     "base_name",
+    "is_internal",
     "is_remote",
     "join_key",
     "open_location",

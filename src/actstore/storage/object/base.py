@@ -126,6 +126,22 @@ def base_name(key: str) -> str:
     return key.rstrip("/").rpartition("/")[2]
 
 
+#: Base name of the write lock object a capture keeps in the prefix of the store it writes
+#: (:mod:`actstore.storage.s3lock`): never part of the store.
+LOCK_NAME = ".actstore-lock.json"
+
+
+def is_internal(name: str) -> bool:
+    """Whether ``name`` (a key or a store-relative name) is actstore's bookkeeping beside a
+    store's files (the S3 write lock), which listings of the store leave out.
+
+    Example:
+        >>> is_internal("acts/3f1c/.actstore-lock.json"), is_internal("acts000000.bin")
+        (True, False)
+    """
+    return base_name(name) == LOCK_NAME
+
+
 def is_remote(location: str) -> bool:
     """True for ``s3://`` URLs."""
     return str(location).startswith("s3://")

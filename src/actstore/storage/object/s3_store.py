@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: What a conditional request returns inside the retrier when the service lacks the feature.
+_UNSUPPORTED = object()
+
 _SESSION_LOCK = threading.Lock()
 _SESSION: tuple[int, Any] | None = None
 
@@ -396,6 +399,137 @@ class S3Store(ObjectStore):
                 raise
 
         self._call("COMPLETE multipart", key, attempt)
+
+    def pending_upload(self, key: str) -> tuple[str, dict[int, tuple[str, int]]] | None:
+        """The newest unfinished multipart upload of ``key`` and its parts (number ->
+        (ETag, size)), for resuming it; None when there is none."""
+        response = self._call(
+            "LIST uploads",
+            key,
+            lambda: self.client.list_multipart_uploads(Bucket=self.bucket, Prefix=key),
+        )
+        uploads = [u for u in response.get("Uploads", []) if u["Key"] == key]
+        if not uploads:
+            return None
+        upload_id = max(uploads, key=lambda u: u["Initiated"])["UploadId"]
+        parts: dict[int, tuple[str, int]] = {}
+        marker = 0
+        while True:
+            try:
+                page = self._call(
+                    "LIST parts",
+                    key,
+                    lambda m=marker: self.client.list_parts(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumberMarker=m
+                    ),
+                )
+            except StoreNotFoundError:
+                return None  # completed or aborted meanwhile
+            for p in page.get("Parts", []):
+                parts[int(p["PartNumber"])] = (p["ETag"], int(p["Size"]))
+            if not page.get("IsTruncated"):
+                return upload_id, parts
+            marker = int(page["NextPartNumberMarker"])
+
+    # Conditional writes (If-None-Match / If-Match), for the write lock.
+
+    def _precondition_failed(self, err: BaseException) -> bool:
+        botocore_exc = require("botocore.exceptions", "s3")
+        if not isinstance(err, botocore_exc.ClientError):
+            return False
+        code = str(err.response.get("Error", {}).get("Code", ""))
+        status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        # 412: the condition does not hold; 409: a concurrent conditional write won.
+        return status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")
+
+    def _unsupported(self, err: BaseException) -> bool:
+        botocore_exc = require("botocore.exceptions", "s3")
+        if not isinstance(err, botocore_exc.ClientError):
+            return False
+        code = str(err.response.get("Error", {}).get("Code", ""))
+        status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        return status == 501 or code == "NotImplemented"
+
+    def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
+        """PUT ``data`` only if ``key`` does not exist (``etag=None``: ``If-None-Match: *``)
+        or still has ETag ``etag`` (``If-Match``). Returns the new ETag, or None when the
+        condition does not hold. Raises :class:`NotImplementedError` when the service
+        does not support conditional writes (the caller falls back)."""
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+
+        def attempt() -> Any:
+            try:
+                response = self.client.put_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=data,
+                    ContentType="application/json",
+                    **condition,
+                )
+            except Exception as err:
+                if self._precondition_failed(err):
+                    return None
+                if self._unsupported(err):
+                    return _UNSUPPORTED
+                raise
+            return str(response["ETag"]).strip('"')
+
+        try:
+            done = self._call("conditional PUT", key, attempt)
+        except StoreNotFoundError:
+            return None  # If-Match on a key that is gone
+        if done is _UNSUPPORTED:
+            raise NotImplementedError(f"{self.root_url} does not support conditional writes")
+        return done
+
+    def get_with_age(self, key: str) -> tuple[bytes, str, float] | None:
+        """``(body, ETag, age_s)`` of ``key``, or None if it does not exist. ``age_s`` is the
+        time since the object was last written, by the server's clock (its ``Date``
+        header minus ``Last-Modified``), so clients' clock skew does not matter."""
+        import email.utils
+
+        def attempt() -> tuple[bytes, str, float]:
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            body = response["Body"].read()
+            headers = response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            modified = response.get("LastModified")
+            age = 0.0
+            if headers.get("date") and modified is not None:
+                now = email.utils.parsedate_to_datetime(headers["date"])
+                age = max(0.0, (now - modified).total_seconds())
+            return body, str(response.get("ETag", "")).strip('"'), age
+
+        try:
+            return self._call("GET", key, attempt)
+        except StoreNotFoundError:
+            return None
+
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete ``key`` only if its ETag is still ``etag``; False if it changed or is
+        gone. Services without conditional deletes get a plain DELETE after a check."""
+
+        def attempt() -> Any:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
+            except Exception as err:
+                if self._precondition_failed(err):
+                    return False
+                if self._unsupported(err):
+                    return _UNSUPPORTED
+                raise
+            return True
+
+        try:
+            done = self._call("conditional DELETE", key, attempt)
+        except StoreNotFoundError:
+            return False
+        if done is not _UNSUPPORTED:
+            return done
+        found = self.get_with_age(key)
+        if found is None or found[1] != etag:
+            return False
+        self.delete(key)
+        return True
 
     def delete(self, key: str) -> None:
         self._call("DELETE", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=key))

@@ -1,0 +1,115 @@
+"""Send finished files to object storage on a background thread while their writer goes on.
+
+:class:`BackgroundUploader` takes ``(name, path)`` pairs (a writer's sealed files, see
+``WriterBase.sealed_files``) through :meth:`~BackgroundUploader.offer`, which only queues
+them: the caller never waits on the network. One thread sends them in order, each as a
+multipart upload on the uploader's own part pool (:class:`~actstore.storage.copy.FileCopier`,
+so an interrupted upload of a large file resumes part by part). A file already at the
+destination with the same size and the ETag of the local bytes is not sent again (a rerun
+after ``kill -9``). Errors are kept for :meth:`~BackgroundUploader.finish` to report; the
+uploader stops sending after the first.
+
+Example:
+    >>> up = BackgroundUploader(store, "acts/3f1c")  # doctest: +SKIP
+    >>> up.offer([("acts000000.bin", Path("/staging/acts000000.bin"))])  # doctest: +SKIP
+    >>> up.finish()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .copy import DEFAULT_PART_BYTES, FileCopier, multipart_etag
+from .files import PathFiles
+from .object import S3Store
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundUploader:
+    """Uploads offered files to ``store`` under ``prefix`` (``prefix/name``)."""
+
+    def __init__(
+        self,
+        store: S3Store,
+        prefix: str,
+        *,
+        threads: int = 8,
+        part_bytes: int = DEFAULT_PART_BYTES,
+    ) -> None:
+        self.store, self.prefix = store, prefix
+        self.threads, self.part_bytes = threads, part_bytes
+        self.etags: dict[str, str] = {}
+        """Name -> ETag of every file now at the destination (sent or found there)."""
+        self.sent: list[str] = []
+        self.found: list[str] = []
+        """Files found already uploaded (by an earlier, interrupted run)."""
+        self.errors: list[tuple[str, BaseException]] = []
+        self._files = PathFiles(f"files queued for {store.url(prefix)}")
+        self._queue: queue.Queue[tuple[str, Path] | None] = queue.Queue()
+        self._offered: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    def offer(self, files: Iterable[tuple[str, Path]]) -> None:
+        """Queue the files not offered before (returns at once)."""
+        for name, path in files:
+            if name in self._offered:
+                continue
+            self._offered.add(name)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="actstore-uploader", daemon=True
+                )
+                self._thread.start()
+            self._queue.put((name, Path(path)))
+
+    def _run(self) -> None:
+        copier = FileCopier(self._files, self.store, self.prefix, self.part_bytes, None)
+        present: dict[str, tuple[int, str]] | None = None
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-upload-part") as pool:
+            while (item := self._queue.get()) is not None:
+                if self.errors or self._stopping.is_set():
+                    continue
+                name, path = item
+                try:
+                    if present is None:  # one listing: what an interrupted run sent
+                        base = self.prefix.rstrip("/") + "/" if self.prefix else ""
+                        present = {
+                            o.key[len(base) :]: (o.size, o.version) for o in self.store.list(base)
+                        }
+                    size = path.stat().st_size
+                    have = present.get(name)
+                    same = have is not None and have[0] == size and have[1] != ""
+                    if same and multipart_etag(path, have[1]) == have[1]:
+                        self.etags[name] = have[1]
+                        self.found.append(name)
+                        continue
+                    self._files.add(name, path)
+                    copier.run(pool, [name], {name: size})
+                    self.etags[name] = copier.etags[name]
+                    self.sent.append(name)
+                    log.debug("uploaded %s", self.store.url(f"{self.prefix}/{name}"))
+                except BaseException as err:  # noqa: BLE001 - reported by finish()
+                    self.errors.append((name, err))
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def finish(self) -> dict[str, str]:
+        """Wait for every queued file; returns :attr:`etags`. Errors stay in :attr:`errors`."""
+        self._join()
+        return self.etags
+
+    def stop(self) -> None:
+        """Send nothing more; wait for the file being sent (its parts stay resumable)."""
+        self._stopping.set()
+        self._join()
