@@ -139,6 +139,38 @@ def test_loader_over_s3_serves_every_row_exactly_once(s3, local):
     np.testing.assert_array_equal(np.concatenate(xs), acts["resid.3"].reshape(-1, 8)[got])
 
 
+def test_dataloader_workers_over_s3_share_a_cache(s3, local, tmp_path):
+    """Forked workers (after the parent read a block: its client and threads must not be
+    reused) serve every row once; the second epoch comes from the cache, no GET of data."""
+    from actstore.loader import ActivationDataLoader
+
+    store, _ = local
+    url = s3.url("acts", "sl")
+    upload(store, url)
+    reader = SaelensReader(url, cache_dir=tmp_path / "cache")
+    reader.read_block(reader.blocks("resid.1")[-1])
+    options = {"site": "resid.1", "batch_size": 7, "pool_blocks": 2, "return_index": True}
+    for epoch in range(2):
+        before = len(s3.faults.requests)
+        data = ActivationDataLoader(ActivationLoader(reader, **options), num_workers=2)
+        got = np.concatenate([b.rows.numpy() for b in data])
+        assert sorted(got.tolist()) == list(range(23 * 6))
+        if epoch:
+            assert arrow_gets(s3, before) == []
+
+
+def test_reads_survive_connection_resets_through_the_proxy(s3_proxy, local):
+    store, acts = local
+    url = s3_proxy.url("acts", "sl")
+    upload(store, url)
+    reader, here = SaelensReader(url), SaelensReader(store)
+    s3_proxy.proxy.reset_connections(times=3, after_bytes=200)
+    for a, b in zip(reader.blocks("resid.3"), here.blocks("resid.3")):
+        np.testing.assert_array_equal(reader.read_block(a), here.read_block(b))
+    assert reader.io.store.retries >= 1
+    np.testing.assert_array_equal(reader[[3, 20], "resid.1"], acts["resid.1"][[3, 20]])
+
+
 def test_verify_and_reads_catch_a_flipped_byte_on_s3(s3, local):
     store, _ = local
     url = s3.url("flip")
