@@ -223,6 +223,53 @@ def test_cli_cp_both_ways_and_sae_lens_reads_the_download_exactly(s3, local, tmp
         np.testing.assert_array_equal(ids, SaelensReader(store).tokens[:20].reshape(-1))
 
 
+def test_convert_from_s3_to_a_local_saev_store(s3, local, tmp_path):
+    from actstore.convert import convert
+
+    store, acts = local
+    url = s3.url("acts", "sl")
+    upload(store, url)
+    result = convert(url, tmp_path / "saev", to="saev", progress=False)
+    assert result.lossless and result.verified
+    saev = open_store(result.location)
+    for layer in (1, 3):
+        np.testing.assert_array_equal(rows(saev, layer), acts[f"resid.{layer}"].reshape(-1, 8))
+    np.testing.assert_array_equal(np.asarray(saev.tokens), SaelensReader(store).tokens)
+
+
+def test_a_cache_sae_lens_wrote_reads_from_s3_whole_files(s3, tmp_path):
+    import warnings
+
+    import datasets
+
+    from actstore.formats.saelens import UnverifiedStoreWarning
+
+    n, t, d = 9, 5, 6
+    acts = np.random.default_rng(1).standard_normal((n, t, d)).astype(np.float32)
+    ids = np.arange(n * t, dtype=np.int32).reshape(n, t)
+    features = datasets.Features(
+        {
+            "blocks.2.hook_resid_post": datasets.Array2D(shape=(t, d), dtype="float32"),
+            "token_ids": datasets.Sequence(datasets.Value(dtype="int32"), length=t),
+        }
+    )
+    datasets.Dataset.from_dict(
+        {"blocks.2.hook_resid_post": acts, "token_ids": ids}, features=features
+    ).save_to_disk(str(tmp_path / "theirs"), num_shards=2)
+    url = s3.url("theirs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedStoreWarning)
+        copy_store(tmp_path / "theirs", url, threads=4, check_store=verify_store)
+    with pytest.warns(UnverifiedStoreWarning):
+        reader = open_store(url)
+    assert isinstance(reader, SaelensReader) and reader.remote and not reader.verified
+    np.testing.assert_array_equal(rows(reader, "resid.2"), acts.reshape(-1, d))
+    np.testing.assert_array_equal(reader[[7, 1], "resid.2", 3], acts[[7, 1], 3])
+    np.testing.assert_array_equal(reader.tokens, ids)
+    report = reader.verify()
+    assert report.ok and "unverified" in report.notes[0] and report.files_checked == 2
+
+
 @pytest.mark.xfail(
     reason="storage/copy.py PUBLISH_LAST names only metadata.json; saelens needs state.json "
     "there too so the manifest lands after every other file",
