@@ -233,12 +233,15 @@ def values_offsets(data: Any, block_columns: tuple[str, ...] | list[str]) -> lis
         table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
         chunks = [table.column(c).chunks for c in block_columns]
     except (pa.ArrowInvalid, KeyError) as err:
-        raise CorruptStoreError(f"not a readable Arrow stream with {block_columns} ({err})")
+        raise CorruptStoreError(
+            f"not a readable Arrow stream with {block_columns} ({err})"
+        ) from err
     out = []
     for batch in zip(*chunks):
         at = []
         for chunk in batch:
-            flat = getattr(chunk, "storage", chunk).flatten()
+            storage = chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk
+            flat = storage.flatten()
             if not pa.types.is_primitive(flat.type):
                 flat = flat.flatten()
             at.append(flat.to_numpy(zero_copy_only=True).ctypes.data - data.address)
