@@ -58,7 +58,7 @@ def ls(
       actstore ls s3://bucket                    # runs in the bucket
       actstore ls s3://bucket/run                # hooks: files, sizes, shapes, progress
       actstore ls s3://bucket/run/models.layers.6.post --all
-      actstore ls s3://bucket/acts/3f1c0e        # a saev or pkl.gz store
+      actstore ls s3://bucket/acts/3f1c0e        # a saev, pkl.gz or saelens store
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
