@@ -50,7 +50,7 @@ def ls(
         None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."
     ),
 ) -> None:
-    """List a saev or pkl.gz store (its shape and files), the runs, hooks and megabatch files
+    """List a saev, pkl.gz or saelens store (its shape and files), the runs, hooks and megabatch files
     of an Activault layout, or any prefix.
 
     \b
@@ -58,7 +58,7 @@ def ls(
       actstore ls s3://bucket                    # runs in the bucket
       actstore ls s3://bucket/run                # hooks: files, sizes, shapes, progress
       actstore ls s3://bucket/run/models.layers.6.post --all
-      actstore ls s3://bucket/acts/3f1c0e        # a saev or pkl.gz store
+      actstore ls s3://bucket/acts/3f1c0e        # a saev, pkl.gz or saelens store
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
@@ -107,10 +107,10 @@ def ls(
 
 
 def _store_summary(location: str, url: str) -> dict[str, Any] | None:
-    """``describe()`` of a saev or pkl.gz store at ``location`` (None: not one of those)."""
+    """``describe()`` of a saev, pkl.gz or saelens store at ``location`` (None: none of those)."""
     from ..formats import get_format
 
-    for name in ("saev", "pickle"):
+    for name in ("saev", "pickle", "saelens"):
         spec = get_format(name)
         if spec.detect(location):
             return {"store": url, **spec.open_reader(location).describe()}

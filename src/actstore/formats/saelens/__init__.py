@@ -1,20 +1,25 @@
 """SAELens's cached-activations layout: a ``datasets`` directory ``sae_lens`` trains from
-(``ActivationsStore(cached_activations_path=...)``), one column per TransformerLens hook."""
+(``ActivationsStore(cached_activations_path=...)``), one column per TransformerLens hook;
+local or at ``s3://bucket/prefix`` (read with ranged GETs, written through a staging
+directory)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from ..base import WriterBase
 from ..registry import FormatSpec
 from .layout import FORMAT_TAG, INFO, SIDECAR, STATE, SaelensLayout, hook_name, hook_site
 from .options import SaelensOptions
 from .parts import part_format
-from .reader import SaelensReader, UnverifiedStoreWarning
+from .reader import SaelensReader, UnverifiedStoreWarning, detect_remote
 from .writer import SaelensWriter, merge_parts
 
 
 def _detect(location: str) -> bool:
+    if location.startswith("s3://"):
+        return detect_remote(location)
     p = Path(location).expanduser()
     if (p / SIDECAR).is_file():
         try:
@@ -31,7 +36,13 @@ def _detect(location: str) -> bool:
     return any(isinstance(f, dict) and f.get("_type") == "Array2D" for f in features.values())
 
 
-def _writer_for_plan(plan, out: str, options: SaelensOptions) -> SaelensWriter:
+def _writer_for_plan(plan, out: str, options: SaelensOptions) -> WriterBase:
+    if str(out).startswith("s3://"):
+        from ..s3_staged import StagedS3Writer
+
+        return StagedS3Writer(
+            out, lambda staging: SaelensWriter.from_plan(plan, staging, options), manifest=STATE
+        )
     return SaelensWriter.from_plan(plan, out, options)
 
 

@@ -9,7 +9,10 @@ loads it with ``datasets.load_from_disk`` and reads the column of its ``hook_nam
 
 actstore adds sidecar files that ``datasets`` and ``sae_lens`` ignore: ``actstore.json``
 (the layout and capture plan), ``statistics.json`` (exact per-site statistics) and
-``checksums.json`` (sha256 per file and xxh3-64 per block of every column).
+``checksums.json`` (sha256 per file and xxh3-64 per block of every column). For every
+record batch ``actstore.json`` also records where each column's values start in its file
+(``values_at``): a reader on object storage fetches a block with one ranged GET of just
+those bytes, without walking the Arrow stream.
 
 Example i of a store lives in file ``i // examples_per_shard``; inside a file, Arrow record
 batches of ``examples_per_block`` examples are the blocks actstore reads and checksums.
@@ -218,3 +221,29 @@ def choose_layout(
         examples_per_block=per_block,
         has_tokens=plan.has_tokens,
     )
+
+
+def values_offsets(data: Any, block_columns: tuple[str, ...] | list[str]) -> list[list[int]]:
+    """Byte offset in an Arrow stream file (``data``: a pyarrow buffer of the whole file) of
+    the values of each of ``block_columns`` in each record batch: the flat, contiguous
+    buffer an ``Array2D`` (or fixed-length token) column keeps its numbers in."""
+    import pyarrow as pa
+
+    try:
+        table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
+        chunks = [table.column(c).chunks for c in block_columns]
+    except (pa.ArrowInvalid, KeyError) as err:
+        raise CorruptStoreError(
+            f"not a readable Arrow stream with {block_columns} ({err})"
+        ) from err
+    out = []
+    for batch in zip(*chunks):
+        at = []
+        for chunk in batch:
+            storage = chunk.storage if isinstance(chunk, pa.ExtensionArray) else chunk
+            flat = storage.flatten()
+            if not pa.types.is_primitive(flat.type):
+                flat = flat.flatten()
+            at.append(flat.to_numpy(zero_copy_only=True).ctypes.data - data.address)
+        out.append(at)
+    return out

@@ -1,7 +1,11 @@
 """Read a SAELens activation cache: actstore's own, or one ``sae_lens`` itself wrote.
 
 The Arrow files are memory-mapped with pyarrow (as ``datasets`` does), so a block read is
-one copy out of the page cache. A store actstore wrote carries sidecars: file sizes are
+one copy out of the page cache. On object storage (``s3://bucket/prefix``) a block is one
+ranged GET of just its values, whose place in the file ``actstore.json`` records
+(``values_at``); whole blocks are checked against their xxh3-64 as they arrive, locally
+and remotely alike. ``state.json``, the index ``datasets`` opens first, is the manifest:
+a prefix without it is refused. A store actstore wrote carries sidecars: file sizes are
 checked on opening, ``verify()`` re-hashes every file (sha256) and every block of every
 column (xxh3-64), and exact statistics are served. A cache ``sae_lens`` wrote has none of
 them: it opens with one warning that its contents cannot be verified, and ``verify()``
@@ -33,17 +37,21 @@ from ...batch import CapturePlan
 from ...errors import (
     ConfigError,
     CorruptStoreError,
+    IndexOutOfRangeError,
     LayerNotStoredError,
     StoreNotFoundError,
 )
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage import FileHasher, read_json
+from ...storage.files import StoreFiles, open_files
 from ...storage.local import IO_CHUNK
+from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     BLOCK_BYTES,
     CHECKSUMS,
+    FORMAT_TAG,
     INFO,
     PROGRESS,
     SIDECAR,
@@ -63,82 +71,125 @@ class UnverifiedStoreWarning(UserWarning):
 
 
 class SaelensReader(ReaderBase):
-    """Read access to one cache directory; picklable (memory maps reopen per process)."""
+    """Read access to one cache, a directory or ``s3://bucket/prefix``; picklable (memory
+    maps, S3 clients and threads reopen per process).
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    ``verify_reads``: check every whole block read against its xxh3-64 in
+    ``checksums.json``. ``cache_dir`` / ``cache_bytes`` / ``s3``: the local cache tier and
+    S3 settings of a remote store (see :func:`~actstore.storage.files.open_files`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        verify_reads: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
+        s3: S3Config | None = None,
+    ) -> None:
         from datasets import Array2D, Features
 
-        self.path = Path(path).expanduser()
-        if self.path.name.endswith(".partial") or (self.path / PROGRESS).exists():
+        self.io: StoreFiles = open_files(path, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3)
+        self.remote = self.io.local_path is None
+        self.url = self.io.url
+        self.path = self.io.local_path or Path(self.url.rstrip("/").rpartition("/")[2])
+        self.verify_reads = verify_reads
+        if self.path.name.endswith(".partial") or self.io.exists(PROGRESS):
             raise CorruptStoreError(
-                f"{self.path} is an unfinished capture (a .partial directory): rerun the same "
+                f"{self.url} is an unfinished capture (a .partial directory): rerun the same "
                 "capture command to resume and publish it"
             )
-        if not self.path.is_dir():
+        if not self.remote and not self.path.is_dir():
             raise StoreNotFoundError(f"{self.path} is not a directory (a SAELens cache)")
-        if not (self.path / STATE).is_file():
+        if not self.io.exists(STATE):
             raise StoreNotFoundError(
-                f"{self.path / STATE} does not exist; is {self.path} a dataset saved with "
+                f"{self.url} holds no saelens store (no {STATE}): an unfinished upload or a "
+                "wrong URL; finish the copy (actstore cp) or fix the URL"
+                if self.remote
+                else f"{self.path / STATE} does not exist; is {self.path} a dataset saved with "
                 "save_to_disk?"
             )
-        state = read_json(self.path / STATE)
+        state = self._json(STATE)
         try:
             self.files = tuple(str(e["filename"]) for e in state["_data_files"])
-            features = Features.from_dict(read_json(self.path / INFO)["features"])
+            features = Features.from_dict(self._json(INFO)["features"])
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptStoreError(
-                f"{self.path}: state.json or dataset_info.json is malformed ({err!r})"
+                f"{self.url}: state.json or dataset_info.json is malformed ({err!r})"
             ) from err
         for name in self.files:
-            if os.sep in name or name.startswith(".") or not (self.path / name).is_file():
-                raise StoreNotFoundError(f"{self.path / name} is missing; restore it or re-capture")
+            if "/" in name or os.sep in name or name.startswith(".") or not self.io.exists(name):
+                raise StoreNotFoundError(
+                    f"{self.io.url_of(name)} is missing; "
+                    + (
+                        "finish the upload (actstore cp) or re-capture"
+                        if self.remote
+                        else "restore it or re-capture"
+                    )
+                )
         self.columns = tuple(k for k, f in features.items() if isinstance(f, Array2D))
         if not self.columns:
             raise CorruptStoreError(
-                f"{self.path} holds no Array2D activation column (columns: {list(features)})"
+                f"{self.url} holds no Array2D activation column (columns: {list(features)})"
             )
         shapes = {tuple(features[c].shape) for c in self.columns}
         dtypes = {features[c].dtype for c in self.columns}
         if len(shapes) > 1 or len(dtypes) > 1:
             raise ConfigError(
-                f"{self.path}: columns differ in shape or dtype ({shapes}, {dtypes}); "
+                f"{self.url}: columns differ in shape or dtype ({shapes}, {dtypes}); "
                 "actstore reads caches whose hooks share (context_size, d_in) and dtype"
             )
         (self.context_size, self._d_in), (dtype,) = shapes.pop(), dtypes
         self._dtype = np.dtype(dtype)
         self.has_tokens = TOKENS in features
+        self.block_columns = (*self.columns, *((TOKENS,) if self.has_tokens else ()))
         self.record: dict[str, Any] | None = None
         self.layout: SaelensLayout | None = None
-        if (self.path / SIDECAR).is_file():
+        if self.io.exists(SIDECAR):
             self._open_own()
         else:
             warnings.warn(
-                f"{self.path} has no actstore sidecars (a cache sae_lens wrote?): its contents "
+                f"{self.url} has no actstore sidecars (a cache sae_lens wrote?): its contents "
                 "cannot be verified and it has no stored statistics",
                 UnverifiedStoreWarning,
                 stacklevel=2,
             )
         self._tables: dict[int, Any] = {}
         self._batch_rows: list[list[int]] | None = None
+        self._starts: np.ndarray | None = None
+        self._digests: dict[str, Any] | None = None
+        self._tokens: np.ndarray | None = None
         self._pid = os.getpid()
 
+    def _json(self, name: str) -> Any:
+        """A JSON file of the store (local errors name the path; remote ones the URL)."""
+        return self.io.read_json(name) if self.remote else read_json(self.path / name)
+
     def _open_own(self) -> None:
-        record = read_json(self.path / SIDECAR)
-        layout = SaelensLayout.from_dict(record.get("layout"), source=str(self.path / SIDECAR))
+        record = self._json(SIDECAR)
+        layout = SaelensLayout.from_dict(record.get("layout"), source=self.io.url_of(SIDECAR))
         listed = record.get("files") or []
         if tuple(layout.columns) != self.columns or [e.get("name") for e in listed] != list(
             self.files
         ):
             raise CorruptStoreError(
-                f"{self.path}: {SIDECAR} does not match state.json/dataset_info.json "
+                f"{self.url}: {SIDECAR} does not match state.json/dataset_info.json "
                 "(files or columns differ); restore the store or re-capture"
             )
+        if self.remote:  # every sidecar is in before a store counts as uploaded
+            for name in (CHECKSUMS, STATISTICS):
+                if not self.io.exists(name):
+                    raise StoreNotFoundError(
+                        f"{self.io.url_of(name)} is missing: an unfinished upload; finish the "
+                        "copy (actstore cp) or re-capture"
+                    )
         for entry in listed:
-            file = self.path / entry["name"]
-            if file.stat().st_size != entry.get("bytes"):
+            size = self.io.size(entry["name"])
+            if size != entry.get("bytes"):
                 raise CorruptStoreError(
-                    f"{file} has {file.stat().st_size} bytes, expected {entry.get('bytes')} "
-                    "(truncated or replaced); restore it or re-capture"
+                    f"{self.io.url_of(entry['name'])} has {size} bytes, expected "
+                    f"{entry.get('bytes')} (truncated or replaced); restore it or re-capture"
                 )
         self.record, self.layout = record, layout
 
@@ -199,29 +250,48 @@ class SaelensReader(ReaderBase):
 
     def __repr__(self) -> str:
         return (
-            f"SaelensReader({str(self.path)!r}, columns={list(self.columns)}, "
+            f"SaelensReader({self.url!r}, columns={list(self.columns)}, "
             f"context_size={self.context_size}, d_in={self.d_model})"
         )
 
     # ------------------------------------------------------------------ files
 
     def _table(self, index: int) -> Any:
-        """File ``index`` as a memory-mapped pyarrow Table (one chunk per record batch)."""
+        """File ``index`` as a pyarrow Table (one chunk per record batch): memory-mapped on
+        local disk; on object storage the whole file is fetched (only caches without
+        actstore's ``values_at`` and ``verify()`` need that)."""
         import pyarrow as pa
 
         if os.getpid() != self._pid:  # forked: maps are the parent's
             self._tables, self._pid = {}, os.getpid()
         table = self._tables.get(index)
         if table is None:
-            path = self.path / self.files[index]
-            try:
-                table = pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
-            except (pa.ArrowInvalid, OSError) as err:
-                raise CorruptStoreError(f"{path} is not a readable Arrow stream ({err})") from err
-            missing = [c for c in self.columns if c not in table.column_names]
-            if missing:
-                raise CorruptStoreError(f"{path} lacks the columns {missing}")
+            name = self.files[index]
+            if self.remote:
+                data = self.io.read_range(name, 0, self.io.require(name))
+            else:
+                try:
+                    data = pa.memory_map(str(self.path / name))
+                except OSError as err:
+                    raise CorruptStoreError(f"{self.path / name} cannot be read ({err})") from err
+            table = self._parse(name, data)
             table = self._tables.setdefault(index, table)
+        return table
+
+    def _parse(self, name: str, data: Any) -> Any:
+        """The Arrow stream in ``data`` (a memory map or buffer) as a Table."""
+        import pyarrow as pa
+
+        source = data if isinstance(data, pa.MemoryMappedFile) else pa.py_buffer(data)
+        try:
+            table = pa.ipc.open_stream(source).read_all()
+        except (pa.ArrowInvalid, OSError) as err:
+            raise CorruptStoreError(
+                f"{self.io.url_of(name)} is not a readable Arrow stream ({err})"
+            ) from err
+        missing = [c for c in self.columns if c not in table.column_names]
+        if missing:
+            raise CorruptStoreError(f"{self.io.url_of(name)} lacks the columns {missing}")
         return table
 
     def _rows(self) -> list[list[int]]:
@@ -241,9 +311,31 @@ class SaelensReader(ReaderBase):
             self._batch_rows = out
         return self._batch_rows
 
+    def _values_at(self, index: int) -> list[list[int]] | None:
+        """Byte offsets of each block column's values per record batch of file ``index``
+        (from ``actstore.json``; None for caches without them)."""
+        if self.record is None:
+            return None
+        at = self.record["files"][index].get("values_at")
+        if at is not None and (
+            len(at) != len(self._rows()[index])
+            or any(len(a) != len(self.block_columns) for a in at)
+        ):
+            raise CorruptStoreError(
+                f"{self.io.url_of(SIDECAR)}: values_at of {self.files[index]} does not match "
+                "its record batches; restore the store or re-capture"
+            )
+        return at
+
+    def _remote_at(self, index: int) -> list[list[int]] | None:
+        """:meth:`_values_at` where ranged reads replace the memory map (remote stores)."""
+        return self._values_at(index) if self.remote else None
+
     def close(self) -> None:
-        """Drop memory maps (reopened on next use)."""
+        """Drop memory maps and fetched files (reopened on next use)."""
         self._tables = {}
+        if os.getpid() == self._pid:
+            self.io.close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_tables": {}}
@@ -271,18 +363,49 @@ class SaelensReader(ReaderBase):
         return out
 
     def _values(self, block: Block) -> np.ndarray:
-        """Zero-copy ``[n_rows, D]`` view of ``block`` in the memory map."""
+        """``[n_rows, D]`` rows of ``block``: a view of the memory map, or (on object
+        storage) of one ranged read of just those bytes. Whole record batches are checked
+        against their xxh3-64 in ``checksums.json``."""
         f, b, lo, k = block.loc
-        chunk = self._table(f).column(self.column(block.site)).chunk(b)
-        return _chunk_values(chunk, self.context_size, self.d_model)[
-            lo * self.context_size : (lo + k) * self.context_size
-        ]
+        column = self.column(block.site)
+        t, d = self.context_size, self.d_model
+        at = self._remote_at(f)
+        if at is not None:
+            row_bytes = t * d * self.dtype.itemsize
+            start = at[b][self.block_columns.index(column)] + lo * row_bytes
+            view = self.io.read_view(self.files[f], start, k * row_bytes)
+            values = np.frombuffer(view, dtype=self.dtype).reshape(-1, d)
+        else:
+            chunk = self._table(f).column(column).chunk(b)
+            values = _chunk_values(chunk, t, d)[lo * t : (lo + k) * t]
+        if values.shape[0] != block.n_rows:
+            raise CorruptStoreError(f"{self.io.url_of(self.files[f])}: block is short")
+        if lo == 0 and k == self._rows()[f][b]:
+            self._check(f, b, column, values)
+        return values
+
+    def _check(self, f: int, b: int, column: str, values: np.ndarray) -> None:
+        """Raise unless ``values`` (all of ``column`` in batch ``b`` of file ``f``) match
+        their xxh3-64 in ``checksums.json`` (stores actstore wrote, ``verify_reads``)."""
+        if not self.verify_reads or self.layout is None:
+            return
+        if self._digests is None:
+            sums = self._json(CHECKSUMS) if self.io.exists(CHECKSUMS) else {}
+            self._digests = (sums.get("blocks") or {}) if isinstance(sums, dict) else {}
+        blocks = self._digests.get(self.files[f])
+        if blocks is None:
+            return
+        want = blocks[b][self.block_columns.index(column)] if b < len(blocks) else None
+        if xxhash.xxh3_64_hexdigest(np.ascontiguousarray(values).data) != want:
+            raise CorruptStoreError(
+                f"{self.io.url_of(self.files[f])}: block {b} of {column} fails its xxh3 "
+                "checksum: the stored data was changed or damaged; restore the file or "
+                "re-capture (verify_reads=False reads it anyway)"
+            )
 
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``block`` as ``[n_rows, D]`` in :attr:`dtype` (into ``out`` if given)."""
         values = self._values(block)
-        if values.shape[0] != block.n_rows:
-            raise CorruptStoreError(f"{self.path / self.files[block.loc[0]]}: block is short")
         if out is None:
             return values.copy()
         np.copyto(out, values, casting="same_kind")
@@ -303,29 +426,111 @@ class SaelensReader(ReaderBase):
     def aligned_on(self, sites: Any) -> bool:
         return True
 
+    # ------------------------------------------------------------------ random access
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """``reader[example, site, token]``: example and token take ints, slices or int
+        arrays; site is one column (any spelling :meth:`column` takes) or ``:`` for all.
+        On object storage only the bytes of the tokens asked for are fetched."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if len(key) > 3:
+            raise IndexError("index as reader[example, site, token]")
+        ex, site, token = (*key, *(slice(None),) * (3 - len(key)))
+        examples = _indices(ex, self.n_examples, "example")
+        if isinstance(site, slice):
+            if site != slice(None):
+                raise IndexError("sites are selected by name (reader[ex, 'resid.3']) or all (:)")
+            columns = list(self.columns)
+        else:
+            columns = [self.column(site)]
+        t, d = self.context_size, self.d_model
+        picked = _indices(token, t, "token")
+        t0, t1 = (int(picked.min()), int(picked.max()) + 1) if picked.size else (0, 0)
+        buf = np.empty((len(examples), len(columns), t1 - t0, d), dtype=self.dtype)
+        if t1 > t0 and len(examples):
+            self._read_spans(examples, columns, t0, t1, buf)
+        out = buf[:, :, picked - t0]
+        if not isinstance(site, slice):
+            out = out[:, 0]
+        if isinstance(token, (int, np.integer)):
+            out = out[..., 0, :]
+        return out[0] if isinstance(ex, (int, np.integer)) else out
+
+    def _locate(self, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """File, record batch and row in it of each example."""
+        if self._starts is None:
+            spans = [(f, b, n) for f, rows in enumerate(self._rows()) for b, n in enumerate(rows)]
+            self._spans = np.array([(f, b) for f, b, _ in spans], dtype=np.int64).reshape(-1, 2)
+            self._starts = np.cumsum([0] + [n for _, _, n in spans])[:-1]
+        k = np.searchsorted(self._starts, examples, side="right") - 1
+        return self._spans[k, 0], self._spans[k, 1], examples - self._starts[k]
+
+    def _read_spans(
+        self, examples: np.ndarray, columns: list[str], t0: int, t1: int, buf: np.ndarray
+    ) -> None:
+        """Tokens ``[t0, t1)`` of each example and column into ``buf[i, j]``."""
+        t, d = self.context_size, self.d_model
+        files, batches, rows = self._locate(examples)
+        for f in np.unique(files):
+            mine = np.flatnonzero(files == f)
+            at = self._remote_at(int(f))
+            if at is not None:  # one merged set of ranged GETs per file
+                item = self.dtype.itemsize
+                ranges = [
+                    (
+                        at[batches[i]][self.block_columns.index(c)] + (rows[i] * t + t0) * d * item,
+                        buf[i, j],
+                    )
+                    for i in mine
+                    for j, c in enumerate(columns)
+                ]
+                self.io.read_ranges(self.files[f], ranges)
+                continue
+            table = self._table(int(f))
+            for i in mine:
+                for j, c in enumerate(columns):
+                    values = _chunk_values(table.column(c).chunk(int(batches[i])), t, d)
+                    buf[i, j] = values[rows[i] * t + t0 : rows[i] * t + t1]
+
+    # ------------------------------------------------------------------ statistics, tokens
+
     def statistics(self, site: Hashable) -> RunningStats | None:
         """Exact statistics of ``site`` (None for caches without actstore's sidecars)."""
         column = self.column(site)
-        path = self.path / STATISTICS
-        if self.layout is None or not path.is_file():
+        if self.layout is None or not self.io.exists(STATISTICS):
             return None
         index = self.columns.index(column)
-        return RunningStats.from_dict(read_json(path)["sites"][self.layout.sites[index]])
+        return RunningStats.from_dict(self._json(STATISTICS)["sites"][self.layout.sites[index]])
 
     @property
     def tokens(self) -> np.ndarray | None:
         """Token ids ``[n_examples, context_size]`` (int32), or None without that column."""
         if not self.has_tokens:
             return None
+        if self._tokens is not None:
+            return self._tokens
         parts = []
         for f in range(len(self.files)):
+            at = self._remote_at(f)
+            if at is not None:  # just the token bytes of each record batch
+                counts = self._rows()[f]
+                got = [np.empty(n * self.context_size, dtype="<i4") for n in counts]
+                self.io.read_ranges(self.files[f], [(a[-1], g) for a, g in zip(at, got)])
+                for b, values in enumerate(got):
+                    self._check(f, b, TOKENS, values)
+                parts += [g.reshape(-1, self.context_size) for g in got]
+                continue
             column = self._table(f).column(TOKENS)
             for chunk in column.chunks:
                 flat = chunk.flatten().to_numpy(zero_copy_only=False)
                 parts.append(flat.reshape(-1, self.context_size))
         if not parts:
             return np.empty((0, self.context_size), dtype=np.int32)
-        return np.concatenate(parts).astype(np.int32, copy=False)
+        tokens = np.concatenate(parts).astype(np.int32, copy=False)
+        if self.remote:
+            self._tokens = tokens
+        return tokens
 
     labels = None
     classes = None
@@ -371,10 +576,10 @@ class SaelensReader(ReaderBase):
 
     def describe(self) -> dict[str, Any]:
         """Summary for ``actstore inspect``."""
-        files = sorted(p for p in self.path.iterdir() if p.is_file())
+        files = {n: size for n, size in self.io.list().items() if "/" not in n}
         plan = (self.record or {}).get("plan") or {}
         out: dict[str, Any] = {
-            "path": str(self.path),
+            "path": self.url,
             "format": "SAELens activation cache (datasets save_to_disk)"
             + ("" if self.verified else ", not written by actstore: unverified"),
             "model": f"{plan.get('ckpt', 'unknown')} ({plan.get('family', 'unknown')})",
@@ -388,8 +593,8 @@ class SaelensReader(ReaderBase):
             "context_size": self.context_size,
             "d_model": self.d_model,
             "dtype": self.dtype.name,
-            "files": [p.name for p in files],
-            "bytes": sum(p.stat().st_size for p in files),
+            "files": sorted(files),
+            "bytes": sum(files.values()),
         }
         if self.layout is not None:
             out["blocks"] = f"{self.layout.examples_per_block} examples per Arrow record batch"
@@ -400,47 +605,56 @@ class SaelensReader(ReaderBase):
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Re-hash every file (sha256) and block (xxh3-64) against ``checksums.json``,
         check row counts and shapes, count non-finite values. A cache without actstore's
-        sidecars gets the structural checks and a note."""
-        report = VerifyReport(str(self.path))
+        sidecars gets the structural checks and a note. On object storage each file is
+        fetched once (one file in memory at a time)."""
+        report = VerifyReport(self.url)
         sums = None
         if self.layout is None:
             report.notes.append(
                 "no actstore checksums (a cache sae_lens wrote): contents unverified"
             )
-        elif not (self.path / CHECKSUMS).is_file():
+        elif not self.io.exists(CHECKSUMS):
             report.faults.append(f"{CHECKSUMS} is missing")
         else:
-            sums = read_json(self.path / CHECKSUMS)
+            sums = self._json(CHECKSUMS)
             for name, digest in sums.get("files", {}).items():
-                path = self.path / name
-                if not path.is_file():
+                if not self.io.exists(name):
                     report.faults.append(f"{name} is listed in {CHECKSUMS} but missing")
                     continue
-                if _sha256(path, progress) != digest:
+                if self.remote and name in self.files:
+                    continue  # hashed below, from the one download of the file
+                if _sha256(self.io.iter_chunks(name), progress) != digest:
                     report.faults.append(f"{name}: checksum mismatch (stored data was changed)")
                 report.files_checked += 1
-                report.bytes_checked += path.stat().st_size
+                report.bytes_checked += self.io.require(name)
             for name in self.files:
                 if name not in sums.get("files", {}):
                     report.faults.append(f"{name} has no checksum in {CHECKSUMS}")
         non_finite, rows = 0, 0
-        block_columns = [*self.columns, *([TOKENS] if self.has_tokens else [])]
         for f, name in enumerate(self.files):
             try:
-                table = self._table(f)
+                if self.remote:  # one download per file: sha256 and blocks from memory
+                    data = self.io.read_range(name, 0, self.io.require(name), cache=False)
+                    table = self._parse(name, data)
+                    if sums is not None and name in sums.get("files", {}):
+                        if _sha256(data, progress) != sums["files"][name]:
+                            report.faults.append(
+                                f"{name}: checksum mismatch (stored data was changed)"
+                            )
+                        report.files_checked += 1
+                        report.bytes_checked += len(data)
+                else:
+                    table = self._table(f)
                 expected = None if sums is None else sums["blocks"].get(name, [])
-                if (
-                    expected is not None
-                    and len(expected) != table.column(self.columns[0]).num_chunks
-                ):
+                n_batches = table.column(self.columns[0]).num_chunks
+                if expected is not None and len(expected) != n_batches:
                     report.faults.append(
-                        f"{name}: {len(expected)} block checksums, "
-                        f"{table.column(self.columns[0]).num_chunks} blocks"
+                        f"{name}: {len(expected)} block checksums, {n_batches} blocks"
                     )
                     expected = None
-                for b in range(table.column(self.columns[0]).num_chunks):
+                for b in range(n_batches):
                     digests = []
-                    for column in block_columns:
+                    for column in self.block_columns:
                         chunk = table.column(column).chunk(b)
                         if column == TOKENS:
                             values = chunk.flatten().to_numpy(zero_copy_only=False)
@@ -455,7 +669,7 @@ class SaelensReader(ReaderBase):
                 report.faults.append(str(err))
             if sums is None:
                 report.files_checked += 1
-                report.bytes_checked += (self.path / name).stat().st_size
+                report.bytes_checked += self.io.require(name)
         if self.layout is not None and rows != self.layout.n_examples and not report.faults:
             report.faults.append(
                 f"the files hold {rows} examples, {SIDECAR} says {self.layout.n_examples}"
@@ -463,6 +677,32 @@ class SaelensReader(ReaderBase):
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
         return report
+
+
+def _sha256(data: Any, progress: Callable[[int], None] | None) -> str:
+    """sha256 of ``data`` (an iterable of buffers, or one buffer) with ``progress(n)``."""
+    hasher = FileHasher("sha256")
+    pieces = [data] if isinstance(data, memoryview) else data
+    for piece in pieces:
+        for start in range(0, len(piece), IO_CHUNK):
+            chunk = piece[start : start + IO_CHUNK]
+            hasher.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
+    return hasher.hexdigest()
+
+
+def _indices(key: Any, n: int, what: str) -> np.ndarray:
+    """``key`` (int, slice or int array) as an array of indices into ``range(n)``."""
+    if isinstance(key, slice):
+        return np.arange(n)[key]
+    picked = np.asarray(key)
+    if picked.dtype == bool or not np.issubdtype(picked.dtype, np.integer):
+        raise IndexError(f"{what} indices must be ints, slices or int arrays")
+    picked = picked.reshape(-1)
+    if picked.size and (picked.min() < -n or picked.max() >= n):
+        raise IndexOutOfRangeError(f"{what} index out of range (0..{n - 1})")
+    return picked % n if n else picked
 
 
 def _chunk_values(chunk: Any, context_size: int, d_in: int) -> np.ndarray:
@@ -479,13 +719,23 @@ def _chunk_values(chunk: Any, context_size: int, d_in: int) -> np.ndarray:
     return flat.to_numpy(zero_copy_only=True).reshape(-1, d_in)
 
 
-def _sha256(path: Path, progress: Callable[[int], None] | None) -> str:
-    hasher = FileHasher("sha256")
-    buf = bytearray(IO_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            hasher.update(view[:n])
-            if progress is not None:
-                progress(n)
-    return hasher.hexdigest()
+def detect_remote(location: str) -> bool:
+    """Whether ``s3://bucket/prefix`` holds a saelens store: its manifest ``state.json`` and
+    an actstore sidecar or ``Array2D`` features (HEADs and one small GET)."""
+    from ...storage.object import join_key, open_location
+
+    store, prefix = open_location(location)
+    if store.size(join_key(prefix, STATE)) is None:
+        return False
+    for name in (SIDECAR, INFO):
+        if store.size(join_key(prefix, name)) is None:
+            continue
+        try:
+            doc = store.get_json(join_key(prefix, name))
+        except CorruptStoreError:
+            return True  # let the reader report the damaged file
+        if name == SIDECAR:
+            return isinstance(doc, dict) and doc.get("format") == FORMAT_TAG
+        features = (doc.get("features") if isinstance(doc, dict) else None) or {}
+        return any(isinstance(f, dict) and f.get("_type") == "Array2D" for f in features.values())
+    return False

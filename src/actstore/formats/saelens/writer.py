@@ -4,7 +4,9 @@ Examples stream into ``<parent>/.<name>.partial/``: ``datasets``' ``ArrowWriter`
 each file (``data-{i:05d}-of-{n:05d}.arrow``) as record batches of exactly
 ``examples_per_block`` examples (so the bytes never depend on how capture batched them),
 hashing the bytes as they pass. A full file is fsynced and recorded, with its sha256, the
-xxh3-64 of every block of every column and its per-site statistics, in ``progress.json``.
+xxh3-64 of every block of every column, where each block's values start in the file and its
+per-site statistics, in ``progress.json``; from then on it is sealed (:meth:`sealed_files`:
+an uploader may send it while the capture goes on).
 A capture killed at any point and rerun with the same configuration keeps the recorded
 files whose sha256 still matches, deletes the rest and resumes after them: the published
 store is byte-identical to an uninterrupted one. ``close()`` writes ``state.json`` and
@@ -59,6 +61,7 @@ from .layout import (
     VERSION,
     SaelensLayout,
     choose_layout,
+    values_offsets,
 )
 from .options import SaelensOptions
 
@@ -83,6 +86,7 @@ class _HashingSink:
     """The file ``ArrowWriter`` streams into: hashes bytes as they pass, fsyncs on close."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.file = open(path, "wb")  # noqa: SIM115 - closed by ArrowWriter through close()
         self.hasher = FileHasher("sha256")
         self.size = 0
@@ -196,6 +200,8 @@ class SaelensWriter(WriterBase):
             if not path.is_file() or hash_file(path) != entry.get("sha256"):
                 log.warning("%s is missing or fails its checksum; rewriting from there", path)
                 break
+            if "values_at" not in entry:  # recorded by an older actstore
+                entry["values_at"] = _file_offsets(path, self.layout)
             kept.append(entry)
         keep = {e["name"] for e in kept} | {SIDECAR, PROGRESS}
         for child in self.partial_dir.iterdir():
@@ -334,6 +340,7 @@ class SaelensWriter(WriterBase):
                 "sha256": self._sink.hasher.hexdigest(),
                 "bytes": self._sink.size,
                 "blocks": self._blocks,
+                "values_at": _file_offsets(self._sink.path, self.layout),
                 "stats": [s.to_dict() for s in self._stats],
             }
         )
@@ -369,6 +376,13 @@ class SaelensWriter(WriterBase):
         log.info("published %s (%d files, %d examples)", self.final_dir, len(self._shards), total)
         return self.final_dir
 
+    def sealed_files(self) -> list[tuple[str, Path]]:
+        """The Arrow files finished so far (fsynced, recorded, never written again)."""
+        where = self.final_dir if self.complete else self.partial_dir
+        if self.complete and not self._shards:  # published before this writer opened
+            return [(p.name, p) for p in sorted(where.glob("data-*.arrow"))]
+        return [(e["name"], where / e["name"]) for e in self._shards]
+
     def abort(self) -> None:
         """Stop without publishing; finished files stay for a resume."""
         if self._sink is not None:
@@ -387,6 +401,15 @@ def layout_for(plan: CapturePlan, options: SaelensOptions | None) -> SaelensLayo
         examples_per_shard=options.examples_per_shard,
         block_kb=options.block_kb,
     )
+
+
+def _file_offsets(path: Path, layout: SaelensLayout) -> list[list[int]]:
+    """Where each block column's values start in each record batch of the file at ``path``."""
+    import pyarrow as pa
+
+    columns = [*layout.columns, *([TOKENS] if layout.has_tokens else [])]
+    with pa.memory_map(str(path)) as mapped:
+        return values_offsets(mapped.read_buffer(), columns)
 
 
 def _as_numpy(tensor: torch.Tensor, dtype: str) -> np.ndarray:
@@ -442,7 +465,13 @@ def write_index(directory: Path, layout: SaelensLayout, shards: Sequence[dict[st
     atomic_write_json(d / STATISTICS, statistics, indent=None)
     sidecar = read_json(d / SIDECAR)
     sidecar["files"] = [
-        {"name": e["name"], "n_examples": e["n_examples"], "bytes": e["bytes"]} for e in shards
+        {
+            "name": e["name"],
+            "n_examples": e["n_examples"],
+            "bytes": e["bytes"],
+            "values_at": e["values_at"],
+        }
+        for e in shards
     ]
     atomic_write_json(d / SIDECAR, sidecar)
     files = {e["name"]: e["sha256"] for e in shards}
