@@ -135,6 +135,13 @@ def test_reader_refuses_a_prefix_without_its_manifest(s3, local, tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(StoreNotFoundError, match="not an actstore-readable store"):
         open_store(s3.url("nothing-here"))
+    # A copy still under way (one that sent .zmetadata early) is refused, not read as zeros.
+    assert copy_store(local, url).copied == 1
+    s3.client().delete_object(Bucket=s3.bucket, Key="partial/arrays/response_activations/3.1.0.0")
+    with pytest.raises(
+        StoreNotFoundError, match="response_activations holds 29 of the 30 chunk files"
+    ):
+        ZarrReader(url)
     # A sharded run without its manifest.json.
     run = make_run(tmp_path / "run", 2)
     upload(run, s3.url("run"))
@@ -175,6 +182,32 @@ def test_loader_over_s3_serves_every_row_exactly_once(s3, local):
     assert sorted(rows.tolist()) == list(range(len(stored["resid.1"])))
     np.testing.assert_array_equal(acts[:, 0], stored["resid.1"][rows])
     np.testing.assert_array_equal(acts[:, 1], stored["mlp_out.3"][rows])
+
+
+def test_second_epoch_comes_from_the_cache_tier(s3, local, tmp_path):
+    url = s3.url("cached")
+    upload(local, url)
+    here = ZarrReader(local)
+    reader = ZarrReader(url, cache_dir=tmp_path / "cache")
+    blocks = reader.blocks("resid.3")
+    start = len(s3.faults.requests)
+    for block in blocks:
+        reader.read_block(block)
+    fetched = len(gets(s3, start))
+    assert fetched >= len(blocks)
+    for block in blocks:  # the second epoch: no request reaches the server
+        np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
+    assert len(gets(s3, start)) == fetched and reader.files.cache.stats.hits >= len(blocks)
+
+
+def test_reads_survive_connection_resets_through_the_proxy(s3_proxy, local):
+    url = s3_proxy.url("acts")
+    upload(local, url)
+    reader, here = ZarrReader(url), ZarrReader(local)
+    s3_proxy.proxy.reset_connections(times=3, after_bytes=200)
+    for block in reader.blocks("mlp_out.3"):
+        np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
+    assert reader.files.store.retries >= 1
 
 
 def test_cp_both_ways_then_cli_ls_inspect_verify(s3, local, tmp_path):

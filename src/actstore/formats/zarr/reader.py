@@ -265,7 +265,24 @@ def open_remote_info(
         info.lengths[part] = lengths.astype(np.int32)
     if verify_reads:
         info.chunksums = _load_chunksums(info)
+        _check_uploaded(info)
     return info
+
+
+def _check_uploaded(info: StoreInfo) -> None:
+    """Refuse a remote store holding fewer activation chunks than its checksums record (a
+    copy still under way, e.g. one that does not send ``.zmetadata`` last): one listing,
+    no request."""
+    if info.chunksums is None:
+        return
+    for part in PARTS:
+        listed = sum(1 for n in info.listing(ACTIVATIONS[part]) if not n.startswith("."))
+        recorded = int(np.count_nonzero(info.chunksums[part]))
+        if listed < recorded:
+            raise StoreNotFoundError(
+                f"{info.url_of(ACTIVATIONS[part])} holds {listed} of the {recorded} chunk "
+                "files the store records: an unfinished upload or copy; rerun it to finish"
+            )
 
 
 def remote_array(info: StoreInfo, name: str) -> np.ndarray | None:
