@@ -359,6 +359,21 @@ def test_unfinished_upload_is_resumed_and_publishes_zmetadata_last(s3, local, tm
     assert ZarrReader(url).verify().ok
 
 
+def test_a_url_ending_in_zarr_is_the_store_itself(s3, local, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
+    url = s3.url("named.zarr")
+    writer = ZarrS3Writer(url, _make)
+    assert writer.staging.suffix == ".zarr" and writer.staging.parent.parent == tmp_path / "cache"
+    for batch in SyntheticBatches()(0, N):
+        writer.write(batch)
+    assert writer.close() == url and not writer.staging.exists()
+    assert sorted(s3.keys("named.zarr/")) == sorted(f"named.zarr/{n}" for n in local_files(local))
+    reader = open_store(url)
+    assert reader.path == url and reader.verify().ok
+    np.testing.assert_array_equal(reader.read(2, "resid.3"), ZarrReader(local).read(2, "resid.3"))
+    assert ZarrS3Writer(url, _make).complete
+
+
 QA = [
     {"prompt": "What is the capital of France?", "response": "Paris is."},
     {"prompt": "Name a color.", "response": "Blue, like the sky on a clear day."},

@@ -1044,14 +1044,17 @@ class ZarrPairDataset(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray) -> int:
+def _read_rows(
+    store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray, *, cache: bool = True
+) -> int:
     """Fill ``out`` (``[n, H]`` float16, C order) with tokens ``0..n`` of one (sample, layer),
     reading chunk files directly; a chunk not stored is zeros (the fill value). Where the
     store has chunk checksums, each chunk read is checked (a partly needed chunk is read
     whole into a scratch buffer) and a chunk they list but the store lacks is an error.
-    Returns the number of bytes read from files."""
+    Returns the number of bytes read from files. ``cache=False``: remote chunks bypass the
+    local cache tier (a full scan such as ``verify``)."""
     if store.files is not None:
-        return _read_rows_remote(store, part, local, layer_idx, out)
+        return _read_rows_remote(store, part, local, layer_idx, out, cache=cache)
     n_rows = out.shape[0]
     prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
     sums = None if store.chunksums is None else store.chunksums[part][local, layer_idx]
@@ -1111,7 +1114,7 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
 
 
 def _read_rows_remote(
-    store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray
+    store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray, *, cache: bool
 ) -> int:
     """:func:`_read_rows` of a remote store: one ranged GET per chunk, straight into ``out``
     (a partly needed chunk is fetched whole only when it must be checked)."""
@@ -1142,10 +1145,10 @@ def _read_rows_remote(
             )
         whole = sums is not None and (r1 - r0) * row_bytes != chunk_bytes
         if whole:
-            target = files.read_range(name, 0, chunk_bytes)
+            target = files.read_range(name, 0, chunk_bytes, cache=cache)
         else:
             part_view = view[r0 * row_bytes : r1 * row_bytes]
-            target = files.read_range(name, 0, len(part_view), part_view)
+            target = files.read_range(name, 0, len(part_view), part_view, cache=cache)
         n_read += len(target)
         if sums is not None:
             if (xxhash.xxh3_64_intdigest(target) or 1) != sums[c]:
@@ -1307,7 +1310,9 @@ def _verify_store(
         for part, slab in (("prompt", prompt), ("response", response)):
             for layer_idx in range(lay.n_layers):
                 try:
-                    n_read += _read_rows(store, part, local, layer_idx, slab[layer_idx])
+                    n_read += _read_rows(
+                        store, part, local, layer_idx, slab[layer_idx], cache=False
+                    )
                 except CorruptStoreError as err:
                     report.faults.append(str(err))
                     slab[layer_idx] = 0
