@@ -11,6 +11,10 @@ exactly ``T_chunk * H`` float16 values in C order; :meth:`ZarrReader.read` there
 as in zarr. The reader holds no open files between calls, so it pickles into DataLoader
 workers and each worker reads independently.
 
+At ``s3://bucket/prefix`` the same reads go through :mod:`actstore.storage.files`: the
+metadata, lengths and chunk checksums are fetched when the reader opens, then each chunk
+with one ranged GET (optionally kept in the local cache tier), checked as on disk.
+
 Example:
     >>> r = ZarrReader("out/activations.zarr")  # doctest: +SKIP
     >>> r.read(12, 6, "response").shape        # sample 12, resid.6: (response_len[12], H)  # doctest: +SKIP
@@ -81,6 +85,7 @@ class StoreInfo:
     """One published store, validated; the unit a run is made of."""
 
     path: Path
+    """The store directory (remote stores: ``rel`` as a path; messages use :attr:`where`)."""
     attrs: dict[str, Any]
     layout: ZarrLayout
     separators: dict[str, str]
