@@ -270,17 +270,28 @@ def test_a_cache_sae_lens_wrote_reads_from_s3_whole_files(s3, tmp_path):
     assert report.ok and "unverified" in report.notes[0] and report.files_checked == 2
 
 
-@pytest.mark.xfail(
-    reason="storage/copy.py PUBLISH_LAST names only metadata.json; saelens needs state.json "
-    "there too so the manifest lands after every other file",
-    strict=False,
-)
-def test_upload_puts_the_manifest_last(s3, local):
+def test_cp_and_the_writer_put_the_manifest_last(s3, local, tmp_path):
+    """``actstore cp`` and a capture to s3:// both send ``state.json`` after every other
+    file, so a prefix is openable only once it is whole."""
     store, _ = local
     start = len(s3.faults.requests)
-    upload(store, s3.url("order"))
+    result = CliRunner().invoke(app, ["cp", str(store), s3.url("order"), "--no-progress"])
+    assert result.exit_code == 0, result.output
     puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT"]
-    assert puts[-1].endswith("/state.json")
+    assert puts[-1].endswith("/order/state.json")
+    plan = make_plan()
+    writer = StagedS3Writer(
+        s3.url("captured"),
+        lambda d: SaelensWriter.from_plan(plan, d, OPTIONS),
+        manifest="state.json",
+        staging=tmp_path / "staging",
+    )
+    for batch in make_batches(plan, make_acts(plan)):
+        writer.write(batch)
+    start = len(s3.faults.requests)
+    writer.close()
+    puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT"]
+    assert puts[-1].endswith("/captured/state.json")
 
 
 def test_sealed_files_are_the_finished_arrow_files(tmp_path):

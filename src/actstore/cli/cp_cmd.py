@@ -23,7 +23,8 @@ def cp(
     """Copy a store (every file under SRC) to DST, in parallel. Run the same command again
     to resume an interrupted copy: files already at DST with the right size are skipped,
     and a large file cut off mid-way resumes from the parts already at DST.
-    metadata.json is written last, so DST is openable only once the copy is complete.
+    The store's manifest (metadata.json, state.json, .zmetadata...) is written last, so DST
+    is openable only once the copy is complete.
 
     \b
     Examples:
@@ -32,7 +33,7 @@ def cp(
     """
     from tqdm.auto import tqdm
 
-    from ..formats import verify_store
+    from ..formats import available_formats, verify_store
     from ..progress import bar_switch
     from ..storage.copy import copy_store
     from ..storage.files import open_files
@@ -50,6 +51,8 @@ def cp(
             verify=verify,
             progress=bar.update,
             check_store=verify_store,
+            # every format's manifest goes last: DST opens only once the copy is whole
+            last=sorted({name for spec in available_formats() for name in spec.manifests}),
         )
     reused = f", {report.parts_reused} parts of an interrupted copy kept" * bool(
         report.parts_reused

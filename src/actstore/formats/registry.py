@@ -53,6 +53,9 @@ class FormatSpec:
     None: no distributed capture."""
     clean_tokens: bool = False
     """Capture drops special and chat-template tokens by default (``--clean/--no-clean``)."""
+    manifests: tuple[str, ...] = ("metadata.json",)
+    """Names of the files readers open first and refuse a location without: copies and
+    uploads write them last, so a store is openable only once it is whole."""
 
 
 def get_format(name: str) -> FormatSpec:

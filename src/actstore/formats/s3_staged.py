@@ -11,8 +11,8 @@ staging directory (:func:`staging_root`), and:
   lease object in the store's prefix) from open to close: a second capture of the same
   ``s3://`` store, on any machine, is refused with one line naming the holder;
 * **publishes at close()**: waits for the queued uploads, lets the local writer publish,
-  and sends the rest with :func:`~actstore.storage.copy.copy_store` (``metadata.json``
-  last: readers refuse a prefix without it; every object checked against the ETag of its
+  and sends the rest with :func:`~actstore.storage.copy.copy_store` (the format's
+  ``manifest`` last: readers refuse a prefix without it; every object checked against the ETag of its
   bytes, the local store against its own checksums), then drops the staged copy.
 
 A rerun after ``kill -9`` resumes the staged writer where it stopped; files already on S3
@@ -70,7 +70,7 @@ class StagedS3Writer(WriterBase):
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.dest, self.s3, self.keep_local, self.threads = url.rstrip("/"), s3, keep_local, threads
-        self.subdir = subdir.strip("/")
+        self.subdir, self.manifest = subdir.strip("/"), manifest
         store, self._prefix = open_location(url, s3)
         if not isinstance(store, S3Store):
             raise ConfigError(f"{url} is not an s3:// location")
@@ -119,8 +119,8 @@ class StagedS3Writer(WriterBase):
         self._offer()
 
     def close(self) -> str:
-        """Wait for the background uploads, publish locally, send the rest
-        (``metadata.json`` last, verified), drop the staged copy and the lock."""
+        """Wait for the background uploads, publish locally, send the rest (the manifest
+        last, verified), drop the staged copy and the lock."""
         if self._published or self.inner is None:
             return self.url
         try:
@@ -135,7 +135,14 @@ class StagedS3Writer(WriterBase):
                     f"uploading {name} to {self.url} failed: {err}; the store is complete in "
                     f"{local}: rerun the same capture to upload the rest"
                 ) from err
-            copy_store(local, self.url, s3=self.s3, threads=self.threads, sent=sent)
+            copy_store(
+                local,
+                self.url,
+                s3=self.s3,
+                threads=self.threads,
+                sent=sent,
+                last=(self.manifest.rpartition("/")[2],),
+            )
             if self.lock is not None:
                 self.lock.check()
         finally:

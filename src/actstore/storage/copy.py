@@ -31,7 +31,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +45,8 @@ from .object import LocalStore, MiB, S3Config, S3Store, is_internal, join_key, o
 
 log = logging.getLogger(__name__)
 
-#: Written after every other file: readers and format detection open it first.
+#: Written after every other file by default: readers and format detection open it first
+#: (each format names its own manifest; callers that know it pass ``last=``).
 PUBLISH_LAST = ("metadata.json",)
 DEFAULT_PART_BYTES = 16 * MiB
 
@@ -80,13 +81,16 @@ def copy_store(
     progress: Callable[[int], None] | None = None,
     check_store: Callable[[str], str] | None = None,
     sent: dict[str, str] | None = None,
+    last: Sequence[str] = PUBLISH_LAST,
 ) -> CopyReport:
     """Copy every file of the store at ``src`` to ``dst`` (local paths or ``s3://`` URLs).
 
     ``progress(n_bytes)`` is called as bytes land. ``check_store(location)``, given, runs
     the format's own verification on the local side (raising on a fault) and returns
     what it checked (this layer knows no formats). ``sent``: ETags of files the caller
-    already uploaded (a background uploader), checked with the rest. Raises :class:`CorruptStoreError` if
+    already uploaded (a background uploader), checked with the rest. ``last``: file names
+    (the part after the last ``/``) sent only once every other file is in, so the
+    destination is openable only when complete: the format's manifest. Raises :class:`CorruptStoreError` if
     the verification finds a difference (the copy is left in place to be resumed).
     """
     if threads < 1:
@@ -107,15 +111,15 @@ def copy_store(
     base = prefix.rstrip("/") + "/" if prefix else ""
     present = {o.key[len(base) :]: o.size for o in store.list(base)}
     todo = [n for n in listing if present.get(n) != listing[n]]
-    # metadata.json last, so the destination is openable only once everything is in.
-    todo.sort(key=lambda n: (n in PUBLISH_LAST, n))
+    # the manifest last, so the destination is openable only once everything is in
+    is_last = {n: n.rpartition("/")[2] in last for n in todo}
+    todo.sort(key=lambda n: (is_last[n], n))
     if progress is not None:  # files already there count as done
         progress(sum(listing.values()) - sum(listing[n] for n in todo))
     copier = FileCopier(source, store, prefix, part_bytes, progress, etags=verify)
     with ThreadPoolExecutor(threads, thread_name_prefix="actstore-cp") as pool:
-        last = [n for n in todo if n in PUBLISH_LAST]
-        copier.run(pool, [n for n in todo if n not in PUBLISH_LAST], listing)
-        copier.run(pool, last, listing)
+        copier.run(pool, [n for n in todo if not is_last[n]], listing)
+        copier.run(pool, [n for n in todo if is_last[n]], listing)
     verified = "not verified (--no-verify)"
     if verify:
         etags = {**(sent or {}), **copier.etags}

@@ -78,6 +78,7 @@ FORMAT = FormatSpec(
     writer_for_plan=_writer_for_plan,
     stored_dtype="bfloat16",
     parts=part_format,
+    manifests=(CFG, METADATA),
     clean_tokens=True,
 )
 

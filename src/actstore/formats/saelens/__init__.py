@@ -55,6 +55,7 @@ FORMAT = FormatSpec(
     open_reader=SaelensReader,
     writer_for_plan=_writer_for_plan,
     parts=part_format,
+    manifests=(STATE,),
 )
 
 __all__ = [

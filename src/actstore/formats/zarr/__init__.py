@@ -1,6 +1,8 @@
 """Zarr v2 prompt/response activation store (the zarr-logger spec): float16, uncompressed,
 chunks ``(1, 1, T_chunk, H)`` so one ``(sample, layer)`` read touches only its own chunks;
 sharded parallel writers with a manifest, a multi-shard reader and an optional merge.
+Stores and runs may live at ``s3://bucket/prefix`` (read with ranged GETs; captured there
+through a staging directory, see :mod:`.remote`).
 
 Example:
     >>> from actstore.formats.zarr import ZarrReader
@@ -24,6 +26,10 @@ from .writer import ZarrWriter, plan_store, store_path
 
 
 def _detect(location: str) -> bool:
+    if location.startswith("s3://"):
+        from .remote import detect_remote
+
+        return detect_remote(location)
     path = Path(location).expanduser()
     if (path / MANIFEST).is_file():
         try:
@@ -44,7 +50,11 @@ def _detect(location: str) -> bool:
         return True  # ours by location but damaged: let the reader say what is wrong
 
 
-def _writer_for_plan(plan, out: str, options: ZarrOptions) -> ZarrWriter:
+def _writer_for_plan(plan, out: str, options: ZarrOptions):
+    if str(out).startswith("s3://"):
+        from .remote import ZarrS3Writer
+
+        return ZarrS3Writer.for_plan(plan, str(out), options)
     return ZarrWriter.from_plan(plan, out, options)
 
 
@@ -57,6 +67,7 @@ FORMAT = FormatSpec(
     writer_for_plan=_writer_for_plan,
     stored_dtype="float16",
     parts=part_format,
+    manifests=(".zmetadata", "manifest.json"),
 )
 
 __all__ = [

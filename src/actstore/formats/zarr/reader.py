@@ -11,6 +11,10 @@ exactly ``T_chunk * H`` float16 values in C order; :meth:`ZarrReader.read` there
 as in zarr. The reader holds no open files between calls, so it pickles into DataLoader
 workers and each worker reads independently.
 
+At ``s3://bucket/prefix`` the same reads go through :mod:`actstore.storage.files`: the
+metadata, lengths and chunk checksums are fetched when the reader opens, then each chunk
+with one ranged GET (optionally kept in the local cache tier), checked as on disk.
+
 Example:
     >>> r = ZarrReader("out/activations.zarr")  # doctest: +SKIP
     >>> r.read(12, 6, "response").shape        # sample 12, resid.6: (response_len[12], H)  # doctest: +SKIP
@@ -20,8 +24,10 @@ Example:
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +49,8 @@ from ...errors import (
 from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ...storage import read_json
+from ...storage.files import StoreFiles, open_files
+from ...storage.object import S3Config, is_remote
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     ACT_DTYPE,
@@ -77,6 +85,7 @@ class StoreInfo:
     """One published store, validated; the unit a run is made of."""
 
     path: Path
+    """The store directory (remote stores: ``rel`` as a path; messages use :attr:`where`)."""
     attrs: dict[str, Any]
     layout: ZarrLayout
     separators: dict[str, str]
@@ -87,14 +96,21 @@ class StoreInfo:
     """Stored (capped) token lengths per part, int32 ``[n_samples]``."""
     chunksums: dict[str, np.ndarray] | None = None
     """xxh3-64 per activation chunk (``meta/chunksums.<part>.npy``); None: not checked."""
+    files: StoreFiles | None = None
+    """Remote stores: the files layer every byte is read through (None: local disk)."""
+    rel: str = ""
+    """Remote stores: this store's folder inside ``files`` (``""`` or ``"shards/x.zarr/"``)."""
+    arrays_meta: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Remote stores: the consolidated metadata (how :func:`remote_array` decodes arrays)."""
     geometry: dict[str, tuple[str, str, int, int, int]] = field(init=False, repr=False)
     """Per part: (array directory + "/", key separator, T_chunk, chunk bytes, row bytes)."""
 
     def __post_init__(self) -> None:
         row = self.layout.hidden_size * ACT_DTYPE.itemsize
+        base = f"{self.path}/" if self.files is None else self.rel
         self.geometry = {
             part: (
-                f"{self.path}/{ACTIVATIONS[part]}/",
+                f"{base}{ACTIVATIONS[part]}/",
                 self.separators[part],
                 self.layout.t_chunk(part),
                 self.layout.chunk_nbytes(part),
@@ -110,6 +126,44 @@ class StoreInfo:
     def chunk_path(self, part: str, indices: Sequence[int]) -> str:
         prefix, separator = self.geometry[part][:2]
         return prefix + chunk_key(indices, separator)
+
+    @property
+    def where(self) -> str:
+        """The store's location, for messages: its path or URL."""
+        if self.files is None:
+            return str(self.path)
+        return self.files.url_of(self.rel).rstrip("/") if self.rel else self.files.url
+
+    def url_of(self, name: str) -> str:
+        return f"{self.where}/{name}"
+
+    def exists(self, name: str) -> bool:
+        """Whether file ``name`` (relative to the store) exists."""
+        if self.files is None:
+            return (self.path / name).is_file()
+        return self.files.exists(self.rel + name)
+
+    def read_json(self, name: str) -> Any:
+        if self.files is None:
+            return read_json(self.path / name)
+        return self.files.read_json(self.rel + name)
+
+    def read_bytes(self, name: str) -> bytes:
+        if self.files is None:
+            return (self.path / name).read_bytes()
+        return self.files.read_bytes(self.rel + name)
+
+    def listing(self, folder: str = "") -> dict[str, int]:
+        """Files below ``folder`` of the store: name relative to ``folder`` -> size."""
+        if self.files is None:
+            top, out = self.path / folder, {}
+            for dirpath, _, names in os.walk(top):
+                for n in names:
+                    p = Path(dirpath) / n
+                    out[p.relative_to(top).as_posix()] = p.stat().st_size
+            return out
+        base = self.rel + (folder.rstrip("/") + "/" if folder else "")
+        return {n[len(base) :]: size for n, size in self.files.list().items() if n.startswith(base)}
 
 
 def open_store_info(path: Path, *, offset: int = 0, verify_reads: bool = True) -> StoreInfo:
@@ -128,28 +182,7 @@ def open_store_info(path: Path, *, offset: int = 0, verify_reads: bool = True) -
             f"{path} has no consolidated metadata (.zmetadata): it is not a "
             "finished actstore zarr store; re-create it"
         )
-    zmeta = read_json(zmeta_path)
-    meta = zmeta.get("metadata") if isinstance(zmeta, dict) else None
-    if not isinstance(meta, dict):
-        raise CorruptStoreError(f"{zmeta_path} has no 'metadata' mapping; re-create the store")
-    attrs = meta.get(".zattrs") or {}
-    if attrs.get("format") != FORMAT_TAG:
-        raise CorruptStoreError(
-            f"{path} is a zarr store but not an actstore prompt/response "
-            f"store (attribute format={attrs.get('format')!r})"
-        )
-    version = str(attrs.get("schema_version", ""))
-    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
-        raise ProtocolVersionError(
-            f"{path} has schema_version {version!r}; this actstore reads "
-            f"{SCHEMA_VERSION.split('.')[0]}.x; upgrade actstore"
-        )
-    layout = ZarrLayout.from_dict(attrs.get("layout", {}), source=f"{path}/.zattrs")
-    separators = {}
-    for part in PARTS:
-        separators[part] = _check_zarray(
-            meta, ACTIVATIONS[part], layout.shape(part), list(layout.chunk_shape(part)), path
-        )
+    _, attrs, layout, separators = _parse_zmetadata(read_json(zmeta_path), str(path))
     info = StoreInfo(path=path, attrs=attrs, layout=layout, separators=separators, offset=offset)
     _check_inside(path)
     group = zarr_module().open_consolidated(str(path), mode="r", zarr_format=2)
@@ -163,8 +196,150 @@ def open_store_info(path: Path, *, offset: int = 0, verify_reads: bool = True) -
             )
         info.lengths[part] = lengths
     if verify_reads:
-        info.chunksums = _load_chunksums(path, layout)
+        info.chunksums = _load_chunksums(info)
     return info
+
+
+def _parse_zmetadata(
+    zmeta: Any, where: str
+) -> tuple[dict[str, Any], dict[str, Any], ZarrLayout, dict[str, str]]:
+    """``(metadata, attrs, layout, separators)`` of a store's consolidated metadata, checked
+    against the layout its attributes declare."""
+    meta = zmeta.get("metadata") if isinstance(zmeta, dict) else None
+    if not isinstance(meta, dict):
+        raise CorruptStoreError(
+            f"{where}/.zmetadata has no 'metadata' mapping; re-create the store"
+        )
+    attrs = meta.get(".zattrs") or {}
+    if attrs.get("format") != FORMAT_TAG:
+        raise CorruptStoreError(
+            f"{where} is a zarr store but not an actstore prompt/response "
+            f"store (attribute format={attrs.get('format')!r})"
+        )
+    version = str(attrs.get("schema_version", ""))
+    if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
+        raise ProtocolVersionError(
+            f"{where} has schema_version {version!r}; this actstore reads "
+            f"{SCHEMA_VERSION.split('.')[0]}.x; upgrade actstore"
+        )
+    layout = ZarrLayout.from_dict(attrs.get("layout", {}), source=f"{where}/.zattrs")
+    separators = {}
+    for part in PARTS:
+        separators[part] = _check_zarray(
+            meta, ACTIVATIONS[part], layout.shape(part), list(layout.chunk_shape(part)), where
+        )
+    return meta, attrs, layout, separators
+
+
+def open_remote_info(
+    files: StoreFiles, rel: str = "", *, offset: int = 0, verify_reads: bool = True
+) -> StoreInfo:
+    """:func:`open_store_info` of the store in folder ``rel`` of remote ``files``: its
+    consolidated metadata, lengths and chunk checksums are fetched; chunks are not."""
+    where = files.url_of(rel).rstrip("/") if rel else files.url
+    if files.size(rel + ".zmetadata") is None:
+        raise StoreNotFoundError(
+            f"{where} holds no finished zarr store (no .zmetadata, the file uploaded last): an "
+            "unfinished upload or a wrong URL; rerun the capture or copy (actstore cp) to "
+            "finish it, or fix the URL"
+        )
+    meta, attrs, layout, separators = _parse_zmetadata(files.read_json(rel + ".zmetadata"), where)
+    info = StoreInfo(
+        path=Path(rel or "."),
+        attrs=attrs,
+        layout=layout,
+        separators=separators,
+        offset=offset,
+        files=files,
+        rel=rel,
+    )
+    info.arrays_meta = meta
+    for part in PARTS:
+        lengths = remote_array(info, LENGTHS[part])
+        cap = layout.max_len(part)
+        if (
+            lengths is None
+            or lengths.shape != (layout.n_samples,)
+            or lengths.min() < 0
+            or lengths.max() > cap
+        ):
+            raise CorruptStoreError(
+                f"{where}/{LENGTHS[part]} must hold {layout.n_samples} lengths "
+                f"in 0..{cap}; it does not"
+            )
+        info.lengths[part] = lengths.astype(np.int32)
+    if verify_reads:
+        info.chunksums = _load_chunksums(info)
+        _check_uploaded(info)
+    return info
+
+
+def _check_uploaded(info: StoreInfo) -> None:
+    """Refuse a remote store holding fewer activation chunks than its checksums record (a
+    copy still under way, e.g. one that does not send ``.zmetadata`` last): one listing,
+    no request."""
+    if info.chunksums is None:
+        return
+    for part in PARTS:
+        listed = sum(1 for n in info.listing(ACTIVATIONS[part]) if not n.startswith("."))
+        recorded = int(np.count_nonzero(info.chunksums[part]))
+        if listed < recorded:
+            raise StoreNotFoundError(
+                f"{info.url_of(ACTIVATIONS[part])} holds {listed} of the {recorded} chunk "
+                "files the store records: an unfinished upload or copy; rerun it to finish"
+            )
+
+
+def remote_array(info: StoreInfo, name: str) -> np.ndarray | None:
+    """A per-sample array (``arrays/prompt_len``...) of a remote store, read whole through
+    the files layer (uncompressed, chunked along samples only, as actstore writes them), or
+    None if the store lacks it."""
+    zarray = info.arrays_meta.get(f"{name}/.zarray")
+    if not isinstance(zarray, dict):
+        return None
+    source = info.url_of(name)
+    try:
+        shape = tuple(int(x) for x in zarray["shape"])
+        chunks = tuple(int(x) for x in zarray["chunks"])
+        dtype = np.dtype(zarray["dtype"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptStoreError(f"{source}/.zarray is malformed ({err}); re-create the store")
+    if (
+        zarray.get("compressor") is not None
+        or zarray.get("filters")
+        or zarray.get("order", "C") != "C"
+        or len(chunks) != len(shape)
+        or not shape
+        or chunks[0] < 1
+        or chunks[1:] != shape[1:]
+    ):
+        raise ConfigError(
+            f"{source} is compressed, filtered or chunked across its rows, which the "
+            "object-storage reader does not decode; copy the store to local disk "
+            "(actstore cp) and open the copy"
+        )
+    separator = zarray.get("dimension_separator", ".")
+    fill = zarray.get("fill_value")
+    if dtype.kind in "SUV" or fill is None:
+        out = np.zeros(shape, dtype)
+    else:
+        out = np.full(shape, fill, dtype)
+    rows = chunks[0]
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    for k in range(-(-shape[0] // rows)):
+        key = f"{info.rel}{name}/" + separator.join([str(k)] + ["0"] * (len(shape) - 1))
+        size = info.files.size(key)
+        n = min(rows, shape[0] - k * rows)
+        if size is None:
+            continue  # never written: the fill value
+        if size != rows * row_bytes:
+            raise CorruptStoreError(
+                f"{info.files.url_of(key)} has {size} bytes, expected {rows * row_bytes}; "
+                "restore it or re-capture"
+            )
+        data = info.files.read_range(key, 0, n * row_bytes, cache=False)
+        out[k * rows : k * rows + n] = np.frombuffer(data, dtype).reshape((n, *shape[1:]))
+    return out
 
 
 def _check_inside(path: Path) -> None:
@@ -191,23 +366,28 @@ def _check_inside(path: Path) -> None:
 _WARNED_UNVERIFIED: set[str] = set()
 
 
-def _load_chunksums(path: Path, layout: ZarrLayout) -> dict[str, np.ndarray] | None:
-    files = {p: path / CHUNKSUMS[p] for p in PARTS}
-    if not any(f.exists() for f in files.values()):
-        if str(path) not in _WARNED_UNVERIFIED:
-            _WARNED_UNVERIFIED.add(str(path))
+def _load_chunksums(info: StoreInfo) -> dict[str, np.ndarray] | None:
+    layout = info.layout
+    if not any(info.exists(CHUNKSUMS[p]) for p in PARTS):
+        if info.where not in _WARNED_UNVERIFIED:
+            _WARNED_UNVERIFIED.add(info.where)
             log.warning(
                 "%s has no chunk checksums (written by another tool or an older actstore): "
                 "its reads are not verified",
-                path,
+                info.where,
             )
         return None
     out = {}
-    for part, file in files.items():
+    for part in PARTS:
+        file = info.url_of(CHUNKSUMS[part])
         want = (layout.n_samples, layout.n_layers, layout.n_chunks(part))
         try:
-            sums = np.load(file, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as err:
+            if info.files is None:
+                sums = np.load(info.path / CHUNKSUMS[part], mmap_mode="r", allow_pickle=False)
+            else:
+                raw = info.read_bytes(CHUNKSUMS[part])
+                sums = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (OSError, ValueError, StoreNotFoundError) as err:
             raise CorruptStoreError(
                 f"{file} is missing or unreadable ({err}); restore it or re-capture"
             ) from err
@@ -220,7 +400,7 @@ def _load_chunksums(path: Path, layout: ZarrLayout) -> dict[str, np.ndarray] | N
     return out
 
 
-def _check_zarray(meta: dict, name: str, shape: tuple, chunks: list, path: Path) -> str:
+def _check_zarray(meta: dict, name: str, shape: tuple, chunks: list, path: str) -> str:
     zarray = meta.get(f"{name}/.zarray")
     if not isinstance(zarray, dict):
         raise CorruptStoreError(f"{path} lacks the array {name}; re-create the store")
@@ -267,27 +447,75 @@ def resolve_location(location: str | os.PathLike) -> tuple[Path, bool]:
     return path, False
 
 
+def resolve_remote(files: StoreFiles) -> tuple[str, bool]:
+    """:func:`resolve_location` of a remote prefix: ``(folder of the store, is_run)``."""
+    if files.exists(MANIFEST):
+        return "", True
+    if files.exists(".zgroup") or files.exists(".zmetadata"):
+        return "", False
+    if files.exists(f"{STORE_NAME}/.zgroup") or files.exists(f"{STORE_NAME}/.zmetadata"):
+        return f"{STORE_NAME}/", False
+    if any(name.startswith("shards/") for name in files.list()):
+        raise StoreNotFoundError(
+            f"{files.url} has shards but no {MANIFEST} (the file uploaded last): an unfinished "
+            "upload; rerun the copy (actstore cp) to finish it"
+        )
+    raise StoreNotFoundError(
+        f"{files.url} holds no zarr store (no .zmetadata or {MANIFEST}): an unfinished upload "
+        "or a wrong URL; finish the copy (actstore cp) or fix the URL"
+    )
+
+
 class ZarrReader(ReaderBase):
     """Random access, training batches and loader blocks over one store or a sharded run.
 
     Sites are named as captured (``"resid.6"``); wherever a layer is asked for, give the
     site name or, for the residual stream, the block index (``6``).
+
+    ``location`` may be ``s3://bucket/prefix``: the reader then fetches the consolidated
+    metadata, lengths and chunk checksums when it opens, and each chunk it needs with one
+    ranged GET (checked against its checksum as on disk). ``cache_dir`` / ``cache_bytes`` /
+    ``s3``: the local cache tier and S3 settings (see
+    :func:`~actstore.storage.files.open_files`; default ``$ACTSTORE_CACHE``).
     """
 
-    def __init__(self, location: str | os.PathLike, *, verify_reads: bool = True) -> None:
-        path, is_run = resolve_location(location)
-        self.path = path
+    def __init__(
+        self,
+        location: str | os.PathLike,
+        *,
+        verify_reads: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
+        s3: S3Config | None = None,
+    ) -> None:
         self.manifest: dict[str, Any] | None = None
-        if is_run:
-            self.manifest, self.stores = _open_run(path, verify_reads=verify_reads)
+        self.files: StoreFiles | None = None
+        self.path: Path | str
+        if is_remote(str(location)):
+            self.files = open_files(location, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3)
+            rel, is_run = resolve_remote(self.files)
+            self.path = self.files.url_of(rel).rstrip("/") if rel else self.files.url
+            if is_run:
+                self.manifest, self.stores = _open_run(
+                    Path("."), verify_reads=verify_reads, files=self.files
+                )
+            else:
+                self.stores = [open_remote_info(self.files, rel, verify_reads=verify_reads)]
         else:
-            self.stores = [open_store_info(path, verify_reads=verify_reads)]
+            path, is_run = resolve_location(location)
+            self.path = path
+            if is_run:
+                self.manifest, self.stores = _open_run(path, verify_reads=verify_reads)
+            else:
+                self.stores = [open_store_info(path, verify_reads=verify_reads)]
+        self.remote = self.files is not None
         first = self.stores[0]
         self.layout = first.layout.with_samples(sum(s.n_samples for s in self.stores))
         self._starts = np.array([s.offset for s in self.stores], dtype=np.int64)
         self.prompt_len = np.concatenate([s.lengths["prompt"] for s in self.stores])
         self.response_len = np.concatenate([s.lengths["response"] for s in self.stores])
         self._groups: dict[int, Any] = {}
+        self._remote_arrays: dict[tuple[int, str], np.ndarray | None] = {}
         self._text_index: dict[tuple[int, str], np.ndarray] = {}
         self._stats: dict[str, RunningStats] = {}
         self._pid = os.getpid()
@@ -477,7 +705,13 @@ class ZarrReader(ReaderBase):
     # ------------------------------------------------------------------ per-sample fields
 
     def group(self, store: int = 0) -> Any:
-        """The zarr-python group of store ``store`` (read-only, consolidated), for raw access."""
+        """The zarr-python group of store ``store`` (read-only, consolidated), for raw access
+        (local stores; for ``s3://`` ones open ``zarr.storage.ObjectStore`` yourself)."""
+        if self.remote:
+            raise ConfigError(
+                f"{self.path} is on object storage; group() opens local stores only: use "
+                "array(), token_ids(), text(), or open it with zarr.storage.ObjectStore"
+            )
         self._check_pid()
         if store not in self._groups:
             self._groups[store] = zarr_module().open_consolidated(
@@ -488,11 +722,24 @@ class ZarrReader(ReaderBase):
     def _concat(self, name: str) -> np.ndarray | None:
         parts = []
         for k in range(len(self.stores)):
-            try:
-                parts.append(np.asarray(self.group(k)[name][:]))
-            except KeyError:
+            part = self._store_array(k, name)
+            if part is None:
                 return None
+            parts.append(part)
         return np.concatenate(parts)
+
+    def _store_array(self, k: int, name: str) -> np.ndarray | None:
+        """Per-sample array ``name`` of store ``k``, or None if it lacks it (remote arrays
+        are fetched once and kept)."""
+        if self.remote:
+            kept = self._remote_arrays
+            if (k, name) not in kept:
+                kept[(k, name)] = remote_array(self.stores[k], name)
+            return kept[(k, name)]
+        try:
+            return np.asarray(self.group(k)[name][:])
+        except KeyError:
+            return None
 
     def array(self, name: str) -> np.ndarray | None:
         """A per-sample array over all samples (``"sample_key"``, ``"hallu_label"``, ``"split"``,
@@ -507,29 +754,47 @@ class ZarrReader(ReaderBase):
     def token_ids(self, i: int, part: str = "prompt") -> np.ndarray | None:
         """Stored token ids of sample ``i``'s ``part`` (its real tokens), or None."""
         k, local = self.locate(i)
-        try:
-            row = self.group(k)[TOKEN_IDS[part]][local]
-        except KeyError:
-            return None
+        if self.remote:
+            ids = self._store_array(k, TOKEN_IDS[part])
+            if ids is None:
+                return None
+            row = ids[local]
+        else:
+            try:
+                row = self.group(k)[TOKEN_IDS[part]][local]
+            except KeyError:
+                return None
         return np.asarray(row[: self.stores[k].lengths[part][local]])
 
     def text(self, i: int, part: str = "prompt") -> str | None:
         """The prompt or response text of sample ``i`` (from ``text/*.jsonl``), or None."""
         k, local = self.locate(i)
-        path = self.stores[k].path / TEXT_FILES[part]
-        if not path.exists():
+        store = self.stores[k]
+        if not store.exists(TEXT_FILES[part]):
             return None
         offsets = self._text_index.get((k, part))
         if offsets is None:
-            offsets = _line_offsets(path)
-            if len(offsets) != self.stores[k].n_samples:
+            if self.remote:
+                offsets = _line_offsets_of(store.read_bytes(TEXT_FILES[part]))
+            else:
+                offsets = _line_offsets(store.path / TEXT_FILES[part])
+            if len(offsets) != store.n_samples:
                 raise CorruptStoreError(
-                    f"{path} has {len(offsets)} lines for {self.stores[k].n_samples} samples"
+                    f"{store.url_of(TEXT_FILES[part])} has {len(offsets)} lines for "
+                    f"{store.n_samples} samples"
                 )
             self._text_index[(k, part)] = offsets
-        with open(path, "rb") as f:
-            f.seek(int(offsets[local]))
-            record = json.loads(f.readline())
+        if self.remote:
+            name = store.rel + TEXT_FILES[part]
+            end = int(offsets[local + 1]) if local + 1 < len(offsets) else store.files.size(name)
+            line = bytes(
+                store.files.read_range(name, int(offsets[local]), end - int(offsets[local]))
+            )
+            record = json.loads(line.split(b"\n", 1)[0])
+        else:
+            with open(store.path / TEXT_FILES[part], "rb") as f:
+                f.seek(int(offsets[local]))
+                record = json.loads(f.readline())
         return record[part]
 
     # ------------------------------------------------------------------ blocks (loader)
@@ -580,8 +845,8 @@ class ZarrReader(ReaderBase):
         Conversion to a fixed-length format needs every sample to hold the same number of
         tokens; the plan says so only when they do."""
         lay, attrs = self.layout, self.attrs
-        config_path = self.stores[0].path / CONFIG_FILE
-        config = read_json(config_path) if config_path.exists() else {}
+        first = self.stores[0]
+        config = first.read_json(CONFIG_FILE) if first.exists(CONFIG_FILE) else {}
         model, dataset = config.get("model") or {}, dict(config.get("dataset") or {})
         lengths = self.prompt_len + self.response_len
         if len(lengths) and (lengths != lengths[0]).any():
@@ -619,14 +884,15 @@ class ZarrReader(ReaderBase):
         if name not in self._stats:
             parts = []
             for store in self.stores:
-                path = store.path / STATISTICS_FILE
-                if not path.exists():
+                if not store.exists(STATISTICS_FILE):
                     return None
-                doc = read_json(path)
+                doc = store.read_json(STATISTICS_FILE)
                 try:
                     parts.append(RunningStats.from_dict(doc["sites"][name]))
                 except (KeyError, TypeError) as err:
-                    raise CorruptStoreError(f"{path} has no statistics for {name}") from err
+                    raise CorruptStoreError(
+                        f"{store.url_of(STATISTICS_FILE)} has no statistics for {name}"
+                    ) from err
             self._stats[name] = merge_all(parts)
         return self._stats[name]
 
@@ -637,9 +903,9 @@ class ZarrReader(ReaderBase):
         lay, attrs = self.layout, self.attrs
         n_files, n_bytes = 0, 0
         for store in self.stores:
-            for dirpath, _, names in os.walk(store.path):
-                n_files += len(names)
-                n_bytes += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names)
+            sizes = store.listing()
+            n_files += len(sizes)
+            n_bytes += sum(sizes.values())
         trunc = {p: sum(s.attrs.get(f"{p}_truncated_count", 0) for s in self.stores) for p in PARTS}
         out = {
             "path": str(self.path),
@@ -672,7 +938,9 @@ class ZarrReader(ReaderBase):
         report = VerifyReport(str(self.path))
         non_finite = 0
         for k, store in enumerate(self.stores):
-            non_finite += _verify_store(store, self.group(k), report, progress)
+            non_finite += _verify_store(
+                store, lambda name, k=k: self._store_array(k, name), report, progress
+            )
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
         return report
@@ -686,6 +954,8 @@ class ZarrReader(ReaderBase):
     def close(self) -> None:
         """Drop zarr handles (reopened on next use). Activation reads hold no open files."""
         self._groups = {}
+        if self.files is not None:
+            self.files.close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_groups": {}}
@@ -779,12 +1049,17 @@ class ZarrPairDataset(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray) -> int:
+def _read_rows(
+    store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray, *, cache: bool = True
+) -> int:
     """Fill ``out`` (``[n, H]`` float16, C order) with tokens ``0..n`` of one (sample, layer),
     reading chunk files directly; a chunk not stored is zeros (the fill value). Where the
     store has chunk checksums, each chunk read is checked (a partly needed chunk is read
     whole into a scratch buffer) and a chunk they list but the store lacks is an error.
-    Returns the number of bytes read from files."""
+    Returns the number of bytes read from files. ``cache=False``: remote chunks bypass the
+    local cache tier (a full scan such as ``verify``)."""
+    if store.files is not None:
+        return _read_rows_remote(store, part, local, layer_idx, out, cache=cache)
     n_rows = out.shape[0]
     prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
     sums = None if store.chunksums is None else store.chunksums[part][local, layer_idx]
@@ -843,6 +1118,66 @@ def _read_rows(store: StoreInfo, part: str, local: int, layer_idx: int, out: np.
     return n_read
 
 
+def _read_rows_remote(
+    store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray, *, cache: bool
+) -> int:
+    """:func:`_read_rows` of a remote store: one ranged GET per chunk, straight into ``out``
+    (a partly needed chunk is fetched whole only when it must be checked)."""
+    files = store.files
+    assert files is not None
+    n_rows = out.shape[0]
+    prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
+    sums = None if store.chunksums is None else store.chunksums[part][local, layer_idx]
+    view = byte_view(out)
+    n_read = 0
+    for c in range(-(-n_rows // t_chunk)):
+        r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
+        name = f"{prefix}{local}{sep}{layer_idx}{sep}{c}{sep}0"
+        size = files.size(name)
+        if size is None:
+            if sums is not None and sums[c]:
+                raise CorruptStoreError(
+                    f"chunk {files.url_of(name)} (sample {local}, layer {layer_idx}, chunk {c}, "
+                    f"bytes 0-{chunk_bytes}) is missing: the store recorded it; restore it or "
+                    "re-capture"
+                )
+            out[r0:r1] = 0
+            continue
+        if size != chunk_bytes:
+            raise CorruptStoreError(
+                f"chunk {files.url_of(name)} has {size} bytes, expected {chunk_bytes} "
+                f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture"
+            )
+        whole = sums is not None and (r1 - r0) * row_bytes != chunk_bytes
+        if whole:
+            target = files.read_range(name, 0, chunk_bytes, cache=cache)
+        else:
+            part_view = view[r0 * row_bytes : r1 * row_bytes]
+            target = files.read_range(name, 0, len(part_view), part_view, cache=cache)
+        n_read += len(target)
+        if sums is not None:
+            if (xxhash.xxh3_64_intdigest(target) or 1) != sums[c]:
+                raise CorruptStoreError(
+                    f"chunk {files.url_of(name)} (sample {local}, layer {layer_idx}, chunk {c}, "
+                    f"bytes 0-{chunk_bytes}) fails its xxh3 checksum: the stored data was "
+                    "changed or damaged; restore it or re-capture (verify_reads=False reads it "
+                    "anyway)"
+                )
+            if whole:
+                view[r0 * row_bytes : r1 * row_bytes] = target[: (r1 - r0) * row_bytes]
+    return n_read
+
+
+def _line_offsets_of(data: bytes) -> np.ndarray:
+    """Start of each non-empty line of ``data`` (a text file fetched whole)."""
+    offsets, pos = [], 0
+    for line in data.split(b"\n"):
+        if line.strip():
+            offsets.append(pos)
+        pos += len(line) + 1
+    return np.asarray(offsets, dtype=np.int64)
+
+
 def _line_offsets(path: Path) -> np.ndarray:
     offsets, pos = [], 0
     with open(path, "rb") as f:
@@ -853,42 +1188,48 @@ def _line_offsets(path: Path) -> np.ndarray:
     return np.asarray(offsets, dtype=np.int64)
 
 
-def _open_run(path: Path, *, verify_reads: bool = True) -> tuple[dict[str, Any], list[StoreInfo]]:
-    manifest = read_json(path / MANIFEST)
+def _open_run(
+    path: Path, *, verify_reads: bool = True, files: StoreFiles | None = None
+) -> tuple[dict[str, Any], list[StoreInfo]]:
+    """The manifest and stores of a run at ``path``, or at the root of remote ``files``."""
+    where = str(path / MANIFEST) if files is None else files.url_of(MANIFEST)
+    manifest = read_json(path / MANIFEST) if files is None else files.read_json(MANIFEST)
     if not isinstance(manifest, dict) or manifest.get("format") != RUN_FORMAT_TAG:
-        raise CorruptStoreError(f"{path / MANIFEST} is not an actstore zarr run manifest")
+        raise CorruptStoreError(f"{where} is not an actstore zarr run manifest")
     try:
         entries = list(manifest["shards"])
         total = int(manifest["n_samples"])
     except (KeyError, TypeError, ValueError) as err:
-        raise CorruptStoreError(f"{path / MANIFEST} lacks {err}; re-create the manifest") from None
+        raise CorruptStoreError(f"{where} lacks {err}; re-create the manifest") from None
     stores, start = [], 0
     for entry in entries:
-        info = open_store_info(path / entry["path"], offset=start, verify_reads=verify_reads)
+        if files is None:
+            info = open_store_info(path / entry["path"], offset=start, verify_reads=verify_reads)
+        else:
+            rel = str(entry["path"]).strip("/") + "/"
+            info = open_remote_info(files, rel, offset=start, verify_reads=verify_reads)
         if int(entry["start"]) != start or int(entry["n_samples"]) != info.n_samples:
             raise CorruptStoreError(
-                f"{path / MANIFEST}: shard {entry['path']} should start at "
+                f"{where}: shard {entry['path']} should start at "
                 f"{start} with {info.n_samples} samples; it says {entry}"
             )
         if stores and not info.layout.same_bytes_as(stores[0].layout):
-            raise CorruptStoreError(f"{info.path} has another layout than {stores[0].path}")
+            raise CorruptStoreError(f"{info.where} has another layout than {stores[0].where}")
         stores.append(info)
         start += info.n_samples
     if not stores or start != total:
-        raise CorruptStoreError(
-            f"{path / MANIFEST} declares {total} samples; its shards hold {start}"
-        )
+        raise CorruptStoreError(f"{where} declares {total} samples; its shards hold {start}")
     return manifest, stores
 
 
 def _verify_statistics(store: StoreInfo, report: VerifyReport) -> None:
-    path, lay = store.path / STATISTICS_FILE, store.layout
-    if not path.exists():
+    path, lay = store.url_of(STATISTICS_FILE), store.layout
+    if not store.exists(STATISTICS_FILE):
         report.faults.append(f"{path} is missing")
         return
     rows = int(store.lengths["prompt"].sum()) + int(store.lengths["response"].sum())
     try:
-        sites = read_json(path)["sites"]
+        sites = store.read_json(STATISTICS_FILE)["sites"]
         if sorted(sites) != sorted(lay.sites):
             raise CorruptStoreError(f"sites {sorted(sites)}, expected {sorted(lay.sites)}")
         for site in lay.sites:
@@ -905,9 +1246,13 @@ def _verify_statistics(store: StoreInfo, report: VerifyReport) -> None:
 
 
 def _verify_store(
-    store: StoreInfo, group: Any, report: VerifyReport, progress: Callable[[int], None] | None
+    store: StoreInfo,
+    array: Callable[[str], np.ndarray | None],
+    report: VerifyReport,
+    progress: Callable[[int], None] | None,
 ) -> int:
-    lay, where = store.layout, store.path
+    """Verify one store; ``array(name)`` gives its per-sample arrays (None: missing)."""
+    lay, where = store.layout, store.where
     _verify_statistics(store, report)
     if store.chunksums is None:
         report.faults.append(
@@ -915,9 +1260,22 @@ def _verify_store(
             "verified (deleted, or a store written by another tool)"
         )
     for part in PARTS:
-        directory = store.path / ACTIVATIONS[part]
         grid = (lay.n_samples, lay.n_layers, lay.n_chunks(part), 1)
         want = lay.chunk_nbytes(part)
+        if store.files is not None:  # an object listing: no symlinks, sizes listed
+            directory = store.url_of(ACTIVATIONS[part])
+            for rel, size in store.listing(ACTIVATIONS[part]).items():
+                if rel in (".zarray", ".zattrs"):
+                    continue
+                key = parse_chunk_key(rel, store.separators[part])
+                if key is None or len(key) != 4 or any(k >= g for k, g in zip(key, grid)):
+                    report.faults.append(f"{directory}/{rel}: not a chunk of this array")
+                    continue
+                report.files_checked += 1
+                if size != want:
+                    report.faults.append(f"{directory}/{rel}: {size} bytes, expected {want}")
+            continue
+        directory = store.path / ACTIVATIONS[part]
         for dirpath, _, names in os.walk(directory):
             for name in names:
                 rel = os.path.relpath(os.path.join(dirpath, name), directory)
@@ -934,12 +1292,13 @@ def _verify_store(
                 report.files_checked += 1
                 if size != want:
                     report.faults.append(f"{directory}/{rel}: {size} bytes, expected {want}")
-    try:
-        digests = np.asarray(group[DIGEST][:])
-        full = {p: np.asarray(group[FULL_LENGTHS[p]][:]) for p in PARTS}
-    except KeyError as err:
-        report.faults.append(f"{where} lacks the array {err}")
+    found = {name: array(name) for name in (DIGEST, *FULL_LENGTHS.values())}
+    missing = [name for name, values in found.items() if values is None]
+    if missing:
+        report.faults.append(f"{where} lacks the array {missing[0]!r}")
         return 0
+    digests = found[DIGEST]
+    full = {p: found[FULL_LENGTHS[p]] for p in PARTS}
     for part in PARTS:
         bad = np.flatnonzero(np.minimum(full[part], lay.max_len(part)) != store.lengths[part])
         if bad.size:
@@ -956,7 +1315,9 @@ def _verify_store(
         for part, slab in (("prompt", prompt), ("response", response)):
             for layer_idx in range(lay.n_layers):
                 try:
-                    n_read += _read_rows(store, part, local, layer_idx, slab[layer_idx])
+                    n_read += _read_rows(
+                        store, part, local, layer_idx, slab[layer_idx], cache=False
+                    )
                 except CorruptStoreError as err:
                     report.faults.append(str(err))
                     slab[layer_idx] = 0
@@ -971,19 +1332,18 @@ def _verify_store(
                 "(activation data was changed or lost)"
             )
     for part in PARTS:
-        path = store.path / TEXT_FILES[part]
-        if path.exists():
+        path = store.url_of(TEXT_FILES[part])
+        if store.exists(TEXT_FILES[part]):
             report.files_checked += 1
             # split on "\n" only: str.splitlines() also splits at U+2028/U+0085, which
             # json.dumps(ensure_ascii=False) leaves raw inside a record
-            lines = [
-                json.loads(x) for x in path.read_text(encoding="utf-8").split("\n") if x.strip()
-            ]
+            text = store.read_bytes(TEXT_FILES[part]).decode("utf-8")
+            lines = [json.loads(x) for x in text.split("\n") if x.strip()]
             if [rec.get("i") for rec in lines] != list(range(lay.n_samples)):
                 report.faults.append(
                     f"{path}: expected one record per sample, i = 0..{lay.n_samples - 1}"
                 )
     for name in store.attrs.get("optional_arrays", []):
-        if OPTIONAL_ARRAYS[name][0] not in group:
+        if array(OPTIONAL_ARRAYS[name][0]) is None:
             report.faults.append(f"{where} lacks {OPTIONAL_ARRAYS[name][0]} its attributes list")
     return non_finite

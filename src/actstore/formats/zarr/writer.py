@@ -75,6 +75,7 @@ from .layout import (
     TOKEN_IDS,
     ZarrLayout,
     choose_layout,
+    chunk_key,
 )
 from .options import ZarrOptions
 from .store import (
@@ -198,6 +199,8 @@ class ZarrWriter(WriterBase):
     ``id_offset`` is the global id of this store's first sample (shards of a run); batches
     must arrive in id order. ``complete`` is True when ``path`` already holds a store with
     the same fingerprint (the capture is done); any other existing store is refused.
+    ``out_dir``: the directory the capture was given (default ``path``), which the names of
+    :meth:`sealed_files` are relative to.
     """
 
     def __init__(
@@ -212,6 +215,7 @@ class ZarrWriter(WriterBase):
         optional: tuple[str, ...] = (),
         break_lock: bool = False,
         checkpoint_s: float = 30.0,
+        out_dir: str | Path | None = None,
     ) -> None:
         self.layout = layout
         self.final_path = Path(path).expanduser().resolve()
@@ -228,6 +232,9 @@ class ZarrWriter(WriterBase):
         self.complete = False
         self.resume_from = 0
         self._written = 0
+        self._durable = 0
+        #: The directory the capture was given (``sealed_files`` names are relative to it).
+        self.out_dir = Path(out_dir).expanduser().resolve() if out_dir else self.final_path
         self._tmp: Path | None = None
         self._lock = StoreLock.acquire(self.final_path, break_lock=break_lock)
         if self.final_path.exists():
@@ -287,7 +294,7 @@ class ZarrWriter(WriterBase):
         return progress
 
     def _resume(self, progress: dict[str, Any]) -> None:
-        self._written = int(progress["written"])
+        self._written = self._durable = int(progress["written"])
         self.resume_from = self.id_offset + self._written
         self._stats = [RunningStats.from_dict(d) for d in progress["stats"]]
         self._truncated = {p: int(progress["truncated"][p]) for p in PARTS}
@@ -336,6 +343,7 @@ class ZarrWriter(WriterBase):
             indent=None,
         )
         self._last_checkpoint = time.monotonic()
+        self._durable = self._written
         point("zarr.checkpointed")
 
     @classmethod
@@ -345,7 +353,7 @@ class ZarrWriter(WriterBase):
         """The writer for a capture plan: ``out/activations.zarr`` (or ``out`` if it ends in
         ``.zarr``), with ``P_max``/``R_max``/``T_chunk`` chosen from the plan's lengths."""
         layout, kwargs = _plan_writer_args(plan, options or ZarrOptions())
-        return cls(layout, store_path(out), **kwargs)
+        return cls(layout, store_path(out), out_dir=out, **kwargs)
 
     @classmethod
     def for_shard(
@@ -540,6 +548,24 @@ class ZarrWriter(WriterBase):
             for b, text in enumerate(texts):
                 record = {"i": lo + b, "sample_key": keys[b].decode(), part: text}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def sealed_files(self) -> list[tuple[str, Path]]:
+        """Activation chunk files of the samples up to the last checkpoint: synced, and never
+        written again (a resumed write starts after them). Per-sample arrays, metadata and
+        text files change until :meth:`close`, so they are not listed; nor is anything once
+        the store is published or aborted (the publish sends it all)."""
+        if self._tmp is None or not self._durable:
+            return []
+        prefix = self.final_path.relative_to(self.out_dir).as_posix()
+        prefix = "" if prefix == "." else prefix + "/"
+        out = []
+        for part in PARTS:
+            directory = ACTIVATIONS[part]
+            sep = self._acts[part].metadata.dimension_separator
+            for index in zip(*np.nonzero(self._chunksums[part][: self._durable])):
+                key = f"{directory}/{chunk_key((*index, 0), sep)}"
+                out.append((prefix + key, self._tmp / key))
+        return out
 
     # ------------------------------------------------------------------ publish
 
