@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import pickle
@@ -54,6 +55,9 @@ from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .writer import CHECKSUMS, LEGACY_CHECKSUMS, STATISTICS
+
+log = logging.getLogger(__name__)
+_SLAB_WARNED = threading.Event()  # the verified slab fallback is announced once per process
 
 _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
 
@@ -558,6 +562,60 @@ class SaevReader(ReaderBase):
         if verified:
             scratch = _SCRATCH.rows_for(block.n_rows, md.d_model)
             self._sums.check_rows(shard_name(shard), vectors * row_bytes, out, rows, scratch)
+
+    def example_rows(self, site: int) -> int:
+        """Every block is whole examples of ``T`` contiguous rows (tokens in order)."""
+        return self.metadata.tokens_per_ex
+
+    def read_rows_scatter(
+        self, block: Block, rows: np.ndarray, out: np.ndarray, dest: np.ndarray
+    ) -> None:
+        """Rows ``rows`` of ``block`` (ascending) into ``out[dest]`` (skipped where
+        ``dest < 0``): one vectored ``preadv`` per stretch of consecutive rows (a loader
+        slab: one per example), each row straight into place.
+
+        Block checksums cover whole examples, so a slab cannot be checked on its own:
+        when reads are verified (and remotely) the whole block is read and checked, then
+        the rows are copied (a slab then costs a block's I/O; one warning says so)."""
+        md = self.metadata
+        shard, first, _, layer_idx = block.loc
+        if (
+            len(rows) != len(dest)
+            or out.dtype != np.float32
+            or out.ndim != 2
+            or out.shape[1] != md.d_model
+            or out.strides[1] != 4
+            or (len(dest) and dest.max() >= out.shape[0])
+            or (len(rows) and (rows.min() < 0 or rows.max() >= block.n_rows))
+            or (len(rows) > 1 and (np.diff(rows) <= 0).any())
+        ):
+            raise ConfigError(
+                f"read_rows_scatter needs ascending rows of the block (< {block.n_rows}), one "
+                f"destination row (< {len(out)}) each, and a float32 [n, {md.d_model}] out "
+                "with contiguous rows"
+            )
+        if self.remote or (self._sums.enabled and self._sums.sums(shard_name(shard)) is not None):
+            if not self.remote and not _SLAB_WARNED.is_set():
+                _SLAB_WARNED.set()
+                log.warning(
+                    "%s: slab reads (mix > 1) cannot be checked against per-example "
+                    "checksums, so whole blocks are read and checked (mix times the bytes); "
+                    "open the store with verify_reads=False to read slabs alone",
+                    self.files.url,
+                )
+            ReaderBase.read_rows_scatter(self, block, rows, out, dest)
+            return
+        if not len(rows):
+            return
+        row_bytes = md.d_model * 4
+        vectors = (first * len(md.layers) + layer_idx) * md.tokens_per_ex
+        addr = np.where(dest >= 0, out.ctypes.data + dest * out.strides[0], _trash_addr())
+        iov = np.empty((len(rows), 2), dtype=np.uint64)
+        iov[:, 0], iov[:, 1] = addr, row_bytes
+        starts = np.flatnonzero(np.diff(rows, prepend=-2) != 1)
+        fd = self._fd(shard)
+        for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(rows)]):
+            _preadv(fd, iov[lo:hi], (vectors + int(rows[lo])) * row_bytes)
 
     def cls_rows(self, block: Block) -> np.ndarray:
         """Rows of ``block`` holding a CLS token (token 0 of each example, if stored)."""
