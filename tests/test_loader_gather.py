@@ -140,3 +140,23 @@ def test_read_rows_scatter_places_the_rows_asked_for(store, pick, skip):
         reader.read_rows_scatter(block, np.array([1, 0]), out, np.array([0, 1]))
     with pytest.raises(ConfigError, match="ascending"):
         reader.read_rows_scatter(block, np.array([T]), out, np.array([0]))
+
+
+def test_read_slabs_scatter_reads_pieces_of_several_blocks_and_shards(store):
+    from actstore.formats.saev import SaevReader
+
+    reader, acts = store
+    blocks = reader.blocks(5)
+    picks = [(b, np.arange(T)[k % 3 :: 2]) for k, b in enumerate(blocks[3:12])]  # 2 shards
+    total = sum(len(r) for _, r in picks)
+    slots = np.random.default_rng(0).permutation(total)
+    pieces, k = [], 0
+    for b, r in picks:
+        pieces.append((b, r, slots[k : k + len(r)]))
+        k += len(r)
+    for r in (reader, SaevReader(reader.path, verify_reads=False)):
+        out = np.zeros((total, D), dtype=np.float32)
+        r.read_slabs_scatter(pieces, out)
+        for b, rows, dest in pieces:
+            example = b.loc[0] * 5 + b.loc[1]
+            np.testing.assert_array_equal(out[dest], acts[example, 1, rows])

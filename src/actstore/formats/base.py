@@ -171,6 +171,14 @@ class ReaderBase(abc.ABC):
         keep = dest >= 0
         out[dest[keep]] = data[rows[keep]]
 
+    def read_slabs_scatter(
+        self, pieces: Sequence[tuple[Block, np.ndarray, np.ndarray]], out: np.ndarray
+    ) -> None:
+        """:meth:`read_rows_scatter` of each ``(block, rows, dest)`` of ``pieces`` (one loader
+        read task); the default reads them one by one, formats may read them together."""
+        for block, rows, dest in pieces:
+            self.read_rows_scatter(block, rows, out, dest)
+
     def example_rows(self, site: Hashable) -> int | None:
         """``T`` when every block of ``site`` holds whole examples of exactly ``T``
         contiguous rows in token order, so a loader slab (``mix`` > 1) can take a range of

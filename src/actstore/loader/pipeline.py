@@ -208,6 +208,7 @@ class Consumer:
         self.batch_size = batch_size
         self._pools, self._carry = buffers.pools, buffers.carry
         self._stage, self._out = buffers.stage, buffers.out
+        self._slabs: dict[tuple[int, int], np.ndarray] = {}
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="actstore-io")
 
     def close(self) -> None:
@@ -250,19 +251,30 @@ class Consumer:
         """:meth:`_submit` for ``mix`` > 1: each unit is one slab of a block, read with
         ``read_rows_scatter``; units of one slab of consecutive blocks share a task."""
         layout = self.layout
-        offsets = np.concatenate([[0], np.cumsum(layout.unit_rows.reshape(-1)[units])])
+        offsets = np.concatenate([[0], np.cumsum(layout.unit_rows.reshape(-1)[units])]).tolist()
         tasks: list[list[tuple[int, np.ndarray | None, np.ndarray]]] = []
         previous = -2
         for j in np.argsort(units, kind="stable").tolist():
             u = int(units[j])
             i, sl = self.plan.unit(u)
-            rows = layout.slab(i, sl)
-            dest = slot[offsets[j] : offsets[j] + len(rows)]
+            rows = self._slab(i, sl)
+            dest = slot[offsets[j] : offsets[j + 1]]
             if u != previous + 1 or len(tasks[-1]) >= self.read_blocks:
                 tasks.append([])
             tasks[-1].append((i, rows, dest))
             previous = u
         return self._start(tasks, pool)
+
+    def _slab(self, i: int, j: int) -> np.ndarray:
+        """``layout.slab(i, j)``, shared by blocks of one size that serve all their rows."""
+        layout = self.layout
+        if layout.drop_cls:
+            return layout.slab(i, j)
+        key = (layout.blocks[0][i].n_rows, j)
+        rows = self._slabs.get(key)
+        if rows is None:
+            rows = self._slabs[key] = layout.slab(i, j)
+        return rows
 
     def _start(
         self, tasks: list[list[tuple[int, np.ndarray | None, np.ndarray]]], pool: int
@@ -278,14 +290,16 @@ class Consumer:
     def _read_run(
         self, site: int, task: list[tuple[int, np.ndarray | None, np.ndarray]], out: np.ndarray
     ) -> None:
-        for i, rows, dest in task:
-            self._read(self.layout.blocks[site][i], rows, out, dest)
+        blocks = self.layout.blocks[site]
+        if self.layout.mix > 1:  # slabs: the reader may read the task's pieces together
+            pieces = [(blocks[i], rows, dest) for i, rows, dest in task]
+            self.layout.reader.read_slabs_scatter(pieces, out)
+            return
+        for i, _, dest in task:
+            self._read(blocks[i], out, dest)
 
-    def _read(self, block: Block, rows: np.ndarray | None, out: np.ndarray, dest: np.ndarray):
-        if rows is None:  # a whole block
-            self.layout.reader.read_block_scatter(block, out, dest)
-        else:  # one slab
-            self.layout.reader.read_rows_scatter(block, rows, out, dest)
+    def _read(self, block: Block, out: np.ndarray, dest: np.ndarray) -> None:
+        self.layout.reader.read_block_scatter(block, out, dest)
 
     def _row_ids(self, w: int, perm: np.ndarray) -> np.ndarray:
         """Storage row of each served position of window ``w``."""
@@ -293,7 +307,7 @@ class Consumer:
         for u in self.plan.window_blocks(w):
             if layout.mix > 1:
                 i, sl = self.plan.unit(int(u))
-                parts.append(layout.first_row[i] + layout.slab(i, sl))
+                parts.append(layout.first_row[i] + self._slab(i, sl))
                 continue
             i = int(u)
             local = np.arange(layout.blocks[0][i].n_rows, dtype=np.int64)
