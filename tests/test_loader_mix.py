@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_loader import STORE, T, all_consumers, collect, expected, write_store
+from test_loader import STORE, T, all_consumers, collect, expected, format_cases, write_store
 
 from actstore.errors import ConfigError, CorruptStoreError
 from actstore.formats.base import ReaderBase
@@ -288,3 +288,23 @@ def test_verified_slab_reads_read_whole_blocks_and_catch_damage(store, tmp_path,
         list(ActivationLoader(SaevReader(copy), **options))
     unchecked = list(ActivationLoader(SaevReader(copy, verify_reads=False), **options))
     assert sum(len(b.rows) for b in unchecked) == 37 * T
+
+
+@pytest.mark.parametrize("case", format_cases())
+def test_any_format_with_mix(case, tmp_path):
+    """Through the reader contract (zarr: the default slab read, contiguous row ranges)."""
+    from conformance import make_acts, make_batches, make_plan
+
+    plan = make_plan()
+    acts = make_acts(plan)
+    reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, acts)))
+    site = case.site_name(plan.sites[0])
+    want = case.expected_rows(plan, acts, plan.sites[0]).astype(case.stored_dtype)
+    for mix in (2, 3):
+        loader = ActivationLoader(
+            reader, site=site, batch_size=5, pool_blocks=2, mix=mix, return_index=True
+        )
+        x, r = zip(*collect(loader))
+        rows = np.concatenate(r)
+        assert sorted(rows.tolist()) == list(range(plan.n_examples * plan.tokens_per_example))
+        np.testing.assert_array_equal(np.concatenate(x), want[rows])

@@ -1,6 +1,7 @@
 """One consumer's read path: windows read into reusable pools, batches served from them.
 
-A window's blocks are read by a small thread pool straight into the rows where the
+A window's blocks (with ``mix`` > 1: slabs of blocks, ``read_slabs_scatter``) are read by
+a small thread pool straight into the rows where the
 window's permutation puts them (``read_block_scatter`` when the reader has it), so the
 pool holds the window in serving order and a batch is a contiguous slice of it, handed
 out as a zero-copy tensor view. While one window is served the next is read into a
@@ -258,6 +259,8 @@ class Consumer:
             u = int(units[j])
             i, sl = self.plan.unit(u)
             rows = self._slab(i, sl)
+            if not len(rows):  # an empty slab (a block of fewer rows than mix)
+                continue
             dest = slot[offsets[j] : offsets[j + 1]]
             if u != previous + 1 or len(tasks[-1]) >= self.read_blocks:
                 tasks.append([])
