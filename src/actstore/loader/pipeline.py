@@ -250,7 +250,7 @@ class Consumer:
 
     def _submit_units(self, units: np.ndarray, pool: int, slot: np.ndarray) -> list[Future]:
         """:meth:`_submit` for ``mix`` > 1: each unit is one slab of a block, read with
-        ``read_rows_scatter``; units of one slab of consecutive blocks share a task."""
+        ``read_slabs_scatter``; units of one slab of consecutive blocks share a task."""
         layout = self.layout
         offsets = np.concatenate([[0], np.cumsum(layout.unit_rows.reshape(-1)[units])]).tolist()
         tasks: list[list[tuple[int, np.ndarray | None, np.ndarray]]] = []
