@@ -12,7 +12,10 @@ On one synthetic saev store (written once with SaevWriter, then reused), in one 
 - time to first batch (open the store, build the loader, first batch; target < 2 s),
   and resume cost (``load_state_dict`` to first batch, mid-epoch);
 - shuffle quality: the fraction of same-example row pairs in a batch, measured, against
-  the formula ``(T-1)/(R-1)`` for a window of R rows and the ideal uniform shuffle.
+  the formula ``(T-1)/(R-1)`` for a window of R rows and the ideal uniform shuffle;
+- ``mix`` (slabs per block) at the same window memory: the pair rate next to the uniform
+  ideal, and rows/s as a ratio to mix=1 measured in the same repetition, with reads
+  unverified (slab reads) and verified (whole blocks read and checked).
 
 "cold" runs evict the shard files from the page cache first (``POSIX_FADV_DONTNEED``);
 "warm" runs read them from the page cache. Keep the store below free RAM for warm runs.
@@ -21,6 +24,7 @@ Usage:
     python benchmarks/bench_loader.py                 # 3 GiB store, a few minutes
     python benchmarks/bench_loader.py --gib 8 --workers 0,2,4 --naive-seconds 20
     python benchmarks/bench_loader.py --gib 0.5 --skip-naive   # quick check
+    python benchmarks/bench_loader.py --mix-only --mix 1,2,4,8  # the mix table alone
 """
 
 from __future__ import annotations
@@ -109,6 +113,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="16,64,256",
         help="window sizes (MiB) for the shuffle-quality measurement",
     )
+    p.add_argument(
+        "--mix",
+        default="1,2,4,8",
+        help="slabs per block compared at the same window (--pool-mib); empty: skip",
+    )
+    p.add_argument(
+        "--mix-verify",
+        default="off,on",
+        help="verify_reads settings of the mix runs (on: slabs come from checked blocks)",
+    )
+    p.add_argument("--mix-only", action="store_true", help="only the mix table")
     p.add_argument("--json", type=Path, help="also write all results here")
     return p.parse_args(argv)
 
@@ -297,6 +312,75 @@ def make_loader(
     )
 
 
+def measure_mix(
+    path: Path, args: argparse.Namespace, layer: int, caches: list[str], files: list[Path]
+) -> tuple[list[list[object]], dict[str, object]]:
+    """For each ``--mix`` at the same window: the pair rate of the first batches (from the
+    rows' example ids) and one epoch's rows/s per repetition, cache and verify setting,
+    as a ratio to mix=1 of the same repetition (medians and ranges over repetitions)."""
+    mixes = [int(x) for x in args.mix.split(",") if x.strip()]
+    verifies = [v.strip() == "on" for v in args.mix_verify.split(",") if v.strip()]
+    reader = SaevReader(path)
+    t, n_rows = reader.tokens_per_ex, reader.n_examples * reader.tokens_per_ex
+    row_bytes = reader.d_model * 4
+    ideal = (t - 1) / (n_rows - 1)
+    pairs: dict[int, tuple[float, int, int]] = {}
+    for mix in mixes:
+        loader = make_loader(path, args, layer, verify=False, mix=mix, return_index=True)
+        fractions = []
+        for i, batch in enumerate(loader):
+            fractions.append(same_example_fraction(batch.rows.numpy(), t)[0])
+            if i + 1 == 24:
+                break
+        window = loader.plan(0).window_rows(0)
+        pairs[mix] = (float(np.mean(fractions)), window, loader.memory_bytes)
+    runs: dict[tuple[int, bool, str], list[float]] = {}
+    for rep in range(args.repeats):
+        for cache in caches:
+            if cache == "warm":
+                stream_read(files, 1)
+            for verify in verifies:
+                for mix in mixes:
+                    loader = make_loader(path, args, layer, verify=verify, mix=mix)
+                    if cache == "cold":
+                        drop_cache(files, args.cold)
+                    res = run_epoch(loader, row_bytes)
+                    runs.setdefault((mix, verify, cache), []).append(res["rows_per_s"])
+                    del loader
+        print(f"mix repetition {rep + 1}/{args.repeats}: done", file=sys.stderr)
+    out = []
+    for mix in mixes:
+        rate, window, memory = pairs[mix]
+        row: list[object] = [
+            mix,
+            f"{memory / 2**20:.0f} MiB",
+            f"{rate:.2e}",
+            f"{_slab_pairs(t, mix, window, reader.n_examples):.2e}",
+            f"{ideal:.2e}",
+        ]
+        for verify in verifies:
+            for cache in caches:
+                got, base = runs[(mix, verify, cache)], runs[(mixes[0], verify, cache)]
+                ratios = [a / b for a, b in zip(got, base)]
+                row.append(
+                    f"{np.median(got):,.0f} ({np.median(ratios):.2f}, "
+                    f"{min(ratios):.2f}-{max(ratios):.2f})"
+                )
+        out.append(row)
+    raw = {f"mix={m} verify={v} {c}": r for (m, v, c), r in runs.items()}
+    raw["pairs"] = {str(m): p for m, p in pairs.items()}
+    return out, raw
+
+
+def _slab_pairs(t: int, mix: int, window: int, n_examples: int) -> float:
+    """Expected same-example pair rate of a window of ``window`` rows made of slabs of
+    ``t / mix`` rows drawn from ``n_examples * mix``: pairs within a slab, plus pairs in
+    two slabs of one example that met in the window."""
+    slab = t / mix
+    meet = (window - slab) * (mix - 1) / max(mix * n_examples - 1, 1)
+    return (slab - 1 + meet) / (window - 1)
+
+
 def stream_read(paths: Sequence[Path], streams: int, chunk: int = 16 << 20) -> tuple[int, Timer]:
     """Sequential ``chunk``-byte reads of ``paths`` by ``streams`` threads, each reading a
     contiguous share of the bytes into its own reused buffer: (bytes, timer). One stream is
@@ -395,6 +479,9 @@ def main(argv: list[str] | None = None) -> None:
         "medians\n"
     )
     caches = ["warm"] if args.skip_cold else ["cold", "warm"]
+    if args.mix_only:
+        print_mix(path, args, layer, caches, files, {})
+        return
     worker_counts = [int(x) for x in args.workers.split(",") if x.strip()]
     streams = [int(x) for x in args.streams.split(",") if x.strip()]
     results: dict[str, object] = {}
@@ -549,7 +636,21 @@ def main(argv: list[str] | None = None) -> None:
                 mixing,
             )
         )
+    if args.mix.strip():
+        print_mix(path, args, layer, caches, files, results)
     if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+def print_mix(path, args, layer, caches, files, results: dict[str, object]) -> None:
+    rows, raw = measure_mix(path, args, layer, caches, files)
+    results["mix"] = raw
+    verifies = [v.strip() for v in args.mix_verify.split(",") if v.strip()]
+    header = ["mix", "pool memory", "same-example pairs", "formula", "ideal uniform"]
+    header += [f"rows/s verify {v}, {c} (vs mix 1, range)" for v in verifies for c in caches]
+    print()
+    print(table(header, rows))
+    if args.mix_only and args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_loader import T, write_store
+from test_loader import D, T, write_store
 
 from actstore.errors import (
     ConfigError,
@@ -114,3 +114,49 @@ def test_a_file_truncated_after_opening_is_reported(tmp_path):
     np.testing.assert_array_equal(out[:2], acts[9, 1, :2])  # what was there was read
     with pytest.raises(CorruptStoreError, match="unexpected end of file"):
         reader.gather([9 * T + 5], 5)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(pick=st.lists(st.booleans(), min_size=T * 2, max_size=T * 2), skip=st.integers(0, 11))
+def test_read_rows_scatter_places_the_rows_asked_for(store, pick, skip):
+    """Slab reads (loader ``mix``): any ascending rows, one preadv per consecutive stretch,
+    verified or not (verified: the whole block is read and checked)."""
+    from actstore.formats.saev import SaevReader
+
+    reader, acts = store
+    block = reader.blocks(2)[4]
+    rows = np.flatnonzero(pick[: block.n_rows]).astype(np.int64)
+    dest = np.arange(len(rows), dtype=np.int64)[::-1].copy()
+    if len(dest):
+        dest[skip % len(dest)] = -1
+    for r in (reader, SaevReader(reader.path, verify_reads=False)):
+        out = np.zeros((T + 1, D), dtype=np.float32)
+        r.read_rows_scatter(block, rows, out, dest)
+        keep = dest >= 0
+        np.testing.assert_array_equal(out[dest[keep]], acts[4, 0, rows[keep]])
+    with pytest.raises(ConfigError, match="ascending"):
+        reader.read_rows_scatter(block, np.array([1, 0]), out, np.array([0, 1]))
+    with pytest.raises(ConfigError, match="ascending"):
+        reader.read_rows_scatter(block, np.array([T]), out, np.array([0]))
+
+
+def test_read_slabs_scatter_reads_pieces_of_several_blocks_and_shards(store):
+    from actstore.formats.saev import SaevReader
+
+    reader, acts = store
+    blocks = reader.blocks(5)
+    picks = [(b, np.arange(T)[k % 3 :: 2]) for k, b in enumerate(blocks[3:12])]  # 2 shards
+    total = sum(len(r) for _, r in picks)
+    slots = np.random.default_rng(0).permutation(total)
+    pieces, k = [], 0
+    for b, r in picks:
+        pieces.append((b, r, slots[k : k + len(r)]))
+        k += len(r)
+    for r in (reader, SaevReader(reader.path, verify_reads=False)):
+        out = np.zeros((total, D), dtype=np.float32)
+        r.read_slabs_scatter(pieces, out)
+        for b, rows, dest in pieces:
+            example = b.loc[0] * 5 + b.loc[1]
+            np.testing.assert_array_equal(out[dest], acts[example, 1, rows])

@@ -15,6 +15,8 @@ from actstore.order import (
     permutation,
     plan_epoch,
     rank_span,
+    slab_of,
+    slab_rows,
     splitmix64,
     worker_span,
 )
@@ -150,3 +152,58 @@ def test_runs_are_consecutive_blocks_in_a_permuted_order(sizes, k, g, seed):
         i += n
     single = plan_epoch(sizes, pool_blocks=k, seed=seed, epoch=0)
     assert single.block_order.tolist() == permutation(key(seed, 0, 0), len(sizes)).tolist()
+
+
+def test_plan_with_mix_1_is_pinned():
+    # the order of whole blocks, computed before mix existed, and mix=1 spelled out
+    for mix in ({}, {"mix": 1}):
+        plan = plan_epoch(
+            [3, 5, 2, 4, 1, 6, 0, 2], pool_blocks=3, seed=7, epoch=1, run_blocks=2, **mix
+        )
+        assert plan.block_order.tolist() == [0, 1, 6, 7, 4, 5, 2, 3]
+        assert plan.window_bounds.tolist() == [0, 3, 6, 8]
+        assert plan.row_starts.tolist() == [0, 8, 17, 23]
+        assert plan.window_permutation(1).tolist() == [1, 7, 4, 8, 6, 2, 5, 3, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_sizes, st.integers(1, 6), st.integers(1, 4), st.integers(1, 5), st.integers(0, 99))
+def test_plan_with_mix_covers_every_unit_once(sizes, k, g, mix, seed):
+    n = len(sizes)
+    rows = np.array([[len(slab_rows(s, None, mix, j)) for s in sizes] for j in range(mix)])
+    rows = rows.reshape(mix, n)
+    plan = plan_epoch(rows, pool_blocks=k, seed=seed, epoch=0, run_blocks=g, mix=mix)
+    order = plan.block_order.tolist()
+    assert sorted(order) == list(range(n * mix))
+    assert all(
+        1 <= plan.window_bounds[w + 1] - plan.window_bounds[w] <= k * mix
+        for w in range(plan.n_windows)
+    )
+    assert plan.n_rows == sum(sizes)
+    i = 0
+    while i < len(order):  # runs: g consecutive blocks of one slab
+        block, slab = plan.unit(order[i])
+        run = min(g, n - block)
+        assert block % g == 0
+        assert [plan.unit(u) for u in order[i : i + run]] == [(block + d, slab) for d in range(run)]
+        i += run
+
+
+@given(st.integers(0, 60), st.sampled_from([None, 1, 2, 3, 6]), st.integers(1, 6))
+def test_slabs_partition_a_block(n_ex, period, mix):
+    n = n_ex * (period or 1)
+    if period is not None and mix > period:
+        return
+    parts = [slab_rows(n, period, mix, j) for j in range(mix)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(n))
+    for j, part in enumerate(parts):
+        assert (np.diff(part) > 0).all() and (slab_of(part, n, period, mix) == j).all()
+        if period:  # the same tokens of every example
+            assert len(set((part % period).tolist())) * n_ex == len(part)
+
+
+def test_bad_mix_in_a_plan():
+    with pytest.raises(ConfigError, match="mix"):
+        plan_epoch([1, 2], pool_blocks=1, seed=0, epoch=0, mix=0)
+    with pytest.raises(ConfigError, match=r"\[2, n_blocks\]"):
+        plan_epoch([1, 2], pool_blocks=1, seed=0, epoch=0, mix=2)

@@ -117,6 +117,29 @@ def test_partition_gives_disjoint_parts_that_cover_the_epoch(store, tmp_path):
     assert rows == list(range(23 * T))
 
 
+def test_partition_with_mix_serves_the_loaders_slab_stream(store, tmp_path):
+    """``mix`` reaches the server like any loader option: consumers get its stream."""
+    reader, acts = store
+    options = {**OPTIONS, "mix": 3}
+    server = start_server(
+        reader,
+        name="mx",
+        consumers=2,
+        mode="partition",
+        slots=4,
+        directory=tmp_path,
+        context="fork",
+        **options,
+    )
+    _, got = run_consumers("mx", tmp_path, tmp_path, [(c, {}) for c in range(2)])
+    server.join(30)
+    want = stream(reader, 1, mix=3)
+    assert want != stream(reader, 1)
+    for c, g in enumerate(got):
+        assert g["rows"] == want[c::2] and g["state"]["mix"] == 3
+        check_values(acts, g)
+
+
 def test_each_consumer_resumes_from_its_own_state(store, tmp_path):
     reader, _ = store
     options = {**OPTIONS, "epochs": 2, "directory": tmp_path, "context": "fork", "slots": 2}

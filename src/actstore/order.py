@@ -16,6 +16,14 @@ the same plan without talking to the others):
    batches of ``B`` rows; DataLoader worker ``j`` of ``N`` takes a contiguous run of those
    batches (:func:`rank_span`, :func:`worker_span`).
 
+With ``mix`` m > 1 every block is split into m *slabs* (:func:`slab_rows`: slab ``j`` is
+tokens ``[j*T//m, (j+1)*T//m)`` of each example when blocks hold whole examples of ``T``
+rows, else the ``j``-th of m contiguous row ranges) and the plan runs over the
+``m * n_blocks`` *units* (block ``i``, slab ``j``), numbered ``u = j * n_blocks + i``: step 1
+permutes runs of ``g`` consecutive blocks' slab ``j`` (``m * n_runs`` runs), step 2 puts
+``K * m`` units in a window (the same memory as K blocks, rows from m times as many
+examples), steps 3-5 are unchanged. m = 1 is exactly the plan above.
+
 ``permutation(key, n)`` is ``argsort(splitmix64(arange(n) ^ key))`` and ``key`` folds its
 integer arguments with splitmix64. splitmix64 is a bijection, so the sort keys are
 distinct and every sort algorithm gives the same permutation. Both are spelled out here,
@@ -81,11 +89,19 @@ class EpochPlan:
     seed: int
     epoch: int
     block_order: np.ndarray
-    """int64 ``[n_blocks]``: block indices in read order."""
+    """int64 ``[n_units]``: units in read order (with ``mix`` 1 units are blocks)."""
     window_bounds: np.ndarray
     """int64 ``[n_windows + 1]``: window ``w`` is ``block_order[bounds[w]:bounds[w+1]]``."""
     row_starts: np.ndarray
     """int64 ``[n_windows + 1]``: first stream row of each window (prefix sums of rows)."""
+    mix: int = 1
+    """Slabs per block: unit ``u`` is slab ``u // n_blocks`` of block ``u % n_blocks``."""
+    n_blocks: int = 0
+
+    def unit(self, u: int) -> tuple[int, int]:
+        """``(block, slab)`` of unit ``u``."""
+        slab, block = divmod(int(u), max(self.n_blocks, 1))
+        return block, slab
 
     @property
     def n_windows(self) -> int:
@@ -96,7 +112,8 @@ class EpochPlan:
         return int(self.row_starts[-1])
 
     def window_blocks(self, w: int) -> np.ndarray:
-        """Block indices of window ``w``, in the order their rows are numbered."""
+        """Units (blocks when ``mix`` is 1) of window ``w``, in the order their rows are
+        numbered."""
         return self.block_order[self.window_bounds[w] : self.window_bounds[w + 1]]
 
     def window_rows(self, w: int) -> int:
@@ -118,35 +135,85 @@ def plan_epoch(
     seed: int,
     epoch: int,
     run_blocks: int = 1,
+    mix: int = 1,
 ) -> EpochPlan:
-    """Plan epoch ``epoch``: ``block_rows[i]`` is the number of rows block ``i`` serves;
-    blocks are shuffled in runs of ``run_blocks`` consecutive blocks."""
+    """Plan epoch ``epoch``: ``block_rows[i]`` is the number of rows block ``i`` serves
+    (with ``mix`` m > 1: ``[m, n_blocks]``, the rows of each unit, slab by slab); blocks
+    are shuffled in runs of ``run_blocks`` consecutive blocks, ``pool_blocks * mix``
+    units to a window."""
     rows = np.asarray(block_rows, dtype=np.int64)
-    if pool_blocks < 1 or run_blocks < 1:
+    if pool_blocks < 1 or run_blocks < 1 or mix < 1:
         raise ConfigError(
-            f"pool_blocks and run_blocks must be >= 1, not {pool_blocks}, {run_blocks}"
+            f"pool_blocks, run_blocks and mix must be >= 1, not {pool_blocks}, {run_blocks}, {mix}"
         )
-    order = run_order(len(rows), run_blocks, key(seed, epoch, 0))
-    bounds = np.unique(np.minimum(np.arange(0, len(rows) + pool_blocks, pool_blocks), len(rows)))
-    per_block = np.concatenate([[0], np.cumsum(rows[order])])
+    if rows.ndim == 1 and mix == 1:
+        rows = rows[None]
+    if rows.ndim != 2 or rows.shape[0] != mix:
+        raise ConfigError(f"with mix={mix} give the rows of each unit as [{mix}, n_blocks]")
+    n_blocks = rows.shape[1]
+    rows = rows.reshape(-1)
+    order = run_order(n_blocks, run_blocks, key(seed, epoch, 0), mix=mix)
+    per_window = pool_blocks * mix
+    bounds = np.unique(np.minimum(np.arange(0, len(rows) + per_window, per_window), len(rows)))
+    per_unit = np.concatenate([[0], np.cumsum(rows[order])])
     return EpochPlan(
         seed=seed,
         epoch=epoch,
         block_order=order,
         window_bounds=bounds.astype(np.int64),
-        row_starts=per_block[bounds].astype(np.int64),
+        row_starts=per_unit[bounds].astype(np.int64),
+        mix=mix,
+        n_blocks=n_blocks,
     )
 
 
-def run_order(n_blocks: int, run_blocks: int, k: int) -> np.ndarray:
-    """Blocks ``0..n_blocks-1`` as runs of ``run_blocks`` consecutive blocks (the last run
-    may be short) in the order ``permutation(k, n_runs)``."""
+def run_order(n_blocks: int, run_blocks: int, k: int, *, mix: int = 1) -> np.ndarray:
+    """Units ``j * n_blocks + i`` (slab ``j`` of block ``i``) as runs of ``run_blocks``
+    consecutive blocks of one slab (the last run of a slab may be short), runs in the
+    order ``permutation(k, mix * n_runs)``; with ``mix`` 1 units are blocks."""
     if run_blocks == 1:
-        return permutation(k, n_blocks)
+        return permutation(k, n_blocks * mix)
     n_runs = -(-n_blocks // run_blocks)
-    starts = permutation(k, n_runs) * run_blocks
-    order = (starts[:, None] + np.arange(run_blocks)).reshape(-1)
-    return order[order < n_blocks]
+    runs = permutation(k, n_runs * mix)
+    slab, run = np.divmod(runs, n_runs)
+    first = run * run_blocks
+    block = first[:, None] + np.arange(run_blocks)
+    order = (slab[:, None] * n_blocks + block).reshape(-1)
+    return order[(block < n_blocks).reshape(-1)]
+
+
+def slab_bounds(period: int, mix: int) -> np.ndarray:
+    """int64 ``[mix + 1]``: slab ``j`` covers ``[b[j], b[j+1])`` of ``period`` positions
+    (``b[j] = j * period // mix``; sizes differ by at most one)."""
+    return np.arange(mix + 1, dtype=np.int64) * period // mix
+
+
+def slab_rows(n_rows: int, period: int | None, mix: int, slab: int) -> np.ndarray:
+    """Block-local rows (ascending) of slab ``slab`` of ``mix`` of a block of ``n_rows``
+    rows: with ``period`` T (whole examples of T contiguous rows) tokens
+    ``[slab*T//mix, (slab+1)*T//mix)`` of every example, else the ``slab``-th of ``mix``
+    contiguous row ranges.
+
+    Example:
+        >>> slab_rows(8, 4, 2, 1).tolist(), slab_rows(8, None, 2, 1).tolist()
+        ([2, 3, 6, 7], [4, 5, 6, 7])
+    """
+    if mix == 1:
+        return np.arange(n_rows, dtype=np.int64)
+    if period:
+        lo, hi = slab_bounds(period, mix)[slab : slab + 2]
+        starts = np.arange(0, n_rows, period, dtype=np.int64)
+        return (starts[:, None] + np.arange(lo, hi)).reshape(-1)
+    lo, hi = slab_bounds(n_rows, mix)[slab : slab + 2]
+    return np.arange(lo, hi, dtype=np.int64)
+
+
+def slab_of(local: np.ndarray, n_rows: int, period: int | None, mix: int) -> np.ndarray:
+    """The slab of each block-local row in ``local`` (see :func:`slab_rows`)."""
+    local = np.asarray(local, dtype=np.int64)
+    bounds = slab_bounds(period or n_rows, mix)
+    pos = local % period if period else local
+    return np.searchsorted(bounds, pos, side="right") - 1
 
 
 class Span(NamedTuple):

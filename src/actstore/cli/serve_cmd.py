@@ -36,6 +36,11 @@ def serve(
     batch_size: int = typer.Option(4096, help="Rows per batch."),
     seed: int = typer.Option(0, help="Shuffle seed."),
     pool_blocks: int = typer.Option(None, help="Blocks per shuffle window (default: 256 MiB)."),
+    mix: int = typer.Option(
+        1,
+        help="Slabs per block: a window holds a slice of MIX times as many examples "
+        "(same memory, smaller reads; see docs/loader.md).",
+    ),
     dtype: str = typer.Option("float32", help="float32, bfloat16 or float16."),
     normalize: str = typer.Option(None, help="standardize or mean_norm (stored statistics)."),
     drop_cls: bool = typer.Option(False, help="Leave out CLS-token rows."),
@@ -70,6 +75,7 @@ def serve(
         batch_size=batch_size,
         seed=seed,
         pool_blocks=pool_blocks,
+        mix=mix,
         dtype=dtype,
         normalize=normalize,
         drop_cls=drop_cls,

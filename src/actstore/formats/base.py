@@ -153,6 +153,38 @@ class ReaderBase(abc.ABC):
         keep = rows >= 0
         out[rows[keep]] = data[keep]
 
+    def read_rows_scatter(
+        self, block: Block, rows: np.ndarray, out: np.ndarray, dest: np.ndarray
+    ) -> None:
+        """Write row ``rows[i]`` of ``block`` (block-local, ascending) into ``out[dest[i]]``,
+        skipping ``dest[i] < 0``: how the loader reads one slab of a block (``mix`` > 1).
+
+        The default reads the whole block into a per-thread scratch buffer (checked like
+        any :meth:`read_block`) and copies the rows asked for, so a slab costs a block's
+        I/O; formats that can read the rows alone override it."""
+        need = block.n_rows * int(self.d_model)
+        dtype = np.dtype(self.dtype)
+        scratch = _SCRATCH.buf
+        if scratch is None or scratch.dtype != dtype or scratch.size < need:
+            scratch = _SCRATCH.buf = np.empty(need, dtype=dtype)
+        data = self.read_block(block, scratch[:need].reshape(block.n_rows, -1))
+        keep = dest >= 0
+        out[dest[keep]] = data[rows[keep]]
+
+    def read_slabs_scatter(
+        self, pieces: Sequence[tuple[Block, np.ndarray, np.ndarray]], out: np.ndarray
+    ) -> None:
+        """:meth:`read_rows_scatter` of each ``(block, rows, dest)`` of ``pieces`` (one loader
+        read task); the default reads them one by one, formats may read them together."""
+        for block, rows, dest in pieces:
+            self.read_rows_scatter(block, rows, out, dest)
+
+    def example_rows(self, site: Hashable) -> int | None:
+        """``T`` when every block of ``site`` holds whole examples of exactly ``T``
+        contiguous rows in token order, so a loader slab (``mix`` > 1) can take a range of
+        tokens of each example; None (the default): slabs are contiguous row ranges."""
+        return None
+
     def cls_rows(self, block: Block) -> np.ndarray | None:
         """Rows of ``block`` that hold a CLS token (for the loader's ``drop_cls``), or
         None when the store keeps no CLS token."""

@@ -35,6 +35,7 @@ from .pipeline import (
     RingBatch,
     first_rows,
     kept_rows,
+    unit_rows,
 )
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,14 @@ class LoaderConfig:
     """Blocks are shuffled in runs of this many consecutive blocks (read as one sequential
     stretch). None: as many as fit in 16 MiB, at most ``pool_blocks``. 1 shuffles single
     blocks. Runs do not change how many examples a window mixes."""
+    mix: int = 1
+    """Split every block into this many slabs and fill a window with ``pool_blocks * mix``
+    slabs of as many blocks: the same memory, rows from ``mix`` times as many examples per
+    window (a batch's same-example pair rate drops about ``mix``-fold) at the cost of
+    ``mix`` times smaller reads. On a store whose blocks hold whole examples of ``T``
+    tokens (saev) slab ``j`` is tokens ``[j*T//mix, (j+1)*T//mix)`` of each example, so
+    ``mix`` may be at most ``T``; elsewhere a slab is one of ``mix`` contiguous row ranges.
+    1: whole blocks (the order of earlier versions). See :mod:`actstore.order`."""
     seed: int = 0
     epoch: int = 0
     """The epoch to start at (see :meth:`ActivationLoader.set_epoch`)."""
@@ -99,7 +108,7 @@ class LoaderConfig:
             if not sites or len(set(sites)) != len(sites):
                 raise ConfigError(f"sites must be distinct and non-empty, not {list(sites)}")
             object.__setattr__(self, "sites", sites)
-        for name in ("batch_size", "io_threads"):
+        for name in ("batch_size", "io_threads", "mix"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
         for name in ("pool_blocks", "run_blocks"):
@@ -194,14 +203,26 @@ class ActivationLoader(IterableDataset):
             raise ConfigError(
                 f"drop_cls needs a store that keeps CLS tokens; {type(reader).__name__} marks none"
             )
+        cls = reader.cls_rows if config.drop_cls else None
+        mix, period = config.mix, None
+        if mix > 1:
+            period = reader.example_rows(self.sites[0])
+            if period is not None and mix > period:
+                raise ConfigError(
+                    f"mix={mix} splits each example's {period} tokens into more slabs than "
+                    f"tokens; use mix between 1 and {period}"
+                )
         self.layout = Layout(
             reader=reader,
             blocks=blocks,
             drop_cls=config.drop_cls,
-            kept_rows=kept_rows(blocks[0], reader.cls_rows if config.drop_cls else None),
+            kept_rows=kept_rows(blocks[0], cls),
             first_row=first_rows(blocks[0]),
             d_model=int(reader.d_model),
             dtype=np.dtype(reader.dtype),
+            mix=mix,
+            period=period,
+            unit_rows=unit_rows(blocks[0], period, mix, cls) if mix > 1 else None,
         )
         if config.pool_blocks is not None:
             pool_blocks = config.pool_blocks
@@ -254,19 +275,22 @@ class ActivationLoader(IterableDataset):
 
     @property
     def memory_bytes(self) -> int:
-        """Upper bound of the pool memory one consumer holds: 2 windows of the largest blocks."""
-        largest = max((b.n_rows for b in self.layout.blocks[0]), default=0)
+        """Upper bound of the pool memory one consumer holds: 2 windows of the largest
+        blocks (``pool_blocks * mix`` of the largest slabs)."""
+        largest = self.layout.mix * self.layout.max_unit_rows
         row_bytes = len(self.sites) * self.d_model * self.layout.dtype.itemsize
         return 2 * self.pool_blocks * largest * row_bytes
 
     def plan(self, epoch: int):
         """The order of epoch ``epoch`` (see :mod:`actstore.order`)."""
+        layout = self.layout
         return plan_epoch(
-            self.layout.kept_rows,
+            layout.kept_rows if layout.mix == 1 else layout.unit_rows,
             pool_blocks=self.pool_blocks,
             seed=self.config.seed,
             epoch=epoch,
             run_blocks=self.run_blocks,
+            mix=layout.mix,
         )
 
     def _rank_span(self):
@@ -354,7 +378,8 @@ class ActivationLoader(IterableDataset):
                 f"loader state version {state.get('version')!r} is not "
                 f"{STATE_VERSION}: another actstore version saved it"
             )
-        state = {"run_blocks": 1, **state}  # states saved before runs existed: single blocks
+        # states saved before runs and slabs existed: single whole blocks
+        state = {"run_blocks": 1, "mix": 1, **state}
         mine = self._fingerprint()
         wrong = [
             f"{k}={state.get(k)!r} (this loader: {v!r})"
@@ -380,6 +405,7 @@ class ActivationLoader(IterableDataset):
             "batch_size": cfg.batch_size,
             "pool_blocks": self.pool_blocks,
             "run_blocks": self.run_blocks,
+            "mix": self.layout.mix,
             "world_size": self.world_size,
             "drop_last": cfg.drop_last,
             "drop_cls": cfg.drop_cls,
@@ -391,6 +417,7 @@ class ActivationLoader(IterableDataset):
         return (
             f"ActivationLoader(sites={list(self.sites)}, rows={self.n_rows}, "
             f"batch_size={self.batch_size}, pool_blocks={self.pool_blocks}, "
+            f"{f'mix={self.layout.mix}, ' if self.layout.mix > 1 else ''}"
             f"seed={self.config.seed}, epoch={self.epoch}, "
             f"rank={self.rank}/{self.world_size})"
         )

@@ -1,6 +1,7 @@
 """One consumer's read path: windows read into reusable pools, batches served from them.
 
-A window's blocks are read by a small thread pool straight into the rows where the
+A window's blocks (with ``mix`` > 1: slabs of blocks, ``read_slabs_scatter``) are read by
+a small thread pool straight into the rows where the
 window's permutation puts them (``read_block_scatter`` when the reader has it), so the
 pool holds the window in serving order and a batch is a contiguous slice of it, handed
 out as a zero-copy tensor view. While one window is served the next is read into a
@@ -29,7 +30,7 @@ import torch
 
 from ..errors import ConfigError
 from ..formats.base import Block
-from ..order import EpochPlan
+from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
 
 #: numpy arrays that hold each output dtype (bfloat16 lives in uint16 arrays, viewed).
 _NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
@@ -153,10 +154,29 @@ class Layout:
     drop_cls: bool
     d_model: int
     dtype: np.dtype
+    mix: int = 1
+    """Slabs per block (see :mod:`actstore.order`)."""
+    period: int | None = None
+    """Rows of one example when blocks hold whole examples (slabs are token ranges)."""
+    unit_rows: np.ndarray | None = None
+    """int64 ``[mix, n_blocks]``: rows unit (block ``i``, slab ``j``) serves (None: mix 1)."""
 
     @property
     def n_sites(self) -> int:
         return len(self.blocks)
+
+    @property
+    def max_unit_rows(self) -> int:
+        """Rows of the largest unit (the largest block with ``mix`` 1)."""
+        if self.mix == 1 or self.unit_rows is None:
+            return max((b.n_rows for b in self.blocks[0]), default=0)
+        return int(self.unit_rows.max(initial=0))
+
+    def slab(self, i: int, j: int) -> np.ndarray:
+        """Block-local rows of block ``i`` that slab ``j`` serves (ascending)."""
+        rows = slab_rows(self.blocks[0][i].n_rows, self.period, self.mix, j)
+        mask = self.kept_mask(i)
+        return rows if mask is None else rows[mask[rows]]
 
     def kept_mask(self, i: int) -> np.ndarray | None:
         """Rows of block ``i`` that are served (None: all of them)."""
@@ -204,8 +224,8 @@ class BufferSet:
         out_dtype: torch.dtype,
         released: np.ndarray | None = None,
     ) -> None:
-        max_block = max((b.n_rows for b in layout.blocks[0]), default=0)
-        pool_shape = (max(pool_blocks * max_block, 1), layout.n_sites, layout.d_model)
+        window = pool_blocks * layout.mix * layout.max_unit_rows
+        pool_shape = (max(window, 1), layout.n_sites, layout.d_model)
         self.pool_storage: list[torch.Tensor] = []
         self.pool_sent = np.zeros(0 if released is None else len(released), dtype=np.int64)
         if released is None:
@@ -270,6 +290,7 @@ class Consumer:
         self.batch_size = batch_size
         self._pools, self._carry = buffers.pools, buffers.carry
         self._stage, self._out = buffers.stage, buffers.out
+        self._slabs: dict[tuple[int, int], np.ndarray] = {}
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="actstore-io")
 
     def close(self) -> None:
@@ -287,9 +308,11 @@ class Consumer:
         slot = np.empty_like(perm)
         slot[perm] = np.arange(len(perm))
         blocks = plan.window_blocks(w)
+        if layout.mix > 1:
+            return self._submit_units(blocks, pool, slot)
         offsets = np.concatenate([[0], np.cumsum(layout.kept_rows[blocks])])
         order = np.argsort(blocks, kind="stable")
-        tasks: list[list[tuple[int, np.ndarray]]] = []
+        tasks: list[list[tuple[int, np.ndarray | None, np.ndarray]]] = []
         previous = -2
         for j in order.tolist():
             i = int(blocks[j])
@@ -302,8 +325,45 @@ class Consumer:
                 dest[mask] = slot[offsets[j] : offsets[j] + n_kept]
             if i != previous + 1 or len(tasks[-1]) >= self.read_blocks:
                 tasks.append([])
-            tasks[-1].append((i, dest))
+            tasks[-1].append((i, None, dest))
             previous = i
+        return self._start(tasks, pool)
+
+    def _submit_units(self, units: np.ndarray, pool: int, slot: np.ndarray) -> list[Future]:
+        """:meth:`_submit` for ``mix`` > 1: each unit is one slab of a block, read with
+        ``read_slabs_scatter``; units of one slab of consecutive blocks share a task."""
+        layout = self.layout
+        offsets = np.concatenate([[0], np.cumsum(layout.unit_rows.reshape(-1)[units])]).tolist()
+        tasks: list[list[tuple[int, np.ndarray | None, np.ndarray]]] = []
+        previous = -2
+        for j in np.argsort(units, kind="stable").tolist():
+            u = int(units[j])
+            i, sl = self.plan.unit(u)
+            rows = self._slab(i, sl)
+            if not len(rows):  # an empty slab (a block of fewer rows than mix)
+                continue
+            dest = slot[offsets[j] : offsets[j + 1]]
+            if u != previous + 1 or len(tasks[-1]) >= self.read_blocks:
+                tasks.append([])
+            tasks[-1].append((i, rows, dest))
+            previous = u
+        return self._start(tasks, pool)
+
+    def _slab(self, i: int, j: int) -> np.ndarray:
+        """``layout.slab(i, j)``, shared by blocks of one size that serve all their rows."""
+        layout = self.layout
+        if layout.drop_cls:
+            return layout.slab(i, j)
+        key = (layout.blocks[0][i].n_rows, j)
+        rows = self._slabs.get(key)
+        if rows is None:
+            rows = self._slabs[key] = layout.slab(i, j)
+        return rows
+
+    def _start(
+        self, tasks: list[list[tuple[int, np.ndarray | None, np.ndarray]]], pool: int
+    ) -> list[Future]:
+        layout = self.layout
         futures = []
         for s in range(layout.n_sites):
             out = self._pools[pool][:, s, :]
@@ -311,9 +371,16 @@ class Consumer:
                 futures.append(self._io.submit(self._read_run, s, task, out))
         return futures
 
-    def _read_run(self, site: int, task: list[tuple[int, np.ndarray]], out: np.ndarray) -> None:
-        for i, dest in task:
-            self._read(self.layout.blocks[site][i], out, dest)
+    def _read_run(
+        self, site: int, task: list[tuple[int, np.ndarray | None, np.ndarray]], out: np.ndarray
+    ) -> None:
+        blocks = self.layout.blocks[site]
+        if self.layout.mix > 1:  # slabs: the reader may read the task's pieces together
+            pieces = [(blocks[i], rows, dest) for i, rows, dest in task]
+            self.layout.reader.read_slabs_scatter(pieces, out)
+            return
+        for i, _, dest in task:
+            self._read(blocks[i], out, dest)
 
     def _read(self, block: Block, out: np.ndarray, dest: np.ndarray) -> None:
         self.layout.reader.read_block_scatter(block, out, dest)
@@ -321,8 +388,12 @@ class Consumer:
     def _row_ids(self, w: int, perm: np.ndarray) -> np.ndarray:
         """Storage row of each served position of window ``w``."""
         layout, parts = self.layout, []
-        for i in self.plan.window_blocks(w):
-            i = int(i)
+        for u in self.plan.window_blocks(w):
+            if layout.mix > 1:
+                i, sl = self.plan.unit(int(u))
+                parts.append(layout.first_row[i] + self._slab(i, sl))
+                continue
+            i = int(u)
             local = np.arange(layout.blocks[0][i].n_rows, dtype=np.int64)
             mask = layout.kept_mask(i)
             parts.append(layout.first_row[i] + (local if mask is None else local[mask]))
@@ -445,3 +516,24 @@ def kept_rows(
     return np.fromiter(
         (b.n_rows - len(cls_rows(b)) for b in blocks), dtype=np.int64, count=len(blocks)
     )
+
+
+def unit_rows(
+    blocks: Sequence[Block],
+    period: int | None,
+    mix: int,
+    cls_rows: Callable[[Block], np.ndarray] | None,
+) -> np.ndarray:
+    """int64 ``[mix, n_blocks]``: rows each slab of each block serves (``cls_rows``
+    given: its CLS rows left out)."""
+    n = np.fromiter((b.n_rows for b in blocks), dtype=np.int64, count=len(blocks))
+    if period:
+        out = np.diff(slab_bounds(period, mix))[:, None] * (n // period)[None]
+    else:
+        out = np.diff(np.arange(mix + 1, dtype=np.int64)[:, None] * n[None] // mix, axis=0)
+    if cls_rows is not None:
+        for i, block in enumerate(blocks):
+            cls = cls_rows(block)
+            if cls is not None and len(cls):
+                out[:, i] -= np.bincount(slab_of(cls, block.n_rows, period, mix), minlength=mix)
+    return out.astype(np.int64)

@@ -25,12 +25,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
+import logging
 import mmap
 import os
 import pickle
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,9 @@ from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
 from .writer import CHECKSUMS, LEGACY_CHECKSUMS, STATISTICS
+
+log = logging.getLogger(__name__)
+_SLAB_WARNED = threading.Event()  # the verified slab fallback is announced once per process
 
 _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
 
@@ -559,6 +564,84 @@ class SaevReader(ReaderBase):
         iov = np.empty((block.n_rows, 2), dtype=np.uint64)
         iov[:, 0], iov[:, 1] = addr, row_bytes
         _preadv(self._fd(shard), iov, vectors * row_bytes)
+
+    def example_rows(self, site: int) -> int:
+        """Every block is whole examples of ``T`` contiguous rows (tokens in order)."""
+        return self.metadata.tokens_per_ex
+
+    def read_rows_scatter(
+        self, block: Block, rows: np.ndarray, out: np.ndarray, dest: np.ndarray
+    ) -> None:
+        """Rows ``rows`` of ``block`` (ascending) into ``out[dest]`` (skipped where
+        ``dest < 0``); see :meth:`read_slabs_scatter`."""
+        self.read_slabs_scatter([(block, rows, dest)], out)
+
+    def read_slabs_scatter(
+        self, pieces: Sequence[tuple[Block, np.ndarray, np.ndarray]], out: np.ndarray
+    ) -> None:
+        """Rows ``rows`` (ascending) of each ``(block, rows, dest)`` into ``out[dest]``
+        (skipped where ``dest < 0``): one vectored ``preadv`` per stretch of consecutive
+        file rows (a loader slab: one per example), each row straight into place.
+
+        Block checksums cover whole examples, so a slab cannot be checked on its own:
+        when reads are verified (and remotely) each whole block is read and checked, then
+        its rows are copied (a slab then costs a block's I/O; one warning says so)."""
+        md = self.metadata
+        pieces = [p for p in pieces if len(p[1]) or len(p[2])]
+        if not pieces:
+            return
+        n_rows = np.concatenate([np.full(len(r), b.n_rows) for b, r, _ in pieces])
+        rows = np.concatenate([r for _, r, _ in pieces])
+        dest = np.concatenate([d for _, _, d in pieces])
+        piece = np.repeat(np.arange(len(pieces)), [len(r) for _, r, _ in pieces])
+        steps = np.diff(rows)
+        if (
+            len(rows) != len(dest)
+            or out.dtype != np.float32
+            or out.ndim != 2
+            or out.shape[1] != md.d_model
+            or out.strides[1] != 4
+            or dest.max() >= out.shape[0]
+            or rows.min() < 0
+            or (rows >= n_rows).any()
+            or ((steps <= 0) & (piece[1:] == piece[:-1])).any()
+        ):
+            raise ConfigError(
+                "read_rows_scatter needs ascending rows of the block, one destination row "
+                f"(< {len(out)}) each, and a float32 [n, {md.d_model}] out with contiguous rows"
+            )
+        shards = [b.loc[0] for b, _, _ in pieces]
+        if self.remote or (
+            self._sums.enabled
+            and any(self._sums.sums(shard_name(s)) is not None for s in set(shards))
+        ):
+            if not self.remote and not _SLAB_WARNED.is_set():
+                _SLAB_WARNED.set()
+                log.warning(
+                    "%s: slab reads (mix > 1) cannot be checked against per-example "
+                    "checksums, so whole blocks are read and checked (mix times the bytes); "
+                    "open the store with verify_reads=False to read slabs alone",
+                    self.files.url,
+                )
+            for block, r, d in pieces:
+                ReaderBase.read_rows_scatter(self, block, r, out, d)
+            return
+        row_bytes = md.d_model * 4
+        first = [(b.loc[1] * len(md.layers) + b.loc[3]) * md.tokens_per_ex for b, _, _ in pieces]
+        file_row = np.asarray(first, dtype=np.int64)[piece] + rows
+        shard = np.asarray(shards, dtype=np.int64)[piece]
+        iov = np.empty((len(rows), 2), dtype=np.uint64)
+        iov[:, 0] = np.where(dest >= 0, out.ctypes.data + dest * out.strides[0], _trash_addr())
+        iov[:, 1] = row_bytes
+        new = np.flatnonzero((np.diff(file_row) != 1) | (shard[1:] != shard[:-1])) + 1
+        bounds = [0, *new.tolist(), len(rows)]
+        base, offsets, shard_of = iov.ctypes.data, (file_row * row_bytes).tolist(), shard.tolist()
+        for lo, hi in itertools.pairwise(bounds):  # one stretch of consecutive rows each
+            fd = self._fd(shard_of[lo])
+            n = hi - lo
+            if n <= _IOV_MAX and _LIBC.preadv(fd, base + 16 * lo, n, offsets[lo]) == n * row_bytes:
+                continue
+            _preadv(fd, iov[lo:hi], offsets[lo])  # short read, error or long: the careful way
 
     def cls_rows(self, block: Block) -> np.ndarray:
         """Rows of ``block`` holding a CLS token (token 0 of each example, if stored)."""
