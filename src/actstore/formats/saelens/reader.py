@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable, Hashable
 from pathlib import Path
@@ -327,10 +328,6 @@ class SaelensReader(ReaderBase):
             )
         return at
 
-    def _remote_at(self, index: int) -> list[list[int]] | None:
-        """:meth:`_values_at` where ranged reads replace the memory map (remote stores)."""
-        return self._values_at(index) if self.remote else None
-
     def close(self) -> None:
         """Drop memory maps and fetched files (reopened on next use)."""
         self._tables = {}
@@ -369,11 +366,17 @@ class SaelensReader(ReaderBase):
         f, b, lo, k = block.loc
         column = self.column(block.site)
         t, d = self.context_size, self.d_model
-        at = self._remote_at(f)
-        if at is not None:
+        at = self._values_at(f)
+        if at is not None:  # one read of exactly the block's bytes (no Arrow parsing)
             row_bytes = t * d * self.dtype.itemsize
             start = at[b][self.block_columns.index(column)] + lo * row_bytes
-            view = self.io.read_view(self.files[f], start, k * row_bytes)
+            if self.remote:
+                view = self.io.read_view(self.files[f], start, k * row_bytes)
+            else:  # pread into a per-thread buffer: cold reads at the disk's pace, unlike
+                # page faults on a memory map (measured ~3x faster over a cold store)
+                view = self.io.read_range(
+                    self.files[f], start, k * row_bytes, out=_scratch(k * row_bytes)
+                )
             values = np.frombuffer(view, dtype=self.dtype).reshape(-1, d)
         else:
             chunk = self._table(f).column(column).chunk(b)
@@ -474,7 +477,7 @@ class SaelensReader(ReaderBase):
         files, batches, rows = self._locate(examples)
         for f in np.unique(files):
             mine = np.flatnonzero(files == f)
-            at = self._remote_at(int(f))
+            at = self._values_at(int(f)) if self.remote else None
             if at is not None:  # one merged set of ranged GETs per file
                 item = self.dtype.itemsize
                 ranges = [
@@ -512,7 +515,7 @@ class SaelensReader(ReaderBase):
             return self._tokens
         parts = []
         for f in range(len(self.files)):
-            at = self._remote_at(f)
+            at = self._values_at(f) if self.remote else None
             if at is not None:  # just the token bytes of each record batch
                 counts = self._rows()[f]
                 got = [np.empty(n * self.context_size, dtype="<i4") for n in counts]
@@ -739,3 +742,14 @@ def detect_remote(location: str) -> bool:
         features = (doc.get("features") if isinstance(doc, dict) else None) or {}
         return any(isinstance(f, dict) and f.get("_type") == "Array2D" for f in features.values())
     return False
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread byte buffer of ``nbytes`` (reused: no fresh pages to fault in per block)."""
+    buf = getattr(_LOCAL, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _LOCAL.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]

@@ -85,19 +85,24 @@ class ObjectStore(abc.ABC):
         """Drop unfinished uploads under ``prefix`` (S3 multipart, local temp files)."""
 
     def get_json(self, key: str) -> Any:
-        """Parse the object as UTF-8 JSON (:class:`CorruptStoreError` if it is not)."""
+        """Parse the object as UTF-8 JSON (:class:`CorruptStoreError` if it is not, read
+        twice: a body mangled in transit, seen under injected resets, is fetched again)."""
         import json
 
         from ...errors import CorruptStoreError
 
-        data = self.get(key)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CorruptStoreError(
-                f"{self.url(key)} is not valid JSON ({err}); the store is damaged: restore or "
-                "re-create this file"
-            ) from err
+        for attempt in range(2):
+            data = self.get(key)
+            try:
+                return json.loads(data.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                if attempt == 0:
+                    continue
+                raise CorruptStoreError(
+                    f"{self.url(key)} is not valid JSON ({err}); the store is damaged: restore "
+                    "or re-create this file"
+                ) from err
+        raise AssertionError("unreachable")
 
     def put_json(self, key: str, obj: Any, *, indent: int | None = None) -> None:
         """Serialise ``obj`` as JSON and publish it atomically."""

@@ -174,7 +174,13 @@ class S3Store(ObjectStore):
     def get(self, key: str) -> bytes:
         def attempt() -> bytes:
             response = self.client.get_object(Bucket=self.bucket, Key=key)
-            return response["Body"].read()
+            body = response["Body"].read()
+            expected = response.get("ContentLength", len(body))
+            if len(body) != expected:  # a body cut short: retried like a reset
+                from botocore.exceptions import IncompleteReadError
+
+                raise IncompleteReadError(actual_bytes=len(body), expected_bytes=expected)
+            return body
 
         return self._call("GET", key, attempt)
 
