@@ -17,7 +17,7 @@ from ...batch import CapturePlan
 from ...storage.object import S3Config
 from ..s3_staged import StagedS3Writer, staging_root
 from .layout import DEFAULT_PATCHES_PER_SHARD, SaevMetadata
-from .writer import SaevWriter, saev_metadata, store_dir
+from .writer import SaevWriter, plan_arguments, store_dir
 
 __all__ = ["SaevS3Writer", "staging_root"]
 
@@ -67,12 +67,5 @@ class SaevS3Writer(StagedS3Writer):
         break_lock: bool = False,
     ) -> SaevS3Writer:
         """The writer for a capture plan (what ``capture --format saev --out s3://`` uses)."""
-        metadata = saev_metadata(plan, dialect=dialect, patches_per_shard=patches_per_shard)
-        return cls(
-            metadata,
-            dump_to,
-            has_tokens=plan.has_tokens,
-            classes=plan.classes,
-            has_labels=plan.has_labels,
-            break_lock=break_lock,
-        )
+        metadata, kwargs = plan_arguments(plan, dialect, patches_per_shard)
+        return cls(metadata, dump_to, break_lock=break_lock, **kwargs)

@@ -120,6 +120,18 @@ def saev_metadata(
 IMAGEFOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
+def plan_arguments(
+    plan: CapturePlan, dialect: str, patches_per_shard: int
+) -> tuple[SaevMetadata, dict[str, Any]]:
+    """The metadata and writer keywords a capture ``plan`` gives (local or S3 writers)."""
+    metadata = saev_metadata(plan, dialect=dialect, patches_per_shard=patches_per_shard)
+    return metadata, {
+        "has_tokens": plan.has_tokens,
+        "classes": plan.classes,
+        "has_labels": plan.has_labels,
+    }
+
+
 def imagefolder_files(root: str) -> tuple[str, ...]:
     """The images torchvision's ``ImageFolder(root)`` (hence saev's ``ImgFolder``) indexes,
     in its order: class folders sorted by name, each walked with ``sorted(os.walk(...))``,
@@ -213,15 +225,8 @@ class SaevWriter(WriterBase):
         break_lock: bool = False,
     ) -> SaevWriter:
         """The writer for a capture plan (used as ``open_writer`` by capture)."""
-        metadata = saev_metadata(plan, dialect=dialect, patches_per_shard=patches_per_shard)
-        return cls(
-            metadata,
-            dump_to,
-            has_tokens=plan.has_tokens,
-            classes=plan.classes,
-            has_labels=plan.has_labels,
-            break_lock=break_lock,
-        )
+        metadata, kwargs = plan_arguments(plan, dialect, patches_per_shard)
+        return cls(metadata, dump_to, break_lock=break_lock, **kwargs)
 
     # ------------------------------------------------------------------ open / resume
 
