@@ -219,3 +219,31 @@ def test_consumer_errors(store, tmp_path):
     finally:
         server.kill()
         server.join(30)
+
+
+def test_batches_are_slices_of_shared_windows_and_held_ones_stay_intact(store, tmp_path):
+    """Batches travel as places in the server's shared windows (no copy); a window is
+    rewritten only once every consumer has let go of its batches."""
+    reader, acts = store
+    server = start_server(
+        reader, name="zc", consumers=1, epochs=3, directory=tmp_path, context="fork", **OPTIONS
+    )
+    loader = ServedLoader("zc", 0, directory=tmp_path, return_index=True)
+    pools = [(p.ctypes.data, p.ctypes.data + p.nbytes) for p in loader.shared.pools]
+    assert len(pools) == 3
+    held, in_windows, rows = [], 0, []
+    try:
+        for _ in range(3):
+            for batch in loader:
+                ptr = batch.acts.data_ptr()
+                in_windows += any(lo <= ptr < hi for lo, hi in pools)
+                held = [*held[-2:], batch]  # the last three batches stay referenced
+                for x, r in held:  # ... and unchanged while the server moves on
+                    np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 1))
+                rows.append(batch.rows.tolist())
+    finally:
+        loader.close()
+        server.join(30)
+    assert server.exitcode == 0
+    assert rows == stream(reader, 3)
+    assert in_windows > len(rows) // 2  # most batches were never copied

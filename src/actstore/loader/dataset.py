@@ -27,6 +27,7 @@ from ..formats import open_store
 from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
 from .pipeline import (
+    Buffers,
     BufferSet,
     Consumer,
     Finish,
@@ -442,6 +443,20 @@ class ActivationLoader(IterableDataset):
                 ),
             )
         return self._buffers[1]
+
+    def use_pools(self, pools: Buffers) -> None:
+        """Read windows into ``pools`` (memory the caller owns and shares, e.g. ``actstore
+        serve``'s ring) in this process, from the next iteration on."""
+        self._buffers = (
+            os.getpid(),
+            BufferSet(
+                self.layout,
+                batch_size=self.batch_size,
+                pool_blocks=self.pool_blocks,
+                out_dtype=self._finish.out_dtype,
+                pools=pools,
+            ),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_buffers": None, "_ring_slots": None}

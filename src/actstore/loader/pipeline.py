@@ -75,10 +75,15 @@ class Buffers:
         *,
         allocate: Callable[[int, np.dtype], np.ndarray] | None = None,
         held: Callable[[int], bool] | None = None,
+        limit: int | None = None,
+        pause: Callable[[], None] | None = None,
     ) -> None:
         self.shape, self.dtype = shape, np.dtype(dtype)
         self._allocate = allocate or _allocate
         self._held = held
+        #: at most this many arrays: at the limit, ``acquire`` waits (calling ``pause``)
+        #: for one to come free instead of allocating
+        self._limit, self._pause = limit, pause
         self._arrays: list[np.ndarray] = []
         self._roots: list[np.ndarray] = []  # the array every view's ``.base`` points to
         self._idle_refs: list[int] = []  # references to a root when no view is alive
@@ -96,16 +101,22 @@ class Buffers:
     def acquire(self, *, allocate: bool = True, wait: bool = True) -> int | None:
         """Index of a free array (allocating one if none is free and ``allocate``; with
         ``wait=False``, None rather than wait for a reserved array still being made)."""
-        for i in range(len(self._arrays)):
-            if (
-                not self._busy[i]
-                and sys.getrefcount(self._roots[i]) == self._idle_refs[i]
-                and not (self._held and self._held(i))
-            ):
-                self._busy[i] = True
-                return i
-        if not allocate or (self._reserved and not wait and not self._reserved[0].done()):
-            return None
+        while True:
+            for i in range(len(self._arrays)):
+                if (
+                    not self._busy[i]
+                    and sys.getrefcount(self._roots[i]) == self._idle_refs[i]
+                    and not (self._held and self._held(i))
+                ):
+                    self._busy[i] = True
+                    return i
+            if not allocate or (self._reserved and not wait and not self._reserved[0].done()):
+                return None
+            if self._limit is None or len(self._arrays) < self._limit:
+                break
+            if self._pause is None:
+                return None
+            self._pause()  # every array in use and no more may be made: wait for one
         if self._reserved:
             root = self._reserved.popleft().result()
         else:
@@ -120,6 +131,23 @@ class Buffers:
     def release(self, i: int) -> None:
         """The pipeline is done with array ``i`` (it is reused once its views are gone)."""
         self._busy[i] = False
+
+    def locate(self, array: np.ndarray | torch.Tensor) -> tuple[int, int] | None:
+        """``(index, byte offset)`` of a contiguous ``array`` lying inside one of these
+        arrays, else None."""
+        if isinstance(array, torch.Tensor):
+            if not array.is_contiguous():
+                return None
+            ptr, nbytes = array.data_ptr(), array.numel() * array.element_size()
+        else:
+            if not array.flags.c_contiguous:
+                return None
+            ptr, nbytes = array.ctypes.data, array.nbytes
+        for i, root in enumerate(self._roots):
+            offset = ptr - root.ctypes.data
+            if 0 <= offset and offset + nbytes <= root.nbytes:
+                return i, offset
+        return None
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self._arrays[i]
@@ -226,11 +254,17 @@ class Finish:
     return_index: bool
 
 
+def pool_shape(layout: Layout, pool_blocks: int) -> tuple[int, int, int]:
+    """``[rows, n_sites, d_model]`` of one window pool of ``pool_blocks`` blocks."""
+    return (max(pool_blocks * layout.mix * layout.max_unit_rows, 1), layout.n_sites, layout.d_model)
+
+
 class BufferSet:
     """The buffers of one consumer process, kept across epochs (fresh memory is slow to
     touch the first time): window pools, batches assembled across windows, a float32
     stage (normalising non-float32 rows) and the output dtype.
 
+    ``pools``: window pools made by the caller (their shape: :func:`pool_shape`).
     ``released`` (a DataLoader worker's, set by :class:`ActivationDataLoader`): the window
     pools are shared memory, batches cut from them are sent to the main process without a
     copy (:attr:`pool_storage`), and a pool is reused only once ``released[i]`` (counted by
@@ -244,21 +278,24 @@ class BufferSet:
         pool_blocks: int,
         out_dtype: torch.dtype,
         released: np.ndarray | None = None,
+        pools: Buffers | None = None,
     ) -> None:
-        window = pool_blocks * layout.mix * layout.max_unit_rows
-        pool_shape = (max(window, 1), layout.n_sites, layout.d_model)
+        shape = pool_shape(layout, pool_blocks)
         self.pool_storage: list[torch.Tensor] = []
         self.pool_sent = np.zeros(0 if released is None else len(released), dtype=np.int64)
-        if released is None:
-            self.pools = Buffers(pool_shape, layout.dtype)
+        if pools is not None:  # given by the owner of the memory (``actstore serve``)
+            self.pools = pools
+        elif released is None:
+            self.pools = Buffers(shape, layout.dtype)
         else:
             self.pools = Buffers(
-                pool_shape,
+                shape,
                 layout.dtype,
                 allocate=self._allocate_shared,
                 held=lambda i: bool(self.pool_sent[i] != released[i]),
             )
-        self.pools.reserve(2)  # a window being served and the next one being read
+        if pools is None:
+            self.pools.reserve(2)  # a window being served and the next one being read
         row_shape = (batch_size, layout.n_sites, layout.d_model)
         self.carry = Buffers(row_shape, layout.dtype)
         self.stage = Buffers(row_shape, np.float32)
@@ -282,14 +319,7 @@ class BufferSet:
 
     def pool_of(self, acts: torch.Tensor) -> tuple[int, int] | None:
         """``(pool, byte offset)`` when ``acts`` is a contiguous slice of a shared pool."""
-        if not self.pool_storage or not acts.is_contiguous():
-            return None
-        ptr, nbytes = acts.data_ptr(), acts.numel() * acts.element_size()
-        for i, storage in enumerate(self.pool_storage):
-            offset = ptr - storage.data_ptr()
-            if 0 <= offset and offset + nbytes <= storage.numel():
-                return i, offset
-        return None
+        return self.pools.locate(acts) if self.pool_storage else None
 
 
 class Consumer:

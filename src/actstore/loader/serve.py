@@ -49,7 +49,7 @@ import torch
 
 from ..errors import ConfigError, ServeError
 from .dataset import OUT_DTYPES, ActivationLoader, LoaderConfig
-from .pipeline import _NUMPY_STORAGE, LoaderBatch
+from .pipeline import _NUMPY_STORAGE, Buffers, LoaderBatch, pool_shape
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,12 @@ _MAGIC = 0x6163747365727631  # "actserv1"
     _H_STATUS,
     _H_START,
     _H_TEXT,
-) = range(13)
+    _H_POOL_WAIT,
+) = range(14)
 _HEADER = 16
 _PER_CONSUMER = 2  # pid, cursor (oldest global batch still needed)
-_PER_SLOT = 2  # global batch held, its rows
+_PER_SLOT = 4  # global batch held, its rows, its window pool (-1: the slot), byte offset
+_POOLS = 3  # window pools shared with consumers: served, being read, one more for lag
 _TEXT_BYTES = 16384  # settings (JSON), then the failure message
 _STARTING, _RUNNING, _FINISHED, _FAILED = range(4)
 _POLL_S = 0.0002  # first wait between polls; it doubles up to _POLL_MAX_S
@@ -207,7 +209,17 @@ class _Shared:
         self.ids = np.frombuffer(
             self.ring_map, dtype=np.int64, count=r * self.batch, offset=r * acts_bytes
         ).reshape(r, self.batch)
-        self.idle_refs = [sys.getrefcount(self.acts[s]) for s in range(r)]
+        # the server's window pools, when batches are sent as slices of them (zero copy)
+        pool_bytes, at = int(self.settings["pool_bytes"]), _pools_at(r, self.batch, acts_bytes)
+        self.pools = [
+            np.frombuffer(
+                self.ring_map,
+                dtype=storage,
+                count=pool_bytes // storage.itemsize,
+                offset=at + i * pool_bytes,
+            )
+            for i in range(int(self.settings["pools"]))
+        ]
 
     def lock(self) -> _Lock:
         return _Lock(self.fd)
@@ -230,10 +242,31 @@ class _Lock:
 
 
 def ring_bytes(loader: ActivationLoader, slots: int) -> int:
-    """Shared memory of a ring of ``slots`` batches of ``loader`` (activations + row ids)."""
+    """Shared memory of a ring of ``slots`` batches of ``loader`` (activations + row ids),
+    plus the window pools it shares when its batches need no conversion."""
     storage = np.dtype(_NUMPY_STORAGE[loader._finish.out_dtype])
-    row = len(loader.sites) * loader.d_model
-    return slots * loader.batch_size * (row * storage.itemsize + 8)
+    acts_bytes = loader.batch_size * len(loader.sites) * loader.d_model * storage.itemsize
+    at = _pools_at(slots, loader.batch_size, acts_bytes)
+    return at + _POOLS * _pool_bytes(loader) if _zero_copy(loader) else at
+
+
+def _pools_at(slots: int, batch: int, acts_bytes: int) -> int:
+    """Byte offset of the window pools in the ring file (page-aligned)."""
+    end = slots * (acts_bytes + batch * 8)
+    return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _zero_copy(loader: ActivationLoader) -> bool:
+    """Whether the loader's batches are its windows' rows as stored (no dtype change or
+    normalisation), so the server can share its windows instead of copying batches."""
+    finish = loader._finish
+    same = np.dtype(_NUMPY_STORAGE[finish.out_dtype]) == loader.layout.dtype
+    return same and finish.shift is None and finish.scale is None
+
+
+def _pool_bytes(loader: ActivationLoader) -> int:
+    shape = pool_shape(loader.layout, loader.pool_blocks)
+    return int(np.prod(shape)) * loader.layout.dtype.itemsize
 
 
 class Server:
@@ -281,6 +314,8 @@ class Server:
             "d_model": loader.d_model,
             "n_rows": loader.n_rows,
             "fingerprint": loader._fingerprint(),
+            "pools": _POOLS if _zero_copy(loader) else 0,
+            "pool_bytes": _pool_bytes(loader),
         }
 
     def _create(self) -> _Shared:
@@ -325,6 +360,7 @@ class Server:
         words[_H_END] = -1 if cfg.epochs is None else cfg.epochs * len(loader)
         words[_H_PID] = os.getpid()
         words[_H_TEXT] = len(text)
+        words[_H_POOL_WAIT] = -1
         os.rename(tmp_ring, self.ring_path)
         shared = _Shared(tmp_ctl, self.ring_path, settings=self._settings())
         shared.text[: len(text)] = np.frombuffer(text, dtype=np.uint8)
@@ -335,6 +371,10 @@ class Server:
     def run(self) -> None:
         """Create the ring, wait for the K consumers, serve, and clean up when done."""
         shared = self.shared = self._create()
+        self._pool_last = np.full(len(shared.pools), -1, dtype=np.int64)
+        self._pools: Buffers | None = None
+        if shared.pools:
+            self._share_windows(shared)
         log.info(
             "serving %s as %r to %d consumers (%s), ring of %d batches (%s)",
             self.loader.reader,
@@ -356,6 +396,36 @@ class Server:
         finally:
             for path in (self.ctl_path, self.ring_path):
                 path.unlink(missing_ok=True)
+
+    def _share_windows(self, shared: _Shared) -> None:
+        """Make the loader read its windows into the ring's pools, so ``_put`` sends a
+        batch as (pool, offset) with no copy. A pool is reused once every live consumer
+        has moved past the last batch sent from it."""
+        loader = self.loader
+        made = iter(shared.pools)
+        backoff = _Backoff()
+
+        def pause() -> None:  # every pool still read by a consumer: wait for one
+            # consumers holding a batch this old are what the server waits for
+            shared.words[_H_POOL_WAIT] = int(self._pool_last.min())
+            if backoff.check():
+                self._live(shared)
+            backoff.sleep()
+
+        self._pools = Buffers(
+            pool_shape(loader.layout, loader.pool_blocks),
+            loader.layout.dtype,
+            allocate=lambda count, dtype: next(made)[:count],
+            held=lambda i: self._pool_held(shared, i),
+            limit=len(shared.pools),
+            pause=pause,
+        )
+        loader.use_pools(self._pools)
+
+    def _pool_held(self, shared: _Shared, i: int) -> bool:
+        last = int(self._pool_last[i])
+        pids, cursors = shared.consumer[:, 0], shared.consumer[:, 1]
+        return last >= 0 and bool(((pids != 0) & (cursors <= last)).any())
 
     def _live(self, shared: _Shared) -> np.ndarray:
         """Consumers whose process is registered and alive (gone ones are deregistered)."""
@@ -415,11 +485,18 @@ class Server:
             backoff.sleep()
         acts, rows = batch
         n = len(rows)
-        data = acts.view(torch.uint16) if acts.dtype == torch.bfloat16 else acts
-        shared.acts[s][: n * shared.row] = data.reshape(-1).numpy()
+        place = None if self._pools is None else self._pools.locate(acts)
+        if place is not None:  # a slice of a shared window: send where it lies
+            self._pool_last[place[0]] = g
+            shared.slot[s, 2], shared.slot[s, 3] = place
+        else:
+            data = acts.view(torch.uint16) if acts.dtype == torch.bfloat16 else acts
+            shared.acts[s][: n * shared.row] = data.reshape(-1).numpy()
+            shared.slot[s, 2] = -1
         shared.ids[s, :n] = rows.numpy()
         shared.slot[s, 1] = n
         shared.slot[s, 0] = g
+        shared.words[_H_POOL_WAIT] = -1
         shared.words[_H_PRODUCED] = g + 1
 
 
@@ -499,7 +576,8 @@ class ServedLoader:
         self._bf16 = settings["dtype"] == "bfloat16"
         self.epoch, self._batches = 0, 0
         self._registered = False
-        self._held: deque[tuple[int, int]] = deque()  # (global batch, slot) handed out
+        # (global batch, its array, references to it when dropped) per batch handed out
+        self._held: deque[tuple[int, np.ndarray, int]] = deque()
 
     # ------------------------------------------------------------------ positions
 
@@ -587,11 +665,18 @@ class ServedLoader:
         while self._batches < len(self):
             g = self._global(epoch, self._batches)
             s = self._wait(g)
-            n = int(shared.slot[s, 1])
-            acts = torch.from_numpy(shared.acts[s][: n * shared.row].reshape(n, *self._shape))
+            n, pool = int(shared.slot[s, 1]), int(shared.slot[s, 2])
+            if pool >= 0:  # rows of a server window, in place
+                at = int(shared.slot[s, 3]) // shared.pools[pool].itemsize
+                view = shared.pools[pool][at : at + n * shared.row]
+            else:
+                view = shared.acts[s][: n * shared.row]
+            idle = sys.getrefcount(view)  # one name + the argument, as in _release
+            acts = torch.from_numpy(view).view(n, *self._shape)
             if self._bf16:
                 acts = acts.view(torch.bfloat16)
-            self._held.append((g, s))
+            self._held.append((g, view, idle))
+            del view
             self._batches += 1
             if self.return_index:
                 yield LoaderBatch(acts, torch.from_numpy(shared.ids[s, :n].copy()))
@@ -605,7 +690,7 @@ class ServedLoader:
         """Publish the oldest batch still needed: handed-out batches nobody refers to any
         more are done; ``upto`` is the next one this consumer will ask for."""
         shared, held = self.shared, self._held
-        while held and sys.getrefcount(shared.acts[held[0][1]]) == shared.idle_refs[held[0][1]]:
+        while held and sys.getrefcount(held[0][1]) == held[0][2]:
             held.popleft()
         shared.consumer[self.consumer, 1] = held[0][0] if held else upto
 
@@ -623,11 +708,12 @@ class ServedLoader:
                 raise ServeError(f"server {self.name!r} finished before batch {g}")
             if backoff.check() and not _alive(int(words[_H_PID])):
                 raise ServeError(f"server {self.name!r} (pid {int(words[_H_PID])}) is gone")
-            if self._held and self._held[0][0] <= g - shared.r:
+            need = int(words[_H_POOL_WAIT])  # the server waits for its windows to be let go
+            if self._held and (self._held[0][0] <= g - shared.r or self._held[0][0] <= need):
                 raise ServeError(
-                    f"this consumer holds {len(self._held)} batches of a ring of {shared.r}: "
-                    "the server cannot write the next one; clone() batches you keep, or "
-                    "start the server with more slots"
+                    f"this consumer holds {len(self._held)} batches: the server cannot write "
+                    f"the next one (its ring has {shared.r} slots, {len(shared.pools)} shared "
+                    "windows); clone() batches you keep, or start the server with more slots"
                 )
             self._release(g)
             backoff.sleep()
