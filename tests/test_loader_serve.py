@@ -247,3 +247,24 @@ def test_batches_are_slices_of_shared_windows_and_held_ones_stay_intact(store, t
     assert server.exitcode == 0
     assert rows == stream(reader, 3)
     assert in_windows > len(rows) // 2  # most batches were never copied
+
+
+def test_a_directory_too_small_for_the_ring_is_one_clear_error(store, tmp_path, monkeypatch):
+    """The ring's files are sparse: a server refuses to start, in one line, where they could
+    not be filled (the file system's free space is what the OS reports: faked here)."""
+    from actstore.loader.serve import ServeConfig, Server
+
+    reader, _ = store
+    statvfs = os.statvfs
+
+    def tiny(path):
+        got = statvfs(path)
+        return os.statvfs_result((*got[:4], 1, *got[5:])) if str(path) == str(tmp_path) else got
+
+    monkeypatch.setattr(os, "statvfs", tiny)
+    server = Server(
+        reader, ServeConfig(name="full", consumers=1, directory=str(tmp_path)), **OPTIONS
+    )
+    with pytest.raises(ServeError, match=r"the ring needs \d+ MiB under .* but 0 MiB is free"):
+        server.run()
+    assert not list(tmp_path.glob("actstore-serve-*"))

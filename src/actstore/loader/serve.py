@@ -337,6 +337,18 @@ class Server:
             raise ConfigError("server settings too long (site names?)")
         k, r = cfg.consumers, cfg.slots
         ctl_bytes = (_HEADER + k * _PER_CONSUMER + r * _PER_SLOT) * 8 + _TEXT_BYTES
+        need = ring_bytes(loader, r) + ctl_bytes
+        try:
+            vfs = os.statvfs(cfg.directory)
+            free = vfs.f_bavail * vfs.f_frsize
+        except OSError:
+            free = need  # cannot tell: creating the files says what is wrong
+        if need > free:  # the files are sparse: a full file system would fail mid-epoch
+            raise ServeError(
+                f"the ring needs {need / 2**20:.0f} MiB under {cfg.directory} but "
+                f"{free / 2**20:.0f} MiB is free; free some, pass a larger directory, or use "
+                "fewer slots or a smaller pool_blocks"
+            )
         tmp_ring = self.ring_path.with_suffix(f".ring.{os.getpid()}")
         tmp_ctl = self.ctl_path.with_suffix(f".ctl.{os.getpid()}")
         try:
