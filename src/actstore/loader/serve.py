@@ -560,18 +560,8 @@ class ServedLoader:
     ) -> None:
         self.name, self.consumer, self.return_index = name, int(consumer), return_index
         self.ctl_path, self.ring_path = _paths(directory, name)
-        deadline = time.monotonic() + timeout_s
-        while not self.ctl_path.exists():
-            if time.monotonic() > deadline:
-                raise ServeError(
-                    f"no server named {name!r} under {directory} after {timeout_s:.0f} s; start "
-                    "one with `actstore serve STORE --name NAME` (or actstore.loader.serve)"
-                )
-            time.sleep(0.01)
-        self.shared = _Shared(self.ctl_path, self.ring_path)
+        self.shared = self._attach(directory, timeout_s)
         words = self.shared.words
-        if int(words[_H_MAGIC]) != _MAGIC:
-            raise ServeError(f"{self.ctl_path} is not an actstore server of this version")
         if not 0 <= self.consumer < self.shared.k:
             raise ConfigError(
                 f"consumer must lie in 0..{self.shared.k - 1} (the server has "
@@ -590,6 +580,35 @@ class ServedLoader:
         self._registered = False
         # (global batch, its array, references to it when dropped) per batch handed out
         self._held: deque[tuple[int, np.ndarray, int]] = deque()
+
+    def _attach(self, directory: str, timeout_s: float) -> _Shared:
+        """The running server's files. Files a dead server left behind are not attached
+        to (its successor replaces them, and a consumer registered there would be lost):
+        wait for the live server's, up to ``timeout_s``."""
+        deadline, gone = time.monotonic() + timeout_s, None
+        while True:
+            shared = None
+            if self.ctl_path.exists():
+                try:
+                    shared = _Shared(self.ctl_path, self.ring_path)
+                except (OSError, ValueError, KeyError):  # being replaced: look again
+                    shared = None
+            if shared is not None:
+                if int(shared.words[_H_MAGIC]) != _MAGIC:
+                    raise ServeError(f"{self.ctl_path} is not an actstore server of this version")
+                pid = int(shared.words[_H_PID])
+                if _alive(pid):
+                    return shared
+                os.close(shared.fd)
+                gone = pid
+            if time.monotonic() > deadline:
+                found = f" (only the files of server pid {gone}, which is gone)" if gone else ""
+                raise ServeError(
+                    f"no server named {self.name!r} runs under {directory} after "
+                    f"{timeout_s:.0f} s{found}; start one with `actstore serve STORE --name "
+                    "NAME` (or actstore.loader.serve)"
+                )
+            time.sleep(0.01)
 
     # ------------------------------------------------------------------ positions
 
