@@ -105,6 +105,8 @@ class ActivationDataLoader(DataLoader):
         loader._publish_position()  # persistent workers read it when this iteration starts
         if not self.persistent_workers or self._iterator is None:
             self._new_ring(loader)  # new worker processes
+        else:  # persistent workers start the epoch with the windows you no longer hold
+            self._hand_back()
         epoch = loader.epoch
         for message in super().__iter__():
             batch = self._receive(message)
@@ -116,24 +118,9 @@ class ActivationDataLoader(DataLoader):
             loader.set_epoch(epoch + 1)
 
     def _receive(self, message: RingBatch) -> Any:
-        """The batch in a worker's slot, as a zero-copy view; slots whose batches are no
-        longer referenced are handed back to their workers first."""
-        flags = self.dataset._ring_flags  # type: ignore[attr-defined]
-        kept = []
-        for key in self._delivered:
-            root, idle = self._slots[key]
-            if sys.getrefcount(root) == idle:
-                flags[key[0], key[1]] = 0
-            else:
-                kept.append(key)
-        released = self.dataset._pool_released  # type: ignore[attr-defined]
-        still = []
-        for entry in self._pool_batches:
-            if sys.getrefcount(entry[2]) == entry[3]:
-                released[entry[0], entry[1]] += 1
-            else:
-                still.append(entry)
-        self._pool_batches = still
+        """The batch in a worker's slot or window, as a zero-copy view; slots and windows
+        whose batches are no longer referenced are handed back to their workers first."""
+        self._hand_back()
         if message.pool >= 0:
             key = (message.worker, message.pool)
             if message.storage is not None:
@@ -141,13 +128,12 @@ class ActivationDataLoader(DataLoader):
             view = self._pools[key][message.offset : message.offset + message.nbytes]
             idle = sys.getrefcount(view)  # one name + the argument, as the tuple above
             self._pool_batches.append((message.worker, message.pool, view, idle))
-            self._delivered = kept
         else:
             key = (message.worker, message.slot)
             if message.storage is not None:
                 root = message.storage.numpy()
                 self._slots[key] = (root, sys.getrefcount(root))
-            self._delivered = [*kept, key]
+            self._delivered.append(key)
             view = self._slots[key][0][: message.nbytes]
         acts = torch.from_numpy(view).view(getattr(torch, message.dtype))
         acts = acts.view(message.shape)
@@ -157,6 +143,26 @@ class ActivationDataLoader(DataLoader):
         if message.rows is None:
             return acts
         return LoaderBatch(acts, torch.as_tensor(message.rows))
+
+    def _hand_back(self) -> None:
+        """Give workers back the slots and windows of batches nobody refers to any more."""
+        flags = self.dataset._ring_flags  # type: ignore[attr-defined]
+        kept = []
+        for key in self._delivered:
+            root, idle = self._slots[key]
+            if sys.getrefcount(root) == idle:
+                flags[key[0], key[1]] = 0
+            else:
+                kept.append(key)
+        self._delivered = kept
+        released = self.dataset._pool_released  # type: ignore[attr-defined]
+        still = []
+        for entry in self._pool_batches:
+            if sys.getrefcount(entry[2]) == entry[3]:
+                released[entry[0], entry[1]] += 1
+            else:
+                still.append(entry)
+        self._pool_batches = still
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's position counted in batches delivered by this DataLoader."""
@@ -170,7 +176,7 @@ class ActivationDataLoader(DataLoader):
 def _check_shared_memory(loader: ActivationLoader, num_workers: int) -> None:
     """Workers keep their windows in shared memory (``/dev/shm``): refuse at once, not with a
     bus error mid-epoch, when it cannot hold them."""
-    need = num_workers * loader.memory_bytes
+    need = num_workers * loader.memory_bytes * 3 // 2  # two windows, a third while you hold one
     try:
         vfs = os.statvfs(SHM)
     except OSError:
