@@ -432,30 +432,21 @@ class ActivationLoader(IterableDataset):
             released = None
             if info is not None and self._pool_released is not None:
                 released = self._pool_released[info.id].numpy()
-            self._buffers = (
-                os.getpid(),
-                BufferSet(
-                    self.layout,
-                    batch_size=self.batch_size,
-                    pool_blocks=self.pool_blocks,
-                    out_dtype=self._finish.out_dtype,
-                    released=released,
-                ),
-            )
+            self._buffers = (os.getpid(), self._new_buffers(released=released))
         return self._buffers[1]
 
     def use_pools(self, pools: Buffers) -> None:
         """Read windows into ``pools`` (memory the caller owns and shares, e.g. ``actstore
         serve``'s ring) in this process, from the next iteration on."""
-        self._buffers = (
-            os.getpid(),
-            BufferSet(
-                self.layout,
-                batch_size=self.batch_size,
-                pool_blocks=self.pool_blocks,
-                out_dtype=self._finish.out_dtype,
-                pools=pools,
-            ),
+        self._buffers = (os.getpid(), self._new_buffers(pools=pools))
+
+    def _new_buffers(self, **kwargs: Any) -> BufferSet:
+        return BufferSet(
+            self.layout,
+            batch_size=self.batch_size,
+            pool_blocks=self.pool_blocks,
+            out_dtype=self._finish.out_dtype,
+            **kwargs,
         )
 
     def __getstate__(self) -> dict[str, Any]:
