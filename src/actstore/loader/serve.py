@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, ServeError
+from ..storage.lock import pid_alive
 from .dataset import OUT_DTYPES, ActivationLoader, LoaderConfig
 from .pipeline import _NUMPY_STORAGE, Buffers, LoaderBatch, pool_shape
 
@@ -149,23 +150,6 @@ class ServeConfig:
 def _paths(directory: str | os.PathLike, name: str) -> tuple[Path, Path]:
     base = Path(directory) / f"actstore-serve-{name}"
     return base.with_suffix(".ctl"), base.with_suffix(".ring")
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie counts as gone)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 class _Shared:
@@ -326,7 +310,7 @@ class Server:
                 pid = int(old.words[_H_PID])
             except (OSError, ValueError, KeyError):
                 pid = 0
-            if pid != os.getpid() and _alive(pid):
+            if pid != os.getpid() and pid_alive(pid):
                 raise ServeError(
                     f"a server named {cfg.name!r} is running (pid {pid}); choose another name"
                 )
@@ -442,7 +426,7 @@ class Server:
     def _live(self, shared: _Shared) -> np.ndarray:
         """Consumers whose process is registered and alive (gone ones are deregistered)."""
         for c, pid in enumerate(shared.consumer[:, 0].tolist()):
-            if pid and not _alive(pid):
+            if pid and not pid_alive(pid):
                 with shared.lock():
                     if shared.consumer[c, 0] == pid:
                         log.warning("consumer %d (pid %d) is gone", c, pid)
@@ -597,7 +581,7 @@ class ServedLoader:
                 if int(shared.words[_H_MAGIC]) != _MAGIC:
                     raise ServeError(f"{self.ctl_path} is not an actstore server of this version")
                 pid = int(shared.words[_H_PID])
-                if _alive(pid):
+                if pid_alive(pid):
                     return shared
                 os.close(shared.fd)
                 gone = pid
@@ -660,7 +644,7 @@ class ServedLoader:
         shared, c = self.shared, self.consumer
         with shared.lock():
             pid = int(shared.consumer[c, 0])
-            if pid not in (0, os.getpid()) and _alive(pid):
+            if pid not in (0, os.getpid()) and pid_alive(pid):
                 raise ServeError(f"consumer {c} of server {self.name!r} is in use by process {pid}")
             status = int(shared.words[_H_STATUS])
             if status != _STARTING:
@@ -737,7 +721,7 @@ class ServedLoader:
                 raise ServeError(shared.message())
             if status == _FINISHED:
                 raise ServeError(f"server {self.name!r} finished before batch {g}")
-            if backoff.check() and not _alive(int(words[_H_PID])):
+            if backoff.check() and not pid_alive(int(words[_H_PID])):
                 raise ServeError(f"server {self.name!r} (pid {int(words[_H_PID])}) is gone")
             need = int(words[_H_POOL_WAIT])  # the server waits for its windows to be let go
             if self._held and (self._held[0][0] <= g - shared.r or self._held[0][0] <= need):

@@ -40,14 +40,21 @@ def lock_path(store: str | os.PathLike) -> Path:
     return store.parent / f".{store.name}.lock"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie counts as gone)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 #: Environment switch that makes every writer of this process take over held locks.
@@ -95,7 +102,7 @@ class StoreLock:
             break
         old = _read(fd)
         if old.get("pid") and old.get("pid") != os.getpid():
-            dead = old.get("host") == socket.gethostname() and not _pid_alive(int(old["pid"]))
+            dead = old.get("host") == socket.gethostname() and not pid_alive(int(old["pid"]))
             log.warning(
                 "taking over the write lock of %s from %s%s",
                 store,

@@ -39,7 +39,7 @@ import uuid
 from typing import Any, Self
 
 from ..errors import StoreLockedError
-from .lock import BREAK_LOCK_ENV, _pid_alive, _who
+from .lock import BREAK_LOCK_ENV, _who, pid_alive
 from .object import LOCK_NAME, S3Store, join_key
 
 log = logging.getLogger(__name__)
@@ -255,7 +255,7 @@ def _takeover_reason(holder: dict[str, Any], age: float, break_lock: bool, where
     """Why a found lock may be taken over, or :class:`StoreLockedError` if it may not."""
     lease = float(holder.get("lease_s") or DEFAULT_LEASE_S)
     host, pid = holder.get("host"), holder.get("pid")
-    if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         return "that process is dead"
     if age > lease:
         return f"it has not refreshed the lock for {age:.0f}s, past its {lease:.0f}s lease"
