@@ -158,6 +158,7 @@ class SaelensReader(ReaderBase):
             )
         self._tables: dict[int, Any] = {}
         self._batch_rows: list[list[int]] | None = None
+        self._checked_at: dict[int, list[list[int]] | None] = {}  # _values_at, per file
         self._starts: np.ndarray | None = None
         self._digests: dict[str, Any] | None = None
         self._tokens: np.ndarray | None = None
@@ -314,10 +315,11 @@ class SaelensReader(ReaderBase):
 
     def _values_at(self, index: int) -> list[list[int]] | None:
         """Byte offsets of each block column's values per record batch of file ``index``
-        (from ``actstore.json``; None for caches without them)."""
-        if self.record is None:
-            return None
-        at = self.record["files"][index].get("values_at")
+        (from ``actstore.json``; None for caches without them), checked against the
+        record batches once per file (every block read asks)."""
+        if index in self._checked_at:
+            return self._checked_at[index]
+        at = None if self.record is None else self.record["files"][index].get("values_at")
         if at is not None and (
             len(at) != len(self._rows()[index])
             or any(len(a) != len(self.block_columns) for a in at)
@@ -326,7 +328,7 @@ class SaelensReader(ReaderBase):
                 f"{self.io.url_of(SIDECAR)}: values_at of {self.files[index]} does not match "
                 "its record batches; restore the store or re-capture"
             )
-        return at
+        return self._checked_at.setdefault(index, at)
 
     def close(self) -> None:
         """Drop memory maps and fetched files (reopened on next use)."""
