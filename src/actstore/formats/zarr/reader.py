@@ -1053,78 +1053,12 @@ def _read_rows(
     store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray, *, cache: bool = True
 ) -> int:
     """Fill ``out`` (``[n, H]`` float16, C order) with tokens ``0..n`` of one (sample, layer),
-    reading chunk files directly; a chunk not stored is zeros (the fill value). Where the
-    store has chunk checksums, each chunk read is checked (a partly needed chunk is read
-    whole into a scratch buffer) and a chunk they list but the store lacks is an error.
-    Returns the number of bytes read from files. ``cache=False``: remote chunks bypass the
-    local cache tier (a full scan such as ``verify``)."""
-    if store.files is not None:
-        return _read_rows_remote(store, part, local, layer_idx, out, cache=cache)
-    n_rows = out.shape[0]
-    prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
-    sums = None if store.chunksums is None else store.chunksums[part][local, layer_idx]
-    view = byte_view(out)
-    n_read = 0
-    for c in range(-(-n_rows // t_chunk)):
-        r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
-        path = f"{prefix}{local}{sep}{layer_idx}{sep}{c}{sep}0"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as err:
-            if not isinstance(err, FileNotFoundError):
-                raise CorruptStoreError(
-                    f"chunk {path} cannot be opened ({err.strerror}): chunk files must be "
-                    "plain files inside the store; restore it or re-capture"
-                ) from err
-            if sums is not None and sums[c]:
-                raise CorruptStoreError(
-                    f"chunk {path} (sample {local}, layer {layer_idx}, chunk {c}, bytes "
-                    f"0-{chunk_bytes}) is missing: the store recorded it; restore it or "
-                    "re-capture"
-                ) from None
-            out[r0:r1] = 0
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            if size != chunk_bytes:
-                raise CorruptStoreError(
-                    f"chunk {path} has {size} bytes, expected {chunk_bytes} "
-                    f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture"
-                )
-            whole = sums is not None and (r1 - r0) * row_bytes != chunk_bytes
-            target = (
-                memoryview(bytearray(chunk_bytes))
-                if whole
-                else view[r0 * row_bytes : r1 * row_bytes]
-            )
-            done = 0
-            while done < len(target):
-                got = os.preadv(fd, [target[done:]], done)
-                if got == 0:
-                    raise CorruptStoreError(f"chunk {path} shrank while being read")
-                done += got
-            n_read += done
-        finally:
-            os.close(fd)
-        if sums is not None:
-            if (xxhash.xxh3_64_intdigest(target) or 1) != sums[c]:
-                raise CorruptStoreError(
-                    f"chunk {path} (sample {local}, layer {layer_idx}, chunk {c}, bytes "
-                    f"0-{chunk_bytes}) fails its xxh3 checksum: the stored data was changed "
-                    "or damaged; restore it or re-capture (verify_reads=False reads it anyway)"
-                )
-            if whole:
-                view[r0 * row_bytes : r1 * row_bytes] = target[: (r1 - r0) * row_bytes]
-    return n_read
-
-
-def _read_rows_remote(
-    store: StoreInfo, part: str, local: int, layer_idx: int, out: np.ndarray, *, cache: bool
-) -> int:
-    """:func:`_read_rows` of a remote store: one ranged GET per chunk, straight into ``out``
-    (a partly needed chunk is fetched whole only when it must be checked)."""
-    files = store.files
-    assert files is not None
+    reading chunk files directly (on object storage: one ranged GET per chunk); a chunk not
+    stored is zeros (the fill value). Where the store has chunk checksums, each chunk read
+    is checked (a partly needed chunk is read whole into a scratch buffer) and a chunk they
+    list but the store lacks is an error. Returns the number of bytes read from files.
+    ``cache=False``: remote chunks bypass the local cache tier (a full scan such as
+    ``verify``)."""
     n_rows = out.shape[0]
     prefix, sep, t_chunk, chunk_bytes, row_bytes = store.geometry[part]
     sums = None if store.chunksums is None else store.chunksums[part][local, layer_idx]
@@ -1133,39 +1067,79 @@ def _read_rows_remote(
     for c in range(-(-n_rows // t_chunk)):
         r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
         name = f"{prefix}{local}{sep}{layer_idx}{sep}{c}{sep}0"
-        size = files.size(name)
-        if size is None:
+        where = name if store.files is None else store.files.url_of(name)
+        whole = sums is not None and (r1 - r0) * row_bytes != chunk_bytes
+        into = None if whole else view[r0 * row_bytes : r1 * row_bytes]
+        target = _read_chunk(store, name, where, chunk_bytes, into, cache=cache)
+        if target is None:  # not stored
             if sums is not None and sums[c]:
                 raise CorruptStoreError(
-                    f"chunk {files.url_of(name)} (sample {local}, layer {layer_idx}, chunk {c}, "
-                    f"bytes 0-{chunk_bytes}) is missing: the store recorded it; restore it or "
+                    f"chunk {where} (sample {local}, layer {layer_idx}, chunk {c}, bytes "
+                    f"0-{chunk_bytes}) is missing: the store recorded it; restore it or "
                     "re-capture"
                 )
             out[r0:r1] = 0
             continue
-        if size != chunk_bytes:
-            raise CorruptStoreError(
-                f"chunk {files.url_of(name)} has {size} bytes, expected {chunk_bytes} "
-                f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture"
-            )
-        whole = sums is not None and (r1 - r0) * row_bytes != chunk_bytes
-        if whole:
-            target = files.read_range(name, 0, chunk_bytes, cache=cache)
-        else:
-            part_view = view[r0 * row_bytes : r1 * row_bytes]
-            target = files.read_range(name, 0, len(part_view), part_view, cache=cache)
         n_read += len(target)
         if sums is not None:
             if (xxhash.xxh3_64_intdigest(target) or 1) != sums[c]:
                 raise CorruptStoreError(
-                    f"chunk {files.url_of(name)} (sample {local}, layer {layer_idx}, chunk {c}, "
-                    f"bytes 0-{chunk_bytes}) fails its xxh3 checksum: the stored data was "
-                    "changed or damaged; restore it or re-capture (verify_reads=False reads it "
-                    "anyway)"
+                    f"chunk {where} (sample {local}, layer {layer_idx}, chunk {c}, bytes "
+                    f"0-{chunk_bytes}) fails its xxh3 checksum: the stored data was changed "
+                    "or damaged; restore it or re-capture (verify_reads=False reads it anyway)"
                 )
             if whole:
                 view[r0 * row_bytes : r1 * row_bytes] = target[: (r1 - r0) * row_bytes]
     return n_read
+
+
+def _read_chunk(
+    store: StoreInfo,
+    name: str,
+    where: str,
+    chunk_bytes: int,
+    into: memoryview | None,
+    *,
+    cache: bool,
+) -> memoryview | None:
+    """Chunk file ``name`` (``where`` in messages), checked to hold ``chunk_bytes``: its
+    first ``len(into)`` bytes read into ``into``, or (``into=None``) all of it into a new
+    buffer. None if the chunk is not stored. Local chunks must be plain files in the store."""
+    if store.files is not None:
+        size = store.files.size(name)
+    else:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            raise CorruptStoreError(
+                f"chunk {name} cannot be opened ({err.strerror}): chunk files must be "
+                "plain files inside the store; restore it or re-capture"
+            ) from err
+        size = os.fstat(fd).st_size
+    try:
+        if size is None:
+            return None
+        if size != chunk_bytes:
+            raise CorruptStoreError(
+                f"chunk {where} has {size} bytes, expected {chunk_bytes} "
+                f"({'truncated' if size < chunk_bytes else 'too long'}): restore or re-capture"
+            )
+        if store.files is not None:
+            length = chunk_bytes if into is None else len(into)
+            return store.files.read_range(name, 0, length, into, cache=cache)
+        target = memoryview(bytearray(chunk_bytes)) if into is None else into
+        done = 0
+        while done < len(target):
+            got = os.preadv(fd, [target[done:]], done)
+            if got == 0:
+                raise CorruptStoreError(f"chunk {name} shrank while being read")
+            done += got
+        return target
+    finally:
+        if store.files is None:
+            os.close(fd)
 
 
 def _line_offsets_of(data: bytes) -> np.ndarray:
