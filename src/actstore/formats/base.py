@@ -144,12 +144,7 @@ class ReaderBase(abc.ABC):
         ``out`` is ``[n, D]`` of :attr:`dtype` with contiguous rows. The default reads the
         block into a per-thread scratch buffer and copies; formats that can read straight
         into place override it."""
-        need = block.n_rows * int(self.d_model)
-        dtype = np.dtype(self.dtype)
-        scratch = _SCRATCH.buf
-        if scratch is None or scratch.dtype != dtype or scratch.size < need:
-            scratch = _SCRATCH.buf = np.empty(need, dtype=dtype)
-        data = self.read_block(block, scratch[:need].reshape(block.n_rows, -1))
+        data = self._read_into_scratch(block)
         keep = rows >= 0
         out[rows[keep]] = data[keep]
 
@@ -162,14 +157,18 @@ class ReaderBase(abc.ABC):
         The default reads the whole block into a per-thread scratch buffer (checked like
         any :meth:`read_block`) and copies the rows asked for, so a slab costs a block's
         I/O; formats that can read the rows alone override it."""
+        data = self._read_into_scratch(block)
+        keep = dest >= 0
+        out[dest[keep]] = data[rows[keep]]
+
+    def _read_into_scratch(self, block: Block) -> np.ndarray:
+        """``read_block`` into this thread's reused scratch buffer (valid until its next use)."""
         need = block.n_rows * int(self.d_model)
         dtype = np.dtype(self.dtype)
         scratch = _SCRATCH.buf
         if scratch is None or scratch.dtype != dtype or scratch.size < need:
             scratch = _SCRATCH.buf = np.empty(need, dtype=dtype)
-        data = self.read_block(block, scratch[:need].reshape(block.n_rows, -1))
-        keep = dest >= 0
-        out[dest[keep]] = data[rows[keep]]
+        return self.read_block(block, scratch[:need].reshape(block.n_rows, -1))
 
     def read_slabs_scatter(
         self, pieces: Sequence[tuple[Block, np.ndarray, np.ndarray]], out: np.ndarray

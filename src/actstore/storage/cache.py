@@ -118,10 +118,7 @@ class BlockCache:
             self._count("misses")
             return False
         if n != len(view) or digest != xxhash.xxh3_128(view).digest():
-            log.warning("cache entry %s is damaged; fetching it again", path)
-            path.unlink(missing_ok=True)
-            self._count("damaged")
-            self._count("misses")
+            self._drop_damaged(path)
             return False
         _touch(path)
         self._count("hits")
@@ -140,14 +137,17 @@ class BlockCache:
             return None
         data = memoryview(mapped)[:size] if mapped is not None else None
         if data is None or mapped[size:] != xxhash.xxh3_128(data).digest():
-            log.warning("cache entry %s is damaged; fetching it again", path)
-            path.unlink(missing_ok=True)
-            self._count("damaged")
-            self._count("misses")
+            self._drop_damaged(path)
             return None
         _touch(path)
         self._count("hits")
         return data
+
+    def _drop_damaged(self, path: Path) -> None:
+        log.warning("cache entry %s is damaged; fetching it again", path)
+        path.unlink(missing_ok=True)
+        self._count("damaged")
+        self._count("misses")
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Keep ``data`` as the entry of ``key`` (entries larger than the cap are not kept)."""
