@@ -6,8 +6,7 @@ from pathlib import Path
 
 from conformance import ConformanceSuite, FormatCase
 
-from actstore.formats.saev import SaevWriter
-from actstore.sites import Site
+from actstore.formats.saev import SaevOptions, SaevWriter
 
 
 class SaevCase(FormatCase):
@@ -17,12 +16,10 @@ class SaevCase(FormatCase):
     def _writer(self, root: Path, plan):
         if self.dialect == "saev":
             plan = type(plan)(**{**plan.__dict__, "family": "clip"})
-        return SaevWriter.from_plan(
-            plan,
-            root,
-            dialect=self.dialect,
-            patches_per_shard=5 * plan.tokens_per_example * len(plan.sites),
+        options = SaevOptions(
+            dialect=self.dialect, patches_per_shard=5 * plan.tokens_per_example * len(plan.sites)
         )
+        return SaevWriter.from_plan(plan, root, options)
 
     def open_writer(self, root, plan, batches):
         return self._writer(root, plan), batches
@@ -32,16 +29,13 @@ class SaevCase(FormatCase):
         for batch in batches:
             writer.write(batch)
         writer.abort()
-        return str(writer.final_dir)
+        return str(writer.final)
 
     def damage(self, location):
         shard = Path(location) / "acts000001.bin"
         shard.chmod(0o644)
         with open(shard, "r+b") as f:
             f.truncate(shard.stat().st_size - 4)
-
-    def site_name(self, site: Site):
-        return site.layer
 
 
 class TestSaevConformance(ConformanceSuite):

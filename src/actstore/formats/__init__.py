@@ -10,38 +10,45 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .base import Block, Reader, Writer
+from ..storage.location import Location
+from .base import Block, Reader, SiteLike, Writer
 from .registry import FormatSpec, available_formats, detect_format, get_format
 
 
-def open_store(location: str | os.PathLike, **kwargs: Any) -> Reader:
-    """Open the store at ``location`` (a path or URL) with the reader of its format."""
-    return detect_format(str(location)).open_reader(str(location), **kwargs)
+def open_store(location: str | os.PathLike | Location, **kwargs: Any) -> Reader:
+    """Open the store at ``location`` (a path, ``file://`` or ``s3://`` URL) with the reader
+    of its format. ``kwargs``: ``verify_reads``, ``cache_dir``, ``cache_bytes``, ``s3``."""
+    location = Location.parse(location, s3=kwargs.get("s3"))
+    return detect_format(location).open_reader(location, **kwargs)
 
 
-def verify_store(location: str | os.PathLike) -> str:
-    """Run the format's own ``verify()`` on the store at ``location``; raise
-    :class:`~actstore.errors.CorruptStoreError` on a fault, else say what was checked
-    (``copy_store``'s ``check_store``)."""
-    from ..errors import ActstoreError, CorruptStoreError
+def verify_store(location: str | os.PathLike | Location) -> str:
+    """Open the store at ``location`` and run its full ``verify()``; raise
+    :class:`~actstore.errors.CorruptStoreError` listing the faults, else say what was
+    checked (what ``actstore cp`` runs on a copy's destination)."""
+    from ..errors import CorruptStoreError
 
+    reader = open_store(location)
     try:
-        reader = open_store(location)
-    except ActstoreError as err:
-        return f"{location} is not a readable store ({err})"
-    report = reader.verify()
-    reader.close()
+        report = reader.verify()
+    finally:
+        reader.close()
     if not report.ok:
         raise CorruptStoreError(
-            f"{location} fails verification after the copy: {'; '.join(report.faults[:5])}"
+            f"{location} fails verification: {'; '.join(report.faults[:5])}"
+            + (f" (and {len(report.faults) - 5} more)" if len(report.faults) > 5 else "")
         )
-    return f"{type(reader).__name__}.verify() of {location}: {report.files_checked} files checked"
+    return (
+        f"{type(reader).__name__}.verify() of {location}: {report.files_checked} files, "
+        f"{report.bytes_checked} bytes checked"
+    )
 
 
 __all__ = [
     "Block",
     "FormatSpec",
     "Reader",
+    "SiteLike",
     "Writer",
     "available_formats",
     "detect_format",

@@ -7,11 +7,20 @@ are written once against blocks. Blocks at the same position of ``blocks(site)``
 sites of one store cover the same tokens (so crosscoder batches can align sites), unless the
 reader's :meth:`ReaderBase.aligned_on` says otherwise.
 
+Sites are :class:`~actstore.sites.Site` keys everywhere: ``reader.sites`` lists them and
+every method that takes a site takes any spelling :meth:`ReaderBase.site` resolves (``6``,
+``"resid.6"``, ``"blocks.6.hook_resid_post"``, ``Site("resid", 6)``, ``-1`` for the model's
+last block). A format's own naming (saev's layer ints, SAELens's hook columns, Activault's
+module folders) stays inside its layout module.
+
+Every byte a reader serves is checked against the store's root manifest
+(:mod:`actstore.storage.manifest`) through :attr:`ReaderBase.checks`.
+
 Required methods are abstract; every optional capability is declared here with a working
 default, so callers never probe a reader or writer for a hook by name.
 
 Example:
-    >>> Block(site=3, n_rows=197, loc=(0, 5)).n_rows
+    >>> Block(site=Site("resid", 3), n_rows=197, loc=(0, 5)).n_rows
     197
 """
 
@@ -19,27 +28,40 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
 
+from ..errors import ConfigError, IndexOutOfRangeError, LayerNotStoredError
 from ..sites import Site
+from ..storage.location import Location
+from ..storage.manifest import Integrity
 
 if TYPE_CHECKING:
+    import os
+
     import torch
 
     from ..batch import Batch, CapturePlan
     from ..stats import RunningStats
+    from ..storage.files import StoreFiles
+    from ..storage.object import S3Config
+
+#: Anything :meth:`ReaderBase.site` turns into a stored :class:`Site`.
+SiteLike: TypeAlias = "Site | str | int"
+
+#: Families whose blocks end in a LayerNorm after the residual add: TransformerLens's
+#: ``hook_resid_post`` is a sum *before* that norm there, not a block output actstore stores.
+POST_NORM_FAMILIES = frozenset({"bert"})
 
 
 @dataclass(frozen=True)
 class Block:
     """``n_rows`` contiguous rows of ``site``; ``loc`` is the format's own locator."""
 
-    site: Hashable
+    site: Site
     n_rows: int
     loc: tuple[int, ...]
 
@@ -48,7 +70,7 @@ class Block:
 class VerifyReport:
     """Outcome of ``Reader.verify()``: any ``faults`` make it fail; ``notes`` inform."""
 
-    location: str | Path
+    location: str
     faults: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     files_checked: int = 0
@@ -60,7 +82,7 @@ class VerifyReport:
 
 
 class _Scratch(threading.local):
-    """A reusable per-thread buffer for the default scatter read."""
+    """One reusable buffer per thread (a block read, checked, then placed elsewhere)."""
 
     buf: np.ndarray | None = None
 
@@ -68,19 +90,81 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
+def scratch(n: int, d: int, dtype: np.dtype | str) -> np.ndarray:
+    """This thread's scratch buffer as ``[n, d]`` of ``dtype`` (valid until its next use)."""
+    dtype = np.dtype(dtype)
+    need = n * d * dtype.itemsize
+    buf = _SCRATCH.buf
+    if buf is None or buf.size < need:
+        buf = _SCRATCH.buf = np.empty(max(need, 1 << 16), dtype=np.uint8)
+    return buf[:need].view(dtype).reshape(n, d)
+
+
+def place(out: np.ndarray, rows: np.ndarray, data: np.ndarray) -> None:
+    """Row ``i`` of ``data`` into ``out[rows[i]]``, skipping ``rows[i] < 0``."""
+    keep = rows >= 0
+    if keep.all():
+        out[rows] = data
+    else:
+        out[rows[keep]] = data[keep]
+
+
 class ReaderBase(abc.ABC):
     """Read side of a format. Implementations are cheap to pickle (they reopen lazily).
 
     ``read_block`` may be called from several threads of one process at once (the loader
     reads a window's blocks in parallel).
+
+    Every reader is constructed as ``Reader(location, *, verify_reads=True, cache_dir=None,
+    cache_bytes=None, s3=None)``; :meth:`_open_location` does the part they share.
     """
+
+    #: The registry name of the format (``"saev"``...).
+    format_name: ClassVar[str] = ""
+
+    location: Location
+    files: StoreFiles
+    checks: Integrity
+    verify_reads: bool = True
+
+    def _open_location(
+        self,
+        location: str | os.PathLike | Location,
+        *,
+        verify_reads: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
+        s3: S3Config | None = None,
+    ) -> None:
+        """Set :attr:`location`, :attr:`files` and :attr:`verify_reads` (no I/O yet);
+        :attr:`checks` starts unverified until :meth:`_open_checks`."""
+        self.location = Location.parse(location, s3=s3)
+        self.files = self.location.files(cache_dir=cache_dir, cache_bytes=cache_bytes)
+        self.verify_reads = verify_reads
+        self.checks = Integrity(self.files, None, enabled=False)
+
+    def _open_checks(self, *, ours: bool) -> None:
+        """Load the root manifest and check the listing against it (see
+        :meth:`Integrity.open`); ``ours``: the store's metadata says actstore wrote it."""
+        self.checks = Integrity.open(
+            self.files, ours=ours, verify_reads=self.verify_reads, format=self.format_name
+        )
+
+    def _check_summary(self) -> None:
+        """Compare what this reader parsed with what the writer published (call last in
+        ``__init__``)."""
+        self.checks.check_summary(self.trusted_summary())
+
+    @property
+    def url(self) -> str:
+        return self.location.url
 
     # ------------------------------------------------------------------ required
 
     @property
     @abc.abstractmethod
-    def sites(self) -> Sequence[Hashable]:
-        """The sites stored, in the format's own naming (saev: layer ints)."""
+    def sites(self) -> tuple[Site, ...]:
+        """The sites stored, in storage order."""
 
     @property
     @abc.abstractmethod
@@ -92,35 +176,126 @@ class ReaderBase(abc.ABC):
         """numpy dtype of the rows :meth:`read_block` returns."""
 
     @abc.abstractmethod
-    def blocks(self, site: Hashable) -> list[Block]:
-        """Every row of ``site`` exactly once, as contiguous blocks, in storage order."""
+    def site_blocks(self, site: Site) -> list[Block]:
+        """Every row of stored ``site`` exactly once, as contiguous blocks, in storage order
+        (:meth:`blocks` resolves the site first)."""
 
     @abc.abstractmethod
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows of ``block`` as ``[n_rows, D]`` (into ``out`` when given)."""
+        """Rows of ``block`` as ``[n_rows, D]`` (into ``out`` when given), checked."""
 
     @abc.abstractmethod
-    def statistics(self, site: Hashable) -> RunningStats | None:
-        """Stored running statistics for ``site``, if the store has them."""
+    def site_statistics(self, site: Site) -> RunningStats | None:
+        """Stored running statistics of stored ``site``, if the store has them."""
 
     @abc.abstractmethod
-    def describe(self) -> dict[str, Any]:
-        """JSON-able summary for ``actstore inspect`` (format, model, shapes, sizes...)."""
-
-    @abc.abstractmethod
-    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Full integrity check (checksums, sizes, metadata); ``progress(n_bytes)``."""
+    def describe_format(self) -> dict[str, Any]:
+        """The format's part of :meth:`describe`: at least ``format`` (a human name with
+        version and dialect) and ``shape`` (a human description), plus any detail."""
 
     @abc.abstractmethod
     def capture_plan(self) -> CapturePlan:
         """The capture this store came from (model, sites, shapes, dataset description),
         so conversion rebuilds it without reading format internals."""
 
+    # ------------------------------------------------------------------ sites
+
+    @property
+    def family(self) -> str:
+        """The model family the store was captured from (``"gpt2"``, ``"bert"``...)."""
+        return self._plan_facts()[0]
+
+    @property
+    def n_model_layers(self) -> int:
+        """Blocks of the model the store was captured from (negative layers count from it)."""
+        return self._plan_facts()[1]
+
+    def _plan_facts(self) -> tuple[str, int]:
+        facts = self.__dict__.get("_facts")
+        if facts is None:
+            plan = self.capture_plan()
+            facts = self.__dict__["_facts"] = (plan.family, plan.n_model_layers)
+        return facts
+
+    def site(self, name: SiteLike) -> Site:
+        """The stored :class:`Site` that ``name`` spells, in any spelling
+        :meth:`Site.parse` takes; negative layers count from the model's end.
+
+        Raises :class:`LayerNotStoredError` (naming the stored sites) when the store does
+        not hold it, :class:`ConfigError` when the spelling has no meaning for this model."""
+        if isinstance(name, Site) and name in self.sites:
+            return name
+        try:
+            wanted = Site.parse(name)
+        except ConfigError:
+            native = self.native_site(name)
+            if native is None:
+                raise
+            return native
+        if wanted.layer < 0:
+            wanted = wanted.resolve(self.n_model_layers)
+        if wanted.tl and wanted.kind == "resid" and self.family in POST_NORM_FAMILIES:
+            raise ConfigError(
+                f"{name} has no equivalent in {self.family}: its blocks are post-norm, so "
+                "TransformerLens's hook_resid_post is a sum before the closing LayerNorm; "
+                f"ask for {wanted} or blocks.{wanted.layer}.hook_normalized_resid_post (the "
+                "block output this store holds)"
+            )
+        for stored in self.sites:
+            if stored == wanted:
+                return stored
+        raise LayerNotStoredError(
+            f"site {wanted} is not in this store; it holds {', '.join(map(str, self.sites))}"
+        )
+
+    def native_site(self, name: Any) -> Site | None:
+        """The stored site a name in the format's own spelling stands for (an Activault
+        hook folder...), or None; :meth:`site` asks when :meth:`Site.parse` cannot."""
+        return None
+
+    def native_name(self, site: Site) -> str:
+        """The format's own name of stored ``site`` (a column, a hook folder...)."""
+        return str(site)
+
+    # ------------------------------------------------------------------ site-taking API
+
+    def blocks(self, site: SiteLike) -> list[Block]:
+        """Every row of ``site`` exactly once, as contiguous blocks, in storage order."""
+        return self.site_blocks(self.site(site))
+
+    def statistics(self, site: SiteLike) -> RunningStats | None:
+        """Stored running statistics of ``site`` (exact mean, variance, mean norm), checked."""
+        return self.site_statistics(self.site(site))
+
+    def n_rows(self, site: SiteLike) -> int:
+        """Rows ``site`` holds (what its blocks cover)."""
+        return sum(b.n_rows for b in self.blocks(site))
+
+    def split_key(self, key: Any, n_examples: int, n_tokens: int):
+        """``reader[example, site, token]`` parsed: ``(examples, site or None for all,
+        token selector, whether example was a scalar)``; examples as an int64 array."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if len(key) > 3:
+            raise IndexError("index as reader[example, site, token]")
+        ex, site, token = (*key, *(slice(None),) * (3 - len(key)))
+        examples = as_indices(ex, n_examples, "example")
+        if isinstance(site, slice):
+            if site != slice(None):
+                raise IndexError("sites are selected by name (reader[ex, 'resid.6']) or all (:)")
+            chosen = None
+        else:
+            chosen = self.site(site)
+        if isinstance(token, (int, np.integer)) and not -n_tokens <= token < n_tokens:
+            raise IndexOutOfRangeError(f"token {token} out of range (0..{n_tokens - 1})")
+        return examples, chosen, token, isinstance(ex, (int, np.integer))
+
     # ------------------------------------------------------------------ optional
 
-    tokens: np.ndarray | None = None
-    """Per-example token ids ``[n_examples, T]`` (text stores that keep them)."""
-    labels: np.ndarray | None = None
+    tokens: Any = None
+    """Per-example token ids ``[n_examples, T]`` (text stores that keep them), checked as
+    they are read."""
+    labels: Any = None
     """Per-example class labels (image folders with classes); ``[n, T]`` in saev."""
     classes: list[str] | None = None
     """Class names for ``labels``."""
@@ -133,20 +308,23 @@ class ReaderBase(abc.ABC):
             return str(self.torch_dtype).removeprefix("torch.")
         return np.dtype(self.dtype).name
 
-    def site_of(self, name: Hashable) -> Site:
-        """The :class:`Site` a stored site name stands for (default: parse it, so layer
-        ints are residual-stream layers)."""
-        return name if isinstance(name, Site) else Site.parse(str(name))
+    def trusted_summary(self) -> dict[str, Any]:
+        """What the root manifest records of the metadata (see :func:`summary_of`)."""
+        sites = self.sites
+        return summary_of(
+            sites=sites,
+            d_model=self.d_model,
+            dtype=self.stored_dtype(),
+            rows=self.n_rows(sites[0]) if sites else 0,
+        )
 
     def read_block_scatter(self, block: Block, out: np.ndarray, rows: np.ndarray) -> None:
         """Write row ``i`` of ``block`` into ``out[rows[i]]``, skipping ``rows[i] < 0``.
 
         ``out`` is ``[n, D]`` of :attr:`dtype` with contiguous rows. The default reads the
-        block into a per-thread scratch buffer and copies; formats that can read straight
-        into place override it."""
-        data = self._read_into_scratch(block)
-        keep = rows >= 0
-        out[rows[keep]] = data[keep]
+        block into a per-thread scratch buffer (checked there, while hot) and copies;
+        formats that can read straight into place override it."""
+        place(out, rows, self._read_into_scratch(block))
 
     def read_rows_scatter(
         self, block: Block, rows: np.ndarray, out: np.ndarray, dest: np.ndarray
@@ -163,12 +341,7 @@ class ReaderBase(abc.ABC):
 
     def _read_into_scratch(self, block: Block) -> np.ndarray:
         """``read_block`` into this thread's reused scratch buffer (valid until its next use)."""
-        need = block.n_rows * int(self.d_model)
-        dtype = np.dtype(self.dtype)
-        scratch = _SCRATCH.buf
-        if scratch is None or scratch.dtype != dtype or scratch.size < need:
-            scratch = _SCRATCH.buf = np.empty(need, dtype=dtype)
-        return self.read_block(block, scratch[:need].reshape(block.n_rows, -1))
+        return self.read_block(block, scratch(block.n_rows, int(self.d_model), self.dtype))
 
     def read_slabs_scatter(
         self, pieces: Sequence[tuple[Block, np.ndarray, np.ndarray]], out: np.ndarray
@@ -178,7 +351,7 @@ class ReaderBase(abc.ABC):
         for block, rows, dest in pieces:
             self.read_rows_scatter(block, rows, out, dest)
 
-    def example_rows(self, site: Hashable) -> int | None:
+    def example_rows(self, site: SiteLike) -> int | None:
         """``T`` when every block of ``site`` holds whole examples of exactly ``T``
         contiguous rows in token order, so a loader slab (``mix`` > 1) can take a range of
         tokens of each example; None (the default): slabs are contiguous row ranges."""
@@ -189,7 +362,7 @@ class ReaderBase(abc.ABC):
         None when the store keeps no CLS token."""
         return None
 
-    def aligned_on(self, sites: Sequence[Hashable]) -> bool:
+    def aligned_on(self, sites: Sequence[SiteLike]) -> bool:
         """Whether block ``i`` of every one of ``sites`` holds the same tokens."""
         return True
 
@@ -199,8 +372,60 @@ class ReaderBase(abc.ABC):
         lets conversion build batches from blocks, :attr:`tokens` and :attr:`labels`."""
         return None
 
+    # ------------------------------------------------------------------ describe / verify
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary for ``actstore inspect`` and ``actstore ls``: ``path``,
+        ``format``, ``model``, ``dataset``, ``sites``, ``shape``, ``dtype``, ``d_model``,
+        ``bytes``, ``files`` (how many), ``verified`` (a root manifest checks reads), then
+        the format's own details."""
+        plan = self.capture_plan()
+        listing = self.files.list()
+        own = self.describe_format()
+        out: dict[str, Any] = {
+            "path": self.url,
+            "format": own.pop("format"),
+            "model": f"{plan.ckpt} ({plan.family})",
+            "dataset": plan.dataset_root,
+            "sites": [str(s) for s in self.sites],
+            "shape": own.pop("shape"),
+            "dtype": self.stored_dtype(),
+            "d_model": self.d_model,
+            "bytes": sum(listing.values()),
+            "files": own.pop("files", len(listing)),
+            "verified": self.checks.manifest is not None,
+        }
+        out.update(own)
+        tokens = self.tokens
+        if tokens is not None and len(tokens):
+            out["token_ids[0][:16]"] = np.asarray(tokens[0][:16]).tolist()
+        if self.classes is not None:
+            out["classes"] = self.classes
+        return out
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Full integrity check: every file's every block against the root manifest, the
+        listing (missing, extra, resized files, symlinks), then the format's own checks
+        (:meth:`verify_content`). Reports every fault found. ``progress(n_bytes)`` is
+        called as data is read."""
+        report = VerifyReport(self.url)
+        n_files, n_bytes = self.checks.verify(
+            report.faults, progress=progress, on_chunk=self.scan_chunk
+        )
+        report.files_checked, report.bytes_checked = n_files, n_bytes
+        self.verify_content(report)
+        return report
+
+    def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
+        """Sees every byte :meth:`verify` reads (formats count non-finite values here)."""
+
+    def verify_content(self, report: VerifyReport) -> None:
+        """The format's checks beyond the bytes (statistics consistent with shapes, padding,
+        non-finite values seen by :meth:`scan_chunk`); add faults and notes to ``report``."""
+
     def close(self) -> None:
         """Release open files (the reader reopens them lazily if used again)."""
+        self.files.close()
 
     def __enter__(self):
         return self
@@ -209,14 +434,53 @@ class ReaderBase(abc.ABC):
         self.close()
 
 
+def summary_of(
+    *, sites: Sequence[Site | str], d_model: int, dtype: str, rows: int, **extra: Any
+) -> dict[str, Any]:
+    """What a root manifest records of a store's metadata and a reader checks on open:
+    the sites in storage order, the row width, the stored dtype and the rows each site
+    holds, plus any format facts in ``extra``.
+
+    Example:
+        >>> summary_of(sites=[Site("resid", 3)], d_model=8, dtype="float32", rows=12)
+        {'sites': ['resid.3'], 'd_model': 8, 'dtype': 'float32', 'rows': 12}
+    """
+    return {
+        "sites": [str(s) for s in sites],
+        "d_model": int(d_model),
+        "dtype": str(dtype),
+        "rows": int(rows),
+        **extra,
+    }
+
+
+def as_indices(index: Any, n: int, what: str) -> np.ndarray:
+    """An int, slice or int array of positions in ``range(n)`` as an int64 array
+    (negatives count from the end); :class:`IndexOutOfRangeError` past either end."""
+    if isinstance(index, slice):
+        return np.arange(n)[index]
+    arr = np.asarray(index)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise IndexError(f"{what} index must be an int, slice or int array")
+    arr = np.atleast_1d(arr).astype(np.int64)
+    bad = (arr < -n) | (arr >= n)
+    if bad.any():
+        raise IndexOutOfRangeError(
+            f"{what} {int(arr[bad][0])} out of range (0..{n - 1}; negatives count from the end)"
+        )
+    return np.where(arr < 0, arr + n, arr)
+
+
 class WriterBase(abc.ABC):
     """Write side of a format. Nothing is visible to readers until :meth:`close` publishes.
 
-    Use as a context manager to publish on success and abort on error.
+    Every writer is built as ``Writer.from_plan(plan, location, options)``; constructing
+    one creates nothing on disk (the first :meth:`write` does). Use as a context manager
+    to publish on success and abort on error.
 
     Example:
-        >>> with SaevWriter(metadata, "out") as writer:  # doctest: +SKIP
-        ...     writer.write(batch)
+        >>> with SaevWriter.from_plan(plan, Location.parse("out"), SaevOptions()) as w:  # doctest: +SKIP
+        ...     w.write(batch)
     """
 
     resume_from: int = 0
@@ -229,23 +493,35 @@ class WriterBase(abc.ABC):
     wants_texts: bool = False
     """The writer stores decoded text, so capture decodes each example's tokens."""
 
+    @classmethod
+    @abc.abstractmethod
+    def from_plan(cls, plan: CapturePlan, location: Location, options: Any) -> WriterBase:
+        """The writer of capture ``plan`` for output ``location`` (what ``--out`` names)
+        with the format's ``options``."""
+
+    @classmethod
+    def store_location(cls, plan: CapturePlan, location: Location, options: Any) -> Location:
+        """Where the published store will be for output ``location`` (default: there)."""
+        return location
+
     @abc.abstractmethod
     def write(self, batch: Batch) -> None: ...
 
     @abc.abstractmethod
-    def close(self) -> Any:
-        """Finish, publish atomically, and return the location (format-specific)."""
+    def close(self) -> Location:
+        """Finish, publish atomically, and return the store's location."""
 
     @abc.abstractmethod
     def abort(self) -> None:
         """Stop without publishing; durable progress is kept for a later resume."""
 
-    def sealed_files(self) -> list[tuple[str, Path]]:
+    def sealed_files(self) -> list[tuple[str, os.PathLike]]:
         """Files that are durable and will never change again, for an uploader to send while
-        the capture goes on: ``(name, path)`` pairs, ``name`` relative to the directory the
-        writer was given, as the file will be named once published; ``path`` where it is
-        now. Each call lists every sealed file so far (callers skip ones already sent). The
-        default, none, means everything is uploaded when the store is published."""
+        the capture goes on: ``(name, path)`` pairs, ``name`` relative to the output
+        location the writer was given, as the file will be named once published; ``path``
+        where it is now. Each call lists every sealed file so far (callers skip ones
+        already sent). The default, none, means everything is uploaded when the store is
+        published."""
         return []
 
     def __enter__(self):

@@ -31,10 +31,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..batch import CapturePlan
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .writer import ShardedWriter
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,3 +163,60 @@ def aligned_slices(
         return split_examples(plan.n_examples, n_machines, align=alignment(plan, options))
 
     return slices
+
+
+def sharded_part_format(name: str, writer: type[ShardedWriter]) -> PartFormat:
+    """The :class:`PartFormat` of a :class:`~actstore.formats.writer.ShardedWriter` format:
+    slices of whole shards, each written by ``writer.for_slice`` into
+    ``<dir>/.<name>.parts/part-A-B/`` with a ``part.json``; the merge links every part's
+    shard files into the store under one index and merged statistics, byte-identical to a
+    one-process capture, then removes the parts."""
+    import shutil
+
+    from ..storage.location import Location
+    from .writer import PART, merge_parts, read_part
+
+    def final_location(plan: CapturePlan, out: str, options: Any) -> Path:
+        return writer.store_location(plan, Location.parse(out), options).path()
+
+    def part_writer(plan: CapturePlan, final: Path, options: Any, sl: Slice) -> Any:
+        return writer.for_slice(plan, Location.parse(part_dir(final, sl)), options, sl)
+
+    def info(path: Path) -> PartInfo:
+        doc = read_part(path)
+        start, stop = doc["example_range"]
+        return PartInfo(
+            path=path,
+            start=start,
+            stop=stop,
+            n_examples=doc["plan"]["n_examples"],
+            identity=doc["record"],
+        )
+
+    def merge(parts: list[PartInfo], final: Path) -> Path:
+        doc = read_part(parts[0].path)
+        plan = CapturePlan.from_json_dict(doc["plan"])
+        options = writer.options_type(**doc["options"])
+        store = Location.parse(final)
+        target = writer(plan, store.parent, options, store=store)
+        location = merge_parts(target, [p.path for p in parts])
+        shutil.rmtree(parts_root(final))
+        return location.path()
+
+    def pending(out: Path) -> list[Path]:
+        roots = [r for r in Path(out).rglob(".*.parts") if r.is_dir()]
+        return [
+            r.parent / r.name[1 : -len(".parts")]
+            for r in sorted(roots)
+            if any((p / PART).is_file() for p in r.iterdir())
+        ]
+
+    return PartFormat(
+        name=name,
+        slices=aligned_slices(writer.shard_examples),
+        final_location=final_location,
+        part_writer=part_writer,
+        list_parts=lambda final: dir_parts(final, lambda p: (p / PART).is_file(), info),
+        merge=merge,
+        pending=pending,
+    )

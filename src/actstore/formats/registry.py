@@ -2,10 +2,11 @@
 
 Each format package ``actstore.formats.<name>`` exposes ``FORMAT: FormatSpec``. The registry
 imports the packages listed in :data:`FORMAT_NAMES` lazily, so a format whose optional
-dependency is missing simply reports itself unavailable.
+dependency is missing reports itself unavailable, with the extra to install.
 
 Format options are a frozen dataclass whose fields carry ``metadata={"help": ...}``; the
-CLI fills them from ``--opt key=value`` pairs with :func:`parse_options`.
+CLI fills them from ``--opt key=value`` pairs with :func:`parse_options`, converting each
+value to the field's declared type.
 
 Example:
     >>> spec = get_format("saev")
@@ -18,34 +19,46 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import os
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, MissingDependencyError, StoreNotFoundError
+from ..storage.location import Location
+from ..storage.manifest import MANIFEST
 
 if TYPE_CHECKING:
+    from ..batch import CapturePlan
+    from ..storage.files import StoreFiles
+    from .base import ReaderBase, WriterBase
     from .parts import PartFormat
 
 #: Detection order: the first format whose ``detect`` accepts a location opens it.
-FORMAT_NAMES = ("saev", "zarr", "pickle", "activault", "saelens")
+FORMAT_NAMES = ("saev",)  # TEMP
+
+#: The optional dependency each format needs beyond the core install, and its extra.
+EXTRAS = {"zarr": "zarr", "saelens": "datasets"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class FormatSpec:
-    """What the rest of actstore needs to know about one storage format."""
+    """What the rest of actstore knows about one storage format."""
 
     name: str
     summary: str
     """One line for ``--help``."""
     options: type
     """Frozen dataclass of writer options (fields with ``metadata={"help": ...}``)."""
-    detect: Callable[[str], bool]
-    """True if the location (path or URL) holds a store of this format."""
-    open_reader: Callable[..., Any]
-    """``open_reader(location, **kwargs) -> Reader``."""
-    writer_for_plan: Callable[[Any, str, Any], Any]
-    """``writer_for_plan(plan, out, options) -> Writer`` (used by capture)."""
+    detect: Callable[[StoreFiles], bool]
+    """True if the files of a location hold a store of this format (a damaged index the
+    format would claim counts as True, so its reader names the fault)."""
+    reader: type[ReaderBase]
+    """``reader(location, *, verify_reads=True, cache_dir=None, cache_bytes=None, s3=None)``."""
+    writer: type[WriterBase]
+    """``writer.from_plan(plan, location, options)``: the writer capture and convert use."""
     stored_dtype: str = "float32"
     """dtype name of stored activations (for help texts; conversion asks the reader)."""
     parts: Callable[[], PartFormat] | None = None
@@ -54,8 +67,41 @@ class FormatSpec:
     clean_tokens: bool = False
     """Capture drops special and chat-template tokens by default (``--clean/--no-clean``)."""
     manifests: tuple[str, ...] = ("metadata.json",)
-    """Names of the files readers open first and refuse a location without: copies and
-    uploads write them last, so a store is openable only once it is whole."""
+    """The format's own index files, which its peers' readers open first: copies and
+    uploads write them just before the root manifest, which always goes last."""
+    writes_remote: bool = False
+    """The writer writes ``s3://`` locations itself (else they are staged locally and
+    uploaded by :class:`~actstore.formats.s3_staged.StagedS3Writer`)."""
+
+    def open_reader(self, location: str | os.PathLike | Location, **kwargs: Any) -> ReaderBase:
+        return self.reader(location, **kwargs)
+
+    def open_writer(
+        self, plan: CapturePlan, out: str | os.PathLike | Location, options: Any = None
+    ) -> WriterBase:
+        """The writer of ``plan`` for output ``out`` (local, ``file://`` or ``s3://``)."""
+        options = options if options is not None else self.options()
+        location = Location.parse(out)
+        if location.is_local or self.writes_remote:
+            return self.writer.from_plan(plan, location, options)
+        from .s3_staged import StagedS3Writer, staging_root
+
+        staging = Location.parse(staging_root(location.url))
+        final = self.writer.store_location(plan, staging, options)
+        subdir = os.path.relpath(final.url, staging.url)
+        return StagedS3Writer(
+            location.url,
+            lambda directory: self.writer.from_plan(plan, Location.parse(directory), options),
+            staging=staging.url,
+            subdir="" if subdir == "." else subdir,
+            s3=location.s3,
+            last=(*self.manifests, MANIFEST),
+        )
+
+    @property
+    def last_files(self) -> tuple[str, ...]:
+        """Names a copy sends last, in order: the format's index, then the root manifest."""
+        return (*self.manifests, MANIFEST)
 
 
 def get_format(name: str) -> FormatSpec:
@@ -69,9 +115,10 @@ def get_format(name: str) -> FormatSpec:
     except MissingDependencyError:
         raise
     except ImportError as err:
+        extra = EXTRAS.get(name, "all")
         raise MissingDependencyError(
-            f"format {name!r} needs an optional dependency ({err.name}); install it with "
-            f"`pip install 'actstore[all]'`"
+            f"format {name!r} needs the optional dependency {err.name!r}; install it with "
+            f"`pip install 'actstore[{extra}]'`"
         ) from err
     return module.FORMAT
 
@@ -87,10 +134,15 @@ def available_formats() -> list[FormatSpec]:
     return out
 
 
-def detect_format(location: str) -> FormatSpec:
-    """The format of the store at ``location``."""
+def detect_format(
+    location: str | os.PathLike | Location, files: StoreFiles | None = None
+) -> FormatSpec:
+    """The format of the store at ``location`` (one listing of its files, shared by every
+    format's ``detect``)."""
+    location = Location.parse(location)
+    files = files or location.files(cache=False)
     for spec in available_formats():
-        if spec.detect(str(location)):
+        if spec.detect(files):
             return spec
     raise StoreNotFoundError(
         f"{location} is not an actstore-readable store (formats tried: "
@@ -99,13 +151,15 @@ def detect_format(location: str) -> FormatSpec:
 
 
 def parse_options(spec: FormatSpec, pairs: list[str] | tuple[str, ...], **given: Any) -> Any:
-    """Build ``spec.options`` from ``key=value`` strings plus keyword values.
+    """Build ``spec.options`` from ``key=value`` strings plus keyword values, each value
+    converted to its field's declared type.
 
     Example:
         >>> parse_options(get_format("saev"), ["dialect=saev"]).dialect
         'saev'
     """
     fields = {f.name: f for f in dataclasses.fields(spec.options)}
+    hints = typing.get_type_hints(spec.options)
     for key, value in given.items():
         if value is not None and key not in fields:
             raise ConfigError(
@@ -121,7 +175,7 @@ def parse_options(spec: FormatSpec, pairs: list[str] | tuple[str, ...], **given:
                 f"--opt {pair!r}: format {spec.name!r} takes "
                 + ", ".join(f"{k}=..." for k in fields)
             )
-        values[key] = _convert(text.strip(), fields[key], spec.name)
+        values[key] = convert_value(text.strip(), hints[key], f"--opt {key}", spec.name)
     values.update({k: v for k, v in given.items() if v is not None})
     try:
         return spec.options(**values)
@@ -129,27 +183,47 @@ def parse_options(spec: FormatSpec, pairs: list[str] | tuple[str, ...], **given:
         raise ConfigError(f"bad options for format {spec.name!r}: {err}") from err
 
 
-def _convert(text: str, field: dataclasses.Field, fmt: str) -> Any:
-    annotation = str(
-        field.type
-    )  # annotations are strings under `from __future__ import annotations`
+def convert_value(text: str, hint: Any, what: str, fmt: str) -> Any:
+    """``text`` as a value of type ``hint`` (bool, int, float, str, ``X | None``,
+    ``tuple[X, ...]``, ``Literal[...]``).
+
+    Example:
+        >>> convert_value("1,2", tuple[int, ...], "--opt x", "f"), convert_value("none", int | None, "--opt y", "f")
+        ((1, 2), None)
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if text.lower() == "none" and type(None) in args:
+            return None
+        return convert_value(text, inner[0], what, fmt)
     try:
-        if "bool" in annotation:
+        if hint is bool:
             if text.lower() in ("1", "true", "yes", "on"):
                 return True
             if text.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(text)
-        if annotation.startswith(("tuple", "list")):
-            inner = int if "int" in annotation else float if "float" in annotation else str
-            return tuple(inner(x) for x in text.split(",") if x.strip())
-        if "int" in annotation and "float" not in annotation:
-            return None if text.lower() == "none" and "None" in annotation else int(text)
-        if "float" in annotation:
-            return None if text.lower() == "none" and "None" in annotation else float(text)
+        if origin in (tuple, list):
+            item = args[0] if args else str
+            return tuple(
+                convert_value(x.strip(), item, what, fmt) for x in text.split(",") if x.strip()
+            )
+        if origin is typing.Literal:
+            if text not in [str(a) for a in args]:
+                raise ValueError(text)
+            return text
+        if hint in (int, float, str):
+            return hint(text)
     except ValueError:
-        raise ConfigError(f"--opt {field.name}={text!r} for format {fmt!r}: expected {annotation}")
-    return None if text.lower() == "none" and "None" in annotation else text
+        raise ConfigError(
+            f"{what}={text!r} for format {fmt!r}: expected {_type_name(hint)}"
+        ) from None
+    return text
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
 
 
 def describe_options(spec: FormatSpec) -> list[tuple[str, str, str]]:

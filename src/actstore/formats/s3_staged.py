@@ -11,9 +11,9 @@ staging directory (:func:`staging_root`), and:
   lease object in the store's prefix) from open to close: a second capture of the same
   ``s3://`` store, on any machine, is refused with one line naming the holder;
 * **publishes at close()**: waits for the queued uploads, lets the local writer publish,
-  and sends the rest with :func:`~actstore.storage.copy.copy_store` (the format's
-  ``manifest`` last: readers refuse a prefix without it; every object checked against the ETag of its
-  bytes, the local store against its own checksums), then drops the staged copy.
+  and sends the rest with :func:`~actstore.storage.copy.copy_store` (the format's index,
+  then the root manifest last: readers refuse a prefix without it; every object checked
+  against the ETag of its bytes), then drops the staged copy.
 
 A rerun after ``kill -9`` resumes the staged writer where it stopped; files already on S3
 with the right size and ETag are not sent again, and a large file whose multipart upload
@@ -35,6 +35,7 @@ from ..batch import Batch
 from ..errors import CaptureError, ConfigError
 from ..storage.cache import CACHE_ENV
 from ..storage.copy import copy_store
+from ..storage.manifest import MANIFEST
 from ..storage.object import S3Config, S3Store, join_key, open_location
 from ..storage.s3lock import DEFAULT_LEASE_S, S3Lock
 from ..storage.upload import BackgroundUploader
@@ -63,14 +64,14 @@ class StagedS3Writer(WriterBase):
         s3: S3Config | None = None,
         staging: str | os.PathLike | None = None,
         keep_local: bool = False,
-        manifest: str = "metadata.json",
+        last: tuple[str, ...] = (MANIFEST,),
         subdir: str = "",
         threads: int = 8,
         break_lock: bool = False,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
         self.dest, self.s3, self.keep_local, self.threads = url.rstrip("/"), s3, keep_local, threads
-        self.subdir, self.manifest = subdir.strip("/"), manifest
+        self.subdir, self.last = subdir.strip("/"), tuple(last)
         store, self._prefix = open_location(url, s3)
         if not isinstance(store, S3Store):
             raise ConfigError(f"{url} is not an s3:// location")
@@ -80,7 +81,7 @@ class StagedS3Writer(WriterBase):
         self.inner: WriterBase | None = None
         self.lock: S3Lock | None = None
         self._uploader: BackgroundUploader | None = None
-        self._published = store.size(join_key(self._prefix, self.subdir, manifest)) is not None
+        self._published = store.size(join_key(self._prefix, self.subdir, MANIFEST)) is not None
         self.complete: bool = self._published
         if self._published:
             log.info("%s is already published; nothing to write", self.url)
@@ -127,7 +128,7 @@ class StagedS3Writer(WriterBase):
             if self.lock is not None:
                 self.lock.check()
             sent = self._uploader.finish() if self._uploader is not None else {}
-            local = Path(self.inner.close())
+            local = Path(str(self.inner.close()))
             failed = self._uploader.errors if self._uploader is not None else []
             if failed:
                 name, err = failed[0]
@@ -141,7 +142,7 @@ class StagedS3Writer(WriterBase):
                 s3=self.s3,
                 threads=self.threads,
                 sent=sent,
-                last=(self.manifest.rpartition("/")[2],),
+                last=self.last,
             )
             if self.lock is not None:
                 self.lock.check()

@@ -111,15 +111,17 @@ def copy_store(
     base = prefix.rstrip("/") + "/" if prefix else ""
     present = {o.key[len(base) :]: o.size for o in store.list(base)}
     todo = [n for n in listing if present.get(n) != listing[n]]
-    # the manifest last, so the destination is openable only once everything is in
-    is_last = {n: n.rpartition("/")[2] in last for n in todo}
-    todo.sort(key=lambda n: (is_last[n], n))
+    # the index files, then the root manifest, last and in that order: the destination is
+    # openable only once everything is in
+    rank = {name: i for i, name in enumerate(last)}
+    order = {n: rank.get(n.rpartition("/")[2], -1) for n in todo}
+    todo.sort(key=lambda n: (order[n], n))
     if progress is not None:  # files already there count as done
         progress(sum(listing.values()) - sum(listing[n] for n in todo))
     copier = FileCopier(source, store, prefix, part_bytes, progress, etags=verify)
     with ThreadPoolExecutor(threads, thread_name_prefix="actstore-cp") as pool:
-        copier.run(pool, [n for n in todo if not is_last[n]], listing)
-        copier.run(pool, [n for n in todo if is_last[n]], listing)
+        for step in range(-1, len(last)):
+            copier.run(pool, [n for n in todo if order[n] == step], listing)
     verified = "not verified (--no-verify)"
     if verify:
         etags = {**(sent or {}), **copier.etags}

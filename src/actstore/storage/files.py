@@ -19,6 +19,8 @@ Example:
 from __future__ import annotations
 
 import abc
+import ctypes
+import errno
 import json
 import os
 import threading
@@ -29,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptStoreError, StoreNotFoundError
+from ..errors import CorruptStoreError, StorageError, StoreNotFoundError
 from .cache import BlockCache, parse_size
 from .local import IO_CHUNK
-from .object import MiB, S3Config, S3Store, is_internal, is_remote, join_key, open_location
+from .location import Location
+from .object import MiB, S3Config, S3Store, is_internal, join_key
 
 #: Ranges longer than this are split into parts fetched concurrently.
 PART_BYTES = 8 * MiB
@@ -81,8 +84,26 @@ class StoreFiles(abc.ABC):
             view = _bytes_view(out)
             self.read_range(name, offset, len(view), view, cache=False)
 
+    def read_rows(
+        self, name: str, offsets: np.ndarray, row_bytes: int, out: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """Read ``row_bytes`` at each of ``offsets`` (ascending, not overlapping) of ``name``
+        into row ``slots[i]`` of ``out`` (``[n, ...]`` with contiguous rows of ``row_bytes``),
+        skipping ``slots[i] < 0``: rows land in place, with no intermediate buffer where the
+        backend allows (local files: vectored ``preadv``, nearby rows coalesced)."""
+        keep = slots >= 0
+        self.read_ranges(name, [(int(o), out[int(s)]) for o, s in zip(offsets[keep], slots[keep])])
+
     def exists(self, name: str) -> bool:
         return self.size(name) is not None
+
+    def symlinks(self) -> list[str]:
+        """Names below the directory that are symbolic links (a store holds none)."""
+        return []
+
+    def outside_links(self) -> list[str]:
+        """Symbolic links below the directory that lead out of it."""
+        return []
 
     def read_bytes(self, name: str) -> bytes:
         """The whole of ``name``."""
@@ -126,6 +147,44 @@ class StoreFiles(abc.ABC):
         """Release file handles and threads (reopened on next use)."""
 
 
+#: Gaps up to this many bytes between rows read together are read and discarded.
+GAP_BYTES = 1 << 16
+_TRASH = np.empty(GAP_BYTES, dtype=np.uint8)  # destination of discarded bytes (any thread)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.preadv.restype = ctypes.c_ssize_t
+_LIBC.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX"))
+
+
+def _preadv(fd: int, iov: np.ndarray, offset: int, source: str) -> None:
+    """Fill the ``(address, length)`` rows of ``iov`` (uint64 ``[n, 2]``, modified) from
+    consecutive file bytes at ``offset``: libc ``preadv`` without the GIL, ``IOV_MAX`` at a
+    time, resuming after short reads."""
+    i = 0
+    while i < len(iov):
+        chunk = iov[i : i + _IOV_MAX]
+        got = _LIBC.preadv(fd, chunk.ctypes.data, len(chunk), offset)
+        if got < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            raise StorageError(f"reading {source} at byte {offset} failed: {os.strerror(err)}")
+        if got == 0:
+            raise CorruptStoreError(
+                f"{source} ended at byte {offset}: the file is truncated; restore or re-create it"
+            )
+        offset += got
+        if got == int(chunk[:, 1].sum()):
+            i += len(chunk)
+            continue
+        ends = np.cumsum(chunk[:, 1])  # a short read: skip the iovecs filled, trim the next
+        full = int(np.searchsorted(ends, got, side="right"))
+        i += full
+        done = got - (int(ends[full - 1]) if full else 0)
+        iov[i, 0] += np.uint64(done)
+        iov[i, 1] -= np.uint64(done)
+
+
 def _buffer(n: int) -> memoryview:
     """A fresh writable buffer of ``n`` bytes, not zero-filled (every byte is read into)."""
     return memoryview(np.empty(n, dtype=np.uint8))
@@ -137,11 +196,22 @@ def _bytes_view(out: Any) -> memoryview:
 
 
 class LocalFiles(StoreFiles):
-    """A directory on local disk."""
+    """A directory on local disk. File descriptors are kept open per process (loader
+    threads read the same files over and over) until :meth:`close`."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.local_path = Path(path).expanduser()
         self.url = str(self.local_path)
+        self._fds: dict[str, int] = {}
+        self._pid = os.getpid()
+        self._fd_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fds": {}, "_fd_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fd_lock = threading.Lock()
 
     def _path(self, name: str) -> Path:
         return self.local_path / name
@@ -154,6 +224,21 @@ class LocalFiles(StoreFiles):
                 out[p.relative_to(self.local_path).as_posix()] = p.stat().st_size
         return dict(sorted(out.items()))
 
+    def symlinks(self) -> list[str]:
+        out = []
+        for dirpath, dirnames, names in os.walk(self.local_path):
+            for n in [*dirnames, *names]:
+                p = Path(dirpath) / n
+                if p.is_symlink():
+                    out.append(p.relative_to(self.local_path).as_posix())
+        return sorted(out)
+
+    def outside_links(self) -> list[str]:
+        root = self.local_path.resolve()
+        return [
+            n for n in self.symlinks() if not (self.local_path / n).resolve().is_relative_to(root)
+        ]
+
     def size(self, name: str) -> int | None:
         path = self._path(name)
         return path.stat().st_size if path.is_file() else None
@@ -162,27 +247,72 @@ class LocalFiles(StoreFiles):
         st = self._path(name).stat()
         return f"{st.st_size}-{st.st_mtime_ns}"
 
+    def fd(self, name: str) -> int:
+        """An open read-only descriptor of ``name`` (kept until :meth:`close`)."""
+        if self._pid != os.getpid():  # forked: the parent's descriptors are not ours to use
+            self._fds, self._pid = {}, os.getpid()
+        fd = self._fds.get(name)
+        if fd is not None:
+            return fd
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError as err:
+            raise StoreNotFoundError(f"{self.url_of(name)} does not exist") from err
+        except OSError as err:
+            raise CorruptStoreError(
+                f"{self.url_of(name)} cannot be opened ({err.strerror}): a symlink or not a "
+                "file; a store's files must be regular files inside it"
+            ) from err
+        with self._fd_lock:
+            kept = self._fds.setdefault(name, fd)
+        if kept != fd:
+            os.close(fd)
+        return kept
+
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
         view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
             raise ValueError(f"out holds {len(view)} bytes, not {length}")
-        try:
-            fd = os.open(self._path(name), os.O_RDONLY)
-        except FileNotFoundError as err:
-            raise StoreNotFoundError(f"{self.url_of(name)} does not exist") from err
-        try:
-            done = 0
-            while done < length:
-                n = os.preadv(fd, [view[done:]], offset + done)
-                if n == 0:
-                    raise CorruptStoreError(
-                        f"{self.url_of(name)} ended at byte {offset + done}, expected "
-                        f"{offset + length}: the file is truncated; restore or re-create it"
-                    )
-                done += n
-        finally:
-            os.close(fd)
+        fd = self.fd(name)
+        done = 0
+        while done < length:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                raise CorruptStoreError(
+                    f"{self.url_of(name)} ended at byte {offset + done}, expected "
+                    f"{offset + length}: the file is truncated; restore or re-create it"
+                )
+            done += n
         return view
+
+    def read_rows(
+        self, name: str, offsets: np.ndarray, row_bytes: int, out: np.ndarray, slots: np.ndarray
+    ) -> None:
+        """One vectored ``preadv`` per run of rows less than ``GAP_BYTES`` apart (the gap
+        bytes land in a discard buffer), each row straight into its slot, without the GIL."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if not len(offsets):
+            return
+        base = out.ctypes.data
+        stride = out.strides[0]
+        addr = np.where(slots >= 0, base + slots.astype(np.int64) * stride, _TRASH.ctypes.data)
+        gaps = np.diff(offsets) - row_bytes
+        new_run = np.ones(len(offsets), dtype=bool)
+        new_run[1:] = gaps > GAP_BYTES
+        starts = np.flatnonzero(new_run)
+        fd = self.fd(name)
+        for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(offsets)]):
+            iov = np.zeros((2 * (hi - lo) - 1, 2), dtype=np.uint64)
+            iov[0::2, 0] = addr[lo:hi]
+            iov[0::2, 1] = row_bytes
+            iov[1::2, 0], iov[1::2, 1] = _TRASH.ctypes.data, gaps[lo : hi - 1]
+            _preadv(fd, iov[iov[:, 1] > 0], int(offsets[lo]), self.url_of(name))
+
+    def close(self) -> None:
+        if self._pid == os.getpid():
+            for fd in self._fds.values():
+                os.close(fd)
+        self._fds = {}
 
 
 class PathFiles(LocalFiles):
@@ -190,6 +320,7 @@ class PathFiles(LocalFiles):
     they will be published but still in its staging directory). :meth:`add` names more."""
 
     def __init__(self, url: str = "sealed files") -> None:
+        super().__init__(".")
         self.local_path = None
         self.url = url
         self._paths: dict[str, Path] = {}
@@ -374,7 +505,7 @@ class S3Files(StoreFiles):
 
 
 def open_files(
-    location: str | os.PathLike,
+    location: str | os.PathLike | Location,
     *,
     cache_dir: str | os.PathLike | None = None,
     cache_bytes: int | str | None = None,
@@ -382,22 +513,23 @@ def open_files(
     threads: int = 16,
     cache: bool = True,
 ) -> StoreFiles:
-    """The files at ``location``: a local directory or ``s3://bucket/prefix``.
+    """The files at ``location``: a local directory, ``file://`` URL or ``s3://bucket/prefix``.
 
     ``cache_dir`` (default ``$ACTSTORE_CACHE``) turns on the local cache tier for remote
     stores, capped at ``cache_bytes`` (default ``$ACTSTORE_CACHE_MAX`` or 10 GiB);
     ``cache=False``: no cache tier whatever the environment says.
     """
-    if not is_remote(str(location)):
-        text = str(location)
-        return LocalFiles(text.removeprefix("file://"))
-    store, prefix = open_location(location, s3)
+    loc = Location.parse(location, s3=s3)
+    if loc.is_local:
+        return LocalFiles(loc.path())
+    store, prefix = loc.object_store()
     assert isinstance(store, S3Store)
     if not cache:
         return S3Files(store, prefix, threads=threads)
+    tier: BlockCache | None
     if cache_dir is not None:
         cap = parse_size(cache_bytes) if isinstance(cache_bytes, str) else cache_bytes
-        cache: BlockCache | None = BlockCache(cache_dir, cap) if cap else BlockCache(cache_dir)
+        tier = BlockCache(cache_dir, cap) if cap else BlockCache(cache_dir)
     else:
-        cache = BlockCache.from_env()
-    return S3Files(store, prefix, cache=cache, threads=threads)
+        tier = BlockCache.from_env()
+    return S3Files(store, prefix, cache=tier, threads=threads)

@@ -1,0 +1,788 @@
+"""The crash protocol, written once: :class:`ShardedWriter` is the base of every writer whose
+store is a directory of shards of consecutive examples (saev, SAELens, pkl.gz, zarr).
+
+A format's writer only encodes: :meth:`ShardedWriter.open_shard` returns a
+:class:`ShardSink` that writes one shard's files, and :meth:`ShardedWriter.write_index`
+writes the format's index and metadata at publication. Everything else lives here:
+
+* **where**: the store is published at :meth:`~ShardedWriter.store_location` (a local
+  directory; ``s3://`` outputs are staged locally and uploaded by
+  :class:`~actstore.formats.s3_staged.StagedS3Writer`), written before that in
+  ``.<name>.partial/`` beside it (:func:`~actstore.storage.location.partial_of`);
+* **the lock** (:class:`~actstore.storage.lock.StoreLock`) from open to publish or abort;
+* **nothing on disk** until the first :meth:`~ShardedWriter.write` (a refused capture
+  leaves no ``.partial``), except the lock file while the writer lives;
+* **progress**: when a shard's files are fsynced, their block digests are saved in
+  ``.partial/.blocks/`` and the shard is recorded, with its per-site statistics, in
+  ``.partial/progress.json`` (atomically);
+* **verified resume**: a rerun with the same capture record re-hashes the recorded shards,
+  keeps the ones that still match, deletes everything after them, truncates the per-example
+  side files (``tokens.bin``...) to match, and resumes at the next shard; the result is
+  byte-identical to an uninterrupted capture;
+* **statistics**: exact per-site running statistics, folded per shard in runs of rows
+  counted from the shard's start (so batching and resumes do not change a bit), merged in
+  shard order;
+* **publication**: the format's index, then the root manifest (every file's size and keyed
+  block digests, :mod:`actstore.storage.manifest`) last, then the directory is renamed into
+  place, made read-only, and the bookkeeping removed. A crash after the manifest is written
+  is finished by the next open (rename); every step calls :func:`actstore.faults.point`
+  (``<format>.<step>``) for the crash tests;
+* **parts**: with ``example_range`` the writer captures one slice of a distributed capture
+  (whole shards, numbered as in the whole store) and publishes it with ``part.json``;
+  :func:`merge_parts` joins parts into the store, byte-identical to a one-process capture.
+
+Example:
+    >>> writer = SaevWriter.from_plan(plan, Location.parse("acts"), SaevOptions())  # doctest: +SKIP
+    >>> for batch in batches: writer.write(batch)  # doctest: +SKIP
+    >>> writer.close()  # doctest: +SKIP
+    Location(url='/abs/acts/3f1c...')
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..batch import Batch, CapturePlan
+from ..errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
+from ..faults import point
+from ..sites import Site
+from ..stats import RunningStats, merge_all
+from ..storage import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
+from ..storage.location import Location, partial_of
+from ..storage.lock import StoreLock
+from ..storage.manifest import (
+    MANIFEST,
+    FileEntry,
+    ManifestBuilder,
+    RootManifest,
+    hash_file_blocks,
+    hash_ranges,
+    store_id_of,
+)
+from .base import WriterBase, summary_of
+
+log = logging.getLogger(__name__)
+
+PROGRESS = "progress.json"
+BLOCKS_DIR = ".blocks"
+PART = "part.json"
+#: Files of the partial directory that are bookkeeping, never published.
+BOOKKEEPING = (PROGRESS, BLOCKS_DIR)
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """One durable file of a shard: its name in the store, manifest entry and digests."""
+
+    name: str
+    entry: FileEntry
+    digests: np.ndarray
+
+
+class ShardSink(abc.ABC):
+    """Writes the files of one shard. The writer hands it the shard's examples in order."""
+
+    @abc.abstractmethod
+    def append(self, batch: Batch) -> None:
+        """Encode the next examples of this shard (a batch of at most one shard's worth)."""
+
+    @abc.abstractmethod
+    def finish(self) -> list[WrittenFile]:
+        """Make every file durable (fsynced) and return them with their block digests."""
+
+    def abort(self) -> None:
+        """Close open files; the shard's files are discarded by the next open."""
+
+
+class _ShardStats:
+    """Per-site statistics of one shard, folded in runs of ``rows_per_chunk`` rows counted
+    from the shard's start: the result does not depend on how batches split the shard."""
+
+    def __init__(self, sites: Sequence[Site], d: int) -> None:
+        self.stats = {s: RunningStats(d) for s in sites}
+        self.per = next(iter(self.stats.values())).rows_per_chunk if self.stats else 1
+        self._pending = {s: np.empty((self.per, d), dtype="<f4") for s in sites}
+        self._fill = 0
+
+    def update(self, rows: dict[Site, np.ndarray]) -> None:
+        """Fold the shard's next rows (``[n, D]`` per site, the same ``n`` for every site)."""
+        n = len(next(iter(rows.values()))) if rows else 0
+        i = 0
+        if self._fill or n < self.per:
+            take = min(self.per - self._fill, n)
+            for site, part in rows.items():
+                self._pending[site][self._fill : self._fill + take] = part[:take]
+            self._fill += take
+            i = take
+            if self._fill == self.per:
+                self._fold({s: b for s, b in self._pending.items()})
+                self._fill = 0
+        while n - i >= self.per:
+            self._fold({s: part[i : i + self.per] for s, part in rows.items()})
+            i += self.per
+        if i < n:
+            for site, part in rows.items():
+                self._pending[site][: n - i] = part[i:]
+            self._fill = n - i
+
+    def finish(self) -> dict[Site, RunningStats]:
+        if self._fill:
+            self._fold({s: b[: self._fill] for s, b in self._pending.items()})
+            self._fill = 0
+        return self.stats
+
+    def _fold(self, chunks: dict[Site, np.ndarray]) -> None:
+        for site, chunk in chunks.items():
+            self.stats[site].update(chunk)
+
+
+def as_float32(tensor: torch.Tensor) -> np.ndarray:
+    """A captured tensor as a C-order float32 array (a view when it already is one)."""
+    return np.ascontiguousarray(tensor.detach().to(torch.float32).numpy(), dtype="<f4")
+
+
+class ShardedWriter(WriterBase):
+    """Base of shard-directory writers; see the module docstring for the protocol.
+
+    Subclasses call ``super().__init__`` from their constructor with the published
+    location, the capture record (what a rerun must match to resume), the shard size and
+    the example range, after setting what :meth:`open_shard` needs.
+    """
+
+    #: Registry name of the format (the manifest and fault points carry it).
+    format_name: ClassVar[str] = ""
+    #: The format's options dataclass.
+    options_type: ClassVar[type] = type(None)
+
+    def __init__(
+        self,
+        *,
+        plan: CapturePlan,
+        store: Location,
+        output: Location,
+        options: Any,
+        record: dict[str, Any],
+        examples_per_shard: int,
+        example_range: tuple[int, int] | None = None,
+        break_lock: bool = False,
+    ) -> None:
+        if not store.is_local:
+            raise ConfigError(
+                f"{store} is on object storage; open writers there with "
+                "actstore.formats.open_writer (it stages and uploads)"
+            )
+        self.plan, self.options = plan, options
+        self.sites: tuple[Site, ...] = tuple(plan.sites)
+        self.final = store.path()
+        self.output = output.path()
+        self.partial = partial_of(store).path()
+        self.record = record
+        self.store_id = store_id_of(record)
+        self.examples_per_shard = int(examples_per_shard)
+        if self.examples_per_shard < 1:
+            raise ConfigError(f"a shard must hold at least one example, not {examples_per_shard}")
+        self.is_part = example_range is not None
+        self.example_range = self._check_range(example_range)
+        self.first_shard = self.example_range[0] // self.examples_per_shard
+        self.complete = False
+        self.resume_from = self.example_range[0]
+        self._shards: list[dict[str, Any]] = []
+        self._digests: dict[str, np.ndarray] = {}
+        self._sink: ShardSink | None = None
+        self._stats: _ShardStats | None = None
+        self._in_shard = 0
+        self._written = 0
+        self._sides: dict[str, Any] = {}
+        self._init_names: list[str] = []
+        self._created = False
+        self._lock: StoreLock | None = StoreLock.acquire(self.final, break_lock=break_lock)
+        try:
+            self._open()
+        except BaseException:
+            self._release()
+            raise
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_plan(cls, plan: CapturePlan, location: Location, options: Any = None) -> ShardedWriter:
+        """The writer of ``plan`` for output ``location`` (subclasses take
+        ``(plan, output, options, *, example_range=None, store=None)``)."""
+        return cls(plan, Location.parse(location), options or cls.options_type())  # type: ignore[call-arg]
+
+    @classmethod
+    @abc.abstractmethod
+    def shard_examples(cls, plan: CapturePlan, options: Any) -> int:
+        """Examples per shard for ``plan`` (distributed slices are aligned on it)."""
+
+    @classmethod
+    def for_slice(cls, plan: CapturePlan, store: Location, options: Any, sl: Any) -> ShardedWriter:
+        """The writer of one slice of a distributed capture (published at ``store``)."""
+        return cls(  # type: ignore[call-arg]
+            plan, store.parent, options, example_range=(sl.start, sl.stop), store=store
+        )
+
+    # ------------------------------------------------------------------ the format's part
+
+    @abc.abstractmethod
+    def open_shard(self, index: int, directory: Path) -> ShardSink:
+        """A sink writing shard ``index`` (global numbering) into ``directory``."""
+
+    @abc.abstractmethod
+    def write_index(
+        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+    ) -> None:
+        """The format's index and metadata files of a finished store (every shard recorded
+        in order: ``index``, ``n_examples``, ``files``), written at publication."""
+
+    def init_files(self, directory: Path) -> None:
+        """Files the partial directory holds from its creation (saev's metadata.json)."""
+
+    def side_rows(self, batch: Batch) -> dict[str, bytes]:
+        """Bytes to append, per example, to the store's per-example side files
+        (``tokens.bin``...), for the examples of ``batch``. Default: none."""
+        return {}
+
+    def side_unit(self, name: str) -> int:
+        """Block size of side file ``name`` in the manifest (whole rows; 0: one block)."""
+        return 0
+
+    def stat_rows(self, batch: Batch) -> dict[Site, np.ndarray]:
+        """The rows statistics are taken over: by default every token of every site, as
+        captured (float32 ``[n * T, D]``)."""
+        return {
+            s: as_float32(batch.acts[str(s)]).reshape(-1, self.plan.d_model) for s in self.sites
+        }
+
+    def summary(self, rows: int) -> dict[str, Any]:
+        """What the root manifest records of the metadata (checked by readers on open)."""
+        return summary_of(
+            sites=self.sites, d_model=self.plan.d_model, dtype=self.stored_dtype, rows=rows
+        )
+
+    #: Name of the stored dtype (the manifest summary carries it).
+    stored_dtype: str = "float32"
+
+    def manifest_skip(self) -> tuple[str, ...]:
+        """Folders the manifest leaves to a digest file of the format's own (zarr chunks)."""
+        return ()
+
+    # ------------------------------------------------------------------ open / resume
+
+    def _check_range(self, example_range: tuple[int, int] | None) -> tuple[int, int]:
+        n, per = self.plan.n_examples, self.examples_per_shard
+        if example_range is None:
+            return (0, n)
+        start, stop = (int(x) for x in example_range)
+        if not 0 <= start < stop <= n:
+            raise ConfigError(f"example range [{start}, {stop}) is empty or outside [0, {n})")
+        if start % per or (stop != n and stop % per):
+            raise ConfigError(
+                f"a {self.format_name} part must cover whole shards of {per} examples; "
+                f"[{start}, {stop}) does not (split the dataset with actstore.dist.split_examples)"
+            )
+        return (start, stop)
+
+    def _open(self) -> None:
+        if self.final.exists() and not (self.final.is_dir() and not any(self.final.iterdir())):
+            self._check_published()
+            return
+        if self.partial.exists():
+            if (self.partial / MANIFEST).is_file():  # crashed between manifest and rename
+                self._finish_publication()
+                return
+            self._resume()
+
+    def _check_published(self) -> None:
+        """``final`` holds a store: ours with this record (complete), or refuse."""
+        path = self.final / MANIFEST
+        try:
+            manifest = RootManifest.from_bytes(path.read_bytes(), str(path))
+        except (OSError, CorruptStoreError):
+            manifest = None
+        if manifest is None or manifest.record != store_id_of(self.record):
+            raise StoreExistsError(
+                f"{self.final} already holds something else (another capture, a damaged store "
+                "or files not written by actstore); choose another output or move it away"
+            )
+        if self.partial.exists():  # a crash after the rename left the bookkeeping
+            _remove_tree(self.partial)
+        self.complete = True
+        self.resume_from = self.example_range[1]
+        self._release()
+        log.info("%s is already published; nothing to write", self.final)
+
+    def _resume(self) -> None:
+        """Keep recorded shards whose files still hash to their digests; drop the rest."""
+        try:
+            progress = read_json(self.partial / PROGRESS)
+            recorded = progress["record"]
+            entries = list(progress["shards"])
+            self._init_names = [str(n) for n in progress["init"]]
+        except (CorruptStoreError, KeyError, TypeError, FileNotFoundError) as err:
+            log.warning("%s is unreadable (%s); starting this capture over", self.partial, err)
+            _remove_tree(self.partial)
+            return
+        if recorded != json.loads(json.dumps(self.record, default=str)):
+            raise StoreExistsError(
+                f"{self.partial} holds an unfinished capture with another configuration; "
+                "rerun that capture to finish it, or delete the directory to start this one"
+            )
+        kept: list[dict[str, Any]] = []
+        for entry in entries:
+            index = self.first_shard + len(kept)
+            if entry.get("index") != index or entry.get("n_examples") != self._shard_size(index):
+                break
+            if not self._shard_intact(entry):
+                log.warning(
+                    "shard %d of %s fails its checksums; rewriting from there", index, self.partial
+                )
+                break
+            kept.append(entry)
+        keep = {name for e in kept for name in e["files"]}
+        sides = kept[-1]["sides"] if kept else {}
+        for child in self.partial.iterdir():
+            if child.name in BOOKKEEPING or child.name in keep or child.name in self._init_names:
+                continue
+            if child.name in sides:
+                continue
+            _remove(child)
+        blocks = self.partial / BLOCKS_DIR
+        if blocks.is_dir():
+            for child in blocks.iterdir():
+                if child.name not in keep:
+                    child.unlink()
+        for name, size in sides.items():
+            path = self.partial / name
+            if not path.is_file() or path.stat().st_size < size:
+                log.warning("%s is shorter than its finished shards; starting over", path)
+                _remove_tree(self.partial)
+                return
+            os.truncate(path, size)
+        self._shards = kept
+        self._created = True
+        self.resume_from = self.example_range[0] + sum(e["n_examples"] for e in kept)
+        self._save_progress()
+        point(f"{self.format_name}.resumed")
+        log.info(
+            "resuming %s: %d finished shards (%d examples) kept",
+            self.partial,
+            len(kept),
+            self.resume_from - self.example_range[0],
+        )
+
+    def _shard_intact(self, entry: dict[str, Any]) -> bool:
+        try:
+            for name, doc in entry["files"].items():
+                want = FileEntry.from_dict(doc, f"{self.partial / PROGRESS} ({name})")
+                path = self.partial / name
+                if not path.is_file() or path.stat().st_size != want.size:
+                    return False
+                if want.ranges is not None:
+                    got, digests = hash_ranges(self.store_id, name, path.read_bytes(), want.ranges)
+                else:
+                    got, digests = hash_file_blocks(self.store_id, path, name, want.unit)
+                if got.digest != want.digest:
+                    return False
+                self._digests[name] = digests
+        except (CorruptStoreError, KeyError, TypeError, AttributeError):
+            return False
+        return True
+
+    def _shard_size(self, index: int) -> int:
+        start = index * self.examples_per_shard
+        return min(self.examples_per_shard, self.example_range[1] - start)
+
+    def _begin(self) -> None:
+        """Create the partial directory (complete, under a temporary name, then renamed:
+        a crash leaves none or a resumable one) on the first write."""
+        if self._created:
+            return
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        init = self.partial.with_name(self.partial.name + "-init")
+        if init.exists():
+            _remove_tree(init)  # a crash while creating it (we hold the lock)
+        init.mkdir()
+        point(f"{self.format_name}.init_created")
+        self.init_files(init)
+        self._init_names = sorted(p.name for p in init.iterdir())
+        atomic_write_json(init / PROGRESS, self._progress_doc(), indent=None)
+        point(f"{self.format_name}.init_filled")
+        os.rename(init, self.partial)
+        fsync_dir(self.partial.parent)
+        self._created = True
+        point(f"{self.format_name}.partial_created")
+
+    def _progress_doc(self) -> dict[str, Any]:
+        return {
+            "record": self.record,
+            "store_id": self.store_id,
+            "init": self._init_names,
+            "shards": self._shards,
+        }
+
+    def _save_progress(self) -> None:
+        atomic_write_json(self.partial / PROGRESS, self._progress_doc(), indent=None)
+
+    # ------------------------------------------------------------------ writing
+
+    @property
+    def position(self) -> int:
+        """The next example id this writer expects."""
+        return self.resume_from + self._written
+
+    def write(self, batch: Batch) -> None:
+        """Append ``batch``'s examples not already stored; they must continue in order."""
+        if self.complete:
+            raise CaptureError(f"{self.final} is already published")
+        if self._lock is None:
+            raise CaptureError(f"the writer of {self.final} was closed or aborted")
+        start = self.position
+        keep = batch.example_ids >= start
+        if not keep.all():
+            batch = batch.select(keep)
+        n = batch.n_examples
+        if n == 0:
+            return
+        if not np.array_equal(batch.example_ids, np.arange(start, start + n)):
+            raise CaptureError(
+                f"batches must arrive in example order: expected ids from {start}, "
+                f"got {batch.example_ids[:4].tolist()}..."
+            )
+        if start + n > self.example_range[1]:
+            raise CaptureError(
+                f"examples beyond {self.example_range[1]}, the end of what this writer holds"
+            )
+        self._check_batch(batch)
+        self._begin()
+        done = 0
+        while done < n:
+            index = (start + done) // self.examples_per_shard
+            room = self._shard_size(index) - self._in_shard
+            take = min(room, n - done)
+            part = batch if take == n else batch.select(_mask(n, done, take))
+            self._append(index, part)
+            done += take
+            if self._in_shard == self._shard_size(index):
+                self._finish_shard(index)
+
+    def _check_batch(self, batch: Batch) -> None:
+        """Every site the store holds is in the batch with the plan's shape."""
+        want = (batch.n_examples, self.plan.tokens_per_example, self.plan.d_model)
+        for site in self.sites:
+            tensor = batch.acts.get(str(site))
+            if tensor is None:
+                raise CaptureError(f"batch lacks site {site}; it has {sorted(batch.acts)}")
+            if tuple(tensor.shape) != want and not self.ragged_tokens:
+                raise CaptureError(
+                    f"site {site} has shape {tuple(tensor.shape)}; this store holds {want}"
+                )
+
+    #: Batches may carry any number of tokens (prompt/response stores pad per batch).
+    ragged_tokens: ClassVar[bool] = False
+
+    def _append(self, index: int, batch: Batch) -> None:
+        if self._sink is None:
+            self._sink = self.open_shard(index, self.partial)
+            self._stats = _ShardStats(self.sites, self.plan.d_model)
+            self._in_shard = 0
+        self._sink.append(batch)
+        self._stats.update(self.stat_rows(batch))  # type: ignore[union-attr]
+        for name, data in self.side_rows(batch).items():
+            f = self._sides.get(name)
+            if f is None:
+                f = self._sides[name] = open(self.partial / name, "ab")  # noqa: SIM115 - kept open
+            f.write(data)
+        self._in_shard += batch.n_examples
+        self._written += batch.n_examples
+        point(f"{self.format_name}.written")
+
+    def _finish_shard(self, index: int) -> None:
+        files = self._sink.finish()  # type: ignore[union-attr]
+        self._sink = None
+        point(f"{self.format_name}.shard_synced")
+        blocks = self.partial / BLOCKS_DIR
+        blocks.mkdir(exist_ok=True)
+        for f in files:
+            atomic_write_bytes(blocks / f.name.replace("/", "%"), f.digests.tobytes())
+            self._digests[f.name] = f.digests
+        sides = {}
+        for name, handle in self._sides.items():
+            handle.flush()
+            os.fsync(handle.fileno())
+            sides[name] = handle.tell()
+        stats = self._stats.finish()  # type: ignore[union-attr]
+        self._shards.append(
+            {
+                "index": index,
+                "n_examples": self._in_shard,
+                "files": {f.name: f.entry.to_dict() for f in files},
+                "sides": sides,
+                "stats": {str(s): st.to_dict() for s, st in stats.items()},
+            }
+        )
+        self._stats, self._in_shard = None, 0
+        self._save_progress()
+        point(f"{self.format_name}.shard_recorded")
+
+    def sealed_files(self) -> list[tuple[str, os.PathLike]]:
+        """Every finished shard's files, named as published (relative to the output)."""
+        if self.complete:
+            return []
+        rel = self.final.relative_to(self.output).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        return [(prefix + name, self.partial / name) for e in self._shards for name in e["files"]]
+
+    # ------------------------------------------------------------------ publish
+
+    def statistics(self) -> dict[Site, RunningStats]:
+        """Per-site statistics of every finished shard, merged in shard order."""
+        return {
+            site: merge_all([RunningStats.from_dict(e["stats"][str(site)]) for e in self._shards])
+            for site in self.sites
+        }
+
+    def close(self) -> Location:
+        """Finish the last shard, write the index and the root manifest, publish."""
+        if self.complete:
+            return Location.parse(self.final)
+        if self._lock is None:
+            raise CaptureError(f"the writer of {self.final} was aborted; nothing to publish")
+        start, stop = self.example_range
+        if self._sink is not None and self.position == stop:
+            self._finish_shard(start // self.examples_per_shard + len(self._shards))
+        total = sum(e["n_examples"] for e in self._shards)
+        if total != stop - start:
+            self.abort()
+            raise CaptureError(
+                f"only {total} of {stop - start} examples were written; rerun the same "
+                f"capture to resume from {self.partial}"
+            )
+        self._begin()  # an empty part still publishes
+        self._close_sides()
+        stats = self.statistics()
+        if self.is_part:
+            atomic_write_json(self.partial / PART, self._part_doc(), indent=None)
+        else:
+            self.write_index(self.partial, self._shards, stats)
+        point(f"{self.format_name}.index_written")
+        rows = next(iter(stats.values())).count if stats else 0
+        self._write_manifest(self.partial, self._shards, self.summary(rows))
+        point(f"{self.format_name}.manifest_written")
+        self._finish_publication()
+        log.info("published %s (%d shards, %d examples)", self.final, len(self._shards), total)
+        return Location.parse(self.final)
+
+    def _part_doc(self) -> dict[str, Any]:
+        return {
+            "example_range": list(self.example_range),
+            "record": self.record,
+            "shards": self._shards,
+        }
+
+    def _write_manifest(
+        self, directory: Path, shards: Sequence[dict[str, Any]], summary: dict[str, Any]
+    ) -> None:
+        builder = ManifestBuilder(
+            format=self.format_name, store_id=self.store_id, record=self.record
+        )
+        for entry in shards:
+            for name, doc in entry["files"].items():
+                digests = self._digests.get(name)
+                if digests is None:
+                    raw = (directory / BLOCKS_DIR / name.replace("/", "%")).read_bytes()
+                    digests = np.frombuffer(raw, dtype="<u8")
+                builder.add(name, FileEntry.from_dict(doc, name), digests)
+        for name in self._side_names(directory, shards):
+            builder.add_file(directory, name, unit=self.side_unit(name))
+        builder.add_tree(directory, skip=self.manifest_skip(), exclude=BOOKKEEPING)
+        builder.write(directory, summary=summary)
+
+    def _side_names(self, directory: Path, shards: Sequence[dict[str, Any]]) -> list[str]:
+        names = set(shards[-1]["sides"]) if shards else set()
+        return sorted(n for n in names if (directory / n).is_file())
+
+    def _finish_publication(self) -> None:
+        """Drop the bookkeeping, rename the partial directory into place, make it
+        read-only, release the lock (also finishes a publication a crash cut short)."""
+        for name in BOOKKEEPING:
+            _remove(self.partial / name)
+        point(f"{self.format_name}.bookkeeping_removed")
+        if self.final.is_dir() and not any(self.final.iterdir()):
+            self.final.rmdir()  # an empty directory made for the output
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        fsync_dir(self.partial)
+        os.rename(self.partial, self.final)
+        fsync_dir(self.final.parent)
+        point(f"{self.format_name}.published")
+        make_tree_read_only(self.final)
+        self.complete = True
+        self.resume_from = self.example_range[1]
+        self._release()
+
+    def _close_sides(self) -> None:
+        for handle in self._sides.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        self._sides.clear()
+
+    def abort(self) -> None:
+        """Stop without publishing; finished shards stay for a resume."""
+        if self._sink is not None:
+            self._sink.abort()
+            self._sink = None
+        for handle in self._sides.values():
+            handle.close()
+        self._sides.clear()
+        self._release()
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+
+def _mask(n: int, start: int, count: int) -> np.ndarray:
+    keep = np.zeros(n, dtype=bool)
+    keep[start : start + count] = True
+    return keep
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        _remove_tree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a directory tree, read-only files included."""
+
+    def writable(func: Any, target: str, _: Any) -> None:
+        os.chmod(os.path.dirname(target), stat.S_IRWXU)
+        os.chmod(target, stat.S_IRUSR | stat.S_IWUSR)
+        func(target)
+
+    shutil.rmtree(path, onerror=writable)
+
+
+def make_tree_read_only(directory: Path) -> None:
+    """Remove write permission from every file below ``directory``."""
+    mask = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+    for dirpath, _, names in os.walk(directory):
+        for n in names:
+            p = Path(dirpath) / n
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode & mask)
+
+
+# ---------------------------------------------------------------------- parts
+
+
+def read_part(part_dir: str | os.PathLike) -> dict[str, Any]:
+    """``part.json`` of a published part, checked to tile its example range."""
+    part_dir = Path(part_dir)
+    doc = read_json(part_dir / PART)
+    try:
+        start, stop = (int(x) for x in doc["example_range"])
+        held = sum(int(e["n_examples"]) for e in doc["shards"])
+        doc["record"]
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptStoreError(
+            f"{part_dir / PART} is malformed ({err!r}); re-capture this part"
+        ) from err
+    if held != stop - start:
+        raise CorruptStoreError(
+            f"{part_dir / PART} lists {held} examples for [{start}, {stop}); re-capture this part"
+        )
+    return doc
+
+
+def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -> Location:
+    """Publish ``writer``'s store (opened for the whole capture, nothing written) from
+    published parts in example order that together cover every example: shard files are
+    hard-linked (copied across file systems), side files concatenated, statistics merged
+    shard by shard in order, the index and manifest written as one process would.
+
+    Example:
+        >>> merge_parts(SaevWriter.from_plan(plan, out, options), parts)  # doctest: +SKIP
+    """
+    if writer.complete:
+        return Location.parse(writer.final)
+    parts = [Path(p) for p in part_dirs]
+    if not parts:
+        raise ConfigError("merging needs at least one part")
+    shards: list[dict[str, Any]] = []
+    at = 0
+    record = json.loads(json.dumps(writer.record, default=str))
+    for part in parts:
+        doc = read_part(part)
+        if doc["record"] != record:
+            raise ConfigError(f"{part} belongs to a different capture than {writer.final}")
+        start, stop = doc["example_range"]
+        if start != at:
+            raise ConfigError(f"{part} starts at example {start}, expected {at}")
+        at = stop
+        shards += [{**e, "_from": str(part)} for e in doc["shards"]]
+    if at != writer.plan.n_examples:
+        raise ConfigError(f"the parts end at example {at} of {writer.plan.n_examples}")
+    writer._begin()
+    work = writer.partial
+    side_names = sorted(shards[-1]["sides"]) if shards else []
+    sides = {n: open(work / n, "wb") for n in side_names}  # noqa: SIM115 - closed below
+    try:
+        for part in parts:
+            checks = _part_checks(part)
+            for name, handle in sides.items():
+                handle.write(checks.read_bytes(name))
+        for entry in shards:
+            source = Path(entry.pop("_from"))
+            checks = _part_checks(source)
+            for name in entry["files"]:
+                _link_or_copy(source / name, work / name)
+                writer._digests[name] = checks.digests(name)
+        sizes = {n: h.tell() for n, h in sides.items()}
+    finally:
+        for handle in sides.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+    for entry in shards:
+        entry["sides"] = sizes
+    writer._shards = shards
+    stats = writer.statistics()
+    writer.write_index(work, shards, stats)
+    rows = next(iter(stats.values())).count if stats else 0
+    writer._write_manifest(work, shards, writer.summary(rows))
+    writer._finish_publication()
+    log.info("merged %d parts into %s (%d shards)", len(parts), writer.final, len(shards))
+    return Location.parse(writer.final)
+
+
+def _part_checks(part: Path):
+    from ..storage.files import LocalFiles
+    from ..storage.manifest import Integrity
+
+    return Integrity.open(LocalFiles(part))
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

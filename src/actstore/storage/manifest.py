@@ -1,0 +1,832 @@
+"""The root manifest: one file per store, written last, that every byte served is checked
+against.
+
+``actstore-manifest.json`` lists every file of the store with its size and digest, the
+digest of what a reader trusts from metadata (:attr:`RootManifest.summary`: sites in order,
+shapes, counts, dtype), and where each file's block digests lie in ``actstore-blocks.bin``.
+A *block* is the unit a reader reads at once (one example of one layer, one Arrow record
+batch column, one zarr chunk, one whole shard). Its digest is xxh3-64 **keyed by its
+identity**: the seed is derived from the store id, the file name and the block index
+(:func:`block_seeds`), so a block moved within a file, a file renamed or swapped, or a file
+copied in from another store fails exactly like a flipped byte. A file's digest is the
+xxh3-128 of its block digests, so one sequential pass checks both.
+
+:class:`Integrity` is the read side: opened with the store's files it checks, without
+reading data, that the manifest is whole (its own digest, and an HMAC when
+``ACTSTORE_MANIFEST_KEY`` is set), that the listing matches it (sizes, nothing missing,
+nothing extra, no symlinks) and, when a reader reads its metadata through
+:meth:`Integrity.read_bytes`/:meth:`~Integrity.read_json`, that each metadata file is the one
+published. Readers then pass every range they read to :meth:`Integrity.check`.
+:class:`ManifestBuilder` is the write side, fed by :class:`BlockHasher` as files are
+written.
+
+Example:
+    >>> import tempfile, pathlib
+    >>> from actstore.storage.files import open_files
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "data.bin").write_bytes(bytes(range(256)) * 16)
+    >>> builder = ManifestBuilder(format="doc", store_id=store_id_of({"a": 1}), record={"a": 1})
+    >>> builder.add_file(d, "data.bin", unit=1024)
+    >>> builder.write(d, summary={"rows": 4})
+    >>> checks = Integrity.open(open_files(d))
+    >>> checks.check("data.bin", 1024, (d / "data.bin").read_bytes()[1024:2048])
+    >>> sorted(checks.manifest.files)
+    ['data.bin']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from .._version import __version__
+from ..errors import CorruptStoreError
+from .local import IO_CHUNK, atomic_write_bytes
+
+if TYPE_CHECKING:
+    from .files import StoreFiles
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "actstore-manifest.json"
+BLOCKS = "actstore-blocks.bin"
+#: Files of the manifest itself (not listed in it).
+OWN_FILES = (MANIFEST, BLOCKS)
+#: Environment variable holding a key: manifests are then signed (HMAC-SHA256) and checked.
+KEY_ENV = "ACTSTORE_MANIFEST_KEY"
+VERSION = 1
+
+_MAGIC = b"ACTBLK\x00\x01"
+
+
+def store_id_of(record: Any) -> str:
+    """A store's id: 16 hex digits of the xxh3-64 of its capture record (deterministic, so a
+    resumed or merged store gets the id an uninterrupted one gets)."""
+    return xxhash.xxh3_64_hexdigest(_canonical(record))
+
+
+def _canonical(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def block_seeds(store_id: str, name: str, first: int, count: int) -> np.ndarray:
+    """The xxh3 seeds of blocks ``first .. first + count - 1`` of file ``name``: one per
+    block, derived from the store, the file and the block's index (its identity)."""
+    key = int(store_id, 16)
+    prefix = name.encode() + b"\x00"
+    return np.fromiter(
+        (
+            xxhash.xxh3_64_intdigest(prefix + str(i).encode(), seed=key)
+            for i in range(first, first + count)
+        ),
+        dtype="<u8",
+        count=count,
+    )
+
+
+def digest_ranges(
+    view: memoryview, bounds: Sequence[tuple[int, int]], seeds: np.ndarray
+) -> np.ndarray:
+    """xxh3-64 of ``view[o : o + n]`` for each ``(o, n)`` of ``bounds``, keyed by ``seeds``."""
+    return np.fromiter(
+        (
+            xxhash.xxh3_64_intdigest(view[o : o + n], seed=int(s))
+            for (o, n), s in zip(bounds, seeds.tolist())
+        ),
+        dtype="<u8",
+        count=len(bounds),
+    )
+
+
+def file_digest(digests: np.ndarray) -> str:
+    """A file's digest: the xxh3-128 of its block digests (little-endian uint64)."""
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(digests, dtype="<u8").tobytes())
+
+
+# ---------------------------------------------------------------------- the manifest
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a store: its size, how it splits into blocks, and its digest."""
+
+    size: int
+    digest: str
+    """xxh3-128 of the file's block digests."""
+    unit: int = 0
+    """Fixed block size in bytes (the last block may be shorter); 0: see :attr:`ranges`, or
+    the whole file is one block."""
+    ranges: tuple[tuple[int, int], ...] | None = None
+    """Explicit blocks ``(offset, length)`` tiling the file, when read units are not a fixed
+    size (the values of one Arrow record batch column; see :func:`tile`)."""
+    at: int = -1
+    """Index of the first block digest in ``actstore-blocks.bin`` (-1: one block, whose
+    digest :attr:`single` holds)."""
+    single: str = ""
+    """The block digest (16 hex) of a one-block file."""
+
+    @property
+    def n_blocks(self) -> int:
+        if self.ranges is not None:
+            return len(self.ranges)
+        if self.unit:
+            return max(1, math.ceil(self.size / self.unit))
+        return 1
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` of every block, in order."""
+        if self.ranges is not None:
+            return [tuple(r) for r in self.ranges]  # type: ignore[misc]
+        if self.unit:
+            return [
+                (o, min(self.unit, self.size - o)) for o in range(0, max(self.size, 1), self.unit)
+            ]
+        return [(0, self.size)]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"size": self.size, "digest": self.digest}
+        if self.unit:
+            out["unit"] = self.unit
+        if self.ranges is not None:
+            out["ranges"] = [list(r) for r in self.ranges]
+        if self.at >= 0:
+            out["at"] = self.at
+        else:
+            out["xxh3"] = self.single
+        return out
+
+    @classmethod
+    def from_dict(cls, doc: Any, source: str) -> FileEntry:
+        try:
+            ranges = doc.get("ranges")
+            entry = cls(
+                size=int(doc["size"]),
+                digest=str(doc["digest"]),
+                unit=int(doc.get("unit", 0)),
+                ranges=None if ranges is None else tuple((int(o), int(n)) for o, n in ranges),
+                at=int(doc.get("at", -1)),
+                single=str(doc.get("xxh3", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CorruptStoreError(f"{source} has a malformed file entry ({err!r})") from err
+        if entry.size < 0 or entry.unit < 0 or (entry.at < 0 and len(entry.single) != 16):
+            raise CorruptStoreError(f"{source} has a malformed file entry {doc!r}")
+        return entry
+
+
+@dataclass(frozen=True)
+class RootManifest:
+    """What ``actstore-manifest.json`` holds."""
+
+    format: str
+    store_id: str
+    record: str
+    """Digest of the capture record (a rerun with an equal one finds the store complete)."""
+    summary: dict[str, Any]
+    """What a reader trusts from metadata, checked against what it parses on open."""
+    files: dict[str, FileEntry]
+    blocks: str = ""
+    """xxh3-128 of ``actstore-blocks.bin`` ("" when there is none)."""
+    skip: tuple[str, ...] = ()
+    """Folders whose files a format checks through a digest file of its own (zarr chunk
+    directories, which can hold millions of files): not listed here, not listed on open."""
+    created_by: str = f"actstore {__version__}"
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "actstore": "root manifest",
+            "version": VERSION,
+            "format": self.format,
+            "store_id": self.store_id,
+            "record": self.record,
+            "summary": self.summary,
+            "skip": list(self.skip),
+            "blocks": self.blocks,
+            "created_by": self.created_by,
+            "files": {n: e.to_dict() for n, e in sorted(self.files.items())},
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self.body()
+        body["self"] = xxhash.xxh3_128_hexdigest(_canonical(body))
+        key = manifest_key()
+        if key is not None:
+            body["hmac"] = hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str) -> RootManifest:
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CorruptStoreError(
+                f"{source} is not valid JSON ({err}); the store's root manifest is damaged: "
+                "restore it or re-create the store"
+            ) from err
+        if not isinstance(doc, dict) or doc.get("actstore") != "root manifest":
+            raise CorruptStoreError(f"{source} is not an actstore root manifest")
+        signature = doc.pop("hmac", None)
+        own = doc.pop("self", None)
+        if own != xxhash.xxh3_128_hexdigest(_canonical(doc)):
+            raise CorruptStoreError(
+                f"{source} does not match its own digest: the root manifest was edited or "
+                "damaged; restore it or re-create the store"
+            )
+        key = manifest_key()
+        if key is not None:
+            signed = {**doc, "self": own}
+            want = hmac.new(key, _canonical(signed), hashlib.sha256).hexdigest()
+            if signature is None or not hmac.compare_digest(str(signature), want):
+                raise CorruptStoreError(
+                    f"{source} is not signed with the key in ${KEY_ENV}: the store was not "
+                    "written with that key, or its manifest was rewritten; do not trust it"
+                )
+        if int(doc.get("version", 0)) > VERSION:
+            raise CorruptStoreError(
+                f"{source} is manifest version {doc.get('version')}; upgrade actstore to read it"
+            )
+        try:
+            return cls(
+                format=str(doc["format"]),
+                store_id=str(doc["store_id"]),
+                record=str(doc["record"]),
+                summary=dict(doc["summary"]),
+                files={
+                    str(n): FileEntry.from_dict(e, f"{source} ({n})")
+                    for n, e in doc["files"].items()
+                },
+                blocks=str(doc.get("blocks", "")),
+                skip=tuple(str(s) for s in doc.get("skip", ())),
+                created_by=str(doc.get("created_by", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CorruptStoreError(
+                f"{source} is malformed ({err!r}); re-create the store"
+            ) from err
+
+
+def manifest_key() -> bytes | None:
+    """The signing key from ``$ACTSTORE_MANIFEST_KEY`` (None when unset)."""
+    text = os.environ.get(KEY_ENV)
+    return text.encode() if text else None
+
+
+# ---------------------------------------------------------------------- writing
+
+
+class BlockHasher:
+    """Keyed block digests of one file, fed its bytes in order as they are written.
+
+    ``unit``: fixed block size (0: the whole file is one block).
+    """
+
+    def __init__(self, store_id: str, name: str, unit: int = 0) -> None:
+        self.store_id, self.name, self.unit = store_id, name, unit
+        self.size = 0
+        self._done: list[np.ndarray] = []
+        self._n_done = 0
+        self._partial: Any = None
+        self._fill = 0
+
+    def _hasher(self, index: int) -> Any:
+        return xxhash.xxh3_64(seed=int(block_seeds(self.store_id, self.name, index, 1)[0]))
+
+    def update(self, data: bytes | memoryview | np.ndarray) -> None:
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        if not self.unit:
+            if self._partial is None:
+                self._partial = self._hasher(0)
+            self._partial.update(view)
+            return
+        pos = 0
+        if self._fill:
+            take = min(self.unit - self._fill, len(view))
+            self._partial.update(view[:take])
+            self._fill += take
+            pos = take
+            if self._fill == self.unit:
+                self._done.append(np.array([self._partial.intdigest()], dtype="<u8"))
+                self._n_done += 1
+                self._partial, self._fill = None, 0
+        whole = (len(view) - pos) // self.unit
+        if whole:
+            bounds = [(pos + i * self.unit, self.unit) for i in range(whole)]
+            seeds = block_seeds(self.store_id, self.name, self._n_done, whole)
+            self._done.append(digest_ranges(view, bounds, seeds))
+            self._n_done += whole
+            pos += whole * self.unit
+        if pos < len(view):
+            self._partial = self._hasher(self._n_done)
+            self._partial.update(view[pos:])
+            self._fill = len(view) - pos
+
+    def digests(self) -> np.ndarray:
+        """Digests of every block (the last, short one included)."""
+        if not self.unit:
+            return np.array([(self._partial or self._hasher(0)).intdigest()], dtype="<u8")
+        parts = list(self._done)
+        if self._fill:
+            parts.append(np.array([self._partial.intdigest()], dtype="<u8"))
+        elif self.size == 0:
+            parts.append(np.array([self._hasher(0).intdigest()], dtype="<u8"))
+        return np.concatenate(parts)
+
+    def entry(self) -> tuple[FileEntry, np.ndarray]:
+        """The file's manifest entry and its block digests."""
+        digests = self.digests()
+        return _entry(self.size, digests, unit=self.unit), digests
+
+
+def _entry(size: int, digests: np.ndarray, *, unit: int = 0, ranges=None) -> FileEntry:
+    single = f"{int(digests[0]):016x}" if len(digests) == 1 and ranges is None else ""
+    return FileEntry(
+        size=size,
+        digest=file_digest(digests),
+        unit=unit if len(digests) > 1 or ranges is not None else 0,
+        ranges=None if ranges is None else tuple((int(o), int(n)) for o, n in ranges),
+        at=-1 if single else 0,
+        single=single,
+    )
+
+
+def tile(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """``ranges`` (ascending, disjoint) with the bytes between and around them added as
+    blocks of their own, so the blocks cover the whole file.
+
+    Example:
+        >>> tile([(4, 2), (8, 2)], 12)
+        [(0, 4), (4, 2), (6, 2), (8, 2), (10, 2)]
+    """
+    out, pos = [], 0
+    for o, n in sorted((int(o), int(n)) for o, n in ranges):
+        if o < pos or o + n > size:
+            raise ValueError(f"block ranges overlap or pass the end of the file: {(o, n)}")
+        if o > pos:
+            out.append((pos, o - pos))
+        out.append((o, n))
+        pos = o + n
+    if pos < size or not out:
+        out.append((pos, size - pos))
+    return out
+
+
+def hash_ranges(
+    store_id: str, name: str, data: memoryview | bytes, ranges: Sequence[tuple[int, int]]
+) -> tuple[FileEntry, np.ndarray]:
+    """Entry and digests of a file (all of it in ``data``) whose read units are the byte
+    ``ranges`` given; the bytes between them become blocks too (:func:`tile`)."""
+    view = memoryview(data).cast("B")
+    bounds = tile(ranges, len(view))
+    digests = digest_ranges(view, bounds, block_seeds(store_id, name, 0, len(bounds)))
+    return _entry(len(view), digests, ranges=bounds), digests
+
+
+def hash_file_blocks(
+    store_id: str, path: str | os.PathLike, name: str, unit: int = 0
+) -> tuple[FileEntry, np.ndarray]:
+    """Entry and digests of the file at ``path`` (to be published as ``name``), read once."""
+    hasher = BlockHasher(store_id, name, unit)
+    chunk = IO_CHUNK if not unit else max(unit, IO_CHUNK // unit * unit)
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            hasher.update(view[:n])
+    return hasher.entry()
+
+
+class ManifestBuilder:
+    """Collects file entries and block digests, then writes the blocks file and the
+    manifest (last) into a store directory."""
+
+    def __init__(self, *, format: str, store_id: str, record: Any) -> None:
+        self.format, self.store_id = format, store_id
+        self.record = record if isinstance(record, str) else store_id_of(record)
+        self.files: dict[str, FileEntry] = {}
+        self._digests: dict[str, np.ndarray] = {}
+        self.skip: list[str] = []
+
+    def add(self, name: str, entry: FileEntry, digests: np.ndarray) -> None:
+        self.files[name] = entry
+        self._digests[name] = np.asarray(digests, dtype="<u8")
+
+    def add_file(
+        self, directory: str | os.PathLike, name: str, *, unit: int = 0, ranges=None
+    ) -> None:
+        """Hash ``directory/name`` (fixed blocks of ``unit`` bytes, or ``ranges``) and add it."""
+        path = Path(directory) / name
+        if ranges is not None:
+            entry, digests = hash_ranges(self.store_id, name, path.read_bytes(), ranges)
+        else:
+            entry, digests = hash_file_blocks(self.store_id, path, name, unit)
+        self.add(name, entry, digests)
+
+    def add_tree(
+        self, directory: str | os.PathLike, *, skip: Iterable[str] = (), exclude: Iterable[str] = ()
+    ) -> None:
+        """Add every file below ``directory`` not yet added (one block each), leaving out
+        the manifest's own files, the folders of ``skip`` (recorded: their files are
+        checked another way) and the top-level names of ``exclude`` (not part of the store)."""
+        root = Path(directory)
+        self.skip = sorted({*self.skip, *(s.strip("/") + "/" for s in skip)})
+        excluded = set(exclude)
+        for dirpath, dirnames, names in os.walk(root):
+            dirnames.sort()
+            if Path(dirpath) == root:
+                dirnames[:] = [d for d in dirnames if d not in excluded]
+            for n in sorted(names):
+                rel = (Path(dirpath) / n).relative_to(root).as_posix()
+                if (
+                    rel in self.files
+                    or rel in OWN_FILES
+                    or rel in excluded
+                    or any(rel.startswith(s) for s in self.skip)
+                ):
+                    continue
+                self.add_file(root, rel)
+
+    def write(self, directory: str | os.PathLike, *, summary: dict[str, Any]) -> None:
+        """Write ``actstore-blocks.bin`` (when any file has several blocks), then the
+        manifest: the store's last file."""
+        directory = Path(directory)
+        files, blob, at = {}, [_MAGIC], 0
+        for name in sorted(self.files):
+            entry, digests = self.files[name], self._digests[name]
+            if entry.at >= 0:
+                entry = FileEntry(**{**entry.__dict__, "at": at})
+                blob.append(digests.tobytes())
+                at += len(digests)
+            files[name] = entry
+        blocks_digest = ""
+        if at:
+            data = b"".join(blob)
+            atomic_write_bytes(directory / BLOCKS, data)
+            blocks_digest = xxhash.xxh3_128_hexdigest(data)
+        manifest = RootManifest(
+            format=self.format,
+            store_id=self.store_id,
+            record=self.record,
+            summary=_jsonable(summary),
+            files=files,
+            blocks=blocks_digest,
+            skip=tuple(self.skip),
+        )
+        atomic_write_bytes(directory / MANIFEST, manifest.to_bytes())
+
+
+def _jsonable(doc: Any) -> Any:
+    return json.loads(json.dumps(doc, default=str))
+
+
+# ---------------------------------------------------------------------- reading
+
+
+class Integrity:
+    """A store's checks against its root manifest, for a reader (see the module doc).
+
+    ``manifest`` is None for a store without one: a foreign store (read unverified after
+    one warning) or, with ``verify_reads=False``, any store. Picklable: digests reload per
+    process.
+    """
+
+    def __init__(self, files: StoreFiles, manifest: RootManifest | None, *, enabled: bool) -> None:
+        self.files = files
+        self.manifest = manifest
+        self.enabled = enabled and manifest is not None
+        self._digests: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_digests": {}, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(
+        cls,
+        files: StoreFiles,
+        *,
+        ours: bool = True,
+        verify_reads: bool = True,
+        format: str | None = None,
+    ) -> Integrity:
+        """Load and check the manifest of the store ``files`` holds, and its listing.
+
+        ``ours``: the store says actstore wrote it, so a missing manifest is an error
+        (unless ``verify_reads=False``); otherwise one warning and unverified reads."""
+        outside = files.outside_links()
+        if outside:
+            raise CorruptStoreError(
+                f"{files.url_of(outside[0])} is a symlink out of the store; a store's files must "
+                "lie inside it: copy the file in or re-create the store"
+            )
+        if files.size(MANIFEST) is None:
+            if ours and verify_reads:
+                raise CorruptStoreError(
+                    f"{files.url} was written by actstore but its root manifest ({MANIFEST}) "
+                    "is missing: its contents cannot be checked. Restore the file or "
+                    "re-create the store; open it with verify_reads=False to read it unchecked"
+                )
+            if verify_reads:
+                _warn_once(
+                    files.url,
+                    f"{files.url} has no actstore manifest (written by another tool): its "
+                    "contents cannot be verified",
+                )
+            return cls(files, None, enabled=False)
+        manifest = RootManifest.from_bytes(files.read_bytes(MANIFEST), files.url_of(MANIFEST))
+        if format is not None and manifest.format != format:
+            raise CorruptStoreError(
+                f"{files.url_of(MANIFEST)} describes a {manifest.format} store, but the files "
+                f"are a {format} store: the manifest belongs to another store"
+            )
+        checks = cls(files, manifest, enabled=verify_reads)
+        if verify_reads:
+            problems = checks.listing_faults()
+            if problems:
+                raise CorruptStoreError(
+                    f"{files.url} does not match its root manifest: {problems[0]}"
+                    + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                    + "; run actstore verify for the full list, restore the files or re-create it"
+                )
+        return checks
+
+    # ------------------------------------------------------------------ open checks
+
+    def listing_faults(self) -> list[str]:
+        """Differences between the files present and the manifest: missing, extra, wrong
+        size, symlinks (O(files), no data read)."""
+        m = self.manifest
+        if m is None:
+            return []
+        faults = [f"{name} is a symlink" for name in self.files.symlinks()]
+        present = {
+            n: s
+            for n, s in self.files.list().items()
+            if n not in OWN_FILES and not any(n.startswith(p) for p in m.skip)
+        }
+        for name, entry in m.files.items():
+            size = present.get(name)
+            if size is None:
+                faults.append(f"{name} is missing")
+            elif size != entry.size:
+                faults.append(f"{name} has {size} bytes, the manifest says {entry.size}")
+        faults += [
+            f"{name} is not listed in the manifest" for name in sorted(set(present) - set(m.files))
+        ]
+        if m.blocks and self.files.size(BLOCKS) is None:
+            faults.append(f"{BLOCKS} is missing")
+        return faults
+
+    def check_summary(self, summary: dict[str, Any]) -> None:
+        """Raise unless what a reader parsed from metadata equals what was published."""
+        if not self.enabled:
+            return
+        got, want = _jsonable(summary), self.manifest.summary  # type: ignore[union-attr]
+        if got != want:
+            keys = sorted(k for k in {*got, *want} if got.get(k) != want.get(k))
+            raise CorruptStoreError(
+                f"{self.files.url}: the metadata reads differently from what was published "
+                f"({', '.join(f'{k}: {got.get(k)!r}, published {want.get(k)!r}' for k in keys[:3])}): "
+                "metadata files were edited; restore them or re-create the store"
+            )
+
+    # ------------------------------------------------------------------ checked reads
+
+    def entry(self, name: str) -> FileEntry | None:
+        return None if self.manifest is None else self.manifest.files.get(name)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The whole of file ``name``, checked."""
+        data = self.files.read_bytes(name)
+        self.check(name, 0, data)
+        return data
+
+    def read_json(self, name: str) -> Any:
+        """File ``name`` parsed as JSON, checked before it is parsed."""
+        data = self.read_bytes(name)
+        try:
+            return json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise CorruptStoreError(
+                f"{self.files.url_of(name)} is not valid JSON ({err}); the store is damaged: "
+                "restore this file or re-create the store"
+            ) from err
+
+    def digests(self, name: str) -> np.ndarray:
+        """The block digests of ``name`` (loaded once, checked against its file digest)."""
+        found = self._digests.get(name)
+        if found is not None:
+            return found
+        entry = self._require(name)
+        if entry.at < 0:
+            digests = np.array([int(entry.single, 16)], dtype="<u8")
+        else:
+            n = entry.n_blocks
+            raw = self.files.read_range(BLOCKS, len(_MAGIC) + 8 * entry.at, 8 * n, cache=False)
+            digests = np.frombuffer(bytes(raw), dtype="<u8")
+            if file_digest(digests) != entry.digest:
+                raise CorruptStoreError(
+                    f"{self.files.url_of(BLOCKS)}: the block digests of {name} do not match the "
+                    "manifest; restore the file or re-create the store"
+                )
+        with self._lock:
+            return self._digests.setdefault(name, digests)
+
+    def _require(self, name: str) -> FileEntry:
+        entry = self.entry(name)
+        if entry is None:
+            raise CorruptStoreError(
+                f"{self.files.url_of(name)} is not listed in the store's root manifest; "
+                "restore the store or re-create it"
+            )
+        return entry
+
+    def block_index(self, name: str, offset: int, length: int) -> tuple[int, int]:
+        """``(first, count)`` of the blocks exactly covering bytes ``[offset, offset+length)``."""
+        entry = self._require(name)
+        end = offset + length
+        if entry.ranges is not None:
+            starts = [o for o, _ in entry.ranges]
+            i = _index_of(starts, offset)
+            j = i
+            while j < len(entry.ranges) and sum(entry.ranges[j]) < end:
+                j += 1
+            if i is None or j >= len(entry.ranges) or sum(entry.ranges[j]) != end:
+                raise CorruptStoreError(
+                    f"{self.files.url_of(name)}: bytes {offset}-{end} are not whole blocks"
+                )
+            return i, j - i + 1
+        unit = entry.unit or max(entry.size, 1)
+        first, misaligned = divmod(offset, unit)
+        if misaligned or (end % unit and end != entry.size) or end > entry.size:
+            raise CorruptStoreError(
+                f"{self.files.url_of(name)}: bytes {offset}-{end} are not whole blocks of "
+                f"{unit} bytes within its {entry.size} bytes"
+            )
+        return first, max(1, math.ceil((end - offset) / unit)) if length else 0
+
+    def check(self, name: str, offset: int, data: bytes | memoryview | np.ndarray) -> None:
+        """Raise :class:`CorruptStoreError` unless ``data``, read from ``name`` at byte
+        ``offset``, is exactly the published bytes of the blocks it covers."""
+        if not self.enabled:
+            return
+        view = memoryview(data).cast("B")
+        first, count = self.block_index(name, offset, len(view))
+        entry = self._require(name)
+        bounds = [(o - offset, n) for o, n in entry.bounds()[first : first + count]]
+        want = self.digests(name)[first : first + count]
+        seeds = block_seeds(self.manifest.store_id, name, first, count)  # type: ignore[union-attr]
+        got = digest_ranges(view, bounds, seeds)
+        bad = np.flatnonzero(got != want)
+        if len(bad):
+            block = first + int(bad[0])
+            o, n = entry.bounds()[block]
+            raise CorruptStoreError(
+                f"{self.files.url_of(name)}: block {block} (bytes {o}-{o + n}) is not the "
+                "block published there (changed, damaged, moved or from another store); "
+                "restore the file or re-create the store (verify_reads=False reads it anyway)"
+            )
+
+    def block_bounds(self, name: str) -> list[tuple[int, int]]:
+        return self._require(name).bounds()
+
+    # ------------------------------------------------------------------ full verify
+
+    def verify(
+        self,
+        faults: list[str],
+        *,
+        progress: Callable[[int], None] | None = None,
+        on_chunk: Callable[[str, int, memoryview], None] | None = None,
+    ) -> tuple[int, int]:
+        """Check every byte of every listed file (one sequential read each) and the listing;
+        append every fault found to ``faults``. ``on_chunk(name, offset, bytes)`` sees the
+        data as it passes (formats scan values there). Returns (files, bytes) checked."""
+        m = self.manifest
+        if m is None:
+            faults.append(
+                f"no root manifest ({MANIFEST}): the contents cannot be verified (deleted, or "
+                "a store written by another tool)"
+            )
+            return 0, 0
+        faults += self.listing_faults()
+        n_files = n_bytes = 0
+        if m.blocks and self.files.size(BLOCKS) is not None:
+            got = xxhash.xxh3_128_hexdigest(self.files.read_bytes(BLOCKS))
+            if got != m.blocks:
+                faults.append(f"{BLOCKS} does not match the manifest (damaged)")
+        for name, entry in sorted(m.files.items()):
+            size = self.files.size(name)
+            if size is None or size != entry.size:
+                continue  # reported by listing_faults
+            try:
+                want = self.digests(name)
+            except CorruptStoreError as err:
+                faults.append(str(err))
+                continue
+            got = self._scan(name, entry, progress, on_chunk)
+            n_files += 1
+            n_bytes += size
+            if file_digest(got) != entry.digest or not np.array_equal(got, want):
+                bad = np.flatnonzero(got != want) if len(got) == len(want) else [0]
+                first = int(bad[0]) if len(bad) else 0
+                o, n = entry.bounds()[first]
+                faults.append(
+                    f"{name}: {len(bad)} block(s) differ from the manifest, first block {first} "
+                    f"(bytes {o}-{o + n}): the file was changed, damaged or replaced"
+                )
+        return n_files, n_bytes
+
+    def _scan(
+        self,
+        name: str,
+        entry: FileEntry,
+        progress: Callable[[int], None] | None,
+        on_chunk: Callable[[str, int, memoryview], None] | None,
+    ) -> np.ndarray:
+        """Block digests of ``name`` recomputed from one sequential read."""
+        bounds = entry.bounds()
+        seeds = block_seeds(self.manifest.store_id, name, 0, len(bounds))  # type: ignore[union-attr]
+        out = np.empty(len(bounds), dtype="<u8")
+        hashers = [None] * len(bounds)
+        pos, b = 0, 0
+        for chunk in self.files.iter_chunks(name) if entry.size else [memoryview(b"")]:
+            if on_chunk is not None:
+                on_chunk(name, pos, chunk)
+            end = pos + len(chunk)
+            while b < len(bounds):
+                o, n = bounds[b]
+                if o >= end and n:
+                    break
+                h = hashers[b] or xxhash.xxh3_64(seed=int(seeds[b]))
+                lo, hi = max(o, pos), min(o + n, end)
+                if hi > lo:
+                    h.update(chunk[lo - pos : hi - pos])
+                if o + n <= end:
+                    out[b] = h.intdigest()
+                    hashers[b] = None
+                    b += 1
+                else:
+                    hashers[b] = h
+                    break
+            pos = end
+            if progress is not None:
+                progress(len(chunk))
+        for i in range(b, len(bounds)):  # the file ended early (reported by size)
+            out[i] = 0
+        return out
+
+
+def _index_of(starts: list[int], offset: int) -> int | None:
+    import bisect
+
+    i = bisect.bisect_left(starts, offset)
+    return i if i < len(starts) and starts[i] == offset else None
+
+
+_WARNED: set[str] = set()
+_WARN_LOCK = threading.Lock()
+
+
+def _warn_once(url: str, message: str) -> None:
+    with _WARN_LOCK:
+        if url in _WARNED:
+            return
+        _WARNED.add(url)
+    log.warning("%s", message)
+
+
+def iter_names(manifest: RootManifest) -> Iterator[str]:
+    yield from sorted(manifest.files)
+
+
+__all__ = [
+    "BLOCKS",
+    "MANIFEST",
+    "BlockHasher",
+    "FileEntry",
+    "Integrity",
+    "ManifestBuilder",
+    "RootManifest",
+    "block_seeds",
+    "file_digest",
+    "hash_file_blocks",
+    "hash_ranges",
+    "store_id_of",
+]
