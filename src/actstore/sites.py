@@ -45,6 +45,11 @@ TL_HOOKS = {
 _TL_NAME = {kind: hook for hook, kind in TL_HOOKS.items() if hook.startswith("hook_resid_")}
 _TL_NAME |= {"attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
 
+#: Families whose blocks end in a LayerNorm after the residual add (BERT-style): there,
+#: TransformerLens's ``hook_resid_post`` is the sum *before* that norm, and the block output
+#: actstore stores as ``resid.L`` is ``hook_normalized_resid_post``.
+POST_NORM_FAMILIES = frozenset({"bert"})
+
 _SPELLINGS = "kind.layer (resid.6, mlp_out.-1), a layer (6) or blocks.6.hook_resid_post"
 _TL_RE = re.compile(r"^blocks\.(-?\d+)\.(\w+)$")
 _SITE_RE = re.compile(r"^(?:(\w+)\.)?(-?\d+)$")
@@ -74,6 +79,30 @@ class Site:
         """The TransformerLens hook name with this meaning in pre-norm models, if any."""
         hook = _TL_NAME.get(self.kind)
         return None if hook is None else f"blocks.{self.layer}.{hook}"
+
+    def tl_name_in(self, family: str) -> str | None:
+        """The TransformerLens hook name with this meaning in a model of ``family``: the
+        block output of a post-norm family (BERT) is ``hook_normalized_resid_post``.
+
+        Example:
+            >>> Site("resid", 3).tl_name_in("bert"), Site("resid", 3).tl_name_in("gpt2")
+            ('blocks.3.hook_normalized_resid_post', 'blocks.3.hook_resid_post')
+        """
+        if self.kind == "resid" and family in POST_NORM_FAMILIES:
+            return f"blocks.{self.layer}.hook_normalized_resid_post"
+        return self.tl_name
+
+    def check_family(self, family: str) -> Site:
+        """This site, or a one-line :class:`ConfigError` when it was spelled as
+        TransformerLens's ``hook_resid_post`` for a post-norm family, where that hook is
+        not the block output (ask for ``hook_normalized_resid_post``)."""
+        if self.tl and self.kind == "resid" and family in POST_NORM_FAMILIES:
+            raise ConfigError(
+                f"{self.tl_name} has no equivalent in {family}: its blocks are post-norm, so "
+                "TransformerLens's hook_resid_post is a sum before the closing LayerNorm; use "
+                f"{self} or blocks.{self.layer}.hook_normalized_resid_post (the block output)"
+            )
+        return self
 
     @classmethod
     def parse(cls, text: str | int | Site) -> Site:

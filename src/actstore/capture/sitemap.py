@@ -74,20 +74,12 @@ FAMILY_TAPS: dict[str, dict[str, Tap]] = {
     ),
 }
 
-#: Families whose blocks end in a LayerNorm after the residual add (BERT-style).
-POST_NORM = frozenset({"bert"})
-
 _BLOCK = {"resid_pre": Tap("", "in"), "resid": Tap("", "out")}
 
 
 def tap_for(family: str, site: Site) -> Tap:
     """The module and side to read ``site`` from, or a one-line :class:`ConfigError`."""
-    if site.tl and site.kind == "resid" and family in POST_NORM:
-        raise ConfigError(
-            f"{site.tl_name} has no equivalent in {family}: its blocks are post-norm, so "
-            "TransformerLens's hook_resid_post is a sum before the closing LayerNorm; capture "
-            f"{site} (the block output, TransformerLens's hook_normalized_resid_post)"
-        )
+    site.check_family(family)
     if site.kind in _BLOCK:
         return _BLOCK[site.kind]
     taps = FAMILY_TAPS.get(family)

@@ -52,10 +52,6 @@ if TYPE_CHECKING:
 #: Anything :meth:`ReaderBase.site` turns into a stored :class:`Site`.
 SiteLike: TypeAlias = "Site | str | int"
 
-#: Families whose blocks end in a LayerNorm after the residual add: TransformerLens's
-#: ``hook_resid_post`` is a sum *before* that norm there, not a block output actstore stores.
-POST_NORM_FAMILIES = frozenset({"bert"})
-
 
 @dataclass(frozen=True)
 class Block:
@@ -234,13 +230,7 @@ class ReaderBase(abc.ABC):
             return native
         if wanted.layer < 0:
             wanted = wanted.resolve(self.n_model_layers)
-        if wanted.tl and wanted.kind == "resid" and self.family in POST_NORM_FAMILIES:
-            raise ConfigError(
-                f"{name} has no equivalent in {self.family}: its blocks are post-norm, so "
-                "TransformerLens's hook_resid_post is a sum before the closing LayerNorm; "
-                f"ask for {wanted} or blocks.{wanted.layer}.hook_normalized_resid_post (the "
-                "block output this store holds)"
-            )
+        wanted.check_family(self.family)
         for stored in self.sites:
             if stored == wanted:
                 return stored

@@ -47,6 +47,7 @@ import logging
 import os
 import shutil
 import stat
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,11 +86,13 @@ BOOKKEEPING = (PROGRESS, BLOCKS_DIR)
 
 @dataclass(frozen=True)
 class WrittenFile:
-    """One durable file of a shard: its name in the store, manifest entry and digests."""
+    """One durable file of a shard: its name in the store, manifest entry and digests, and
+    what the format needs of it at publication (``info``, kept in the progress record)."""
 
     name: str
     entry: FileEntry
     digests: np.ndarray
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class ShardSink(abc.ABC):
@@ -177,6 +180,7 @@ class ShardedWriter(WriterBase):
         record: dict[str, Any],
         examples_per_shard: int,
         example_range: tuple[int, int] | None = None,
+        part: bool | None = None,
         break_lock: bool = False,
     ) -> None:
         if not store.is_local:
@@ -194,9 +198,12 @@ class ShardedWriter(WriterBase):
         self.examples_per_shard = int(examples_per_shard)
         if self.examples_per_shard < 1:
             raise ConfigError(f"a shard must hold at least one example, not {examples_per_shard}")
-        self.is_part = example_range is not None
+        #: Publish a part of a distributed capture (``part.json``, merged later) rather
+        #: than a complete store of ``example_range`` (zarr's run shards are the latter).
+        self.is_part = example_range is not None if part is None else part
         self.example_range = self._check_range(example_range)
-        self.first_shard = self.example_range[0] // self.examples_per_shard
+        #: Shards are numbered as in the whole store: a part's first shard is not 0.
+        self.first_shard = self.example_range[0] // self.examples_per_shard if self.is_part else 0
         self.complete = False
         self.resume_from = self.example_range[0]
         self._shards: list[dict[str, Any]] = []
@@ -208,6 +215,13 @@ class ShardedWriter(WriterBase):
         self._sides: dict[str, Any] = {}
         self._init_names: list[str] = []
         self._created = False
+        epoch = os.environ.get("SOURCE_DATE_EPOCH")
+        #: The capture's times are fixed (``SOURCE_DATE_EPOCH``): reruns are byte-identical.
+        self.reproducible = epoch is not None
+        #: When the capture's first attempt started (seconds since the epoch, UTC).
+        self.started = float(epoch) if epoch is not None else time.time()
+        self._elapsed_before = 0.0
+        self._t0 = time.perf_counter()
         self._lock: StoreLock | None = StoreLock.acquire(self.final, break_lock=break_lock)
         try:
             self._open()
@@ -277,8 +291,13 @@ class ShardedWriter(WriterBase):
     stored_dtype: str = "float32"
 
     def manifest_skip(self) -> tuple[str, ...]:
-        """Folders the manifest leaves to a digest file of the format's own (zarr chunks)."""
+        """Folders whose chunk files (names not starting with ``.``) the manifest leaves to a
+        digest file of the format's own (zarr's activation chunks: millions of files)."""
         return ()
+
+    def discard_after(self, directory: Path, position: int) -> None:
+        """On resume: remove what an earlier attempt wrote in :meth:`manifest_skip` folders
+        for examples from ``position`` on (the resumed capture writes them again)."""
 
     # ------------------------------------------------------------------ open / resume
 
@@ -289,7 +308,7 @@ class ShardedWriter(WriterBase):
         start, stop = (int(x) for x in example_range)
         if not 0 <= start < stop <= n:
             raise ConfigError(f"example range [{start}, {stop}) is empty or outside [0, {n})")
-        if start % per or (stop != n and stop % per):
+        if self.is_part and (start % per or (stop != n and stop % per)):
             raise ConfigError(
                 f"a {self.format_name} part must cover whole shards of {per} examples; "
                 f"[{start}, {stop}) does not (split the dataset with actstore.dist.split_examples)"
@@ -332,6 +351,9 @@ class ShardedWriter(WriterBase):
             recorded = progress["record"]
             entries = list(progress["shards"])
             self._init_names = [str(n) for n in progress["init"]]
+            if not self.reproducible:
+                self.started = float(progress["started"])
+            self._elapsed_before = float(progress["elapsed"])
         except (CorruptStoreError, KeyError, TypeError, FileNotFoundError) as err:
             log.warning("%s is unreadable (%s); starting this capture over", self.partial, err)
             _remove_tree(self.partial)
@@ -354,16 +376,17 @@ class ShardedWriter(WriterBase):
             kept.append(entry)
         keep = {name for e in kept for name in e["files"]}
         sides = kept[-1]["sides"] if kept else {}
-        for child in self.partial.iterdir():
-            if child.name in BOOKKEEPING or child.name in keep or child.name in self._init_names:
+        skip = tuple(f.strip("/") + "/" for f in self.manifest_skip())
+        for name in _files_below(self.partial, exclude=BOOKKEEPING):
+            if name in keep or name in sides or name in self._init_names:
                 continue
-            if child.name in sides:
-                continue
-            _remove(child)
+            if any(name.startswith(f) for f in skip):
+                continue  # the format's own chunk folders: discard_after decides
+            (self.partial / name).unlink()
         blocks = self.partial / BLOCKS_DIR
         if blocks.is_dir():
             for child in blocks.iterdir():
-                if child.name not in keep:
+                if child.name.replace("%", "/") not in keep:
                     child.unlink()
         for name, size in sides.items():
             path = self.partial / name
@@ -375,6 +398,7 @@ class ShardedWriter(WriterBase):
         self._shards = kept
         self._created = True
         self.resume_from = self.example_range[0] + sum(e["n_examples"] for e in kept)
+        self.discard_after(self.partial, self.resume_from)
         self._save_progress()
         point(f"{self.format_name}.resumed")
         log.info(
@@ -402,9 +426,14 @@ class ShardedWriter(WriterBase):
             return False
         return True
 
+    def shard_bounds(self, index: int) -> tuple[int, int]:
+        """Example ids ``[lo, hi)`` of shard ``index``."""
+        lo = self.example_range[0] + (index - self.first_shard) * self.examples_per_shard
+        return lo, min(lo + self.examples_per_shard, self.example_range[1])
+
     def _shard_size(self, index: int) -> int:
-        start = index * self.examples_per_shard
-        return min(self.examples_per_shard, self.example_range[1] - start)
+        lo, hi = self.shard_bounds(index)
+        return hi - lo
 
     def _begin(self) -> None:
         """Create the partial directory (complete, under a temporary name, then renamed:
@@ -418,7 +447,7 @@ class ShardedWriter(WriterBase):
         init.mkdir()
         point(f"{self.format_name}.init_created")
         self.init_files(init)
-        self._init_names = sorted(p.name for p in init.iterdir())
+        self._init_names = _files_below(init)
         atomic_write_json(init / PROGRESS, self._progress_doc(), indent=None)
         point(f"{self.format_name}.init_filled")
         os.rename(init, self.partial)
@@ -426,11 +455,17 @@ class ShardedWriter(WriterBase):
         self._created = True
         point(f"{self.format_name}.partial_created")
 
+    def elapsed(self) -> float:
+        """Seconds spent writing this store, over every attempt."""
+        return self._elapsed_before + time.perf_counter() - self._t0
+
     def _progress_doc(self) -> dict[str, Any]:
         return {
             "record": self.record,
             "store_id": self.store_id,
             "init": self._init_names,
+            "started": self.started,
+            "elapsed": self.elapsed(),
             "shards": self._shards,
         }
 
@@ -470,7 +505,9 @@ class ShardedWriter(WriterBase):
         self._begin()
         done = 0
         while done < n:
-            index = (start + done) // self.examples_per_shard
+            index = (
+                self.first_shard + (start + done - self.example_range[0]) // self.examples_per_shard
+            )
             room = self._shard_size(index) - self._in_shard
             take = min(room, n - done)
             part = batch if take == n else batch.select(_mask(n, done, take))
@@ -504,6 +541,7 @@ class ShardedWriter(WriterBase):
         for name, data in self.side_rows(batch).items():
             f = self._sides.get(name)
             if f is None:
+                (self.partial / name).parent.mkdir(parents=True, exist_ok=True)
                 f = self._sides[name] = open(self.partial / name, "ab")  # noqa: SIM115 - kept open
             f.write(data)
         self._in_shard += batch.n_examples
@@ -530,6 +568,7 @@ class ShardedWriter(WriterBase):
                 "index": index,
                 "n_examples": self._in_shard,
                 "files": {f.name: f.entry.to_dict() for f in files},
+                "info": {f.name: f.info for f in files},
                 "sides": sides,
                 "stats": {str(s): st.to_dict() for s, st in stats.items()},
             }
@@ -563,7 +602,7 @@ class ShardedWriter(WriterBase):
             raise CaptureError(f"the writer of {self.final} was aborted; nothing to publish")
         start, stop = self.example_range
         if self._sink is not None and self.position == stop:
-            self._finish_shard(start // self.examples_per_shard + len(self._shards))
+            self._finish_shard(self.first_shard + len(self._shards))
         total = sum(e["n_examples"] for e in self._shards)
         if total != stop - start:
             self.abort()
@@ -654,6 +693,20 @@ class ShardedWriter(WriterBase):
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
+
+
+def _files_below(directory: Path, exclude: Sequence[str] = ()) -> list[str]:
+    """Every file below ``directory`` as a ``/``-separated relative name, leaving out the
+    top-level entries named in ``exclude``."""
+    out = []
+    for dirpath, dirnames, names in os.walk(directory):
+        if Path(dirpath) == directory:
+            dirnames[:] = [d for d in dirnames if d not in exclude]
+        for n in names:
+            rel = (Path(dirpath) / n).relative_to(directory).as_posix()
+            if rel not in exclude:
+                out.append(rel)
+    return sorted(out)
 
 
 def _mask(n: int, start: int, count: int) -> np.ndarray:

@@ -94,6 +94,22 @@ class StoreFiles(abc.ABC):
         keep = slots >= 0
         self.read_ranges(name, [(int(o), out[int(s)]) for o, s in zip(offsets[keep], slots[keep])])
 
+    def read_exact(self, name: str, out: Any) -> bool:
+        """Read the whole of ``name`` into ``out`` (a writable buffer of exactly its size),
+        without keeping the file open (chunk stores hold millions of files). False if the
+        file does not exist; :class:`CorruptStoreError` if it is not ``len(out)`` bytes."""
+        view = _bytes_view(out)
+        size = self.size(name)
+        if size is None:
+            return False
+        if size != len(view):
+            raise CorruptStoreError(
+                f"{self.url_of(name)} has {size} bytes, expected {len(view)} "
+                f"({'truncated' if size < len(view) else 'too long'}): restore it or re-create the store"
+            )
+        self.read_range(name, 0, len(view), view)
+        return True
+
     def exists(self, name: str) -> bool:
         return self.size(name) is not None
 
@@ -284,6 +300,35 @@ class LocalFiles(StoreFiles):
                 )
             done += n
         return view
+
+    def read_exact(self, name: str, out: Any) -> bool:
+        view = _bytes_view(out)
+        try:
+            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            raise CorruptStoreError(
+                f"{self.url_of(name)} cannot be opened ({err.strerror}): a store's files must be "
+                "plain files inside it; restore it or re-create the store"
+            ) from err
+        try:
+            size = os.fstat(fd).st_size
+            if size != len(view):
+                raise CorruptStoreError(
+                    f"{self.url_of(name)} has {size} bytes, expected {len(view)} "
+                    f"({'truncated' if size < len(view) else 'too long'}): restore it or "
+                    "re-create the store"
+                )
+            done = 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], done)
+                if got == 0:
+                    raise CorruptStoreError(f"{self.url_of(name)} shrank while being read")
+                done += got
+        finally:
+            os.close(fd)
+        return True
 
     def read_rows(
         self, name: str, offsets: np.ndarray, row_bytes: int, out: np.ndarray, slots: np.ndarray

@@ -6,8 +6,9 @@ digest of what a reader trusts from metadata (:attr:`RootManifest.summary`: site
 shapes, counts, dtype), and where each file's block digests lie in ``actstore-blocks.bin``.
 A *block* is the unit a reader reads at once (one example of one layer, one Arrow record
 batch column, one zarr chunk, one whole shard). Its digest is xxh3-64 **keyed by its
-identity**: the seed is derived from the store id, the file name and the block index
-(:func:`block_seeds`), so a block moved within a file, a file renamed or swapped, or a file
+identity**: the xxh3-64 of its bytes XORed with a key derived from the store id, the file
+name and the block index (:func:`block_keys`), so a block moved within a file, a file
+renamed or swapped, or a file
 copied in from another store fails exactly like a flipped byte. A file's digest is the
 xxh3-128 of its block digests, so one sequential pass checks both.
 
@@ -81,9 +82,11 @@ def _canonical(doc: Any) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
-def block_seeds(store_id: str, name: str, first: int, count: int) -> np.ndarray:
-    """The xxh3 seeds of blocks ``first .. first + count - 1`` of file ``name``: one per
-    block, derived from the store, the file and the block's index (its identity)."""
+def block_keys(store_id: str, name: str, first: int, count: int) -> np.ndarray:
+    """The keys of blocks ``first .. first + count - 1`` of file ``name``: one per block,
+    derived from the store, the file and the block's index (its identity). A block's digest
+    is ``xxh3_64(bytes) ^ key``, so a copy or merge that renames files re-keys digests
+    without reading data (:func:`rekey`)."""
     key = int(store_id, 16)
     prefix = name.encode() + b"\x00"
     return np.fromiter(
@@ -97,17 +100,22 @@ def block_seeds(store_id: str, name: str, first: int, count: int) -> np.ndarray:
 
 
 def digest_ranges(
-    view: memoryview, bounds: Sequence[tuple[int, int]], seeds: np.ndarray
+    view: memoryview, bounds: Sequence[tuple[int, int]], keys: np.ndarray
 ) -> np.ndarray:
-    """xxh3-64 of ``view[o : o + n]`` for each ``(o, n)`` of ``bounds``, keyed by ``seeds``."""
-    return np.fromiter(
-        (
-            xxhash.xxh3_64_intdigest(view[o : o + n], seed=int(s))
-            for (o, n), s in zip(bounds, seeds.tolist())
-        ),
+    """Keyed digests of ``view[o : o + n]`` for each ``(o, n)`` of ``bounds``."""
+    plain = np.fromiter(
+        (xxhash.xxh3_64_intdigest(view[o : o + n]) for o, n in bounds),
         dtype="<u8",
         count=len(bounds),
     )
+    return plain ^ keys
+
+
+def rekey(digests: np.ndarray, old: tuple[str, str], new: tuple[str, str]) -> np.ndarray:
+    """Digests of a file's blocks keyed for ``old = (store_id, name)`` re-keyed for ``new``
+    (the same bytes published elsewhere, e.g. by a merge)."""
+    n = len(digests)
+    return digests ^ block_keys(*old, 0, n) ^ block_keys(*new, 0, n)
 
 
 def file_digest(digests: np.ndarray) -> str:
@@ -286,6 +294,19 @@ def manifest_key() -> bytes | None:
 # ---------------------------------------------------------------------- writing
 
 
+class _KeyedHasher:
+    """Streaming xxh3-64 of one block, keyed at the end."""
+
+    def __init__(self, key: int) -> None:
+        self.key, self.h = key, xxhash.xxh3_64()
+
+    def update(self, data: Any) -> None:
+        self.h.update(data)
+
+    def intdigest(self) -> int:
+        return self.h.intdigest() ^ self.key
+
+
 class BlockHasher:
     """Keyed block digests of one file, fed its bytes in order as they are written.
 
@@ -301,7 +322,7 @@ class BlockHasher:
         self._fill = 0
 
     def _hasher(self, index: int) -> Any:
-        return xxhash.xxh3_64(seed=int(block_seeds(self.store_id, self.name, index, 1)[0]))
+        return _KeyedHasher(int(block_keys(self.store_id, self.name, index, 1)[0]))
 
     def update(self, data: bytes | memoryview | np.ndarray) -> None:
         view = memoryview(data).cast("B")
@@ -324,8 +345,8 @@ class BlockHasher:
         whole = (len(view) - pos) // self.unit
         if whole:
             bounds = [(pos + i * self.unit, self.unit) for i in range(whole)]
-            seeds = block_seeds(self.store_id, self.name, self._n_done, whole)
-            self._done.append(digest_ranges(view, bounds, seeds))
+            keys = block_keys(self.store_id, self.name, self._n_done, whole)
+            self._done.append(digest_ranges(view, bounds, keys))
             self._n_done += whole
             pos += whole * self.unit
         if pos < len(view):
@@ -390,7 +411,7 @@ def hash_ranges(
     ``ranges`` given; the bytes between them become blocks too (:func:`tile`)."""
     view = memoryview(data).cast("B")
     bounds = tile(ranges, len(view))
-    digests = digest_ranges(view, bounds, block_seeds(store_id, name, 0, len(bounds)))
+    digests = digest_ranges(view, bounds, block_keys(store_id, name, 0, len(bounds)))
     return _entry(len(view), digests, ranges=bounds), digests
 
 
@@ -453,7 +474,7 @@ class ManifestBuilder:
                     rel in self.files
                     or rel in OWN_FILES
                     or rel in excluded
-                    or any(rel.startswith(s) for s in self.skip)
+                    or skipped(rel, self.skip)
                 ):
                     continue
                 self.add_file(root, rel)
@@ -485,6 +506,13 @@ class ManifestBuilder:
             skip=tuple(self.skip),
         )
         atomic_write_bytes(directory / MANIFEST, manifest.to_bytes())
+
+
+def skipped(name: str, skip: Sequence[str]) -> bool:
+    """Whether ``name`` is a chunk file (not a ``.zarray``-like metadata file) in one of the
+    ``skip`` folders a format checks through its own digest file."""
+    folder, _, base = name.rpartition("/")
+    return not base.startswith(".") and any((folder + "/").startswith(s) for s in skip)
 
 
 def _jsonable(doc: Any) -> Any:
@@ -578,7 +606,7 @@ class Integrity:
         present = {
             n: s
             for n, s in self.files.list().items()
-            if n not in OWN_FILES and not any(n.startswith(p) for p in m.skip)
+            if n not in OWN_FILES and not skipped(n, m.skip)
         }
         for name, entry in m.files.items():
             size = present.get(name)
@@ -691,8 +719,8 @@ class Integrity:
         entry = self._require(name)
         bounds = [(o - offset, n) for o, n in entry.bounds()[first : first + count]]
         want = self.digests(name)[first : first + count]
-        seeds = block_seeds(self.manifest.store_id, name, first, count)  # type: ignore[union-attr]
-        got = digest_ranges(view, bounds, seeds)
+        keys = block_keys(self.manifest.store_id, name, first, count)  # type: ignore[union-attr]
+        got = digest_ranges(view, bounds, keys)
         bad = np.flatnonzero(got != want)
         if len(bad):
             block = first + int(bad[0])
@@ -762,7 +790,7 @@ class Integrity:
     ) -> np.ndarray:
         """Block digests of ``name`` recomputed from one sequential read."""
         bounds = entry.bounds()
-        seeds = block_seeds(self.manifest.store_id, name, 0, len(bounds))  # type: ignore[union-attr]
+        keys = block_keys(self.manifest.store_id, name, 0, len(bounds))  # type: ignore[union-attr]
         out = np.empty(len(bounds), dtype="<u8")
         hashers = [None] * len(bounds)
         pos, b = 0, 0
@@ -774,7 +802,7 @@ class Integrity:
                 o, n = bounds[b]
                 if o >= end and n:
                     break
-                h = hashers[b] or xxhash.xxh3_64(seed=int(seeds[b]))
+                h = hashers[b] or _KeyedHasher(int(keys[b]))
                 lo, hi = max(o, pos), min(o + n, end)
                 if hi > lo:
                     h.update(chunk[lo - pos : hi - pos])
@@ -824,9 +852,10 @@ __all__ = [
     "Integrity",
     "ManifestBuilder",
     "RootManifest",
-    "block_seeds",
+    "block_keys",
     "file_digest",
     "hash_file_blocks",
     "hash_ranges",
+    "rekey",
     "store_id_of",
 ]

@@ -37,10 +37,6 @@ from ...sites import Site
 
 VERSION = "1.0"
 METADATA = "metadata.json"
-#: The writer's resume record while a capture runs (hidden; removed on publication).
-PROGRESS = ".actstore-progress.json"
-#: xxh3-128 digest of metadata.json, written with it (hidden: the spec's loader ignores it).
-MANIFEST = ".actstore-manifest.xxh128"
 TEXT_PREVIEW_CHARS = 200
 #: The spec's shard size guidance (bytes): recommended 50-500 MB, min 10 MB, max 2 GB.
 MIN_SHARD_BYTES = 10 * 1000**2
@@ -67,6 +63,16 @@ def layer_key(layer: int) -> str:
 def utc_now() -> str:
     """ISO 8601 UTC timestamp, as the spec writes it (``2025-01-09T12:00:00Z``)."""
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def utc_text(seconds: float) -> str:
+    """:func:`utc_now`'s format for a time in seconds since the epoch.
+
+    Example:
+        >>> utc_text(0)
+        '1970-01-01T00:00:00Z'
+    """
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def samples_per_shard_for(plan: CapturePlan, shard_mb: float) -> int:

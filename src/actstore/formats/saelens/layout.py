@@ -9,10 +9,9 @@ loads it with ``datasets.load_from_disk`` and reads the column of its ``hook_nam
 
 actstore adds sidecar files that ``datasets`` and ``sae_lens`` ignore: ``actstore.json``
 (the layout and capture plan), ``statistics.json`` (exact per-site statistics) and
-``checksums.json`` (sha256 per file and xxh3-64 per block of every column). For every
-record batch ``actstore.json`` also records where each column's values start in its file
-(``values_at``): a reader on object storage fetches a block with one ranged GET of just
-those bytes, without walking the Arrow stream.
+and the root manifest. For every record batch ``actstore.json`` also records where each
+column's values start in its file (``values_at``): a reader fetches a block with one ranged
+read of just those bytes (one manifest block), without walking the Arrow stream.
 
 Example i of a store lives in file ``i // examples_per_shard``; inside a file, Arrow record
 batches of ``examples_per_block`` examples are the blocks actstore reads and checksums.
@@ -39,8 +38,6 @@ STATE = "state.json"
 INFO = "dataset_info.json"
 SIDECAR = "actstore.json"
 STATISTICS = "statistics.json"
-CHECKSUMS = "checksums.json"
-PROGRESS = "progress.json"
 TOKENS = "token_ids"
 FORMAT_TAG = "actstore-saelens"
 VERSION = 1
@@ -54,14 +51,16 @@ _LN_HOOKS = {"attn_in": "ln1.hook_normalized", "mlp_in": "ln2.hook_normalized"}
 _HOOK = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 
-def hook_name(site: Site | str) -> str:
-    """The TransformerLens hook name of an actstore site (:attr:`Site.tl_name`)."""
+def hook_name(site: Site | str, family: str = "") -> str:
+    """The TransformerLens hook name of an actstore site in a model of ``family``
+    (:meth:`Site.tl_name_in`: BERT's block output is ``hook_normalized_resid_post``)."""
     site = Site.parse(site)
     if site.kind in _LN_HOOKS:
         return f"blocks.{site.layer}.{_LN_HOOKS[site.kind]}"
-    if site.tl_name is None:
+    name = site.tl_name_in(family)
+    if name is None:
         raise ConfigError(f"site {site} has no TransformerLens hook name for the saelens format")
-    return site.tl_name
+    return name
 
 
 def hook_site(name: str) -> Site | None:
@@ -97,6 +96,8 @@ class SaelensLayout:
     examples_per_shard: int
     examples_per_block: int
     has_tokens: bool
+    family: str = ""
+    """The model family (column names follow its TransformerLens hooks)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -112,7 +113,7 @@ class SaelensLayout:
     @property
     def columns(self) -> tuple[str, ...]:
         """The activation columns: one TransformerLens hook name per site."""
-        return tuple(hook_name(s) for s in self.sites)
+        return tuple(hook_name(s, self.family) for s in self.sites)
 
     @property
     def n_shards(self) -> int:
@@ -154,6 +155,7 @@ class SaelensLayout:
             "examples_per_shard": self.examples_per_shard,
             "examples_per_block": self.examples_per_block,
             "has_tokens": self.has_tokens,
+            "family": self.family,
         }
 
     @classmethod
@@ -168,6 +170,7 @@ class SaelensLayout:
                 examples_per_shard=int(doc["examples_per_shard"]),
                 examples_per_block=int(doc["examples_per_block"]),
                 has_tokens=bool(doc["has_tokens"]),
+                family=str(doc.get("family", "")),
             )
         except (KeyError, TypeError, ValueError, ConfigError) as err:
             raise CorruptStoreError(f"{source}: malformed layout ({err}); re-capture") from err
@@ -184,7 +187,7 @@ def choose_layout(
     """The layout of a capture ``plan``: blocks of about :data:`BLOCK_BYTES` per column
     (``block_kb`` overrides), files of about ``shard_mb`` MB (at most 2 GB)."""
     for site in plan.sites:
-        hook_name(site)  # every kind has a hook name; fails clearly if not
+        hook_name(site, plan.family)  # every kind has a hook name; fails clearly if not
     if plan.modality != "text":
         raise ConfigError(
             "the saelens format holds language-model activations (sae_lens trains on text); "
@@ -220,6 +223,7 @@ def choose_layout(
         examples_per_shard=examples_per_shard,
         examples_per_block=per_block,
         has_tokens=plan.has_tokens,
+        family=plan.family,
     )
 
 

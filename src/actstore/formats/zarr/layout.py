@@ -65,8 +65,21 @@ SPLIT = "arrays/split"
 DIGEST = "arrays/content_xxh128"
 CONFIG_FILE = "meta/config.json"
 STATISTICS_FILE = "meta/statistics.json"
-#: xxh3-64 of every activation chunk file, per part (uint64 [n, L, n_chunks]; 0: not stored).
-CHUNKSUMS = {p: f"meta/chunksums.{p}.npy" for p in ("prompt", "response")}
+#: Folder of the keyed xxh3-64 of every activation chunk file: one file per part and writer
+#: shard, ``meta/chunksums/<part>.<shard:06d>.npy`` (uint64 ``[samples of the shard, L,
+#: n_chunks]``; 0: the chunk is not stored, it holds only padding).
+CHUNKSUMS_DIR = "meta/chunksums"
+
+
+def chunksums_name(part: str, shard: int) -> str:
+    """The chunk digest file of writer shard ``shard`` of ``part``."""
+    return f"{CHUNKSUMS_DIR}/{part}.{shard:06d}.npy"
+
+
+def chunk_id(part: str, sample: int, layer: int, chunk: int) -> str:
+    """The name a chunk's digest is keyed by (whatever the key separator on disk)."""
+    return f"{ACTIVATIONS[part]}/{sample}.{layer}.{chunk}"
+
 
 ACT_DTYPE = np.dtype("<f2")
 ITEMSIZE = ACT_DTYPE.itemsize

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...storage import read_json
 from ..parts import PartFormat, PartInfo, Slice
-from .layout import CONFIG_FILE
-from .reader import MANIFEST, open_store_info
+from .reader import MANIFEST, ZarrReader
 from .shards import SHARDS_DIR, shard_ranges, write_manifest
 from .writer import ZarrWriter
 
@@ -33,9 +31,9 @@ def part_format() -> PartFormat:
         return ZarrWriter.for_shard(plan, final, sl.machine_id, used, options)
 
     def info(path):
-        store = open_store_info(path)
+        store = ZarrReader(path)
         shard = store.attrs.get("shard") or {}
-        total = read_json(path / CONFIG_FILE)["layout"]["n_samples"]
+        total = store.config["layout"]["n_samples"]
         return PartInfo(
             path=path,
             start=shard["start"],

@@ -1,33 +1,31 @@
-"""Write one prompt/response store (``activations.zarr``) from capture batches.
+"""Write one prompt/response store (``activations.zarr``): the format's part of the crash
+protocol.
 
-Each batch holds ``B`` samples laid out as prompt tokens then response tokens (then padding)
-along the token axis, with ``Batch.extras["prompt_len"]`` and ``["response_len"]`` giving the
-full lengths. A batch without them is stored as prompts only (response length 0), so any
-capture or conversion can target this format. The writer truncates to ``P_max``/``R_max``,
-casts to float16, and writes ``(B, L, P_max, H)`` and ``(B, L, R_max, H)`` slabs: whole
-chunks, since chunks are ``(1, 1, T_chunk, H)``. Chunks that would hold only padding are not
-stored (zarr's default; readers return the fill value 0 for them, bit-exactly).
+:class:`ZarrWriter` is a :class:`~actstore.formats.writer.ShardedWriter` (which owns the
+partial directory, progress record, verified resume, statistics, root manifest and
+publication). Each batch holds ``B`` samples laid out as prompt tokens then response tokens
+(then padding) along the token axis, with ``Batch.extras["prompt_len"]`` and
+``["response_len"]`` giving the full lengths; a batch without them is stored as prompts only.
+The writer truncates to ``P_max``/``R_max``, casts to float16 and writes ``(B, L, P_max,
+H)`` and ``(B, L, R_max, H)`` slabs through zarr-python: whole chunks, since chunks are
+``(1, 1, T_chunk, H)``. Chunks that would hold only padding are not stored (zarr's default;
+readers return the fill value 0 for them, bit-exactly).
 
-Besides the spec's arrays the writer keeps the untruncated lengths, token ids (fill -1),
-an xxh3-128 digest per sample (``verify`` recomputes it), exact running statistics per
-site in ``meta/statistics.json``, computed from the activations as captured (before the
-float16 cast) over every stored (unpadded) prompt and response token, and an xxh3-64
-digest of every activation chunk file in ``meta/chunksums.<part>.npy`` (uint64
-``[n_samples, n_layers, n_chunks]``, 0 for a chunk not stored): readers check each chunk
-they read against it, and a chunk it lists but the store lacks is an error, not zeros.
-The writer holds the store's lock (:mod:`actstore.storage.lock`) while it writes, in
-``.<name>.resumable.partial`` beside the store. Every ``checkpoint_s`` seconds (at the end
-of a ``write``) it makes its state durable: buffered per-sample rows are written, files
-synced, the chunk checksums saved, then ``meta/progress.json`` records the samples written
-with the statistics, truncation counts and text file sizes. A rerun with the same
-fingerprint resumes from the last checkpoint (``resume_from``); the result equals an
-uninterrupted capture. Other unfinished writes of the store (dead writers') are removed.
+A writer shard is ``S`` consecutive samples, and the per-sample arrays (lengths, token ids,
+keys, content digests, optional labels) are chunked ``S`` rows at a time, so a shard writes
+exactly one chunk of each: when it is full they are written, the file system synced, and
+the shard's keyed chunk digests saved in ``meta/chunksums/<part>.<shard>.npy``; the base
+then records the shard. Activation chunk files are not listed in the root manifest one by
+one (a store may hold millions): the chunk digest files are, and readers check every chunk
+against them. Text files (``text/prompts.jsonl``...) grow as per-example side files.
+Statistics are over every stored (unpadded) prompt and response token, as captured (before
+the float16 cast).
 
 Example:
-    >>> writer = ZarrWriter.from_plan(plan, "out", ZarrOptions(r_max=64))  # doctest: +SKIP
+    >>> writer = ZarrWriter.from_plan(plan, Location.parse("out"), ZarrOptions(r_max=64))  # doctest: +SKIP
     >>> for batch in batches: writer.write(batch)  # doctest: +SKIP
     >>> writer.close()  # doctest: +SKIP
-    PosixPath('out/activations.zarr')
+    Location(url='/abs/out/activations.zarr')
 """
 
 from __future__ import annotations
@@ -35,12 +33,12 @@ from __future__ import annotations
 import ctypes
 import datetime as dt
 import hashlib
+import io
 import json
 import logging
 import os
-import shutil
 import subprocess
-import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,17 +48,17 @@ import xxhash
 
 from ..._version import __version__
 from ...batch import SPLITS, Batch, CapturePlan, sample_key
-from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
-from ...faults import point
+from ...errors import CaptureError
+from ...sites import Site
 from ...stats import RunningStats
-from ...storage import atomic_write_json, read_json
+from ...storage import atomic_write_json
 from ...storage.local import atomic_write
-from ...storage.lock import StoreLock
-from ..base import WriterBase
+from ...storage.location import Location
+from ...storage.manifest import block_keys, hash_file_blocks
+from ..writer import ShardedWriter, ShardSink, WrittenFile
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
-    CHUNKSUMS,
     CONFIG_FILE,
     DIGEST,
     FORMAT_TAG,
@@ -75,23 +73,25 @@ from .layout import (
     TOKEN_IDS,
     ZarrLayout,
     choose_layout,
+    chunk_id,
     chunk_key,
+    chunksums_name,
+    parse_chunk_key,
 )
 from .options import ZarrOptions
 from .store import (
     OPTIONAL_ARRAYS,
-    RowAppender,
     byte_view,
+    consolidate,
     create_arrays,
-    publish,
     sample_arrays,
     zarr_module,
 )
 
-#: The writer's last checkpoint inside its unfinished store (removed before publishing).
-PROGRESS_FILE = "meta/progress.json"
-
 log = logging.getLogger(__name__)
+
+#: Bytes of activations a writer shard holds (a resume restarts at most this far back).
+SHARD_BYTES = 256 << 20
 
 
 def store_path(out: str | Path) -> Path:
@@ -193,446 +193,6 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-class ZarrWriter(WriterBase):
-    """Writes one store; nothing is visible at ``path`` until :meth:`close` publishes it.
-
-    ``id_offset`` is the global id of this store's first sample (shards of a run); batches
-    must arrive in id order. ``complete`` is True when ``path`` already holds a store with
-    the same fingerprint (the capture is done); any other existing store is refused.
-    ``out_dir``: the directory the capture was given (default ``path``), which the names of
-    :meth:`sealed_files` are relative to.
-    """
-
-    def __init__(
-        self,
-        layout: ZarrLayout,
-        path: str | Path,
-        *,
-        attrs: dict[str, Any],
-        config: dict[str, Any] | None = None,
-        id_offset: int = 0,
-        token_ids: bool = True,
-        optional: tuple[str, ...] = (),
-        break_lock: bool = False,
-        checkpoint_s: float = 30.0,
-        out_dir: str | Path | None = None,
-    ) -> None:
-        self.layout = layout
-        self.final_path = Path(path).expanduser().resolve()
-        self.attrs = dict(attrs)
-        self.config = config or {}
-        self.id_offset = int(id_offset)
-        self.token_ids = token_ids
-        for name in optional:
-            if name not in OPTIONAL_ARRAYS:
-                raise ConfigError(
-                    f"unknown optional array {name!r}; known: {list(OPTIONAL_ARRAYS)}"
-                )
-        self.optional = tuple(optional)
-        self.complete = False
-        self.resume_from = 0
-        self._written = 0
-        self._durable = 0
-        #: The directory the capture was given (``sealed_files`` names are relative to it).
-        self.out_dir = Path(out_dir).expanduser().resolve() if out_dir else self.final_path
-        self._tmp: Path | None = None
-        self._lock = StoreLock.acquire(self.final_path, break_lock=break_lock)
-        if self.final_path.exists():
-            self._lock.release()
-            self._check_existing()
-            return
-        self.checkpoint_s = checkpoint_s
-        self._last_checkpoint = time.monotonic()
-        self._tmp = self.final_path.parent / f".{self.final_path.name}.resumable.partial"
-        self._remove_stale_partials()
-        self._chunksums = {
-            p: np.zeros((layout.n_samples, layout.n_layers, layout.n_chunks(p)), dtype="<u8")
-            for p in PARTS
-        }
-        self._stats = [RunningStats(layout.hidden_size) for _ in layout.sites]
-        self._truncated = {p: 0 for p in PARTS}
-        self._texts: dict[str, Any] | None = None
-        progress = self._read_progress()
-        if progress is None:
-            if self._tmp.exists():
-                shutil.rmtree(self._tmp)
-            self._tmp.mkdir(parents=True)
-            self._root = create_arrays(
-                self._tmp, layout, token_ids=token_ids, optional=self.optional
-            )
-        else:
-            self._root = zarr_module().open_group(str(self._tmp), mode="r+", zarr_format=2)
-        arrays = self._root["arrays"]
-        self._acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
-        written = 0 if progress is None else int(progress["written"])
-        self._rows = {
-            path: RowAppender(arrays[path.split("/", 1)[1]], written)
-            for path in self._sample_array_paths()
-        }
-        if progress is not None:
-            self._resume(progress)
-
-    def _read_progress(self) -> dict[str, Any] | None:
-        """The last checkpoint of an unfinished write of this same store, if any."""
-        path = self._tmp / PROGRESS_FILE
-        if not path.exists():
-            return None
-        try:
-            progress = read_json(path)
-            ok = (
-                progress["fingerprint"] == self.attrs.get("fingerprint")
-                and progress["layout"] == self.layout.to_dict()
-                and progress["optional"] == list(self.optional)
-                and progress["token_ids"] == self.token_ids
-            )
-        except (CorruptStoreError, KeyError, TypeError) as err:
-            log.warning("%s is unreadable (%s); starting over", path, err)
-            return None
-        if not ok:
-            log.warning("%s belongs to another capture; starting over", self._tmp)
-            return None
-        return progress
-
-    def _resume(self, progress: dict[str, Any]) -> None:
-        self._written = self._durable = int(progress["written"])
-        self.resume_from = self.id_offset + self._written
-        self._stats = [RunningStats.from_dict(d) for d in progress["stats"]]
-        self._truncated = {p: int(progress["truncated"][p]) for p in PARTS}
-        for part in PARTS:
-            self._chunksums[part][:] = np.load(self._tmp / CHUNKSUMS[part], allow_pickle=False)
-        texts = progress["texts"]
-        if texts is not None:
-            self._texts = {}
-            for part, size in texts.items():
-                f = (self._tmp / TEXT_FILES[part]).open("r+", encoding="utf-8")
-                f.truncate(size)
-                f.seek(size)
-                self._texts[part] = f
-        log.info("resuming %s at sample %d", self._tmp, self._written)
-        point("zarr.resumed")
-
-    def _checkpoint(self) -> None:
-        """Make everything written so far durable, then record it (see the module doc)."""
-        for appender in self._rows.values():
-            appender.checkpoint()
-        sizes = None
-        if self._texts is not None:
-            sizes = {}
-            for part, f in self._texts.items():
-                f.flush()
-                os.fsync(f.fileno())
-                sizes[part] = f.tell()
-        (self._tmp / "meta").mkdir(exist_ok=True)
-        for part in PARTS:
-            with atomic_write(self._tmp / CHUNKSUMS[part]) as f:
-                np.save(f, self._chunksums[part])
-        _sync_filesystem(self._tmp)
-        point("zarr.synced")
-        atomic_write_json(
-            self._tmp / PROGRESS_FILE,
-            {
-                "fingerprint": self.attrs.get("fingerprint"),
-                "layout": self.layout.to_dict(),
-                "optional": list(self.optional),
-                "token_ids": self.token_ids,
-                "written": self._written,
-                "stats": [s.to_dict() for s in self._stats],
-                "truncated": self._truncated,
-                "texts": sizes,
-            },
-            indent=None,
-        )
-        self._last_checkpoint = time.monotonic()
-        self._durable = self._written
-        point("zarr.checkpointed")
-
-    @classmethod
-    def from_plan(
-        cls, plan: CapturePlan, out: str | Path, options: ZarrOptions | None = None
-    ) -> ZarrWriter:
-        """The writer for a capture plan: ``out/activations.zarr`` (or ``out`` if it ends in
-        ``.zarr``), with ``P_max``/``R_max``/``T_chunk`` chosen from the plan's lengths."""
-        layout, kwargs = _plan_writer_args(plan, options or ZarrOptions())
-        return cls(layout, store_path(out), out_dir=out, **kwargs)
-
-    @classmethod
-    def for_shard(
-        cls,
-        plan: CapturePlan,
-        run_dir: str | Path,
-        index: int,
-        n_shards: int,
-        options: ZarrOptions | None = None,
-    ) -> ZarrWriter:
-        """The writer of shard ``index`` of ``n_shards`` of a sharded run of ``plan``: the
-        layout is chosen from the whole plan, so every shard agrees; the writer takes the
-        examples of its :attr:`example_range` (capture feeds it only those)."""
-        from .shards import shard_writer
-
-        layout, kwargs = _plan_writer_args(plan, options or ZarrOptions())
-        return shard_writer(layout, run_dir, index, n_shards, **kwargs)
-
-    @property
-    def example_range(self) -> tuple[int, int]:
-        """Global ids ``(start, stop)`` of the samples this store holds."""
-        return self.id_offset, self.id_offset + self.layout.n_samples
-
-    def _sample_array_paths(self) -> list[str]:
-        return list(sample_arrays(self.layout, token_ids=self.token_ids, optional=self.optional))
-
-    def _check_existing(self) -> None:
-        from .reader import ZarrReader
-
-        found = ZarrReader(self.final_path).attrs.get("fingerprint")
-        if found is None or found != self.attrs.get("fingerprint"):
-            raise StoreExistsError(
-                f"{self.final_path} already holds a different store (another model, dataset, "
-                "layout or options); choose another --out or move it away"
-            )
-        self.complete = True
-        self.resume_from = self.id_offset + self.layout.n_samples
-        log.info(
-            "%s is already published with the same fingerprint; nothing to write", self.final_path
-        )
-
-    def _remove_stale_partials(self) -> None:
-        """Delete unfinished writes of this store but the resumable one: holding its lock,
-        no live writer has one."""
-        parent = self.final_path.parent
-        if parent.is_dir():
-            for stale in sorted(parent.glob(f".{self.final_path.name}.*.partial")):
-                if stale != self._tmp:
-                    log.warning("removing %s, the unfinished write of a dead writer", stale)
-                    shutil.rmtree(stale, ignore_errors=True)
-
-    # ------------------------------------------------------------------ writing
-
-    def write(self, batch: Batch) -> None:
-        """Store ``batch``'s samples (ids must continue where the last batch ended; samples
-        before that, e.g. before a shard's range, are skipped)."""
-        if self.complete:
-            raise CaptureError(f"{self.final_path} is already published")
-        if self._tmp is None:
-            raise CaptureError("this writer was closed or aborted")
-        lay = self.layout
-        lo = self._written
-        keep = batch.example_ids >= self.id_offset + lo  # rows before this store's range
-        if not keep.all():
-            batch = batch.select(keep)
-        n = batch.n_examples
-        if n == 0:
-            return
-        expected = np.arange(self.id_offset + lo, self.id_offset + lo + n)
-        if not np.array_equal(batch.example_ids, expected):
-            raise CaptureError(
-                f"batches must arrive in sample order: expected ids from "
-                f"{self.id_offset + lo}, got {batch.example_ids[:4].tolist()}..."
-            )
-        if lo + n > lay.n_samples:
-            raise CaptureError(f"more samples than the {lay.n_samples} this store was sized for")
-        p_full, r_full = _batch_lengths(batch)
-        kept = [lay.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
-        # padded to whole chunks, as zarr stores edge chunks (the chunk digests need it)
-        padded = {
-            p: np.zeros(
-                (n, lay.n_layers, lay.n_chunks(p) * lay.t_chunk(p), lay.hidden_size), ACT_DTYPE
-            )
-            for p in PARTS
-        }
-        prompt = padded["prompt"][:, :, : lay.p_max]
-        response = padded["response"][:, :, : lay.r_max]
-        for layer_idx, site in enumerate(lay.sites):
-            tensor = batch.acts.get(site)
-            if tensor is None:
-                raise CaptureError(f"batch lacks site {site}; it has {sorted(batch.acts)}")
-            if tuple(tensor.shape) != (n, batch.n_tokens, lay.hidden_size):
-                raise CaptureError(
-                    f"site {site} has shape {tuple(tensor.shape)}; expected "
-                    f"({n}, {batch.n_tokens}, {lay.hidden_size})"
-                )
-            half = tensor.detach().to(torch.float16).numpy()
-            exact = tensor.detach()
-            if exact.dtype not in (torch.float32, torch.float64):
-                exact = exact.to(torch.float32)
-            exact = exact.numpy()
-            stats = self._stats[layer_idx]  # over the stored tokens, as captured
-            for b, (p0, pk, r0, rk) in enumerate(kept):
-                prompt[b, layer_idx, :pk] = half[b, p0 : p0 + pk]
-                response[b, layer_idx, :rk] = half[b, r0 : r0 + rk]
-                if p0 + pk == r0:  # kept prompt and response tokens are adjacent
-                    stats.update(exact[b, p0 : r0 + rk])
-                else:
-                    stats.update(exact[b, p0 : p0 + pk])
-                    stats.update(exact[b, r0 : r0 + rk])
-        self._acts["prompt"][lo : lo + n] = prompt
-        self._acts["response"][lo : lo + n] = response
-        for part, data in padded.items():
-            self._chunksums[part][lo : lo + n] = chunk_digests(data, lay.n_chunks(part))
-        self._append_sample_rows(batch, lo, p_full, r_full, kept, prompt, response)
-        self._truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
-        self._truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
-        self._written += n
-        point("zarr.written")
-        if time.monotonic() - self._last_checkpoint >= self.checkpoint_s:
-            self._checkpoint()
-
-    def _append_sample_rows(
-        self,
-        batch: Batch,
-        lo: int,
-        p_full: np.ndarray,
-        r_full: np.ndarray,
-        kept: list[tuple[int, int, int, int]],
-        prompt: np.ndarray,
-        response: np.ndarray,
-    ) -> None:
-        n, lay, extras = batch.n_examples, self.layout, batch.extras
-        rows = self._rows
-        rows[LENGTHS["prompt"]].append(np.array([k[1] for k in kept], dtype=np.int32))
-        rows[LENGTHS["response"]].append(np.array([k[3] for k in kept], dtype=np.int32))
-        rows[FULL_LENGTHS["prompt"]].append(p_full.astype(np.int32))
-        rows[FULL_LENGTHS["response"]].append(r_full.astype(np.int32))
-        if self.token_ids:
-            if batch.token_ids is None:
-                raise CaptureError("this store keeps token ids but the batch has none")
-            for part, width in (("prompt", lay.p_max), ("response", lay.r_max)):
-                ids = np.full((n, width), -1, dtype=np.int32)
-                for b, (p0, pk, r0, rk) in enumerate(kept):
-                    start, count = (p0, pk) if part == "prompt" else (r0, rk)
-                    ids[b, :count] = batch.token_ids[b, start : start + count]
-                rows[TOKEN_IDS[part]].append(ids)
-        prompts, responses = _batch_texts(batch)
-        keys = extras.get("sample_key")
-        if keys is None:
-            keys = [
-                sample_key(
-                    prompt=None if prompts is None else prompts[b],
-                    response=None if responses is None else responses[b],
-                    prompt_ids=None if batch.token_ids is None else batch.token_ids[b, : p_full[b]],
-                    response_ids=None
-                    if batch.token_ids is None
-                    else batch.token_ids[b, p_full[b] : p_full[b] + r_full[b]],
-                    fallback=str(int(batch.example_ids[b])),
-                )
-                for b in range(n)
-            ]
-        keys = [k if isinstance(k, bytes) else str(k).encode("ascii") for k in keys]
-        rows[SAMPLE_KEY].append(np.array(keys, dtype="|S64"))
-        digests = [_digest(prompt[b], response[b]) for b in range(n)]
-        rows[DIGEST].append(np.array(digests, dtype="|S32"))
-        for name in self.optional:
-            values = extras.get(name)
-            if values is None:
-                raise CaptureError(f"this store keeps {name} but the batch has none")
-            if name == "split":
-                values = [SPLITS.get(v, v) if isinstance(v, str) else v for v in values]
-            rows[OPTIONAL_ARRAYS[name][0]].append(np.asarray(values, dtype=np.int8))
-        self._write_texts(lo, keys, prompts, responses)
-
-    def _write_texts(
-        self, lo: int, keys: list[bytes], prompts: list[str] | None, responses: list[str] | None
-    ) -> None:
-        if self._texts is None:  # the first batch decides which text files exist
-            self._texts = {}
-            for part, texts in (("prompt", prompts), ("response", responses)):
-                if texts is not None:
-                    path = self._tmp / TEXT_FILES[part]
-                    path.parent.mkdir(exist_ok=True)
-                    self._texts[part] = path.open("w", encoding="utf-8")
-        for part, texts in (("prompt", prompts), ("response", responses)):
-            f = self._texts.get(part)
-            if f is None:
-                continue
-            if texts is None:
-                raise CaptureError(f"earlier batches had {part} texts but this one has none")
-            for b, text in enumerate(texts):
-                record = {"i": lo + b, "sample_key": keys[b].decode(), part: text}
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-    def sealed_files(self) -> list[tuple[str, Path]]:
-        """Activation chunk files of the samples up to the last checkpoint: synced, and never
-        written again (a resumed write starts after them). Per-sample arrays, metadata and
-        text files change until :meth:`close`, so they are not listed; nor is anything once
-        the store is published or aborted (the publish sends it all)."""
-        if self._tmp is None or not self._durable:
-            return []
-        prefix = self.final_path.relative_to(self.out_dir).as_posix()
-        prefix = "" if prefix == "." else prefix + "/"
-        out = []
-        for part in PARTS:
-            directory = ACTIVATIONS[part]
-            sep = self._acts[part].metadata.dimension_separator
-            for index in zip(*np.nonzero(self._chunksums[part][: self._durable])):
-                key = f"{directory}/{chunk_key((*index, 0), sep)}"
-                out.append((prefix + key, self._tmp / key))
-        return out
-
-    # ------------------------------------------------------------------ publish
-
-    def close(self) -> Path:
-        """Write the remaining rows, metadata and statistics; consolidate and publish."""
-        if self.complete:
-            return self.final_path
-        if self._tmp is None:
-            raise CaptureError("this writer was aborted; nothing to publish")
-        lay = self.layout
-        if self._written != lay.n_samples:
-            self.abort()
-            raise CaptureError(
-                f"only {self._written} of {lay.n_samples} samples were written; "
-                "nothing was published (rerun the capture)"
-            )
-        for appender in self._rows.values():
-            appender.close()
-        for f in (self._texts or {}).values():
-            f.close()
-        self._texts = {}
-        (self._tmp / "meta").mkdir(exist_ok=True)
-        atomic_write_json(
-            self._tmp / STATISTICS_FILE,
-            {"sites": {site: self._stats[i].to_dict() for i, site in enumerate(lay.sites)}},
-            indent=None,
-        )
-        atomic_write_json(self._tmp / CONFIG_FILE, self.config)
-        for part in PARTS:
-            with atomic_write(self._tmp / CHUNKSUMS[part]) as f:
-                np.save(f, self._chunksums[part])
-        attrs = {**self.attrs, **layout_attrs(lay)}
-        attrs.update(truncation_attrs_from_counts(self._truncated, lay.n_samples))
-        attrs["created_at"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        attrs["optional_arrays"] = list(self.optional)
-        attrs["text_files"] = [TEXT_FILES[p] for p in PARTS if (self._tmp / TEXT_FILES[p]).exists()]
-        self._root.attrs.update(attrs)
-        (self._tmp / PROGRESS_FILE).unlink(missing_ok=True)
-        tmp, self._tmp = self._tmp, None
-        point("zarr.closing")
-        publish(tmp, self.final_path)
-        point("zarr.published")
-        self._lock.release()
-        self.complete = True
-        log.info(
-            "published %s (%d samples, P_max %d, R_max %d)",
-            self.final_path,
-            lay.n_samples,
-            lay.p_max,
-            lay.r_max,
-        )
-        return self.final_path
-
-    def abort(self) -> None:
-        """Stop without publishing; the temporary store is kept only if it holds a
-        checkpoint a rerun can resume from."""
-        for f in (self._texts or {}).values():
-            f.close()
-        self._texts = {}
-        if self._tmp is not None:
-            if not (self._tmp / PROGRESS_FILE).exists():  # else a rerun resumes from it
-                shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
-        if self._lock is not None:
-            self._lock.release()
-
-
 def _sync_filesystem(path: Path) -> None:
     """Flush every dirty page of the file system holding ``path`` (Linux ``syncfs``; the
     whole system's elsewhere): zarr writes chunk files through its own store, so they are
@@ -648,21 +208,6 @@ def _sync_filesystem(path: Path) -> None:
             os.sync()
     finally:
         os.close(fd)
-
-
-def chunk_digests(data: np.ndarray, n_chunks: int) -> np.ndarray:
-    """xxh3-64 of each activation chunk of ``data`` (``[n, L, n_chunks * T_chunk, H]``
-    float16, zero-padded to whole chunks): uint64 ``[n, L, n_chunks]``, 0 where the chunk
-    holds only zeros (zarr does not store it)."""
-    n, n_layers = data.shape[:2]
-    if n_chunks == 0:
-        return np.zeros((n, n_layers, 0), dtype="<u8")
-    chunks = data.reshape(n, n_layers, n_chunks, -1)
-    stored = (chunks != 0).any(axis=3)
-    out = np.zeros((n, n_layers, n_chunks), dtype="<u8")
-    for index in zip(*np.nonzero(stored)):
-        out[index] = xxhash.xxh3_64_intdigest(byte_view(chunks[index])) or 1
-    return out
 
 
 def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict, dict]:
@@ -702,17 +247,6 @@ def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dic
     return choice.layout, attrs, config
 
 
-def _plan_writer_args(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict[str, Any]]:
-    layout, attrs, config = plan_store(plan, options)
-    optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
-    return layout, {
-        "attrs": attrs,
-        "config": config,
-        "token_ids": plan.has_tokens,
-        "optional": optional,
-    }
-
-
 def truncation_attrs_from_counts(counts: dict[str, int], n: int) -> dict[str, Any]:
     """The spec's truncation record from per-part counts over ``n`` samples."""
     return {
@@ -720,6 +254,367 @@ def truncation_attrs_from_counts(counts: dict[str, int], n: int) -> dict[str, An
         for p in PARTS
         for k in ("count", "fraction")
     }
+
+
+def samples_per_shard(layout: ZarrLayout) -> int:
+    """``S``: samples per writer shard (about :data:`SHARD_BYTES` of activations)."""
+    return max(1, min(layout.n_samples, 4096, SHARD_BYTES // max(layout.sample_nbytes, 1)))
+
+
+class ZarrWriter(ShardedWriter):
+    """Writes one store; nothing is visible at its location until :meth:`close` publishes.
+
+    With ``example_range=(start, stop)`` (and ``run_shard``) it writes one shard of a run:
+    a complete store of global samples ``[start, stop)`` (see :mod:`.shards`).
+    """
+
+    format_name = "zarr"
+    options_type = ZarrOptions
+    ragged_tokens = True
+    stored_dtype = "float16"
+    #: Statistics to publish instead of those of the stored values (a merged run keeps
+    #: its shards' statistics of the values as captured).
+    statistics_override: dict[Site, RunningStats] | None = None
+
+    def __init__(
+        self,
+        plan: CapturePlan,
+        output: Location,
+        options: ZarrOptions,
+        *,
+        example_range: tuple[int, int] | None = None,
+        store: Location | None = None,
+        run_shard: dict[str, int] | None = None,
+    ) -> None:
+        layout, attrs, config = plan_store(plan, options)
+        start, stop = example_range if example_range is not None else (0, plan.n_examples)
+        self.layout = layout.with_samples(stop - start)
+        self.attrs = dict(attrs)
+        if run_shard is not None:
+            self.attrs["shard"] = {**run_shard, "start": start, "stop": stop}
+        self.config = config
+        self.token_ids = plan.has_tokens
+        self.optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
+        self.id_offset = start
+        self.rows = samples_per_shard(self.layout)
+        super().__init__(
+            plan=plan,
+            store=store or self.store_location(plan, output, options),
+            output=output,
+            options=options,
+            record={
+                "fingerprint": self.attrs["fingerprint"],
+                "layout": self.layout.to_dict(),
+                "optional": list(self.optional),
+                "token_ids": self.token_ids,
+                "samples": [start, stop],
+                "shard_rows": self.rows,
+            },
+            examples_per_shard=self.rows,
+            example_range=example_range,
+            part=False,
+        )
+
+    @classmethod
+    def store_location(cls, plan: CapturePlan, location: Location, options: Any) -> Location:
+        """``out/activations.zarr``, or ``out`` itself if it ends in ``.zarr``."""
+        location = Location.parse(location)
+        return location if location.name.endswith(".zarr") else location.child(STORE_NAME)
+
+    @classmethod
+    def shard_examples(cls, plan: CapturePlan, options: Any) -> int:
+        return samples_per_shard(plan_store(plan, options or ZarrOptions())[0])
+
+    @classmethod
+    def for_shard(
+        cls,
+        plan: CapturePlan,
+        run_dir: str | os.PathLike,
+        index: int,
+        n_shards: int,
+        options: ZarrOptions | None = None,
+    ) -> ZarrWriter:
+        """The writer of shard ``index`` of ``n_shards`` of a sharded run of ``plan``: the
+        layout is chosen from the whole plan, so every shard agrees; the writer takes the
+        examples of its :attr:`example_range` (capture feeds it only those)."""
+        from .shards import shard_path, shard_ranges
+
+        start, stop = shard_ranges(plan.n_examples, n_shards)[index]
+        store = Location.parse(shard_path(run_dir, index))
+        return cls(
+            plan,
+            store.parent,
+            options or ZarrOptions(),
+            example_range=(start, stop),
+            store=store,
+            run_shard={"index": index, "n_shards": n_shards},
+        )
+
+    @property
+    def final_path(self) -> Path:
+        return self.final
+
+    # ------------------------------------------------------------------ the format's part
+
+    def init_files(self, directory: Path) -> None:
+        create_arrays(
+            directory,
+            self.layout,
+            token_ids=self.token_ids,
+            optional=self.optional,
+            sample_rows=self.rows,
+        )
+
+    def manifest_skip(self) -> tuple[str, ...]:
+        return tuple(ACTIVATIONS.values())
+
+    def discard_after(self, directory: Path, position: int) -> None:
+        first = position - self.id_offset
+        for part in PARTS:
+            folder = directory / ACTIVATIONS[part]
+            if not folder.is_dir():
+                continue
+            for dirpath, _, names in os.walk(folder):
+                for name in names:
+                    if name.startswith("."):
+                        continue
+                    rel = (Path(dirpath) / name).relative_to(folder).as_posix()
+                    key = parse_chunk_key(rel, "/" if "/" in rel else ".")
+                    if key is not None and key[0] >= first:
+                        (Path(dirpath) / name).unlink()
+
+    def open_shard(self, index: int, directory: Path) -> ShardSink:
+        return _ZarrShard(self, index, directory)
+
+    def stat_rows(self, batch: Batch) -> dict[Site, np.ndarray]:
+        """Every stored (unpadded) prompt and response token, as captured."""
+        p_full, r_full = _batch_lengths(batch)
+        kept = [self.layout.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
+        out = {}
+        for site in self.sites:
+            exact = batch.acts[str(site)].detach()
+            if exact.dtype not in (torch.float32, torch.float64):
+                exact = exact.to(torch.float32)
+            exact = exact.numpy()
+            rows = []
+            for b, (p0, pk, r0, rk) in enumerate(kept):
+                rows.append(exact[b, p0 : p0 + pk])
+                rows.append(exact[b, r0 : r0 + rk])
+            out[site] = (
+                np.concatenate(rows).astype(np.float32, copy=False)
+                if rows
+                else np.empty((0, self.plan.d_model), np.float32)
+            )
+        return out
+
+    def side_rows(self, batch: Batch) -> dict[str, bytes]:
+        """One JSON line per sample and part in ``text/prompts.jsonl`` /
+        ``text/responses.jsonl``, when the batch carries texts."""
+        prompts, responses = _batch_texts(batch)
+        keys = _sample_keys(batch)
+        out = {}
+        for part, texts in (("prompt", prompts), ("response", responses)):
+            if texts is None:
+                continue
+            lines = [
+                json.dumps(
+                    {"i": int(i) - self.id_offset, "sample_key": k.decode(), part: t},
+                    ensure_ascii=False,
+                )
+                + "\n"
+                for i, k, t in zip(batch.example_ids.tolist(), keys, texts)
+            ]
+            out[TEXT_FILES[part]] = "".join(lines).encode("utf-8")
+        return out
+
+    def write_index(
+        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+    ) -> None:
+        """``meta/statistics.json``, ``meta/config.json``, the group's attributes, then the
+        consolidated metadata (``.zmetadata``)."""
+        lay = self.layout
+        stats = self.statistics_override or stats
+        (directory / "meta").mkdir(exist_ok=True)
+        atomic_write_json(
+            directory / STATISTICS_FILE,
+            {"sites": {str(site): st.to_dict() for site, st in stats.items()}},
+            indent=None,
+        )
+        atomic_write_json(directory / CONFIG_FILE, self.config)
+        counts = {
+            p: sum(int(e["info"][_shard_marker(e)]["truncated"][p]) for e in shards) for p in PARTS
+        }
+        attrs = {**self.attrs, **layout_attrs(lay)}
+        attrs.update(truncation_attrs_from_counts(counts, lay.n_samples))
+        attrs["created_at"] = dt.datetime.fromtimestamp(self.started, dt.UTC).isoformat(
+            timespec="seconds"
+        )
+        attrs["optional_arrays"] = list(self.optional)
+        attrs["text_files"] = [TEXT_FILES[p] for p in PARTS if (directory / TEXT_FILES[p]).exists()]
+        root = zarr_module().open_group(str(directory), mode="r+", zarr_format=2)
+        root.attrs.update(attrs)
+        consolidate(directory)
+
+
+def _shard_marker(entry: dict[str, Any]) -> str:
+    """The file of a shard record that carries the shard's info (its first chunk digests)."""
+    return next(n for n in entry["files"] if n.startswith("meta/chunksums/"))
+
+
+class _ZarrShard(ShardSink):
+    """One writer shard: activation chunks through zarr-python as batches come, the shard's
+    chunk of every per-sample array and its chunk digests when it is full."""
+
+    def __init__(self, writer: ZarrWriter, index: int, directory: Path) -> None:
+        self.w, self.index, self.directory = writer, index, directory
+        lo, hi = writer.shard_bounds(index)
+        self.lo, self.n_rows = lo - writer.id_offset, hi - lo
+        self.root = zarr_module().open_group(str(directory), mode="r+", zarr_format=2)
+        arrays = self.root["arrays"]
+        self.acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
+        lay = writer.layout
+        self.sums = {
+            p: np.zeros((self.n_rows, lay.n_layers, lay.n_chunks(p)), dtype="<u8") for p in PARTS
+        }
+        self.rows: dict[str, list[np.ndarray]] = {}
+        self.filled = 0
+        self.truncated = {p: 0 for p in PARTS}
+
+    def append(self, batch: Batch) -> None:
+        w, lay = self.w, self.w.layout
+        n = batch.n_examples
+        lo = self.lo + self.filled
+        p_full, r_full = _batch_lengths(batch)
+        kept = [lay.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
+        # padded to whole chunks, as zarr stores edge chunks (the chunk digests need it)
+        padded = {
+            p: np.zeros(
+                (n, lay.n_layers, lay.n_chunks(p) * lay.t_chunk(p), lay.hidden_size), ACT_DTYPE
+            )
+            for p in PARTS
+        }
+        prompt = padded["prompt"][:, :, : lay.p_max]
+        response = padded["response"][:, :, : lay.r_max]
+        for layer_idx, site in enumerate(lay.sites):
+            tensor = batch.acts.get(site)
+            if tensor is None:
+                raise CaptureError(f"batch lacks site {site}; it has {sorted(batch.acts)}")
+            if tuple(tensor.shape) != (n, batch.n_tokens, lay.hidden_size):
+                raise CaptureError(
+                    f"site {site} has shape {tuple(tensor.shape)}; expected "
+                    f"({n}, {batch.n_tokens}, {lay.hidden_size})"
+                )
+            half = tensor.detach().to(torch.float16).numpy()
+            for b, (p0, pk, r0, rk) in enumerate(kept):
+                prompt[b, layer_idx, :pk] = half[b, p0 : p0 + pk]
+                response[b, layer_idx, :rk] = half[b, r0 : r0 + rk]
+        self.acts["prompt"][lo : lo + n] = prompt
+        self.acts["response"][lo : lo + n] = response
+        for part, data in padded.items():
+            self.sums[part][self.filled : self.filled + n] = chunk_digests(
+                data, lay.n_chunks(part), w.store_id, part, lo
+            )
+        self._sample_rows(batch, p_full, r_full, kept, prompt, response)
+        self.truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
+        self.truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
+        self.filled += n
+
+    def _add(self, path: str, values: np.ndarray) -> None:
+        self.rows.setdefault(path, []).append(values)
+
+    def _sample_rows(self, batch, p_full, r_full, kept, prompt, response) -> None:
+        w, lay, n = self.w, self.w.layout, batch.n_examples
+        self._add(LENGTHS["prompt"], np.array([k[1] for k in kept], dtype=np.int32))
+        self._add(LENGTHS["response"], np.array([k[3] for k in kept], dtype=np.int32))
+        self._add(FULL_LENGTHS["prompt"], p_full.astype(np.int32))
+        self._add(FULL_LENGTHS["response"], r_full.astype(np.int32))
+        if w.token_ids:
+            if batch.token_ids is None:
+                raise CaptureError("this store keeps token ids but the batch has none")
+            for part, width in (("prompt", lay.p_max), ("response", lay.r_max)):
+                ids = np.full((n, width), -1, dtype=np.int32)
+                for b, (p0, pk, r0, rk) in enumerate(kept):
+                    start, count = (p0, pk) if part == "prompt" else (r0, rk)
+                    ids[b, :count] = batch.token_ids[b, start : start + count]
+                self._add(TOKEN_IDS[part], ids)
+        self._add(SAMPLE_KEY, np.array(_sample_keys(batch), dtype="|S64"))
+        self._add(
+            DIGEST, np.array([_digest(prompt[b], response[b]) for b in range(n)], dtype="|S32")
+        )
+        for name in w.optional:
+            values = batch.extras.get(name)
+            if values is None:
+                raise CaptureError(f"this store keeps {name} but the batch has none")
+            if name == "split":
+                values = [SPLITS.get(v, v) if isinstance(v, str) else v for v in values]
+            self._add(OPTIONAL_ARRAYS[name][0], np.asarray(values, dtype=np.int8))
+
+    def finish(self) -> list[WrittenFile]:
+        w = self.w
+        arrays = self.root["arrays"]
+        names = []
+        for path in sample_arrays(w.layout, token_ids=w.token_ids, optional=w.optional):
+            array = arrays[path.split("/", 1)[1]]
+            array[self.lo : self.lo + self.n_rows] = np.concatenate(self.rows[path])
+            key = chunk_key(
+                (self.lo // w.rows, *(0,) * (array.ndim - 1)), array.metadata.dimension_separator
+            )
+            names.append(f"{path}/{key}")
+        (self.directory / "meta" / "chunksums").mkdir(parents=True, exist_ok=True)
+        for part in PARTS:
+            buf = io.BytesIO()
+            np.save(buf, self.sums[part], allow_pickle=False)
+            with atomic_write(self.directory / chunksums_name(part, self.index)) as f:
+                f.write(buf.getvalue())
+            names.append(chunksums_name(part, self.index))
+        _sync_filesystem(self.directory)
+        out = []
+        info = {"truncated": self.truncated}
+        for name in names:
+            path = self.directory / name
+            if not path.is_file():
+                continue  # a per-sample chunk of fill values only: zarr does not store it
+            entry, digests = hash_file_blocks(w.store_id, path, name)
+            out.append(WrittenFile(name, entry, digests, info=info if "chunksums" in name else {}))
+        return out
+
+
+def _sample_keys(batch: Batch) -> list[bytes]:
+    keys = batch.extras.get("sample_key")
+    if keys is None:
+        prompts, responses = _batch_texts(batch)
+        p_full, r_full = _batch_lengths(batch)
+        keys = [
+            sample_key(
+                prompt=None if prompts is None else prompts[b],
+                response=None if responses is None else responses[b],
+                prompt_ids=None if batch.token_ids is None else batch.token_ids[b, : p_full[b]],
+                response_ids=None
+                if batch.token_ids is None
+                else batch.token_ids[b, p_full[b] : p_full[b] + r_full[b]],
+                fallback=str(int(batch.example_ids[b])),
+            )
+            for b in range(batch.n_examples)
+        ]
+    return [k if isinstance(k, bytes) else str(k).encode("ascii") for k in keys]
+
+
+def chunk_digests(
+    data: np.ndarray, n_chunks: int, store_id: str, part: str, first: int
+) -> np.ndarray:
+    """Keyed xxh3-64 of each activation chunk of ``data`` (``[n, L, n_chunks * T_chunk, H]``
+    float16 of samples ``first, first + 1, ...``, zero-padded to whole chunks): uint64
+    ``[n, L, n_chunks]``, 0 where the chunk holds only zeros (zarr does not store it)."""
+    n, n_layers = data.shape[:2]
+    if n_chunks == 0:
+        return np.zeros((n, n_layers, 0), dtype="<u8")
+    chunks = data.reshape(n, n_layers, n_chunks, -1)
+    stored = (chunks != 0).any(axis=3)
+    out = np.zeros((n, n_layers, n_chunks), dtype="<u8")
+    for i, layer, c in zip(*np.nonzero(stored)):
+        key = int(block_keys(store_id, chunk_id(part, first + int(i), int(layer), int(c)), 0, 1)[0])
+        out[i, layer, c] = (xxhash.xxh3_64_intdigest(byte_view(chunks[i, layer, c])) ^ key) or 1
+    return out
 
 
 def _digest(prompt: np.ndarray, response: np.ndarray) -> bytes:
