@@ -151,7 +151,7 @@ def build_store(args: argparse.Namespace) -> Path:
     )
     writer = SaevWriter(md, args.data_dir)
     if writer.complete:
-        return writer.final_dir
+        return writer.final
     rng = np.random.default_rng(0)
     chunk = 16
     base = rng.standard_normal((chunk, t, d)).astype(np.float32)

@@ -44,16 +44,13 @@ class LocalCase(FormatCase):
         for batch in batches:
             writer.write(batch)
         writer.abort()
-        return writer.location
+        return str(writer.location)
 
     def damage(self, location):
         hook = Path(location) / "models.layers.3.post"
         victim = sorted(p for p in hook.iterdir() if parse_data_file(p.name))[4]
         with open(victim, "r+b") as f:
             f.truncate(victim.stat().st_size - 4)
-
-    def site_name(self, site: Site):
-        return hook_name(site)
 
     def expected_rows(self, plan, acts, site):
         rows = torch.from_numpy(acts[str(site)].reshape(-1, plan.d_model))

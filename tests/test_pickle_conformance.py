@@ -7,7 +7,6 @@ from pathlib import Path
 from conformance import ConformanceSuite, FormatCase
 
 from actstore.formats.pickle import PickleOptions, PickleWriter
-from actstore.sites import Site
 
 
 class PickleCase(FormatCase):
@@ -30,9 +29,6 @@ class PickleCase(FormatCase):
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size, different bytes: only the checksum can tell
         shard.write_bytes(bytes(data))
-
-    def site_name(self, site: Site):
-        return site.layer
 
 
 class TestPickleConformance(ConformanceSuite):

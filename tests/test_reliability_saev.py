@@ -239,13 +239,13 @@ def test_second_writer_gets_one_line_naming_the_holder(tmp_path):
     message = str(err.value)
     assert message.startswith(f"another capture (pid {os.getpid()} on host ")
     assert message.endswith(
-        f"is writing {first.final_dir}; wait for it or, if it is dead, rerun with --break-lock"
+        f"is writing {first.final}; wait for it or, if it is dead, rerun with --break-lock"
     )
     assert "\n" not in message
     for batch in batches(make_acts()):
         first.write(batch)
     first.close()
-    assert not lock_path(first.final_dir).exists()
+    assert not lock_path(first.final).exists()
 
 
 def test_break_lock_takes_over_a_held_lock(tmp_path, caplog):

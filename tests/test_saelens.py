@@ -424,7 +424,7 @@ class SaelensCase(FormatCase):
         for batch in batches:
             writer.write(batch)
         writer.abort()
-        return str(writer.final_dir)
+        return str(writer.final)
 
     def damage(self, location):
         data = Path(location) / "data-00001-of-00003.arrow"

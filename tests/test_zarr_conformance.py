@@ -42,7 +42,7 @@ class ZarrCase(FormatCase):
 
     def __init__(self, t_chunk: int | None = None) -> None:
         self.options = ZarrOptions(
-            p_max=5, r_max=5, t_chunk_prompt=t_chunk, t_chunk_response=t_chunk
+            p_max=5, r_max=5, t_chunk_prompt=t_chunk, t_chunk_response=t_chunk, samples_per_shard=5
         )
 
     def _writer(self, root: Path, plan, batches):
@@ -56,7 +56,8 @@ class ZarrCase(FormatCase):
         writer, batches = self._writer(root, plan, batches)
         for batch in batches:
             writer.write(batch)
-        return str(writer.final_path)  # never closed: as after a crash
+        writer.abort()  # never closed: as after a crash
+        return str(writer.final)
 
     def open(self, location):
         from actstore.formats.registry import get_format
@@ -65,6 +66,7 @@ class ZarrCase(FormatCase):
 
     def damage(self, location):
         chunk = Path(location) / "arrays" / "prompt_activations" / "4.1.0.0"
+        assert chunk.exists()
         os.chmod(chunk, 0o644)
         with open(chunk, "r+b") as f:
             f.truncate(chunk.stat().st_size - 2)

@@ -8,9 +8,11 @@ None). Any other class or function named in the stream raises
 :class:`~actstore.errors.UnsafeDataError` naming it, before anything is called. Arrays
 of object (or any non-numeric) dtype are refused however the stream builds them: through
 ``numpy.dtype``, a dtype string passed to ``numpy.ndarray(...)`` or ``_reconstruct``, and
-a final walk over the result. ``max_bytes`` bounds what the stream may hold: reading past
-it raises :class:`~actstore.errors.CorruptStoreError` before more is read (a small
-compressed file cannot expand into a huge allocation).
+a final walk over the result. ``max_bytes`` bounds what the stream may hold and what it
+may allocate: reading past it, or a call in the stream that would allocate more (an array
+of a huge shape, ``bytearray(4_000_000_000)``), raises
+:class:`~actstore.errors.CorruptStoreError` before the memory is taken (a small file
+cannot expand into a huge allocation).
 
 Example:
     >>> import io, pickle, numpy as np
@@ -102,13 +104,58 @@ _ALLOWED: dict[tuple[str, str], Callable[..., Any]] = {
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """An :class:`pickle.Unpickler` whose ``find_class`` admits only :data:`_ALLOWED`."""
+    """An :class:`pickle.Unpickler` whose ``find_class`` admits only :data:`_ALLOWED`, each
+    allocating call charged against ``budget`` bytes (None: unbounded)."""
+
+    def __init__(self, file: Any, *, budget: int | None = None) -> None:
+        super().__init__(file)
+        self.budget = budget
+
+    def charge(self, n: int, what: str) -> None:
+        """Refuse an allocation of ``n`` bytes past the budget, before it is made."""
+        if self.budget is None:
+            return
+        if n < 0 or n > self.budget:
+            raise CorruptStoreError(
+                f"the pickle asks for {what} of {n} bytes, more than the {self.budget} its "
+                "metadata allows (a crafted or damaged file); refusing it"
+            )
+        self.budget -= n
+
+    def _guarded(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if fn is _checked_ndarray:
+
+            def ndarray(shape: Any, dtype: Any = float, *args: Any, **kwargs: Any) -> Any:
+                self.charge(_array_bytes(shape, dtype), "an array")
+                return _checked_ndarray(shape, dtype, *args, **kwargs)
+
+            ndarray.is_ndarray = True  # type: ignore[attr-defined]
+            return ndarray
+        if fn is _checked_reconstruct:
+
+            def reconstruct(subtype: Any, shape: Any, dtype: Any) -> Any:
+                self.charge(_array_bytes(shape, dtype), "an array")
+                plain = getattr(subtype, "is_ndarray", False)
+                return _checked_reconstruct(_checked_ndarray if plain else subtype, shape, dtype)
+
+            return reconstruct
+        if fn in (bytearray, bytes):
+
+            def buffer(*args: Any) -> Any:
+                if args and isinstance(args[0], int):
+                    self.charge(args[0], fn.__name__)
+                return fn(*args)
+
+            return buffer
+        return fn
 
     def find_class(self, module: str, name: str) -> Any:
         # Python 2 names (protocol 0-2 pickles, e.g. __builtin__.set), mapped as pickle does
         module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         allowed = _ALLOWED.get((module, name))
+        if allowed is not None:
+            return self._guarded(allowed)
         if allowed is None:
             raise UnsafeDataError(
                 f"refusing to unpickle {module}.{name}: activation shards may hold only numpy "
@@ -157,6 +204,20 @@ class _Bounded:
         return data
 
 
+def _array_bytes(shape: Any, dtype: Any) -> int:
+    """Bytes an array of ``shape`` and ``dtype`` takes (a malformed shape counts as huge)."""
+    try:
+        dims = [int(shape)] if isinstance(shape, (int, np.integer)) else [int(x) for x in shape]
+        size = 1
+        for d in dims:
+            if d < 0:
+                return -1
+            size *= d
+        return size * _checked_dtype(dtype).itemsize
+    except (TypeError, ValueError):
+        return -1
+
+
 def _check_arrays(obj: Any) -> None:
     """Refuse non-numeric arrays anywhere in an unpickled result (iteratively: a crafted
     stream may nest containers deeper than Python's recursion limit)."""
@@ -179,7 +240,7 @@ def load(file: IO[bytes], *, max_bytes: int | None = None) -> Any:
     """
     source = file if max_bytes is None else _Bounded(file, max_bytes)
     try:
-        result = RestrictedUnpickler(source).load()
+        result = RestrictedUnpickler(source, budget=max_bytes).load()
         _check_arrays(result)
         return result
     except (UnsafeDataError, CorruptStoreError):

@@ -21,7 +21,44 @@ from ..storage.files import StoreFiles
 from ..storage.manifest import Integrity
 
 
-class RowFile:
+class LazyRows:
+    """A read-only ``shape = (n, ...)`` array whose rows are fetched (and checked) only when
+    indexed: ``rows(index)`` gives the rows of an int64 index array."""
+
+    def __init__(self, dtype: np.dtype | str, shape: tuple[int, ...]) -> None:
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(int(x) for x in shape)
+        self.row_shape = self.shape[1:]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        """Rows ``index`` (an int64 array of valid row numbers), read and checked."""
+        raise NotImplementedError
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        from .base import as_indices
+
+        key = key if isinstance(key, tuple) else (key,)
+        rows = as_indices(key[0], len(self), "row")
+        data = self.rows(rows)
+        data = data[(slice(None), *key[1:])]
+        return data[0] if isinstance(key[0], (int, np.integer)) else data
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        data = self.rows(np.arange(len(self)))
+        return data if dtype is None else data.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dtype={self.dtype}, shape={self.shape})"
+
+
+class RowFile(LazyRows):
     """A ``shape = (n, ...)`` array of ``dtype`` stored row-major in file ``name``."""
 
     def __init__(
@@ -32,18 +69,9 @@ class RowFile:
         dtype: np.dtype | str,
         shape: tuple[int, ...],
     ) -> None:
+        super().__init__(dtype, shape)
         self.files, self.checks, self.name = files, checks, name
-        self.dtype = np.dtype(dtype)
-        self.shape = tuple(int(x) for x in shape)
-        self.row_shape = self.shape[1:]
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
 
     def __repr__(self) -> str:
         return f"RowFile({self.files.url_of(self.name)!r}, dtype={self.dtype}, shape={self.shape})"
@@ -66,16 +94,3 @@ class RowFile:
         slot = np.searchsorted(unique, ranked)
         out[order] = got[slot]
         return out
-
-    def __getitem__(self, key: Any) -> np.ndarray:
-        from .base import as_indices
-
-        key = key if isinstance(key, tuple) else (key,)
-        rows = as_indices(key[0], len(self), "row")
-        data = self.rows(rows)
-        data = data[(slice(None), *key[1:])]
-        return data[0] if isinstance(key[0], (int, np.integer)) else data
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        data = self.rows(np.arange(len(self)))
-        return data if dtype is None else data.astype(dtype)

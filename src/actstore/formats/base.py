@@ -78,21 +78,27 @@ class VerifyReport:
 
 
 class _Scratch(threading.local):
-    """One reusable buffer per thread (a block read, checked, then placed elsewhere)."""
+    """Reusable buffers per thread (a block read, checked, then placed elsewhere): allocated
+    once and reused, so reads do not fault in fresh pages."""
 
-    buf: np.ndarray | None = None
+    def __init__(self) -> None:
+        self.bufs: dict[int, np.ndarray] = {}
 
 
 _SCRATCH = _Scratch()
 
+#: Scratch slots: a block being assembled, and a file read into it piece by piece.
+BLOCK_SLOT, PIECE_SLOT = 0, 1
 
-def scratch(n: int, d: int, dtype: np.dtype | str) -> np.ndarray:
-    """This thread's scratch buffer as ``[n, d]`` of ``dtype`` (valid until its next use)."""
+
+def scratch(n: int, d: int, dtype: np.dtype | str, slot: int = BLOCK_SLOT) -> np.ndarray:
+    """This thread's scratch buffer ``slot`` as ``[n, d]`` of ``dtype`` (valid until that
+    slot's next use; a read that assembles a block from pieces reads them into another slot)."""
     dtype = np.dtype(dtype)
     need = n * d * dtype.itemsize
-    buf = _SCRATCH.buf
+    buf = _SCRATCH.bufs.get(slot)
     if buf is None or buf.size < need:
-        buf = _SCRATCH.buf = np.empty(max(need, 1 << 16), dtype=np.uint8)
+        buf = _SCRATCH.bufs[slot] = np.empty(max(need, 1 << 16), dtype=np.uint8)
     return buf[:need].view(dtype).reshape(n, d)
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .parts import PartFormat
 
 #: Detection order: the first format whose ``detect`` accepts a location opens it.
-FORMAT_NAMES = ("saev",)  # TEMP
+FORMAT_NAMES = ("saev", "zarr", "pickle", "activault", "saelens")
 
 #: The optional dependency each format needs beyond the core install, and its extra.
 EXTRAS = {"zarr": "zarr", "saelens": "datasets"}

@@ -183,6 +183,7 @@ class ShardedWriter(WriterBase):
         part: bool | None = None,
         break_lock: bool = False,
     ) -> None:
+        store, output = Location.parse(store), Location.parse(output)
         if not store.is_local:
             raise ConfigError(
                 f"{store} is on object storage; open writers there with "

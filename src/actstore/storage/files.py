@@ -94,6 +94,11 @@ class StoreFiles(abc.ABC):
         keep = slots >= 0
         self.read_ranges(name, [(int(o), out[int(s)]) for o, s in zip(offsets[keep], slots[keep])])
 
+    def map(self, name: str) -> memoryview:
+        """The whole of ``name`` as a read-only buffer: a memory map on local disk (pages
+        read as they are touched), the fetched bytes on object storage."""
+        return memoryview(self.read_bytes(name))
+
     def read_exact(self, name: str, out: Any) -> bool:
         """Read the whole of ``name`` into ``out`` (a writable buffer of exactly its size),
         without keeping the file open (chunk stores hold millions of files). False if the
@@ -300,6 +305,14 @@ class LocalFiles(StoreFiles):
                 )
             done += n
         return view
+
+    def map(self, name: str) -> memoryview:
+        import mmap
+
+        size = self.require(name)
+        if size == 0:
+            return memoryview(b"")
+        return memoryview(mmap.mmap(self.fd(name), size, prot=mmap.PROT_READ))
 
     def read_exact(self, name: str, out: Any) -> bool:
         view = _bytes_view(out)

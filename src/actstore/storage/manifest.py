@@ -444,6 +444,12 @@ class ManifestBuilder:
         self.files[name] = entry
         self._digests[name] = np.asarray(digests, dtype="<u8")
 
+    def add_bytes(self, name: str, data: bytes | memoryview) -> None:
+        """Add a one-block file from its bytes."""
+        hasher = BlockHasher(self.store_id, name)
+        hasher.update(data)
+        self.add(name, *hasher.entry())
+
     def add_file(
         self, directory: str | os.PathLike, name: str, *, unit: int = 0, ranges=None
     ) -> None:
@@ -479,10 +485,9 @@ class ManifestBuilder:
                     continue
                 self.add_file(root, rel)
 
-    def write(self, directory: str | os.PathLike, *, summary: dict[str, Any]) -> None:
-        """Write ``actstore-blocks.bin`` (when any file has several blocks), then the
-        manifest: the store's last file."""
-        directory = Path(directory)
+    def build(self, *, summary: dict[str, Any]) -> tuple[bytes, bytes | None]:
+        """The manifest's bytes and the blocks file's (None when every file is one block),
+        for a store written through an object store."""
         files, blob, at = {}, [_MAGIC], 0
         for name in sorted(self.files):
             entry, digests = self.files[name], self._digests[name]
@@ -491,21 +496,25 @@ class ManifestBuilder:
                 blob.append(digests.tobytes())
                 at += len(digests)
             files[name] = entry
-        blocks_digest = ""
-        if at:
-            data = b"".join(blob)
-            atomic_write_bytes(directory / BLOCKS, data)
-            blocks_digest = xxhash.xxh3_128_hexdigest(data)
+        data = b"".join(blob) if at else None
         manifest = RootManifest(
             format=self.format,
             store_id=self.store_id,
             record=self.record,
             summary=_jsonable(summary),
             files=files,
-            blocks=blocks_digest,
+            blocks="" if data is None else xxhash.xxh3_128_hexdigest(data),
             skip=tuple(self.skip),
         )
-        atomic_write_bytes(directory / MANIFEST, manifest.to_bytes())
+        return manifest.to_bytes(), data
+
+    def write(self, directory: str | os.PathLike, *, summary: dict[str, Any]) -> None:
+        """Write ``actstore-blocks.bin`` (when any file has several blocks), then the
+        manifest: the store's last file."""
+        manifest, blocks = self.build(summary=summary)
+        if blocks is not None:
+            atomic_write_bytes(Path(directory) / BLOCKS, blocks)
+        atomic_write_bytes(Path(directory) / MANIFEST, manifest)
 
 
 def skipped(name: str, skip: Sequence[str]) -> bool:

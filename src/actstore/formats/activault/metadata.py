@@ -27,7 +27,7 @@ from ...stats import RunningStats
 from .layout import parse_dtype
 
 #: Version of the ``actstore`` section in cfg.json.
-RUN_RECORD_VERSION = 1
+RUN_RECORD_VERSION = 2
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +183,9 @@ class RunRecord:
     dropped_tokens: int = 0
     """Kept tokens after the last full file, not stored (files must be equal size)."""
     num_runs: int = 1
-    xxh3: dict[str, list[str]] = field(default_factory=dict)
-    """Hook -> xxh3-64 hex digest of each committed file (readers check every file they
-    fetch; Activault's own reader ignores this key)."""
+    digests: dict[str, list[str]] = field(default_factory=dict)
+    """Hook -> keyed digest (16 hex) of each committed file, for the root manifest written
+    at completion (Activault's own reader ignores this key)."""
 
     @property
     def tokens_per_file(self) -> int:
@@ -208,7 +208,7 @@ class RunRecord:
             "hooks": self.hooks,
             "plan": self.plan,
             "num_runs": self.num_runs,
-            "xxh3": self.xxh3,
+            "digests": self.digests,
         }
 
     @classmethod
@@ -233,19 +233,13 @@ class RunRecord:
                 complete=bool(doc["complete"]),
                 dropped_tokens=int(doc.get("dropped_tokens", 0)),
                 num_runs=int(doc.get("num_runs", 1)),
-                xxh3={str(h): [str(x) for x in v] for h, v in dict(doc.get("xxh3", {})).items()},
+                digests={
+                    str(h): [str(x) for x in v] for h, v in dict(doc.get("digests", {})).items()
+                },
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source}: malformed 'actstore' section ({err!r})") from err
         record.check(source)
-        if any(len(v) != record.groups for v in record.xxh3.values()):
-            # e.g. parts merged by code that does not carry the digests over: unverified
-            log.warning(
-                "%s lists file checksums for fewer files than it commits; reads of this run "
-                "are not verified",
-                source,
-            )
-            record = replace(record, xxh3={})
         return record
 
     def check(self, source: str) -> None:

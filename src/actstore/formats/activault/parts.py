@@ -13,9 +13,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ...batch import Batch
 from ...errors import ConfigError
 from ...stats import merge_all
+from ...storage.manifest import rekey
 from ...storage.object import LocalStore, S3Store, base_name, join_key, open_location, parent_key
 from ..base import WriterBase
 from ..parts import PartFormat, PartInfo, aligned_slices
@@ -27,7 +30,15 @@ from .metadata import (
     statistics_from_dict,
     statistics_to_dict,
 )
-from .writer import ActivaultWriter, file_shape
+from .writer import ActivaultWriter, file_shape, write_run_manifest
+
+
+def _store_id(store: Any, run: str) -> str:
+    """The store id of a part's run (its root manifest says it)."""
+    from ...storage.manifest import MANIFEST, RootManifest
+
+    key = join_key(run, MANIFEST)
+    return RootManifest.from_bytes(store.get(key), store.url(key)).store_id
 
 
 class _Rebased(WriterBase):
@@ -137,12 +148,7 @@ def part_format() -> PartFormat:
             complete=False,
             dropped_tokens=sum(r.dropped_tokens for r in records),
             num_runs=sum(r.num_runs for r in records),
-            # the merged run's files are the parts' files in order, so are their digests
-            xxh3=(
-                {h: [d for r in records for d in r.xxh3.get(h, [])] for h in first.hooks}
-                if all(r.xxh3 for r in records)
-                else {}
-            ),
+            digests={},
         )
         plan = first.plan
         bucket = store.bucket if isinstance(store, S3Store) else ""
@@ -162,21 +168,26 @@ def part_format() -> PartFormat:
             )
 
         write_cfg(record)  # incomplete: readers refuse the run until the end
+        part_ids = [_store_id(store, r) for r in runs]
+        merged_store_id = part_ids[0]  # the capture's: every part has it
+        digests: dict[str, list[str]] = {h: [] for h in first.hooks}
         for hook in first.hooks:
             metas = [store.get_json(join_key(r, hook, METADATA)) for r in runs]
             if any(m != metas[0] for m in metas):
                 raise ConfigError(f"the parts of {final} disagree on {hook}/metadata.json")
             HookMetadata.from_dict(metas[0], source=store.url(join_key(runs[0], hook, METADATA)))
             group = 0
-            for run, rec in zip(runs, records):
+            for run, rec, part_id in zip(runs, records, part_ids):
                 for g in range(rec.groups):
-                    copy(
-                        store,
-                        join_key(run, hook, data_file_name(group_uuid(rec.run_id, g), g + 1)),
-                        join_key(
-                            prefix, hook, data_file_name(group_uuid(merged_id, group), group + 1)
-                        ),
+                    old = data_file_name(group_uuid(rec.run_id, g), g + 1)
+                    new = data_file_name(group_uuid(merged_id, group), group + 1)
+                    copy(store, join_key(run, hook, old), join_key(prefix, hook, new))
+                    # the same bytes at a new place: re-keyed, not read again
+                    value = np.array([int(rec.digests[hook][g], 16)], dtype="<u8")
+                    moved = rekey(
+                        value, (part_id, f"{hook}/{old}"), (merged_store_id, f"{hook}/{new}")
                     )
+                    digests[hook].append(f"{int(moved[0]):016x}")
                     group += 1
             stats = [
                 statistics_from_dict(
@@ -190,7 +201,9 @@ def part_format() -> PartFormat:
                 store.put_json(
                     join_key(prefix, hook, STATISTICS), statistics_to_dict(merge_all(stats))
                 )
-        write_cfg(dataclasses.replace(record, complete=True))  # publishes the run
+        done = dataclasses.replace(record, complete=True, digests=digests)
+        write_cfg(done)
+        write_run_manifest(store, prefix, done, merged_store_id, int(plan.get("d_model", 0)))
         for obj in list(store.list(root_of(prefix) + "/")):
             store.delete(obj.key)
         if isinstance(store, LocalStore):

@@ -3,16 +3,19 @@
 Opening lists each hook's folder once and checks what Activault's reader silently assumes:
 ``metadata.json`` is complete, every data file is exactly ``bytes_per_file`` bytes, no hook
 folder name is a prefix of a sibling's, and (for runs actstore wrote) every committed file
-is present and the capture is complete. Files are downloaded with concurrent ranged GETs
-and loaded with ``torch.load(weights_only=True)`` only.
+is present, the capture is complete and the run matches its root manifest. Files are
+downloaded with concurrent ranged GETs, checked against their keyed digests (a file moved
+to another hook or group, or copied from another run, fails) and loaded with
+``torch.load(weights_only=True)`` only. Runs Activault itself wrote have no manifest: they
+read unverified, after one warning.
 
 Blocks are whole megabatch files (one file = ``rows x seq`` rows of one hook); block ``i``
 of every hook holds the same tokens (the same group uuid).
 
 Example:
     >>> r = ActivaultReader("s3://bucket/run")  # doctest: +SKIP
-    >>> r.sites  # doctest: +SKIP
-    ['models.layers.1.post', 'models.layers.1.mlp.post']
+    >>> r.sites, r.hooks  # doctest: +SKIP
+    ((Site(kind='resid', layer=1), Site(kind='mlp_out', layer=1)), ['models.layers.1.post', 'models.layers.1.mlp.post'])
     >>> rows = r.read_block(r.blocks("resid.1")[0])  # [rows*seq, d] float32  # doctest: +SKIP
 """
 
@@ -23,36 +26,21 @@ import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ...batch import CapturePlan
-from ...errors import (
-    ConfigError,
-    CorruptStoreError,
-    LayerNotStoredError,
-    StoreNotFoundError,
-)
+from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
-from ...storage.object import (
-    LocalStore,
-    MiB,
-    S3Config,
-    S3Store,
-    base_name,
-    join_key,
-    open_location,
-    parent_key,
-)
+from ...storage.location import Location
+from ...storage.object import MiB, S3Config, S3Store, base_name, join_key, open_location, parent_key
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     CFG,
@@ -61,7 +49,6 @@ from .layout import (
     DataFile,
     data_file_name,
     group_uuid,
-    hook_name,
     hook_site,
     load_megabatch,
     numpy_dtype,
@@ -96,22 +83,22 @@ class HookListing:
     """Data files of groups the commit record does not list (a crashed capture's)."""
 
 
-def resolve_hook(hooks: Sequence[str], site: Hashable) -> str:
-    """The stored hook ``site`` names: a hook name, an actstore site string, or a Site.
-
-    Example:
-        >>> resolve_hook(["models.layers.1.post"], "resid.1")
-        'models.layers.1.post'
-    """
-    if isinstance(site, str) and site in hooks:
-        return site
-    try:
-        name = hook_name(Site.parse(site))  # type: ignore[arg-type]
-    except (ConfigError, TypeError, ValueError):
-        name = None
-    if name is not None and name in hooks:
-        return name
-    raise LayerNotStoredError(f"{site!r} is not stored; stored hooks: {', '.join(hooks)}")
+def detect(files) -> bool:
+    """A hook folder (metadata.json with Activault's keys) or a run (cfg.json, or hook
+    folders beneath holding one)."""
+    if files.exists(CFG):
+        return True
+    names = [n for n in files.list() if n == METADATA or n.endswith("/" + METADATA)]
+    for name in names[:8]:
+        if name.count("/") > 1:
+            continue
+        try:
+            doc = files.read_json(name)
+        except CorruptStoreError:
+            continue
+        if isinstance(doc, dict) and {"shape", "dtype", "bytes_per_file"} <= set(doc):
+            return True
+    return False
 
 
 class ActivaultReader(ReaderBase):
@@ -123,20 +110,23 @@ class ActivaultReader(ReaderBase):
     over the threads, 1-16 MiB per range).
     """
 
+    format_name = "activault"
+
     def __init__(
         self,
-        location: str | os.PathLike,
+        location: str | os.PathLike | Location,
         *,
-        allow_incomplete: bool = False,
+        verify_reads: bool = True,
+        cache_dir: str | os.PathLike | None = None,
+        cache_bytes: int | str | None = None,
         s3: S3Config | None = None,
+        allow_incomplete: bool = False,
         chunk_size: int | None = None,
         concurrency: int = 8,
-        verify_reads: bool = True,
     ) -> None:
-        self.location = str(location)
-        self.verify_reads = verify_reads
+        self._open_location(location, verify_reads=verify_reads, s3=s3)
         self.chunk_size, self.concurrency = chunk_size, concurrency
-        self.store, prefix = open_location(location, s3)
+        self.store, prefix = open_location(self.location.url, s3)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._pid = os.getpid()
@@ -144,6 +134,7 @@ class ActivaultReader(ReaderBase):
             self.store.check_bucket()
         if self.store.size(join_key(prefix, METADATA)) is not None:
             self.run_prefix, hook_names = parent_key(prefix), [base_name(prefix)]
+            self.files = self.location.parent.files(cache_dir=cache_dir, cache_bytes=cache_bytes)
         else:
             self.run_prefix, hook_names = prefix, None
         self.cfg: dict[str, Any] = {}
@@ -156,13 +147,21 @@ class ActivaultReader(ReaderBase):
                 self.record = RunRecord.from_dict(
                     self.cfg["actstore"], source=self.store.url(cfg_key)
                 )
-        if self.record is not None and not self.record.complete and not allow_incomplete:
-            raise CorruptStoreError(
-                f"{self.store.url(self.run_prefix)} is an unfinished capture "
-                f"({self.record.groups} files per hook committed so far): rerun the same capture "
-                "command to resume and complete it, or pass allow_incomplete=True to read the "
-                "committed files"
-            )
+        if self.record is not None and not self.record.complete:
+            if not allow_incomplete:
+                raise CorruptStoreError(
+                    f"{self.store.url(self.run_prefix)} is an unfinished capture "
+                    f"({self.record.groups} files per hook committed so far): rerun the same "
+                    "capture command to resume and complete it, or pass allow_incomplete=True "
+                    "to read the committed files (unverified)"
+                )
+        else:
+            self._open_checks(ours=self.record is not None)
+            if self.checks.enabled:  # cfg.json as published, before anything is trusted
+                self.cfg = self.checks.read_json(CFG)
+                self.record = RunRecord.from_dict(
+                    self.cfg["actstore"], source=self.store.url(cfg_key)
+                )
         siblings = self.store.list_dirs(self.run_prefix)
         if hook_names is None:
             if self.record is not None:
@@ -187,14 +186,27 @@ class ActivaultReader(ReaderBase):
                     f"{clash[0]!r}"
                 )
         self.listings = {h: self._list_hook(h) for h in hook_names}
-        if verify_reads and (self.record is None or not self.record.xxh3):
-            log.warning(
-                "%s has no file checksums (written by Activault or an older actstore): its "
-                "reads are not verified",
-                self.location,
-            )
+        self._site_hooks = {self._hook_site(h): h for h in hook_names}
         self.notes: list[str] = []
         self._check_alignment()
+        self._check_summary()
+
+    def _hook_site(self, hook: str) -> Site:
+        site = hook_site(hook)
+        if site is None and self.record is not None:
+            site = Site.parse(self.record.hooks.get(hook, hook))
+        if site is None:
+            raise ConfigError(
+                f"hook {hook!r} does not follow Activault's naming (models.layers.L.post, "
+                "...mlp.post, ...self_attn.pre): actstore cannot tell which site it stores"
+            )
+        return site
+
+    def _json(self, rel: str) -> Any:
+        """A JSON file of the run (``hook/metadata.json``...), checked when it can be."""
+        if self.checks.enabled:
+            return self.checks.read_json(rel)
+        return self.store.get_json(join_key(self.run_prefix, rel))
 
     # ------------------------------------------------------------------ listing
 
@@ -205,7 +217,7 @@ class ActivaultReader(ReaderBase):
             if self.record is not None and self.record.groups == 0:
                 raise CorruptStoreError(f"{self.store.url(prefix)} has no file committed yet")
             raise StoreNotFoundError(f"{self.store.url(md_key)} does not exist")
-        md = HookMetadata.from_dict(self.store.get_json(md_key), source=self.store.url(md_key))
+        md = HookMetadata.from_dict(self._json(f"{hook}/{METADATA}"), source=self.store.url(md_key))
         found: dict[str, StoredFile] = {}
         strays = []
         for obj in self.store.list(prefix + "/"):
@@ -237,15 +249,6 @@ class ActivaultReader(ReaderBase):
             files = [found[n] for n in names]
         else:
             files = sorted(found.values(), key=lambda f: f.name.sort_key)
-        if isinstance(self.store, LocalStore):  # files must lie inside the run
-            root = (Path(self.store.root) / self.run_prefix).resolve()
-            for f in files:
-                path = Path(self.store.root) / f.key
-                if not path.resolve().is_relative_to(root):
-                    raise CorruptStoreError(
-                        f"{path} is a symlink to {path.resolve()}, outside the store; a "
-                        "store's files must lie inside it: copy the file in or capture again"
-                    )
         for f in files:
             if f.size != md.bytes_per_file:
                 raise CorruptStoreError(
@@ -272,7 +275,7 @@ class ActivaultReader(ReaderBase):
                 "tokens as block i of another"
             )
 
-    def aligned_on(self, sites: Sequence[Hashable]) -> bool:
+    def aligned_on(self, sites: Sequence[Any]) -> bool:
         """Whether block ``i`` of every one of ``sites`` holds the same tokens (the same
         group uuid). Always true for runs actstore wrote; an Activault run whose hooks
         drifted apart (a hook that rejected a batch) is not.
@@ -281,26 +284,49 @@ class ActivaultReader(ReaderBase):
             >>> reader.aligned_on(["resid.8", "mlp_out.8"])  # doctest: +SKIP
             True
         """
-        hooks = [resolve_hook(self.sites, s) for s in sites]
+        hooks = [self.hook_of(s) for s in sites]
         first = [f.name.uuid for f in self.listings[hooks[0]].files]
         return all([f.name.uuid for f in self.listings[h].files] == first for h in hooks[1:])
 
     # ------------------------------------------------------------------ properties
 
     @property
-    def sites(self) -> list[str]:
-        """Stored hook names (``models.layers.{L}.{...}``), in capture order."""
+    def sites(self) -> tuple[Site, ...]:
+        """The stored sites, in capture order (:attr:`hooks` are their folders)."""
+        return tuple(self._site_hooks)
+
+    @property
+    def hooks(self) -> list[str]:
+        """Stored hook folder names (``models.layers.{L}.{...}``), in capture order."""
         return list(self.listings)
 
-    def site_of(self, hook: Hashable) -> Site:
-        """The actstore site a hook stores (its name must follow Activault's convention)."""
-        site = hook_site(str(hook))
-        if site is None:
-            raise ConfigError(
-                f"hook {hook!r} does not follow Activault's naming (models.layers.L.post, "
-                "...mlp.post, ...self_attn.pre): actstore cannot tell which site it stores"
-            )
-        return site
+    def hook_of(self, site: Any) -> str:
+        """The hook folder of ``site`` (any spelling, or a hook name)."""
+        return self._site_hooks[self.site(site)]
+
+    def native_site(self, name: Any) -> Site | None:
+        if isinstance(name, str) and name in self.listings:
+            return self._hook_site(name)
+        return None
+
+    def native_name(self, site: Site) -> str:
+        return self._site_hooks[site]
+
+    @property
+    def family(self) -> str:
+        return str(self.record.plan.get("family")) if self.record is not None else "unknown"
+
+    @property
+    def n_model_layers(self) -> int:
+        if self.record is not None and self.record.plan.get("n_model_layers"):
+            return int(self.record.plan["n_model_layers"])
+        return max(s.layer for s in self.sites) + 1
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(files, rows per file, tokens per row, d)`` of each hook."""
+        md = next(iter(self.listings.values())).metadata
+        return (len(self), md.batch_size, md.sequence_length, md.d_in)
 
     def capture_plan(self) -> CapturePlan:
         """The capture this run came from: actstore's record of it in ``cfg.json``, or,
@@ -311,14 +337,14 @@ class ActivaultReader(ReaderBase):
             plan = CapturePlan.from_json_dict(self.record.plan)
             if rows != plan.n_examples * plan.tokens_per_example:
                 raise ConfigError(
-                    f"{self.location} holds {rows} tokens per hook, not {plan.n_examples} "
+                    f"{self.url} holds {rows} tokens per hook, not {plan.n_examples} "
                     f"examples x {plan.tokens_per_example} (token cleaning dropped some, or the "
                     "last file was partial): only fixed-length stores convert"
                 )
             # token ids stay inside the megabatch files; blocks do not carry them
             return dataclasses.replace(plan, has_tokens=False, has_labels=False)
         md = first.metadata
-        sites = tuple(self.site_of(h) for h in self.sites)
+        sites = self.sites
         return CapturePlan(
             ckpt=str(self.model_name or "unknown"),
             family="unknown",
@@ -337,8 +363,8 @@ class ActivaultReader(ReaderBase):
             batch_size=md.batch_size,
         )
 
-    def metadata(self, site: Hashable) -> HookMetadata:
-        return self.listings[resolve_hook(self.sites, site)].metadata
+    def metadata(self, site: Any) -> HookMetadata:
+        return self.listings[self.hook_of(site)].metadata
 
     @property
     def d_model(self) -> int:
@@ -358,8 +384,8 @@ class ActivaultReader(ReaderBase):
     def model_name(self) -> str | None:
         return (self.cfg.get("transformer_config") or {}).get("model_name")
 
-    def files(self, site: Hashable) -> tuple[StoredFile, ...]:
-        return self.listings[resolve_hook(self.sites, site)].files
+    def data_files(self, site: Any) -> tuple[StoredFile, ...]:
+        return self.listings[self.hook_of(site)].files
 
     def __len__(self) -> int:
         return len(next(iter(self.listings.values())).files)
@@ -367,7 +393,7 @@ class ActivaultReader(ReaderBase):
     def __repr__(self) -> str:
         md = next(iter(self.listings.values())).metadata
         return (
-            f"ActivaultReader({self.location!r}, hooks={self.sites}, files={len(self)}, "
+            f"ActivaultReader({self.url!r}, hooks={self.hooks}, files={len(self)}, "
             f"shape={list(md.shape)}, dtype={md.dtype})"
         )
 
@@ -380,9 +406,9 @@ class ActivaultReader(ReaderBase):
                 self._pid = os.getpid()
             return self._pool
 
-    def fetch(self, site: Hashable, index: int) -> bytearray:
-        """The raw bytes of file ``index`` of ``site`` (concurrent ranged GETs)."""
-        listing = self.listings[resolve_hook(self.sites, site)]
+    def fetch(self, site: Any, index: int) -> bytearray:
+        """The raw bytes of file ``index`` of ``site`` (concurrent ranged GETs), checked."""
+        listing = self.listings[self.hook_of(site)]
         f = listing.files[index]
         size = listing.metadata.bytes_per_file
         out = bytearray(size)
@@ -392,44 +418,32 @@ class ActivaultReader(ReaderBase):
             chunk_size=self.chunk_size or auto_chunk(size, self.concurrency),
             pool=self._thread_pool(),
         )
-        self._check_file(listing.hook, index, out)
+        self.checks.check(f"{listing.hook}/{base_name(f.key)}", 0, out)
         return out
 
-    def _check_file(self, hook: str, index: int, data: bytearray) -> None:
-        """The fetched bytes of file ``index`` of ``hook`` against the run's digest."""
-        digests = self.record.xxh3.get(hook, []) if self.record is not None else []
-        if not self.verify_reads or index >= len(digests):
-            return
-        if xxhash.xxh3_64_hexdigest(data) != digests[index]:
-            key = self.listings[hook].files[index].key
-            raise CorruptStoreError(
-                f"{self.store.url(key)}: block {index} (bytes 0-{len(data)}) fails its xxh3 "
-                "checksum: the stored data was changed or damaged; restore it or capture "
-                "again (verify_reads=False reads it anyway)"
-            )
-
-    def decode(
-        self, site: Hashable, index: int, data: bytes | bytearray
-    ) -> dict[str, torch.Tensor]:
+    def decode(self, site: Any, index: int, data: bytes | bytearray) -> dict[str, torch.Tensor]:
         """Load fetched bytes and check them against ``metadata.json``."""
-        listing = self.listings[resolve_hook(self.sites, site)]
+        listing = self.listings[self.hook_of(site)]
         return check_megabatch(
             load_megabatch(data, source=self.store.url(listing.files[index].key)),
             listing.metadata,
             self.store.url(listing.files[index].key),
         )
 
-    def megabatch(self, site: Hashable, index: int) -> dict[str, torch.Tensor]:
+    def megabatch(self, site: Any, index: int) -> dict[str, torch.Tensor]:
         """File ``index`` of ``site``: ``{"states": [rows, seq, d], "input_ids": [rows, seq]}``
         in the stored dtypes."""
         return self.decode(site, index, self.fetch(site, index))
 
-    def blocks(self, site: Hashable) -> list[Block]:
+    def site_blocks(self, site: Site) -> list[Block]:
         """One block per megabatch file; ``loc = (file index,)``."""
-        hook = resolve_hook(self.sites, site)
-        listing = self.listings[hook]
+        listing = self.listings[self._site_hooks[site]]
         n = listing.metadata.tokens_per_file
-        return [Block(site=hook, n_rows=n, loc=(i,)) for i in range(len(listing.files))]
+        return [Block(site=site, n_rows=n, loc=(i,)) for i in range(len(listing.files))]
+
+    def n_rows(self, site: Any) -> int:
+        listing = self.listings[self.hook_of(site)]
+        return len(listing.files) * listing.metadata.tokens_per_file
 
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``block`` as ``[rows*seq, d]`` (float32 for bfloat16 stores)."""
@@ -442,39 +456,33 @@ class ActivaultReader(ReaderBase):
         torch.from_numpy(out).copy_(flat)
         return out
 
-    def statistics(self, site: Hashable) -> RunningStats | None:
+    def site_statistics(self, site: Site) -> RunningStats | None:
         """Exact statistics from statistics.json; None if absent or written by Activault
         (its file has no count, and its std leaves out within-batch variance)."""
-        listing = self.listings[resolve_hook(self.sites, site)]
+        listing = self.listings[self._site_hooks[site]]
         key = join_key(listing.prefix, STATISTICS)
         if self.store.size(key) is None:
             return None
-        return statistics_from_dict(self.store.get_json(key), source=self.store.url(key))
+        return statistics_from_dict(
+            self._json(f"{listing.hook}/{STATISTICS}"), source=self.store.url(key)
+        )
 
     # ------------------------------------------------------------------ summaries
 
-    def describe(self) -> dict[str, Any]:
-        """Summary for ``actstore inspect`` (no data is downloaded except for ``text``)."""
+    def describe_format(self) -> dict[str, Any]:
+        """The format's part of ``describe()`` (no data is downloaded except for ``text``)."""
         first = next(iter(self.listings.values()))
         md = first.metadata
         n_files = len(first.files)
-        total = sum(f.size for lst in self.listings.values() for f in lst.files)
         out: dict[str, Any] = {
-            "path": self.store.url(self.run_prefix)
-            if len(self.listings) > 1 or self.record
-            else self.store.url(first.prefix),
             "format": "activault (torch.save megabatches, one folder per hook)",
-            "model": self.model_name,
-            "run": self.store.url(self.run_prefix),
-            "sites": {h: str(hook_site(h) or "?") for h in self.listings},
             "shape": (
                 f"{n_files} files x [{md.batch_size} rows, {md.sequence_length} tokens, "
                 f"{md.d_in} dims] per hook ({n_files * md.tokens_per_file} tokens)"
             ),
-            "dtype": md.dtype,
+            "run": self.store.url(self.run_prefix),
+            "hooks": {h: str(self._hook_site(h)) for h in self.listings},
             "bytes_per_file": md.bytes_per_file,
-            "bytes": total,
-            "n_files": n_files * len(self.listings),
         }
         if self.record is not None:
             out["complete"] = self.record.complete
@@ -508,16 +516,64 @@ class ActivaultReader(ReaderBase):
         return [tokenizer.decode([t for t in row if t >= 0]) for row in rows]
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Download every file; check size, loadability, shapes, dtypes, NaN/Inf, the
-        statistics against the data, stray objects and group alignment across hooks."""
-        report = VerifyReport(self.store.url(self.run_prefix))
+        """Every file of the run against its root manifest (one download each), then each
+        megabatch decoded: shapes, dtypes, NaN/Inf, the statistics against the data, stray
+        objects and group alignment across hooks. A run without a manifest (Activault's
+        own) is decoded file by file and reported as unverifiable."""
+        report = VerifyReport(self.url)
         report.notes.extend(self.notes)
-        if self.record is not None and not self.record.xxh3:
-            report.notes.append(
-                "cfg.json records no file checksums (its 'xxh3' list): files are checked for "
-                "size, loadability, shapes and statistics, not against what was written"
-            )
+        self._scan: dict[str, Any] = {
+            h: {
+                "stats": RunningStats(lst.metadata.d_in),
+                "non_finite": 0,
+                "buf": bytearray(),
+                "index": 0,
+            }
+            for h, lst in self.listings.items()
+        }
+        n_files, n_bytes = self.checks.verify(
+            report.faults, progress=progress, on_chunk=self.scan_chunk
+        )
+        report.files_checked, report.bytes_checked = n_files, n_bytes
+        if self.checks.manifest is None:  # decode what there is, unverified
+            for hook, listing in self.listings.items():
+                for i, f in enumerate(listing.files):
+                    data = self.fetch(hook, i)
+                    self._decoded(hook, bytes(data), report_to=report)
+                    report.files_checked += 1
+                    report.bytes_checked += f.size
+                    if progress is not None:
+                        progress(f.size)
+        self.verify_content(report)
+        return report
+
+    def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
+        """Gather each megabatch file as verify reads it; decode it when whole."""
+        hook, _, base = name.rpartition("/")
+        scan = getattr(self, "_scan", {}).get(hook)
+        if scan is None or parse_data_file(base) is None:
+            return
+        scan["buf"] += data
+        if len(scan["buf"]) == self.listings[hook].metadata.bytes_per_file:
+            self._decoded(hook, bytes(scan["buf"]))
+            scan["buf"] = bytearray()
+
+    def _decoded(self, hook: str, data: bytes, report_to: VerifyReport | None = None) -> None:
+        scan = self._scan[hook]
+        listing = self.listings[hook]
+        try:
+            mb = check_megabatch(load_megabatch(data, source=hook), listing.metadata, hook)
+        except CorruptStoreError as err:
+            scan.setdefault("faults", []).append(str(err))
+            return
+        states = mb["states"].reshape(-1, listing.metadata.d_in).to(torch.float32)
+        scan["non_finite"] += int((~torch.isfinite(states)).sum())
+        scan["stats"].update(states.numpy())
+
+    def verify_content(self, report: VerifyReport) -> None:
         for hook, listing in self.listings.items():
+            scan = self._scan[hook]
+            report.faults.extend(scan.get("faults", []))
             for name in listing.strays:
                 report.faults.append(
                     f"{hook}/{name} is not a megabatch file; Activault's reader would read it "
@@ -528,25 +584,12 @@ class ActivaultReader(ReaderBase):
                     f"{hook}/{name} belongs to no committed group (left by an interrupted "
                     "capture); rerun that capture to clean it up, or delete it"
                 )
-            stats = RunningStats(listing.metadata.d_in)
-            non_finite = 0
-            for i, f in enumerate(listing.files):
-                try:
-                    mb = self.megabatch(hook, i)
-                except CorruptStoreError as err:
-                    report.faults.append(str(err))
-                    continue
-                finally:
-                    report.files_checked += 1
-                    report.bytes_checked += f.size
-                    if progress is not None:
-                        progress(f.size)
-                states = mb["states"].reshape(-1, listing.metadata.d_in).to(torch.float32)
-                non_finite += int((~torch.isfinite(states)).sum())
-                stats.update(states.numpy())
-            if non_finite:
-                report.notes.append(f"{hook}: {non_finite} activation values are NaN or infinite")
-            stored = self.statistics(hook)
+            if scan["non_finite"]:
+                report.notes.append(
+                    f"{hook}: {scan['non_finite']} activation values are NaN or infinite"
+                )
+            stats = scan["stats"]
+            stored = self.site_statistics(self._hook_site(hook))
             if stored is None:
                 report.notes.append(f"{hook}: no exact statistics.json (count missing) to check")
             elif stored.count != stats.count or not (
@@ -557,7 +600,6 @@ class ActivaultReader(ReaderBase):
                     f"{hook}/statistics.json does not match the data (count {stored.count} vs "
                     f"{stats.count} tokens stored)"
                 )
-        return report
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -565,6 +607,7 @@ class ActivaultReader(ReaderBase):
         if self._pool is not None and self._pid == os.getpid():
             self._pool.shutdown(wait=False)
         self._pool = None
+        self.files.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = {**self.__dict__, "_pool": None}

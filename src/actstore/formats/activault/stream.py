@@ -40,7 +40,7 @@ import torch
 from ...errors import ConfigError
 from ...storage.object import S3Config
 from .layout import parse_dtype
-from .reader import ActivaultReader, resolve_hook
+from .reader import ActivaultReader
 
 
 @dataclass
@@ -118,7 +118,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
         self.files = [
             (ri, fi, r.metadata(h).tokens_per_file)
             for ri, (r, h) in enumerate(zip(self.readers, self.hooks))
-            for fi in range(len(r.files(h)))
+            for fi in range(len(r.data_files(h)))
         ]
         if not self.files:
             raise ConfigError(f"{', '.join(map(str, locations))} hold no megabatch files")
@@ -132,13 +132,13 @@ class ActivaultStream(torch.utils.data.IterableDataset):
     @staticmethod
     def _pick_hook(reader: ActivaultReader, hook: Hashable | None) -> str:
         if hook is not None:
-            return resolve_hook(reader.sites, hook)
-        if len(reader.sites) != 1:
+            return reader.hook_of(hook)
+        if len(reader.hooks) != 1:
             raise ConfigError(
-                f"{reader.location} holds hooks {reader.sites}; choose one with hook=, or give "
+                f"{reader.url} holds hooks {reader.hooks}; choose one with hook=, or give "
                 "the hook's folder"
             )
-        return reader.sites[0]
+        return reader.hooks[0]
 
     def _check_compatible(self) -> None:
         ref, ref_hook = self.readers[0], self.hooks[0]
@@ -154,7 +154,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
                 problems.append(f"model {reader.model_name!r} vs {ref.model_name!r}")
             if problems:
                 raise ConfigError(
-                    f"cannot mix {reader.location} ({hook}) into a stream with {ref.location} "
+                    f"cannot mix {reader.url} ({hook}) into a stream with {ref.url} "
                     f"({ref_hook}): {'; '.join(problems)}"
                 )
 
@@ -174,7 +174,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
         h = hashlib.sha256()
         for ri, fi, n in self.files:
             reader = self.readers[ri]
-            f = reader.files(self.hooks[ri])[fi]
+            f = reader.data_files(self.hooks[ri])[fi]
             h.update(f"{reader.store.url(f.key)}:{f.size}:{n}\n".encode())
         return h.hexdigest()[:16]
 

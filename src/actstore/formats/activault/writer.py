@@ -43,17 +43,32 @@ import xxhash
 
 from ...batch import Batch, CapturePlan
 from ...errors import ActstoreError, CaptureError, CorruptStoreError, StoreExistsError
+from ...faults import point
+from ...sites import Site
 from ...stats import RunningStats
+from ...storage.location import Location
+from ...storage.lock import StoreLock
+from ...storage.manifest import (
+    BLOCKS,
+    MANIFEST,
+    FileEntry,
+    ManifestBuilder,
+    block_keys,
+    file_digest,
+    store_id_of,
+)
 from ...storage.object import (
     LocalStore,
     ObjectStore,
     S3Config,
     S3Store,
     base_name,
+    is_internal,
     join_key,
     open_location,
 )
-from ..base import WriterBase
+from ...storage.s3lock import S3Lock
+from ..base import WriterBase, summary_of
 from .layout import (
     CFG,
     DTYPES,
@@ -116,8 +131,9 @@ class HookUploader:
         expected_bytes: int | None,
         on_done: Callable[[int, str, int, RunningStats, str], None],
         on_error: Callable[[BaseException], None],
+        store_id: str = "0" * 16,
     ) -> None:
-        self.hook, self.prefix, self.store = hook, prefix, store
+        self.hook, self.prefix, self.store, self.store_id = hook, prefix, store, store_id
         self.expected_bytes = expected_bytes
         self.on_done, self.on_error = on_done, on_error
         self.files = 0
@@ -168,7 +184,10 @@ class HookUploader:
                 f"{expected} bytes (bytes_per_file); Activault's reader needs every file of a "
                 "hook to be exactly the same size"
             )
-        digest = xxhash.xxh3_64_hexdigest(data)
+        name = f"{self.hook}/{data_file_name(job.uuid, job.group + 1)}"
+        digest = (
+            f"{xxhash.xxh3_64_intdigest(data) ^ int(block_keys(self.store_id, name, 0, 1)[0]):016x}"
+        )
         self.store.put(key, data)
         del data
         with self._lock:
@@ -227,7 +246,7 @@ class ActivaultWriter(WriterBase):
     def __init__(
         self,
         plan: CapturePlan,
-        out: str,
+        out: str | Location,
         options: ActivaultOptions | None = None,
         *,
         s3: S3Config | None = None,
@@ -235,7 +254,7 @@ class ActivaultWriter(WriterBase):
         options = options or ActivaultOptions()
         self.plan, self.options = plan, options
         self._s3 = options.s3_config(s3)
-        self.store, self.run_prefix = open_location(out, self._s3)
+        self.store, self.run_prefix = open_location(str(out), self._s3)
         self.location = location_of(self.store, self.run_prefix)
         self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
         check_hook_prefixes(self.hooks)
@@ -255,7 +274,41 @@ class ActivaultWriter(WriterBase):
         self._metadata_bytes: dict[str, int] = {}
         self._packer = _Packer(list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype)
         self._stats: dict[str, RunningStats] | None = None
-        self._open()
+        self.identity = {
+            "hooks": self.hooks,
+            "rows_per_file": self.rows,
+            "sequence_length": self.seq,
+            "dtype": options.dtype,
+            "plan": plan_record(plan),
+        }
+        self.store_id = store_id_of(self.identity)
+        if not self.run_prefix:
+            raise CaptureError(f"{self.location}: give a run name, e.g. s3://bucket/my-run")
+        if isinstance(self.store, S3Store):
+            self.store.check_bucket()
+            self._write_lock: Any = S3Lock.acquire(self.store, self.run_prefix)
+        else:
+            self._write_lock = StoreLock.acquire(self.store.url(self.run_prefix))
+        try:
+            self._open()
+        except BaseException:
+            self._write_lock.release()
+            raise
+
+    @classmethod
+    def from_plan(
+        cls, plan: CapturePlan, location: Location, options: Any = None
+    ) -> ActivaultWriter:
+        """The writer of ``plan`` for the run at ``location`` (a directory or ``s3://``)."""
+        options = options or ActivaultOptions()
+        return cls(
+            plan,
+            Location.parse(
+                location,
+                s3=options.s3_config(location.s3 if isinstance(location, Location) else None),
+            ).url,
+            options,
+        )
 
     # ------------------------------------------------------------------ open / resume
 
@@ -267,7 +320,8 @@ class ActivaultWriter(WriterBase):
 
     def _new_record(self) -> RunRecord:
         return RunRecord(
-            run_id=str(uuid_lib.uuid4()),
+            # from the capture record: a rerun names every file as the first attempt did
+            run_id=str(uuid_lib.UUID(hex=xxhash.xxh3_128_hexdigest(self.store_id.encode()))),
             hooks=self.hooks,
             rows_per_file=self.rows,
             sequence_length=self.seq,
@@ -276,10 +330,6 @@ class ActivaultWriter(WriterBase):
         )
 
     def _open(self) -> None:
-        if not self.run_prefix:
-            raise CaptureError(f"{self.location}: give a run name, e.g. s3://bucket/my-run")
-        if isinstance(self.store, S3Store):
-            self.store.check_bucket()
         cfg_key = self._key(CFG)
         if self.store.size(cfg_key) is None:
             self._start_new_run()
@@ -295,7 +345,7 @@ class ActivaultWriter(WriterBase):
     def _start_new_run(self) -> None:
         existing = self.store.list_dirs(self.run_prefix)
         check_hook_prefixes([*existing, *(h for h in self.hooks if h not in existing)])
-        if next(iter(self.store.list(self.run_prefix + "/")), None) is not None:
+        if any(not is_internal(o.key) for o in self.store.list(self.run_prefix + "/")):
             raise StoreExistsError(
                 f"{self.location} already holds objects but no cfg.json, so it is not a run "
                 "actstore can resume; choose a new run name"
@@ -330,8 +380,11 @@ class ActivaultWriter(WriterBase):
             )
         self.record = record
         if record.complete:
+            if self.store.size(self._key(MANIFEST)) is None:  # a crash before the manifest
+                self._write_manifest()
             self.complete = True
             self.resume_from = self.plan.n_examples
+            self._write_lock.release()
             log.info("%s is already complete; nothing to write", self.location)
             return
         aborted = self.store.abort_incomplete(self.run_prefix + "/")
@@ -431,6 +484,7 @@ class ActivaultWriter(WriterBase):
                 expected_bytes=self._metadata_bytes.get(hook),
                 on_done=self._uploaded,
                 on_error=self._fail,
+                store_id=self.store_id,
             )
 
     def write(self, batch: Batch) -> None:
@@ -508,7 +562,7 @@ class ActivaultWriter(WriterBase):
                 "left": set(self.hooks),
                 "position": position,
                 "stats": {},
-                "xxh3": {},
+                "digests": {},
             }
         ids = ids.view(self.rows, self.seq)
         for hook in self.hooks:
@@ -524,7 +578,7 @@ class ActivaultWriter(WriterBase):
                 self._metadata_bytes.setdefault(hook, nbytes)
                 self._pending[group]["left"].discard(hook)
                 self._pending[group]["stats"][hook] = stats
-                self._pending[group]["xxh3"][hook] = digest
+                self._pending[group]["digests"][hook] = digest
                 while True:  # commit finished groups in order
                     head = self._pending.get(self.record.groups)
                     if head is None or head["left"]:
@@ -548,14 +602,9 @@ class ActivaultWriter(WriterBase):
                 ).with_bytes(self._metadata_bytes[hook])
                 self.store.put_json(join_key(self._hook_prefix(hook), METADATA), md.to_dict())
         example, skip = pending["position"]
-        known = all(len(self.record.xxh3.get(h, [])) == group for h in self.hooks)
-        xxh3 = (  # a run begun by an actstore without digests stays without them
-            {h: [*self.record.xxh3.get(h, []), pending["xxh3"][h]] for h in self.hooks}
-            if known
-            else {}
-        )
+        digests = {h: [*self.record.digests.get(h, []), pending["digests"][h]] for h in self.hooks}
         self.record = replace(
-            self.record, groups=group + 1, next_example=example, next_skip=skip, xxh3=xxh3
+            self.record, groups=group + 1, next_example=example, next_skip=skip, digests=digests
         )
         self._write_cfg()
         for hook, stats in pending["stats"].items():  # merged in group order: deterministic
@@ -585,14 +634,21 @@ class ActivaultWriter(WriterBase):
             )
         self._raise_if_failed()
 
-    def close(self) -> str:
+    def _write_manifest(self) -> None:
+        """The root manifest of the complete run, put last: every committed file (its
+        keyed digest from the commit record), each hook's metadata and statistics, cfg.json."""
+        write_run_manifest(
+            self.store, self.run_prefix, self.record, self.store_id, self.plan.d_model
+        )
+
+    def close(self) -> Location:
         """Upload what is queued, mark the run complete, and return its location.
 
         Kept tokens after the last full file are dropped (every file must be the same
         size, as Activault's reader requires); the count is logged and recorded.
         """
         if self.complete:
-            return self.location
+            return Location.parse(self.location)
         self._raise_if_failed()
         dropped = self._packer.fill
         for uploader in self._uploaders.values():
@@ -614,6 +670,9 @@ class ActivaultWriter(WriterBase):
         with self._lock:
             self.record = replace(self.record, complete=True, dropped_tokens=dropped)
             self._write_cfg()
+        point("activault.completed")
+        self._write_manifest()
+        self._write_lock.release()
         self.complete = True
         log.info(
             "published %s: %d files per hook, %d tokens each",
@@ -621,12 +680,55 @@ class ActivaultWriter(WriterBase):
             self.record.groups,
             self.tokens_per_file,
         )
-        return self.location
+        return Location.parse(self.location)
 
     def abort(self) -> None:
         """Stop without marking the run complete; committed files stay for a resume."""
         for uploader in self._uploaders.values():
             uploader.close(abort=True)
+        self._write_lock.release()
+
+
+def write_run_manifest(
+    store: ObjectStore, run_prefix: str, record: RunRecord, store_id: str, d_model: int
+) -> None:
+    """Put the root manifest of the complete run ``record`` describes (its last object)."""
+    builder = ManifestBuilder(format="activault", store_id=store_id, record=store_id)
+    for hook in record.hooks:
+        md = HookMetadata.from_dict(
+            store.get_json(join_key(run_prefix, hook, METADATA)),
+            source=store.url(join_key(run_prefix, hook, METADATA)),
+        )
+        digests = record.digests.get(hook, [])
+        if len(digests) != record.groups:
+            raise CorruptStoreError(
+                f"{store.url(run_prefix)}: cfg.json records {len(digests)} file digests of "
+                f"{hook} for {record.groups} committed files; capture the run again"
+            )
+        for g, text in enumerate(digests):
+            name = f"{hook}/{data_file_name(group_uuid(record.run_id, g), g + 1)}"
+            value = np.array([int(text, 16)], dtype="<u8")
+            builder.add(
+                name,
+                FileEntry(size=md.bytes_per_file, digest=file_digest(value), single=text),
+                value,
+            )
+        for name in (METADATA, STATISTICS):
+            key = join_key(run_prefix, hook, name)
+            if store.size(key) is not None:
+                builder.add_bytes(f"{hook}/{name}", store.get(key))
+    builder.add_bytes(CFG, store.get(join_key(run_prefix, CFG)))
+    rows = record.groups * record.tokens_per_file
+    summary = summary_of(
+        sites=[Site.parse(s) for s in record.hooks.values()],
+        d_model=d_model,
+        dtype=record.dtype,
+        rows=rows,
+    )
+    manifest, blocks = builder.build(summary=summary)
+    if blocks is not None:
+        store.put(join_key(run_prefix, BLOCKS), blocks)
+    store.put(join_key(run_prefix, MANIFEST), manifest)
 
 
 #: Largest default megabatch file (Activault's 70B configs write 4 GiB files; smaller files

@@ -1,20 +1,21 @@
-"""Read a pkl.gz store safely: checksums verified, a restricted unpickler, ids checked.
+"""Read a pkl.gz store safely: every byte checked before it is parsed.
 
-Opening validates ``metadata.json`` (required fields, disjoint sample id ranges, every
-listed shard present with its recorded size, inside the store, and, in stores actstore
-wrote, every shard holding every layer and metadata.json matching the xxh3-128 digest in
-the hidden manifest ``.actstore-manifest.xxh128``). Loading a shard reads it once, hashing
-the bytes as they stream through gzip into :mod:`actstore.safe_pickle` (which refuses
-anything but numeric arrays, plain containers and scalars, and stops reading past the
-size the metadata declares), then compares the sha256 with the metadata (unless
-``verify_reads=False``) and checks the shard's structure: exactly the listed layers, each
-listing the same sample ids, inside the declared range, without repeats, arrays of the
-declared width. The last decoded shard is cached, so reading the blocks of every layer of
-one shard decodes it once.
+Opening validates ``metadata.json`` (read through the store's root manifest: an edited file
+fails before it is parsed) for required fields, disjoint sample id ranges, every listed
+shard present with its recorded size, and, in stores actstore wrote, every shard holding
+every layer and the sample count the capture declared. Loading a shard reads its bytes
+whole, checks them (the keyed manifest digest and the spec's sha256) and only then
+decompresses and unpickles them, through :mod:`actstore.safe_pickle`: a restricted
+unpickler that refuses anything but numeric arrays, plain containers and scalars, and
+refuses to read or allocate more than the metadata allows (a gzip or pickle bomb is stopped
+before its memory is taken). The shard's structure is then checked: exactly the listed
+layers, each listing the same sample ids, inside the declared range, without repeats,
+arrays of the declared width. The last decoded shard is cached, so reading the blocks of
+every layer of one shard decodes it once.
 
 Example:
     >>> r = PickleReader("acts-pkl")  # doctest: +SKIP
-    >>> for item in r.items(15):  # the spec's iter_activations, verified  # doctest: +SKIP
+    >>> for item in r.items(15):  # the spec's iter_activations, checked  # doctest: +SKIP
     ...     item["activation"].shape, item["sample_idx"]
 """
 
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import hashlib
 import io
 import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,21 +40,17 @@ from ...errors import (
     ConfigError,
     CorruptStoreError,
     IndexOutOfRangeError,
-    LayerNotStoredError,
     StoreNotFoundError,
     UnsafeDataError,
 )
+from ...sites import Site
 from ...stats import RunningStats
-from ...storage import FileHasher, read_json
-from ...storage.files import StoreFiles, open_files
-from ...storage.local import IO_CHUNK
+from ...storage.location import Location
 from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
-    MANIFEST,
     MAX_SHARD_BYTES,
     METADATA,
-    PROGRESS,
     PickleMetadata,
     ShardInfo,
     is_shard_filename,
@@ -65,35 +62,16 @@ from .layout import (
 ITEM_OVERHEAD = 64 << 10
 
 
-class _HashingReader:
-    """Read-only file wrapper hashing every byte read (what gzip and pickle read from)."""
-
-    def __init__(self, raw, progress: Callable[[int], None] | None = None) -> None:
-        self.raw, self.hasher, self.progress = raw, FileHasher("sha256"), progress
-
-    def _seen(self, data) -> None:
-        self.hasher.update(data)
-        if self.progress is not None:
-            self.progress(len(data))
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self._seen(data)
-        return data
-
-    def readinto(self, buffer) -> int:
-        n = self.raw.readinto(buffer)
-        self._seen(memoryview(buffer)[:n])
-        return n
-
-    def readline(self, limit: int = -1) -> bytes:
-        data = self.raw.readline(limit)
-        self._seen(data)
-        return data
-
-    def drain(self) -> None:
-        while self.read(IO_CHUNK):
-            pass
+def detect(files) -> bool:
+    """``metadata.json`` with the spec's ``shards`` and ``extraction_config`` (damaged JSON
+    beside pkl.gz shards is claimed, so the reader names the fault)."""
+    if not files.exists(METADATA):
+        return False
+    try:
+        doc = files.read_json(METADATA)
+    except CorruptStoreError:
+        return any(is_shard_filename(n) for n in files.list())
+    return isinstance(doc, dict) and "shards" in doc and "extraction_config" in doc
 
 
 class PickleReader(ReaderBase):
@@ -102,9 +80,11 @@ class PickleReader(ReaderBase):
     it is read. ``cache_dir`` / ``cache_bytes`` / ``s3``: the local cache tier and S3
     settings of a remote store (default ``$ACTSTORE_CACHE``)."""
 
+    format_name = "pickle"
+
     def __init__(
         self,
-        path: str | os.PathLike,
+        location: str | os.PathLike | Location,
         *,
         cache_shards: int = 1,
         verify_reads: bool = True,
@@ -112,81 +92,60 @@ class PickleReader(ReaderBase):
         cache_bytes: int | str | None = None,
         s3: S3Config | None = None,
     ) -> None:
-        self.files: StoreFiles = open_files(
-            path, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
+        self._open_location(
+            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
         )
-        self.remote = self.files.local_path is None
-        self.verify_reads = verify_reads
-        self.path = self.files.local_path or Path(self.files.url)
-        meta = self.path / METADATA
-        if not self.remote and not self.path.is_dir():
-            raise StoreNotFoundError(f"{self.path} is not a directory of pkl.gz shards")
+        if self.location.name.endswith(".partial"):
+            raise CorruptStoreError(
+                f"{self.url} is an unfinished capture (a .partial directory): rerun the same "
+                "capture command to resume and publish it"
+            )
         if not self.files.exists(METADATA):
-            meta = self.files.url_of(METADATA)
-            if self.files.exists(PROGRESS):
-                raise CorruptStoreError(
-                    f"{self.files.url} is an unfinished capture (no metadata.json yet): rerun the "
-                    "same capture command to resume and publish it"
-                )
-            raise StoreNotFoundError(f"{meta} does not exist; is {self.files.url} a pkl.gz store?")
-        self._check_manifest()
+            raise StoreNotFoundError(
+                f"{self.files.url_of(METADATA)} does not exist; is {self.url} a pkl.gz store?"
+            )
+        raw = self.files.read_json(METADATA)
+        ours = isinstance(raw, dict) and bool((raw.get("extraction_config") or {}).get("actstore"))
+        self._open_checks(ours=ours)
         self.metadata = PickleMetadata.from_json_dict(
-            self.files.read_json(METADATA) if self.remote else read_json(meta),
-            source=self.files.url_of(METADATA),
+            self.checks.read_json(METADATA), source=self.files.url_of(METADATA)
         )
         self.shards = sorted(self.metadata.shards, key=lambda s: s.sample_id_range)
         self._check_declared()
-        root = self.path.resolve()
         for info in self.shards:
-            file, size = self._where(info.filename), self.files.size(info.filename)
-            if not self.remote and not Path(file).resolve().is_relative_to(root):
-                raise CorruptStoreError(
-                    f"shard {file} is a symlink to {Path(file).resolve()}, outside the store; "
-                    "a store's files must lie inside it: copy the file in or re-capture"
-                )
+            url, size = self.files.url_of(info.filename), self.files.size(info.filename)
             if size is None:
-                raise StoreNotFoundError(f"shard {file} is missing; restore it or re-capture")
+                raise StoreNotFoundError(f"shard {url} is missing; restore it or re-capture")
             if size != info.size_bytes:
                 raise CorruptStoreError(
-                    f"shard {file} has {size} bytes, metadata.json says "
+                    f"shard {url} has {size} bytes, metadata.json says "
                     f"{info.size_bytes}: it is truncated or was replaced; restore it"
                 )
         self._firsts = [s.sample_id_range[0] for s in self.shards]
         self._cache_size = max(1, cache_shards)
         self._cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._rows: dict[int, int] = {}
-
-    def _check_manifest(self) -> None:
-        """metadata.json must match the digest actstore recorded when it published."""
-        if not self.files.exists(MANIFEST):
-            return
-        text = self.files.read_bytes(MANIFEST).decode("utf-8")
-        listed = dict(line.split("  ", 1)[::-1] for line in text.splitlines() if "  " in line)
-        hasher = FileHasher("xxh128")
-        hasher.update(self.files.read_bytes(METADATA))
-        if listed.get(METADATA) != hasher.hexdigest():
-            raise CorruptStoreError(
-                f"{self.files.url_of(METADATA)} does not match the digest in {MANIFEST}: it was edited after the "
-                "store was published; restore it or re-capture"
-            )
+        self._check_summary()
 
     def _check_declared(self) -> None:
         """Cheap consistency checks, so tampered metadata fails instead of serving less."""
         md = self.metadata
         hidden = (md.extraction_config.get("model_params") or {}).get("hidden_size")
         if hidden is not None and (not isinstance(hidden, int) or hidden < 1):
-            raise CorruptStoreError(f"{self.path / METADATA}: hidden_size {hidden!r} is invalid")
+            raise CorruptStoreError(
+                f"{self.files.url_of(METADATA)}: hidden_size {hidden!r} is invalid"
+            )
         stray = [info.layers for info in self.shards if set(info.layers) - set(md.layers)]
         if stray:
             raise CorruptStoreError(
-                f"{self.path / METADATA}: a shard lists layers {list(stray[0])} outside "
+                f"{self.files.url_of(METADATA)}: a shard lists layers {list(stray[0])} outside "
                 f"layers_extracted {list(md.layers)}"
             )
         if md.actstore:  # written by actstore: every shard holds every layer
             short = [i.filename for i in self.shards if set(i.layers) != set(md.layers)]
             if short:
                 raise CorruptStoreError(
-                    f"{self.path / METADATA}: shard {short[0]} does not list every layer of "
+                    f"{self.files.url_of(METADATA)}: shard {short[0]} does not list every layer of "
                     f"{list(md.layers)} (actstore writes all layers to every shard): the "
                     "metadata was edited; restore it or re-capture"
                 )
@@ -199,7 +158,7 @@ class PickleReader(ReaderBase):
                 declared = md.n_samples
             if md.n_samples != declared:
                 raise CorruptStoreError(
-                    f"{self.path / METADATA}: the shards hold {md.n_samples} samples, the "
+                    f"{self.files.url_of(METADATA)}: the shards hold {md.n_samples} samples, the "
                     f"capture declared {declared}; restore the metadata or re-capture"
                 )
 
@@ -216,9 +175,40 @@ class PickleReader(ReaderBase):
     # ------------------------------------------------------------------ properties
 
     @property
-    def sites(self) -> tuple[int, ...]:
-        """The stored layers (``layer_{idx}`` keys), as ints like the saev reader's."""
-        return self.metadata.layers
+    def sites(self) -> tuple[Site, ...]:
+        """The stored layers (the spec's ``layer_{idx}`` keys) as ``resid.idx`` sites."""
+        return plan_sites(self.metadata.layers)
+
+    def native_name(self, site: Site) -> str:
+        return layer_key(site.layer)
+
+    @property
+    def shape(self) -> tuple[int, int, int | None, int]:
+        """``(n_samples, n_layers, tokens per sample or None when they differ, d)``."""
+        own = self.metadata.actstore.get("tokens_per_example")
+        return (self.n_examples, len(self.layers), own, self.d_model)
+
+    def n_rows(self, site: Any) -> int:
+        layer = self.site(site).layer
+        return sum(self.shard_rows(i) for i, info in enumerate(self.shards) if layer in info.layers)
+
+    @property
+    def tokens(self) -> np.ndarray | None:
+        """Token ids ``[n_samples, T]`` (int32) from every item's ``metadata.token_ids``, in
+        sample id order (each shard read and checked), or None where items lack them."""
+        if not self.metadata.actstore.get("has_tokens"):
+            return None
+        rows = []
+        layer = self.layers[0]
+        for item in self.items(layer):
+            ids = (item.get("metadata") or {}).get("token_ids")
+            if ids is None:
+                return None
+            rows.append(np.asarray(ids, dtype=np.int32))
+        try:
+            return np.stack(rows) if rows else np.empty((0, 0), np.int32)
+        except ValueError:
+            return None
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -230,7 +220,7 @@ class PickleReader(ReaderBase):
         if isinstance(hidden, int):
             return hidden
         if not self.shards:
-            raise CorruptStoreError(f"{self.files.url}: no shards and no model_params.hidden_size")
+            raise CorruptStoreError(f"{self.url}: no shards and no model_params.hidden_size")
         first = self.load_shard(0)[layer_key(self.shards[0].layers[0])][0]
         return int(first["activation"].shape[1])
 
@@ -247,7 +237,7 @@ class PickleReader(ReaderBase):
 
     def __repr__(self) -> str:
         return (
-            f"PickleReader({self.files.url!r}, samples={self.n_examples}, "
+            f"PickleReader({self.url!r}, samples={self.n_examples}, "
             f"layers={list(self.layers)}, shards={len(self.shards)})"
         )
 
@@ -255,8 +245,9 @@ class PickleReader(ReaderBase):
         return {**self.__dict__, "_cache": OrderedDict()}
 
     def close(self) -> None:
-        """Drop cached shards."""
+        """Drop cached shards and open files."""
         self._cache.clear()
+        self.files.close()
 
     # ------------------------------------------------------------------ shards
 
@@ -276,42 +267,34 @@ class PickleReader(ReaderBase):
             self._cache.popitem(last=False)
         return data
 
-    def _where(self, name: str) -> Any:
-        """How messages name file ``name`` (its path, or its URL on object storage)."""
-        return self.files.url_of(name) if self.remote else self.path / name
-
-    def _open(self, info: ShardInfo) -> Any:
-        """A binary file object over shard ``info`` (the I/O seam): the local file, or the
-        whole remote object fetched with ranged GETs (kept in the cache tier if any)."""
-        if not self.remote:
-            return open(self.path / info.filename, "rb")
-        return io.BytesIO(self.files.read_range(info.filename, 0, info.size_bytes))
-
     def _read(self, info: ShardInfo, progress: Callable[[int], None] | None) -> dict[str, Any]:
-        file = self._where(info.filename)
-        try:
-            with self._open(info) as raw:
-                tee = _HashingReader(raw, progress)
-                if info.compressed:
-                    with gzip.GzipFile(fileobj=tee, mode="rb") as gz:
-                        data = safe_pickle.load(gz, max_bytes=self._max_shard_bytes(info))
-                        if gz.read(IO_CHUNK):  # to the end: checks gzip's CRC too
-                            raise CorruptStoreError("bytes follow the pickle")
-                else:
-                    data = safe_pickle.load(tee, max_bytes=self._max_shard_bytes(info))
-                tee.drain()
-        except (OSError, EOFError, zlib.error) as err:
-            raise CorruptStoreError(
-                f"shard {file} cannot be decompressed ({err}); it is "
-                "damaged: restore it or re-capture"
-            ) from err
-        except CorruptStoreError as err:
-            raise CorruptStoreError(f"shard {file}: {err}") from err
-        if self.verify_reads and tee.hasher.hexdigest() != info.sha256:
+        """Shard ``info``: its bytes read whole and checked, then decompressed and unpickled
+        within the bounds the metadata allows."""
+        file = self.files.url_of(info.filename)
+        raw = self.files.read_bytes(info.filename)
+        if progress is not None:
+            progress(len(raw))
+        self.checks.check(info.filename, 0, raw)
+        if self.verify_reads and hashlib.sha256(raw).hexdigest() != info.sha256:
             raise CorruptStoreError(
                 f"shard {file} fails its checksum (metadata.json has {info.checksum}); the file "
                 "was changed after it was written: restore it or re-capture"
             )
+        limit = self._max_shard_bytes(info)
+        try:
+            if info.compressed:
+                with gzip.GzipFile(fileobj=io.BytesIO(raw), mode="rb") as gz:
+                    data = safe_pickle.load(gz, max_bytes=limit)
+                    if gz.read(1 << 16):  # to the end: checks gzip's CRC too
+                        raise CorruptStoreError("bytes follow the pickle")
+            else:
+                data = safe_pickle.load(io.BytesIO(raw), max_bytes=limit)
+        except (OSError, EOFError, zlib.error) as err:
+            raise CorruptStoreError(
+                f"shard {file} cannot be decompressed ({err}); it is damaged: restore it or re-capture"
+            ) from err
+        except CorruptStoreError as err:
+            raise CorruptStoreError(f"shard {file}: {err}") from err
         self._check_structure(data, info, file)
         return data
 
@@ -382,36 +365,54 @@ class PickleReader(ReaderBase):
     # ------------------------------------------------------------------ blocks
 
     def _layer(self, site: Any) -> int:
-        layer = int(site)
-        if layer not in self.metadata.layers:
-            raise LayerNotStoredError(
-                f"layer {layer} is not stored here; stored layers: {list(self.metadata.layers)}"
-            )
-        return layer
+        return self.site(site).layer
 
-    def blocks(self, site: Any) -> list[Block]:
+    def site_blocks(self, site: Site) -> list[Block]:
         """One block per shard holding ``site``: its samples' rows, in sample id order."""
-        layer = self._layer(site)
         return [
-            Block(site=layer, n_rows=self.shard_rows(i), loc=(i,))
+            Block(site=site, n_rows=self.shard_rows(i), loc=(i,))
             for i, info in enumerate(self.shards)
-            if layer in info.layers
+            if site.layer in info.layers
         ]
 
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``block`` as ``[n_rows, D]`` float32."""
         (index,) = block.loc
-        items = self.load_shard(index)[layer_key(int(block.site))]
+        items = self.load_shard(index)[layer_key(block.site.layer)]
         if out is None:
             out = np.empty((block.n_rows, self.d_model), dtype=self.dtype)
         np.concatenate([item["activation"] for item in items], out=out, casting="same_kind")
         return out
 
-    def statistics(self, site: Any) -> RunningStats | None:
-        """Exact running statistics of layer ``site`` (None in stores that lack them)."""
-        layer = self._layer(site)
-        record = (self.metadata.statistics.get("activation_statistics") or {}).get(layer_key(layer))
+    def site_statistics(self, site: Site) -> RunningStats | None:
+        """Exact running statistics of ``site`` (None in stores that lack them)."""
+        record = (self.metadata.statistics.get("activation_statistics") or {}).get(
+            layer_key(site.layer)
+        )
         return None if record is None else RunningStats.from_dict(record)
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """``reader[sample, site, token]`` of fixed-length stores (samples in sample id
+        order): each shard holding a sample asked for is read and checked whole."""
+        t = self.metadata.actstore.get("tokens_per_example")
+        if not isinstance(t, int):
+            raise ConfigError(f"{self.url}: samples have no fixed length; use item() or items()")
+        examples, site, token, scalar = self.split_key(key, self.n_examples, t)
+        layers = self.layers if site is None else (site.layer,)
+        out = np.empty((len(examples), len(layers), t, self.d_model), dtype=np.float32)
+        counts = np.cumsum([0] + [s.num_samples for s in self.shards])
+        shard_of = np.searchsorted(counts, examples, side="right") - 1
+        for index in np.unique(shard_of).tolist():
+            mine = np.flatnonzero(shard_of == index)
+            data = self.load_shard(index)
+            for j, layer in enumerate(layers):
+                items = data[layer_key(layer)]
+                for i in mine:
+                    out[i, j] = items[int(examples[i] - counts[index])]["activation"]
+        data_out = out[:, :, token]
+        if site is not None:
+            data_out = data_out[:, 0]
+        return data_out[0] if scalar else data_out
 
     # ------------------------------------------------------------------ spec-level access
 
@@ -430,7 +431,7 @@ class PickleReader(ReaderBase):
             for item in self.load_shard(index)[key]:
                 if item["sample_idx"] == sample_idx:
                     return item
-        raise IndexOutOfRangeError(f"sample id {sample_idx} is not stored in {self.files.url}")
+        raise IndexOutOfRangeError(f"sample id {sample_idx} is not stored in {self.url}")
 
     # ------------------------------------------------------------------ conversion
 
@@ -447,9 +448,7 @@ class PickleReader(ReaderBase):
             first = self.load_shard(0)[layer_key(info.layers[0])][0]
             tokens = int(first["activation"].shape[0])
         if not isinstance(tokens, int):
-            raise ConfigError(
-                f"{self.files.url}: metadata gives no sequence length; cannot convert"
-            )
+            raise ConfigError(f"{self.url}: metadata gives no sequence length; cannot convert")
         return CapturePlan(
             ckpt=str(config.get("model_name", "unknown")),
             family=str(config.get("model_architecture", "unknown")),
@@ -495,7 +494,7 @@ class PickleReader(ReaderBase):
             }
         except ValueError as err:
             raise ConfigError(
-                f"{self.files.url}: samples have different lengths; only fixed-length "
+                f"{self.url}: samples have different lengths; only fixed-length "
                 "stores convert to other formats"
             ) from err
         first = columns[0][lo:hi]
@@ -515,24 +514,17 @@ class PickleReader(ReaderBase):
 
     # ------------------------------------------------------------------ inspect / verify
 
-    def describe(self) -> dict[str, Any]:
-        """Summary for ``actstore inspect``."""
+    def describe_format(self) -> dict[str, Any]:
         md = self.metadata
         config = md.extraction_config
-        files = [METADATA] + [s.filename for s in self.shards]
-        out: dict[str, Any] = {
-            "path": self.files.url,
+        return {
             "format": f"pkl.gz activation shards v{md.version}",
-            "model": f"{config.get('model_name')} ({config.get('model_architecture')})",
-            "dataset": config.get("dataset_name"),
-            "sites": [f"layer {layer}" for layer in md.layers],
             "shape": (
                 f"{md.n_samples} samples x {len(md.layers)} layers {list(md.layers)} x "
                 f"{config.get('max_seq_length')} tokens x {self.d_model} dims"
             ),
             "n_examples": md.n_samples,
             "layers": list(md.layers),
-            "d_model": self.d_model,
             "shards": f"{len(self.shards)} ({'gzip' if any(s.compressed for s in self.shards) else 'plain pickle'})",
             "created_at": md.created_at,
             "distributed": {
@@ -540,16 +532,18 @@ class PickleReader(ReaderBase):
                 for k in ("machine_id", "total_machines")
                 if k in md.distributed_config
             },
-            "bytes": sum(self.files.size(f) or 0 for f in files),
-            "files": files,
         }
-        return out
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Re-read every shard: checksum, safe unpickling, structure, NaN/Inf values, and
-        the statistics' totals against the shards. ``progress(n_bytes)`` as data is read."""
-        report = VerifyReport(self.files.url)
-        self._verify_files(report)
+        """Every file against the root manifest, then every shard decoded: checksum, safe
+        unpickling, structure, NaN/Inf values, and the statistics' totals against the
+        shards. ``progress(n_bytes)`` as data is read."""
+        report = VerifyReport(self.url)
+        n_files, n_bytes = self.checks.verify(report.faults, progress=None)
+        listed = {s.filename for s in self.shards}
+        for name in sorted(self.files.list()):
+            if is_shard_filename(name) and name not in listed:
+                report.faults.append(f"{name} is not listed in {METADATA}")
         non_finite = 0
         for index, info in enumerate(self.shards):
             self._cache.pop(index, None)
@@ -558,13 +552,12 @@ class PickleReader(ReaderBase):
             except (CorruptStoreError, UnsafeDataError) as err:
                 report.faults.append(str(err))
                 continue
-            report.files_checked += 1
-            report.bytes_checked += info.size_bytes
             for layer in info.layers:
                 for item in data[layer_key(layer)]:
                     non_finite += int(
                         item["activation"].size - np.count_nonzero(np.isfinite(item["activation"]))
                     )
+        report.files_checked, report.bytes_checked = max(n_files, len(self.shards)), n_bytes
         totals = self.metadata.statistics
         if totals.get("total_samples", self.n_examples) != self.n_examples:
             report.faults.append(
@@ -599,33 +592,3 @@ class PickleReader(ReaderBase):
             report.faults.append(f"statistics of layer {layer} have vectors of the wrong length")
             return False
         return stats is not None
-
-    def _verify_files(self, report: VerifyReport) -> None:
-        """Every file inside the store and accounted for; the manifest present (own stores)."""
-        listed = {s.filename for s in self.shards}
-        if not self.remote:
-            root = self.path.resolve()
-            for child in sorted(self.path.iterdir()):
-                if not child.resolve().is_relative_to(root):
-                    report.faults.append(f"{child.name} is a symlink out of the store")
-        for name in sorted(self.files.list()):
-            if is_shard_filename(name) and name not in listed:
-                report.faults.append(f"{name} is not listed in {METADATA}")
-        if not self.files.exists(MANIFEST):
-            message = f"no checksum manifest ({MANIFEST}): metadata.json cannot be verified"
-            (report.faults if self.metadata.actstore else report.notes).append(message)
-
-
-def detect_remote(location: str) -> bool:
-    """Whether ``s3://bucket/prefix`` holds a pkl.gz store (one HEAD and one small GET)."""
-    from ...storage.object import join_key, open_location
-
-    store, prefix = open_location(location)
-    key = join_key(prefix, METADATA)
-    if store.size(key) is None:
-        return False
-    try:
-        doc = store.get_json(key)
-    except CorruptStoreError:
-        return False
-    return isinstance(doc, dict) and "shards" in doc and "extraction_config" in doc

@@ -32,7 +32,7 @@ from ...errors import ConfigError, CorruptStoreError, ProtocolVersionError, Stor
 from ...storage.files import StoreFiles
 from ...storage.location import Location
 from ...storage.manifest import Integrity, block_keys
-from ..base import scratch
+from ..base import PIECE_SLOT, scratch
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
@@ -237,7 +237,7 @@ class StoreMeta:
         for c in range(-(-n_rows // t_chunk)):
             r0, r1 = c * t_chunk, min(n_rows, (c + 1) * t_chunk)
             name = self.chunk_name(part, local, layer_idx, c)
-            buf = scratch(1, chunk_bytes, np.uint8)[0]
+            buf = scratch(1, chunk_bytes, np.uint8, PIECE_SLOT)[0]
             if not self.files.read_exact(name, buf):
                 if sums is not None and sums[c]:
                     raise CorruptStoreError(

@@ -50,6 +50,15 @@ class ZarrOptions:
             "help": ("which tokens of a prompt longer than P_max are kept: 'first' or 'last'")
         },
     )
+    samples_per_shard: int | None = field(
+        default=None,
+        metadata={
+            "help": (
+                "samples per writer shard (a killed capture resumes at the last finished one; "
+                "per-sample arrays are chunked this many rows at a time); None: about 256 MiB"
+            )
+        },
+    )
     dataset_name: str | None = field(
         default=None,
         metadata={
@@ -67,6 +76,7 @@ class ZarrOptions:
             ("r_max", 0),
             ("t_chunk_prompt", 1),
             ("t_chunk_response", 1),
+            ("samples_per_shard", 1),
         ):
             value = getattr(self, name)
             if value is not None and value < least:

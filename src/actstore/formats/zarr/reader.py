@@ -517,8 +517,9 @@ class ZarrReader(ReaderBase):
 
     def capture_plan(self) -> CapturePlan:
         """The capture this store came from (``meta/config.json`` and the attributes). The
-        plan's ``tokens_per_example`` is ``P_max + R_max`` and ``extras`` holds every
-        sample's prompt and response lengths, so a capture of it is this store's layout."""
+        plan's ``tokens_per_example`` is every sample's stored token count when they are
+        all equal (a fixed-length store, which converts to any format), else ``P_max +
+        R_max``; ``extras`` holds every sample's full prompt and response lengths."""
         lay, attrs = self.layout, self.attrs
         config = self.config
         model, dataset = config.get("model") or {}, dict(config.get("dataset") or {})
@@ -545,7 +546,7 @@ class ZarrReader(ReaderBase):
                 model.get("n_layers") or attrs.get("model_num_layers") or max(lay.layers) + 1
             ),
             d_model=lay.hidden_size,
-            tokens_per_example=lay.p_max + lay.r_max,
+            tokens_per_example=self._width(),
             has_cls=bool(model.get("has_cls", False)),
             n_examples=lay.n_samples,
             dataset_root=str(dataset.pop("root", None) or attrs.get("dataset_root") or ""),
@@ -557,12 +558,19 @@ class ZarrReader(ReaderBase):
             extras=extras,
         )
 
+    def _width(self) -> int:
+        """Tokens per example of a fixed-length store, else ``P_max + R_max``."""
+        lengths = self.prompt_len + self.response_len
+        if len(lengths) and (lengths == lengths[0]).all():
+            return int(lengths[0])
+        return self.layout.p_max + self.layout.r_max
+
     def example_batches(self, batch_size: int, start: int = 0) -> Iterator[Batch]:
         """The stored samples as capture batches: prompt then response tokens (padded to
         ``P_max + R_max``), their full lengths, token ids, texts, keys and optional arrays:
         what a capture of this store's layout hands a writer."""
         lay = self.layout
-        width = lay.p_max + lay.r_max
+        width = self._width()
         keys = self._concat(SAMPLE_KEY)
         optional = {
             name: self._concat(OPTIONAL_ARRAYS[name][0])

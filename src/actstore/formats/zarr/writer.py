@@ -256,9 +256,12 @@ def truncation_attrs_from_counts(counts: dict[str, int], n: int) -> dict[str, An
     }
 
 
-def samples_per_shard(layout: ZarrLayout) -> int:
-    """``S``: samples per writer shard (about :data:`SHARD_BYTES` of activations)."""
-    return max(1, min(layout.n_samples, 4096, SHARD_BYTES // max(layout.sample_nbytes, 1)))
+def samples_per_shard(layout: ZarrLayout, options: ZarrOptions) -> int:
+    """``S``: samples per writer shard (``options.samples_per_shard``, else about
+    :data:`SHARD_BYTES` of activations)."""
+    if options.samples_per_shard is not None:
+        return options.samples_per_shard
+    return max(1, min(layout.n_samples, 4096, SHARD_BYTES // max(layout.sample_nbytes(), 1)))
 
 
 class ZarrWriter(ShardedWriter):
@@ -296,7 +299,7 @@ class ZarrWriter(ShardedWriter):
         self.token_ids = plan.has_tokens
         self.optional = tuple(k for k in OPTIONAL_ARRAYS if plan.extras.get(f"has_{k}"))
         self.id_offset = start
-        self.rows = samples_per_shard(self.layout)
+        self.rows = samples_per_shard(self.layout, options)
         super().__init__(
             plan=plan,
             store=store or self.store_location(plan, output, options),
@@ -323,7 +326,8 @@ class ZarrWriter(ShardedWriter):
 
     @classmethod
     def shard_examples(cls, plan: CapturePlan, options: Any) -> int:
-        return samples_per_shard(plan_store(plan, options or ZarrOptions())[0])
+        options = options or ZarrOptions()
+        return samples_per_shard(plan_store(plan, options)[0], options)
 
     @classmethod
     def for_shard(
