@@ -232,7 +232,7 @@ def bench_ray(root: Path, examples: int) -> None:
         torch.set_num_threads(threads)
         with Timer() as single:
             out = str(root / f"one-{threads}")
-            one = capture(cfg, lambda plan, out=out: spec.writer_for_plan(plan, out, options))
+            one = capture(cfg, lambda plan, out=out: spec.open_writer(plan, out, options))
         runs[threads] = (single.seconds, one)
     base_s, one = runs[1]
     with Timer() as start:

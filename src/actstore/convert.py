@@ -3,7 +3,7 @@
 Conversion is written once against the contracts every format keeps: the source reader's
 blocks (rows example-major, then token; blocks at the same index of two sites cover the
 same tokens) become capture batches of ``batch_size`` examples for the target format's
-writer (``FormatSpec.writer_for_plan``), so a new format converts to and from every other
+writer (``FormatSpec.open_writer``), so a new format converts to and from every other
 without code here. Memory stays bounded by one batch plus what the target writer buffers
 (one shard at most), plus one decoded source shard when the source decodes whole shards
 (pkl.gz). The target keeps every value its dtype can hold: float32 to float32
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from .formats import open_store
 from .formats.base import ReaderBase
 from .formats.registry import detect_format, get_format
 from .progress import bar_switch
+from .sites import Site
 
 log = logging.getLogger(__name__)
 
@@ -134,10 +135,9 @@ def example_batches(
             first_example += take
 
 
-def _reader_sites(reader: ReaderBase, plan: CapturePlan) -> list[Hashable]:
-    """The reader's own site names, in the plan's site order."""
-    by_site = {reader.site_of(name): name for name in reader.sites}
-    return [by_site[site] for site in plan.sites]
+def _reader_sites(reader: ReaderBase, plan: CapturePlan) -> list[Site]:
+    """The reader's stored sites, in the plan's site order."""
+    return [reader.site(site) for site in plan.sites]
 
 
 # ---------------------------------------------------------------------- convert
@@ -164,7 +164,7 @@ def convert(
     reader = src_spec.open_reader(str(source))
     plan = source_plan(reader)
     options = options if options is not None else dst_spec.options()
-    writer = dst_spec.writer_for_plan(plan, str(target), options)
+    writer = dst_spec.open_writer(plan, str(target), options)
     already = writer.complete
     if already:
         location = writer.close()
@@ -316,7 +316,7 @@ def as_stored(rows: np.ndarray, dtype: str) -> np.ndarray:
     return rows.astype(dtype).astype(np.float32)
 
 
-def _row_chunks(reader: Any, site: Hashable) -> Iterator[np.ndarray]:
+def _row_chunks(reader: Any, site: Site) -> Iterator[np.ndarray]:
     for block in reader.blocks(site):
         yield reader.read_block(block)
 

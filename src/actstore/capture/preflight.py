@@ -359,7 +359,7 @@ def preflight(
     if not open_store or config.mode != "packed":
         return result
     plan = weightless_plan(config, facts, sites)
-    writer = spec.writer_for_plan(plan, out, options)
+    writer = spec.open_writer(plan, out, options)
     result.plan, result.writer = plan, writer
     if writer.complete:
         return result

@@ -289,7 +289,7 @@ def _run_interruptible(config, spec, out: str, options, pre, run_capture):
 
     def open_writer(plan):
         planned.append(plan)
-        return pre.take_writer(plan) or spec.writer_for_plan(plan, out, options)
+        return pre.take_writer(plan) or spec.open_writer(plan, out, options)
 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
@@ -311,7 +311,7 @@ def _durable_line(planned: list, spec, out: str, options) -> str:
     if not planned:
         return "interrupted before the first example was written; nothing was stored"
     plan = planned[-1]
-    writer = spec.writer_for_plan(plan, out, options)
+    writer = spec.open_writer(plan, out, options)
     try:
         kept = plan.n_examples if writer.complete else writer.resume_from
     finally:

@@ -14,16 +14,11 @@ from . import app
 from .common import human_bytes
 
 
-def _site_label(reader, key) -> str:
-    """A stored site's canonical name (``resid.3``), with the format's own name when that
-    is not a site spelling (Activault hooks)."""
-    from ..errors import ConfigError
-
-    try:
-        site = reader.site_of(key)
-    except ConfigError:  # a foreign Activault hook no site spelling names
-        return str(key)
-    return str(site) if str(key) in (str(site), str(site.layer)) else f"{site} ({key})"
+def _site_label(reader, site) -> str:
+    """A stored site's canonical name (``resid.3``), with the format's own name beside it
+    when that says more (an Activault hook folder, a SAELens column)."""
+    native = reader.native_name(site)
+    return str(site) if native in (str(site), str(site.layer), f"layer_{site.layer}") else f"{site} ({native})"
 
 
 def _site_summary(reader, site, values: int) -> dict:
@@ -99,19 +94,25 @@ def verify(
     from .status_cmd import refuse_output_root
 
     refuse_output_root(location, "verify")
+    faults: list[str] = []
     try:
         reader = open_store(location)
     except ActstoreError as err:
-        typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
-        raise typer.Exit(1) from None
+        faults.append(str(err))
+        try:  # open it unchecked, so every fault is found and listed, not only the first
+            reader = open_store(location, verify_reads=False)
+        except ActstoreError:
+            typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
     total = reader.describe().get("bytes")
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", **bar_switch(progress)) as bar:
         report = reader.verify(progress=bar.update)
     for note in report.notes:
         typer.echo(f"note: {note}")
-    for fault in report.faults:
+    faults += [f for f in report.faults if f not in faults]
+    for fault in faults:
         typer.secho(f"FAULT: {fault}", fg=typer.colors.RED, err=True)
-    if not report.ok:
+    if faults:
         raise typer.Exit(1)
     typer.secho(
         f"OK: {report.files_checked} files, {human_bytes(report.bytes_checked)} checked in "

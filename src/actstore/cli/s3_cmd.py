@@ -50,15 +50,15 @@ def ls(
         None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."
     ),
 ) -> None:
-    """List a saev, zarr, pkl.gz or saelens store (its shape and files), the runs, hooks and
-    megabatch files of an Activault layout, or any prefix.
+    """List a store of any format (its shape, sites and size), the runs, hooks and
+    megabatch files of an unfinished or foreign Activault layout, or any prefix.
 
     \b
     Examples:
       actstore ls s3://bucket                    # runs in the bucket
       actstore ls s3://bucket/run                # hooks: files, sizes, shapes, progress
       actstore ls s3://bucket/run/models.layers.6.post --all
-      actstore ls s3://bucket/acts/3f1c0e        # a saev, zarr, pkl.gz or saelens store
+      actstore ls s3://bucket/acts/3f1c0e        # a store of any format
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
@@ -107,15 +107,20 @@ def ls(
 
 
 def _store_summary(location: str, url: str) -> dict[str, Any] | None:
-    """``describe()`` of a saev, zarr, pkl.gz or saelens store at ``location`` (None: not
-    one of those)."""
-    from ..formats import get_format
+    """``describe()`` of the store at ``location`` in whichever format it is (None: no
+    store opens there, e.g. an unfinished Activault run: the listing below shows it)."""
+    from ..errors import ActstoreError
+    from ..formats.registry import format_of
 
-    for name in ("saev", "zarr", "pickle", "saelens"):
-        spec = get_format(name)
-        if spec.detect(location):
-            return {"store": url, **spec.open_reader(location).describe()}
-    return None
+    spec = format_of(location)
+    if spec is None:
+        return None
+    try:
+        reader = spec.open_reader(location)
+    except ActstoreError as err:
+        typer.secho(f"note: {err}", fg=typer.colors.YELLOW, err=True)
+        return None
+    return {"store": url, **reader.describe()}
 
 
 def _print_store(summary: dict[str, Any], as_json: bool) -> None:
@@ -124,10 +129,7 @@ def _print_store(summary: dict[str, Any], as_json: bool) -> None:
         return
     typer.echo(f"{summary['store']}: {summary['format']}, {human_bytes(summary['bytes'])}")
     typer.echo(f"  {summary['shape']}")
-    if "n_files" in summary and "files" not in summary:  # zarr: too many chunk files to name
-        typer.echo(f"  {summary['n_files']} files")
-    for name in summary.get("files", []):
-        typer.echo(f"  {name}")
+    typer.echo(f"  {summary['files']} files, sites {', '.join(summary['sites'])}")
 
 
 def _print_hook(summary: dict[str, Any], show_all: bool, as_json: bool) -> None:

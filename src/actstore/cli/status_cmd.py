@@ -44,21 +44,21 @@ def _tree_bytes(path: Path) -> int:
 
 
 def _format_of(path: Path) -> str | None:
-    from ..formats.registry import available_formats
+    from ..formats.registry import format_of
 
-    for spec in available_formats():
-        if spec.detect(str(path)):
-            return spec.name
-    return None
+    spec = format_of(path)
+    return None if spec is None else spec.name
 
 
 def find_stores(root: str | os.PathLike) -> list[StoreEntry]:
     """Every published store and every unfinished (``*.partial``) write under ``root``."""
+    from ..storage.location import final_of_partial
+
     root = Path(root)
     out: list[StoreEntry] = []
 
     def walk(path: Path, depth: int) -> None:
-        if path.name.endswith(".partial"):
+        if final_of_partial(path.name) is not None:
             out.append(StoreEntry(path, None, _tree_bytes(path)))
             return
         fmt = _format_of(path)

@@ -44,6 +44,7 @@ from pathlib import Path
 from ..errors import ActstoreError, CaptureError, ConfigError
 from ..formats.parts import PartFormat, PartInfo, part_dir, parts_root
 from ..formats.registry import available_formats, get_format
+from ..storage.location import Location
 
 __all__ = [
     "MissingPartsError",
@@ -123,7 +124,7 @@ def is_published(final: Path | str, fmt: str | PartFormat) -> bool:
     unmerged store does not)."""
     name = fmt.name if isinstance(fmt, PartFormat) else fmt
     spec = get_format(name)
-    if not spec.detect(str(final)):
+    if not Location.parse(final).exists() or not spec.detect(Location.parse(final).files(cache=False)):
         return False
     try:
         reader = spec.open_reader(str(final))

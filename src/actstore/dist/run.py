@@ -79,7 +79,7 @@ def capture_part(
         seen.update(final=final, slice=sl, n=plan.n_examples, slices=tuple(slices))
         if is_published(final, layout):  # merged already: the format's writer checks it is ours
             log.info("%s is already published; machine %d has nothing to do", final, machine_id)
-            return spec.writer_for_plan(plan, out, options)
+            return spec.open_writer(plan, out, options)
         if sl.empty:
             log.info("%s: nothing to capture (the other machines' slices cover the dataset)", sl)
             return _NothingToWrite((sl.start, sl.stop))

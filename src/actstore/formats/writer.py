@@ -531,6 +531,9 @@ class ShardedWriter(WriterBase):
 
     #: Batches may carry any number of tokens (prompt/response stores pad per batch).
     ragged_tokens: ClassVar[bool] = False
+    #: A part is a store of its slice too (its index is written beside ``part.json``): the
+    #: pkl.gz spec's machines each write a readable store.
+    parts_are_stores: ClassVar[bool] = False
 
     def _append(self, index: int, batch: Batch) -> None:
         if self._sink is None:
@@ -616,7 +619,7 @@ class ShardedWriter(WriterBase):
         stats = self.statistics()
         if self.is_part:
             atomic_write_json(self.partial / PART, self._part_doc(), indent=None)
-        else:
+        if not self.is_part or self.parts_are_stores:
             self.write_index(self.partial, self._shards, stats)
         point(f"{self.format_name}.index_written")
         rows = next(iter(stats.values())).count if stats else 0

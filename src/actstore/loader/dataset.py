@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..errors import ConfigError, LayerNotStoredError
+from ..errors import ConfigError
 from ..formats import open_store
 from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
@@ -129,20 +129,10 @@ class LoaderConfig:
             raise ConfigError("pin_memory and device='cuda' need CUDA, which is not available")
 
 
-def _stored_key(reader: Any, name: Hashable) -> Hashable:
-    """The reader's own key for site ``name`` given in any spelling (negative layers count
-    from the end of the model the store was captured from)."""
-    if name in reader.sites:
-        return name
-    wanted = Site.parse(name)  # type: ignore[arg-type]
-    if wanted.layer < 0:
-        wanted = wanted.resolve(reader.capture_plan().n_model_layers)
-    stored = {reader.site_of(key): key for key in reader.sites}
-    if wanted not in stored:
-        raise LayerNotStoredError(
-            f"site {wanted} is not in this store; it holds {', '.join(map(str, stored))}"
-        )
-    return stored[wanted]
+def _stored_key(reader: Any, name: Hashable) -> Site:
+    """The stored site ``name`` spells (any spelling; negative layers count from the end
+    of the model the store was captured from): :meth:`ReaderBase.site`."""
+    return reader.site(name)
 
 
 class ActivationLoader(IterableDataset):

@@ -9,7 +9,7 @@ from .layout import VERSION, PickleMetadata, ShardInfo, layer_key, shard_filenam
 from .options import PickleOptions
 from .parts import part_format
 from .reader import PickleReader, detect
-from .writer import PickleWriter
+from .writer import PickleWriter, merge_stores
 
 FORMAT = FormatSpec(
     name="pickle",
@@ -32,5 +32,6 @@ __all__ = [
     "PickleWriter",
     "ShardInfo",
     "layer_key",
+    "merge_stores",
     "shard_filename",
 ]

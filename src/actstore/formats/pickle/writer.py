@@ -26,8 +26,10 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import pickle
 from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,7 @@ class PickleWriter(ShardedWriter):
 
     format_name = "pickle"
     options_type = PickleOptions
+    parts_are_stores = True
     #: Ask capture for each example's decoded text (the items' ``text_preview``).
     wants_texts = True
 
@@ -301,3 +304,31 @@ def _statistics(
         "extraction_duration_seconds": round(seconds, 3),
         "activation_statistics": {layer_key(k): stats[k].to_dict() for k in layers if k in stats},
     }
+
+
+def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) -> Location:
+    """Merge the pkl.gz stores several machines wrote (``actstore capture --format pickle
+    --machine-id i --num-machines n``: each a readable store of its slice) into one store
+    at ``out``: shards hard-linked, never rewritten, one merged ``metadata.json`` listing
+    every machine, statistics merged exactly. Sample ids must not overlap.
+
+    Example:
+        >>> merge_stores(["run/machine_0", "run/machine_1"], "run/merged")  # doctest: +SKIP
+    """
+    from ..writer import merge_parts, read_part
+
+    docs = sorted(((read_part(s), Path(s)) for s in stores), key=lambda d: d[0]["example_range"])
+    if not docs:
+        raise ConfigError("merging needs at least one store")
+    for (a, pa), (b, pb) in pairwise(docs):
+        if b["example_range"][0] < a["example_range"][1]:
+            raise ConfigError(
+                f"{pa} and {pb} hold overlapping sample ids ({a['example_range']}, "
+                f"{b['example_range']}): these machines did not use distinct machine ids, or a "
+                "slice was captured twice"
+            )
+    first = docs[0][0]
+    plan = CapturePlan.from_json_dict(first["plan"])
+    out = Location.parse(out)
+    writer = PickleWriter(plan, out, PickleOptions(**first["options"]))
+    return merge_parts(writer, [p for _, p in docs])
