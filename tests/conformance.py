@@ -36,6 +36,32 @@ N_EXAMPLES, N_TOKENS, D_MODEL = 23, 6, 8
 SITES = (Site("resid", 1), Site("resid", 3))
 
 
+def saev_writer(md, root, *, has_tokens=False, has_labels=False, classes=None, **kw):
+    """The :class:`SaevWriter` of a capture whose plan gives saev metadata ``md``."""
+    from actstore.formats.saev import SaevOptions, SaevWriter
+    from actstore.formats.saev.reader import _decode_data
+
+    plan = CapturePlan(
+        ckpt=md.ckpt,
+        family=md.family,
+        modality="image" if md.family in ("clip", "siglip", "dinov2") else "text",
+        sites=tuple(Site("resid", layer) for layer in md.layers),
+        n_model_layers=max(md.layers) + 1,
+        d_model=md.d_model,
+        tokens_per_example=md.tokens_per_ex,
+        has_cls=md.cls_token,
+        n_examples=md.n_examples,
+        dataset_root=md.dataset,
+        data=_decode_data(md.data),
+        classes=classes,
+        has_labels=has_labels,
+        has_tokens=has_tokens,
+        batch_size=4,
+    )
+    options = SaevOptions(dialect=md.dialect, patches_per_shard=md.patches_per_shard)
+    return SaevWriter(plan, Path(root), options, **kw)
+
+
 def make_plan(**overrides: Any) -> CapturePlan:
     values = {
         "ckpt": "tiny-test-model",

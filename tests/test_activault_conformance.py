@@ -12,7 +12,6 @@ from conformance import ConformanceSuite, FormatCase
 
 from actstore.formats.activault import ActivaultOptions, ActivaultWriter, hook_name
 from actstore.formats.activault.layout import parse_data_file
-from actstore.sites import Site
 
 
 class LocalCase(FormatCase):

@@ -66,10 +66,10 @@ def test_a_failing_writer_aborts_the_capture_and_publishes_nothing(
     """A real writer failing on its thread: capture raises in the main thread, the writer
     thread is gone, and nothing a reader accepts was published."""
     from actstore.capture import CaptureConfig, capture
-    from actstore.formats.saev import SaevReader, SaevWriter, saev_metadata
+    from actstore.formats.saev import SaevReader, SaevWriter
 
     def open_writer(plan):  # a store keeping token ids, but image batches carry none
-        return SaevWriter(saev_metadata(plan), tmp_path, has_tokens=True)
+        return SaevWriter.from_plan(plan, tmp_path)
 
     cfg = CaptureConfig(
         model=str(model_dir("clip")),

@@ -10,13 +10,14 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from conformance import saev_writer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actstore.batch import Batch
 from actstore.errors import ConfigError, LayerNotStoredError
 from actstore.formats.base import ReaderBase
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data
 from actstore.loader import ActivationDataLoader, ActivationLoader
 from actstore.loader.pipeline import Buffers
@@ -47,7 +48,7 @@ def write_store(root, *, n=37, layers=(2, 5), cls=True, per_shard=5, seed=0, dia
     acts[..., 0] = np.arange(n)[:, None, None]
     acts[..., 1] = np.arange(T)
     acts[..., 2] = np.array(layers)[:, None]
-    writer = SaevWriter(md, root)
+    writer = saev_writer(md, root)
     for lo in range(0, n, 4):
         part = acts[lo : lo + 4]
         writer.write(

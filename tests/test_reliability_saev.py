@@ -14,12 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conformance import saev_writer
 from test_saev_store import batches, make_acts, make_metadata, write_store
 
-from actstore.errors import CorruptStoreError, StoreLockedError
+from actstore.errors import CorruptStoreError, StoreLockedError, StoreNotFoundError
 from actstore.faults import CRASH_EXIT
 from actstore.formats import open_store
-from actstore.formats.saev import SaevReader, SaevWriter
+from actstore.formats.saev import SaevReader
 from actstore.storage.lock import lock_path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -30,24 +31,25 @@ POINTS = [
     "saev.init_created",
     "saev.init_filled",
     "saev.partial_created",
-    "saev.appended:1",
-    "saev.appended:3",
-    "saev.shard_synced:1",
+    "saev.written:1",
+    "saev.written:3",
+    "saev.shard_file_synced:1",
     "saev.shard_synced:3",
-    "saev.sidecar_written:2",
     "saev.shard_recorded:1",
     "saev.shard_recorded:4",
     "saev.index_written",
+    "saev.manifest_written",
+    "saev.bookkeeping_removed",
     "saev.published",
 ]
 
 WRITE = textwrap.dedent(
     """
     import sys
+    from conformance import saev_writer
     from test_saev_store import batches, make_acts, make_metadata
-    from actstore.formats.saev import SaevWriter
     acts = make_acts()
-    writer = SaevWriter(make_metadata(), sys.argv[1], has_tokens=True)
+    writer = saev_writer(make_metadata(), sys.argv[1], has_tokens=True)
     for batch in batches(acts, start=writer.resume_from):
         writer.write(batch)
     print(writer.close())
@@ -117,7 +119,9 @@ def test_flipped_byte_fails_read_block_naming_file_block_and_range(tmp_path, ref
     block = next(b for b in reader.blocks(5) if b.loc[:2] == (1, 2))
     with pytest.raises(CorruptStoreError) as err:
         reader.read_block(block)
-    assert f"acts000001.bin: block 5 (bytes {5 * unit}-{6 * unit})" in str(err.value)
+    assert f"acts000001.bin: block 5 (bytes {5 * unit}-{6 * unit}) is not the block" in str(
+        err.value
+    )
     out = np.zeros((64, reader.d_model), dtype=np.float32)
     rows = np.arange(block.n_rows)[::-1].copy()
     with pytest.raises(CorruptStoreError, match="block 5"):
@@ -131,7 +135,7 @@ def test_flipped_byte_fails_read_block_naming_file_block_and_range(tmp_path, ref
     good = next(b for b in reader.blocks(5) if b.loc[:2] == (1, 1))
     np.testing.assert_array_equal(reader.read_block(good), make_acts()[6, 1])
     assert any(
-        "acts000001.bin: checksum mismatch in 1 blocks, first block 5" in f
+        "acts000001.bin: 1 block(s) differ from the manifest, first block 5" in f
         for f in reader.verify().faults
     )
 
@@ -145,46 +149,55 @@ def test_scatter_read_is_exact_when_verified(reference):
     np.testing.assert_array_equal(out[rows], reader.read_block(block))
 
 
-def test_truncated_or_deleted_sidecar(tmp_path, reference):
+def test_damaged_or_deleted_block_digests(tmp_path, reference):
     store = _writable_copy(reference, tmp_path / reference.name)
     block = SaevReader(store).blocks(2)[0]
-    os.truncate(store / "acts000000.bin.xxh3", 24)
-    with pytest.raises(CorruptStoreError, match="acts000000.bin.xxh3 holds 1 block checksums"):
+    blocks = store / "actstore-blocks.bin"
+    data = bytearray(blocks.read_bytes())
+    data[20] ^= 0xFF
+    blocks.write_bytes(bytes(data))
+    with pytest.raises(CorruptStoreError, match="actstore-blocks.bin: the block digests of"):
         SaevReader(store).read_block(block)
-    (store / "acts000000.bin.xxh3").unlink()
-    with pytest.raises(CorruptStoreError, match="acts000000.bin.xxh3 is missing"):
-        SaevReader(store).read_block(block)
-    report = SaevReader(store).verify()
-    assert any(
-        "acts000000.bin.xxh3 is listed in checksums.xxh128 but missing" in f for f in report.faults
-    )
+    assert any("actstore-blocks.bin does not match" in f for f in SaevReader(store).verify().faults)
+    blocks.unlink()
+    with pytest.raises(StoreNotFoundError, match="actstore-blocks.bin is missing"):
+        SaevReader(store)
 
 
-def test_store_without_checksums_reads_unverified_with_one_warning(tmp_path, reference, caplog):
+def test_our_store_without_its_manifest_is_an_error(tmp_path, reference):
     store = _writable_copy(reference, tmp_path / reference.name)
-    for side in store.glob("*.xxh3"):
-        side.unlink()
-    (store / "checksums.xxh128").unlink()
-    reader = SaevReader(store)
+    (store / "actstore-manifest.json").unlink()
+    with pytest.raises(CorruptStoreError, match="root manifest .* is missing"):
+        SaevReader(store)
+    reader = SaevReader(store, verify_reads=False)  # the caller's choice: read unchecked
+    np.testing.assert_array_equal(reader[3, 2], make_acts()[3, 0])
+    assert not reader.verify().ok
+
+
+def test_a_store_saev_wrote_reads_unverified_with_one_warning(tmp_path, reference, caplog):
+    store = _writable_copy(reference, tmp_path / reference.name)
+    for name in ("actstore-manifest.json", "actstore-blocks.bin", "statistics.json", "tokens.bin"):
+        (store / name).unlink()  # what saev's own writer leaves
     with caplog.at_level(logging.WARNING):
+        reader = SaevReader(store)
         for block in reader.blocks(2)[:5]:
             reader.read_block(block)
+        SaevReader(store)
     assert [r.getMessage() for r in caplog.records].count(
-        f"{store} has no block checksums (written by another tool or an older actstore): "
-        "its reads are not verified"
+        f"{store} has no actstore manifest (written by another tool): its contents cannot "
+        "be verified"
     ) == 1
-    report = reader.verify()  # the manifest is missing: verify fails, it does not pass
-    assert not report.ok and any("no checksum manifest" in f for f in report.faults)
+    report = reader.verify()  # nothing to verify against: verify fails, it does not pass
+    assert not report.ok and any("no root manifest" in f for f in report.faults)
 
 
-def test_verify_fails_when_the_manifest_covers_fewer_files(tmp_path, reference):
+def test_a_file_the_manifest_does_not_list_is_refused(tmp_path, reference):
     store = _writable_copy(reference, tmp_path / reference.name)
-    lines = (store / "checksums.xxh128").read_text().splitlines()
-    (store / "checksums.xxh128").write_text("\n".join(lines[1:]) + "\n")
-    report = SaevReader(store).verify()
-    assert "acts000000.bin is not covered by checksums.xxh128" in report.faults
     (store / "extra.bin").write_bytes(b"x")
-    assert "extra.bin is not covered by checksums.xxh128" in SaevReader(store).verify().faults
+    with pytest.raises(CorruptStoreError, match="extra.bin is not listed in the manifest"):
+        SaevReader(store)
+    report = SaevReader(store, verify_reads=False).verify()
+    assert "extra.bin is not listed in the manifest" in report.faults
 
 
 @pytest.mark.parametrize(
@@ -201,17 +214,21 @@ def test_tampered_statistics_fail_verify(tmp_path, reference, edit):
     doc = json.loads((store / "statistics.json").read_text())
     edit(doc)
     (store / "statistics.json").write_text(json.dumps(doc))
-    faults = SaevReader(store).verify().faults
+    with pytest.raises(CorruptStoreError, match="statistics.json has .* the manifest says"):
+        SaevReader(store)
+    faults = SaevReader(store, verify_reads=False).verify().faults
     assert any(f.startswith("statistics.json is malformed") for f in faults)
-    assert "statistics.json: checksum mismatch (the file was changed)" in faults
+    assert any(f.startswith("statistics.json has") for f in faults)
 
 
 @pytest.mark.parametrize("name", ["metadata.json", "shards.json"])
 def test_malformed_json_is_corrupt_store_naming_the_file(tmp_path, reference, name):
     store = _writable_copy(reference, tmp_path / reference.name)
     (store / name).write_text("{not json")
-    with pytest.raises(CorruptStoreError, match=f"{name} is not valid JSON"):
+    with pytest.raises(CorruptStoreError, match=f"{name} has 9 bytes, the manifest says"):
         open_store(store)
+    with pytest.raises(CorruptStoreError, match=f"{name} is not valid JSON"):
+        SaevReader(store, verify_reads=False)
 
 
 def test_shards_json_count_tampered_is_an_error_not_fewer_rows(tmp_path, reference):
@@ -219,8 +236,10 @@ def test_shards_json_count_tampered_is_an_error_not_fewer_rows(tmp_path, referen
     doc = json.loads((store / "shards.json").read_text())
     doc[-1]["n_examples"] = 1
     (store / "shards.json").write_text(json.dumps(doc))
-    with pytest.raises(CorruptStoreError, match="shards.json entry 4"):
+    with pytest.raises(CorruptStoreError, match="shards.json has .* the manifest says"):
         open_store(store)
+    with pytest.raises(CorruptStoreError, match="shards.json entry 4"):  # the reader's own check
+        SaevReader(store, verify_reads=False)
 
 
 def test_symlink_out_of_the_store_is_refused(tmp_path, reference):
@@ -228,14 +247,14 @@ def test_symlink_out_of_the_store_is_refused(tmp_path, reference):
     outside = tmp_path / "outside.bin"
     shutil.move(store / "acts000002.bin", outside)
     (store / "acts000002.bin").symlink_to(outside)
-    with pytest.raises(CorruptStoreError, match="acts000002.bin is a symlink to .*outside"):
+    with pytest.raises(CorruptStoreError, match="acts000002.bin is a symlink out of the store"):
         SaevReader(store)
 
 
 def test_second_writer_gets_one_line_naming_the_holder(tmp_path):
-    first = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    first = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     with pytest.raises(StoreLockedError) as err:
-        SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+        saev_writer(make_metadata(), tmp_path, has_tokens=True)
     message = str(err.value)
     assert message.startswith(f"another capture (pid {os.getpid()} on host ")
     assert message.endswith(
@@ -248,10 +267,11 @@ def test_second_writer_gets_one_line_naming_the_holder(tmp_path):
     assert not lock_path(first.final).exists()
 
 
-def test_break_lock_takes_over_a_held_lock(tmp_path, caplog):
-    SaevWriter(make_metadata(), tmp_path, has_tokens=True)  # never closed: still holds it
+def test_break_lock_takes_over_a_held_lock(tmp_path, caplog, monkeypatch):
+    saev_writer(make_metadata(), tmp_path, has_tokens=True)  # never closed: still holds it
+    monkeypatch.setenv("ACTSTORE_BREAK_LOCK", "1")  # what capture --break-lock sets
     with caplog.at_level(logging.WARNING):
-        second = SaevWriter(make_metadata(), tmp_path, has_tokens=True, break_lock=True)
+        second = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     assert any("breaking the lock" in r.getMessage() for r in caplog.records)
     for batch in batches(make_acts(), start=second.resume_from):
         second.write(batch)
@@ -263,7 +283,7 @@ def test_lock_of_a_dead_capture_is_taken_over_with_a_warning(tmp_path, caplog, r
     lock = lock_path(tmp_path / reference.name)
     assert json.loads(lock.read_text())["pid"] != os.getpid()  # the dead capture's record
     with caplog.at_level(logging.WARNING):
-        writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+        writer = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     assert any(
         "taking over the write lock" in r.getMessage() and "that process is dead" in r.getMessage()
         for r in caplog.records
@@ -281,11 +301,11 @@ def test_consistently_edited_metadata_is_caught_on_open(tmp_path, reference):
     (store / "metadata.json").write_text(json.dumps(md, indent=2))
     shards = json.loads((store / "shards.json").read_text())[:-1]
     (store / "shards.json").write_text(json.dumps(shards))
-    with pytest.raises(CorruptStoreError, match="metadata.json does not match its digest"):
+    with pytest.raises(CorruptStoreError, match="does not match its root manifest"):
         open_store(store)
     stats = store / "statistics.json"
     store2 = _writable_copy(reference, tmp_path / "copy2")
-    (store2 / "statistics.json").write_text(stats.read_text().replace('"count": 138', '"count": 1'))
+    (store2 / "statistics.json").write_text(stats.read_text().replace('"count": 138', '"count": 137'))
     reader = SaevReader(store2)
-    with pytest.raises(CorruptStoreError, match="statistics.json does not match its digest"):
+    with pytest.raises(CorruptStoreError, match="statistics.json: block 0 .* is not the block"):
         reader.statistics(2)

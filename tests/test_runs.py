@@ -9,12 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conformance import saev_writer
 from typer.testing import CliRunner
 
 from actstore.batch import Batch
 from actstore.cli import app
 from actstore.errors import ConfigError, CorruptStoreError, StoreExistsError, StoreNotFoundError
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data
 from actstore.runs import LINKS, Run, nfs_root, runs_root, scratch_root, shards_root
 from actstore.sae import (
@@ -48,7 +49,7 @@ def write_store(root, *, n=6, seed=0, dataset="/data/somewhere", layers=(1,), d=
         dialect="saev",
     )
     acts = np.random.default_rng(seed).standard_normal((n, len(layers), 5, d)).astype(np.float32)
-    writer = SaevWriter(md, root)
+    writer = saev_writer(md, root)
     writer.write(
         Batch(
             acts={f"resid.{l}": torch.from_numpy(acts[:, i]) for i, l in enumerate(layers)},

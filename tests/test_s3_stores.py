@@ -292,9 +292,8 @@ def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path):
     import subprocess
     import sys
 
-    from test_saev_store import batches, make_metadata
-
     from actstore.formats.saev.remote import SaevS3Writer
+    from test_saev_store import batches, make_metadata
 
     acts = make_acts()
     url, staging = s3.url("captures"), str(tmp_path / "staging")

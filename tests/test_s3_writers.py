@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from actstore.formats.saev.remote import SaevS3Writer
 from conformance import make_acts as make_plan_acts
 from conformance import make_batches, make_plan
 from test_pickle_store import PER_SHARD
@@ -27,7 +28,6 @@ from actstore.errors import CaptureError, StoreLockedError
 from actstore.formats import open_store, verify_store
 from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter
 from actstore.formats.s3_staged import StagedS3Writer
-from actstore.formats.saev.remote import SaevS3Writer
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.object import LOCK_NAME, S3Store

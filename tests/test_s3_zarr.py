@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from actstore.formats.zarr.remote import ZarrS3Writer
 from test_zarr_store import ATTRS, SITES, H, N, SyntheticBatches, expected, layout, write_store
 from typer.testing import CliRunner
 
@@ -22,7 +23,6 @@ from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.faults import CRASH_EXIT
 from actstore.formats import open_store, verify_store
 from actstore.formats.zarr import ZarrReader, ZarrWriter, shard_ranges, write_manifest
-from actstore.formats.zarr.remote import ZarrS3Writer
 from actstore.formats.zarr.shards import shard_writer
 from actstore.formats.zarr.writer import store_path
 from actstore.loader import ActivationLoader

@@ -10,6 +10,7 @@ import stat
 import numpy as np
 import pytest
 import torch
+from conformance import saev_writer
 
 from actstore.batch import Batch
 from actstore.errors import (
@@ -23,7 +24,7 @@ from actstore.errors import (
     UnsafeDataError,
 )
 from actstore.formats import open_store
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data
 from actstore.stats import RunningStats
 
@@ -61,7 +62,7 @@ def batches(acts, size=4, start=0):
 
 
 def write_store(root, acts, dialect="protocol", **kw):
-    writer = SaevWriter(make_metadata(dialect, n=len(acts), **kw), root, has_tokens=True)
+    writer = saev_writer(make_metadata(dialect, n=len(acts), **kw), root, has_tokens=True)
     for batch in batches(acts):
         writer.write(batch)
     return writer.close()
@@ -104,12 +105,16 @@ def test_files_match_the_spec_bytes(tmp_path):
     assert (path / "acts000004.bin").stat().st_size == 3 * len(LAYERS) * T * D * 4
     for f in path.iterdir():  # published files are read-only
         assert not f.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
-    listed = dict(
-        line.split("  ")[::-1]
-        for line in (path / "checksums.xxh128").read_text().split("\n")
-        if line
-    )
-    assert set(listed) >= {s["name"] + ".xxh3" for s in shards} | {"tokens.bin"}
+    manifest = json.loads((path / "actstore-manifest.json").read_text())
+    listed = set(manifest["files"])
+    assert listed == {s["name"] for s in shards} | {
+        "metadata.json",
+        "shards.json",
+        "statistics.json",
+        "tokens.bin",
+    }
+    unit = T * D * 4  # one block per (example, layer): what a loader block reads
+    assert manifest["files"]["acts000000.bin"]["unit"] == unit
 
 
 def test_saev_dialect_layout(tmp_path):
@@ -148,7 +153,8 @@ def test_reader_accepts_the_empty_last_shard_saev_itself_writes(tmp_path):
     full-size all-zero shard and lists it with 0 examples; such directories must open."""
     acts = make_acts(n=20)  # 4 full shards of 5
     path = _writable_copy(write_store(tmp_path / "s", acts, "saev"), tmp_path / "saev-made")
-    (path / "checksums.xxh128").unlink()  # saev writes no manifest
+    for name in ("actstore-manifest.json", "actstore-blocks.bin", "statistics.json", "tokens.bin"):
+        (path / name).unlink()  # saev writes none of actstore's files
     shards = json.loads((path / "shards.json").read_text())
     (path / "shards.json").write_text(
         json.dumps([*shards, {"name": "acts000004.bin", "n_examples": 0}])
@@ -169,7 +175,7 @@ def test_second_writer_with_same_config_reports_published_store(tmp_path):
     acts = make_acts()
     path = write_store(tmp_path, acts)
     before = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
-    again = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    again = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     assert again.complete and again.close() == path
     with pytest.raises(CaptureError, match="already published"):
         again.write(next(batches(acts)))
@@ -178,7 +184,7 @@ def test_second_writer_with_same_config_reports_published_store(tmp_path):
 
 def test_unfinished_writer_publishes_nothing_and_resumes(tmp_path):
     acts = make_acts()
-    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    writer = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     for batch in list(batches(acts))[:3]:  # 12 examples: 2 finished shards + 2 examples
         writer.write(batch)
     writer.abort()
@@ -186,7 +192,7 @@ def test_unfinished_writer_publishes_nothing_and_resumes(tmp_path):
     partial = next(tmp_path.iterdir())
     with pytest.raises(CorruptStoreError, match="unfinished capture"):
         SaevReader(partial)
-    resumed = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    resumed = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     assert resumed.resume_from == 10
     for batch in batches(acts, start=8):  # overlapping batch: rows before 10 are skipped
         resumed.write(batch)
@@ -197,7 +203,7 @@ def test_unfinished_writer_publishes_nothing_and_resumes(tmp_path):
 
 
 def test_close_before_all_examples_refuses_to_publish(tmp_path):
-    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    writer = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     writer.write(next(batches(make_acts())))
     with pytest.raises(CaptureError, match="only 4 of 23"):
         writer.close()
@@ -208,12 +214,12 @@ def test_rerun_after_an_early_close_resumes_to_identical_bytes(tmp_path):
     """Regression: close() with examples missing used to zero-pad the open shard and record
     it as finished, so a rerun kept a short shard and shifted every later example."""
     acts = make_acts()
-    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    writer = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     for batch in list(batches(acts))[:2]:  # 8 examples: shard 0 full, 3 examples of shard 1
         writer.write(batch)
     with pytest.raises(CaptureError, match="only 8 of 23"):
         writer.close()
-    resumed = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    resumed = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     assert resumed.resume_from == 5  # only the full shard is kept
     for batch in batches(acts, start=4):
         resumed.write(batch)
@@ -225,7 +231,7 @@ def test_rerun_after_an_early_close_resumes_to_identical_bytes(tmp_path):
 
 
 def test_out_of_order_batches_are_rejected(tmp_path):
-    writer = SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    writer = saev_writer(make_metadata(), tmp_path, has_tokens=True)
     with pytest.raises(CaptureError, match="example order"):
         writer.write(list(batches(make_acts()))[1])
 
@@ -240,7 +246,7 @@ def _writable_copy(path, dest):
 def test_reader_errors_name_the_problem(tmp_path):
     path = write_store(tmp_path / "s", make_acts())
     reader = SaevReader(path)
-    with pytest.raises(LayerNotStoredError, match="layer 3 is not stored"):
+    with pytest.raises(LayerNotStoredError, match="resid.3 is not in this store"):
         reader[0, 3, 0]
     with pytest.raises(IndexOutOfRangeError, match="example 23 out of range"):
         reader[23, 2, 0]
@@ -257,13 +263,15 @@ def test_reader_errors_name_the_problem(tmp_path):
     truncated = _writable_copy(path, tmp_path / "truncated")
     with open(truncated / "acts000001.bin", "r+b") as f:
         f.truncate(100)
-    with pytest.raises(CorruptStoreError, match="acts000001.bin has 100 bytes.*truncated"):
+    with pytest.raises(CorruptStoreError, match="acts000001.bin has 100 bytes, the manifest"):
         SaevReader(truncated)
 
     bad_json = _writable_copy(path, tmp_path / "bad-json")
     (bad_json / "shards.json").write_text("[{")
-    with pytest.raises(CorruptStoreError, match="shards.json is not valid JSON"):
+    with pytest.raises(CorruptStoreError, match="shards.json has 2 bytes, the manifest says"):
         SaevReader(bad_json)
+    with pytest.raises(CorruptStoreError, match="shards.json is not valid JSON"):
+        SaevReader(bad_json, verify_reads=False)
 
     future = _writable_copy(path, tmp_path / "future")
     doc = json.loads((future / "metadata.json").read_text())
@@ -283,7 +291,7 @@ def test_verify_detects_changed_bytes_and_edited_metadata(tmp_path):
         f.seek(17)
         f.write(b"\xff")
     report = SaevReader(flipped).verify()
-    assert not report.ok and any("acts000003.bin: checksum mismatch" in x for x in report.faults)
+    assert not report.ok and any("acts000003.bin: 1 block(s) differ" in x for x in report.faults)
     assert any("differs from the metadata hash" in x for x in report.faults)
 
 
@@ -293,8 +301,8 @@ def test_existing_directory_with_other_metadata_is_never_overwritten(tmp_path):
     md_path.chmod(0o644)
     md_path.write_text(md_path.read_text().replace('"tiny"', '"other"'))
     before = (path / "acts000000.bin").read_bytes()
-    with pytest.raises(StoreExistsError, match="different metadata"):
-        SaevWriter(make_metadata(), tmp_path, has_tokens=True)
+    with pytest.raises(StoreExistsError, match="damaged"):
+        saev_writer(make_metadata(), tmp_path, has_tokens=True)
     assert (path / "acts000000.bin").read_bytes() == before
 
 

@@ -18,7 +18,11 @@ def _site_label(reader, site) -> str:
     """A stored site's canonical name (``resid.3``), with the format's own name beside it
     when that says more (an Activault hook folder, a SAELens column)."""
     native = reader.native_name(site)
-    return str(site) if native in (str(site), str(site.layer), f"layer_{site.layer}") else f"{site} ({native})"
+    return (
+        str(site)
+        if native in (str(site), str(site.layer), f"layer_{site.layer}")
+        else f"{site} ({native})"
+    )
 
 
 def _site_summary(reader, site, values: int) -> dict:

@@ -124,7 +124,9 @@ def is_published(final: Path | str, fmt: str | PartFormat) -> bool:
     unmerged store does not)."""
     name = fmt.name if isinstance(fmt, PartFormat) else fmt
     spec = get_format(name)
-    if not Location.parse(final).exists() or not spec.detect(Location.parse(final).files(cache=False)):
+    if not Location.parse(final).exists() or not spec.detect(
+        Location.parse(final).files(cache=False)
+    ):
         return False
     try:
         reader = spec.open_reader(str(final))

@@ -41,6 +41,7 @@ from ..storage.manifest import Integrity
 
 if TYPE_CHECKING:
     import os
+    from pathlib import Path
 
     import torch
 
@@ -504,8 +505,9 @@ class WriterBase(abc.ABC):
     def write(self, batch: Batch) -> None: ...
 
     @abc.abstractmethod
-    def close(self) -> Location:
-        """Finish, publish atomically, and return the store's location."""
+    def close(self) -> Path | str:
+        """Finish, publish atomically, and return where the store is: its directory (a
+        ``Path``) on local disk, its URL on object storage."""
 
     @abc.abstractmethod
     def abort(self) -> None:

@@ -201,7 +201,7 @@ def sharded_part_format(name: str, writer: type[ShardedWriter]) -> PartFormat:
         target = writer(plan, store.parent, options, store=store)
         location = merge_parts(target, [p.path for p in parts])
         shutil.rmtree(parts_root(final))
-        return location.path()
+        return location
 
     def pending(out: Path) -> list[Path]:
         roots = [r for r in Path(out).rglob(".*.parts") if r.is_dir()]

@@ -68,7 +68,6 @@ from ..storage.manifest import (
     MANIFEST,
     FileEntry,
     ManifestBuilder,
-    RootManifest,
     hash_file_blocks,
     hash_ranges,
     store_id_of,
@@ -233,10 +232,20 @@ class ShardedWriter(WriterBase):
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_plan(cls, plan: CapturePlan, location: Location, options: Any = None) -> ShardedWriter:
-        """The writer of ``plan`` for output ``location`` (subclasses take
-        ``(plan, output, options, *, example_range=None, store=None)``)."""
-        return cls(plan, Location.parse(location), options or cls.options_type())  # type: ignore[call-arg]
+    def from_plan(
+        cls,
+        plan: CapturePlan,
+        location: Location | str | os.PathLike,
+        options: Any = None,
+        **fields: Any,
+    ) -> ShardedWriter:
+        """The writer of ``plan`` for output ``location`` with the format's ``options``
+        (``fields`` set single options: ``from_plan(plan, out, dialect="saev")``).
+        Subclasses take ``(plan, output, options, *, example_range=None, store=None)``."""
+        options = options or cls.options_type()
+        if fields:
+            options = dataclasses.replace(options, **fields)
+        return cls(plan, Location.parse(location), options)  # type: ignore[call-arg]
 
     @classmethod
     @abc.abstractmethod
@@ -328,11 +337,20 @@ class ShardedWriter(WriterBase):
 
     def _check_published(self) -> None:
         """``final`` holds a store: ours with this record (complete), or refuse."""
-        path = self.final / MANIFEST
+        from ..storage.files import LocalFiles
+        from ..storage.manifest import Integrity
+
         try:
-            manifest = RootManifest.from_bytes(path.read_bytes(), str(path))
-        except (OSError, CorruptStoreError):
-            manifest = None
+            checks = Integrity.open(LocalFiles(self.final))
+            damaged = checks.small_file_faults()
+            manifest = checks.manifest
+        except CorruptStoreError as err:
+            manifest, damaged = None, [str(err)]
+        if damaged and manifest is not None and manifest.record == store_id_of(self.record):
+            raise StoreExistsError(
+                f"{self.final} holds this capture, damaged ({damaged[0]}); run actstore verify "
+                "on it, then move it away or restore it"
+            )
         if manifest is None or manifest.record != store_id_of(self.record):
             raise StoreExistsError(
                 f"{self.final} already holds something else (another capture, a damaged store "
@@ -598,10 +616,11 @@ class ShardedWriter(WriterBase):
             for site in self.sites
         }
 
-    def close(self) -> Location:
-        """Finish the last shard, write the index and the root manifest, publish."""
+    def close(self) -> Path:
+        """Finish the last shard, write the index and the root manifest, publish; returns
+        the store's directory."""
         if self.complete:
-            return Location.parse(self.final)
+            return self.final
         if self._lock is None:
             raise CaptureError(f"the writer of {self.final} was aborted; nothing to publish")
         start, stop = self.example_range
@@ -611,8 +630,8 @@ class ShardedWriter(WriterBase):
         if total != stop - start:
             self.abort()
             raise CaptureError(
-                f"only {total} of {stop - start} examples were written; rerun the same "
-                f"capture to resume from {self.partial}"
+                f"only {self.position - start} of {stop - start} examples were written; rerun "
+                f"the same capture to resume from {self.partial}"
             )
         self._begin()  # an empty part still publishes
         self._close_sides()
@@ -627,7 +646,7 @@ class ShardedWriter(WriterBase):
         point(f"{self.format_name}.manifest_written")
         self._finish_publication()
         log.info("published %s (%d shards, %d examples)", self.final, len(self._shards), total)
-        return Location.parse(self.final)
+        return self.final
 
     def _part_doc(self) -> dict[str, Any]:
         return {
@@ -769,7 +788,7 @@ def read_part(part_dir: str | os.PathLike) -> dict[str, Any]:
     return doc
 
 
-def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -> Location:
+def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -> Path:
     """Publish ``writer``'s store (opened for the whole capture, nothing written) from
     published parts in example order that together cover every example: shard files are
     hard-linked (copied across file systems), side files concatenated, statistics merged
@@ -779,7 +798,7 @@ def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -
         >>> merge_parts(SaevWriter.from_plan(plan, out, options), parts)  # doctest: +SKIP
     """
     if writer.complete:
-        return Location.parse(writer.final)
+        return writer.final
     parts = [Path(p) for p in part_dirs]
     if not parts:
         raise ConfigError("merging needs at least one part")
@@ -827,7 +846,7 @@ def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -
     writer._write_manifest(work, shards, writer.summary(rows))
     writer._finish_publication()
     log.info("merged %d parts into %s (%d shards)", len(parts), writer.final, len(shards))
-    return Location.parse(writer.final)
+    return writer.final
 
 
 def _part_checks(part: Path):

@@ -53,7 +53,7 @@ import numpy as np
 import xxhash
 
 from .._version import __version__
-from ..errors import CorruptStoreError
+from ..errors import CorruptStoreError, StoreNotFoundError
 from .local import IO_CHUNK, atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -595,6 +595,13 @@ class Integrity:
         checks = cls(files, manifest, enabled=verify_reads)
         if verify_reads:
             problems = checks.listing_faults()
+            missing = [p for p in problems if p.endswith(" is missing")]
+            if missing:
+                raise StoreNotFoundError(
+                    f"{files.url}: {missing[0]}"
+                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                    + "; restore it, finish the copy (actstore cp) or re-create the store"
+                )
             if problems:
                 raise CorruptStoreError(
                     f"{files.url} does not match its root manifest: {problems[0]}"
@@ -628,6 +635,24 @@ class Integrity:
         ]
         if m.blocks and self.files.size(BLOCKS) is None:
             faults.append(f"{BLOCKS} is missing")
+        return faults
+
+    def small_file_faults(self, max_bytes: int = 1 << 20) -> list[str]:
+        """The one-block files up to ``max_bytes`` (metadata and indexes) whose bytes differ
+        from the manifest: a cheap check of everything but the data."""
+        faults = []
+        for name, entry in (self.manifest.files if self.manifest else {}).items():
+            if entry.at >= 0 or entry.size > max_bytes:
+                continue
+            try:
+                data = self.files.read_bytes(name)
+                keys = block_keys(self.manifest.store_id, name, 0, 1)  # type: ignore[union-attr]
+                if digest_ranges(memoryview(data), [(0, len(data))], keys)[0] != int(
+                    entry.single, 16
+                ):
+                    faults.append(f"{name} differs from the manifest (edited)")
+            except (CorruptStoreError, StoreNotFoundError) as err:
+                faults.append(str(err))
         return faults
 
     def check_summary(self, summary: dict[str, Any]) -> None:

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import shutil
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +16,7 @@ from ...batch import Batch
 from ...errors import ConfigError
 from ...stats import merge_all
 from ...storage.manifest import rekey
-from ...storage.object import LocalStore, S3Store, base_name, join_key, open_location, parent_key
+from ...storage.object import base_name, join_key, open_location, parent_key
 from ..base import WriterBase
 from ..parts import PartFormat, PartInfo, aligned_slices
 from .layout import CFG, METADATA, STATISTICS, data_file_name, group_uuid
@@ -119,20 +116,6 @@ def part_format() -> PartFormat:
             )
         return out
 
-    def copy(store, src: str, dst: str) -> None:
-        if isinstance(store, LocalStore):
-            target = Path(store.url(dst))
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.unlink(missing_ok=True)
-            try:
-                os.link(store.url(src), target)
-            except OSError:
-                shutil.copyfile(store.url(src), target)
-        elif isinstance(store, S3Store):  # server-side copy (multipart for large objects)
-            store.client.copy({"Bucket": store.bucket, "Key": src}, store.bucket, dst)
-        else:
-            store.put(dst, store.get(src))
-
     def merge(parts, final):
         store, prefix = open_location(final)
         runs = [join_key(root_of(prefix), base_name(str(p.path))) for p in parts]
@@ -151,7 +134,7 @@ def part_format() -> PartFormat:
             digests={},
         )
         plan = first.plan
-        bucket = store.bucket if isinstance(store, S3Store) else ""
+        bucket = store.bucket_name
         rows_per_batch = max(1, first.rows_per_file // max(int(plan.get("batch_size", 1)), 1))
 
         def write_cfg(rec):
@@ -181,7 +164,7 @@ def part_format() -> PartFormat:
                 for g in range(rec.groups):
                     old = data_file_name(group_uuid(rec.run_id, g), g + 1)
                     new = data_file_name(group_uuid(merged_id, group), group + 1)
-                    copy(store, join_key(run, hook, old), join_key(prefix, hook, new))
+                    store.copy(join_key(run, hook, old), join_key(prefix, hook, new))
                     # the same bytes at a new place: re-keyed, not read again
                     value = np.array([int(rec.digests[hook][g], 16)], dtype="<u8")
                     moved = rekey(
@@ -204,10 +187,7 @@ def part_format() -> PartFormat:
         done = dataclasses.replace(record, complete=True, digests=digests)
         write_cfg(done)
         write_run_manifest(store, prefix, done, merged_store_id, int(plan.get("d_model", 0)))
-        for obj in list(store.list(root_of(prefix) + "/")):
-            store.delete(obj.key)
-        if isinstance(store, LocalStore):
-            shutil.rmtree(store.url(root_of(prefix)), ignore_errors=True)
+        store.delete_tree(root_of(prefix))
         return final
 
     def pending(out):

@@ -40,7 +40,7 @@ from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
-from ...storage.object import MiB, S3Config, S3Store, base_name, join_key, open_location, parent_key
+from ...storage.object import MiB, S3Config, base_name, join_key, open_location, parent_key
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     CFG,
@@ -130,8 +130,7 @@ class ActivaultReader(ReaderBase):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._pid = os.getpid()
-        if isinstance(self.store, S3Store):
-            self.store.check_bucket()
+        self.store.check_bucket()
         if self.store.size(join_key(prefix, METADATA)) is not None:
             self.run_prefix, hook_names = parent_key(prefix), [base_name(prefix)]
             self.files = self.location.parent.files(cache_dir=cache_dir, cache_bytes=cache_bytes)

@@ -35,6 +35,7 @@ import uuid as uuid_lib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,6 @@ from ...faults import point
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
-from ...storage.lock import StoreLock
 from ...storage.manifest import (
     BLOCKS,
     MANIFEST,
@@ -58,16 +58,13 @@ from ...storage.manifest import (
     store_id_of,
 )
 from ...storage.object import (
-    LocalStore,
     ObjectStore,
     S3Config,
-    S3Store,
     base_name,
     is_internal,
     join_key,
     open_location,
 )
-from ...storage.s3lock import S3Lock
 from ..base import WriterBase, summary_of
 from .layout import (
     CFG,
@@ -284,11 +281,8 @@ class ActivaultWriter(WriterBase):
         self.store_id = store_id_of(self.identity)
         if not self.run_prefix:
             raise CaptureError(f"{self.location}: give a run name, e.g. s3://bucket/my-run")
-        if isinstance(self.store, S3Store):
-            self.store.check_bucket()
-            self._write_lock: Any = S3Lock.acquire(self.store, self.run_prefix)
-        else:
-            self._write_lock = StoreLock.acquire(self.store.url(self.run_prefix))
+        self.store.check_bucket()
+        self._write_lock: Any = self.store.acquire_lock(self.run_prefix)
         try:
             self._open()
         except BaseException:
@@ -467,10 +461,7 @@ class ActivaultWriter(WriterBase):
             raise CaptureError(f"uploading to {self.location} failed: {err!r}") from err
 
     def _make_store(self) -> ObjectStore:
-        if isinstance(self.store, S3Store):
-            return S3Store(self.store.bucket, self._s3)  # its own client and connection pool
-        assert isinstance(self.store, LocalStore)
-        return LocalStore(self.store.root)
+        return self.store.clone()  # its own client and connection pool
 
     def _start_uploaders(self) -> None:
         opts = self.options
@@ -614,7 +605,7 @@ class ActivaultWriter(WriterBase):
             )
 
     def _write_cfg(self) -> None:
-        bucket = self.store.bucket if isinstance(self.store, S3Store) else ""
+        bucket = self.store.bucket_name
         doc = run_cfg(
             self.record,
             run_name=base_name(self.run_prefix),
@@ -641,14 +632,14 @@ class ActivaultWriter(WriterBase):
             self.store, self.run_prefix, self.record, self.store_id, self.plan.d_model
         )
 
-    def close(self) -> Location:
+    def close(self) -> Path | str:
         """Upload what is queued, mark the run complete, and return its location.
 
         Kept tokens after the last full file are dropped (every file must be the same
         size, as Activault's reader requires); the count is logged and recorded.
         """
         if self.complete:
-            return Location.parse(self.location)
+            return _published(self.location)
         self._raise_if_failed()
         dropped = self._packer.fill
         for uploader in self._uploaders.values():
@@ -680,13 +671,19 @@ class ActivaultWriter(WriterBase):
             self.record.groups,
             self.tokens_per_file,
         )
-        return Location.parse(self.location)
+        return _published(self.location)
 
     def abort(self) -> None:
         """Stop without marking the run complete; committed files stay for a resume."""
         for uploader in self._uploaders.values():
             uploader.close(abort=True)
         self._write_lock.release()
+
+
+def _published(location: str) -> Path | str:
+    """What ``close()`` returns: the run's directory, or its URL on object storage."""
+    loc = Location.parse(location)
+    return loc.path() if loc.is_local else loc.url
 
 
 def write_run_manifest(

@@ -306,7 +306,7 @@ def _statistics(
     }
 
 
-def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) -> Location:
+def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) -> Path:
     """Merge the pkl.gz stores several machines wrote (``actstore capture --format pickle
     --machine-id i --num-machines n``: each a readable store of its slice) into one store
     at ``out``: shards hard-linked, never rewritten, one merged ``metadata.json`` listing

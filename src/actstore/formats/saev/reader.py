@@ -615,6 +615,10 @@ class SaevReader(ReaderBase):
                             f"layer {site.layer} counts {stats and stats.count} rows of width "
                             f"{stats and stats.d}, expected {want} of {md.d_model}"
                         )
+                    if stats.mean.shape != (md.d_model,) or stats.m2.shape != (md.d_model,):
+                        raise CorruptStoreError(
+                            f"layer {site.layer} has vectors of the wrong length"
+                        )
             except (CorruptStoreError, KeyError, TypeError, AttributeError, ValueError) as err:
                 report.faults.append(f"{STATISTICS} is malformed: {err}")
         scan = self.__dict__.pop("_scan", {"non_finite": 0, "bad_pad": set()})

@@ -26,6 +26,8 @@ class ObjectStore(abc.ABC):
 
     #: Human-readable root, e.g. ``s3://bucket`` or ``/data``.
     root_url: str
+    #: The bucket's name ("" for a local directory).
+    bucket_name: str = ""
 
     @abc.abstractmethod
     def url(self, key: str) -> str:
@@ -83,6 +85,29 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def abort_incomplete(self, prefix: str) -> int:
         """Drop unfinished uploads under ``prefix`` (S3 multipart, local temp files)."""
+
+    def check_bucket(self) -> None:
+        """Fail early, in one line, when the bucket cannot be used (no-op locally)."""
+
+    def clone(self) -> ObjectStore:
+        """Another handle on the same store with its own connections (for a thread pool of
+        its own, e.g. one uploader per hook)."""
+        return self
+
+    def copy(self, src: str, dst: str) -> None:
+        """Make ``dst`` a copy of ``src`` without sending the bytes through this process
+        where the backend can (a hard link locally, a server-side copy on S3)."""
+        self.put(dst, self.get(src))
+
+    def delete_tree(self, prefix: str) -> None:
+        """Remove every object under ``prefix`` (and, locally, the empty folders)."""
+        for obj in list(self.list(prefix.rstrip("/") + "/")):
+            self.delete(obj.key)
+
+    @abc.abstractmethod
+    def acquire_lock(self, prefix: str, *, break_lock: bool = False) -> Any:
+        """The write lock of the store at ``prefix`` (a lock file beside a local store, a
+        lease object on S3): an object with ``release()``."""
 
     def get_json(self, key: str) -> Any:
         """Parse the object as UTF-8 JSON (:class:`CorruptStoreError` if it is not, read

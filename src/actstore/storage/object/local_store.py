@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from ...errors import StorageError, StoreNotFoundError
 from ..local import atomic_write
@@ -24,6 +26,27 @@ class LocalStore(ObjectStore):
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.root_url = str(self.root)
+
+    def clone(self) -> LocalStore:
+        return LocalStore(self.root)
+
+    def copy(self, src: str, dst: str) -> None:
+        """A hard link (a copy across file systems)."""
+        target = self._path(dst)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.unlink(missing_ok=True)
+        try:
+            os.link(self._path(src), target)
+        except OSError:
+            shutil.copyfile(self._path(src), target)
+
+    def delete_tree(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def acquire_lock(self, prefix: str, *, break_lock: bool = False) -> Any:
+        from ..lock import StoreLock
+
+        return StoreLock.acquire(self._path(prefix), break_lock=break_lock)
 
     def _path(self, key: str) -> Path:
         return self.root / key if key else self.root

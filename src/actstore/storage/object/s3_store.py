@@ -53,6 +53,26 @@ class S3Store(ObjectStore):
         self._pid = os.getpid()
         self._client_lock = threading.Lock()
 
+    @property
+    def bucket_name(self) -> str:  # type: ignore[override]
+        return self.bucket
+
+    def clone(self) -> S3Store:
+        return S3Store(self.bucket, self.config)
+
+    def copy(self, src: str, dst: str) -> None:
+        """A server-side copy (multipart for large objects)."""
+        self._call(
+            "copy",
+            dst,
+            lambda: self.client.copy({"Bucket": self.bucket, "Key": src}, self.bucket, dst),
+        )
+
+    def acquire_lock(self, prefix: str, *, break_lock: bool = False) -> Any:
+        from ..s3lock import S3Lock
+
+        return S3Lock.acquire(self, prefix, break_lock=break_lock)
+
     def __getstate__(self) -> dict[str, Any]:
         state = {**self.__dict__, "_client": None}
         del state["_client_lock"], state["_retry"]
