@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 
@@ -25,6 +27,10 @@ class SlowWriter(WriterBase):
             raise OSError("disk full")
         time.sleep(self.delay)
         self.seen.append(int(batch.example_ids[0]))
+
+    @classmethod
+    def from_plan(cls, plan, location, options=None):
+        return cls()
 
     def close(self):
         self.closed = True
@@ -69,7 +75,7 @@ def test_a_failing_writer_aborts_the_capture_and_publishes_nothing(
     from actstore.formats.saev import SaevReader, SaevWriter
 
     def open_writer(plan):  # a store keeping token ids, but image batches carry none
-        return SaevWriter.from_plan(plan, tmp_path)
+        return SaevWriter.from_plan(dataclasses.replace(plan, has_tokens=True), tmp_path)
 
     cfg = CaptureConfig(
         model=str(model_dir("clip")),

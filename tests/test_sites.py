@@ -139,9 +139,9 @@ def test_loader_takes_every_spelling(spelling, pickle_store):
     from actstore.loader import ActivationLoader
 
     loader = ActivationLoader(pickle_store, site=spelling, batch_size=8)
-    assert loader.sites == (3,)
+    assert loader.sites == (Site("resid", 3),)
     both = ActivationLoader(pickle_store, sites=["blocks.1.hook_resid_post", spelling])
-    assert both.sites == (1, 3)
+    assert both.sites == (Site("resid", 1), Site("resid", 3))
 
 
 def test_loader_names_missing_and_bad_sites_in_one_line(pickle_store):
@@ -168,7 +168,7 @@ def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
     case, plan = ZarrCase(), make_plan()
     reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, make_acts(plan))))
     for spelling in (3, "blocks.3.hook_resid_post", "resid.3"):
-        assert ActivationLoader(reader, site=spelling).sites == ("resid.3",)
+        assert ActivationLoader(reader, site=spelling).sites == (Site("resid", 3),)
         np.testing.assert_array_equal(
             reader.read(0, spelling, "prompt"), reader.read(0, 3, "prompt")
         )
@@ -287,17 +287,15 @@ def test_inspect_and_the_loader_use_canonical_names_on_activault_hooks(tmp_path)
     case, plan = LocalCase(), make_plan()
     location = case.write(tmp_path / "run", plan, make_batches(plan, make_acts(plan)))
     reader = case.open(location)
-    assert ActivationLoader(reader, site="blocks.3.hook_resid_post").sites == (
-        "models.layers.3.post",
-    )
+    assert ActivationLoader(reader, site="blocks.3.hook_resid_post").sites == (Site("resid", 3),)
     result = CliRunner().invoke(app, ["inspect", str(location)])
     assert result.exit_code == 0, result.output
     assert "site resid.3 (models.layers.3.post)" in result.output
 
 
 def test_loader_on_a_saev_store_takes_every_spelling(tmp_path):
-    """saev keys sites by layer int (unchanged); "resid.5" used to fail with a raw
-    ValueError, now every spelling finds the layer and state_dict stays the same."""
+    """Every spelling finds the same stored site (saev keeps layer ints on disk; "resid.5"
+    once failed with a raw ValueError) and state_dict stays the same."""
     from test_loader import write_store
 
     from actstore.loader import ActivationLoader
@@ -306,7 +304,7 @@ def test_loader_on_a_saev_store_takes_every_spelling(tmp_path):
     states = []
     for spelling in (5, "5", "resid.5", "blocks.5.hook_resid_post", Site("resid", 5)):
         loader = ActivationLoader(reader, site=spelling, batch_size=4)
-        assert loader.sites == (5,)
+        assert loader.sites == (Site("resid", 5),)
         states.append(loader.state_dict())
     assert all(s == states[0] for s in states)
 

@@ -69,7 +69,7 @@ def inspect(
     files = summary.pop("files", None)
     for key, value in summary.items():
         if key == "bytes":
-            value = human_bytes(value) + (f" in {len(files)} files" if files else "")
+            value = human_bytes(value) + (f" in {files} files" if files else "")
         typer.echo(f"  {key:<18} {value}")
     for site, s in per_site.items():
         line = f"  site {site:<13} {s['rows']} rows"

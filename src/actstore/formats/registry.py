@@ -134,6 +134,17 @@ def available_formats() -> list[FormatSpec]:
     return out
 
 
+def format_of(location: str | os.PathLike | Location) -> FormatSpec | None:
+    """The format of the store at ``location``, or None when it holds none."""
+    location = Location.parse(location)
+    if not location.exists():
+        return None
+    try:
+        return detect_format(location)
+    except StoreNotFoundError:
+        return None
+
+
 def detect_format(
     location: str | os.PathLike | Location, files: StoreFiles | None = None
 ) -> FormatSpec:
