@@ -240,7 +240,7 @@ def test_we_read_what_activault_writes(s3):
     mbs = [torch.randn(4, 5, 8).to(torch.float16) for _ in range(5)]
     write_like_activault(s3, "llama70b", hook, mbs)
     reader = open_store(s3.url("llama70b"))
-    assert reader.sites == [hook] and reader.site_of(hook) == Site("mlp_out", 24)
+    assert reader.hooks == [hook] and reader.sites == (Site("mlp_out", 24),)
     assert reader.dtype == np.float16 and reader.statistics(hook) is None  # count-less: untrusted
     got = [reader.read_block(b) for b in reader.blocks("mlp_out.24")]  # sorted by n
     for block, mb in zip(got, mbs):

@@ -285,8 +285,8 @@ def test_streamed_capture_resumes_and_splits_exactly(model_dir, files, tmp_path)
     )
     options = SaevOptions(patches_per_shard=4 * CTX)
     spec = get_format("saev")
-    single = capture(cfg, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options))
-    again = capture(cfg, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options))
+    single = capture(cfg, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options))
+    again = capture(cfg, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options))
     assert again.already_complete and again.output == single.output
     out = str(tmp_path / "many")
     results = [

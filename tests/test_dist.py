@@ -98,7 +98,7 @@ def test_slurm_array_environment():
 def saev_single(config, tmp_path_factory):
     spec = get_format("saev")
     out = tmp_path_factory.mktemp("single-saev")
-    return capture(config, lambda plan: spec.writer_for_plan(plan, str(out), SAEV)).output
+    return capture(config, lambda plan: spec.open_writer(plan, str(out), SAEV)).output
 
 
 def test_saev_parts_merge_byte_identical_to_one_process(config, saev_single, tmp_path):
@@ -154,7 +154,7 @@ def test_more_machines_than_shards_leaves_some_idle(config, saev_single, tmp_pat
 def test_pickle_parts_merge_into_the_single_machine_store(config, tmp_path):
     spec = get_format("pickle")
     single = capture(
-        config, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), PICKLE)
+        config, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), PICKLE)
     ).output
     out = str(tmp_path / "acts")
     for machine in range(2):
@@ -279,7 +279,7 @@ def test_zarr_shards_publish_as_one_run(config, tmp_path):
     spec = get_format("zarr")
     single = open_store(
         capture(
-            config, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options)
+            config, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options)
         ).output
     )
     out = tmp_path / "acts"
@@ -323,7 +323,7 @@ def test_activault_parts_merge_into_one_run(config, tmp_path, request, where):
         out, single_out = str(tmp_path / "acts"), str(tmp_path / "one")
     spec = get_format("activault")
     single = open_store(
-        capture(cfg, lambda plan: spec.writer_for_plan(plan, single_out, options)).output
+        capture(cfg, lambda plan: spec.open_writer(plan, single_out, options)).output
     )
     results = [
         capture_distributed(cfg, "activault", out, options, machine_id=i, n_machines=3)
@@ -363,7 +363,7 @@ def test_activault_parts_with_default_file_size_match_one_process(config, tmp_pa
     spec = get_format("activault")
     single = open_store(
         capture(
-            config, lambda plan: spec.writer_for_plan(plan, str(tmp_path / "one"), options)
+            config, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options)
         ).output
     )
     results = [

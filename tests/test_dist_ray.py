@@ -61,7 +61,7 @@ def ray_cluster(tmp_path_factory):
 
 def single_capture(config, fmt, out, options):
     spec = get_format(fmt)
-    return capture(config, lambda plan: spec.writer_for_plan(plan, str(out), options)).output
+    return capture(config, lambda plan: spec.open_writer(plan, str(out), options)).output
 
 
 def test_every_ray_listener_is_on_loopback(ray_cluster):

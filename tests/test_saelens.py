@@ -405,7 +405,7 @@ def test_site_spellings(tmp_path):
     reader = SaelensReader(writer.close())
     for spelling in ("resid.3", 3, Site("resid", 3), "blocks.3.hook_resid_post"):
         assert reader.column(spelling) == "blocks.3.hook_resid_post"
-    assert reader.site_of("blocks.3.hook_resid_post") == Site("resid", 3)
+    assert reader.site("blocks.3.hook_resid_post") == Site("resid", 3)
 
 
 # ---------------------------------------------------------------- conformance

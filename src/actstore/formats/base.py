@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import threading
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
@@ -41,7 +42,6 @@ from ..storage.manifest import Integrity
 
 if TYPE_CHECKING:
     import os
-    from pathlib import Path
 
     import torch
 
@@ -161,6 +161,11 @@ class ReaderBase(abc.ABC):
     @property
     def url(self) -> str:
         return self.location.url
+
+    @property
+    def path(self) -> Path:
+        """The store's directory on local disk (a one-line error for object storage)."""
+        return self.location.path()
 
     # ------------------------------------------------------------------ required
 
