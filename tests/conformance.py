@@ -62,6 +62,31 @@ def saev_writer(md, root, *, has_tokens=False, has_labels=False, classes=None, *
     return SaevWriter(plan, Path(root), options, **kw)
 
 
+def resign(store: Path, *, summary: dict | None = None) -> None:
+    """Rewrite the root manifest of local store ``store`` over its files as they are now: what
+    an attacker with write access (or a careless tool) could do. Keyed digests and the
+    manifest's own digest then match again; only an HMAC key tells it apart."""
+    from actstore.storage.manifest import MANIFEST, OWN_FILES, ManifestBuilder, RootManifest
+
+    store = Path(store)
+    old = RootManifest.from_bytes((store / MANIFEST).read_bytes(), MANIFEST)
+    builder = ManifestBuilder(format=old.format, store_id=old.store_id, record=old.record)
+    for path in sorted(store.rglob("*")):
+        name = path.relative_to(store).as_posix()
+        if not path.is_file() or name in OWN_FILES:
+            continue
+        entry = old.files.get(name)
+        if entry is not None and entry.ranges is not None:
+            builder.add_file(store, name, ranges=[r for r in entry.ranges if r[1]])
+        else:
+            builder.add_file(store, name, unit=entry.unit if entry else 0)
+    builder.skip = list(old.skip)
+    for name in OWN_FILES:
+        if (store / name).exists():
+            (store / name).chmod(0o644)
+    builder.write(store, summary=summary if summary is not None else old.summary)
+
+
 def make_plan(**overrides: Any) -> CapturePlan:
     values = {
         "ckpt": "tiny-test-model",

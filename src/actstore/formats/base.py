@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import abc
 import threading
-from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np

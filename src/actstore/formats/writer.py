@@ -652,6 +652,8 @@ class ShardedWriter(WriterBase):
         return {
             "example_range": list(self.example_range),
             "record": self.record,
+            "plan": self.plan.to_json_dict(),
+            "options": dataclasses.asdict(self.options),
             "shards": self._shards,
         }
 
@@ -776,7 +778,7 @@ def read_part(part_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         start, stop = (int(x) for x in doc["example_range"])
         held = sum(int(e["n_examples"]) for e in doc["shards"])
-        doc["record"]
+        doc["record"], doc["plan"], doc["options"]
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptStoreError(
             f"{part_dir / PART} is malformed ({err!r}); re-capture this part"

@@ -102,7 +102,7 @@ class PickleWriter(ShardedWriter):
         self,
         plan: CapturePlan,
         output: Location,
-        options: PickleOptions,
+        options: PickleOptions | None = None,
         *,
         example_range: tuple[int, int] | None = None,
         store: Location | None = None,
@@ -110,6 +110,7 @@ class PickleWriter(ShardedWriter):
         total_machines: int = 1,
         samples_per_machine: int | None = None,
     ) -> None:
+        options = options or PickleOptions()
         self.samples_per_shard = per_shard(plan, options)
         self.config = extraction_config(plan, self.samples_per_shard)
         start, stop = example_range if example_range is not None else (0, plan.n_examples)
@@ -171,29 +172,41 @@ class PickleWriter(ShardedWriter):
         infos = [
             ShardInfo.from_dict(e["info"][name]["shard"]) for e in shards for name in e["files"]
         ]
-        machines = sorted(
-            {
-                (e["info"][n]["machine_id"], e["info"][n]["per_machine"])
-                for e in shards
-                for n in e["files"]
-            }
-        )
-        if len(machines) <= 1:
-            machine_id, per = machines[0] if machines else (0, self.plan.n_examples)
+        by_machine: dict[int, list[ShardInfo]] = {}
+        per = self.per_machine
+        for e in shards:
+            for name in e["files"]:
+                info = e["info"][name]
+                by_machine.setdefault(info["machine_id"], []).append(
+                    ShardInfo.from_dict(info["shard"])
+                )
+                per = info["per_machine"]
+        if len(by_machine) <= 1:
             dist = distributed_config(
-                machine_id=machine_id,
-                total_machines=1,
+                machine_id=next(iter(by_machine), self.machine_id),
+                total_machines=self.total_machines,
                 samples_per_machine=per,
                 example_range=self.example_range,
             )
-        else:
+        else:  # merged from several machines: the spec's "merge metadata files"
             dist = {
                 "machine_id": None,
-                "total_machines": len(machines),
+                "total_machines": len(by_machine),
                 "multihost": False,
-                "num_hosts": len(machines),
+                "num_hosts": len(by_machine),
                 "mesh_type": "1d",
-                "samples_per_machine": machines[0][1],
+                "samples_per_machine": per,
+                "machines": [
+                    {
+                        "machine_id": m,
+                        "example_range": [
+                            held[0].sample_id_range[0],
+                            held[-1].sample_id_range[1] + 1,
+                        ],
+                        "num_samples": sum(i.num_samples for i in held),
+                    }
+                    for m, held in sorted(by_machine.items())
+                ],
             }
         seconds = 0.0 if self.reproducible else round(self.elapsed(), 3)
         doc = PickleMetadata(

@@ -87,11 +87,12 @@ class SaelensWriter(ShardedWriter):
         self,
         plan: CapturePlan,
         output: Location,
-        options: SaelensOptions,
+        options: SaelensOptions | None = None,
         *,
         example_range: tuple[int, int] | None = None,
         store: Location | None = None,
     ) -> None:
+        options = options or SaelensOptions()
         self.layout = layout_for(plan, options)
         self.stored_dtype = self.layout.dtype
         super().__init__(

@@ -143,11 +143,12 @@ class SaevWriter(ShardedWriter):
         self,
         plan: CapturePlan,
         output: Location,
-        options: SaevOptions,
+        options: SaevOptions | None = None,
         *,
         example_range: tuple[int, int] | None = None,
         store: Location | None = None,
     ) -> None:
+        options = options or SaevOptions()
         md = saev_metadata(
             plan, dialect=options.dialect, patches_per_shard=options.patches_per_shard
         )

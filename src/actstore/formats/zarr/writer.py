@@ -283,12 +283,13 @@ class ZarrWriter(ShardedWriter):
         self,
         plan: CapturePlan,
         output: Location,
-        options: ZarrOptions,
+        options: ZarrOptions | None = None,
         *,
         example_range: tuple[int, int] | None = None,
         store: Location | None = None,
         run_shard: dict[str, int] | None = None,
     ) -> None:
+        options = options or ZarrOptions()
         layout, attrs, config = plan_store(plan, options)
         start, stop = example_range if example_range is not None else (0, plan.n_examples)
         self.layout = layout.with_samples(stop - start)
