@@ -27,15 +27,16 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 TESTS = Path(__file__).resolve().parent
 
 POINTS = [
-    "pickle.opened",
+    "pickle.partial_created",
     "pickle.shard_written:1",
     "pickle.shard_written:3",
-    "pickle.shard_renamed:2",
+    "pickle.shard_synced:2",
     "pickle.shard_recorded:1",
     "pickle.shard_recorded:5",
+    "pickle.index_written",
     "pickle.manifest_written",
+    "pickle.bookkeeping_removed",
     "pickle.published",
-    "pickle.progress_removed",
 ]
 
 WRITE = textwrap.dedent(
@@ -117,7 +118,7 @@ def test_object_array_built_by_a_direct_ndarray_call_is_refused():
     "edit, message",
     [
         (lambda m: m["shards"][2].update(layers=[1]), "does not list every layer"),
-        (lambda m: m["extraction_config"]["model_params"].update(hidden_size=7), "expected"),
+        (lambda m: m["extraction_config"]["model_params"].update(hidden_size=7), "d_model"),
         (lambda m: m["shards"].pop(), "the shards hold 20 samples, the capture declared 23"),
     ],
 )
@@ -127,7 +128,7 @@ def test_tampered_metadata_is_corrupt_never_fewer_rows(tmp_path, edit, message):
     edit(meta)
     (out / "metadata.json").chmod(0o644)
     (out / "metadata.json").write_text(json.dumps(meta))
-    with pytest.raises(CorruptStoreError, match="does not match the digest"):
+    with pytest.raises(CorruptStoreError, match="does not match its root manifest"):
         open_store(out)  # the manifest catches any edit
     _rewrite_metadata(out, meta)  # an attacker who fixes the manifest too
     with pytest.raises(CorruptStoreError, match=message):
@@ -136,16 +137,18 @@ def test_tampered_metadata_is_corrupt_never_fewer_rows(tmp_path, edit, message):
             reader.read_block(block)
 
 
-def test_missing_manifest_fails_verify(tmp_path):
+def test_missing_manifest_is_an_error_and_fails_verify(tmp_path):
     out, *_ = write(tmp_path / "acts")
-    (out / ".actstore-manifest.xxh128").unlink()
-    report = PickleReader(out).verify()
-    assert not report.ok and "no checksum manifest" in report.faults[0]
+    (out / "actstore-manifest.json").unlink()
+    with pytest.raises(CorruptStoreError, match="root manifest .* is missing"):
+        PickleReader(out)
+    report = PickleReader(out, verify_reads=False).verify()
+    assert not report.ok and "no root manifest" in report.faults[0]
 
 
 def test_malformed_json_is_corrupt_store_naming_the_file(tmp_path):
     out, *_ = write(tmp_path / "acts")
-    (out / ".actstore-manifest.xxh128").unlink()
+    (out / "actstore-manifest.json").unlink()
     (out / "metadata.json").chmod(0o644)
     (out / "metadata.json").write_text('{"version": ')
     with pytest.raises(CorruptStoreError, match="metadata.json is not valid JSON"):
@@ -157,7 +160,7 @@ def test_symlinked_shard_out_of_the_store_is_refused(tmp_path):
     outside = tmp_path / "elsewhere.pkl.gz"
     shutil.move(out / "shard_0002.pkl.gz", outside)
     (out / "shard_0002.pkl.gz").symlink_to(outside)
-    with pytest.raises(CorruptStoreError, match="outside the store"):
+    with pytest.raises(CorruptStoreError, match="a symlink out of the store"):
         PickleReader(out)
 
 
@@ -169,7 +172,7 @@ def test_flipped_byte_fails_reads_unless_verify_reads_is_off(tmp_path):
     shard.chmod(0o644)
     shard.write_bytes(bytes(data))
     reader = PickleReader(out)
-    with pytest.raises(CorruptStoreError, match="fails its checksum"):
+    with pytest.raises(CorruptStoreError, match="is not the block published there"):
         reader.read_block(reader.blocks(3)[0])
     unchecked = open_store(out, verify_reads=False)
     assert unchecked.read_block(unchecked.blocks(3)[0]).shape[0] == reader.blocks(3)[0].n_rows

@@ -275,7 +275,7 @@ def capture(
         f"  {location}\n\nRead it back:\n"
         f"  actstore inspect {location}\n  actstore verify {location}\n"
         f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
-        f'print(r.read_block(r.blocks(\'{site}\')[0])[0, :8])"'
+        f"print(r.read_block(r.blocks('{site}')[0])[0, :8])\""
     )
 
 

@@ -242,7 +242,8 @@ class ReaderBase(abc.ABC):
             return native
         if wanted.layer < 0:
             wanted = wanted.resolve(self.n_model_layers)
-        wanted.check_family(self.family)
+        if wanted.tl and wanted.kind == "resid":
+            wanted.check_family(self.family)
         for stored in self.sites:
             if stored == wanted:
                 return stored

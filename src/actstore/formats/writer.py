@@ -705,13 +705,17 @@ class ShardedWriter(WriterBase):
         self._sides.clear()
 
     def abort(self) -> None:
-        """Stop without publishing; finished shards stay for a resume."""
+        """Stop without publishing; finished shards stay for a resume (a partial directory
+        holding none is removed: there is nothing to resume)."""
         if self._sink is not None:
             self._sink.abort()
             self._sink = None
         for handle in self._sides.values():
             handle.close()
         self._sides.clear()
+        if self._lock is not None and self._created and not self._shards and self.partial.exists():
+            _remove_tree(self.partial)
+            self._created = False
         self._release()
 
     def _release(self) -> None:

@@ -210,6 +210,8 @@ class RootManifest:
     skip: tuple[str, ...] = ()
     """Folders whose files a format checks through a digest file of its own (zarr chunk
     directories, which can hold millions of files): not listed here, not listed on open."""
+    nested: tuple[str, ...] = ()
+    """Folders holding stores with root manifests of their own (a zarr run's shards)."""
     created_by: str = f"actstore {__version__}"
 
     def body(self) -> dict[str, Any]:
@@ -221,6 +223,7 @@ class RootManifest:
             "record": self.record,
             "summary": self.summary,
             "skip": list(self.skip),
+            "nested": list(self.nested),
             "blocks": self.blocks,
             "created_by": self.created_by,
             "files": {n: e.to_dict() for n, e in sorted(self.files.items())},
@@ -277,6 +280,7 @@ class RootManifest:
                 },
                 blocks=str(doc.get("blocks", "")),
                 skip=tuple(str(s) for s in doc.get("skip", ())),
+                nested=tuple(str(s) for s in doc.get("nested", ())),
                 created_by=str(doc.get("created_by", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
@@ -439,6 +443,7 @@ class ManifestBuilder:
         self.files: dict[str, FileEntry] = {}
         self._digests: dict[str, np.ndarray] = {}
         self.skip: list[str] = []
+        self.nested: list[str] = []
 
     def add(self, name: str, entry: FileEntry, digests: np.ndarray) -> None:
         self.files[name] = entry
@@ -505,6 +510,7 @@ class ManifestBuilder:
             files=files,
             blocks="" if data is None else xxhash.xxh3_128_hexdigest(data),
             skip=tuple(self.skip),
+            nested=tuple(self.nested),
         )
         return manifest.to_bytes(), data
 
@@ -622,7 +628,9 @@ class Integrity:
         present = {
             n: s
             for n, s in self.files.list().items()
-            if n not in OWN_FILES and not skipped(n, m.skip)
+            if n not in OWN_FILES
+            and not skipped(n, m.skip)
+            and not any(n.startswith(f) for f in m.nested)
         }
         for name, entry in m.files.items():
             size = present.get(name)

@@ -208,6 +208,14 @@ class ZarrReader(ReaderBase):
         return self.layout.layers
 
     @property
+    def family(self) -> str:
+        return str(self.attrs.get("model_family") or "unknown")
+
+    @property
+    def n_model_layers(self) -> int:
+        return int(self.attrs.get("model_num_layers") or max(self.layout.layers) + 1)
+
+    @property
     def d_model(self) -> int:
         return self.layout.hidden_size
 
@@ -572,6 +580,7 @@ class ZarrReader(ReaderBase):
         lay = self.layout
         width = self._width()
         keys = self._concat(SAMPLE_KEY)
+        full = {p: self._concat(FULL_LENGTHS[p]) for p in PARTS}
         optional = {
             name: self._concat(OPTIONAL_ARRAYS[name][0])
             for name in self.attrs.get("optional_arrays", [])
@@ -595,6 +604,9 @@ class ZarrReader(ReaderBase):
                 "prompt_len": p_len.astype(np.int64),
                 "response_len": r_len.astype(np.int64),
             }
+            for part in PARTS:
+                if full[part] is not None:
+                    extras[f"{part}_len_full"] = full[part][lo:hi].astype(np.int64)
             if keys is not None:
                 extras["sample_key"] = list(keys[lo:hi])
             for name, values in optional.items():

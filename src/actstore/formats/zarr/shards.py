@@ -239,7 +239,7 @@ def _write_run_manifest(run_dir: Path, first: Any) -> None:
     record = {"run": first.attrs.get("fingerprint")}
     builder = ManifestBuilder(format="zarr", store_id=first.checks.manifest.store_id, record=record)
     builder.add_file(run_dir, MANIFEST)
-    builder.skip = [f"{SHARDS_DIR}/", f"{MERGED_DIR}/"]
+    builder.nested = [f"{SHARDS_DIR}/", f"{MERGED_DIR}/"]
     builder.write(run_dir, summary={"run": True})
 
 

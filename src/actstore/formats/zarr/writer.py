@@ -519,6 +519,7 @@ class _ZarrShard(ShardSink):
             self.sums[part][self.filled : self.filled + n] = chunk_digests(
                 data, lay.n_chunks(part), w.store_id, part, lo
             )
+        p_full, r_full = _full_lengths(batch, p_full, r_full)
         self._sample_rows(batch, p_full, r_full, kept, prompt, response)
         self.truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
         self.truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
@@ -641,6 +642,15 @@ def _batch_lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
             f"prompt_len + response_len must fit the batch's {t} tokens; got "
             f"{p.tolist()} + {r.tolist()}"
         )
+    return p, r
+
+
+def _full_lengths(batch: Batch, p: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The untruncated lengths: ``extras["prompt_len_full"]``/``["response_len_full"]`` when a
+    batch carries tokens already truncated (a merge of stored samples), else the batch's own."""
+    n = batch.n_examples
+    p = np.asarray(batch.extras.get("prompt_len_full", p), dtype=np.int64).reshape(n)
+    r = np.asarray(batch.extras.get("response_len_full", r), dtype=np.int64).reshape(n)
     return p, r
 
 
