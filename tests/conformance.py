@@ -66,14 +66,20 @@ def resign(store: Path, *, summary: dict | None = None) -> None:
     """Rewrite the root manifest of local store ``store`` over its files as they are now: what
     an attacker with write access (or a careless tool) could do. Keyed digests and the
     manifest's own digest then match again; only an HMAC key tells it apart."""
-    from actstore.storage.manifest import MANIFEST, OWN_FILES, ManifestBuilder, RootManifest
+    from actstore.storage.manifest import (
+        MANIFEST,
+        OWN_FILES,
+        ManifestBuilder,
+        RootManifest,
+        skipped,
+    )
 
     store = Path(store)
     old = RootManifest.from_bytes((store / MANIFEST).read_bytes(), MANIFEST)
     builder = ManifestBuilder(format=old.format, store_id=old.store_id, record=old.record)
     for path in sorted(store.rglob("*")):
         name = path.relative_to(store).as_posix()
-        if not path.is_file() or name in OWN_FILES:
+        if not path.is_file() or name in OWN_FILES or skipped(name, old.skip):
             continue
         entry = old.files.get(name)
         if entry is not None and entry.ranges is not None:

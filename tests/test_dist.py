@@ -278,9 +278,7 @@ def test_zarr_shards_publish_as_one_run(config, tmp_path):
     options = ZarrOptions()
     spec = get_format("zarr")
     single = open_store(
-        capture(
-            config, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options)
-        ).output
+        capture(config, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options)).output
     )
     out = tmp_path / "acts"
     first = capture_distributed(config, "zarr", str(out), options, machine_id=2, n_machines=3)
@@ -362,9 +360,7 @@ def test_activault_parts_with_default_file_size_match_one_process(config, tmp_pa
     config = dataclasses.replace(config, max_examples=85)
     spec = get_format("activault")
     single = open_store(
-        capture(
-            config, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options)
-        ).output
+        capture(config, lambda plan: spec.open_writer(plan, str(tmp_path / "one"), options)).output
     )
     results = [
         capture_distributed(

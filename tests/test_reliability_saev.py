@@ -305,7 +305,9 @@ def test_consistently_edited_metadata_is_caught_on_open(tmp_path, reference):
         open_store(store)
     stats = store / "statistics.json"
     store2 = _writable_copy(reference, tmp_path / "copy2")
-    (store2 / "statistics.json").write_text(stats.read_text().replace('"count": 138', '"count": 137'))
+    (store2 / "statistics.json").write_text(
+        stats.read_text().replace('"count": 138', '"count": 137')
+    )
     reader = SaevReader(store2)
     with pytest.raises(CorruptStoreError, match="statistics.json: block 0 .* is not the block"):
         reader.statistics(2)

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_zarr_store import ATTRS, N, SyntheticBatches, expected, layout, write_store
+from conformance import resign
+from test_zarr_store import N, SyntheticBatches, expected, layout, make_writer, write_store
 
-from actstore.errors import CorruptStoreError, StoreLockedError
+from actstore.errors import CorruptStoreError, StoreLockedError, StoreNotFoundError
 from actstore.formats import open_store
-from actstore.formats.zarr import ZarrReader, ZarrWriter
+from actstore.formats.zarr import ZarrReader
 
 
 @pytest.fixture
@@ -43,14 +44,14 @@ def test_flipped_byte_in_a_chunk_fails_the_read_naming_it(store):
     block = _block(reader, 4, 0, layer=1)
     with pytest.raises(
         CorruptStoreError,
-        match=r"4\.1\.0\.0 \(sample 4, layer 1, chunk 0, bytes 0-48\) fails its xxh3",
+        match=r"4\.1\.0\.0 \(sample 4, layer 1, chunk 0, bytes 0-48\) is not the chunk published",
     ):
         reader.read_block(block)
     unchecked = ZarrReader(store, verify_reads=False)
     assert unchecked.read_block(block).shape == (block.n_rows, 8)
     other = _block(reader, 3, 0, layer=1)
     np.testing.assert_array_equal(reader.read_block(other), expected(3, 1, "prompt", layout()))
-    assert any("fails its xxh3 checksum" in f for f in reader.verify().faults)
+    assert any("is not the chunk published there" in f for f in reader.verify().faults)
 
 
 def test_deleted_chunk_is_an_error_not_zeros(store):
@@ -70,13 +71,17 @@ def test_partly_needed_chunks_are_checked_whole_and_read_exactly(store):
                 np.testing.assert_array_equal(got, expected(sample, 2, name, layout()))
 
 
-def test_store_without_checksums_reads_unverified_and_fails_verify(store, caplog):
-    for part in ("prompt", "response"):
-        (store / "meta" / f"chunksums.{part}.npy").unlink()
-    reader = ZarrReader(store)
-    assert "has no chunk checksums" in caplog.text
+def test_store_without_its_digests_is_an_error_unless_read_unchecked(store):
+    for digests in (store / "meta" / "chunksums").iterdir():
+        digests.unlink()
+    with pytest.raises(StoreNotFoundError, match="chunksums/prompt.000000.npy is missing"):
+        ZarrReader(store)
+    (store / "actstore-manifest.json").unlink()
+    with pytest.raises(CorruptStoreError, match="root manifest .* is missing"):
+        ZarrReader(store)
+    reader = ZarrReader(store, verify_reads=False)
     assert reader.read_block(_block(reader, 0, 0)).shape[1] == 8
-    assert any("no chunk checksums" in f for f in reader.verify().faults)
+    assert any("no chunk digests" in f for f in reader.verify().faults)
 
 
 @pytest.mark.parametrize(
@@ -87,22 +92,62 @@ def test_store_without_checksums_reads_unverified_and_fails_verify(store, caplog
         lambda d: d.update(sites=[1, 2]),
     ],
 )
-def test_tampered_statistics_fail_verify(store, edit):
+def test_tampered_statistics_fail_open_and_verify(store, edit):
     path = store / "meta" / "statistics.json"
     doc = json.loads(path.read_text())
     edit(doc)
     path.write_text(json.dumps(doc))
-    assert any("statistics.json is malformed" in f for f in ZarrReader(store).verify().faults)
+    with pytest.raises(CorruptStoreError, match="meta/statistics.json has .* the manifest says"):
+        ZarrReader(store)
+    faults = ZarrReader(store, verify_reads=False).verify().faults
+    assert any("statistics.json is malformed" in f for f in faults)
+
+
+def test_a_same_size_edit_of_a_mean_is_caught_where_it_is_read(store):
+    """An edited mean would skew normalize="standardize": it is refused, not used."""
+    path = store / "meta" / "statistics.json"
+    text = path.read_text()
+    digit = text.index('"mean": [') + len('"mean": [') + 3
+    path.write_text(text[:digit] + ("1" if text[digit] != "1" else "2") + text[digit + 1 :])
+    reader = ZarrReader(store)
+    with pytest.raises(
+        CorruptStoreError, match="meta/statistics.json: block 0 .* is not the block"
+    ):
+        reader.statistics("resid.1")
+    assert any(
+        f.startswith("meta/statistics.json: 1 block(s) differ") for f in reader.verify().faults
+    )
 
 
 def test_garbage_statistics_json_fails_verify(store):
     (store / "meta" / "statistics.json").write_text("{garbage")
-    assert any("statistics.json" in f for f in ZarrReader(store).verify().faults)
+    assert any(
+        "statistics.json" in f for f in ZarrReader(store, verify_reads=False).verify().faults
+    )
 
 
 def test_malformed_consolidated_metadata_is_corrupt_store(store):
     (store / ".zmetadata").write_text("{not json")
+    with pytest.raises(CorruptStoreError, match=r"\.zmetadata has .* the manifest says"):
+        ZarrReader(store)
     with pytest.raises(CorruptStoreError, match=r"\.zmetadata is not valid JSON"):
+        ZarrReader(store, verify_reads=False)
+
+
+def test_reordered_sites_are_caught(store):
+    """sites and layers reversed in .zattrs and .zmetadata alike: read_block('resid.3') must
+    never return another layer."""
+    for name in (".zattrs", ".zmetadata"):
+        path = store / name
+        doc = json.loads(path.read_text())
+        attrs = doc if name == ".zattrs" else doc["metadata"][".zattrs"]
+        attrs["sites"], attrs["layers"] = attrs["sites"][::-1], attrs["layers"][::-1]
+        attrs["layout"]["sites"], attrs["layout"]["layers"] = attrs["sites"], attrs["layers"]
+        path.write_text(json.dumps(doc, indent=2))
+    with pytest.raises(CorruptStoreError, match="does not match its root manifest|not the block"):
+        ZarrReader(store)
+    resign(store)  # even with the manifest rewritten over the edit, its summary catches it
+    with pytest.raises(CorruptStoreError, match=r"reads differently .*sites: \['mlp_out.3'"):
         ZarrReader(store)
 
 
@@ -111,37 +156,30 @@ def test_symlinked_chunk_out_of_the_store_is_refused(store, tmp_path):
     outside = tmp_path / "outside.bin"
     shutil.move(chunk, outside)
     chunk.symlink_to(outside)
-    reader = open_store(store)
-    with pytest.raises(
-        CorruptStoreError, match=r"1\.0\.0\.0 cannot be opened .*plain files inside"
-    ):
-        reader.read_block(_block(reader, 1, 0))
-    assert any("a symlink, not a chunk file" in f for f in reader.verify().faults)
-    shutil.move(store / "meta", tmp_path / "meta")
-    (store / "meta").symlink_to(tmp_path / "meta")
-    with pytest.raises(CorruptStoreError, match="meta is a symlink to .*outside the store"):
+    with pytest.raises(CorruptStoreError, match=r"1\.0\.0\.0 is a symlink out of the store"):
         open_store(store)
+    with pytest.raises(CorruptStoreError, match=r"1\.0\.0\.0 is a symlink out of the store"):
+        open_store(store, verify_reads=False)  # refused before any read, checked or not
 
 
 @pytest.mark.parametrize("name", [".zattrs", "arrays/prompt_len/.zarray", ".zgroup"])
 def test_malformed_zarr_metadata_file_is_corrupt_store_naming_it(store, name):
     (store / name).write_text("{bad")
-    with pytest.raises(CorruptStoreError, match=f"{name} is not valid JSON"):
+    with pytest.raises(CorruptStoreError, match=f"{name} has 4 bytes, the manifest says"):
         open_store(store)
 
 
-def test_second_writer_is_refused_and_a_dead_writers_partial_is_removed(tmp_path):
+def test_second_writer_is_refused_and_a_dead_writers_partial_is_resumed(tmp_path):
     final = tmp_path / "activations.zarr"
-    first = ZarrWriter(layout(), final, attrs=ATTRS)
+    first = make_writer(final)
     with pytest.raises(StoreLockedError, match="another capture .* is writing"):
-        ZarrWriter(layout(), final, attrs=ATTRS)
-    first.write(next(SyntheticBatches()(0, N)))
+        make_writer(final)
+    for batch in list(SyntheticBatches()(0, N))[:2]:  # 6 samples: one shard of 4 finished
+        first.write(batch)
     first._lock.release()  # as if its process died: the kernel drops a dead holder's flock
-    stale = tmp_path / ".activations.zarr.k2j4x.partial"  # a dead writer of an older actstore
-    stale.mkdir()
-    second = ZarrWriter(layout(), final, attrs=ATTRS)
-    assert not stale.exists()
-    assert second.resume_from == 0  # the first writer made no checkpoint: start over
+    first._lock = None
+    second = make_writer(final)
+    assert second.resume_from == 4
     for batch in SyntheticBatches()(0, N):
         second.write(batch)
     second.close()
@@ -149,20 +187,21 @@ def test_second_writer_is_refused_and_a_dead_writers_partial_is_removed(tmp_path
 
 
 ZARR_POINTS = [
+    "zarr.partial_created",
     "zarr.written:1",
-    "zarr.synced:1",
-    "zarr.checkpointed:2",
+    "zarr.shard_synced:1",
+    "zarr.shard_recorded:2",
     "zarr.written:3",
-    "zarr.checkpointed:4",
-    "zarr.closing",
+    "zarr.index_written",
+    "zarr.manifest_written",
+    "zarr.bookkeeping_removed",
     "zarr.published",
 ]
 
 WRITE = """
 import sys
-from test_zarr_store import ATTRS, N, SyntheticBatches, layout
-from actstore.formats.zarr import ZarrWriter
-w = ZarrWriter(layout(), sys.argv[1], attrs=ATTRS, optional=("hallu_label",), checkpoint_s=0)
+from test_zarr_store import N, SyntheticBatches, make_writer
+w = make_writer(sys.argv[1])
 if not w.complete:
     for batch in SyntheticBatches()(w.resume_from, N):
         w.write(batch)
@@ -180,6 +219,7 @@ def _run_writer(final: Path, crash_at: str | None):
         "PYTHONPATH": f"{Path(__file__).parents[1] / 'src'}:{Path(__file__).parent}",
     }
     env.pop("ACTSTORE_CRASH_AT", None)
+    env["SOURCE_DATE_EPOCH"] = "1700000000"  # fixed times: the stores are byte-identical
     if crash_at:
         env["ACTSTORE_CRASH_AT"] = crash_at
     return subprocess.run(
@@ -192,21 +232,16 @@ def _run_writer(final: Path, crash_at: str | None):
 
 
 def _zarr_files(store: Path) -> dict[str, bytes]:
-    out = {}
-    for f in sorted(store.rglob("*")):
-        if f.is_file():
-            data = f.read_bytes()
-            if f.name in (".zattrs", ".zmetadata"):
-                data = b"".join(
-                    line for line in data.splitlines(True) if b'"created_at"' not in line
-                )
-            out[str(f.relative_to(store))] = data
-    return out
+    return {
+        str(f.relative_to(store)): f.read_bytes() for f in sorted(store.rglob("*")) if f.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
 def zarr_reference(tmp_path_factory) -> Path:
-    return write_store(tmp_path_factory.mktemp("zref") / "activations.zarr")
+    path = tmp_path_factory.mktemp("zref") / "activations.zarr"
+    assert _run_writer(path, None).returncode == 0
+    return path
 
 
 @pytest.mark.parametrize("crash_at", ZARR_POINTS)
@@ -225,10 +260,10 @@ def test_zarr_crash_at_every_writer_step_resumes_to_the_same_store(
     assert ZarrReader(final).verify().ok
 
 
-def test_zarr_rerun_resumes_from_the_last_checkpoint(tmp_path):
+def test_zarr_rerun_resumes_from_the_last_finished_shard(tmp_path):
     final = tmp_path / "activations.zarr"
-    assert _run_writer(final, "zarr.checkpointed:2").returncode != 0
-    writer = ZarrWriter(layout(), final, attrs=ATTRS, optional=("hallu_label",), checkpoint_s=0)
-    assert writer.resume_from == 6  # two batches of 3 samples were checkpointed
+    assert _run_writer(final, "zarr.shard_recorded:2").returncode != 0
+    writer = make_writer(final)
+    assert writer.resume_from == 8  # two shards of 4 samples were recorded
     writer.abort()
-    assert (tmp_path / ".activations.zarr.resumable.partial").exists()  # kept: resumable
+    assert (tmp_path / ".activations.zarr.partial").exists()  # kept: resumable
