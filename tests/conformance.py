@@ -86,7 +86,7 @@ def resign(store: Path, *, summary: dict | None = None) -> None:
             builder.add_file(store, name, ranges=[r for r in entry.ranges if r[1]])
         else:
             builder.add_file(store, name, unit=entry.unit if entry else 0)
-    builder.skip = list(old.skip)
+    builder.skip = dict(old.skip)
     for name in OWN_FILES:
         if (store / name).exists():
             (store / name).chmod(0o644)

@@ -14,17 +14,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from actstore.formats.zarr.remote import ZarrS3Writer
-from test_zarr_store import ATTRS, SITES, H, N, SyntheticBatches, expected, layout, write_store
+from test_zarr_store import (
+    SITES,
+    H,
+    N,
+    SyntheticBatches,
+    expected,
+    layout,
+    write_store,
+    zarr_options,
+    zarr_plan,
+)
 from typer.testing import CliRunner
 
 from actstore.cli import app
 from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.faults import CRASH_EXIT
 from actstore.formats import open_store, verify_store
+from actstore.formats.registry import get_format
+from actstore.formats.s3_staged import StagedS3Writer
 from actstore.formats.zarr import ZarrReader, ZarrWriter, shard_ranges, write_manifest
-from actstore.formats.zarr.shards import shard_writer
-from actstore.formats.zarr.writer import store_path
 from actstore.loader import ActivationLoader
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
@@ -55,9 +64,7 @@ def local_files(store: Path) -> dict[str, int]:
 def make_run(run: Path, n_shards: int) -> Path:
     """A sharded run of the synthetic samples, written in this process."""
     for index in range(n_shards):
-        writer = shard_writer(
-            layout(), run, index, n_shards, attrs=ATTRS, optional=("hallu_label",)
-        )
+        writer = ZarrWriter.for_shard(zarr_plan(), run, index, n_shards, zarr_options())
         for batch in SyntheticBatches()(*writer.example_range):
             writer.write(batch)
         writer.close()
@@ -69,8 +76,9 @@ def test_reader_over_s3_matches_the_local_reader(s3, local):
     url = s3.url("acts", "activations.zarr")
     upload(local, url)
     remote, here = open_store(url), ZarrReader(local)
-    assert isinstance(remote, ZarrReader) and remote.remote and remote.path == url
-    assert remote.layout == here.layout and remote.sites == SITES
+    assert isinstance(remote, ZarrReader) and not remote.location.is_local
+    assert remote.url == f"{url}" and remote.layout == here.layout
+    assert [str(s) for s in remote.sites] == list(SITES)
     lay = layout()
     for i in range(N):
         for k, site in enumerate(SITES):
@@ -97,7 +105,7 @@ def test_reader_over_s3_matches_the_local_reader(s3, local):
     assert [remote.text(i, "response") for i in range(N)] == [f"response {i}" for i in range(N)]
     assert remote.text(N - 1, "prompt") == f"prompt {N - 1}"
     described, there = remote.describe(), here.describe()
-    assert (described["n_files"], described["bytes"]) == (there["n_files"], there["bytes"])
+    assert (described["files"], described["bytes"]) == (there["files"], there["bytes"])
     report, ref = remote.verify(), here.verify()
     assert report.ok, report.faults
     assert (report.files_checked, report.bytes_checked) == (ref.files_checked, ref.bytes_checked)
@@ -128,7 +136,7 @@ def test_reader_refuses_a_prefix_without_its_manifest(s3, local, tmp_path):
     url = s3.url("partial")
     upload(local, url)
     s3.client().delete_object(Bucket=s3.bucket, Key="partial/.zmetadata")
-    with pytest.raises(StoreNotFoundError, match=r"no \.zmetadata, the file uploaded last"):
+    with pytest.raises(StoreNotFoundError, match=r"no \.zmetadata, written last"):
         ZarrReader(url)
     with pytest.raises(StoreNotFoundError, match="no .zmetadata") as err:
         open_store(url)  # ours by its .zattrs: the reader says what is missing
@@ -240,14 +248,14 @@ def test_a_flipped_byte_on_s3_fails_the_read_and_verify(s3, local):
     data[5] ^= 0x10
     s3.client().put_object(Bucket=s3.bucket, Key=key, Body=bytes(data))
     reader = ZarrReader(url)
-    with pytest.raises(CorruptStoreError, match=r"4\.2\.1\.0 .*fails its xxh3 checksum"):
+    with pytest.raises(CorruptStoreError, match=r"4\.2\.1\.0 .*is not the chunk published there"):
         reader.read(4, "mlp_out.3", "prompt")
     np.testing.assert_array_equal(
         reader.read(4, "mlp_out.3", "response"), ZarrReader(local).read_index(4, 2, "response")
     )
     report = reader.verify()
     assert not report.ok
-    assert any("4.2.1.0" in f and "xxh3" in f for f in report.faults), report.faults
+    assert any("4.2.1.0" in f and "not the chunk" in f for f in report.faults), report.faults
     assert any("sample 4 does not match its stored digest" in f for f in report.faults)
     result = CliRunner().invoke(app, ["verify", url, "--no-progress"])
     assert result.exit_code != 0 and "4.2.1.0" in result.output
@@ -255,102 +263,91 @@ def test_a_flipped_byte_on_s3_fails_the_read_and_verify(s3, local):
 
 _KILLED_WRITER = """
 import sys
-from test_zarr_store import ATTRS, SyntheticBatches, layout
-from actstore.formats.zarr import ZarrWriter
-from actstore.formats.zarr.remote import ZarrS3Writer
-from actstore.formats.zarr.writer import store_path
-writer = ZarrS3Writer(
-    sys.argv[1],
-    lambda d: ZarrWriter(
-        layout(), store_path(d), attrs=ATTRS, optional=("hallu_label",), checkpoint_s=0,
-        out_dir=d,
-    ),
-    staging=sys.argv[2],
-)
+from test_zarr_store import SyntheticBatches, zarr_options, zarr_plan
+from actstore.formats.registry import get_format
+writer = get_format("zarr").open_writer(zarr_plan(), sys.argv[1], zarr_options())
 for batch in SyntheticBatches()(0, 11):
-    writer.write(batch)  # dies at the second checkpoint (ACTSTORE_CRASH_AT)
+    writer.write(batch)  # dies once its second shard is recorded (ACTSTORE_CRASH_AT)
 """
 
 
-def _make(directory: Path) -> ZarrWriter:
-    return ZarrWriter(
-        layout(),
-        store_path(directory),
-        attrs=ATTRS,
-        optional=("hallu_label",),
-        checkpoint_s=0,
-        out_dir=directory,
-    )
+def _open(url: str) -> StagedS3Writer:
+    writer = get_format("zarr").open_writer(zarr_plan(), url, zarr_options())
+    assert isinstance(writer, StagedS3Writer)
+    return writer
 
 
-def test_writer_to_s3_resumes_exactly_after_kill_9(s3, local, tmp_path):
-    url, staging = s3.url("captures"), tmp_path / "staging"
+def test_writer_to_s3_resumes_exactly_after_kill_9(s3, local, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
+    url = s3.url("captures")
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(sys.path),
-        "ACTSTORE_CRASH_AT": "zarr.checkpointed:2",
+        "ACTSTORE_CRASH_AT": "zarr.shard_recorded:2",
     }
     done = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, url, str(staging)],
+        [sys.executable, "-c", _KILLED_WRITER, url],
         env=env,
         capture_output=True,
         check=False,
         timeout=300,
     )
     assert done.returncode == CRASH_EXIT, done.stderr.decode()[-2000:]
-    # sealed chunks may be up already (background upload), the store is not published
+    # sealed shards may be up already (background upload), the store is not published
     assert not any(k.endswith(".zmetadata") for k in s3.keys("captures/"))
-    resumed = ZarrS3Writer(url, _make, staging=staging)
-    assert resumed.resume_from == 6 and not resumed.complete  # two batches of 3 checkpointed
+    resumed = _open(url)
+    assert resumed.resume_from == 8 and not resumed.complete  # two shards of 4 recorded
     sealed = resumed.inner.sealed_files()
-    assert sealed and all(p.is_file() for _, p in sealed)
+    assert sealed and all(Path(p).is_file() for _, p in sealed)
     names = {name for name, _ in sealed}
-    assert "activations.zarr/arrays/prompt_activations/2.2.2.0" in names
-    assert not any(n.split("/")[-1].startswith("6.") for n in names)  # not yet checkpointed
+    assert "activations.zarr/arrays/prompt_activations/7.2.2.0" in names
+    assert not any(n.split("/")[-1].startswith("8.") for n in names)  # not yet recorded
     for name, path in sealed:
         published = local / name.removeprefix("activations.zarr/")
-        assert path.read_bytes() == published.read_bytes(), name
+        assert Path(path).read_bytes() == published.read_bytes(), name
     start = len(s3.faults.requests)
     for batch in SyntheticBatches()(resumed.resume_from, N):
         resumed.write(batch)
     assert resumed.close() == f"{url}/activations.zarr"
-    assert not (staging / "activations.zarr").exists()
+    assert not (resumed.staging / "activations.zarr").exists()
     puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT"]
-    assert puts[-1].endswith("/activations.zarr/.zmetadata")  # published last
+    assert puts[-1].endswith("/activations.zarr/actstore-manifest.json")  # published last
     remote = ZarrReader(url)
     assert remote.verify().ok
     want = local_files(local)
     assert open_files(f"{url}/activations.zarr").list() == want
-    for name in want:  # every file but the creation time and the metadata holding it
-        if name not in (".zattrs", ".zmetadata"):
+    for name in want:  # every file but the creation time and the files recording it
+        if name not in (".zattrs", ".zmetadata", "actstore-manifest.json"):
             got = open_files(f"{url}/activations.zarr").read_bytes(name)
             assert got == (local / name).read_bytes(), name
-    again = ZarrS3Writer(url, _make, staging=staging)
+    again = _open(url)
     assert again.complete  # published: nothing is staged or written again
     assert again.close() == f"{url}/activations.zarr"
 
 
-def test_unfinished_upload_is_resumed_and_publishes_zmetadata_last(s3, local, tmp_path):
+def test_unfinished_upload_is_resumed_and_publishes_the_manifest_last(
+    s3, local, tmp_path, monkeypatch
+):
     """A capture killed while uploading: its staged store is published locally; the rerun
-    sends only what is missing and ``.zmetadata`` after everything else."""
-    url, staging = s3.url("up"), tmp_path / "staging"
-    writer = ZarrS3Writer(url, _make, staging=staging)
+    sends only what is missing, ``.zmetadata`` then the root manifest after everything."""
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))
+    url = s3.url("up")
+    writer = _open(url)
     for batch in SyntheticBatches()(0, N):
         writer.write(batch)
     writer.inner.close()  # published in staging, then stopped before the upload finished
     writer.abort()  # (its background uploads stop; the staged store stays)
+    staged = writer.staging / "activations.zarr"
     sent = sorted(local_files(local))[5:15]
     client = s3.client()
     for name in sent:
         client.put_object(
-            Bucket=s3.bucket,
-            Key=f"up/activations.zarr/{name}",
-            Body=(staging / "activations.zarr" / name).read_bytes(),
+            Bucket=s3.bucket, Key=f"up/activations.zarr/{name}", Body=(staged / name).read_bytes()
         )
-    with pytest.raises(StoreNotFoundError, match="no .zmetadata"):
+    with pytest.raises(StoreNotFoundError):
         ZarrReader(url)
     present = {k.split("/activations.zarr/")[1] for k in s3.keys("up/activations.zarr/")}
-    rerun = ZarrS3Writer(url, _make, staging=staging)
+    rerun = _open(url)
     assert rerun.complete is True and rerun.resume_from == N  # staged store is whole
     start = len(s3.faults.requests)
     assert rerun.close() == f"{url}/activations.zarr"
@@ -358,23 +355,24 @@ def test_unfinished_upload_is_resumed_and_publishes_zmetadata_last(s3, local, tm
         p.split("/activations.zarr/")[1] for m, p, _ in s3.faults.requests[start:] if m == "PUT"
     ]
     assert sorted(puts) == sorted(set(local_files(local)) - present)
-    assert puts[-1] == ".zmetadata"
+    assert puts[-2:] == [".zmetadata", "actstore-manifest.json"]
     assert ZarrReader(url).verify().ok
 
 
 def test_a_url_ending_in_zarr_is_the_store_itself(s3, local, tmp_path, monkeypatch):
     monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
     url = s3.url("named.zarr")
-    writer = ZarrS3Writer(url, _make)
-    assert writer.staging.suffix == ".zarr" and writer.staging.parent.parent == tmp_path / "cache"
+    writer = _open(url)
+    assert writer.staging.name == "named.zarr"
+    assert writer.staging.is_relative_to(tmp_path / "cache")
     for batch in SyntheticBatches()(0, N):
         writer.write(batch)
     assert writer.close() == url and not writer.staging.exists()
     assert sorted(s3.keys("named.zarr/")) == sorted(f"named.zarr/{n}" for n in local_files(local))
     reader = open_store(url)
-    assert reader.path == url and reader.verify().ok
+    assert reader.url == url and reader.verify().ok
     np.testing.assert_array_equal(reader.read(2, "resid.3"), ZarrReader(local).read(2, "resid.3"))
-    assert ZarrS3Writer(url, _make).complete
+    assert _open(url).complete
 
 
 QA = [
@@ -412,16 +410,17 @@ def test_cli_capture_straight_to_s3_resumes_after_kill_9(s3, model_dir, tmp_path
             timeout=300,
         )
 
-    killed = cli("--out", url, crash="zarr.published")  # whole store staged, nothing sent
+    killed = cli("--out", url, crash="zarr.published")  # whole store staged, not published
     assert killed.returncode == CRASH_EXIT, killed.stderr[-2000:]
-    # nothing but the dead capture's lock: chunks are sealed at its checkpoints, and it
-    # was killed right after publishing in staging (the store is small: one checkpoint)
-    assert set(s3.keys("cap/")) <= {"cap/activations.zarr/.actstore-lock.json"}
+    # sealed shards may be up (background upload); the index and root manifest are not
+    keys = set(s3.keys("cap/"))
+    assert "cap/activations.zarr/.zmetadata" not in keys
+    assert "cap/activations.zarr/actstore-manifest.json" not in keys
     done = cli("--out", url)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"{url}/activations.zarr" in done.stdout + done.stderr
     reader = open_store(url)
-    assert isinstance(reader, ZarrReader) and reader.remote and reader.verify().ok
+    assert isinstance(reader, ZarrReader) and not reader.location.is_local and reader.verify().ok
     here_out = tmp_path / "here"
     assert cli("--out", str(here_out)).returncode == 0
     here = ZarrReader(here_out)
@@ -430,7 +429,7 @@ def test_cli_capture_straight_to_s3_resumes_after_kill_9(s3, model_dir, tmp_path
         for site in reader.sites:
             for part in PARTS:
                 np.testing.assert_array_equal(reader.read(i, site, part), here.read(i, site, part))
-    assert open_files(reader.path).list() == local_files(here.path)
+    assert open_files(reader.url).list() == local_files(here.path)
     again = cli("--out", url)
     assert again.returncode == 0 and "Already captured" in again.stdout + again.stderr
 

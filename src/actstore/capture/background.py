@@ -19,7 +19,7 @@ from typing import Any, Self
 
 from ..batch import Batch
 from ..errors import CaptureError
-from ..formats.base import Writer
+from ..formats.base import WriterBase
 
 _DONE = object()
 
@@ -27,7 +27,7 @@ _DONE = object()
 class BackgroundWriter:
     """Runs ``writer.write`` on its own thread; ``close()`` returns ``writer.close()``."""
 
-    def __init__(self, writer: Writer, *, queue_size: int = 4) -> None:
+    def __init__(self, writer: WriterBase, *, queue_size: int = 4) -> None:
         if queue_size < 1:
             raise ValueError("queue_size must be at least 1")
         self.writer = writer

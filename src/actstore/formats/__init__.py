@@ -1,5 +1,5 @@
 """Storage formats. Each package ``actstore.formats.<name>`` owns one on-disk layout (its
-constants, Writer and Reader) and registers itself as ``FORMAT`` (see :mod:`.registry`).
+constants, writer and reader) and registers itself as ``FORMAT`` (see :mod:`.registry`).
 
 Example:
     >>> reader = open_store("actstore-data/3f1c...")  # doctest: +SKIP
@@ -11,11 +11,11 @@ import os
 from typing import Any
 
 from ..storage.location import Location
-from .base import Block, Reader, SiteLike, Writer
+from .base import Block, FormatWriter, ReaderBase, SiteLike, WriterBase
 from .registry import FormatSpec, available_formats, detect_format, get_format
 
 
-def open_store(location: str | os.PathLike | Location, **kwargs: Any) -> Reader:
+def open_store(location: str | os.PathLike | Location, **kwargs: Any) -> ReaderBase:
     """Open the store at ``location`` (a path, ``file://`` or ``s3://`` URL) with the reader
     of its format. ``kwargs``: ``verify_reads``, ``cache_dir``, ``cache_bytes``, ``s3``."""
     location = Location.parse(location, s3=kwargs.get("s3"))
@@ -47,9 +47,10 @@ def verify_store(location: str | os.PathLike | Location) -> str:
 __all__ = [
     "Block",
     "FormatSpec",
-    "Reader",
+    "FormatWriter",
+    "ReaderBase",
     "SiteLike",
-    "Writer",
+    "WriterBase",
     "available_formats",
     "detect_format",
     "get_format",

@@ -475,15 +475,10 @@ def as_indices(index: Any, n: int, what: str) -> np.ndarray:
 
 
 class WriterBase(abc.ABC):
-    """Write side of a format. Nothing is visible to readers until :meth:`close` publishes.
-
-    Every writer is built as ``Writer.from_plan(plan, location, options)``; constructing
-    one creates nothing on disk (the first :meth:`write` does). Use as a context manager
-    to publish on success and abort on error.
-
-    Example:
-        >>> with SaevWriter.from_plan(plan, Location.parse("out"), SaevOptions()) as w:  # doctest: +SKIP
-        ...     w.write(batch)
+    """What capture and convert drive: batches in, one atomic publication at :meth:`close`.
+    Nothing is visible to readers until then. Use as a context manager to publish on
+    success and abort on error. A format's own writer is a :class:`FormatWriter`; wrappers
+    (uploading to S3, re-basing a slice) are plain writers around one.
     """
 
     resume_from: int = 0
@@ -495,17 +490,6 @@ class WriterBase(abc.ABC):
     capture); None: all of them."""
     wants_texts: bool = False
     """The writer stores decoded text, so capture decodes each example's tokens."""
-
-    @classmethod
-    @abc.abstractmethod
-    def from_plan(cls, plan: CapturePlan, location: Location, options: Any) -> WriterBase:
-        """The writer of capture ``plan`` for output ``location`` (what ``--out`` names)
-        with the format's ``options``."""
-
-    @classmethod
-    def store_location(cls, plan: CapturePlan, location: Location, options: Any) -> Location:
-        """Where the published store will be for output ``location`` (default: there)."""
-        return location
 
     @abc.abstractmethod
     def write(self, batch: Batch) -> None: ...
@@ -538,6 +522,22 @@ class WriterBase(abc.ABC):
             self.abort()
 
 
-#: Short names used in annotations across the package.
-Reader = ReaderBase
-Writer = WriterBase
+class FormatWriter(WriterBase):
+    """A format's own writer, built as ``Writer.from_plan(plan, location, options)``;
+    constructing one creates nothing on disk (the first :meth:`write` does).
+
+    Example:
+        >>> with SaevWriter.from_plan(plan, Location.parse("out"), SaevOptions()) as w:  # doctest: +SKIP
+        ...     w.write(batch)
+    """
+
+    @classmethod
+    @abc.abstractmethod
+    def from_plan(cls, plan: CapturePlan, location: Location, options: Any) -> FormatWriter:
+        """The writer of capture ``plan`` for output ``location`` (what ``--out`` names)
+        with the format's ``options``."""
+
+    @classmethod
+    def store_location(cls, plan: CapturePlan, location: Location, options: Any) -> Location:
+        """Where the published store will be for output ``location`` (default: there)."""
+        return location

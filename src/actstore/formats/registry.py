@@ -33,7 +33,7 @@ from ..storage.manifest import MANIFEST
 if TYPE_CHECKING:
     from ..batch import CapturePlan
     from ..storage.files import StoreFiles
-    from .base import ReaderBase, WriterBase
+    from .base import FormatWriter, ReaderBase, WriterBase
     from .parts import PartFormat
 
 #: Detection order: the first format whose ``detect`` accepts a location opens it.
@@ -57,7 +57,7 @@ class FormatSpec:
     format would claim counts as True, so its reader names the fault)."""
     reader: type[ReaderBase]
     """``reader(location, *, verify_reads=True, cache_dir=None, cache_bytes=None, s3=None)``."""
-    writer: type[WriterBase]
+    writer: type[FormatWriter]
     """``writer.from_plan(plan, location, options)``: the writer capture and convert use."""
     stored_dtype: str = "float32"
     """dtype name of stored activations (for help texts; conversion asks the reader)."""
@@ -86,14 +86,15 @@ class FormatSpec:
             return self.writer.from_plan(plan, location, options)
         from .s3_staged import StagedS3Writer, staging_root
 
-        staging = Location.parse(staging_root(location.url))
-        final = self.writer.store_location(plan, staging, options)
-        subdir = os.path.relpath(final.url, staging.url)
+        # staged under the destination's own name, so the store lands where it would there
+        staging = Location.parse(staging_root(location.url) / (location.name or "store"))
+        final = self.writer.store_location(plan, location, options)
+        subdir = final.url[len(location.url) :].strip("/")
         return StagedS3Writer(
             location.url,
             lambda directory: self.writer.from_plan(plan, Location.parse(directory), options),
             staging=staging.url,
-            subdir="" if subdir == "." else subdir,
+            subdir=subdir,
             s3=location.s3,
             last=(*self.manifests, MANIFEST),
         )

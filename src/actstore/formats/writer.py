@@ -72,7 +72,7 @@ from ..storage.manifest import (
     hash_ranges,
     store_id_of,
 )
-from .base import WriterBase, summary_of
+from .base import FormatWriter, summary_of
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,12 @@ class ShardSink(abc.ABC):
 
     def abort(self) -> None:
         """Close open files; the shard's files are discarded by the next open."""
+
+    def chunk_files(self) -> list[str]:
+        """After :meth:`finish`: files of this shard the format checks through its own
+        digests (under :meth:`ShardedWriter.manifest_skip`), sealed with the shard for an
+        uploader to send early. Default: none."""
+        return []
 
 
 class _ShardStats:
@@ -156,7 +162,7 @@ def as_float32(tensor: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(tensor.detach().to(torch.float32).numpy(), dtype="<f4")
 
 
-class ShardedWriter(WriterBase):
+class ShardedWriter(FormatWriter):
     """Base of shard-directory writers; see the module docstring for the protocol.
 
     Subclasses call ``super().__init__`` from their constructor with the published
@@ -572,6 +578,7 @@ class ShardedWriter(WriterBase):
 
     def _finish_shard(self, index: int) -> None:
         files = self._sink.finish()  # type: ignore[union-attr]
+        chunks = self._sink.chunk_files()  # type: ignore[union-attr]
         self._sink = None
         point(f"{self.format_name}.shard_synced")
         blocks = self.partial / BLOCKS_DIR
@@ -590,6 +597,7 @@ class ShardedWriter(WriterBase):
                 "index": index,
                 "n_examples": self._in_shard,
                 "files": {f.name: f.entry.to_dict() for f in files},
+                "chunks": chunks,
                 "info": {f.name: f.info for f in files},
                 "sides": sides,
                 "stats": {str(s): st.to_dict() for s, st in stats.items()},
@@ -605,7 +613,11 @@ class ShardedWriter(WriterBase):
             return []
         rel = self.final.relative_to(self.output).as_posix()
         prefix = "" if rel == "." else rel + "/"
-        return [(prefix + name, self.partial / name) for e in self._shards for name in e["files"]]
+        return [
+            (prefix + name, self.partial / name)
+            for e in self._shards
+            for name in [*e["files"], *e.get("chunks", ())]
+        ]
 
     # ------------------------------------------------------------------ publish
 
@@ -837,6 +849,9 @@ def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -
             for name in entry["files"]:
                 _link_or_copy(source / name, work / name)
                 writer._digests[name] = checks.digests(name)
+            for name in entry.get("chunks", ()):
+                (work / name).parent.mkdir(parents=True, exist_ok=True)
+                _link_or_copy(source / name, work / name)
         sizes = {n: h.tell() for n, h in sides.items()}
     finally:
         for handle in sides.values():

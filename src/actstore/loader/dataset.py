@@ -142,7 +142,7 @@ class ActivationLoader(IterableDataset):
     within a window of ``pool_blocks`` blocks; the order is a pure function of (block
     sizes, seed, epoch), so it is reproducible, splits exactly across ranks and DataLoader
     workers, and resumes in O(1) from :meth:`state_dict`. Works with any reader of the
-    :class:`~actstore.formats.base.Reader` contract.
+    :class:`~actstore.formats.base.ReaderBase` contract.
 
     Iterate it directly (it reads with ``io_threads`` background threads), or wrap it in
     :class:`~actstore.loader.ActivationDataLoader` for worker processes. Iteration always

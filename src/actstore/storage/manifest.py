@@ -45,7 +45,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -207,9 +207,10 @@ class RootManifest:
     files: dict[str, FileEntry]
     blocks: str = ""
     """xxh3-128 of ``actstore-blocks.bin`` ("" when there is none)."""
-    skip: tuple[str, ...] = ()
+    skip: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Folders whose files a format checks through a digest file of its own (zarr chunk
-    directories, which can hold millions of files): not listed here, not listed on open."""
+    directories, which can hold millions of files) with how many files and bytes they hold:
+    their files are not listed one by one, but a listing that counts otherwise is refused."""
     nested: tuple[str, ...] = ()
     """Folders holding stores with root manifests of their own (a zarr run's shards)."""
     created_by: str = f"actstore {__version__}"
@@ -222,7 +223,7 @@ class RootManifest:
             "store_id": self.store_id,
             "record": self.record,
             "summary": self.summary,
-            "skip": list(self.skip),
+            "skip": {k: list(v) for k, v in sorted(self.skip.items())},
             "nested": list(self.nested),
             "blocks": self.blocks,
             "created_by": self.created_by,
@@ -279,7 +280,7 @@ class RootManifest:
                     for n, e in doc["files"].items()
                 },
                 blocks=str(doc.get("blocks", "")),
-                skip=tuple(str(s) for s in doc.get("skip", ())),
+                skip={str(k): (int(v[0]), int(v[1])) for k, v in doc.get("skip", {}).items()},
                 nested=tuple(str(s) for s in doc.get("nested", ())),
                 created_by=str(doc.get("created_by", "")),
             )
@@ -442,7 +443,7 @@ class ManifestBuilder:
         self.record = record if isinstance(record, str) else store_id_of(record)
         self.files: dict[str, FileEntry] = {}
         self._digests: dict[str, np.ndarray] = {}
-        self.skip: list[str] = []
+        self.skip: dict[str, tuple[int, int]] = {}
         self.nested: list[str] = []
 
     def add(self, name: str, entry: FileEntry, digests: np.ndarray) -> None:
@@ -473,7 +474,8 @@ class ManifestBuilder:
         the manifest's own files, the folders of ``skip`` (recorded: their files are
         checked another way) and the top-level names of ``exclude`` (not part of the store)."""
         root = Path(directory)
-        self.skip = sorted({*self.skip, *(s.strip("/") + "/" for s in skip)})
+        for folder in skip:
+            self.skip.setdefault(folder.strip("/") + "/", (0, 0))
         excluded = set(exclude)
         for dirpath, dirnames, names in os.walk(root):
             dirnames.sort()
@@ -481,14 +483,12 @@ class ManifestBuilder:
                 dirnames[:] = [d for d in dirnames if d not in excluded]
             for n in sorted(names):
                 rel = (Path(dirpath) / n).relative_to(root).as_posix()
-                if (
-                    rel in self.files
-                    or rel in OWN_FILES
-                    or rel in excluded
-                    or skipped(rel, self.skip)
-                ):
-                    continue
-                self.add_file(root, rel)
+                folder = skipped(rel, self.skip)
+                if folder:
+                    count, size = self.skip[folder]
+                    self.skip[folder] = (count + 1, size + os.path.getsize(Path(dirpath) / n))
+                elif rel not in self.files and rel not in OWN_FILES and rel not in excluded:
+                    self.add_file(root, rel)
 
     def build(self, *, summary: dict[str, Any]) -> tuple[bytes, bytes | None]:
         """The manifest's bytes and the blocks file's (None when every file is one block),
@@ -509,7 +509,7 @@ class ManifestBuilder:
             summary=_jsonable(summary),
             files=files,
             blocks="" if data is None else xxhash.xxh3_128_hexdigest(data),
-            skip=tuple(self.skip),
+            skip=dict(self.skip),
             nested=tuple(self.nested),
         )
         return manifest.to_bytes(), data
@@ -523,11 +523,13 @@ class ManifestBuilder:
         atomic_write_bytes(Path(directory) / MANIFEST, manifest)
 
 
-def skipped(name: str, skip: Sequence[str]) -> bool:
-    """Whether ``name`` is a chunk file (not a ``.zarray``-like metadata file) in one of the
-    ``skip`` folders a format checks through its own digest file."""
+def skipped(name: str, skip: Iterable[str]) -> str:
+    """The folder of ``skip`` (those a format checks through its own digest file) holding
+    ``name`` when it is a chunk file there (not a ``.zarray``-like metadata file), else ""."""
     folder, _, base = name.rpartition("/")
-    return not base.startswith(".") and any((folder + "/").startswith(s) for s in skip)
+    if base.startswith("."):
+        return ""
+    return next((s for s in skip if (folder + "/").startswith(s)), "")
 
 
 def _jsonable(doc: Any) -> Any:
@@ -601,7 +603,7 @@ class Integrity:
         checks = cls(files, manifest, enabled=verify_reads)
         if verify_reads:
             problems = checks.listing_faults()
-            missing = [p for p in problems if p.endswith(" is missing")]
+            missing = [p for p in problems if p.endswith((" is missing", " are missing"))]
             if missing:
                 raise StoreNotFoundError(
                     f"{files.url}: {missing[0]}"
@@ -625,13 +627,27 @@ class Integrity:
         if m is None:
             return []
         faults = [f"{name} is a symlink" for name in self.files.symlinks()]
-        present = {
-            n: s
-            for n, s in self.files.list().items()
-            if n not in OWN_FILES
-            and not skipped(n, m.skip)
-            and not any(n.startswith(f) for f in m.nested)
-        }
+        present: dict[str, int] = {}
+        counted = {folder: [0, 0] for folder in m.skip}
+        for n, s in self.files.list().items():
+            folder = skipped(n, m.skip)
+            if folder:
+                counted[folder][0] += 1
+                counted[folder][1] += s
+            elif n not in OWN_FILES and not any(n.startswith(f) for f in m.nested):
+                present[n] = s
+        for folder, (count, size) in m.skip.items():
+            got, got_bytes = counted[folder]
+            if got < count:
+                faults.append(
+                    f"{folder.rstrip('/')} holds {got} of the {count} chunk files: "
+                    f"{count - got} {'is' if count - got == 1 else 'are'} missing"
+                )
+            elif (got, got_bytes) != (count, size):
+                faults.append(
+                    f"{folder.rstrip('/')} holds {got} chunk files of {got_bytes} bytes, the "
+                    f"manifest says {count} of {size}"
+                )
         for name, entry in m.files.items():
             size = present.get(name)
             if size is None:

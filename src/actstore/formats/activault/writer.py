@@ -65,7 +65,7 @@ from ...storage.object import (
     join_key,
     open_location,
 )
-from ..base import WriterBase, summary_of
+from ..base import FormatWriter, summary_of
 from .layout import (
     CFG,
     DTYPES,
@@ -233,7 +233,7 @@ class _Position:
         return self.example, self.skip
 
 
-class ActivaultWriter(WriterBase):
+class ActivaultWriter(FormatWriter):
     """Writer for one Activault run (``s3://bucket/run``, ``file://...`` or a directory).
 
     Attributes ``resume_from`` (examples whose kept tokens are all stored, or the example a

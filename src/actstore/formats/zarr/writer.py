@@ -584,6 +584,19 @@ class _ZarrShard(ShardSink):
             out.append(WrittenFile(name, entry, digests, info=info if "chunksums" in name else {}))
         return out
 
+    def chunk_files(self) -> list[str]:
+        lay, names = self.w.layout, []
+        for part in PARTS:
+            array = self.acts[part]
+            separator = array.metadata.dimension_separator
+            for i in range(self.lo, self.lo + self.n_rows):
+                for layer in range(lay.n_layers):
+                    for c in range(lay.n_chunks(part)):
+                        name = f"{ACTIVATIONS[part]}/{chunk_key((i, layer, c, 0), separator)}"
+                        if (self.directory / name).is_file():  # zarr skips all-fill chunks
+                            names.append(name)
+        return names
+
 
 def _sample_keys(batch: Batch) -> list[bytes]:
     keys = batch.extras.get("sample_key")
