@@ -38,7 +38,15 @@ SITES = (Site("resid", 1), Site("resid", 3))
 
 def saev_writer(md, root, *, has_tokens=False, has_labels=False, classes=None, **kw):
     """The :class:`SaevWriter` of a capture whose plan gives saev metadata ``md``."""
-    from actstore.formats.saev import SaevOptions, SaevWriter
+    from actstore.formats.saev import SaevWriter
+
+    plan, options = saev_plan(md, has_tokens=has_tokens, has_labels=has_labels, classes=classes)
+    return SaevWriter(plan, Path(root), options, **kw)
+
+
+def saev_plan(md, *, has_tokens=False, has_labels=False, classes=None):
+    """``(plan, options)`` of a capture whose saev metadata is ``md``."""
+    from actstore.formats.saev import SaevOptions
     from actstore.formats.saev.reader import _decode_data
 
     plan = CapturePlan(
@@ -58,8 +66,7 @@ def saev_writer(md, root, *, has_tokens=False, has_labels=False, classes=None, *
         has_tokens=has_tokens,
         batch_size=4,
     )
-    options = SaevOptions(dialect=md.dialect, patches_per_shard=md.patches_per_shard)
-    return SaevWriter(plan, Path(root), options, **kw)
+    return plan, SaevOptions(dialect=md.dialect, patches_per_shard=md.patches_per_shard)
 
 
 def resign(store: Path, *, summary: dict | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from actstore.loader import ActivationLoader
 from actstore.storage.cache import BlockCache
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
+from actstore.storage.manifest import BLOCKS, MANIFEST
 
 
 @pytest.fixture
@@ -38,9 +40,11 @@ def upload(local, url):
 
 
 def gets(s3) -> int:
-    """GETs of shard data (block checksum sidecars, ``*.bin.xxh3``, are fetched once each)."""
+    """GETs of shard data (the block digests, ``actstore-blocks.bin``, are fetched once)."""
     return sum(
-        1 for method, path, _ in s3.faults.requests if method == "GET" and path.endswith(".bin")
+        1
+        for method, path, _ in s3.faults.requests
+        if method == "GET" and path.endswith(".bin") and not path.endswith(BLOCKS)
     )
 
 
@@ -49,7 +53,7 @@ def test_saev_reader_over_s3_matches_the_local_reader(s3, saev_local):
     url = s3.url("acts", local.name)
     upload(local, url)
     remote, here = open_store(url), SaevReader(local)
-    assert isinstance(remote, SaevReader) and remote.remote
+    assert isinstance(remote, SaevReader) and not remote.location.is_local
     assert remote.shape == here.shape
     np.testing.assert_array_equal(remote[7, 5, 3], acts[7, 1, 3])
     np.testing.assert_array_equal(remote[[21, 2, 7], 2], acts[[21, 2, 7], 0])
@@ -75,6 +79,10 @@ def test_one_row_costs_one_small_ranged_get(s3, saev_local):
     reader = SaevReader(url)
     before = len(s3.faults.requests)
     np.testing.assert_array_equal(reader[9, 5, 2], acts[9, 1, 2])
+    got = [(m, p.rsplit("/", 1)[1]) for m, p, _ in s3.faults.requests[before:]]
+    assert sorted(got) == [("GET", "acts000001.bin"), ("GET", BLOCKS)]  # digests: once
+    before = len(s3.faults.requests)
+    np.testing.assert_array_equal(reader[3, 2, 4], acts[3, 0, 4])
     assert [m for m, _, _ in s3.faults.requests[before:]] == ["GET"]
 
 
@@ -197,7 +205,7 @@ def test_cp_both_ways_publishes_last_resumes_and_verifies(s3, saev_local, tmp_pa
     report = upload(local, url)
     assert "SaevReader.verify()" in report.verified and "ETags" in report.verified
     puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT"]
-    assert puts[-1].endswith("/metadata.json")
+    assert puts[-1].endswith(f"/{MANIFEST}")  # the root manifest last
     names = {p.name: p.stat().st_size for p in local.iterdir()}
     assert s3.keys(f"copy/{local.name}/") == {f"copy/{local.name}/{n}": s for n, s in names.items()}
     # Resume: only the missing object is sent again.
@@ -213,7 +221,7 @@ def test_cp_both_ways_publishes_last_resumes_and_verifies(s3, saev_local, tmp_pa
     damaged = bytearray((back / "acts000001.bin").read_bytes())
     damaged[100] ^= 1
     (back / "acts000001.bin").write_bytes(bytes(damaged))
-    with pytest.raises(CorruptStoreError, match="acts000001.bin: checksum mismatch"):
+    with pytest.raises(CorruptStoreError, match="acts000001.bin: 1 block.s. differ from the manif"):
         copy_store(url, back, check_store=verify_store)
 
 
@@ -240,7 +248,7 @@ def test_cli_cp_ls_verify_on_s3(s3, saev_local, tmp_path):
     assert "copied" in result.output
     result = runner.invoke(app, ["ls", url])
     assert result.exit_code == 0, result.output
-    assert "saev protocol 2.1" in result.output and "acts000000.bin" in result.output
+    assert "saev protocol 2.1" in result.output and "11 files" in result.output
     result = runner.invoke(app, ["verify", url, "--no-progress"])
     assert result.exit_code == 0 and "OK:" in result.output, result.output
     result = runner.invoke(app, ["cp", url, str(tmp_path / "down"), "--no-progress"])
@@ -253,7 +261,7 @@ def test_pickle_store_on_s3(s3, tmp_path):
     url = s3.url("pkl")
     upload(store, url)
     remote, here = open_store(url), PickleReader(store)
-    assert isinstance(remote, PickleReader) and remote.remote
+    assert isinstance(remote, PickleReader) and not remote.location.is_local
     site = remote.sites[0]
     for a, b in zip(remote.blocks(site), here.blocks(site)):
         np.testing.assert_array_equal(remote.read_block(a), here.read_block(b))
@@ -278,9 +286,11 @@ def test_reads_survive_connection_resets_through_the_proxy(s3_proxy, saev_local)
 
 _KILLED_WRITER = """
 import os, signal, sys
+from conformance import saev_plan
 from test_saev_store import batches, make_acts, make_metadata
-from actstore.formats.saev.remote import SaevS3Writer
-writer = SaevS3Writer(make_metadata(), sys.argv[1], staging=sys.argv[2], has_tokens=True)
+from actstore.formats.registry import get_format
+plan, options = saev_plan(make_metadata(), has_tokens=True)
+writer = get_format("saev").open_writer(plan, sys.argv[1], options)
 for i, batch in enumerate(batches(make_acts())):
     writer.write(batch)
     if i == 3:  # 16 examples: shards 0-2 finished (and queued for upload), 1 in the open one
@@ -288,43 +298,44 @@ for i, batch in enumerate(batches(make_acts())):
 """
 
 
-def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path):
+def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatch):
     import subprocess
     import sys
 
-    from actstore.formats.saev.remote import SaevS3Writer
+    from conformance import saev_plan
     from test_saev_store import batches, make_metadata
 
+    from actstore.formats.registry import get_format
+
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
+    plan, options = saev_plan(make_metadata(), has_tokens=True)
     acts = make_acts()
-    url, staging = s3.url("captures"), str(tmp_path / "staging")
+    url = s3.url("captures")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, url, staging],
-        env=env,
-        capture_output=True,
-        check=False,
+        [sys.executable, "-c", _KILLED_WRITER, url], env=env, capture_output=True, check=False
     )
     assert done.returncode == -9, done.stderr.decode()[-2000:]
-    assert not any(k.endswith("metadata.json") for k in s3.keys("captures/"))
-    resumed = SaevS3Writer(make_metadata(), url, staging=staging, has_tokens=True)
+    assert not any(k.endswith((MANIFEST, "metadata.json")) for k in s3.keys("captures/"))
+    resumed = get_format("saev").open_writer(plan, url, options)
     assert resumed.resume_from == 15
     for batch in batches(acts, start=12):
         resumed.write(batch)
-    shard3 = f"captures/{make_metadata().content_hash()}/acts000003.bin"
+    reference = write_store(tmp_path / "ref", acts)
+    shard3 = f"captures/{reference.name}/acts000003.bin"
     for _ in range(300):  # the finished shard goes up in the background, before close()
         if shard3 in s3.keys("captures/"):
             break
         time.sleep(0.1)
     assert shard3 in s3.keys("captures/")
     published = resumed.close()
-    assert published == f"{url}/{make_metadata().content_hash()}"
-    assert not (tmp_path / "staging" / make_metadata().content_hash()).exists()
-    reference = write_store(tmp_path / "ref", acts)
+    assert published == f"{url}/{reference.name}"
+    assert not resumed.staging.exists()
     remote = open_files(published)
     assert remote.list() == {p.name: p.stat().st_size for p in reference.iterdir()}
     for f in reference.iterdir():
         assert remote.read_bytes(f.name) == f.read_bytes(), f.name
-    again = SaevS3Writer(make_metadata(), url, staging=staging, has_tokens=True)
+    again = get_format("saev").open_writer(plan, url, options)
     assert again.complete and again.close() == published
 
 
@@ -335,7 +346,7 @@ def test_cli_capture_saev_straight_to_s3(s3, model_dir, text_file, tmp_path, mon
     result = CliRunner().invoke(app, [*args, "--out", s3.url("cap"), "--no-progress"])
     assert result.exit_code == 0, result.output
     reader = open_store(next(line.strip() for line in result.output.split() if "s3://" in line))
-    assert isinstance(reader, SaevReader) and reader.remote and reader.verify().ok
+    assert isinstance(reader, SaevReader) and not reader.location.is_local and reader.verify().ok
     local = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "here"), "--no-progress"])
     assert local.exit_code == 0, local.output
     here = SaevReader(next((tmp_path / "here").iterdir()))
@@ -356,7 +367,7 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
     url, staging = s3.url("pk"), tmp_path / "staging"
 
     def make(directory):
-        return PickleWriter(plan, directory, PickleOptions(samples_per_shard=PER_SHARD))
+        return PickleWriter(plan, Path(directory), PickleOptions(samples_per_shard=PER_SHARD))
 
     crashed = StagedS3Writer(url, make, staging=staging)
     for batch in batches[:3]:
@@ -364,6 +375,8 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
     crashed.abort()
     # Finished shards may already be up (background upload); nothing a reader opens, no lock.
     assert set(s3.keys("pk/")) <= {"pk/shard_0001.pkl.gz", "pk/shard_0002.pkl.gz"}
+    with pytest.raises(StoreNotFoundError):
+        open_store(url)
     resumed = StagedS3Writer(url, make, staging=staging)
     assert resumed.resume_from == 10 and not resumed.complete
     for batch in batches:

@@ -23,8 +23,8 @@ def cp(
     """Copy a store (every file under SRC) to DST, in parallel. Run the same command again
     to resume an interrupted copy: files already at DST with the right size are skipped,
     and a large file cut off mid-way resumes from the parts already at DST.
-    The store's manifest (metadata.json, state.json, .zmetadata...) is written last, so DST
-    is openable only once the copy is complete.
+    The store's index (metadata.json, .zmetadata...) and then its root manifest
+    (actstore-manifest.json) are written last, so DST opens only once the copy is whole.
 
     \b
     Examples:
@@ -37,6 +37,7 @@ def cp(
     from ..progress import bar_switch
     from ..storage.copy import copy_store
     from ..storage.files import open_files
+    from ..storage.manifest import MANIFEST
     from ..storage.object import MiB, S3Config
 
     s3 = S3Config(endpoint_url=endpoint_url)
@@ -51,8 +52,11 @@ def cp(
             verify=verify,
             progress=bar.update,
             check_store=verify_store,
-            # every format's manifest goes last: DST opens only once the copy is whole
-            last=sorted({name for spec in available_formats() for name in spec.manifests}),
+            # every format's index, then the root manifest: DST opens only once it is whole
+            last=[
+                *sorted({name for spec in available_formats() for name in spec.manifests}),
+                MANIFEST,
+            ],
         )
     reused = f", {report.parts_reused} parts of an interrupted copy kept" * bool(
         report.parts_reused

@@ -22,6 +22,7 @@ was cut resumes from the parts already there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -150,7 +151,9 @@ class StagedS3Writer(WriterBase):
             if self.lock is not None:
                 self.lock.release()
         if not self.keep_local:
-            _remove_tree(local)
+            _remove_tree(self.staging)  # the staged store and the writer's bookkeeping
+            with contextlib.suppress(OSError):
+                self.staging.parent.rmdir()  # the destination's staging folder, if empty
         log.info("published %s", self.url)
         self._published = True
         return self.url

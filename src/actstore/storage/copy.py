@@ -41,13 +41,14 @@ from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFound
 from ..faults import point
 from .files import StoreFiles, open_files
 from .local import atomic_write_bytes, fsync_dir
+from .manifest import MANIFEST
 from .object import LocalStore, MiB, S3Config, S3Store, is_internal, join_key, open_location
 
 log = logging.getLogger(__name__)
 
-#: Written after every other file by default: readers and format detection open it first
-#: (each format names its own manifest; callers that know it pass ``last=``).
-PUBLISH_LAST = ("metadata.json",)
+#: Written after every other file by default: the root manifest, without which readers
+#: refuse the store (callers that know the format pass its index files first in ``last=``).
+PUBLISH_LAST = (MANIFEST,)
 DEFAULT_PART_BYTES = 16 * MiB
 
 

@@ -70,6 +70,8 @@ KEY_ENV = "ACTSTORE_MANIFEST_KEY"
 VERSION = 1
 
 _MAGIC = b"ACTBLK\x00\x01"
+WHOLE_BLOCKS_BYTES = 64 << 20
+"""Largest ``actstore-blocks.bin`` a reader loads whole on first use (8 bytes per block)."""
 
 
 def store_id_of(record: Any) -> str:
@@ -552,10 +554,11 @@ class Integrity:
         self.manifest = manifest
         self.enabled = enabled and manifest is not None
         self._digests: dict[str, np.ndarray] = {}
+        self._all: np.ndarray | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_digests": {}, "_lock": None}
+        return {**self.__dict__, "_digests": {}, "_all": None, "_lock": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -724,15 +727,35 @@ class Integrity:
             digests = np.array([int(entry.single, 16)], dtype="<u8")
         else:
             n = entry.n_blocks
-            raw = self.files.read_range(BLOCKS, len(_MAGIC) + 8 * entry.at, 8 * n, cache=False)
-            digests = np.frombuffer(bytes(raw), dtype="<u8")
-            if file_digest(digests) != entry.digest:
+            every = self._every_digest()
+            if every is not None:
+                digests = every[entry.at : entry.at + n]
+            else:
+                raw = self.files.read_range(BLOCKS, len(_MAGIC) + 8 * entry.at, 8 * n, cache=False)
+                digests = np.frombuffer(bytes(raw), dtype="<u8")
+            if len(digests) != n or file_digest(digests) != entry.digest:
                 raise CorruptStoreError(
                     f"{self.files.url_of(BLOCKS)}: the block digests of {name} do not match the "
                     "manifest; restore the file or re-create the store"
                 )
         with self._lock:
             return self._digests.setdefault(name, digests)
+
+    def _every_digest(self) -> np.ndarray | None:
+        """All of ``actstore-blocks.bin`` (one read, checked whole) when it is at most
+        ``WHOLE_BLOCKS_BYTES``: one request on object storage instead of one per file."""
+        if self._all is None:
+            size = self.files.size(BLOCKS) or 0
+            if size > WHOLE_BLOCKS_BYTES:
+                return None
+            data = bytes(self.files.read_range(BLOCKS, 0, size, cache=False))
+            if xxhash.xxh3_128_hexdigest(data) != self.manifest.blocks:  # type: ignore[union-attr]
+                raise CorruptStoreError(
+                    f"{self.files.url_of(BLOCKS)} does not match the root manifest; restore it "
+                    "or re-create the store"
+                )
+            self._all = np.frombuffer(data, dtype="<u8", offset=len(_MAGIC))
+        return self._all
 
     def _require(self, name: str) -> FileEntry:
         entry = self.entry(name)

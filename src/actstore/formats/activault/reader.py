@@ -40,6 +40,7 @@ from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
+from ...storage.manifest import MANIFEST
 from ...storage.object import MiB, S3Config, base_name, join_key, open_location, parent_key
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
@@ -124,7 +125,9 @@ class ActivaultReader(ReaderBase):
         chunk_size: int | None = None,
         concurrency: int = 8,
     ) -> None:
-        self._open_location(location, verify_reads=verify_reads, s3=s3)
+        self._open_location(
+            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
+        )
         self.chunk_size, self.concurrency = chunk_size, concurrency
         self.store, prefix = open_location(self.location.url, s3)
         self._pool: ThreadPoolExecutor | None = None
@@ -136,33 +139,19 @@ class ActivaultReader(ReaderBase):
             self.files = self.location.parent.files(cache_dir=cache_dir, cache_bytes=cache_bytes)
         else:
             self.run_prefix, hook_names = prefix, None
+        whole_run = hook_names is None
         self.cfg: dict[str, Any] = {}
         self.record: RunRecord | None = None
         cfg_key = join_key(self.run_prefix, CFG)
-        if self.store.size(cfg_key) is not None:
+        if self.store.size(cfg_key) is not None:  # unchecked: only to tell what to check
             doc = self.store.get_json(cfg_key)
             self.cfg = doc if isinstance(doc, dict) else {}
             if "actstore" in self.cfg:
                 self.record = RunRecord.from_dict(
                     self.cfg["actstore"], source=self.store.url(cfg_key)
                 )
-        if self.record is not None and not self.record.complete:
-            if not allow_incomplete:
-                raise CorruptStoreError(
-                    f"{self.store.url(self.run_prefix)} is an unfinished capture "
-                    f"({self.record.groups} files per hook committed so far): rerun the same "
-                    "capture command to resume and complete it, or pass allow_incomplete=True "
-                    "to read the committed files (unverified)"
-                )
-        else:
-            self._open_checks(ours=self.record is not None)
-            if self.checks.enabled:  # cfg.json as published, before anything is trusted
-                self.cfg = self.checks.read_json(CFG)
-                self.record = RunRecord.from_dict(
-                    self.cfg["actstore"], source=self.store.url(cfg_key)
-                )
         siblings = self.store.list_dirs(self.run_prefix)
-        if hook_names is None:
+        if whole_run:
             if self.record is not None:
                 hook_names = list(self.record.hooks)
             else:
@@ -171,12 +160,7 @@ class ActivaultReader(ReaderBase):
                     for h in siblings
                     if self.store.size(join_key(self.run_prefix, h, METADATA)) is not None
                 ]
-        if not hook_names:
-            raise StoreNotFoundError(
-                f"{self.location} holds no Activault hook folders ({{hook}}/metadata.json); give "
-                "a run (s3://bucket/run) or one of its hook folders"
-            )
-        for hook in hook_names:
+        for hook in hook_names:  # before the manifest: the more useful message
             clash = [s for s in siblings if s != hook and s.startswith(hook)]
             if clash:
                 raise CorruptStoreError(
@@ -184,6 +168,32 @@ class ActivaultReader(ReaderBase):
                     f"{clash[0]!r}: Activault's reader would mix their files; rename or move "
                     f"{clash[0]!r}"
                 )
+        unfinished = self.record is not None and not self.record.complete
+        if unfinished and not self.files.exists(MANIFEST):
+            if not allow_incomplete:
+                raise CorruptStoreError(
+                    f"{self.store.url(self.run_prefix)} is an unfinished capture "
+                    f"({self.record.groups} files per hook committed so far): rerun the same "
+                    "capture command to resume and complete it, or pass allow_incomplete=True "
+                    "to read the committed files (unverified)"
+                )
+        else:  # a run with a root manifest is checked, whatever its cfg.json claims
+            self._open_checks(ours=self.record is not None)
+            if self.checks.enabled:  # cfg.json as published, before anything is trusted
+                doc = self.checks.read_json(CFG)
+                self.cfg = doc if isinstance(doc, dict) else {}
+                self.record = (
+                    RunRecord.from_dict(self.cfg["actstore"], source=self.store.url(cfg_key))
+                    if "actstore" in self.cfg
+                    else None
+                )
+        if whole_run and self.record is not None:
+            hook_names = list(self.record.hooks)  # from the checked record
+        if not hook_names:
+            raise StoreNotFoundError(
+                f"{self.location} holds no Activault hook folders ({{hook}}/metadata.json); give "
+                "a run (s3://bucket/run) or one of its hook folders"
+            )
         self.listings = {h: self._list_hook(h) for h in hook_names}
         self._site_hooks = {self._hook_site(h): h for h in hook_names}
         self.notes: list[str] = []
@@ -328,18 +338,14 @@ class ActivaultReader(ReaderBase):
         return (len(self), md.batch_size, md.sequence_length, md.d_in)
 
     def capture_plan(self) -> CapturePlan:
-        """The capture this run came from: actstore's record of it in ``cfg.json``, or,
-        for a run Activault wrote, what its metadata says (one example per sequence)."""
+        """The capture this run came from: actstore's record of it in ``cfg.json`` (as
+        planned, also when token cleaning or the dropped tail left fewer tokens stored;
+        :meth:`example_batches` refuses to convert such a run), or, for a run Activault
+        wrote, what its metadata says (one example per sequence)."""
         first = next(iter(self.listings.values()))
         rows = len(first.files) * first.metadata.tokens_per_file
         if self.record is not None:
             plan = CapturePlan.from_json_dict(self.record.plan)
-            if rows != plan.n_examples * plan.tokens_per_example:
-                raise ConfigError(
-                    f"{self.url} holds {rows} tokens per hook, not {plan.n_examples} "
-                    f"examples x {plan.tokens_per_example} (token cleaning dropped some, or the "
-                    "last file was partial): only fixed-length stores convert"
-                )
             # token ids stay inside the megabatch files; blocks do not carry them
             return dataclasses.replace(plan, has_tokens=False, has_labels=False)
         md = first.metadata
@@ -361,6 +367,20 @@ class ActivaultReader(ReaderBase):
             has_tokens=False,
             batch_size=md.batch_size,
         )
+
+    def example_batches(self, batch_size: int, start: int = 0) -> None:
+        """None: conversion rebuilds examples from blocks, which holds only for a run that
+        stores exactly its plan's examples; :class:`ConfigError` for one that does not."""
+        plan = self.capture_plan()
+        rows = self.n_rows(self.sites[0])
+        if rows != plan.n_examples * plan.tokens_per_example:
+            raise ConfigError(
+                f"{self.url} holds {rows} tokens per hook, not {plan.n_examples} examples x "
+                f"{plan.tokens_per_example} (token cleaning dropped some, or the last file was "
+                "partial): only runs of whole examples convert; capture with --no-clean and "
+                "a rows_per_file that divides the examples to convert it"
+            )
+        return None
 
     def metadata(self, site: Any) -> HookMetadata:
         return self.listings[self.hook_of(site)].metadata

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections import deque
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError
+from ...storage.location import Location
 from ...storage.object import S3Config
 from .layout import parse_dtype
 from .reader import ActivaultReader
@@ -71,7 +73,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        locations: str | Sequence[str],
+        locations: str | os.PathLike | Location | Sequence[str | os.PathLike | Location],
         *,
         hook: Hashable | None = None,
         batch_size: int = 4096,
@@ -95,7 +97,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
             )
         if epochs is not None and epochs < 1:
             raise ConfigError("epochs must be >= 1 (or None for an endless stream)")
-        if isinstance(locations, str):
+        if isinstance(locations, (str, os.PathLike, Location)):
             locations = [locations]
         if not locations:
             raise ConfigError("give at least one location to stream from")

@@ -294,15 +294,8 @@ class ActivaultWriter(FormatWriter):
         cls, plan: CapturePlan, location: Location, options: Any = None
     ) -> ActivaultWriter:
         """The writer of ``plan`` for the run at ``location`` (a directory or ``s3://``)."""
-        options = options or ActivaultOptions()
-        return cls(
-            plan,
-            Location.parse(
-                location,
-                s3=options.s3_config(location.s3 if isinstance(location, Location) else None),
-            ).url,
-            options,
-        )
+        location = Location.parse(location)
+        return cls(plan, location.url, options or ActivaultOptions(), s3=location.s3)
 
     # ------------------------------------------------------------------ open / resume
 
@@ -438,10 +431,20 @@ class ActivaultWriter(FormatWriter):
                 f"{record.groups} committed files of {self.tokens_per_file} tokens; the run is "
                 "damaged: capture into a new run"
             )
+        digests = record.digests.get(hook, [])
         for g in range(done, record.groups):  # statistics lag the commit by at most a group
             name = data_file_name(group_uuid(record.run_id, g), g + 1)
             key = join_key(prefix, name)
-            states = load_megabatch(self.store.get(key), source=self.store.url(key))["states"]
+            data = self.store.get(key)
+            keyed = xxhash.xxh3_64_intdigest(data) ^ int(
+                block_keys(self.store_id, f"{hook}/{name}", 0, 1)[0]
+            )
+            if g < len(digests) and keyed != int(digests[g], 16):
+                raise CorruptStoreError(
+                    f"{self.store.url(key)} (committed group {g}) is not the file that was "
+                    "committed (changed or damaged since); capture into a new run"
+                )
+            states = load_megabatch(data, source=self.store.url(key))["states"]
             stats = stats.merge(group_statistics(states))
         return stats
 

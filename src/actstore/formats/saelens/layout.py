@@ -77,6 +77,25 @@ def hook_site(name: str) -> Site | None:
         return None
 
 
+class ColumnSite(Site):
+    """The key of a column whose name denotes no actstore site: a cache ``sae_lens`` wrote
+    from a Hugging Face model names its column after a module (``transformer.h.1``), which
+    says nothing of what the values mean in actstore's terms. Such a column is read under its
+    own name (``reader.blocks("transformer.h.1")``), but it has no kind or layer, so the
+    cache has no capture plan and cannot be converted.
+
+    Example:
+        >>> str(ColumnSite("transformer.h.1", -1))
+        'transformer.h.1'
+    """
+
+    def __post_init__(self) -> None:  # ``kind`` is the column's name, not a site kind
+        pass
+
+    def __str__(self) -> str:
+        return self.kind
+
+
 def data_file_name(index: int, n_files: int) -> str:
     """The name ``save_to_disk`` gives file ``index`` of ``n_files``."""
     return f"data-{index:05d}-of-{n_files:05d}.arrow"

@@ -7,11 +7,14 @@ root manifest before it is returned; random access (``reader[...]``) and token i
 check whole blocks the same way, and ``state.json``, ``dataset_info.json``,
 ``actstore.json`` and ``statistics.json`` are checked before they are parsed. A cache
 ``sae_lens`` wrote has none of this: it opens with one warning that its contents cannot be
-verified, and its Arrow files are parsed with pyarrow (memory-mapped on local disk).
+verified (the root manifest's, logged once per location), and its Arrow files are parsed
+with pyarrow (memory-mapped on local disk).
 
 Sites are :class:`~actstore.sites.Site` keys; the columns' TransformerLens hook names
 (``blocks.3.hook_resid_post``, ``hook_normalized_resid_post`` for BERT) are the format's own
-spelling and are accepted wherever a site is.
+spelling and are accepted wherever a site is. A column of a foreign cache named after a
+Hugging Face module (``transformer.h.1``) denotes no site: its key is a
+:class:`~.layout.ColumnSite` spelled as the column, readable but not convertible.
 
 Example:
     >>> r = SaelensReader("acts-saelens")  # doctest: +SKIP
@@ -21,8 +24,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -43,13 +46,10 @@ from .layout import (
     STATE,
     STATISTICS,
     TOKENS,
+    ColumnSite,
     SaelensLayout,
     hook_site,
 )
-
-
-class UnverifiedStoreWarning(UserWarning):
-    """A store without actstore's manifest was opened: its contents cannot be verified."""
 
 
 def detect(files) -> bool:
@@ -142,14 +142,10 @@ class SaelensReader(ReaderBase):
         self.layout: SaelensLayout | None = None
         if ours:
             self._open_own()
-        else:
-            warnings.warn(
-                f"{self.url} has no actstore sidecars (a cache sae_lens wrote?): its contents "
-                "cannot be verified and it has no stored statistics",
-                UnverifiedStoreWarning,
-                stacklevel=2,
-            )
-        self._column_sites = {c: self._site_of_column(c) for c in self.columns}
+            sites = [Site.parse(s) for s in self.layout.sites]  # type: ignore[union-attr]
+        else:  # Integrity.open warned once that it cannot be verified
+            sites = [hook_site(c) or ColumnSite(c, -1) for c in self.columns]
+        self._column_sites = dict(zip(self.columns, sites))
         self._tables: dict[int, Any] = {}
         self._batch_rows: list[list[int]] | None = None
         self._starts: np.ndarray | None = None
@@ -181,15 +177,6 @@ class SaelensReader(ReaderBase):
                 f"{layout.n_examples} in {want}: it was edited; restore it or re-capture"
             )
         self.record, self.layout = record, layout
-
-    def _site_of_column(self, column: str) -> Site:
-        site = hook_site(column)
-        if site is None:
-            raise ConfigError(
-                f"column {column!r} names no actstore site (a cache sae-lens wrote from HF module "
-                "names): actstore cannot read it"
-            )
-        return site
 
     # ------------------------------------------------------------------ properties
 
@@ -429,7 +416,8 @@ class SaelensReader(ReaderBase):
     # ------------------------------------------------------------------ conversion
 
     def capture_plan(self) -> CapturePlan:
-        """The capture that produced the store (pieced together for foreign caches)."""
+        """The capture that produced the store (pieced together for foreign caches; a
+        :class:`ConfigError` when a column names no actstore site, see :class:`ColumnSite`)."""
         if self.record is not None:
             plan = dict(self.record["plan"])
             plan["sites"] = tuple(Site.parse(s) for s in plan["sites"])
@@ -439,13 +427,26 @@ class SaelensReader(ReaderBase):
                 raise CorruptStoreError(
                     f"{self.files.url_of(SIDECAR)}: bad plan record ({err})"
                 ) from err
+        unnamed = [str(s) for s in self.sites if isinstance(s, ColumnSite)]
+        if unnamed:
+            raise ConfigError(
+                f"{self.url}: columns {unnamed} have no actstore site name (Hugging Face module "
+                "names, not TransformerLens hooks), so no capture plan can be pieced together "
+                "to convert it; read these columns by name, or re-cache with TransformerLens "
+                "hook names (blocks.L.hook_resid_post)"
+            )
+        return self._foreign_plan()
+
+    def _foreign_plan(self) -> CapturePlan:
+        """What is known of the capture behind a cache actstore did not write."""
         sites = self.sites
+        named = [s.layer for s in sites if not isinstance(s, ColumnSite)]
         return CapturePlan(
             ckpt="unknown",
             family="unknown",
             modality="text",
             sites=sites,
-            n_model_layers=max(s.layer for s in sites) + 1,
+            n_model_layers=max(named, default=0) + 1,
             d_model=self.d_model,
             tokens_per_example=self.context_size,
             has_cls=False,
@@ -459,6 +460,15 @@ class SaelensReader(ReaderBase):
         )
 
     # ------------------------------------------------------------------ inspect / verify
+
+    def describe(self) -> dict[str, Any]:
+        """:meth:`ReaderBase.describe`; a foreign cache whose columns name no actstore site
+        has no capture plan to convert from, but is described all the same."""
+        if self.record is not None or not any(isinstance(s, ColumnSite) for s in self.sites):
+            return super().describe()
+        described = copy.copy(self)
+        described.capture_plan = self._foreign_plan  # type: ignore[method-assign]
+        return ReaderBase.describe(described)
 
     def describe_format(self) -> dict[str, Any]:
         out: dict[str, Any] = {

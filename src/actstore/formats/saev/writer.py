@@ -188,7 +188,12 @@ class SaevWriter(ShardedWriter):
         md = saev_metadata(
             plan, dialect=options.dialect, patches_per_shard=options.patches_per_shard
         )
-        return Location.parse(store_dir(md, Location.parse(location).path()))
+        location = Location.parse(location)
+        if location.is_local:
+            return Location.parse(store_dir(md, location.path()))
+        if md.dialect == "saev" and not location.url.endswith("/saev/shards"):
+            location = location.child("saev").child("shards")
+        return location.child(md.content_hash())
 
     # ------------------------------------------------------------------ the format's part
 
