@@ -160,7 +160,7 @@ def test_token_cleaning_stores_exactly_the_kept_tokens(tmp_path, model_dir, text
         )
         out = str(tmp_path / ("clean" if clean else "raw"))
         options = ActivaultOptions(rows_per_file=8 if not clean else 3, dtype="float32")
-        result = capture(config, lambda plan: ActivaultWriter(plan, out, options))
+        result = capture(config, lambda plan: ActivaultWriter.from_plan(plan, out, options))
         return ActivaultReader(result.output)
 
     raw, clean = run(False), run(True)

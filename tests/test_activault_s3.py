@@ -60,7 +60,7 @@ def write_run(out, plan, acts, *, batches=None, close=True, **options):
     """Write and close (returns the location); ``close=False``: flush, then abort as a
     crash after the last commit would (returns the writer)."""
     options.setdefault("dtype", "float32")
-    writer = ActivaultWriter(plan, out, ActivaultOptions(**options))
+    writer = ActivaultWriter.from_plan(plan, out, ActivaultOptions(**options))
     for batch in batches if batches is not None else make_batches(plan, acts):
         writer.write(batch)
     if close:
@@ -73,7 +73,7 @@ def write_run(out, plan, acts, *, batches=None, close=True, **options):
 def stored_stream(reader, site):
     """(states rows, input ids) of every file of ``site``, in commit order."""
     states, ids = [], []
-    for i in range(len(reader.files(site))):
+    for i in range(len(reader.data_files(site))):
         mb = reader.megabatch(site, i)
         states.append(mb["states"].reshape(-1, mb["states"].shape[-1]))
         ids.append(mb["input_ids"].reshape(-1))
@@ -102,7 +102,8 @@ def test_round_trip_several_hooks_uuid_aligned_stats_exact(s3):
     ]
     assert cfg["upload_config"]["hooks"] == [hook_name(s) for s in SITES]
     reader = open_store(s3.url("run"))
-    assert isinstance(reader, ActivaultReader) and reader.sites == [hook_name(s) for s in SITES]
+    assert isinstance(reader, ActivaultReader) and reader.sites == SITES
+    assert reader.hooks == [hook_name(s) for s in SITES]
     n_files = (24 * 8) // (3 * 8)
     assert cfg["n_total_files"] == n_files and cfg["total_tokens"] == 24 * 8
     names = None
@@ -142,7 +143,7 @@ def test_round_trip_several_hooks_uuid_aligned_stats_exact(s3):
         np.testing.assert_allclose(doc["std"], exact.std(0), rtol=1e-10)
     assert reader.verify().ok
     # one hook folder opens on its own too, and detection finds the format for both
-    assert open_store(s3.url("run", hook_name(SITES[1]))).sites == [hook_name(SITES[1])]
+    assert open_store(s3.url("run", hook_name(SITES[1]))).sites == (SITES[1],)
     assert detect_format(s3.url("run")).name == "activault"
 
 
@@ -191,7 +192,8 @@ def test_activaults_reader_reads_what_we_write(s3):
     hook = hook_name(Site("resid", 1))
     got = activault_rcache_read(s3, f"run/{hook}")  # sorted(paths): by uuid
     reader = open_store(s3.url("run"))
-    by_uuid = sorted(range(len(reader.files(hook))), key=lambda i: reader.files(hook)[i].key)
+    files = reader.data_files(hook)
+    by_uuid = sorted(range(len(files)), key=lambda i: files[i].key)
     ours = torch.stack([reader.megabatch(hook, i)["states"] for i in by_uuid])
     assert got.dtype == torch.bfloat16 and torch.equal(got, ours)
 
@@ -246,9 +248,14 @@ def test_we_read_what_activault_writes(s3):
     for block, mb in zip(got, mbs):
         np.testing.assert_array_equal(block, mb.reshape(-1, 8).numpy())
     summary = reader.describe()
-    assert summary["written_by"].startswith("Activault") and summary["model"].endswith("70B")
-    report = reader.verify()
-    assert report.ok and any("statistics" in n for n in report.notes)
+    assert summary["written_by"].startswith("Activault") and summary["verified"] is False
+    assert summary["model"] == "meta-llama/Llama-3.3-70B (unknown)"
+    report = reader.verify()  # every file decoded and checked, but nothing to verify against
+    assert report.faults == [
+        "no root manifest (actstore-manifest.json): the contents cannot be verified "
+        "(deleted, or a store written by another tool)"
+    ]
+    assert report.files_checked == 5 and any("statistics" in n for n in report.notes)
     stream = ActivaultStream(s3.url("llama70b", hook), batch_size=7, shuffle=False)
     rows = torch.cat(list(stream))
     assert torch.equal(rows, torch.cat([m.reshape(-1, 8) for m in mbs]))
@@ -337,7 +344,7 @@ def test_exhausted_retries_fail_clearly_leave_nothing_half_written_and_resume(s3
     )
     batches = make_batches(plan, acts)
     options = {"rows_per_file": 4, "part_size_mb": 5, "max_attempts": 3, "dtype": "float32"}
-    writer = ActivaultWriter(plan, s3.url("run"), ActivaultOptions(**options))
+    writer = ActivaultWriter.from_plan(plan, s3.url("run"), ActivaultOptions(**options))
     writer.write(batches[0])
     writer.write(batches[1])  # completes group 0 (examples 0-3)
     s3.faults.fail(method="PUT", path_contains=".pt", status=503, times=10_000)
@@ -354,7 +361,7 @@ def test_exhausted_retries_fail_clearly_leave_nothing_half_written_and_resume(s3
     assert not s3.client().list_multipart_uploads(Bucket=s3.bucket).get("Uploads")
     with pytest.raises(CorruptStoreError, match="unfinished capture"):
         open_store(s3.url("run"))
-    resumed = ActivaultWriter(plan, s3.url("run"), ActivaultOptions(**options))
+    resumed = ActivaultWriter.from_plan(plan, s3.url("run"), ActivaultOptions(**options))
     assert resumed.resume_from in (0, 4)
     first = resumed.resume_from // plan.batch_size
     for batch in batches[first:]:
@@ -366,7 +373,7 @@ def test_exhausted_retries_fail_clearly_leave_nothing_half_written_and_resume(s3
 
 def test_upload_survives_connection_resets_and_refusals(s3_proxy):
     plan, acts = make_run_data()
-    writer = ActivaultWriter(
+    writer = ActivaultWriter.from_plan(
         plan, s3_proxy.url("run"), ActivaultOptions(rows_per_file=2, dtype="float32")
     )
     # PUT responses cut after the server stored the object: the retried PUT must replace it,
@@ -422,7 +429,9 @@ def test_resume_cleans_uncommitted_files_and_catches_statistics_up(s3):
     assert len(partial) == record.groups  # the orphan is not data
     assert any("no committed group" in f for f in partial.verify().faults)
 
-    resumed = ActivaultWriter(plan, s3.url("run"), ActivaultOptions(dtype="float32", **options))
+    resumed = ActivaultWriter.from_plan(
+        plan, s3.url("run"), ActivaultOptions(dtype="float32", **options)
+    )
     assert resumed.resume_from == record.next_example
     assert orphan not in s3.keys("run/")
     for batch in batches[resumed.resume_from // plan.batch_size :]:
@@ -442,7 +451,9 @@ def test_resume_cleans_uncommitted_files_and_catches_statistics_up(s3):
         )
     assert a.record.num_runs == 2 and a.record.dropped_tokens == b.record.dropped_tokens
     # rerunning a finished capture writes nothing
-    again = ActivaultWriter(plan, s3.url("run"), ActivaultOptions(dtype="float32", **options))
+    again = ActivaultWriter.from_plan(
+        plan, s3.url("run"), ActivaultOptions(dtype="float32", **options)
+    )
     assert again.complete and again.close() == s3.url("run")
 
 
@@ -478,11 +489,11 @@ def test_wrong_credentials_and_missing_bucket_are_clear(s3, monkeypatch):
             ActivaultReader(s3.url("run"))
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOSUCHKEY0000000")
         with pytest.raises(StorageError, match="refused access"):
-            ActivaultWriter(plan, s3.url("run2"), ActivaultOptions())
+            ActivaultWriter.from_plan(plan, s3.url("run2"), ActivaultOptions())
     with pytest.raises(StoreNotFoundError, match="bucket 'no-such-bucket' does not exist"):
         ActivaultReader("s3://no-such-bucket/run")
     with pytest.raises(StoreNotFoundError, match="bucket 'no-such-bucket' does not exist"):
-        ActivaultWriter(plan, "s3://no-such-bucket/run", ActivaultOptions())
+        ActivaultWriter.from_plan(plan, "s3://no-such-bucket/run", ActivaultOptions())
     with pytest.raises(StoreNotFoundError, match="no Activault hook folders"):
         ActivaultReader(s3.url("nothing-here"))
 
@@ -532,19 +543,30 @@ def test_corrupt_and_short_files_are_clear_errors(s3):
     keys = sorted(k for k in s3.keys(f"run/{hook}/") if k.endswith(".pt"))
     size = s3.keys()[keys[0]]
     client.put_object(Bucket=s3.bucket, Key=keys[0], Body=b"\0" * size)  # right size, garbage
-    reader = open_store(s3.url("run"))
-    index = [f.key for f in reader.files(hook)].index(keys[0])
-    with pytest.raises(CorruptStoreError, match=f"block {index} .* fails its xxh3 checksum"):
+    reader = open_store(s3.url("run"))  # same size: found where it is read
+    index = [f.key for f in reader.data_files(hook)].index(keys[0])
+    name = keys[0].removeprefix("run/")
+    with pytest.raises(
+        CorruptStoreError, match=rf"{name}: block 0 \(bytes 0-{size}\) is not the block published"
+    ):
         reader.read_block(reader.blocks(hook)[index])
+    faults = reader.verify().faults
+    assert any(f.startswith(f"{name}: 1 block(s) differ from the manifest") for f in faults)
+    assert any("not a loadable megabatch" in f for f in faults)
     unchecked = open_store(s3.url("run"), verify_reads=False)
     with pytest.raises(CorruptStoreError, match="not a loadable megabatch"):
         unchecked.read_block(unchecked.blocks(hook)[index])
     assert any("not a loadable megabatch" in f for f in unchecked.verify().faults)
     client.put_object(Bucket=s3.bucket, Key=keys[1], Body=b"\0" * (size - 7))  # short
+    short = keys[1].removeprefix("run/")
+    with pytest.raises(
+        CorruptStoreError, match=f"{short} has {size - 7} bytes, the manifest says {size}"
+    ):
+        open_store(s3.url("run"))
     with pytest.raises(
         CorruptStoreError, match=f"{size - 7} bytes but metadata.json says every file is {size}"
     ):
-        open_store(s3.url("run"))
+        open_store(s3.url("run"), verify_reads=False)
 
 
 def test_prefix_collisions_strays_and_foreign_runs_are_refused(s3):
@@ -553,22 +575,27 @@ def test_prefix_collisions_strays_and_foreign_runs_are_refused(s3):
     client = s3.client()
     hook = hook_name(Site("resid", 1))
     client.put_object(Bucket=s3.bucket, Key=f"run/{hook}/notes.txt", Body=b"hello")
-    report = open_store(s3.url("run")).verify()
+    with pytest.raises(CorruptStoreError, match=f"{hook}/notes.txt is not listed in the manifest"):
+        open_store(s3.url("run"))
+    report = open_store(s3.url("run"), verify_reads=False).verify()
+    assert f"{hook}/notes.txt is not listed in the manifest" in report.faults
     assert any("notes.txt is not a megabatch file" in f for f in report.faults)
     client.put_object(Bucket=s3.bucket, Key=f"run/{hook}_ln/x.pt", Body=b"x")
     with pytest.raises(CorruptStoreError, match="is a prefix of 'models.layers.1.post_ln'"):
         open_store(s3.url("run"))
     client.put_object(Bucket=s3.bucket, Key=f"other/{hook}_ln/x.pt", Body=b"x")
     with pytest.raises(ConfigError, match="prefix of"):
-        ActivaultWriter(plan, s3.url("other"), ActivaultOptions())
+        ActivaultWriter.from_plan(plan, s3.url("other"), ActivaultOptions())
     client.put_object(Bucket=s3.bucket, Key="third/data.bin", Body=b"x")
     with pytest.raises(StoreExistsError, match="no cfg.json"):
-        ActivaultWriter(plan, s3.url("third"), ActivaultOptions())
+        ActivaultWriter.from_plan(plan, s3.url("third"), ActivaultOptions())
     write_like_activault(s3, "theirs", hook, [torch.zeros(2, 3, 4)])
     with pytest.raises(StoreExistsError, match="not written by actstore"):
-        ActivaultWriter(plan, s3.url("theirs"), ActivaultOptions())
+        ActivaultWriter.from_plan(plan, s3.url("theirs"), ActivaultOptions())
     with pytest.raises(StoreExistsError, match="different rows_per_file"):
-        ActivaultWriter(plan, s3.url("run"), ActivaultOptions(rows_per_file=2, dtype="float32"))
+        ActivaultWriter.from_plan(
+            plan, s3.url("run"), ActivaultOptions(rows_per_file=2, dtype="float32")
+        )
 
 
 def test_mismatched_prefixes_are_not_mixed(s3):

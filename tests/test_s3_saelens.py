@@ -23,11 +23,13 @@ from typer.testing import CliRunner
 from actstore.cli import app
 from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.formats import open_store, verify_store
+from actstore.formats.registry import get_format
 from actstore.formats.s3_staged import StagedS3Writer
 from actstore.formats.saelens import SaelensOptions, SaelensReader, SaelensWriter
 from actstore.loader import ActivationLoader
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
+from actstore.storage.manifest import BLOCKS, MANIFEST
 
 OPTIONS = SaelensOptions(examples_per_shard=10, block_kb=1)  # 3 files, blocks of 5 examples
 FILE1 = "data-00001-of-00003.arrow"
@@ -56,12 +58,24 @@ def arrow_gets(s3, since: int) -> list[str]:
     return [p for m, p, _ in s3.faults.requests[since:] if m == "GET" and p.endswith(".arrow")]
 
 
+def requests(s3, since: int) -> list[tuple[str, str]]:
+    """``(method, file name)`` of each request to the server since request ``since``."""
+    return [(m, p.rpartition("/")[2]) for m, p, _ in s3.faults.requests[since:]]
+
+
+def open_writer(url: str, plan) -> StagedS3Writer:
+    """What capture opens for an ``s3://`` output: the local writer, staged and uploaded."""
+    writer = get_format("saelens").open_writer(plan, url, OPTIONS)
+    assert isinstance(writer, StagedS3Writer)
+    return writer
+
+
 def test_reader_over_s3_matches_the_local_reader(s3, local):
     store, acts = local
     url = s3.url("acts", "sl")
     upload(store, url)
     remote, here = open_store(url), SaelensReader(store)
-    assert isinstance(remote, SaelensReader) and remote.remote and remote.verified
+    assert isinstance(remote, SaelensReader) and not remote.location.is_local and remote.verified
     assert (remote.sites, remote.n_examples, remote.d_model) == (here.sites, 23, 8)
     for site in ("resid.1", "resid.3"):
         assert len(remote.blocks(site)) == len(here.blocks(site)) == 5
@@ -73,7 +87,7 @@ def test_reader_over_s3_matches_the_local_reader(s3, local):
         remote.read_block_scatter(block, out, order)
         np.testing.assert_array_equal(out[order], here.read_block(block))
         assert remote.statistics(site).to_dict() == here.statistics(site).to_dict()
-    np.testing.assert_array_equal(remote.tokens, here.tokens)
+    np.testing.assert_array_equal(np.asarray(remote.tokens), np.asarray(here.tokens))
     np.testing.assert_array_equal(remote[7, "resid.3"], acts["resid.3"][7])
     np.testing.assert_array_equal(remote[[21, 2, 7], "resid.1", 4], acts["resid.1"][[21, 2, 7], 4])
     np.testing.assert_array_equal(remote[3:14, :, 1:4], here[3:14, :, 1:4])
@@ -85,7 +99,8 @@ def test_reader_over_s3_matches_the_local_reader(s3, local):
     assert summary["files"] == here.describe()["files"] and summary["path"] == url
     assert summary["bytes"] == here.describe()["bytes"]
     report = remote.verify()
-    assert report.ok and report.files_checked == here.verify().files_checked == 7
+    # 3 Arrow files, state, dataset_info, actstore.json, statistics, the root manifest's two
+    assert report.ok and report.files_checked == here.verify().files_checked == 9
 
 
 def test_one_row_costs_one_small_ranged_get(s3, local):
@@ -95,21 +110,23 @@ def test_one_row_costs_one_small_ranged_get(s3, local):
     reader = SaelensReader(url)
     before = len(s3.faults.requests)
     np.testing.assert_array_equal(reader[13, "resid.3", 2], acts["resid.3"][13, 2])
-    assert [m for m, _, _ in s3.faults.requests[before:]] == ["GET"]
+    # one GET of the values, and (the first time a file is checked) one of its block digests
+    assert sorted(requests(s3, before)) == [("GET", FILE1), ("GET", BLOCKS)]
+    before = len(s3.faults.requests)
+    np.testing.assert_array_equal(reader[14, "resid.1", 2], acts["resid.1"][14, 2])
+    assert requests(s3, before) == [("GET", FILE1)]
     before = len(s3.faults.requests)
     np.testing.assert_array_equal(
         reader[13, :], np.stack([acts["resid.1"][13], acts["resid.3"][13]])
     )
-    assert arrow_gets(s3, before) == [f"/{s3.bucket}/acts/sl/{FILE1}"]
-    # A block is one GET of its values; checksums.json comes once, for the first check.
+    assert requests(s3, before) == [("GET", FILE1)]  # every site of a row: one GET
+    # A block is one GET of its values; each other file's digests come once, when first checked.
     before = len(s3.faults.requests)
     for block in reader.blocks("resid.1"):
         reader.read_block(block)
-    got = s3.faults.requests[before:]
+    got = requests(s3, before)
     assert len(arrow_gets(s3, before)) == len(reader.blocks("resid.1")) == 5
-    assert [p.rpartition("/")[2] for m, p, _ in got if not p.endswith(".arrow")] == [
-        "checksums.json"
-    ]
+    assert [n for _, n in got if not n.endswith(".arrow")] == [BLOCKS, BLOCKS]
 
 
 def test_reader_refuses_a_prefix_without_its_manifest(s3, local):

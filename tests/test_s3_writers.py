@@ -12,12 +12,12 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from actstore.formats.saev.remote import SaevS3Writer
 from conformance import make_acts as make_plan_acts
-from conformance import make_batches, make_plan
+from conformance import make_batches, make_plan, saev_plan
 from test_pickle_store import PER_SHARD
 from test_pickle_store import write as write_pickle
 from test_saev_store import batches, make_acts, make_metadata, write_store
@@ -27,9 +27,11 @@ from actstore.cli import app
 from actstore.errors import CaptureError, StoreLockedError
 from actstore.formats import open_store, verify_store
 from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter
+from actstore.formats.registry import get_format
 from actstore.formats.s3_staged import StagedS3Writer
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
+from actstore.storage.manifest import MANIFEST
 from actstore.storage.object import LOCK_NAME, S3Store
 from actstore.storage.s3lock import S3Lock
 
@@ -60,7 +62,7 @@ def _wait_for(predicate, seconds: float = 30.0) -> bool:
 
 def _pickle_maker(plan):
     def make(directory):
-        return PickleWriter(plan, directory, PickleOptions(samples_per_shard=PER_SHARD))
+        return PickleWriter(plan, Path(directory), PickleOptions(samples_per_shard=PER_SHARD))
 
     return make
 
@@ -87,6 +89,7 @@ def test_pickle_shards_are_on_s3_before_close_and_sent_once(s3, tmp_path):
     assert len(sealed) >= 3
     assert _wait_for(lambda: set(sealed) <= set(s3.keys("pk/")))
     assert "pk/metadata.json" not in s3.keys("pk/")  # not published before close()
+    assert f"pk/{MANIFEST}" not in s3.keys("pk/")
     assert writer.close() == url
     assert LOCK_NAME not in "".join(s3.keys("pk/"))  # released
     for key in sealed:  # the background upload's PUT, never again at close
@@ -99,19 +102,21 @@ def test_pickle_shards_are_on_s3_before_close_and_sent_once(s3, tmp_path):
         assert remote.files.read_bytes(f.name) == f.read_bytes(), f.name
 
 
-def test_saev_shards_are_on_s3_before_close_and_sent_once(s3, tmp_path):
+def test_saev_shards_are_on_s3_before_close_and_sent_once(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
     acts = make_acts()
     md = make_metadata()
     url = s3.url("sv")
-    writer = SaevS3Writer(md, url, staging=tmp_path / "staging", has_tokens=True)
+    plan, options = saev_plan(md, has_tokens=True)
+    writer = get_format("saev").open_writer(plan, url, options)
     assert writer.url == f"{url}/{md.content_hash()}"
     for batch in batches(acts):
         writer.write(batch)
     prefix = f"sv/{md.content_hash()}"
     sealed = [f"sv/{name}" for name, _ in writer.inner.sealed_files()]
-    assert f"{prefix}/acts000000.bin" in sealed and f"{prefix}/acts000000.bin.xxh3" in sealed
+    assert f"{prefix}/acts000000.bin" in sealed and f"{prefix}/tokens.bin" not in sealed
     assert _wait_for(lambda: set(sealed) <= set(s3.keys("sv/")))
-    assert f"{prefix}/metadata.json" not in s3.keys("sv/")
+    assert f"{prefix}/{MANIFEST}" not in s3.keys("sv/")
     assert writer.close() == writer.url
     for key in sealed:
         assert _puts(s3, key) == 1, key
@@ -150,6 +155,7 @@ _KILLED_PICKLE = """
 import os, signal, sys, time
 from conformance import make_acts, make_batches, make_plan
 from test_pickle_store import PER_SHARD
+from pathlib import Path
 from actstore.formats.pickle import PickleOptions, PickleWriter
 from actstore.formats.s3_staged import StagedS3Writer
 from actstore.storage.files import open_files
@@ -157,7 +163,7 @@ from actstore.storage.files import open_files
 plan = make_plan()
 writer = StagedS3Writer(
     sys.argv[1],
-    lambda d: PickleWriter(plan, d, PickleOptions(samples_per_shard=PER_SHARD)),
+    lambda d: PickleWriter(plan, Path(d), PickleOptions(samples_per_shard=PER_SHARD)),
     staging=sys.argv[2],
 )
 for batch in make_batches(plan, make_acts(plan))[:4]:
@@ -209,7 +215,7 @@ def test_a_changed_file_on_s3_is_sent_again_on_resume(s3, tmp_path):
     for batch in make_batches(plan, make_plan_acts(plan))[:3]:
         crashed.write(batch)
     crashed.abort()
-    local = (staging / "shard_0001.pkl.gz").read_bytes()
+    local = (tmp_path / ".staging.partial" / "shard_0001.pkl.gz").read_bytes()  # unfinished
     forged = bytes(b ^ 0xFF for b in local)
     s3.client().put_object(Bucket=s3.bucket, Key="etag/shard_0001.pkl.gz", Body=forged)
     resumed = StagedS3Writer(url, _pickle_maker(plan), staging=staging)

@@ -4,6 +4,8 @@ conversion round-trips, distributed parts merge, and caches sae_lens wrote open 
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -23,10 +25,10 @@ from actstore.dist import capture_distributed
 from actstore.errors import ConfigError, StoreExistsError
 from actstore.formats import open_store
 from actstore.formats.saelens import (
+    ColumnSite,
     SaelensOptions,
     SaelensReader,
     SaelensWriter,
-    UnverifiedStoreWarning,
     hook_name,
 )
 from actstore.sites import Site
@@ -42,6 +44,15 @@ def files(store: Path) -> dict[str, bytes]:
 
 def rows(reader, site) -> np.ndarray:
     return np.concatenate([reader.read_block(b) for b in reader.blocks(site)])
+
+
+def unverified_warnings(caplog, store) -> int:
+    """How often opening ``store`` warned that it has no root manifest to check it by."""
+    message = (
+        f"{store} has no actstore manifest (written by another tool): its contents cannot be "
+        "verified"
+    )
+    return [r.getMessage() for r in caplog.records].count(message)
 
 
 def sae_lens_store(path, column: str, context: int, d_in: int, batch: int):
@@ -120,8 +131,9 @@ def captured(tmp_path_factory, model_dir, text_file):
 
 def test_sae_lens_activations_store_reads_the_capture_exactly(captured):
     reader = SaelensReader(captured)
-    assert reader.sites == tuple(hook_name(s) for s in SITES)
-    assert reader.sites == (
+    assert reader.sites == tuple(Site.parse(s) for s in SITES)
+    assert reader.columns == tuple(hook_name(s) for s in SITES)
+    assert reader.columns == (
         "blocks.1.hook_resid_post",
         "blocks.2.hook_mlp_out",
         "blocks.0.hook_attn_out",
@@ -133,9 +145,10 @@ def test_sae_lens_activations_store_reads_the_capture_exactly(captured):
     assert sorted(p.name for p in captured.glob("data-*.arrow")) == [
         f"data-0000{i}-of-00003.arrow" for i in range(3)
     ]
-    tokens = reader.tokens
-    assert tokens.shape == (N_EXAMPLES, CONTEXT)
-    for column in reader.sites:
+    assert reader.tokens.shape == (N_EXAMPLES, CONTEXT)
+    tokens = np.asarray(reader.tokens)  # read (and checked) by record batch
+    assert tokens.dtype == np.int32 and tokens.shape == (N_EXAMPLES, CONTEXT)
+    for column in reader.columns:
         store = sae_lens_store(captured, column, CONTEXT, 32, batch=2)
         got = [store.get_raw_llm_batch() for _ in range(N_EXAMPLES // 2)]
         acts = torch.cat([a for a, _ in got]).numpy()
@@ -149,13 +162,13 @@ def test_sae_lens_activations_store_reads_the_capture_exactly(captured):
 
 
 def test_inspect_and_verify_commands(captured):
-    import json
-
     shown = CliRunner().invoke(app, ["inspect", str(captured), "--json"])
     assert shown.exit_code == 0, shown.output
     summary = json.loads(shown.output)
     assert summary["n_examples"] == N_EXAMPLES and summary["context_size"] == CONTEXT
-    assert "blocks.2.hook_mlp_out (mlp_out.2)" in summary["sites"]
+    assert summary["sites"] == list(SITES)
+    assert "blocks.2.hook_mlp_out" in summary["columns"]
+    assert summary["per_site"]["mlp_out.2 (blocks.2.hook_mlp_out)"]["rows"] == N_EXAMPLES * CONTEXT
     checked = CliRunner().invoke(app, ["verify", str(captured), "--no-progress"])
     assert checked.exit_code == 0, checked.output
 
@@ -176,7 +189,8 @@ def test_sae_lens_trains_an_sae_from_the_capture(captured, tmp_path):
             n_layers=4, d_model=32, n_ctx=CONTEXT, d_head=8, d_vocab=300, act_fn="gelu"
         )
     )
-    tokens = datasets.Dataset.from_dict({"tokens": SaelensReader(captured).tokens.astype(np.int64)})
+    ids = np.asarray(SaelensReader(captured).tokens).astype(np.int64)
+    tokens = datasets.Dataset.from_dict({"tokens": ids})
     cfg = LanguageModelSAERunnerConfig(
         sae=StandardTrainingSAEConfig(d_in=32, d_sae=64),
         model_name="tiny",
@@ -244,15 +258,21 @@ def test_verify_catches_a_flipped_byte(captured, tmp_path):
 
     copy = tmp_path / "copy"
     shutil.copytree(captured, copy)
-    data = copy / "data-00001-of-00003.arrow"
+    name = "data-00001-of-00003.arrow"
+    data = copy / name
     data.chmod(0o644)
     raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
+    at = len(raw) // 2
+    raw[at] ^= 0x01
     data.write_bytes(bytes(raw))
+    # the root manifest's blocks tile the file: find the one holding the flipped byte
+    ranges = json.loads((copy / "actstore-manifest.json").read_text())["files"][name]["ranges"]
+    block, (o, n) = next((k, r) for k, r in enumerate(ranges) if r[0] <= at < r[0] + r[1])
     report = SaelensReader(copy).verify()
-    assert not report.ok
-    assert any("data-00001-of-00003.arrow: checksum mismatch" in f for f in report.faults)
-    assert any("xxh3" in f for f in report.faults)
+    assert report.faults == [
+        f"{name}: 1 block(s) differ from the manifest, first block {block} (bytes {o}-{o + n}): "
+        "the file was changed, damaged or replaced"
+    ]
 
 
 def test_loader_serves_every_row_once(captured):
@@ -302,7 +322,7 @@ def test_distributed_parts_merge_to_the_one_process_store(config, captured, tmp_
 # ---------------------------------------------------------------- caches sae_lens wrote
 
 
-def test_opens_a_cache_sae_lens_wrote(model_dir, tmp_path):
+def test_opens_a_cache_sae_lens_wrote(model_dir, tmp_path, caplog):
     from sae_lens.cache_activations_runner import CacheActivationsRunner
     from sae_lens.config import CacheActivationsRunnerConfig
 
@@ -330,22 +350,31 @@ def test_opens_a_cache_sae_lens_wrote(model_dir, tmp_path):
         theirs = CacheActivationsRunner(
             cfg, override_dataset=datasets.Dataset.from_dict({"tokens": tokens})
         ).run()
-    with pytest.warns(UnverifiedStoreWarning):
+    with caplog.at_level(logging.WARNING):
         reader = open_store(out)
-    assert not reader.verified and reader.n_examples == n and len(reader.files) == 2
+        open_store(out)
+    assert unverified_warnings(caplog, out) == 1  # one warning per location
+    assert not reader.verified and reader.n_examples == n and len(reader.arrow_files) == 2
+    # an HF module name denotes no actstore site: the column is keyed by its own name
+    assert reader.sites == (ColumnSite("transformer.h.1", -1),)
+    assert reader.site("transformer.h.1") == reader.sites[0]
     want = np.asarray(theirs.with_format("numpy")["transformer.h.1"]).reshape(-1, 32)
     np.testing.assert_array_equal(rows(reader, "transformer.h.1"), want)
-    np.testing.assert_array_equal(reader.tokens, tokens)
+    np.testing.assert_array_equal(np.asarray(reader.tokens), tokens)
+    # nothing to verify its bytes against: verify fails, though every file parses
     report = reader.verify()
-    assert report.ok and "unverified" in report.notes[0]
+    assert not report.ok and report.files_checked == 2
+    assert [f for f in report.faults if "no root manifest" not in f] == []
     assert reader.statistics("transformer.h.1") is None
+    described = reader.describe()
+    assert described["sites"] == ["transformer.h.1"] and not described["verified"]
     loader = ActivationLoader(reader, batch_size=5, return_index=True)
     assert sorted(torch.cat([r for _, r in loader]).tolist()) == list(range(n * t))
     with pytest.raises(ConfigError, match="no actstore site name"):
         reader.capture_plan()
 
 
-def test_a_sae_lens_cache_with_transformer_lens_names_converts(tmp_path):
+def test_a_sae_lens_cache_with_transformer_lens_names_converts(tmp_path, caplog):
     # The features sae_lens's CacheActivationsRunner declares, saved the way it saves
     # (save_to_disk), for a TransformerLens model's hook: no actstore sidecars.
     n, t, d = 9, 5, 6
@@ -360,8 +389,9 @@ def test_a_sae_lens_cache_with_transformer_lens_names_converts(tmp_path):
     datasets.Dataset.from_dict(
         {"blocks.2.hook_resid_post": acts, "token_ids": ids}, features=features
     ).save_to_disk(str(tmp_path / "theirs"), num_shards=2)
-    with pytest.warns(UnverifiedStoreWarning):
+    with caplog.at_level(logging.WARNING):
         result = convert(tmp_path / "theirs", tmp_path / "saev", to="saev", progress=False)
+    assert unverified_warnings(caplog, tmp_path / "theirs") == 1
     assert result.lossless and result.rows == {"resid.2": n * t}
     saev = open_store(result.location)
     np.testing.assert_array_equal(rows(saev, 2), acts.reshape(-1, d))

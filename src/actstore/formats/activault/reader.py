@@ -40,9 +40,9 @@ from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
-from ...storage.manifest import MANIFEST
+from ...storage.manifest import MANIFEST, Integrity
 from ...storage.object import MiB, S3Config, base_name, join_key, open_location, parent_key
-from ..base import Block, ReaderBase, VerifyReport
+from ..base import Block, ReaderBase, VerifyReport, summary_of
 from .layout import (
     CFG,
     METADATA,
@@ -177,6 +177,10 @@ class ActivaultReader(ReaderBase):
                     "capture command to resume and complete it, or pass allow_incomplete=True "
                     "to read the committed files (unverified)"
                 )
+            # unverified, but never through a symlink out of the run
+            self.checks = Integrity.open(
+                self.files, ours=True, verify_reads=False, format=self.format_name
+            )
         else:  # a run with a root manifest is checked, whatever its cfg.json claims
             self._open_checks(ours=self.record is not None)
             if self.checks.enabled:  # cfg.json as published, before anything is trusted
@@ -199,6 +203,19 @@ class ActivaultReader(ReaderBase):
         self.notes: list[str] = []
         self._check_alignment()
         self._check_summary()
+
+    def trusted_summary(self) -> dict[str, Any]:
+        """What the run's root manifest records; a reader of one hook folder of a run checks
+        it against the run's summary, every hook included."""
+        hooks = list(self.listings)
+        if self.record is not None and set(hooks) <= set(self.record.hooks):
+            hooks = list(self.record.hooks)
+        return summary_of(
+            sites=[self._hook_site(h) for h in hooks],
+            d_model=self.d_model,
+            dtype=self.stored_dtype(),
+            rows=self.n_rows(self.sites[0]),
+        )
 
     def _hook_site(self, hook: str) -> Site:
         site = hook_site(hook)

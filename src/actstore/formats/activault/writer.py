@@ -97,6 +97,12 @@ def location_of(store: ObjectStore, prefix: str) -> str:
     return store.url(prefix)
 
 
+def keyed_digest(store_id: str, name: str, data: Any) -> int:
+    """The keyed digest of a one-block file ``name`` (``hook/file.pt``) of run ``store_id``,
+    as the root manifest records it."""
+    return xxhash.xxh3_64_intdigest(data) ^ int(block_keys(store_id, name, 0, 1)[0])
+
+
 def plan_record(plan: CapturePlan) -> dict[str, Any]:
     """The capture plan as plain JSON (what a resumed capture must match)."""
     return plan.to_json_dict()
@@ -182,9 +188,7 @@ class HookUploader:
                 "hook to be exactly the same size"
             )
         name = f"{self.hook}/{data_file_name(job.uuid, job.group + 1)}"
-        digest = (
-            f"{xxhash.xxh3_64_intdigest(data) ^ int(block_keys(self.store_id, name, 0, 1)[0]):016x}"
-        )
+        digest = f"{keyed_digest(self.store_id, name, data):016x}"
         self.store.put(key, data)
         del data
         with self._lock:
@@ -436,9 +440,7 @@ class ActivaultWriter(FormatWriter):
             name = data_file_name(group_uuid(record.run_id, g), g + 1)
             key = join_key(prefix, name)
             data = self.store.get(key)
-            keyed = xxhash.xxh3_64_intdigest(data) ^ int(
-                block_keys(self.store_id, f"{hook}/{name}", 0, 1)[0]
-            )
+            keyed = keyed_digest(self.store_id, f"{hook}/{name}", data)
             if g < len(digests) and keyed != int(digests[g], 16):
                 raise CorruptStoreError(
                     f"{self.store.url(key)} (committed group {g}) is not the file that was "

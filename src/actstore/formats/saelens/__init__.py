@@ -6,10 +6,10 @@ directory)."""
 from __future__ import annotations
 
 from ..registry import FormatSpec
-from .layout import FORMAT_TAG, STATE, SaelensLayout, hook_name, hook_site
+from .layout import FORMAT_TAG, STATE, ColumnSite, SaelensLayout, hook_name, hook_site
 from .options import SaelensOptions
 from .parts import part_format
-from .reader import SaelensReader, UnverifiedStoreWarning, detect
+from .reader import SaelensReader, detect
 from .writer import SaelensWriter
 
 FORMAT = FormatSpec(
@@ -26,12 +26,12 @@ FORMAT = FormatSpec(
 
 __all__ = [
     "FORMAT",
+    "ColumnSite",
     "FORMAT_TAG",
     "SaelensLayout",
     "SaelensOptions",
     "SaelensReader",
     "SaelensWriter",
-    "UnverifiedStoreWarning",
     "hook_name",
     "hook_site",
 ]

@@ -373,13 +373,28 @@ class SaelensReader(ReaderBase):
         files, batches, rows = self._locate(examples)
         for fb in sorted(set(zip(files.tolist(), batches.tolist()))):
             mine = np.flatnonzero((files == fb[0]) & (batches == fb[1]))
-            for j, c in enumerate(columns):
-                values = self._block_values(fb[0], fb[1], c).reshape(-1, t, d)
-                buf[mine, j] = values[rows[mine]]
+            for j, values in enumerate(self._batch_columns(fb[0], fb[1], columns)):
+                buf[mine, j] = values.reshape(-1, t, d)[rows[mine]]
         out = buf[:, :, token]
         if site is not None:
             out = out[:, 0]
         return out[0] if scalar else out
+
+    def _batch_columns(self, f: int, b: int, columns: list[int]) -> list[np.ndarray]:
+        """The values of ``columns`` of record batch ``b`` of file ``f``: in an actstore
+        store, one ranged read from the first column's values to the last's, checked whole
+        (the Arrow buffers between them are manifest blocks too), so a row of every site
+        costs one request."""
+        if self.layout is None or len(columns) == 1:
+            return [self._block_values(f, b, c) for c in columns]
+        name, n = self.arrow_files[f], self._rows()[f][b]
+        at = self._values_at(f)[b]
+        size = n * self.context_size * self.d_model * self.dtype.itemsize
+        lo = min(at[c] for c in columns)
+        span = np.empty(max(at[c] for c in columns) + size - lo, dtype=np.uint8)
+        self.files.read_range(name, lo, span.nbytes, span)
+        self.checks.check(name, lo, span)
+        return [span[at[c] - lo : at[c] - lo + size].view(self.dtype) for c in columns]
 
     def _locate(self, examples: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """File, record batch and row in it of each example."""
@@ -431,9 +446,8 @@ class SaelensReader(ReaderBase):
         if unnamed:
             raise ConfigError(
                 f"{self.url}: columns {unnamed} have no actstore site name (Hugging Face module "
-                "names, not TransformerLens hooks), so no capture plan can be pieced together "
-                "to convert it; read these columns by name, or re-cache with TransformerLens "
-                "hook names (blocks.L.hook_resid_post)"
+                "names), so it cannot be converted; read them by name, or cache with "
+                "TransformerLens hook names (blocks.L.hook_resid_post)"
             )
         return self._foreign_plan()
 
