@@ -14,14 +14,23 @@ Example:
 
 from __future__ import annotations
 
+import base64
 import os
 import resource
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from actstore.formats.base import WriterBase
+
+if TYPE_CHECKING:
+    from actstore.batch import CapturePlan
+    from actstore.formats.saev import SaevMetadata, SaevOptions, SaevWriter
+
+
+#: The shard files of a saev store (``acts000000.bin``...), not ``actstore-blocks.bin``.
+SAEV_SHARDS = "acts[0-9]*.bin"
 
 
 class Timer:
@@ -118,3 +127,49 @@ class DiscardWriter(WriterBase):
 
     def abort(self) -> None:
         pass
+
+
+def saev_plan(
+    md: SaevMetadata,
+    *,
+    has_tokens: bool = False,
+    has_labels: bool = False,
+    classes: list[str] | None = None,
+    batch_size: int = 32,
+) -> tuple[CapturePlan, SaevOptions]:
+    """``(plan, options)`` of a capture whose saev metadata is ``md``: what
+    ``SaevWriter.from_plan`` takes to write the store ``md`` describes (same content hash)."""
+    from actstore import safe_pickle
+    from actstore.batch import CapturePlan
+    from actstore.formats.saev import SaevOptions
+    from actstore.sites import Site
+
+    data = safe_pickle.loads(base64.b64decode(md.data)) if md.data else {}
+    plan = CapturePlan(
+        ckpt=md.ckpt,
+        family=md.family,
+        modality="image" if md.family in ("clip", "siglip", "dinov2") else "text",
+        sites=tuple(Site("resid", layer) for layer in md.layers),
+        n_model_layers=max(md.layers) + 1,
+        d_model=md.d_model,
+        tokens_per_example=md.tokens_per_ex,
+        has_cls=md.cls_token,
+        n_examples=md.n_examples,
+        dataset_root=md.dataset,
+        data=data if isinstance(data, dict) else {},
+        classes=classes,
+        has_labels=has_labels,
+        has_tokens=has_tokens,
+        batch_size=batch_size,
+    )
+    return plan, SaevOptions(dialect=md.dialect, patches_per_shard=md.patches_per_shard)
+
+
+def saev_writer(md: SaevMetadata, root: str | os.PathLike, **plan: Any) -> SaevWriter:
+    """The writer of the saev store ``md`` describes, under ``root`` (published at
+    ``root/<content hash>``); ``plan`` goes to :func:`saev_plan`."""
+    from actstore.formats.saev import SaevWriter
+    from actstore.storage.location import Location
+
+    capture_plan, options = saev_plan(md, **plan)
+    return SaevWriter.from_plan(capture_plan, Location.parse(root), options)

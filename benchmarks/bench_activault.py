@@ -35,6 +35,7 @@ from actstore.capture import CaptureConfig, capture
 from actstore.formats.activault import ActivaultOptions, ActivaultStream, ActivaultWriter
 from actstore.formats.activault.layout import serialize_megabatch
 from actstore.sites import Site
+from actstore.storage.location import Location
 from actstore.storage.object import S3Config, S3Store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,9 @@ def bench_upload(args, bucket: str, server_pid: int) -> tuple[list, int]:
         with ThreadPoolExecutor(args.threads * args.hooks) as pool, Timer() as raw:
             list(pool.map(lambda k: store.put(k, data), keys))
         cpu1, server1 = time.process_time(), cpu_seconds(server_pid)
-        writer = ActivaultWriter(plan, f"s3://{bucket}/run-{repeat}", options)
+        writer = ActivaultWriter.from_plan(
+            plan, Location.parse(f"s3://{bucket}/run-{repeat}"), options
+        )
         with Timer() as ours:
             for batch in batches:
                 writer.write(batch)
@@ -241,7 +244,9 @@ def bench_capture(args, bucket: str) -> list:
     for repeat in range(args.repeats):
         bare = capture(cfg, lambda p: DiscardWriter())
         out = f"s3://{bucket}/capture-{repeat}"
-        stored = capture(cfg, lambda p, out=out: ActivaultWriter(p, out, options))
+        stored = capture(
+            cfg, lambda p, out=out: ActivaultWriter.from_plan(p, Location.parse(out), options)
+        )
         rows.append((bare.seconds, stored.seconds, stored.writer_wait_s))
     bare_s = min(r[0] for r in rows)
     stored_s = min(r[1] for r in rows)

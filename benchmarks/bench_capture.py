@@ -26,12 +26,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import DiscardWriter
+from _common import DiscardWriter, saev_writer
 
 from actstore.batch import Batch
 from actstore.capture import CaptureConfig, capture
-from actstore.formats.saev import SaevMetadata, SaevWriter
+from actstore.formats.saev import SaevMetadata, SaevOptions, SaevWriter
 from actstore.formats.saev.layout import encode_data
+from actstore.storage.location import Location
 
 
 class CpuTimedSaevWriter(SaevWriter):
@@ -66,7 +67,10 @@ def bench_capture_overhead(args, root: Path) -> None:
         bare = capture(cfg, lambda p: DiscardWriter())
         out = root / f"capture-{repeat}"
         CpuTimedSaevWriter.cpu_s = 0.0
-        stored = capture(cfg, lambda p, out=out: CpuTimedSaevWriter.from_plan(p, out))
+        stored = capture(
+            cfg,
+            lambda p, out=out: CpuTimedSaevWriter.from_plan(p, Location.parse(out), SaevOptions()),
+        )
         rows.append((bare.seconds, stored.seconds, stored.writer_wait_s, CpuTimedSaevWriter.cpu_s))
         shutil.rmtree(out)
     bare_s = statistics.median(r[0] for r in rows)
@@ -137,7 +141,7 @@ def bench_writer(args, root: Path) -> None:
 
     def saev_write() -> float:
         t0 = time.perf_counter()
-        writer = SaevWriter(md, root / "writer")
+        writer = saev_writer(md, root / "writer")
         for lo in range(0, n, batch_n):
             hi = min(lo + batch_n, n)
             writer.write(

@@ -31,13 +31,14 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import numpy as np
 import torch
-from _common import Timer, evict, files_under, table
+from _common import SAEV_SHARDS, Timer, evict, files_under, table
 
 from actstore.batch import Batch, CapturePlan
 from actstore.convert import convert
 from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter
 from actstore.formats.saev import SaevOptions, SaevWriter
 from actstore.sites import Site
+from actstore.storage.location import Location
 
 
 def make_plan(n: int, t: int, d: int, layers: tuple[int, ...]) -> CapturePlan:
@@ -91,7 +92,7 @@ def write(writer, plan: CapturePlan) -> float:
 def bench_pickle(root: Path, plan: CapturePlan) -> Path:
     mb = plan.n_examples * plan.tokens_per_example * plan.d_model * 4 * len(plan.sites) / 1e6
     per_shard = max(1, plan.n_examples // 4)
-    saev_s = write(SaevWriter.from_plan(plan, root / "saev"), plan)
+    saev_s = write(SaevWriter.from_plan(plan, Location.parse(root / "saev"), SaevOptions()), plan)
     saev_dir = next(p for p in (root / "saev").iterdir() if not p.name.startswith("."))
     rows = [["saev writer (raw float32, baseline)", mb / saev_s, 1.0, 1.0]]
     stores = {}
@@ -103,7 +104,7 @@ def bench_pickle(root: Path, plan: CapturePlan) -> Path:
     for i, (name, opts) in enumerate(variants):
         opts = PickleOptions(**{**opts.__dict__, "samples_per_shard": per_shard})
         out = root / f"pkl-{i}"
-        seconds = write(PickleWriter(plan, out, opts), plan)
+        seconds = write(PickleWriter.from_plan(plan, Location.parse(out), opts), plan)
         size = sum(p.stat().st_size for p in files_under(out, "shard_*"))
         rows.append([name, mb / seconds, (mb / seconds) / (mb / saev_s), size / 1e6 / mb])
         stores[name] = out
@@ -139,7 +140,7 @@ def bench_pickle(root: Path, plan: CapturePlan) -> Path:
 
 
 def bench_convert(root: Path, saev_dir: Path, plan: CapturePlan) -> None:
-    mb = sum(p.stat().st_size for p in files_under(saev_dir, "acts*")) / 1e6
+    mb = sum(p.stat().st_size for p in files_under(saev_dir, SAEV_SHARDS)) / 1e6
     copy_dir = root / "copy"
     copy_dir.mkdir()
     with Timer() as base:

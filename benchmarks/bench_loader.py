@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import mmap
 import os
 import sys
 from collections.abc import Sequence
@@ -44,11 +45,11 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Timer, evict, files_under, table
+from _common import SAEV_SHARDS, Timer, evict, files_under, saev_writer, table
 
 from actstore.batch import Batch
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
-from actstore.formats.saev.layout import encode_data
+from actstore.formats.saev import SaevMetadata, SaevReader
+from actstore.formats.saev.layout import encode_data, shard_name
 from actstore.loader import ActivationDataLoader, ActivationLoader
 
 SAEV_PUBLISHED = 3500  # saev's shuffled loader, patches/s (its docs), for context only
@@ -149,9 +150,9 @@ def build_store(args: argparse.Namespace) -> Path:
         data=encode_data({"kind": "synthetic"}),
         dataset="synthetic",
     )
-    writer = SaevWriter(md, args.data_dir)
+    writer = saev_writer(md, args.data_dir)
     if writer.complete:
-        return writer.final
+        return writer.close()
     rng = np.random.default_rng(0)
     chunk = 16
     base = rng.standard_normal((chunk, t, d)).astype(np.float32)
@@ -217,9 +218,20 @@ class NaiveRows(Dataset):
     def __len__(self) -> int:
         return self.reader.n_examples * self.t
 
+    def _memmap(self, shard: int) -> np.memmap:
+        """Shard ``shard`` as ``[examples, layers, T, D]``, read ahead as random access."""
+        md = self.reader.metadata
+        shape = (md.shard_file_examples(shard), len(md.layers), md.tokens_per_ex, md.d_model)
+        mm = np.memmap(self.reader.path / shard_name(shard), dtype="<f4", mode="r", shape=shape)
+        try:  # random access: do not read ahead whole files
+            mm._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]
+        except (AttributeError, OSError):
+            pass
+        return mm
+
     def __getitem__(self, i: int) -> torch.Tensor:
         if self.maps is None:
-            self.maps = [self.reader._memmap(s) for s in range(self.reader.metadata.n_shards)]
+            self.maps = [self._memmap(s) for s in range(self.reader.metadata.n_shards)]
         example, token = divmod(i, self.t)
         shard, row = divmod(example, self.reader.metadata.examples_per_shard)
         return torch.from_numpy(np.array(self.maps[shard][row, self.layer, token]))
@@ -467,7 +479,7 @@ class Measure:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     path = build_store(args)
-    files = files_under(path, "acts*.bin")
+    files = files_under(path, SAEV_SHARDS)
     layer = 0
     reader = SaevReader(path)
     row_bytes = reader.d_model * 4

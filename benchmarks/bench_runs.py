@@ -28,10 +28,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Timer, table
+from _common import Timer, saev_writer, table
 
 from actstore.batch import Batch
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data
 from actstore.sae import SparseActs, TrainConfig, encode_store, train_sae
 from actstore.sae.rows import ordered_rows
@@ -71,13 +71,11 @@ def make_store(args: argparse.Namespace) -> Path:
         data=encode_data({"kind": "synthetic"}),
         dataset="/nowhere",
     )
-    root = args.data_dir
-    existing = root / md.content_hash()
-    if existing.exists():
-        return existing
+    writer = saev_writer(md, args.data_dir)
+    if writer.complete:  # written by an earlier run with the same sizes
+        return writer.close()
     rng = np.random.default_rng(0)
     directions = rng.standard_normal((4 * args.d_model, args.d_model)).astype(np.float32)
-    writer = SaevWriter(md, root)
     t = args.patches + 1
     for lo in range(0, args.examples, 32):
         n = min(32, args.examples - lo)

@@ -27,11 +27,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import Timer, table
+from _common import SAEV_SHARDS, Timer, saev_writer, table
 from bench_activault import start_server
 
 from actstore.batch import Batch
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data, shard_name
 from actstore.loader import ActivationLoader
 from actstore.storage.copy import copy_store
@@ -53,7 +53,7 @@ def write_saev(root: Path, n: int, t: int, d: int, per_shard: int) -> Path:
         dataset="/bench",
         dialect="protocol",
     )
-    writer = SaevWriter(md, root)
+    writer = saev_writer(md, root)
     rng = np.random.default_rng(0)
     for lo in range(0, n, 32):
         part = rng.standard_normal((min(32, n - lo), t, d), dtype=np.float32)
@@ -330,7 +330,7 @@ def main() -> None:
         ]
         print(
             f"store: {args.examples} examples x {args.tokens} tokens x {args.d} dims, "
-            f"{mib:.0f} MiB in {len(list(local.glob('acts*.bin')))} shards, {len(blocks)} blocks; "
+            f"{mib:.0f} MiB in {len(list(local.glob(SAEV_SHARDS)))} shards, {len(blocks)} blocks; "
             f"{args.threads} threads, {args.part_mb} MiB parts; cache stats {cached.files.cache.stats}"
         )
         print(table(["what", "MiB/s or rows/s", "ratio to baseline"], rows))

@@ -28,8 +28,9 @@ from _common import Timer, evict, sequential_read, table
 from actstore import ActivationLoader
 from actstore.batch import Batch, CapturePlan
 from actstore.formats.saelens import SaelensOptions, SaelensReader, SaelensWriter
-from actstore.formats.saev import SaevReader, SaevWriter
+from actstore.formats.saev import SaevOptions, SaevReader, SaevWriter
 from actstore.sites import Site
+from actstore.storage.location import Location
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,11 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     saev_s, saelens_s = [], []
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits both
         saev_s.append(
-            time_writer(lambda out: SaevWriter.from_plan(plan, out), batches, root / "saev")
+            time_writer(
+                lambda out: SaevWriter.from_plan(plan, Location.parse(out), SaevOptions()),
+                batches,
+                root / "saev",
+            )
         )
         saelens_s.append(
             time_writer(
-                lambda out: SaelensWriter.from_plan(plan, out, options), batches, root / "sl"
+                lambda out: SaelensWriter.from_plan(plan, Location.parse(out), options),
+                batches,
+                root / "sl",
             )
         )
     saev_best, sl_best = min(saev_s), min(saelens_s)
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"writer throughput (best of {args.repeats})")
     print(table(["writer", "seconds", "MB/s", "vs saev"], rows))
 
-    writer = SaelensWriter.from_plan(plan, root / "store", options)
+    writer = SaelensWriter.from_plan(plan, Location.parse(root / "store"), options)
     for batch in batches:
         writer.write(batch)
     store = writer.close()
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         rows.append([f"ActivationLoader, next epoch ({cache})", mb, mb / seq_mb])
     # the same loader over a saev store of the same data: what the loader itself reaches
-    saev_store = SaevWriter.from_plan(plan, root / "saev-store")
+    saev_store = SaevWriter.from_plan(plan, Location.parse(root / "saev-store"), SaevOptions())
     for batch in batches:
         saev_store.write(batch)
     saev_loader = ActivationLoader(SaevReader(saev_store.close()), batch_size=args.loader_batch)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import files_under, table
+from _common import SAEV_SHARDS, files_under, table
 from bench_loader import build_store, drop_cache, make_loader, run_epoch, stream_read
 
 from actstore.formats.saev import SaevReader
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     args.shard_gib = args.shard_gib
     path = build_store(args)
-    files = files_under(path, "acts*.bin")
+    files = files_under(path, SAEV_SHARDS)
     store_bytes = sum(f.stat().st_size for f in files)
     row_bytes = SaevReader(path).d_model * 4
     ks = [int(x) for x in args.consumers.split(",") if x]

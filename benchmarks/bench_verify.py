@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _common import evict, files_under
+from _common import SAEV_SHARDS, evict, files_under, saev_writer
 
 from actstore.batch import Batch
-from actstore.formats.saev import SaevMetadata, SaevReader, SaevWriter
+from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data
 
 
@@ -45,7 +45,7 @@ def write_store(root: Path, gib: float, n_layers: int, tokens: int, d: int) -> P
         dataset="/bench",
         patches_per_shard=512 * tokens * n_layers,
     )
-    writer = SaevWriter(md, root)
+    writer = saev_writer(md, root)
     rng = np.random.default_rng(0)
     batch_n = 16
     acts = {
@@ -63,7 +63,7 @@ def write_store(root: Path, gib: float, n_layers: int, tokens: int, d: int) -> P
 def read_all(store: Path, verify: bool, cold: bool, order: np.ndarray) -> float:
     """GB/s of reading every block of layer 0 in ``order``."""
     if cold:
-        evict(files_under(store, "acts*.bin"))
+        evict(files_under(store, SAEV_SHARDS))
     reader = SaevReader(store, verify_reads=verify)
     blocks = reader.blocks(reader.layers[0])
     out = np.empty((max(b.n_rows for b in blocks), reader.d_model), dtype=np.float32)

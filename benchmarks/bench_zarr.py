@@ -36,11 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from actstore.batch import Batch
-from actstore.formats.zarr import ZarrLayout, ZarrReader, ZarrWriter, write_shards
+from actstore.batch import Batch, CapturePlan
+from actstore.formats.zarr import ZarrLayout, ZarrOptions, ZarrReader, ZarrWriter, write_shards
 from actstore.formats.zarr.layout import ACT_DTYPE
-
-ATTRS = {"model_id": "synthetic", "dataset": "synthetic", "fingerprint": "bench"}
+from actstore.sites import Site
+from actstore.storage.location import Location
 
 
 class SyntheticPairs:
@@ -88,6 +88,33 @@ class SyntheticPairs:
             )
 
 
+def make_plan(
+    n_layers: int, hidden: int, prompt_len: np.ndarray, response_len: np.ndarray
+) -> CapturePlan:
+    """The capture plan of :class:`SyntheticPairs`' samples (no token ids)."""
+    return CapturePlan(
+        ckpt="synthetic",
+        family="gpt2",
+        modality="text",
+        sites=tuple(Site("resid", k) for k in range(n_layers)),
+        n_model_layers=n_layers,
+        d_model=hidden,
+        tokens_per_example=int((prompt_len + response_len).max()),
+        has_cls=False,
+        n_examples=len(prompt_len),
+        dataset_root="synthetic",
+        data={"kind": "synthetic"},
+        classes=None,
+        has_labels=False,
+        has_tokens=False,
+        batch_size=8,
+        extras={
+            "prompt_lengths": prompt_len.tolist(),
+            "response_lengths": response_len.tolist(),
+        },
+    )
+
+
 def lengths(n: int, r_max: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Prompt lengths ~ lognormal (median 140, clipped 8..400); responses 1..1.5 R_max."""
     rng = np.random.default_rng(seed)
@@ -110,13 +137,14 @@ def raw_read(
 ) -> None:
     """The same chunk-file bytes, read with plain Python file objects into ``out``."""
     store = reader.stores[0]
+    root = store.location.path()
     t = store.layout.t_chunk(part)
     row = store.layout.hidden_size * 2
     view = memoryview(out.reshape(-1)).cast("B")
     for c in range(math.ceil(n_rows / t)):
         r0, r1 = c * t, min(n_rows, (c + 1) * t)
         try:
-            with open(store.chunk_path(part, (i, layer_idx, c, 0)), "rb", buffering=0) as f:
+            with open(root / store.chunk_name(part, i, layer_idx, c), "rb", buffering=0) as f:
                 f.readinto(view[r0 * row : r1 * row])
         except FileNotFoundError:
             out[r0:r1] = 0
@@ -258,11 +286,13 @@ def bench_loader(
     return out
 
 
-def write_store(path: Path, lay: ZarrLayout, producer: SyntheticPairs) -> float:
+def write_store(
+    path: Path, plan: CapturePlan, options: ZarrOptions, producer: SyntheticPairs
+) -> float:
     os.sync()  # start each write timing with no dirty pages left by the previous one
     t0 = time.perf_counter()
-    writer = ZarrWriter(lay, path, attrs=ATTRS, token_ids=False)
-    for batch in producer(0, lay.n_samples):
+    writer = ZarrWriter.from_plan(plan, Location.parse(path), options)
+    for batch in producer(0, plan.n_examples):
         writer.write(batch)
     writer.close()
     return time.perf_counter() - t0
@@ -320,11 +350,8 @@ def main() -> None:
         main_r_max = 64 if any(r == 64 for r, _ in pairs) else pairs[0][0]
         for r_max, t_prompt in pairs:
             p_len, r_len = lengths(args.samples, r_max)
-            lay = ZarrLayout(
-                n_samples=args.samples,
-                sites=[f"resid.{k}" for k in range(args.layers)],
-                layers=range(args.layers),
-                hidden_size=args.hidden,
+            plan = make_plan(args.layers, args.hidden, p_len, r_len)
+            options = ZarrOptions(
                 p_max=args.p_max,
                 r_max=r_max,
                 t_chunk_prompt=t_prompt,
@@ -332,9 +359,13 @@ def main() -> None:
             )
             producer = SyntheticPairs(args.layers, args.hidden, p_len, r_len)
             path = scratch / f"r{r_max}-t{t_prompt}.zarr"
-            seconds = write_store(path, lay, producer)
+            seconds = write_store(path, plan, options, producer)
             size = stored_bytes(path)
             reader = ZarrReader(path)
+            lay = reader.layout
+            got = (lay.p_max, lay.r_max, lay.t_chunk_prompt, lay.t_chunk_response)
+            if got != (args.p_max, r_max, t_prompt, r_max):
+                raise SystemExit(f"the writer chose layout {got}, not the configuration asked")
             plain = zarr.open_consolidated(str(path), mode="r")
             rng = np.random.default_rng(42)
             queries = np.stack(
@@ -365,7 +396,7 @@ def main() -> None:
                     for w in (int(x) for x in args.workers.split(","))
                 }
                 entry["writers"] = bench_writers(
-                    scratch, lay, producer, args.writers, seconds, size, path
+                    scratch, plan, options, producer, args.writers, seconds, size, path
                 )
             results["configs"].append(entry)
             report(entry, lay)
@@ -399,7 +430,8 @@ def raw_write(store: Path, target: Path) -> float:
 
 def bench_writers(
     scratch: Path,
-    lay: ZarrLayout,
+    plan: CapturePlan,
+    options: ZarrOptions,
     producer: SyntheticPairs,
     writers: str,
     single_s: float,
@@ -415,7 +447,7 @@ def bench_writers(
         run = scratch / f"run_w{w}"
         os.sync()
         t0 = time.perf_counter()
-        manifest = write_shards(run, lay, producer, n_writers=w, attrs=ATTRS, progress=False)
+        manifest = write_shards(run, plan, producer, n_writers=w, options=options, progress=False)
         wall = time.perf_counter() - t0
         busy = max(t["seconds"] for t in manifest["timings"])
         out[f"W={w} processes"] = {

@@ -22,6 +22,7 @@ from actstore.cli import app
 from actstore.errors import CorruptStoreError
 from actstore.formats import open_store
 from actstore.formats.activault import ActivaultOptions, ActivaultReader, ActivaultWriter
+from actstore.sites import Site
 
 runner = CliRunner()
 
@@ -56,25 +57,32 @@ def test_cli_capture_to_s3_then_ls_inspect_verify(s3, model_dir, text_file):
         "--no-progress",
     )
     assert result.exit_code == 0, result.output
-    assert out in result.output and "models.layers.0.self_attn.pre" in result.output
+    assert out in result.output and "r.blocks('attn_in.0')" in result.output  # sites, not hooks
     reader = open_store(out)
-    assert reader.sites == [
+    assert reader.sites == (Site("resid", 1), Site("mlp_out", 2), Site("attn_in", 0))
+    assert reader.hooks == [
         "models.layers.1.post",
         "models.layers.2.mlp.post",
         "models.layers.0.self_attn.pre",
     ]
     assert reader.record.token_mask is True  # cleaning is on by default for activault
     eos = 2  # tiny models' </s>, the separator between documents
-    for hook in reader.sites:
+    for hook in reader.hooks:
         _, ids = stored_stream(reader, hook)
         assert eos not in ids.tolist()
 
     listing = invoke("ls", out)
     assert listing.exit_code == 0
-    assert "complete" in listing.output and "models.layers.0.self_attn.pre" in listing.output
+    assert listing.output.startswith(f"{out}: activault") and "attn_in.0" in listing.output
     assert "gpt2-run/" in invoke("ls", s3.url()).output
-    hook_listing = invoke("ls", s3.url("gpt2-run", "models.layers.1.post"), "--all")
-    assert hook_listing.output.count(".pt") == len(reader)
+    hook = "models.layers.1.post"
+    hook_files = s3.keys(f"gpt2-run/{hook}/")  # the megabatches, metadata and statistics
+    assert sum(k.endswith(".pt") for k in hook_files) == len(reader)
+    hook_listing = invoke("ls", s3.url("gpt2-run", hook), "--json")
+    described = json.loads(hook_listing.output)
+    assert described["sites"] == ["resid.1"] and described["hooks"] == {hook: "resid.1"}
+    assert described["files"] == len(hook_files)  # the folder's, not the whole run's
+    assert described["bytes"] == sum(hook_files.values())
     inspected = invoke("inspect", out, "--json")
     summary = json.loads(inspected.output)
     assert summary["format"].startswith("activault") and summary["complete"] is True
@@ -135,6 +143,7 @@ def test_cli_capture_to_a_local_directory_without_cleaning(tmp_path, model_dir, 
     )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == [
+        "actstore-manifest.json",  # the root manifest, written last
         "cfg.json",
         "models.layers.1.post",
         "models.layers.3.post",
@@ -245,7 +254,7 @@ def test_sigkill_mid_capture_then_resume_gives_the_uninterrupted_tokens(s3, mode
     a, b = open_store(s3.url("crashed")), open_store(s3.url("clean"))
     assert len(a) == len(b) > killed_at
     assert a.record.num_runs == 2 and a.record.dropped_tokens == b.record.dropped_tokens
-    for hook in b.sites:
+    for hook in b.hooks:
         states_a, ids_a = stored_stream(a, hook)
         states_b, ids_b = stored_stream(b, hook)
         np.testing.assert_array_equal(ids_a, ids_b)  # no duplicate, no missing token
@@ -255,5 +264,6 @@ def test_sigkill_mid_capture_then_resume_gives_the_uninterrupted_tokens(s3, mode
         np.testing.assert_allclose(sa.mean, sb.mean, rtol=1e-12)
         np.testing.assert_allclose(sa.m2, sb.m2, rtol=1e-12)
     crashed_files = [k for k in s3.keys("crashed/") if k.endswith(".pt")]
-    assert len(crashed_files) == len(b) * len(b.sites)  # nothing left over from the crash
-    assert torch.equal(a.megabatch(b.sites[0], 0)["states"], b.megabatch(b.sites[0], 0)["states"])
+    assert len(crashed_files) == len(b) * len(b.hooks)  # nothing left over from the crash
+    assert torch.equal(a.megabatch(b.hooks[0], 0)["states"], b.megabatch(b.hooks[0], 0)["states"])
+    assert a.verify().ok

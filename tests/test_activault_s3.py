@@ -252,8 +252,10 @@ def test_we_read_what_activault_writes(s3):
     assert summary["model"] == "meta-llama/Llama-3.3-70B (unknown)"
     report = reader.verify()  # every file decoded and checked, but nothing to verify against
     assert report.faults == [
-        "no root manifest (actstore-manifest.json): the contents cannot be verified "
-        "(deleted, or a store written by another tool)"
+        (
+            "no root manifest (actstore-manifest.json): the contents cannot be verified "
+            "(deleted, or a store written by another tool)"
+        )
     ]
     assert report.files_checked == 5 and any("statistics" in n for n in report.notes)
     stream = ActivaultStream(s3.url("llama70b", hook), batch_size=7, shuffle=False)

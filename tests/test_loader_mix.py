@@ -275,7 +275,9 @@ def test_verified_slab_reads_read_whole_blocks_and_catch_damage(store, tmp_path,
     saev_reader._SLAB_WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="actstore.formats.saev.reader"):
         x, r = zip(*collect(ActivationLoader(verified, **options)))
-    assert sum("slab reads (mix > 1) are checked per whole block" in m for m in caplog.messages) == 1
+    assert (
+        sum("slab reads (mix > 1) are checked per whole block" in m for m in caplog.messages) == 1
+    )
     rows = np.concatenate(r)
     np.testing.assert_array_equal(np.concatenate(x), expected(acts, rows, 1))
     # flip a byte of example 0's token 5 at layer 5: every slab of that block is refused,

@@ -6,6 +6,7 @@ resume exactly after ``kill -9``."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conformance import make_acts, make_batches, make_plan
-from test_saelens import files, rows, sae_lens_store
+from test_saelens import files, rows, sae_lens_store, unverified_warnings
 from typer.testing import CliRunner
 
 from actstore.cli import app
@@ -27,6 +28,7 @@ from actstore.formats.registry import get_format
 from actstore.formats.s3_staged import StagedS3Writer
 from actstore.formats.saelens import SaelensOptions, SaelensReader, SaelensWriter
 from actstore.loader import ActivationLoader
+from actstore.sites import Site
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.manifest import BLOCKS, MANIFEST
@@ -110,8 +112,8 @@ def test_one_row_costs_one_small_ranged_get(s3, local):
     reader = SaelensReader(url)
     before = len(s3.faults.requests)
     np.testing.assert_array_equal(reader[13, "resid.3", 2], acts["resid.3"][13, 2])
-    # one GET of the values, and (the first time a file is checked) one of its block digests
-    assert sorted(requests(s3, before)) == [("GET", FILE1), ("GET", BLOCKS)]
+    # one GET of the values, and (for the first check) one of every file's block digests
+    assert sorted(requests(s3, before)) == sorted([("GET", FILE1), ("GET", BLOCKS)])
     before = len(s3.faults.requests)
     np.testing.assert_array_equal(reader[14, "resid.1", 2], acts["resid.1"][14, 2])
     assert requests(s3, before) == [("GET", FILE1)]
@@ -120,13 +122,13 @@ def test_one_row_costs_one_small_ranged_get(s3, local):
         reader[13, :], np.stack([acts["resid.1"][13], acts["resid.3"][13]])
     )
     assert requests(s3, before) == [("GET", FILE1)]  # every site of a row: one GET
-    # A block is one GET of its values; each other file's digests come once, when first checked.
+    # A block is one GET of its values; the block digests came with the first check.
     before = len(s3.faults.requests)
     for block in reader.blocks("resid.1"):
         reader.read_block(block)
     got = requests(s3, before)
-    assert len(arrow_gets(s3, before)) == len(reader.blocks("resid.1")) == 5
-    assert [n for _, n in got if not n.endswith(".arrow")] == [BLOCKS, BLOCKS]
+    assert len(got) == len(reader.blocks("resid.1")) == 5
+    assert all(m == "GET" and n.endswith(".arrow") for m, n in got)
 
 
 def test_reader_refuses_a_prefix_without_its_manifest(s3, local):
@@ -134,7 +136,9 @@ def test_reader_refuses_a_prefix_without_its_manifest(s3, local):
     url = s3.url("partial")
     upload(store, url)
     s3.client().delete_object(Bucket=s3.bucket, Key=f"partial/{FILE1}")
-    with pytest.raises(StoreNotFoundError, match=f"{FILE1} is missing; finish the upload"):
+    with pytest.raises(
+        StoreNotFoundError, match=f"{FILE1} is missing; restore it, finish the copy"
+    ):
         SaelensReader(url)
     s3.client().delete_object(Bucket=s3.bucket, Key="partial/state.json")
     with pytest.raises(StoreNotFoundError, match=r"holds no saelens store \(no state.json\)"):
@@ -184,7 +188,7 @@ def test_reads_survive_connection_resets_through_the_proxy(s3_proxy, local):
     s3_proxy.proxy.reset_connections(times=3, after_bytes=200)
     for a, b in zip(reader.blocks("resid.3"), here.blocks("resid.3")):
         np.testing.assert_array_equal(reader.read_block(a), here.read_block(b))
-    assert reader.io.store.retries >= 1
+    assert reader.files.store.retries >= 1
     np.testing.assert_array_equal(reader[[3, 20], "resid.1"], acts["resid.1"][[3, 20]])
 
 
@@ -197,19 +201,32 @@ def test_verify_and_reads_catch_a_flipped_byte_on_s3(s3, local):
     data = bytearray((store / FILE1).read_bytes())
     data[at + 100] ^= 0x01
     s3.client().put_object(Bucket=s3.bucket, Key=f"flip/{FILE1}", Body=bytes(data))
+    # the manifest block of those values: one record batch's values of one column
+    ranges = json.loads((store / MANIFEST).read_text())["files"][FILE1]["ranges"]
+    block, n = next((k, size) for k, (o, size) in enumerate(ranges) if o == at)
+    assert n == 5 * 6 * 8 * 4  # 5 examples x 6 tokens x 8 dims of float32
     reader = SaelensReader(url)
     report = reader.verify()
-    assert not report.ok
-    assert f"{FILE1}: checksum mismatch (stored data was changed)" in report.faults
-    assert f"{FILE1}: block 1 fails its xxh3 checksum" in report.faults
-    damaged = reader.blocks("resid.1")[3]  # file 1, batch 1
-    assert damaged.loc == (1, 1, 0, 5)
-    with pytest.raises(CorruptStoreError, match="block 1 of blocks.1.hook_resid_post fails"):
+    assert report.faults == [
+        (
+            f"{FILE1}: 1 block(s) differ from the manifest, first block {block} "
+            f"(bytes {at}-{at + n}): the file was changed, damaged or replaced"
+        )
+    ]
+    damaged = reader.blocks("resid.1")[3]  # file 1, batch 1, column 0
+    assert damaged.loc == (1, 1, 0, 5, 0)
+    with pytest.raises(
+        CorruptStoreError,
+        match=rf"{FILE1}: block {block} \(bytes {at}-{at + n}\) is not the block published there",
+    ):
         reader.read_block(damaged)
+    with pytest.raises(CorruptStoreError, match=f"block {block} "):
+        reader[17, "resid.1"]  # random access reads (and checks) that batch too
     reader.read_block(reader.blocks("resid.3")[3])  # the other column of that batch is intact
+    np.testing.assert_array_equal(reader[17, "resid.3"], SaelensReader(store)[17, "resid.3"])
     assert SaelensReader(url, verify_reads=False).read_block(damaged).shape == (30, 8)
     result = CliRunner().invoke(app, ["verify", url, "--no-progress"])
-    assert result.exit_code != 0 and "checksum mismatch" in result.output
+    assert result.exit_code != 0 and "differ from the manifest" in result.output
 
 
 def test_cli_cp_both_ways_and_sae_lens_reads_the_download_exactly(s3, local, tmp_path):
@@ -221,7 +238,8 @@ def test_cli_cp_both_ways_and_sae_lens_reads_the_download_exactly(s3, local, tmp
     assert s3.keys("cli/sl/") == {f"cli/sl/{n}": len(b) for n, b in files(store).items()}
     result = runner.invoke(app, ["ls", url])
     assert result.exit_code == 0, result.output
-    assert "SAELens activation cache" in result.output and FILE1 in result.output
+    assert "SAELens activation cache" in result.output and "23 examples" in result.output
+    assert "9 files, sites resid.1, resid.3" in result.output
     result = runner.invoke(app, ["inspect", url, "--json"])
     assert result.exit_code == 0 and json.loads(result.output)["n_examples"] == 23
     result = runner.invoke(app, ["verify", url, "--no-progress"])
@@ -251,15 +269,13 @@ def test_convert_from_s3_to_a_local_saev_store(s3, local, tmp_path):
     saev = open_store(result.location)
     for layer in (1, 3):
         np.testing.assert_array_equal(rows(saev, layer), acts[f"resid.{layer}"].reshape(-1, 8))
-    np.testing.assert_array_equal(np.asarray(saev.tokens), SaelensReader(store).tokens)
+    np.testing.assert_array_equal(np.asarray(saev.tokens), np.asarray(SaelensReader(store).tokens))
 
 
-def test_a_cache_sae_lens_wrote_reads_from_s3_whole_files(s3, tmp_path):
-    import warnings
-
+def test_a_cache_sae_lens_wrote_reads_from_s3_whole_files(s3, tmp_path, caplog):
     import datasets
 
-    from actstore.formats.saelens import UnverifiedStoreWarning
+    from actstore.formats.saelens import ColumnSite
 
     n, t, d = 9, 5, 6
     acts = np.random.default_rng(1).standard_normal((n, t, d)).astype(np.float32)
@@ -274,41 +290,43 @@ def test_a_cache_sae_lens_wrote_reads_from_s3_whole_files(s3, tmp_path):
         {"blocks.2.hook_resid_post": acts, "token_ids": ids}, features=features
     ).save_to_disk(str(tmp_path / "theirs"), num_shards=2)
     url = s3.url("theirs")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnverifiedStoreWarning)
-        copy_store(tmp_path / "theirs", url, threads=4, check_store=verify_store)
-    with pytest.warns(UnverifiedStoreWarning):
+    # (no check_store: with no root manifest, there is nothing to verify the copy by)
+    copy_store(tmp_path / "theirs", url, threads=4)
+    with caplog.at_level(logging.WARNING):
         reader = open_store(url)
-    assert isinstance(reader, SaelensReader) and reader.remote and not reader.verified
+    assert unverified_warnings(caplog, url) == 1
+    assert isinstance(reader, SaelensReader) and not reader.location.is_local
+    assert not reader.verified and reader.sites == (Site("resid", 2),)
+    assert not any(isinstance(s, ColumnSite) for s in reader.sites)
     np.testing.assert_array_equal(rows(reader, "resid.2"), acts.reshape(-1, d))
     np.testing.assert_array_equal(reader[[7, 1], "resid.2", 3], acts[[7, 1], 3])
-    np.testing.assert_array_equal(reader.tokens, ids)
+    np.testing.assert_array_equal(np.asarray(reader.tokens), ids)
+    # nothing to check its bytes against: verify fails, though both files parse
     report = reader.verify()
-    assert report.ok and "unverified" in report.notes[0] and report.files_checked == 2
+    assert not report.ok and report.files_checked == 2
+    assert [f for f in report.faults if "no root manifest" not in f] == []
 
 
-def test_cp_and_the_writer_put_the_manifest_last(s3, local, tmp_path):
-    """``actstore cp`` and a capture to s3:// both send ``state.json`` after every other
-    file, so a prefix is openable only once it is whole."""
+def test_cp_and_the_writer_put_the_manifest_last(s3, local, tmp_path, monkeypatch):
+    """``actstore cp`` and a capture to s3:// both send ``state.json`` (what ``datasets``
+    opens), then the root manifest, after every other file, so a prefix is openable (by
+    sae_lens or actstore) only once it is whole."""
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
     store, _ = local
     start = len(s3.faults.requests)
     result = CliRunner().invoke(app, ["cp", str(store), s3.url("order"), "--no-progress"])
     assert result.exit_code == 0, result.output
     puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT"]
-    assert puts[-1].endswith("/order/state.json")
+    assert [p.rpartition("/order/")[2] for p in puts[-2:]] == ["state.json", MANIFEST]
+    assert len(puts) == len(files(store))  # each file once
     plan = make_plan()
-    writer = StagedS3Writer(
-        s3.url("captured"),
-        lambda d: SaelensWriter.from_plan(plan, d, OPTIONS),
-        manifest="state.json",
-        staging=tmp_path / "staging",
-    )
+    writer = open_writer(s3.url("captured"), plan)
     for batch in make_batches(plan, make_acts(plan)):
         writer.write(batch)
-    start = len(s3.faults.requests)
+    assert "captured/state.json" not in s3.keys("captured/")
     writer.close()
-    puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT"]
-    assert puts[-1].endswith("/captured/state.json")
+    puts = [p for m, p, _ in s3.faults.requests[start:] if m == "PUT" and "/captured/" in p]
+    assert [p.rpartition("/captured/")[2] for p in puts[-2:]] == ["state.json", MANIFEST]
 
 
 def test_sealed_files_are_the_finished_arrow_files(tmp_path):
@@ -330,23 +348,22 @@ def test_sealed_files_are_the_finished_arrow_files(tmp_path):
         again.write(batch)
     published = again.close()
     names = [f"data-0000{i}-of-00003.arrow" for i in range(3)]
-    assert again.sealed_files() == [(n, published / n) for n in names]
-    assert (published / names[0]).read_bytes() == sealed
+    assert sorted(p.name for p in published.glob("data-*.arrow")) == names
+    assert (published / names[0]).read_bytes() == sealed  # the resume kept the sealed file
+    # published: nothing is left for an uploader to send early (the publish sends the rest)
+    assert again.sealed_files() == []
     done = SaelensWriter.from_plan(plan, tmp_path / "s", OPTIONS)
-    assert done.complete and [n for n, _ in done.sealed_files()] == names
+    assert done.complete and done.sealed_files() == []
 
 
 _KILLED_WRITER = """
 import os, signal, sys
 from conformance import make_acts, make_batches, make_plan
-from actstore.formats.s3_staged import StagedS3Writer
-from actstore.formats.saelens import SaelensOptions, SaelensWriter
+from actstore.formats.registry import get_format
+from actstore.formats.saelens import SaelensOptions
 OPTIONS = SaelensOptions(examples_per_shard=10, block_kb=1)
 plan = make_plan()
-writer = StagedS3Writer(
-    sys.argv[1], lambda d: SaelensWriter.from_plan(plan, d, OPTIONS), staging=sys.argv[2],
-    manifest="state.json",
-)
+writer = get_format("saelens").open_writer(plan, sys.argv[1], OPTIONS)
 for i, batch in enumerate(make_batches(plan, make_acts(plan))):
     writer.write(batch)
     if i == 3:  # 16 examples: file 0 finished, file 1 half written
@@ -354,34 +371,34 @@ for i, batch in enumerate(make_batches(plan, make_acts(plan))):
 """
 
 
-def test_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path):
+def test_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatch):
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
     plan = make_plan()
-    url, staging = s3.url("captures"), tmp_path / "staging"
+    url = s3.url("captures")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, url, str(staging)],
+        [sys.executable, "-c", _KILLED_WRITER, url],
         env=env,
         capture_output=True,
         check=False,
     )
     assert done.returncode == -9, done.stderr.decode()[-2000:]
-    assert not any(k.endswith("state.json") for k in s3.keys("captures/"))
+    keys = s3.keys("captures/")
+    assert not any(k.endswith(("state.json", MANIFEST)) for k in keys)  # not published
 
-    def make(directory):
-        return SaelensWriter.from_plan(plan, directory, OPTIONS)
-
-    resumed = StagedS3Writer(url, make, staging=staging, manifest="state.json")
+    resumed = open_writer(url, plan)
     assert resumed.resume_from == 10 and not resumed.complete
+    assert [n for n, _ in resumed.inner.sealed_files()] == ["data-00000-of-00003.arrow"]
     for batch in make_batches(plan, make_acts(plan)):
         resumed.write(batch)
-    assert resumed.close() == url and not staging.exists()
+    assert resumed.close() == url and not resumed.staging.exists()
     reference, _ = write_local(tmp_path / "ref", plan)
     remote = open_files(url)
     assert remote.list() == {n: len(b) for n, b in files(reference).items()}
     for name, data in files(reference).items():
         assert remote.read_bytes(name) == data, name
     assert SaelensReader(url).verify().ok
-    again = StagedS3Writer(url, make, staging=staging, manifest="state.json")
+    again = open_writer(url, plan)
     assert again.complete and again.close() == url
 
 
@@ -402,7 +419,8 @@ def test_cli_capture_saelens_straight_to_s3(s3, model_dir, text_file, tmp_path, 
     result = runner.invoke(app, capture_args(model_dir("gpt2"), text_file, 9, str(here)))
     assert result.exit_code == 0, result.output
     reader = open_store(url)
-    assert isinstance(reader, SaelensReader) and reader.remote and reader.verify().ok
+    assert isinstance(reader, SaelensReader) and not reader.location.is_local
+    assert reader.verify().ok
     remote = open_files(url)
     assert remote.list() == {n: len(b) for n, b in files(here).items()}
     for name, data in files(here).items():
@@ -429,8 +447,8 @@ def test_cli_capture_to_s3_killed_with_sigkill_resumes_exactly(s3, model_dir, te
             stderr=subprocess.STDOUT,
         )
 
-    def finished() -> int:
-        found = list((tmp_path / "cache" / "staging").glob(".*.partial/progress.json"))
+    def finished() -> int:  # staging/<destination hash>/.killed.partial
+        found = list((tmp_path / "cache" / "staging").glob("*/.*.partial/progress.json"))
         try:
             return len(json.loads(found[0].read_text())["shards"]) if found else 0
         except (FileNotFoundError, json.JSONDecodeError, KeyError):

@@ -270,8 +270,10 @@ def test_verify_catches_a_flipped_byte(captured, tmp_path):
     block, (o, n) = next((k, r) for k, r in enumerate(ranges) if r[0] <= at < r[0] + r[1])
     report = SaelensReader(copy).verify()
     assert report.faults == [
-        f"{name}: 1 block(s) differ from the manifest, first block {block} (bytes {o}-{o + n}): "
-        "the file was changed, damaged or replaced"
+        (
+            f"{name}: 1 block(s) differ from the manifest, first block {block} "
+            f"(bytes {o}-{o + n}): the file was changed, damaged or replaced"
+        )
     ]
 
 

@@ -140,6 +140,8 @@ class ActivaultReader(ReaderBase):
         else:
             self.run_prefix, hook_names = prefix, None
         whole_run = hook_names is None
+        #: The hook folder this reader was opened on (None: the whole run).
+        self.hook_folder: str | None = None if whole_run else hook_names[0]
         self.cfg: dict[str, Any] = {}
         self.record: RunRecord | None = None
         cfg_key = join_key(self.run_prefix, CFG)
@@ -397,7 +399,6 @@ class ActivaultReader(ReaderBase):
                 "partial): only runs of whole examples convert; capture with --no-clean and "
                 "a rows_per_file that divides the examples to convert it"
             )
-        return None
 
     def metadata(self, site: Any) -> HookMetadata:
         return self.listings[self.hook_of(site)].metadata
@@ -520,6 +521,9 @@ class ActivaultReader(ReaderBase):
             "hooks": {h: str(self._hook_site(h)) for h in self.listings},
             "bytes_per_file": md.bytes_per_file,
         }
+        if self.hook_folder is not None:  # the folder's files, not the whole run's
+            mine = [s for n, s in self.files.list().items() if n.startswith(self.hook_folder + "/")]
+            out["files"], out["bytes"] = len(mine), sum(mine)
         if self.record is not None:
             out["complete"] = self.record.complete
             out["written_by"] = "actstore"

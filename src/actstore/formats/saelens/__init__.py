@@ -26,8 +26,8 @@ FORMAT = FormatSpec(
 
 __all__ = [
     "FORMAT",
-    "ColumnSite",
     "FORMAT_TAG",
+    "ColumnSite",
     "SaelensLayout",
     "SaelensOptions",
     "SaelensReader",
