@@ -59,8 +59,9 @@ def capture(
         help="Image folder (class subfolders become labels), .txt (one document "
         "per line) or .jsonl file, a directory saved by datasets' save_to_disk, a .parquet, "
         ".arrow, .json or .csv file or a folder of them, a Hugging Face Hub id (org/name), or "
-        "'embedded' (the Python language reference, shipped with Python). A column of token "
-        "ids (input_ids or tokens) is used as is, without re-tokenizing.",
+        "'embedded' (the Python language reference, shipped with Python), or a .npy/.bin "
+        "token file. A field or column of token ids (input_ids or tokens, or --token-field) "
+        "is used as is, without re-tokenizing; text is read only as far as the budget needs.",
     ),
     dataset_config: str = typer.Option(None, help="Hub datasets: the configuration (subset)."),
     streaming: bool = typer.Option(
@@ -120,7 +121,16 @@ def capture(
     ),
     num_workers: int = typer.Option(0, help="DataLoader workers decoding images."),
     split: str = typer.Option("train", help="Split of a Hub dataset or a saved DatasetDict."),
-    text_field: str = typer.Option("text", help="Text field of JSONL records / HF datasets."),
+    text_field: str = typer.Option(
+        None,
+        help="Text field of JSONL records / column of a dataset (default: text; when there is "
+        "none, a token-id column, input_ids or tokens).",
+    ),
+    token_field: str = typer.Option(
+        None,
+        help="Field / column of pre-tokenized ids (lists of ints), packed as they are; "
+        "input_ids and tokens are found without it. Ids must fit the model's vocabulary.",
+    ),
     progress: bool = typer.Option(True, help="Show progress bars."),
     ray: str = typer.Option(
         None,
@@ -216,6 +226,7 @@ def capture(
         num_workers=num_workers,
         split=split,
         text_field=text_field,
+        token_field=token_field,
         progress=progress,
         mode=mode.replace("-", "_"),
         prompt_field=prompt_field,
@@ -293,7 +304,7 @@ def _run_interruptible(config, spec, out: str, options, pre, run_capture):
 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return run_capture(config, open_writer)
+        return run_capture(config, open_writer, source=pre.source)
     except KeyboardInterrupt:
         pre.release()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
