@@ -84,25 +84,26 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_output(out: str) -> None:
-    """``out`` is a directory, or can be created, and a file can be written there."""
+def check_output(out: str, what: str = "--out") -> None:
+    """``out`` (named ``what`` in messages) is a directory, or can be created, and a file
+    can be written there."""
     if is_url(out):
         return
     path = Path(out).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise ConfigError(
-            f"--out {out} is an existing file; give a directory (it is created if missing)"
+            f"{what} {out} is an existing file; give a directory (it is created if missing)"
         )
     base = _nearest_existing(path)
     if not base.is_dir():
-        raise ConfigError(f"--out {out} cannot be created: {base} is a file, not a directory")
+        raise ConfigError(f"{what} {out} cannot be created: {base} is a file, not a directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".actstore-write-test-", dir=base)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
         raise ConfigError(
-            f"--out {out} is not writable ({base}: {err.strerror or err}); "
+            f"{what} {out} is not writable ({base}: {err.strerror or err}); "
             "choose a directory you can write to"
         ) from None
 

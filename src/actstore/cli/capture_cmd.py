@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from . import app
+from .application import app, lazy_epilog
 from .common import human_bytes, parse_int_list
 
 _EXAMPLES = """\b
@@ -47,7 +47,7 @@ def _format_epilog() -> str:
     return _EXAMPLES + "\n\b\n" + "\n".join(lines)
 
 
-@app.command(epilog=_format_epilog())
+@app.command(cls=lazy_epilog(_format_epilog))
 def capture(
     model: str = typer.Option(
         "embedded",
@@ -200,6 +200,18 @@ def capture(
     background thread writes through a bounded queue. Stores are published atomically;
     rerunning a crashed capture resumes it, and rerunning a finished one reports it.
     """
+    params = dict(locals())
+    if device != "cpu":  # before anything else: a device this machine lacks is refused
+        from ..capture.preflight import check_device
+
+        check_device(device)
+    from .capture_memo import recall, remember
+
+    memo = recall(params)
+    if memo is not None:  # a finished capture, answered before torch or the dataset load
+        typer.echo(f"Already captured (same config, same content hash): {memo.location}")
+        typer.echo(memo.summary)
+        return
     from ..capture import CaptureConfig
     from ..capture import capture as run_capture
     from ..formats import open_store
@@ -281,13 +293,15 @@ def capture(
             + (f", resumed at example {result.resumed_from}" if result.resumed_from else "")
         )
     site = reader.sites[-1]
-    typer.echo(
+    text = (
         f"Stored {summary.get('shape', '')} ({human_bytes(summary.get('bytes', 0))}) in\n"
         f"  {location}\n\nRead it back:\n"
         f"  actstore inspect {location}\n  actstore verify {location}\n"
         f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
         f'print(r.read_block(r.blocks({site!r})[0])[0, :8])"'
     )
+    typer.echo(text)
+    remember(params, location, text, spec.manifests)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
