@@ -45,24 +45,24 @@ def runner_config(model: str, store, tmp_path, **changes):
     from sae_lens import LanguageModelSAERunnerConfig, LoggingConfig
     from sae_lens.saes.standard_sae import StandardTrainingSAEConfig
 
-    values = dict(
-        sae=StandardTrainingSAEConfig(d_in=D_MODEL, d_sae=64),
-        model_name=model,
-        model_class_name="AutoModelForCausalLM",
-        hook_name=HOOK,
-        dataset_path=str(store),
-        context_size=CONTEXT,
-        use_cached_activations=True,
-        cached_activations_path=str(store),
-        training_tokens=N_EXAMPLES * CONTEXT,
-        train_batch_size_tokens=16,
-        store_batch_size_prompts=2,
-        n_batches_in_buffer=2,
-        device="cpu",
-        logger=LoggingConfig(log_to_wandb=False),
-        output_path=str(tmp_path / "sae"),
-        n_checkpoints=0,
-    )
+    values = {
+        "sae": StandardTrainingSAEConfig(d_in=D_MODEL, d_sae=64),
+        "model_name": model,
+        "model_class_name": "AutoModelForCausalLM",
+        "hook_name": HOOK,
+        "dataset_path": str(store),
+        "context_size": CONTEXT,
+        "use_cached_activations": True,
+        "cached_activations_path": str(store),
+        "training_tokens": N_EXAMPLES * CONTEXT,
+        "train_batch_size_tokens": 16,
+        "store_batch_size_prompts": 2,
+        "n_batches_in_buffer": 2,
+        "device": "cpu",
+        "logger": LoggingConfig(log_to_wandb=False),
+        "output_path": str(tmp_path / "sae"),
+        "n_checkpoints": 0,
+    }
     values.update(changes)
     return LanguageModelSAERunnerConfig(**values)
 

@@ -183,11 +183,11 @@ def _accepts(spec: FormatSpec, plan: CapturePlan, options: Any = None) -> bool:
 
 
 def open_target(
-    spec: FormatSpec, plan: CapturePlan, target: str, options: Any, source: Any
+    spec: FormatSpec, plan: CapturePlan, target: str, options: Any, source: Any, source_format: str
 ) -> WriterBase:
     """The target's writer; a format that cannot hold some of the store's sites is
     explained in terms of converting: which sites it can take (``--sites``) and which
-    formats take them all."""
+    other formats take them all."""
     try:
         return spec.writer_for_plan(plan, target, options)
     except ConfigError as err:
@@ -197,7 +197,9 @@ def open_target(
         others = ", ".join(str(s) for s in plan.sites if s not in kept)
         hints = [f"convert the residual stream alone with --sites {','.join(map(str, kept))}"]
         takers = [
-            name for name in FORMAT_NAMES if name != spec.name and _accepts(get_format(name), plan)
+            name
+            for name in FORMAT_NAMES
+            if name not in (spec.name, source_format) and _accepts(get_format(name), plan)
         ]
         if takers:
             either = ", ".join(takers[:-1]) + (" or " if len(takers) > 1 else "") + takers[-1]
@@ -238,7 +240,7 @@ def convert(
     reader = src_spec.open_reader(str(source))
     plan = select_sites(source_plan(reader), sites, source)
     options = options if options is not None else dst_spec.options()
-    writer = open_target(dst_spec, plan, str(target), options, source)
+    writer = open_target(dst_spec, plan, str(target), options, source, src_spec.name)
     already = writer.complete
     if already:
         location = writer.close()

@@ -56,8 +56,10 @@ class _Lines:
 
     def unread(self, _read: int) -> str:
         left = max(self.size - self.pos, 0)
-        share = left / self.size if self.size else 0.0
-        return f"{_bytes(left)} of {self.path.name} ({share:.1%}) left unread"
+        share = f"{left / self.size:.1%}" if self.size else "0%"
+        if share == "100.0%" and left < self.size:
+            share = ">99.9%"
+        return f"{_bytes(left)} of {self.path.name} ({share}) left unread"
 
 
 def _bytes(n: float) -> str:
