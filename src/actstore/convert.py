@@ -89,10 +89,7 @@ def example_batches(
     """The stored examples ``start, start + 1, ...`` as batches of ``batch_size``."""
     native = reader.example_batches(batch_size, start)
     if native is not None:
-        keep = {str(site) for site in plan.sites}
-        for batch in native:  # only the sites converted (a --sites choice)
-            acts = {name: acts for name, acts in batch.acts.items() if name in keep}
-            yield batch if len(acts) == len(batch.acts) else dataclasses.replace(batch, acts=acts)
+        yield from _only_sites(native, plan)
         return
     names = _reader_sites(reader, plan)
     blocks = [reader.blocks(name) for name in names]
@@ -138,6 +135,14 @@ def example_batches(
                 labels=None if labels is None else np.asarray(labels[ids], dtype=np.int64),
             )
             first_example += take
+
+
+def _only_sites(batches: Iterator[Batch], plan: CapturePlan) -> Iterator[Batch]:
+    """``batches`` with the activations of ``plan``'s sites only (a ``--sites`` choice)."""
+    keep = {str(site) for site in plan.sites}
+    for batch in batches:
+        acts = {name: acts for name, acts in batch.acts.items() if name in keep}
+        yield batch if len(acts) == len(batch.acts) else dataclasses.replace(batch, acts=acts)
 
 
 def _reader_sites(reader: ReaderBase, plan: CapturePlan) -> list[Hashable]:
