@@ -479,6 +479,23 @@ def test_help_and_version_import_neither_torch_nor_transformers():
         assert "torch" not in loaded and "transformers" not in loaded, args
 
 
+def test_import_actstore_loads_torch_only_for_what_needs_it():
+    code = (
+        "import sys, actstore; light = 'torch' not in sys.modules; "
+        "from actstore import ServedLoader; from actstore.loader.serve import ServedLoader as S; "
+        "print(light, ServedLoader is S, 'ServedLoader' in actstore.__all__)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        timeout=120,
+        check=False,
+    )
+    assert proc.stdout.split() == ["True", "True", "True"], proc.stderr
+
+
 def test_already_captured_is_answered_without_torch_and_never_stale(world):
     args = _capture_args(world, "--max-examples", "8")
     first = run_cli(*args)

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 DOC_BATCH = 2048
 #: Rows per step when packing pre-tokenized rows.
 ROW_BATCH = 4096
+#: Documents (rows) read first under a budget, to learn how long they are.
+FIRST_BATCH = 8
 
 
 class TextSource(ExampleSource):
@@ -309,14 +311,16 @@ def _read_documents(rows: Rows, packer: Packer, tokenizer: Any, progress: bool) 
 
 
 def _batch(packer: Packer, read: int, most: int) -> int:
-    """Documents (rows) to read next: about what the budget still needs, from the tokens
-    per document so far (256 to start), so a small budget reads little more than it uses
+    """Documents (rows) to read next: a first few to learn their length, then about what
+    the budget still needs (10% more), so a small budget reads little more than it uses
     and a big one reads in batches of ``most``."""
     if packer.need is None:
         return most
-    per_unit = packer.have / read if read else 256
-    left = (packer.need - packer.have) / max(per_unit, 1.0)
-    return int(min(most, max(8, left * 1.1 + 8)))
+    if read == 0:
+        return FIRST_BATCH
+    per_unit = max(packer.have / read, 1.0)
+    left = (packer.need - packer.have) / per_unit
+    return int(min(most, max(FIRST_BATCH, left * 1.1 + 1)))
 
 
 def _read_token_rows(
