@@ -56,7 +56,11 @@ class CaptureConfig:
     """Tokens per packed text context (text models only)."""
     max_examples: int | None = None
     split: str = "train"
-    text_field: str = "text"
+    text_field: str | None = None
+    """The field of JSONL records / column of a dataset holding text (None: ``text``, else a
+    column of token ids, ``input_ids`` or ``tokens``; see :mod:`actstore.capture.data.columns`)."""
+    token_field: str | None = None
+    """The field / column holding pre-tokenized ids, used as is."""
     num_workers: int = 0
     """DataLoader workers decoding images."""
     queue_size: int = 4
@@ -129,9 +133,12 @@ def _probe_tokens(model: LoadedModel, source: ExampleSource, sites: list[Site]) 
         return int(next(iter(rec.run(first.inputs).values())).shape[1])
 
 
-def packed_source(config: CaptureConfig, model: Any) -> ExampleSource:
+def packed_source(
+    config: CaptureConfig, model: Any, vocab_size: int | None = None
+) -> ExampleSource:
     """The packed-mode example source of ``config`` for ``model`` (a loaded model, or the
-    weightless stand-in preflight uses: both must see the same examples)."""
+    weightless stand-in preflight uses, with the ``vocab_size`` of config.json: both must
+    see the same examples)."""
     return open_source(
         config.dataset,
         model,
@@ -140,14 +147,19 @@ def packed_source(config: CaptureConfig, model: Any) -> ExampleSource:
         max_tokens=config.max_tokens,
         split=config.split,
         text_field=config.text_field,
+        token_field=config.token_field,
         dataset_config=config.dataset_config,
         streaming=config.streaming,
         progress=config.progress,
+        vocab_size=vocab_size,
     )
 
 
-def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
-    """Load the model and dataset and work out the shapes the store will have."""
+def plan_capture(
+    config: CaptureConfig, source: ExampleSource | None = None
+) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
+    """Load the model and dataset and work out the shapes the store will have. A packed
+    ``source`` already opened for ``config`` (by preflight) is taken over, not reopened."""
     model = load_model(config.model, device=config.device, dtype=config.dtype)
     sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
     for i, site in enumerate(sites):
@@ -158,8 +170,10 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
         from .prompts import open_prompt_source
 
         source = open_prompt_source(config, model)
-    else:
+    elif source is None:
         source = packed_source(config, model)
+    else:
+        source = source.for_model(model)
     plan = source_plan(
         config,
         source,
@@ -211,7 +225,10 @@ def source_plan(
 
 
 def capture(
-    config: CaptureConfig, open_writer: Callable[[CapturePlan], WriterBase]
+    config: CaptureConfig,
+    open_writer: Callable[[CapturePlan], WriterBase],
+    *,
+    source: ExampleSource | None = None,
 ) -> CaptureResult:
     """Run ``config.model`` over ``config.dataset`` and write the activations.
 
@@ -224,10 +241,11 @@ def capture(
     A writer with an ``example_range = (start, stop)`` (one part of a distributed capture,
     see :mod:`actstore.dist`) gets only the examples ``start <= id < stop``, with their
     global example ids. A writer with ``wants_texts`` also gets each example's decoded
-    text (text models).
+    text (text models). ``source``: the packed source preflight opened for ``config``
+    (its dataset is then not read again).
     """
     t0 = time.perf_counter()
-    model, source, plan = plan_capture(config)
+    model, source, plan = plan_capture(config, source)
     writer = open_writer(plan)
     setup_seconds = time.perf_counter() - t0
     start, stop = writer.example_range or (0, plan.n_examples)

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from . import app
+from .application import app, lazy_epilog
 from .common import human_bytes, parse_int_list
 
 _EXAMPLES = """\b
@@ -47,7 +47,7 @@ def _format_epilog() -> str:
     return _EXAMPLES + "\n\b\n" + "\n".join(lines)
 
 
-@app.command(epilog=_format_epilog())
+@app.command(cls=lazy_epilog(_format_epilog))
 def capture(
     model: str = typer.Option(
         "embedded",
@@ -59,8 +59,9 @@ def capture(
         help="Image folder (class subfolders become labels), .txt (one document "
         "per line) or .jsonl file, a directory saved by datasets' save_to_disk, a .parquet, "
         ".arrow, .json or .csv file or a folder of them, a Hugging Face Hub id (org/name), or "
-        "'embedded' (the Python language reference, shipped with Python). A column of token "
-        "ids (input_ids or tokens) is used as is, without re-tokenizing.",
+        "'embedded' (the Python language reference, shipped with Python), or a .npy/.bin "
+        "token file. A field or column of token ids (input_ids or tokens, or --token-field) "
+        "is used as is, without re-tokenizing; text is read only as far as the budget needs.",
     ),
     dataset_config: str = typer.Option(None, help="Hub datasets: the configuration (subset)."),
     streaming: bool = typer.Option(
@@ -120,7 +121,16 @@ def capture(
     ),
     num_workers: int = typer.Option(0, help="DataLoader workers decoding images."),
     split: str = typer.Option("train", help="Split of a Hub dataset or a saved DatasetDict."),
-    text_field: str = typer.Option("text", help="Text field of JSONL records / HF datasets."),
+    text_field: str = typer.Option(
+        None,
+        help="Text field of JSONL records / column of a dataset (default: text; when there is "
+        "none, a token-id column, input_ids or tokens).",
+    ),
+    token_field: str = typer.Option(
+        None,
+        help="Field / column of pre-tokenized ids (lists of ints), packed as they are; "
+        "input_ids and tokens are found without it. Ids must fit the model's vocabulary.",
+    ),
     progress: bool = typer.Option(True, help="Show progress bars."),
     ray: str = typer.Option(
         None,
@@ -190,6 +200,18 @@ def capture(
     background thread writes through a bounded queue. Stores are published atomically;
     rerunning a crashed capture resumes it, and rerunning a finished one reports it.
     """
+    params = dict(locals())
+    if device != "cpu":  # before anything else: a device this machine lacks is refused
+        from ..capture.preflight import check_device
+
+        check_device(device)
+    from .capture_memo import recall, remember
+
+    memo = recall(params)
+    if memo is not None:  # a finished capture, answered before torch or the dataset load
+        typer.echo(f"Already captured (same config, same content hash): {memo.location}")
+        typer.echo(memo.summary)
+        return
     from ..capture import CaptureConfig
     from ..capture import capture as run_capture
     from ..formats import open_store
@@ -216,6 +238,7 @@ def capture(
         num_workers=num_workers,
         split=split,
         text_field=text_field,
+        token_field=token_field,
         progress=progress,
         mode=mode.replace("-", "_"),
         prompt_field=prompt_field,
@@ -270,13 +293,15 @@ def capture(
             + (f", resumed at example {result.resumed_from}" if result.resumed_from else "")
         )
     site = reader.sites[-1]
-    typer.echo(
+    text = (
         f"Stored {summary.get('shape', '')} ({human_bytes(summary.get('bytes', 0))}) in\n"
         f"  {location}\n\nRead it back:\n"
         f"  actstore inspect {location}\n  actstore verify {location}\n"
         f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
         f"print(r.read_block(r.blocks('{site}')[0])[0, :8])\""
     )
+    typer.echo(text)
+    remember(params, location, text, spec.manifests)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -293,7 +318,7 @@ def _run_interruptible(config, spec, out: str, options, pre, run_capture):
 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return run_capture(config, open_writer)
+        return run_capture(config, open_writer, source=pre.source)
     except KeyboardInterrupt:
         pre.release()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

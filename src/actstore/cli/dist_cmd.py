@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from . import app
+from .application import app
 
 
 def run_distributed_capture(
