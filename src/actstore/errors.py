@@ -74,6 +74,11 @@ class ServeError(ActstoreError, RuntimeError):
     """A served stream cannot go on (server gone or failed, position no longer held)."""
 
 
+class DeviceError(ActstoreError, RuntimeError):
+    """A copy between host and GPU failed, ran out of memory, or host memory could not be
+    pinned for it."""
+
+
 def require(module: str, extra: str):
     """Import an optional dependency or raise a helpful :class:`MissingDependencyError`.
 
