@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
 from .dataset import ActivationLoader
-from .pipeline import LoaderBatch, RingBatch
+from .pipeline import LoaderBatch, RingBatch, WorkerLink
 
 #: Batch slots each worker may have in use at once (only batches you hold use more than
 #: a few; each costs one batch of shared memory).
@@ -55,9 +55,7 @@ class ActivationDataLoader(DataLoader):
                 f"{fixed} are set on the ActivationLoader (batch_size, "
                 "drop_last, seed), not on the DataLoader"
             )
-        if kwargs.get("persistent_workers") and num_workers > 0:
-            dataset._share_position()
-        finish = dataset._finish
+        finish = dataset.finish
         pin = kwargs.pop("pin_memory", False)
         if num_workers > 0:  # workers never pin or move: this process does
             pin = pin or finish.pin_memory
@@ -73,7 +71,7 @@ class ActivationDataLoader(DataLoader):
         )
         self._pin = pin and num_workers > 0
         self._device = finish.device if num_workers > 0 else None
-        dataset._device_in_main = num_workers > 0
+        self._link: WorkerLink | None = None
         # the main process's side of the workers' batch slots: (worker, slot) -> (the
         # slot as a numpy array, its reference count when no batch refers to it)
         self._slots: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
@@ -85,14 +83,19 @@ class ActivationDataLoader(DataLoader):
         if num_workers > 0:
             _check_shared_memory(dataset, num_workers)
             self._new_ring(dataset)
+        else:
+            dataset.attach_workers(None)
 
     def _new_ring(self, loader: ActivationLoader) -> None:
         """Fresh slot flags and pool counters for a new set of worker processes (batches
         still held keep their memory)."""
-        loader._ring_flags = torch.zeros((self.num_workers, MAX_SLOTS), dtype=torch.int8)
-        loader._ring_flags.share_memory_()
-        loader._pool_released = torch.zeros((self.num_workers, MAX_POOLS), dtype=torch.int64)
-        loader._pool_released.share_memory_()
+        self._link = WorkerLink.create(
+            self.num_workers,
+            slots=MAX_SLOTS,
+            pools=MAX_POOLS,
+            persistent=bool(self.persistent_workers),
+        )
+        loader.attach_workers(self._link)
         self._slots, self._delivered = {}, []
         self._pools, self._pool_batches = {}, []
 
@@ -101,21 +104,19 @@ class ActivationDataLoader(DataLoader):
         if self.num_workers == 0:  # the loader runs here and counts its own batches
             yield from super().__iter__()
             return
-        loader._begin(self.num_workers)
-        loader._publish_position()  # persistent workers read it when this iteration starts
         if not self.persistent_workers or self._iterator is None:
             self._new_ring(loader)  # new worker processes
         else:  # persistent workers start the epoch with the windows you no longer hold
             self._hand_back()
+        loader.begin(self.num_workers)  # persistent workers read the position it publishes
         epoch = loader.epoch
         for message in super().__iter__():
             batch = self._receive(message)
             del message
-            loader._batches_done += 1
+            loader.count_batch()
             yield batch if self._device is None else _to_device(batch, self._device)
             del batch
-        if loader.epoch == epoch:
-            loader.set_epoch(epoch + 1)
+        loader.end_iteration(epoch)
 
     def _receive(self, message: RingBatch) -> Any:
         """The batch in a worker's slot or window, as a zero-copy view; slots and windows
@@ -146,7 +147,9 @@ class ActivationDataLoader(DataLoader):
 
     def _hand_back(self) -> None:
         """Give workers back the slots and windows of batches nobody refers to any more."""
-        flags = self.dataset._ring_flags  # type: ignore[attr-defined]
+        link = self._link
+        assert link is not None, "batches arrive from workers only"
+        flags = link.slot_flags
         kept = []
         for key in self._delivered:
             root, idle = self._slots[key]
@@ -155,7 +158,7 @@ class ActivationDataLoader(DataLoader):
             else:
                 kept.append(key)
         self._delivered = kept
-        released = self.dataset._pool_released  # type: ignore[attr-defined]
+        released = link.pool_released
         still = []
         for entry in self._pool_batches:
             if sys.getrefcount(entry[2]) == entry[3]:

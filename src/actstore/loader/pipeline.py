@@ -64,6 +64,31 @@ class RingBatch(NamedTuple):
     offset: int = 0
 
 
+@dataclass(frozen=True)
+class WorkerLink:
+    """Shared memory through which :class:`~actstore.loader.ActivationDataLoader` (the main
+    process) and the worker processes running its ActivationLoader coordinate (see
+    ``ActivationLoader.attach_workers``)."""
+
+    slot_flags: torch.Tensor
+    """int8 ``[workers, slots]``: 1 while the main process still uses batch slot ``s`` of
+    worker ``w`` (the worker copies a batch there when it is no slice of a window pool)."""
+    pool_released: torch.Tensor
+    """int64 ``[workers, pools]``: batches sent from window pool ``p`` of worker ``w`` that
+    the main process has dropped (the worker reuses the pool once all are)."""
+    position: torch.Tensor | None = None
+    """int64 ``[3]`` (epoch, batches delivered, consumers), read by persistent workers at
+    the start of every iteration; None when workers are made anew for each."""
+
+    @classmethod
+    def create(cls, workers: int, *, slots: int, pools: int, persistent: bool) -> WorkerLink:
+        """Zeroed counters in shared memory for ``workers`` new worker processes."""
+        flags = torch.zeros((workers, slots), dtype=torch.int8).share_memory_()
+        released = torch.zeros((workers, pools), dtype=torch.int64).share_memory_()
+        position = torch.zeros(3, dtype=torch.int64).share_memory_() if persistent else None
+        return cls(slot_flags=flags, pool_released=released, position=position)
+
+
 class Buffers:
     """Arrays of one shape and dtype, reused only once no view of them is alive (here, and,
     given ``held``, in another process: ``held(i)`` is true while it still uses array i)."""

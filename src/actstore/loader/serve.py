@@ -228,7 +228,7 @@ class _Lock:
 def ring_bytes(loader: ActivationLoader, slots: int) -> int:
     """Shared memory of a ring of ``slots`` batches of ``loader`` (activations + row ids),
     plus the window pools it shares when its batches need no conversion."""
-    storage = np.dtype(_NUMPY_STORAGE[loader._finish.out_dtype])
+    storage = np.dtype(_NUMPY_STORAGE[loader.finish.out_dtype])
     acts_bytes = loader.batch_size * len(loader.sites) * loader.d_model * storage.itemsize
     at = _pools_at(slots, loader.batch_size, acts_bytes)
     return at + _POOLS * _pool_bytes(loader) if _zero_copy(loader) else at
@@ -243,7 +243,7 @@ def _pools_at(slots: int, batch: int, acts_bytes: int) -> int:
 def _zero_copy(loader: ActivationLoader) -> bool:
     """Whether the loader's batches are its windows' rows as stored (no dtype change or
     normalisation), so the server can share its windows instead of copying batches."""
-    finish = loader._finish
+    finish = loader.finish
     same = np.dtype(_NUMPY_STORAGE[finish.out_dtype]) == loader.layout.dtype
     return same and finish.shift is None and finish.scale is None
 
@@ -297,7 +297,7 @@ class Server:
             "single_site": loader.config.sites is None,
             "d_model": loader.d_model,
             "n_rows": loader.n_rows,
-            "fingerprint": loader._fingerprint(),
+            "fingerprint": loader.fingerprint(),
             "pools": _POOLS if _zero_copy(loader) else 0,
             "pool_bytes": _pool_bytes(loader),
         }
