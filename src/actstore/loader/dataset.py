@@ -22,10 +22,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..devicecopy import copies_for
 from ..errors import ConfigError, LayerNotStoredError
 from ..formats import open_store
 from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
+from .device import to_device
 from .pipeline import (
     Buffers,
     BufferSet,
@@ -98,9 +100,12 @@ class LoaderConfig:
     return_index: bool = False
     """Yield :class:`LoaderBatch` ``(acts, rows)`` with each row's storage index."""
     pin_memory: bool = False
-    """Yield batches in pinned memory (needs CUDA)."""
+    """Yield batches in pinned memory (needs CUDA): the window pools and batch buffers are
+    registered with CUDA once, so batches are still views of them (no copy)."""
     device: str | None = None
-    """Move batches there (``"cuda"``), from pinned memory with ``non_blocking=True``."""
+    """Move batches there (``"cuda"``): pinned as above, each batch is copied on a side
+    stream while the previous one is in use (see :mod:`actstore.loader.device`). Any other
+    device: copied there on a background thread."""
 
     def __post_init__(self) -> None:
         if self.site is not None and self.sites is not None:
@@ -444,13 +449,20 @@ class ActivationLoader(IterableDataset):
         serve``'s ring) in this process, from the next iteration on."""
         self._buffers = (os.getpid(), self._new_buffers(pools=pools))
 
-    def _new_buffers(self, **kwargs: Any) -> BufferSet:
+    def _new_buffers(
+        self, *, released: np.ndarray | None = None, pools: Buffers | None = None
+    ) -> BufferSet:
+        # pinned where batches are pinned or moved to CUDA in this process: never in a
+        # DataLoader worker (the main process pins what workers send) nor for serve
+        own = released is None and pools is None and get_worker_info() is None
         return BufferSet(
             self.layout,
             batch_size=self.batch_size,
             pool_blocks=self.pool_blocks,
             out_dtype=self._finish.out_dtype,
-            **kwargs,
+            released=released,
+            pools=pools,
+            pinned=self._finish.pin_memory and own,
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -621,14 +633,18 @@ class ActivationLoader(IterableDataset):
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
         )
+        batches = consumer.batches(start, span.stop)
+        if finish.device is not None:  # the next batch's copy runs while this one is used
+            batches = to_device(batches, copies_for(finish.device))
         try:
-            for batch in consumer.batches(start, span.stop):
+            for batch in batches:
                 if count:
                     self._batches_done += 1
                 yield batch
-            if count and self.epoch == epoch:
-                self.set_epoch(epoch + 1)
+            if count:
+                self.end_iteration(epoch)
         finally:
+            batches.close()
             consumer.close()
 
 
