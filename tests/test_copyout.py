@@ -93,25 +93,29 @@ def test_cast_before_the_copy_is_exact():
 
 def test_a_failed_copy_is_one_error_after_the_batches_before_it():
     got: list[Batch] = []
-    with pytest.raises(DeviceError, match="copy between host and device failed"):
-        with RingCopyOut(got.append, ThreadCopies, slots=4) as ring:
-            ring.put(acts_of(0), build_for(0))
-            ring.put(acts_of(1), build_for(1))
-            ring.put({s: torch.empty(2, 3, 4, device="meta") for s in SITES}, build_for(2))
-            ring.put(acts_of(3), build_for(3))
-            ring.close()
+    with (
+        pytest.raises(DeviceError, match="copy between host and device failed"),
+        RingCopyOut(got.append, ThreadCopies, slots=4) as ring,
+    ):
+        ring.put(acts_of(0), build_for(0))
+        ring.put(acts_of(1), build_for(1))
+        ring.put({s: torch.empty(2, 3, 4, device="meta") for s in SITES}, build_for(2))
+        ring.put(acts_of(3), build_for(3))
+        ring.close()
     assert [int(b.example_ids[0]) for b in got] == [0, 2]
 
 
 def test_an_error_in_the_forward_loop_still_hands_over_the_finished_copies():
     got: list[Batch] = []
-    with pytest.raises(torch.OutOfMemoryError):
-        with RingCopyOut(got.append, ThreadCopies, slots=4) as ring:
-            ring.put(acts_of(0), build_for(0))
-            ring.put(acts_of(1), build_for(1))
-            while not all(flight.done() for flight in ring._flights):
-                time.sleep(0.001)
-            raise torch.OutOfMemoryError("CUDA out of memory")
+    with (
+        pytest.raises(torch.OutOfMemoryError),
+        RingCopyOut(got.append, ThreadCopies, slots=4) as ring,
+    ):
+        ring.put(acts_of(0), build_for(0))
+        ring.put(acts_of(1), build_for(1))
+        while not all(flight.done() for flight in ring._flights):
+            time.sleep(0.001)
+        raise torch.OutOfMemoryError("CUDA out of memory")
     assert [int(b.example_ids[0]) for b in got] == [0, 2]  # copied, so written
 
 
