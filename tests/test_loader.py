@@ -466,7 +466,7 @@ def test_opens_a_path_and_plain_dataloader_with_workers(store):
     assert rows == 37 * (T - 1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_device_transfer_from_pinned_memory(store):
     reader, acts = store
     for workers in (0, 2):
