@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ import torch
 
 from .errors import DeviceError
 
+log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------- registered memory
 
 _PINNED: dict[int, int] = {}  # address -> bytes of every live registration made here
@@ -64,6 +66,22 @@ def pin(array: np.ndarray) -> np.ndarray:
     finalizer = weakref.finalize(array, _unpin, address)
     finalizer.atexit = False  # at exit the driver releases everything anyway
     return array
+
+
+def try_pin(array: np.ndarray) -> np.ndarray:
+    """:func:`pin` where pinning only makes copies faster: if the memory cannot be pinned,
+    say so once (copies from it are then staged by the driver: correct, slower)."""
+    global _WARNED
+    try:
+        return pin(array)
+    except DeviceError as err:
+        if not _WARNED:
+            _WARNED = True
+            log.warning("%s; copies to the GPU go through a staging buffer instead", err)
+        return array
+
+
+_WARNED = False
 
 
 def _unpin(address: int) -> None:

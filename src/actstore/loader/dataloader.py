@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from ..devicecopy import copies_for, pin
+from ..devicecopy import copies_for, try_pin
 from ..errors import ConfigError
 from .dataset import ActivationLoader
 from .device import to_device
@@ -163,7 +163,7 @@ class ActivationDataLoader(DataLoader):
     def _pinned(self, root: np.ndarray) -> np.ndarray:
         """A worker's shared pool or slot, registered with CUDA when batches are pinned or
         go to a CUDA device (once: it serves many batches)."""
-        return pin(root) if self._pin else root
+        return try_pin(root) if self._pin else root
 
     def _hand_back(self) -> None:
         """Give workers back the slots and windows of batches nobody refers to any more."""

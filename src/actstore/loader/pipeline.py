@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..devicecopy import pin
+from ..devicecopy import try_pin
 from ..errors import ConfigError
 from ..formats.base import Block
 from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
@@ -217,7 +217,7 @@ def _allocate(count: int, dtype: np.dtype) -> np.ndarray:
 
 def _allocate_pinned(count: int, dtype: np.dtype) -> np.ndarray:
     """:func:`_allocate`, registered with CUDA once (copies to the GPU read it by DMA)."""
-    return pin(_allocate(count, dtype))
+    return try_pin(_allocate(count, dtype))
 
 
 @dataclass(frozen=True, kw_only=True)

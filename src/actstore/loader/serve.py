@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..devicecopy import copies_for, pin
+from ..devicecopy import copies_for, try_pin
 from ..errors import ConfigError, ServeError
 from ..storage.lock import pid_alive
 from .dataset import OUT_DTYPES, ActivationLoader, LoaderConfig
@@ -583,7 +583,7 @@ class ServedLoader:
         )
         self._bf16 = settings["dtype"] == "bfloat16"
         if cuda:
-            pin(self.shared.ring)  # batches go to the GPU by DMA, with no staging copy
+            try_pin(self.shared.ring)  # batches go to the GPU by DMA, with no staging copy
         self.epoch, self._batches = 0, 0
         self._registered = False
         # (global batch, its array, references to it when dropped) per batch handed out
