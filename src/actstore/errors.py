@@ -74,6 +74,11 @@ class ServeError(ActstoreError, RuntimeError):
     """A served stream cannot go on (server gone or failed, position no longer held)."""
 
 
+class DeviceError(ActstoreError, RuntimeError):
+    """A copy between host and GPU failed, ran out of memory, or host memory could not be
+    pinned for it."""
+
+
 #: Optional dependencies (top-level module) -> the extra of pyproject.toml that installs them.
 EXTRAS = {
     "datasets": "datasets",

@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -18,16 +19,21 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batch import Batch, CapturePlan
-from ..errors import ConfigError
+from ..errors import ConfigError, DeviceError
 from ..formats.base import WriterBase
 from ..progress import bar_switch
 from ..sites import Site
 from .background import BackgroundWriter
-from .data import ExampleSource, open_source
+from .copyout import CopyOut, Sink, device_failure, open_copyout
+from .data import ExampleSource, SourceBatch, open_source
 from .hooks import ActivationRecorder
 from .models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
+
+#: ``CaptureConfig.copy_dtype`` values: casts on the device that are exact from any
+#: compute dtype (float32, bfloat16, float16).
+COPY_DTYPES = {"float32": torch.float32}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +71,15 @@ class CaptureConfig:
     """DataLoader workers decoding images."""
     queue_size: int = 4
     """Batches buffered between the forward pass and the writer thread."""
+    copy_slots: int = 4
+    """CUDA: batches whose copies to pinned host memory may be in flight at once (on a
+    side stream; the forward pass waits only when all are). 0: copy each batch in the
+    forward loop (``tensor.to("cpu")``, as CPU captures always do)."""
+    copy_dtype: str | None = None
+    """Cast activations to this dtype on the device before copying them off it, e.g.
+    ``float32`` for a float32 store of a bfloat16 model (no cast on the writer thread;
+    twice the bytes to copy). Only ``float32``, exact from any compute dtype. None: the
+    writer casts."""
     progress: bool = True
     mode: str = "packed"
     """``packed``: text packed into fixed contexts; ``prompt_response``: one example per
@@ -102,6 +117,13 @@ class CaptureConfig:
             raise ConfigError(f"mode must be 'packed' or 'prompt_response', not {self.mode!r}")
         if self.generate_max_new_tokens is not None and self.generate_max_new_tokens < 1:
             raise ConfigError("generate_max_new_tokens must be >= 1")
+        if self.copy_slots < 0:
+            raise ConfigError(f"copy_slots must be >= 0, not {self.copy_slots}")
+        if self.copy_dtype not in (None, *COPY_DTYPES):
+            raise ConfigError(
+                f"copy_dtype must be 'float32' (a cast exact from any compute dtype) or "
+                f"None, not {self.copy_dtype!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -229,6 +251,7 @@ def capture(
     open_writer: Callable[[CapturePlan], WriterBase],
     *,
     source: ExampleSource | None = None,
+    copy_out: Callable[[Sink], CopyOut] | None = None,
 ) -> CaptureResult:
     """Run ``config.model`` over ``config.dataset`` and write the activations.
 
@@ -243,6 +266,10 @@ def capture(
     global example ids. A writer with ``wants_texts`` also gets each example's decoded
     text (text models). ``source``: the packed source preflight opened for ``config``
     (its dataset is then not read again).
+
+    ``copy_out(sink)`` makes the stage that moves activations off the model's device
+    (default: :func:`~actstore.capture.copyout.open_copyout` for the model's device,
+    ``copy_slots`` and ``copy_dtype``; see :mod:`actstore.capture.copyout`).
     """
     t0 = time.perf_counter()
     model, source, plan = plan_capture(config, source)
@@ -276,11 +303,13 @@ def capture(
         cleaner = TokenCleaner.from_tokenizer(model.tokenizer)
     n_run = 0
     names = [str(s) for s in plan.sites]
+    make_copyout = copy_out or functools.partial(_default_copyout, config, model.device)
     t_loop = time.perf_counter()
     with (
         torch.inference_mode(),
         ActivationRecorder(model, list(plan.sites)) as recorder,
         BackgroundWriter(writer, queue_size=config.queue_size) as background,
+        make_copyout(background.put) as copyout,
         tqdm(
             total=stop - start,
             initial=resume_from - start,
@@ -290,29 +319,31 @@ def capture(
             **bar_switch(config.progress),
         ) as bar,
     ):
-        for source_batch in source.batches(first, config.batch_size, config.num_workers):
-            if source_batch.example_ids[0] >= stop:
-                break
-            acts = recorder.run(source_batch.inputs)
-            batch = Batch(
-                acts={name: acts[name].to("cpu") for name in names},
-                example_ids=source_batch.example_ids,
-                token_ids=source_batch.token_ids,
-                token_mask=None
-                if cleaner is None or source_batch.token_ids is None
-                else cleaner.mask(source_batch.token_ids),
-                labels=source_batch.labels,
-                extras=source_batch.extras,
-                texts=None
-                if decode is None or source_batch.token_ids is None
-                else decode.batch_decode(source_batch.token_ids),
-            )
-            if source_batch.example_ids[-1] >= stop:
-                batch = batch.select(batch.example_ids < stop)
-            background.put(batch)
-            fresh = int(np.count_nonzero(batch.example_ids >= resume_from))
-            n_run += fresh
-            bar.update(fresh)
+        try:
+            for source_batch in source.batches(first, config.batch_size, config.num_workers):
+                ids = source_batch.example_ids
+                if ids[0] >= stop:
+                    break
+                acts = recorder.run(source_batch.inputs)
+                build = functools.partial(
+                    _host_batch,
+                    source_batch,
+                    token_mask=None
+                    if cleaner is None or source_batch.token_ids is None
+                    else cleaner.mask(source_batch.token_ids),
+                    texts=None
+                    if decode is None or source_batch.token_ids is None
+                    else decode.batch_decode(source_batch.token_ids),
+                    stop=stop,
+                )
+                copyout.put({name: acts[name] for name in names}, build)
+                del acts
+                fresh = int(np.count_nonzero((ids >= resume_from) & (ids < stop)))
+                n_run += fresh
+                bar.update(fresh)
+            copyout.close()
+        except (torch.OutOfMemoryError, DeviceError) as err:
+            raise device_failure(err) from err
         output = background.close()
     seconds = time.perf_counter() - t_loop
     log.info(
@@ -330,4 +361,34 @@ def capture(
         seconds=seconds,
         setup_seconds=setup_seconds,
         writer_wait_s=background.blocked_s,
+        extra={"copy_wait_s": copyout.waited_s},
     )
+
+
+def _default_copyout(config: CaptureConfig, device: torch.device, sink: Sink) -> CopyOut:
+    dtype = COPY_DTYPES.get(config.copy_dtype or "")
+    return open_copyout(sink, device=device, slots=config.copy_slots, dtype=dtype)
+
+
+def _host_batch(
+    source: SourceBatch,
+    host_acts: dict[str, torch.Tensor],
+    *,
+    token_mask: np.ndarray | None,
+    texts: list[str] | None,
+    stop: int,
+) -> Batch:
+    """The writer's batch of ``source`` once its activations are in host memory (examples
+    from ``stop`` on left out)."""
+    batch = Batch(
+        acts=host_acts,
+        example_ids=source.example_ids,
+        token_ids=source.token_ids,
+        token_mask=token_mask,
+        labels=source.labels,
+        extras=source.extras,
+        texts=texts,
+    )
+    if source.example_ids[-1] >= stop:
+        batch = batch.select(batch.example_ids < stop)
+    return batch
