@@ -96,7 +96,7 @@ def test_runner_trains_from_the_cache_offline(cache, tmp_path, monkeypatch):
     reader = SaelensReader(store)
     first = np.concatenate([reader.read_block(b) for b in reader.blocks(HOOK)])
     np.testing.assert_array_equal(acts.numpy(), first[: len(acts)])
-    np.testing.assert_array_equal(ids.numpy(), reader.tokens.reshape(-1)[: len(ids)])
+    np.testing.assert_array_equal(ids.numpy(), np.asarray(reader.tokens).reshape(-1)[: len(ids)])
     before = runner.sae.W_enc.detach().clone()
     sae = runner.run()
     assert not torch.equal(before, sae.W_enc.detach()) and torch.isfinite(sae.W_enc).all()
