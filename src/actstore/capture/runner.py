@@ -26,6 +26,7 @@ from .background import BackgroundWriter
 from .data import ExampleSource, open_source
 from .hooks import ActivationRecorder
 from .models import LoadedModel, load_model
+from .placement import Placement, parse_placement
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,14 @@ class CaptureConfig:
     clean_tokens: bool = False
     """Store no special, added or chat-template tokens (sets ``Batch.token_mask``, see
     :mod:`actstore.capture.cleaning`); formats that honour the mask pack the rest."""
+    device_map: str | None = None
+    """Spread the model over this machine's devices instead of ``device``: ``auto``,
+    ``balanced``, ``balanced_low_0``, ``sequential``, or a JSON module -> device map (see
+    :mod:`actstore.capture.placement`)."""
+    max_memory: str | None = None
+    """With a device map strategy: bytes per device, ``0=70GiB,1=70GiB,cpu=200GiB``."""
+    offload_folder: str | None = None
+    """Where weights a device map puts on ``disk`` are kept."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -98,6 +107,14 @@ class CaptureConfig:
             raise ConfigError(f"mode must be 'packed' or 'prompt_response', not {self.mode!r}")
         if self.generate_max_new_tokens is not None and self.generate_max_new_tokens < 1:
             raise ConfigError("generate_max_new_tokens must be >= 1")
+        if self.device_map is not None and self.device != "cpu":
+            raise ConfigError("give --device or --device-map, not both (the map names devices)")
+        self.placement  # noqa: B018 - checks the device map and memory syntax now
+
+    @property
+    def placement(self) -> Placement:
+        """The parsed ``device_map``, ``max_memory`` and ``offload_folder``."""
+        return parse_placement(self.device_map, self.max_memory, self.offload_folder)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +165,13 @@ def packed_source(config: CaptureConfig, model: Any) -> ExampleSource:
 
 def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
     """Load the model and dataset and work out the shapes the store will have."""
-    model = load_model(config.model, device=config.device, dtype=config.dtype)
+    model = load_model(
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        sites=config.sites,
+        placement=config.placement,
+    )
     sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
     for i, site in enumerate(sites):
         if site in sites[:i]:
