@@ -116,7 +116,7 @@ def parse_device_map(text: str) -> str | dict[str, Device]:
     text = text.strip()
     if text in STRATEGIES:
         return text
-    if not text.startswith("{"):
+    if not text.startswith(("{", "[")):
         path = Path(text).expanduser()
         if path.suffix != ".json":
             raise ConfigError(
@@ -192,14 +192,14 @@ def check_devices(placement: Placement) -> None:
     import torch
 
     n_gpus = torch.cuda.device_count()
-    for device in sorted(_named_devices(placement), key=str):
+    named = [("--device-map", d) for d in _named_devices(Placement(placement.device_map))]
+    named += [("--max-memory", d) for d in placement.max_memory or ()]
+    for option, device in sorted(named, key=str):
         if isinstance(device, int) and device >= n_gpus:
             have = f"{n_gpus} CUDA devices (0..{n_gpus - 1})" if n_gpus else "no CUDA devices"
-            raise ConfigError(
-                f"--device-map/--max-memory name cuda:{device}, but this machine has {have}"
-            )
+            raise ConfigError(f"{option} names cuda:{device}, but this machine has {have}")
         if device == "mps" and not torch.backends.mps.is_available():
-            raise ConfigError("--device-map/--max-memory name mps, which this machine lacks")
+            raise ConfigError(f"{option} names mps, which this machine lacks")
 
 
 def gpus_per_worker(placement: Placement) -> int | None:
@@ -347,20 +347,19 @@ class DeviceMemory:
         return self.weights + self.sites + self.working
 
 
-def tensor_bytes(model: Any, dtype: Any) -> dict[str, int]:
+def tensor_bytes(model: Any, dtype: Any) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes of every parameter and buffer of ``model`` once loaded: floating-point
     parameters in ``dtype``, everything else in its own dtype."""
-    out: dict[str, int] = {}
-    for name, param in model.named_parameters():
-        item = dtype.itemsize if param.is_floating_point() else param.element_size()
-        out[name] = param.numel() * item
-    for name, buf in model.named_buffers():
-        out[name] = buf.numel() * buf.element_size()
-    return out
+    params = {
+        name: p.numel() * (dtype.itemsize if p.is_floating_point() else p.element_size())
+        for name, p in model.named_parameters()
+    }
+    buffers = {name: b.numel() * b.element_size() for name, b in model.named_buffers()}
+    return params, buffers
 
 
 def memory_plan(
-    sizes: Mapping[str, int],
+    sizes: tuple[Mapping[str, int], Mapping[str, int]],
     device_map: Mapping[str, Device] | None,
     *,
     device: str,
@@ -373,20 +372,25 @@ def memory_plan(
 ) -> list[DeviceMemory]:
     """What each device holds: the weights placed there, the captured site tensors of the
     blocks there (``batch_tokens x d_model`` each), and one block's forward working set,
-    estimated as ``batch_tokens x (4 d_model + 2 intermediate)`` values."""
+    estimated as ``batch_tokens x (4 d_model + 2 intermediate)`` values. ``sizes`` is
+    (parameters, buffers) as :func:`tensor_bytes` gives them; buffers of offloaded modules
+    stay on the device they run on (accelerate's default)."""
     block_re = re.compile(re.escape(blocks_path) + r"\.(\d+)(?:\.|$)")
+    main = main_device(device_map, device)
     weights: dict[str, int] = {}
     blocks: dict[str, set[int]] = {}
     first_block = None
-    for name, nbytes in sizes.items():
+    params, buffers = sizes
+    for name, nbytes in [*params.items(), *buffers.items()]:
         dev = device if device_map is None else device_label(_owner(name, device_map))
+        if name in buffers and dev in ("disk", "cpu"):
+            dev = main
         weights[dev] = weights.get(dev, 0) + nbytes
         if m := block_re.match(name):
             blocks.setdefault(dev, set()).add(int(m.group(1)))
             if int(m.group(1)) == 0:
                 first_block = dev
     runs_on = {}  # offloaded blocks (cpu next to a GPU, or disk) run on the main device
-    main = main_device(device_map, device)
     for dev, idx in blocks.items():
         for i in idx:
             runs_on[i] = main if dev in ("disk", "cpu") else dev
