@@ -28,8 +28,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -353,7 +357,14 @@ def load_model(
         load_map: Any = {"": device}  # straight onto the device, no CPU copy
     else:
         load_map = device_map
-    module = _from_pretrained(plan, load_map, placement.offload_folder if placement else None)
+    offload = None
+    if device_map is not None and "disk" in device_map.values():
+        # one folder per load: workers of one machine may share --offload-folder
+        Path(placement.offload_folder).expanduser().mkdir(parents=True, exist_ok=True)
+        offload = tempfile.mkdtemp(prefix="actstore-offload-", dir=placement.offload_folder)
+    module = _from_pretrained(plan, load_map, offload)
+    if offload is not None:
+        weakref.finalize(module, shutil.rmtree, offload, ignore_errors=True)
     module.eval().requires_grad_(False)
     if load_map is None:
         module.to(device)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, require
+from ..errors import ConfigError
 
 #: Device map strategies (accelerate's planners).
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -286,7 +286,8 @@ def resolve_device_map(
             last_block=last_block,
         )
     else:
-        utils = require("accelerate.utils", "accelerate")
+        from accelerate import utils
+
         no_split = list(model._no_split_modules or [])
         if placement.device_map == "sequential":
             memory = utils.get_max_memory(placement.max_memory)
