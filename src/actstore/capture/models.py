@@ -292,8 +292,9 @@ def plan_model(
     )
 
 
-def _from_pretrained(plan: ModelPlan, device_map: Any, offload_folder: str | None) -> nn.Module:
-    """Build ``plan``'s model, reading only the checkpoint tensors it keeps."""
+def load_weights(plan: ModelPlan, device_map: Any = None, offload_folder: str | None = None) -> nn.Module:
+    """Build ``plan``'s model with ``from_pretrained``, reading only the checkpoint tensors
+    it keeps (:meth:`ModelPlan.keep`); on the CPU unless ``device_map`` says otherwise."""
     kwargs: dict[str, Any] = {
         "config": plan.config,
         "dtype": plan.dtype,
@@ -362,7 +363,7 @@ def load_model(
         # one folder per load: workers of one machine may share --offload-folder
         Path(placement.offload_folder).expanduser().mkdir(parents=True, exist_ok=True)
         offload = tempfile.mkdtemp(prefix="actstore-offload-", dir=placement.offload_folder)
-    module = _from_pretrained(plan, load_map, offload)
+    module = load_weights(plan, load_map, offload)
     if offload is not None:
         weakref.finalize(module, shutil.rmtree, offload, ignore_errors=True)
     module.eval().requires_grad_(False)

@@ -163,15 +163,19 @@ def packed_source(config: CaptureConfig, model: Any) -> ExampleSource:
     )
 
 
-def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
-    """Load the model and dataset and work out the shapes the store will have."""
-    model = load_model(
-        config.model,
-        device=config.device,
-        dtype=config.dtype,
-        sites=config.sites,
-        placement=config.placement,
-    )
+def plan_capture(
+    config: CaptureConfig, model: LoadedModel | None = None
+) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
+    """Load the model (unless ``model`` is given, already loaded) and the dataset and work
+    out the shapes the store will have."""
+    if model is None:
+        model = load_model(
+            config.model,
+            device=config.device,
+            dtype=config.dtype,
+            sites=config.sites,
+            placement=config.placement,
+        )
     sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
     for i, site in enumerate(sites):
         if site in sites[:i]:
@@ -234,7 +238,10 @@ def source_plan(
 
 
 def capture(
-    config: CaptureConfig, open_writer: Callable[[CapturePlan], WriterBase]
+    config: CaptureConfig,
+    open_writer: Callable[[CapturePlan], WriterBase],
+    *,
+    model: LoadedModel | None = None,
 ) -> CaptureResult:
     """Run ``config.model`` over ``config.dataset`` and write the activations.
 
@@ -247,10 +254,11 @@ def capture(
     A writer with an ``example_range = (start, stop)`` (one part of a distributed capture,
     see :mod:`actstore.dist`) gets only the examples ``start <= id < stop``, with their
     global example ids. A writer with ``wants_texts`` also gets each example's decoded
-    text (text models).
+    text (text models). ``model``: an already loaded model (e.g. one built in place from
+    a config) instead of ``config.model``'s weights.
     """
     t0 = time.perf_counter()
-    model, source, plan = plan_capture(config)
+    model, source, plan = plan_capture(config, model)
     writer = open_writer(plan)
     setup_seconds = time.perf_counter() - t0
     start, stop = writer.example_range or (0, plan.n_examples)
