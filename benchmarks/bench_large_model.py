@@ -23,8 +23,9 @@ Printed per path: tokens/s per GPU, the ratio to min(forward rate, disk rate for
 that format stores per token) (goal >= 0.95), the ratio to Activault's published ~4.1k
 tokens/s per GPU (33k tokens/s on an 8-GPU H100 node), and the model FLOPs utilisation:
 (2 x block parameters + 2 x blocks x context x d_model) FLOPs per token (causal attention)
-over the card's dense bf16 peak. ``--budget-s`` (default 420) trims the capture passes'
-tokens, saying so, if the forward and disk rates measured first predict a longer run.
+over the card's dense bf16 peak. ``--budget-s`` (default 420) bounds the run: a capture
+pass stops starting chunks (and says so) once the next would end after its share of
+the time left.
 
     python benchmarks/bench_large_model.py            # H100/H200, ~6 minutes
     python benchmarks/bench_large_model.py --small    # the same code path on CPU, seconds
@@ -184,12 +185,21 @@ def raw_disk(out: Path, gib: float) -> float:
 
 
 def capture_pass(
-    model: LoadedModel, cfg: CaptureConfig, fmt: str, opts: list[str], chunks: int, out: Path
+    model: LoadedModel,
+    cfg: CaptureConfig,
+    fmt: str,
+    opts: list[str],
+    chunks: int,
+    out: Path,
+    deadline: float,
 ) -> Pass:
+    """``chunks`` captures of the dataset into ``fmt`` (each store deleted once timed),
+    stopping early when the next chunk would end after ``deadline`` (perf_counter)."""
     spec = get_format(fmt)
     options = parse_options(spec, opts)
     tokens, seconds, stored = 0, 0.0, 0
     for i in range(chunks):
+        start = time.perf_counter()
         where = out / f"{fmt}-{i}"
         result = capture(
             cfg, lambda plan, w=where: spec.writer_for_plan(plan, str(w), options), model=model
@@ -198,6 +208,10 @@ def capture_pass(
         seconds += result.seconds
         stored += sum(p.stat().st_size for p in where.rglob("*") if p.is_file())
         shutil.rmtree(where)
+        took = time.perf_counter() - start
+        if i + 1 < chunks and time.perf_counter() + took > deadline:
+            print(f"note: {fmt} stopped after {i + 1} of {chunks} chunks to fit --budget-s")
+            break
     return Pass(f"capture -> {fmt}", tokens, seconds, stored // max(tokens, 1))
 
 
@@ -222,6 +236,7 @@ def main() -> None:
     ap.add_argument("--deepest", type=int, default=40, help="deepest site's block (40)")
     ap.add_argument("--disk-gib", type=float, default=None, help="raw write size (4 GiB)")
     ap.add_argument("--out", default=None, help="directory for the stores (default: cwd)")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="tokens per store")
     ap.add_argument("--budget-s", type=float, default=420.0, help="trim to finish in this")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak")
     args = ap.parse_args()
@@ -232,7 +247,9 @@ def main() -> None:
     dtype = "float32" if small else "bfloat16"
     context = args.context or (128 if small else 2048)
     batch = args.batch_size or (8 if small else 4)
-    tokens = args.tokens or (65536 if small else 1 << 20)
+    tokens = args.tokens or (32768 if small else 1 << 20)
+    if small:
+        torch.set_num_threads(1)  # tiny ops: a shared CPU's thread barriers would dominate
     disk_gib = args.disk_gib or (0.05 if small else 4.0)
     deepest = min(args.deepest, shape["num_hidden_layers"] // 2) if small else args.deepest
     layers = sorted({round(x) for x in np.linspace(0, deepest, 6)})
@@ -246,13 +263,16 @@ def main() -> None:
         n_params = sum(p.numel() for p in model.blocks.parameters())
         print(
             f"model: {shape['num_hidden_layers']} blocks x hidden {shape['hidden_size']}, "
-            f"built with blocks 0..{len(model.blocks) - 1} only ({n_params / 1e9:.2f}B block "
+            f"built with blocks 0..{len(model.blocks) - 1} only ({n_params / 1e6:,.1f}M block "
             f"parameters, {dtype}) on {device} in {time.perf_counter() - t0:.1f}s; sites "
             f"{', '.join(sites)}; context {context}, batch {batch}"
         )
         if device == "cuda":
             print(f"GPU memory after the build: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
-        chunk_contexts = max(batch, min(tokens // context, _chunk_contexts(root, shape, context)))
+        fit = _chunk_contexts(root, shape, context)
+        if args.chunk_tokens:
+            fit = min(fit, args.chunk_tokens // context)
+        chunk_contexts = max(batch, min(tokens // context, fit))
         chunk_contexts -= chunk_contexts % batch
         dataset = write_dataset(root, shape["vocab_size"], context, chunk_contexts)
         cfg = CaptureConfig(
@@ -271,22 +291,15 @@ def main() -> None:
 
         disk = [raw_disk(root, disk_gib)]
         fwd = [forward_alone(model, cfg, half, device)]
-        fwd_rate = fwd[0].rate
         passes: list[Pass] = []
-        for fmt, opts, itemsize in (("activault", ["dtype=bfloat16"], 2), ("saev", [], 4)):
-            per_token = len(sites) * shape["hidden_size"] * itemsize
-            expect = min(fwd_rate, statistics.median(disk) / per_token)
-            left = args.budget_s - (time.perf_counter() - t_start) - fwd[0].seconds - 30
-            left /= 2 if fmt == "activault" else 1
-            fits = max(1, int(left * expect * 0.9 // (chunk_contexts * context)))
-            chunks = min(n_chunks, fits)
-            if chunks < n_chunks:
-                print(
-                    f"note: {fmt} trimmed to {chunks * chunk_contexts * context:,} tokens to "
-                    f"fit --budget-s {args.budget_s:.0f}"
-                )
-            passes.append(capture_pass(model, cfg, fmt, opts, chunks, root))
+        # time left for the two captures: the budget less what is spent, the second
+        # forward half (as long as the first) and a margin; activault gets half of it
+        left = args.budget_s - (time.perf_counter() - t_start) - fwd[0].seconds - 20
+        for fmt, opts, share in (("activault", ["dtype=bfloat16"], 0.5), ("saev", [], 1.0)):
+            deadline = time.perf_counter() + max(left, 0) * share
+            passes.append(capture_pass(model, cfg, fmt, opts, n_chunks, root, deadline))
             disk.append(raw_disk(root, disk_gib))
+            left = args.budget_s - (time.perf_counter() - t_start) - fwd[0].seconds - 20
         fwd.append(forward_alone(model, cfg, half, device))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -325,7 +338,9 @@ def main() -> None:
             f"{p.name}: stores {p.stored_per_token:,} bytes per token; the disk takes "
             f"{disk_rate / p.stored_per_token:,.0f} tokens/s of it"
         )
-    print(f"MFU: {flops / 1e9:.1f} GFLOP per token over {peak or 'n/a'} TFLOP/s ({card})")
+    print(f"MFU: {flops / 1e9:.4g} GFLOP per token over {peak or 'n/a'} TFLOP/s ({card})")
+    chunk = cfg.max_examples * context
+    print(f"chunks of {chunk:,} tokens per store (--chunk-tokens, or what the disk holds)")
     print(f"total {time.perf_counter() - t_start:.0f}s")
 
 

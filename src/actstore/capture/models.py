@@ -8,10 +8,11 @@ package, so it works with no network.
 
 Truncated loading: given the sites, only blocks ``0..L`` exist (``L`` the deepest site's
 block). The model is built from config.json with ``L + 1`` blocks, and ``from_pretrained``
-gets the checkpoint's tensors as lazy safetensors slices, all but those of blocks after
-``L`` (:mod:`actstore.capture.weights`), so later blocks are neither allocated nor read from
-disk; the final norm (``d_model`` values) comes along. Values are those of the full
-model: the blocks ``0..L`` compute the same thing whether or not later blocks exist.
+gets the checkpoint's tensors as lazy safetensors slices, only those the truncated model
+holds (:mod:`actstore.capture.weights`), so later blocks are neither allocated nor read
+from disk. The final norm is not read either (its module keeps default values and refuses
+to run: no site needs it). Values are those of the full model: blocks ``0..L`` compute the
+same thing whether or not later blocks exist.
 
 A :class:`~actstore.capture.placement.Placement` spreads the truncated model over one
 machine's devices through ``from_pretrained(device_map=...)`` (accelerate's dispatch
@@ -292,7 +293,9 @@ def plan_model(
     )
 
 
-def load_weights(plan: ModelPlan, device_map: Any = None, offload_folder: str | None = None) -> nn.Module:
+def load_weights(
+    plan: ModelPlan, device_map: Any = None, offload_folder: str | None = None
+) -> nn.Module:
     """Build ``plan``'s model with ``from_pretrained``, reading only the checkpoint tensors
     it keeps (:meth:`ModelPlan.keep`); on the CPU unless ``device_map`` says otherwise."""
     kwargs: dict[str, Any] = {
@@ -480,9 +483,9 @@ def memory_report(
         site_blocks=[s.layer for s in resolved],
         batch_tokens=batch_tokens,
     )
-    checkpoint = Checkpoint.find(plan.ckpt) if plan.ckpt else None
+    checkpoint = Checkpoint.find(plan.ckpt)
     if checkpoint is None:
-        reads = "a .bin checkpoint: transformers reads it whole"
+        reads = "no safetensors checkpoint (a .bin one is read whole)"
     else:
         kept, files = checkpoint.read_plan(plan.keep())
         total = f" of {_size(checkpoint.total_size)}" if checkpoint.total_size else ""
