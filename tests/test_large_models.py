@@ -415,3 +415,20 @@ def test_dry_run_prints_each_devices_memory_and_loads_nothing(
     # both sites run on the CPU (block 1's weights stream in from disk): 2 x 4 x 64 x 32 x 4 B
     assert rows["cpu"][4:6] == ["64.0", "KiB"] and rows["disk"][4:6] == ["0", "B"]
     assert not out.exists() and not offload.exists()
+
+
+def test_slurm_script_passes_the_device_map_and_checks_its_syntax():
+    from typer.testing import CliRunner
+
+    from actstore.cli import app
+
+    runner = CliRunner()
+    head = ["slurm-script", "--num-machines", "2", "--gpus-per-task", "8", "--"]
+    args = ["--model", "gpt2", "--device-map", "auto", "--max-memory", "0=70GiB,cpu=200GiB"]
+    ok = runner.invoke(app, [*head, *args])
+    assert ok.exit_code == 0, ok.output
+    assert "--gpus-per-task=8" in ok.output and "--device-map auto" in ok.output
+    bad = runner.invoke(
+        app, [*head, "--model", "gpt2", "--device-map", "auto", "--max-memory", "0=lots"]
+    )
+    assert bad.exit_code != 0 and "'lots' is not a size" in str(bad.exception)
