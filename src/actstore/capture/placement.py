@@ -11,9 +11,10 @@ after the last one needed are dropped. The resolved map is what loading uses, so
 memory plan :func:`memory_plan` prints is the one the load follows.
 
 Example:
-    >>> p = parse_placement('{"embed_tokens": 0, "layers": 1, "norm": 1}', "0=70GiB,cpu=1TB")
-    >>> p.device_map["layers"], p.max_memory
-    (1, {0: 75161927680, 'cpu': 1000000000000})
+    >>> parse_placement('{"embed_tokens": 0, "layers": "cuda:1", "norm": 1}').device_map
+    {'embed_tokens': 0, 'layers': 1, 'norm': 1}
+    >>> parse_placement("auto", "0=70GiB,cpu=1TB").max_memory
+    {0: 75161927680, 'cpu': 1000000000000}
 """
 
 from __future__ import annotations
