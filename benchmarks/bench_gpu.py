@@ -280,7 +280,7 @@ def raw_write(directory: Path, nbytes: int) -> float:
 def open_format(name: str, out: Path) -> Callable[[Any], Any]:
     spec = get_format(name)
     options = parse_options(spec, [])
-    return lambda plan: spec.writer_for_plan(plan, str(out), options)
+    return lambda plan: spec.open_writer(plan, str(out), options)
 
 
 def loader_epoch(store: Path, site: int, rows: int, device: str | None, workers: int) -> float:

@@ -19,7 +19,7 @@ from tiny_models import make_image_folder, save_text_model, save_vision_model
 # The loopback S3 server fixtures (s3_server, s3, s3_proxy) for every test module.
 pytest_plugins = ["s3_server"]
 
-TEXT_KINDS = ("gpt2", "llama", "qwen2", "gemma2", "bert")
+TEXT_KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "bert")
 VISION_KINDS = ("clip", "siglip", "dinov2")
 
 

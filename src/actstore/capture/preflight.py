@@ -279,6 +279,7 @@ def _stand_in(facts: ModelFacts, tokenizer: Any = None, image_processor: Any = N
         family=facts.family,
         modality="image" if facts.is_vision else "text",
         blocks=torch.nn.ModuleList(),
+        n_layers=facts.n_layers,
         d_model=facts.d_model,
         has_cls=facts.has_cls,
         device=torch.device("cpu"),
@@ -411,16 +412,23 @@ def preflight(
     *,
     space_check: bool = True,
     open_store: bool = True,
+    local_devices: bool = True,
 ) -> Preflight:
     """Run the checks in order; see the module docstring. ``spec`` is the FormatSpec.
 
-    With ``open_store=False`` (distributed capture) the checks stop before the plan.
+    With ``open_store=False`` (distributed capture) only the first three checks run, and
+    the device map's. ``local_devices=False`` (Ray: workers run elsewhere) leaves out the
+    check that the devices it names exist here.
     """
     check_output(out)
     check_device(config.device)
     check_dataset(config.dataset)
     facts = read_model_config(config.model)
     sites = check_sites(config.sites, facts)
+    if config.placement.spread:
+        from .models import check_placement
+
+        check_placement(config.model, config.placement, config.dtype, sites, local_devices)
     result = Preflight(model=facts, sites=sites)
     if not open_store or config.mode != "packed":
         return result

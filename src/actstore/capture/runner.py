@@ -28,6 +28,7 @@ from .copyout import CopyOut, Sink, device_failure, open_copyout
 from .data import ExampleSource, SourceBatch, open_source
 from .hooks import ActivationRecorder
 from .models import LoadedModel, load_model
+from .placement import Placement, parse_placement
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,14 @@ class CaptureConfig:
     clean_tokens: bool = False
     """Store no special, added or chat-template tokens (sets ``Batch.token_mask``, see
     :mod:`actstore.capture.cleaning`); formats that honour the mask pack the rest."""
+    device_map: str | None = None
+    """Spread the model over this machine's devices instead of ``device``: ``auto``,
+    ``balanced``, ``balanced_low_0``, ``sequential``, or a JSON module -> device map (see
+    :mod:`actstore.capture.placement`)."""
+    max_memory: str | None = None
+    """With a device map strategy: bytes per device, ``0=70GiB,1=70GiB,cpu=200GiB``."""
+    offload_folder: str | None = None
+    """Where weights a device map puts on ``disk`` are kept."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -124,6 +133,14 @@ class CaptureConfig:
                 f"copy_dtype must be 'float32' (a cast exact from any compute dtype) or "
                 f"None, not {self.copy_dtype!r}"
             )
+        if self.device_map is not None and self.device != "cpu":
+            raise ConfigError("give --device or --device-map, not both (the map names devices)")
+        self.placement  # noqa: B018 - checks the device map and memory syntax now
+
+    @property
+    def placement(self) -> Placement:
+        """The parsed ``device_map``, ``max_memory`` and ``offload_folder``."""
+        return parse_placement(self.device_map, self.max_memory, self.offload_folder)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,11 +195,21 @@ def packed_source(
 
 
 def plan_capture(
-    config: CaptureConfig, source: ExampleSource | None = None
+    config: CaptureConfig,
+    source: ExampleSource | None = None,
+    model: LoadedModel | None = None,
 ) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
-    """Load the model and dataset and work out the shapes the store will have. A packed
-    ``source`` already opened for ``config`` (by preflight) is taken over, not reopened."""
-    model = load_model(config.model, device=config.device, dtype=config.dtype)
+    """Load the model (unless ``model`` is given, already loaded) and the dataset and work
+    out the shapes the store will have. A packed ``source`` already opened for ``config``
+    (by preflight) is taken over, not reopened."""
+    if model is None:
+        model = load_model(
+            config.model,
+            device=config.device,
+            dtype=config.dtype,
+            sites=config.sites,
+            placement=config.placement,
+        )
     sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
     for i, site in enumerate(sites):
         if site in sites[:i]:
@@ -252,6 +279,7 @@ def capture(
     *,
     source: ExampleSource | None = None,
     copy_out: Callable[[Sink], CopyOut] | None = None,
+    model: LoadedModel | None = None,
 ) -> CaptureResult:
     """Run ``config.model`` over ``config.dataset`` and write the activations.
 
@@ -265,14 +293,15 @@ def capture(
     see :mod:`actstore.dist`) gets only the examples ``start <= id < stop``, with their
     global example ids. A writer with ``wants_texts`` also gets each example's decoded
     text (text models). ``source``: the packed source preflight opened for ``config``
-    (its dataset is then not read again).
+    (its dataset is then not read again). ``model``: an already loaded model (e.g. one
+    built in place from a config) instead of ``config.model``'s weights.
 
     ``copy_out(sink)`` makes the stage that moves activations off the model's device
     (default: :func:`~actstore.capture.copyout.open_copyout` for the model's device,
     ``copy_slots`` and ``copy_dtype``; see :mod:`actstore.capture.copyout`).
     """
     t0 = time.perf_counter()
-    model, source, plan = plan_capture(config, source)
+    model, source, plan = plan_capture(config, source, model)
     writer = open_writer(plan)
     setup_seconds = time.perf_counter() - t0
     start, stop = writer.example_range or (0, plan.n_examples)

@@ -99,6 +99,29 @@ def capture(
     ),
     batch_size: int = typer.Option(32, help="Examples per forward pass."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1, ..."),
+    device_map: str = typer.Option(
+        None,
+        help="Spread the model over this machine's devices (instead of --device): auto, "
+        "balanced, balanced_low_0, sequential (accelerate's planners), or a JSON object (or "
+        ".json file) of module -> device (0, cuda:1, cpu, disk), e.g. "
+        '\'{"embed_tokens": 0, "layers.0": 0, "layers.1": 1, "norm": 1}\'. Either way only '
+        "blocks up to the deepest site are loaded. See --dry-run.",
+    ),
+    max_memory: str = typer.Option(
+        None,
+        help="With --device-map auto/balanced/sequential: the most each device may hold, "
+        "e.g. 0=70GiB,1=70GiB,cpu=200GiB (what does not fit goes to cpu, then disk).",
+    ),
+    offload_folder: str = typer.Option(
+        None, help="Local directory for the weights --device-map puts on disk."
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Run the checks and print what each device will hold (weights of the blocks "
+        "loaded, site tensors, forward working memory), from config.json and the "
+        "checkpoint's headers; load no weights, write nothing.",
+    ),
     dtype: str = typer.Option(
         "float32",
         help="Compute dtype: float32, bfloat16 or float16. Stores keep their "
@@ -246,6 +269,9 @@ def capture(
         generate_max_new_tokens=generate_max_new_tokens,
         chat_template=chat_template,
         clean_tokens=spec.clean_tokens if clean is None else clean,
+        device_map=device_map,
+        max_memory=max_memory,
+        offload_folder=offload_folder,
     )
     from ..capture.preflight import preflight
     from ..dist import slurm_machine
@@ -259,7 +285,32 @@ def capture(
         from ..storage.lock import BREAK_LOCK_ENV
 
         os.environ[BREAK_LOCK_ENV] = "1"
-    pre = preflight(config, spec, out, options, space_check=space_check, open_store=not distributed)
+    if dry_run:
+        from ..capture.models import memory_report
+
+        preflight(config, spec, out, options, open_store=False)
+        typer.echo(
+            memory_report(
+                config.model,
+                sites=config.sites,
+                dtype=config.dtype,
+                device=config.device,
+                placement=config.placement,
+                batch_size=config.batch_size,
+                context_length=config.context_length,
+                queue_size=config.queue_size,
+            )
+        )
+        return
+    pre = preflight(
+        config,
+        spec,
+        out,
+        options,
+        space_check=space_check,
+        open_store=not distributed,
+        local_devices=ray is None,
+    )
     if distributed:
         from .dist_cmd import run_distributed_capture
 
