@@ -7,6 +7,7 @@ from typing import Any
 
 import typer
 
+from ..errors import ConfigError
 from .application import app, lazy_epilog
 from .common import human_bytes, parse_int_list
 
@@ -224,6 +225,8 @@ def capture(
     rerunning a crashed capture resumes it, and rerunning a finished one reports it.
     """
     params = dict(locals())
+    if device != "cpu" and device_map is not None:
+        raise ConfigError("give --device or --device-map, not both (the map names devices)")
     if device != "cpu":  # before anything else: a device this machine lacks is refused
         from ..capture.preflight import check_device
 
