@@ -19,7 +19,7 @@ from tiny_models import make_image_folder, save_text_model, save_vision_model
 # The loopback S3 server fixtures (s3_server, s3, s3_proxy) for every test module.
 pytest_plugins = ["s3_server"]
 
-TEXT_KINDS = ("gpt2", "llama", "qwen2", "gemma2", "bert")
+TEXT_KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "bert")
 VISION_KINDS = ("clip", "siglip", "dinov2")
 
 
@@ -56,3 +56,15 @@ def text_file(tmp_path_factory) -> Path:
     lines = [line for k in sorted(topics.topics)[:12] for line in topics.topics[k].splitlines()]
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests skip where torch sees no CUDA device (CI never needs one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

@@ -58,14 +58,16 @@ def test_every_file_kind_gives_the_same_contexts(gpt2, files):
     assert [Path(f).name for f in shards["data_files"]] == ["part-0.parquet", "part-1.parquet"]
 
 
-def test_streaming_reads_the_same_prefix(gpt2, files):
+def test_streaming_a_local_file_reads_the_same_prefix_into_the_same_store(gpt2, files):
+    """Local files are always read lazily, so --streaming changes nothing, not even the
+    description (the store hash): both stop at the document that fills the budget."""
     full = open_source(str(files / "docs.parquet"), gpt2, context_length=CTX).token_ids
     for name in ("docs.parquet", "docs.json", "shards", "docs.txt"):
-        streamed = open_source(
-            str(files / name), gpt2, context_length=CTX, max_examples=5, streaming=True
-        )
+        path = str(files / name)
+        plain = open_source(path, gpt2, context_length=CTX, max_examples=5)
+        streamed = open_source(path, gpt2, context_length=CTX, max_examples=5, streaming=True)
         np.testing.assert_array_equal(streamed.token_ids, full[:5], err_msg=name)
-        assert streamed.describe()["streaming"] is True
+        assert streamed.describe() == plain.describe() and "streaming" not in plain.describe()
         assert streamed.describe()["n_docs"] < len(DOCS)  # stopped once 5 contexts were full
     with pytest.raises(ConfigError, match="--streaming reads only what the store needs"):
         open_source(str(files / "docs.parquet"), gpt2, context_length=CTX, streaming=True)

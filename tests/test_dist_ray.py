@@ -7,6 +7,7 @@ resumes; a slice that keeps failing is reported and nothing is published.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -98,6 +99,23 @@ def test_two_workers_give_the_single_process_store(ray_cluster, model_dir, text_
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g["activation"], w["activation"])
     assert {m["machine_id"] for m in merged.metadata.distributed_config["machines"]} == {0, 1}
+
+
+def test_workers_with_a_device_map_give_the_single_process_store(
+    ray_cluster, model_dir, text_file, tmp_path
+):
+    """Each worker spreads its model by the map (block 1 offloaded to disk, into a folder of
+    its own under the shared --offload-folder)."""
+    config = CaptureConfig(model=str(model_dir("gpt2")), dataset=str(text_file), **SMALL)
+    reference = single_capture(config, "saev", tmp_path / "one", SAEV)
+    device_map = {"wte": "cpu", "wpe": "cpu", "h.0": "cpu", "h.1": "disk", "h.2": "cpu"}
+    spread = dataclasses.replace(
+        config,
+        device_map=json.dumps({**device_map, "h.3": "cpu", "ln_f": "cpu"}),
+        offload_folder=str(tmp_path / "offload"),
+    )
+    result = capture_on_ray(spread, "saev", str(tmp_path / "acts"), SAEV, workers=2)
+    assert_same_store(result.location, reference, across_processes=True)
 
 
 def test_failing_slice_is_reported_and_nothing_published(

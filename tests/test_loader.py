@@ -467,7 +467,7 @@ def test_opens_a_path_and_plain_dataloader_with_workers(store):
     assert rows == 37 * (T - 1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_device_transfer_from_pinned_memory(store):
     reader, acts = store
     for workers in (0, 2):
@@ -475,6 +475,49 @@ def test_device_transfer_from_pinned_memory(store):
         for x, r in ActivationDataLoader(loader, num_workers=workers):
             assert x.is_cuda
             np.testing.assert_array_equal(x.cpu().numpy(), expected(acts, r.cpu().numpy(), 1))
+
+
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_device_pipeline_delivers_every_row_once_and_counts_exactly(store, workers, persistent):
+    """``device=``: each batch is copied to the device (the next one's copy is started
+    before this one is handed out), in process and through worker processes; the stream,
+    the values and ``state_dict`` stay exact. device="cpu" runs the same pipeline as
+    "cuda" with a thread doing the copies."""
+    reader, acts = store
+    options = {"site": 5, "batch_size": 7, "pool_blocks": 3, "seed": 3, "return_index": True}
+    kwargs = {"persistent_workers": True} if persistent else {}
+
+    def data(**extra):
+        return ActivationDataLoader(
+            ActivationLoader(reader, **options, **extra), num_workers=workers, **kwargs
+        )
+
+    plain = data()
+    want = [b.rows.tolist() for b in plain]
+    moved = data(device="cpu")
+    got, held = [], []
+    for x, r in moved:
+        np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 1))
+        got.append(r.tolist())
+        held = [*held[-2:], (x, r)]  # copies stay intact while the loader moves on
+        for x_held, r_held in held:
+            np.testing.assert_array_equal(x_held.numpy(), expected(acts, r_held.numpy(), 1))
+    assert got == want
+    head = []
+    for x, r in moved:  # epoch 1: stop part-way, resume in a new loader
+        head.append(r.tolist())
+        if len(head) == 4:
+            break
+    state = moved.state_dict()
+    assert (state["epoch"], state["batches"]) == (1, 4)  # the batch fetched ahead not counted
+    again = data(device="cpu")
+    again.load_state_dict(state)
+    tail = [r.tolist() for _, r in again]
+    whole = data()
+    whole.load_state_dict({**state, "batches": 0})
+    assert head + tail == [r.tolist() for _, r in whole]
+    rows = [row for batch in head + tail for row in batch]
+    assert sorted(rows) == list(range(37 * T))  # every row once in epoch 1
 
 
 # ---------------------------------------------------------------------- errors

@@ -268,3 +268,73 @@ def test_a_directory_too_small_for_the_ring_is_one_clear_error(store, tmp_path, 
     with pytest.raises(ServeError, match=r"the ring needs \d+ MiB under .* but 0 MiB is free"):
         server.run()
     assert not list(tmp_path.glob("actstore-serve-*"))
+
+
+def consume_and_leave(name, directory, out):
+    """A trainer that takes every batch and exits without close(), its last batch still
+    referenced (as after ``for acts in loader: ...``)."""
+    loader = ServedLoader(name, 0, directory=directory, return_index=True)
+    rows = []
+    for batch in loader:
+        rows.append(batch.rows.tolist())
+    with open(out, "wb") as f:
+        pickle.dump(rows, f)
+    os._exit(0)  # no close(), no cleanup: the server sees the process gone
+
+
+def test_a_normal_end_is_quiet(store, tmp_path):
+    """A consumer that took its last batch and exited is a normal end: the server finishes
+    without a word (a consumer gone before its last batch is warned about: the test above)."""
+    reader, _ = store
+    env = {**os.environ, "ACTSTORE_LOG": "INFO"}
+    cmd = [sys.executable, "-m", "actstore", "serve", str(reader.path), "--name", "quiet"]
+    cmd += ["--consumers", "1", "--directory", str(tmp_path), "--site", "5"]
+    cmd += ["--batch-size", "7", "--pool-blocks", "3", "--seed", "4"]
+    server = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        out = tmp_path / "rows.pkl"
+        trainer = FORK.Process(target=consume_and_leave, args=("quiet", tmp_path, out))
+        trainer.start()
+        trainer.join(60)
+        assert trainer.exitcode == 0
+        assert pickle.loads(out.read_bytes()) == stream(reader, 1)
+        _, log = server.communicate(timeout=60)
+    finally:
+        server.kill()
+    assert server.returncode == 0, log
+    assert "gone" not in log and "WARNING" not in log, log
+
+
+def test_consumers_move_batches_to_a_device_exactly_once(store, tmp_path):
+    """``device=``: batches arrive copied (the next one's copy started before this one is
+    handed out), the stream and the position stay exact (device="cpu" runs the same
+    pipeline as "cuda", with a thread doing the copies)."""
+    reader, acts = store
+    server = start_server(
+        reader, name="dv", consumers=1, epochs=2, directory=tmp_path, context="fork", **OPTIONS
+    )
+    try:
+        loader = ServedLoader("dv", 0, directory=tmp_path, return_index=True, device="cpu")
+        ring = (
+            loader.shared.ring.ctypes.data,
+            loader.shared.ring.ctypes.data + loader.shared.ring.nbytes,
+        )
+        rows = []
+        for batch in loader:
+            assert not ring[0] <= batch.acts.data_ptr() < ring[1]  # a copy, not the ring
+            np.testing.assert_array_equal(batch.acts.numpy(), expected(acts, batch.rows, 1))
+            rows.append(batch.rows.tolist())
+            if len(rows) == 3:
+                assert loader.state_dict()["batches"] == 3  # the batch fetched ahead is not counted
+                break
+        state = loader.state_dict()
+        loader.close()
+        again = ServedLoader("dv", 0, directory=tmp_path, return_index=True, device="cpu")
+        again.load_state_dict(state)
+        for _ in range(2):
+            rows += [b.rows.tolist() for b in again]
+        again.close()
+        server.join(30)
+    finally:
+        server.kill()
+    assert rows == stream(reader, 2)

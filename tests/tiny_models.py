@@ -42,8 +42,8 @@ def make_tokenizer(bos: bool):
 
 
 def save_text_model(kind: str, directory: Path) -> Path:
-    """Save a tiny model of architecture ``kind`` (gpt2, llama, qwen2, gemma2: causal LMs;
-    bert: a post-norm encoder) with tokenizer."""
+    """Save a tiny model of architecture ``kind`` (gpt2, llama, qwen2, qwen3, mistral, gemma,
+    gemma2: causal LMs; bert: a post-norm encoder) with tokenizer."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -72,6 +72,24 @@ def save_text_model(kind: str, directory: Path) -> Path:
                 num_hidden_layers=4,
                 num_attention_heads=4,
                 num_key_value_heads=2,
+                max_position_embeddings=256,
+                **common,
+            )
+        )
+    elif kind in ("qwen3", "mistral", "gemma"):
+        config_class, model_class = {
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
+        }[kind]
+        model = model_class(
+            config_class(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
                 max_position_embeddings=256,
                 **common,
             )

@@ -1,5 +1,8 @@
 """actstore: capture transformer activations, store them losslessly, stream them back.
 
+The names below load their modules on first use, so ``import actstore`` (and the
+``actstore`` command) does not import torch until something needs it.
+
 Example:
     >>> import actstore
     >>> reader = actstore.open_store("actstore-data/3f1c...")  # doctest: +SKIP
@@ -8,7 +11,9 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING, Any
 
 # Bitwise-identical captures (resume, distributed merge) need reproducible CPU math. MKL's
 # results may differ from run to run unless its conditional numerical reproducibility is
@@ -24,16 +29,43 @@ for _name, _value in (
 
 from ._version import __version__
 from .errors import ActstoreError
-from .formats import open_store
-from .loader import ActivationDataLoader, ActivationLoader
-from .sites import Site
-from .stats import RunningStats
+
+if TYPE_CHECKING:
+    from .formats import open_store
+    from .loader import ActivationDataLoader, ActivationLoader, ServedLoader
+    from .sites import Site
+    from .stats import RunningStats
+
+#: Public name -> the module that defines it (imported on first use).
+_LAZY = {
+    "ActivationDataLoader": "actstore.loader",
+    "ActivationLoader": "actstore.loader",
+    "RunningStats": "actstore.stats",
+    "ServedLoader": "actstore.loader",
+    "Site": "actstore.sites",
+    "open_store": "actstore.formats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'actstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
 
 __all__ = [
     "ActivationDataLoader",
     "ActivationLoader",
     "ActstoreError",
     "RunningStats",
+    "ServedLoader",
     "Site",
     "__version__",
     "open_store",

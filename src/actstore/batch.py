@@ -13,12 +13,14 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .sites import Site
+
+if TYPE_CHECKING:
+    import torch
 
 #: Split ids a prompt/response example carries (``Batch.extras["split"]``).
 SPLITS = {"train": 0, "val": 1, "test": 2}
@@ -57,6 +59,8 @@ class Batch:
 
     def select(self, keep: np.ndarray) -> Batch:
         """The sub-batch of examples where the boolean mask ``keep`` ([B]) is True."""
+        import torch
+
         index = torch.from_numpy(np.flatnonzero(keep))
         pick = lambda a: None if a is None else a[keep]
         return Batch(

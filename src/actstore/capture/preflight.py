@@ -1,12 +1,16 @@
 """Checks that run before a capture loads model weights, cheapest first.
 
-In order: the output location is a writable directory (not a file); the dataset exists
-and is readable; the model's config.json is on this machine (or the hub answers) and every
-site fits it; then the store's plan is worked out from config.json, the tokenizer or
-image processor, and the dataset alone, which gives the store's location and size: a store that
-is already complete is reported at once, and a disk without room for what remains to be
-written is refused (``space_check=False`` skips that). Each failure is one
-:class:`~actstore.errors.ActstoreError` line; nothing is written before the checks pass.
+In order: the output location is a writable directory (not a file); the ``--device`` exists
+here (a CUDA device needs a CUDA build of torch and a visible GPU); the dataset exists and is
+readable; the model's config.json is on this machine (or the hub answers) and every site
+fits it (its layer, and a sub-layer the model family has); then the store's plan is worked
+out from config.json, the tokenizer or image processor, and the dataset alone (read and
+tokenised only as far as the budget needs, and kept for the capture, which does not read it
+again), which gives the store's location and size: a store that is already complete is
+reported at once, and a disk without room for what remains to be written is refused
+(``space_check=False`` skips that). Each failure is one
+:class:`~actstore.errors.ActstoreError` line; the store's writer is opened only after every
+other check has passed.
 
 Prompt/response captures get the checks up to the sites only: their plan may need the
 model itself (generated responses).
@@ -35,6 +39,7 @@ from ..errors import ConfigError, StorageError, StoreNotFoundError
 from ..formats.base import WriterBase
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 from ..sites import Site
+from .data import ExampleSource
 from .runner import CaptureConfig
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,12 @@ class ModelFacts:
     """Vision towers: pixels per patch side (tokens = patches + CLS)."""
     n_layers: int
     d_model: int
+    vocab_size: int | None = None
+    """Text models: rows of the input embedding (pre-tokenized ids must be below it)."""
+
+
+#: ``--device`` values handed to the model loader as they are (accelerate's device maps).
+DEVICE_MAPS = frozenset({"auto", "balanced", "balanced_low_0", "sequential"})
 
 
 def is_url(location: str) -> bool:
@@ -73,27 +84,67 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_output(out: str) -> None:
-    """``out`` is a directory, or can be created, and a file can be written there."""
+def check_output(out: str, what: str = "--out") -> None:
+    """``out`` (named ``what`` in messages) is a directory, or can be created, and a file
+    can be written there."""
     if is_url(out):
         return
     path = Path(out).expanduser().absolute()
     if path.exists() and not path.is_dir():
         raise ConfigError(
-            f"--out {out} is an existing file; give a directory (it is created if missing)"
+            f"{what} {out} is an existing file; give a directory (it is created if missing)"
         )
     base = _nearest_existing(path)
     if not base.is_dir():
-        raise ConfigError(f"--out {out} cannot be created: {base} is a file, not a directory")
+        raise ConfigError(f"{what} {out} cannot be created: {base} is a file, not a directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".actstore-write-test-", dir=base)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
         raise ConfigError(
-            f"--out {out} is not writable ({base}: {err.strerror or err}); "
+            f"{what} {out} is not writable ({base}: {err.strerror or err}); "
             "choose a directory you can write to"
         ) from None
+
+
+def check_device(device: str) -> None:
+    """``device`` names a torch device this machine has (torch loads only for a non-CPU
+    device)."""
+    if device == "cpu" or device in DEVICE_MAPS:
+        return
+    import torch
+
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(
+            f"--device {device!r} is not a torch device; use cpu, cuda, cuda:N or mps"
+        ) from None
+    if kind.type == "cuda":
+        _check_cuda(device, kind.index)
+    elif kind.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {device}: MPS is not available here; use --device cpu")
+
+
+def _check_cuda(device: str, index: int | None) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        why = (
+            f"this torch ({torch.__version__}) is a CPU-only build"
+            if torch.version.cuda is None
+            else "no CUDA device is visible (CUDA_VISIBLE_DEVICES, driver)"
+        )
+        raise ConfigError(
+            f"--device {device}: {why}; use --device cpu, or run where torch sees a GPU"
+        )
+    count = torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ConfigError(
+            f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to "
+            f"cuda:{count - 1}"
+        )
 
 
 def check_dataset(dataset: str) -> None:
@@ -194,14 +245,24 @@ def read_model_config(model: str) -> ModelFacts:
         patch_size=getattr(vision, "patch_size", None) if is_vision else None,
         n_layers=int(n_layers),
         d_model=int(d_model),
+        vocab_size=None if is_vision else _vocab_size(config),
     )
 
 
-def check_sites(sites: tuple[str, ...], n_layers: int) -> tuple[Site, ...]:
-    """Absolute sites, each in range for a model of ``n_layers`` blocks, none twice."""
-    resolved = tuple(Site.parse(s).resolve(n_layers) for s in sites)
+def _vocab_size(config: Any) -> int | None:
+    value = getattr(config, "vocab_size", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_sites(sites: tuple[str, ...], facts: ModelFacts) -> tuple[Site, ...]:
+    """Absolute sites, each in range for the model's blocks and one its family has (BERT's
+    post-norm blocks have no ``hook_resid_post``), none twice."""
+    from .sitemap import check_sites as check_family
+
+    resolved = tuple(Site.parse(s).resolve(facts.n_layers) for s in sites)
     if len(set(resolved)) != len(resolved):
         raise ConfigError(f"sites {list(sites)} name the same site twice")
+    check_family(facts.family, resolved)
     return resolved
 
 
@@ -218,6 +279,7 @@ def _stand_in(facts: ModelFacts, tokenizer: Any = None, image_processor: Any = N
         family=facts.family,
         modality="image" if facts.is_vision else "text",
         blocks=torch.nn.ModuleList(),
+        n_layers=facts.n_layers,
         d_model=facts.d_model,
         has_cls=facts.has_cls,
         device=torch.device("cpu"),
@@ -236,14 +298,15 @@ def _image_tokens(source: Any, facts: ModelFacts) -> int:
 
 def weightless_plan(
     config: CaptureConfig, facts: ModelFacts, sites: tuple[Site, ...]
-) -> CapturePlan:
+) -> tuple[CapturePlan, ExampleSource]:
     """The plan capture will make (packed mode), from config.json, the tokenizer or image
-    processor, and the dataset only."""
-    from transformers import AutoImageProcessor, AutoTokenizer
-
+    processor, and the dataset only; and the opened source, for capture to take over."""
     from .runner import packed_source, source_plan
 
-    loader = AutoImageProcessor if facts.is_vision else AutoTokenizer
+    if facts.is_vision:
+        from transformers import AutoImageProcessor as loader
+    else:
+        from transformers import AutoTokenizer as loader
     try:
         with quiet_transformers():
             helper = loader.from_pretrained(facts.path)
@@ -255,7 +318,7 @@ def weightless_plan(
     model = (
         _stand_in(facts, image_processor=helper) if facts.is_vision else _stand_in(facts, helper)
     )
-    source = packed_source(config, model)
+    source = packed_source(config, model, facts.vocab_size)
     token_ids = source.token_ids
     if source.tokens_per_example is not None:
         tokens = int(source.tokens_per_example)
@@ -265,7 +328,7 @@ def weightless_plan(
         tokens = _image_tokens(source, facts)
     else:
         raise ConfigError(f"--model {config.model}: config.json gives no patch size")
-    return source_plan(
+    plan = source_plan(
         config,
         source,
         ckpt=facts.ckpt,
@@ -277,6 +340,7 @@ def weightless_plan(
         tokens=tokens,
         has_cls=facts.has_cls,
     )
+    return plan, source
 
 
 def store_bytes(plan: CapturePlan, stored_dtype: str) -> int:
@@ -309,12 +373,14 @@ def check_space(out: str, need: int) -> None:
 
 @dataclass(kw_only=True)
 class Preflight:
-    """What the checks found. ``writer`` (packed mode) is already open on the store."""
+    """What the checks found. ``writer`` (packed mode) is already open on the store;
+    ``source`` is the dataset as read for the plan (capture takes it over)."""
 
     model: ModelFacts
     sites: tuple[Site, ...]
     plan: CapturePlan | None = None
     writer: WriterBase | None = None
+    source: ExampleSource | None = None
 
     @property
     def complete(self) -> bool:
@@ -346,21 +412,30 @@ def preflight(
     *,
     space_check: bool = True,
     open_store: bool = True,
+    local_devices: bool = True,
 ) -> Preflight:
     """Run the checks in order; see the module docstring. ``spec`` is the FormatSpec.
 
-    With ``open_store=False`` (distributed capture) only the first three checks run.
+    With ``open_store=False`` (distributed capture) only the first three checks run, and
+    the device map's. ``local_devices=False`` (Ray: workers run elsewhere) leaves out the
+    check that the devices it names exist here.
     """
     check_output(out)
+    check_device(config.device)
     check_dataset(config.dataset)
     facts = read_model_config(config.model)
-    sites = check_sites(config.sites, facts.n_layers)
+    sites = check_sites(config.sites, facts)
+    if config.placement.spread:
+        from .models import check_placement
+
+        check_placement(config.model, config.placement, config.dtype, sites, local_devices)
     result = Preflight(model=facts, sites=sites)
     if not open_store or config.mode != "packed":
         return result
-    plan = weightless_plan(config, facts, sites)
+    result.plan, result.source = weightless_plan(config, facts, sites)
+    plan = result.plan
     writer = spec.open_writer(plan, out, options)
-    result.plan, result.writer = plan, writer
+    result.writer = writer
     if writer.complete:
         return result
     if space_check:

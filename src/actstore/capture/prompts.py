@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from ..batch import SPLITS, sample_key
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ..progress import bar_switch
-from .data import ExampleSource, SourceBatch, _load_hf
+from .data import ExampleSource, SourceBatch, load_saved
 from .models import LoadedModel, quiet_transformers, resolve_checkpoint
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def read_records(
     if not path.exists():
         raise StoreNotFoundError(f"dataset {dataset!r} does not exist")
     if path.is_dir():
-        rows: Sequence[dict[str, Any]] = _load_hf(str(path), split)
+        rows: Sequence[dict[str, Any]] = load_saved(str(path), split)
         where = lambda i: f"{path} row {i}"
     elif path.suffix == ".jsonl":
         rows = _read_jsonl(path)

@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -18,16 +19,22 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batch import Batch, CapturePlan
-from ..errors import ConfigError
+from ..errors import ConfigError, DeviceError
 from ..formats.base import WriterBase
 from ..progress import bar_switch
 from ..sites import Site
 from .background import BackgroundWriter
-from .data import ExampleSource, open_source
+from .copyout import CopyOut, Sink, device_failure, open_copyout
+from .data import ExampleSource, SourceBatch, open_source
 from .hooks import ActivationRecorder
 from .models import LoadedModel, load_model
+from .placement import Placement, parse_placement
 
 log = logging.getLogger(__name__)
+
+#: ``CaptureConfig.copy_dtype`` values: casts on the device that are exact from any
+#: compute dtype (float32, bfloat16, float16).
+COPY_DTYPES = {"float32": torch.float32}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,11 +63,24 @@ class CaptureConfig:
     """Tokens per packed text context (text models only)."""
     max_examples: int | None = None
     split: str = "train"
-    text_field: str = "text"
+    text_field: str | None = None
+    """The field of JSONL records / column of a dataset holding text (None: ``text``, else a
+    column of token ids, ``input_ids`` or ``tokens``; see :mod:`actstore.capture.data.columns`)."""
+    token_field: str | None = None
+    """The field / column holding pre-tokenized ids, used as is."""
     num_workers: int = 0
     """DataLoader workers decoding images."""
     queue_size: int = 4
     """Batches buffered between the forward pass and the writer thread."""
+    copy_slots: int = 4
+    """CUDA: batches whose copies to pinned host memory may be in flight at once (on a
+    side stream; the forward pass waits only when all are). 0: copy each batch in the
+    forward loop (``tensor.to("cpu")``, as CPU captures always do)."""
+    copy_dtype: str | None = None
+    """Cast activations to this dtype on the device before copying them off it, e.g.
+    ``float32`` for a float32 store of a bfloat16 model (no cast on the writer thread;
+    twice the bytes to copy). Only ``float32``, exact from any compute dtype. None: the
+    writer casts."""
     progress: bool = True
     mode: str = "packed"
     """``packed``: text packed into fixed contexts; ``prompt_response``: one example per
@@ -76,6 +96,14 @@ class CaptureConfig:
     clean_tokens: bool = False
     """Store no special, added or chat-template tokens (sets ``Batch.token_mask``, see
     :mod:`actstore.capture.cleaning`); formats that honour the mask pack the rest."""
+    device_map: str | None = None
+    """Spread the model over this machine's devices instead of ``device``: ``auto``,
+    ``balanced``, ``balanced_low_0``, ``sequential``, or a JSON module -> device map (see
+    :mod:`actstore.capture.placement`)."""
+    max_memory: str | None = None
+    """With a device map strategy: bytes per device, ``0=70GiB,1=70GiB,cpu=200GiB``."""
+    offload_folder: str | None = None
+    """Where weights a device map puts on ``disk`` are kept."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -98,6 +126,21 @@ class CaptureConfig:
             raise ConfigError(f"mode must be 'packed' or 'prompt_response', not {self.mode!r}")
         if self.generate_max_new_tokens is not None and self.generate_max_new_tokens < 1:
             raise ConfigError("generate_max_new_tokens must be >= 1")
+        if self.copy_slots < 0:
+            raise ConfigError(f"copy_slots must be >= 0, not {self.copy_slots}")
+        if self.copy_dtype not in (None, *COPY_DTYPES):
+            raise ConfigError(
+                f"copy_dtype must be 'float32' (a cast exact from any compute dtype) or "
+                f"None, not {self.copy_dtype!r}"
+            )
+        if self.device_map is not None and self.device != "cpu":
+            raise ConfigError("give --device or --device-map, not both (the map names devices)")
+        self.placement  # noqa: B018 - checks the device map and memory syntax now
+
+    @property
+    def placement(self) -> Placement:
+        """The parsed ``device_map``, ``max_memory`` and ``offload_folder``."""
+        return parse_placement(self.device_map, self.max_memory, self.offload_folder)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,9 +172,12 @@ def _probe_tokens(model: LoadedModel, source: ExampleSource, sites: list[Site]) 
         return int(next(iter(rec.run(first.inputs).values())).shape[1])
 
 
-def packed_source(config: CaptureConfig, model: Any) -> ExampleSource:
+def packed_source(
+    config: CaptureConfig, model: Any, vocab_size: int | None = None
+) -> ExampleSource:
     """The packed-mode example source of ``config`` for ``model`` (a loaded model, or the
-    weightless stand-in preflight uses: both must see the same examples)."""
+    weightless stand-in preflight uses, with the ``vocab_size`` of config.json: both must
+    see the same examples)."""
     return open_source(
         config.dataset,
         model,
@@ -140,15 +186,30 @@ def packed_source(config: CaptureConfig, model: Any) -> ExampleSource:
         max_tokens=config.max_tokens,
         split=config.split,
         text_field=config.text_field,
+        token_field=config.token_field,
         dataset_config=config.dataset_config,
         streaming=config.streaming,
         progress=config.progress,
+        vocab_size=vocab_size,
     )
 
 
-def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
-    """Load the model and dataset and work out the shapes the store will have."""
-    model = load_model(config.model, device=config.device, dtype=config.dtype)
+def plan_capture(
+    config: CaptureConfig,
+    source: ExampleSource | None = None,
+    model: LoadedModel | None = None,
+) -> tuple[LoadedModel, ExampleSource, CapturePlan]:
+    """Load the model (unless ``model`` is given, already loaded) and the dataset and work
+    out the shapes the store will have. A packed ``source`` already opened for ``config``
+    (by preflight) is taken over, not reopened."""
+    if model is None:
+        model = load_model(
+            config.model,
+            device=config.device,
+            dtype=config.dtype,
+            sites=config.sites,
+            placement=config.placement,
+        )
     sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
     for i, site in enumerate(sites):
         if site in sites[:i]:
@@ -158,8 +219,10 @@ def plan_capture(config: CaptureConfig) -> tuple[LoadedModel, ExampleSource, Cap
         from .prompts import open_prompt_source
 
         source = open_prompt_source(config, model)
-    else:
+    elif source is None:
         source = packed_source(config, model)
+    else:
+        source = source.for_model(model)
     plan = source_plan(
         config,
         source,
@@ -211,7 +274,12 @@ def source_plan(
 
 
 def capture(
-    config: CaptureConfig, open_writer: Callable[[CapturePlan], WriterBase]
+    config: CaptureConfig,
+    open_writer: Callable[[CapturePlan], WriterBase],
+    *,
+    source: ExampleSource | None = None,
+    copy_out: Callable[[Sink], CopyOut] | None = None,
+    model: LoadedModel | None = None,
 ) -> CaptureResult:
     """Run ``config.model`` over ``config.dataset`` and write the activations.
 
@@ -224,10 +292,16 @@ def capture(
     A writer with an ``example_range = (start, stop)`` (one part of a distributed capture,
     see :mod:`actstore.dist`) gets only the examples ``start <= id < stop``, with their
     global example ids. A writer with ``wants_texts`` also gets each example's decoded
-    text (text models).
+    text (text models). ``source``: the packed source preflight opened for ``config``
+    (its dataset is then not read again). ``model``: an already loaded model (e.g. one
+    built in place from a config) instead of ``config.model``'s weights.
+
+    ``copy_out(sink)`` makes the stage that moves activations off the model's device
+    (default: :func:`~actstore.capture.copyout.open_copyout` for the model's device,
+    ``copy_slots`` and ``copy_dtype``; see :mod:`actstore.capture.copyout`).
     """
     t0 = time.perf_counter()
-    model, source, plan = plan_capture(config)
+    model, source, plan = plan_capture(config, source, model)
     writer = open_writer(plan)
     setup_seconds = time.perf_counter() - t0
     start, stop = writer.example_range or (0, plan.n_examples)
@@ -258,11 +332,13 @@ def capture(
         cleaner = TokenCleaner.from_tokenizer(model.tokenizer)
     n_run = 0
     names = [str(s) for s in plan.sites]
+    make_copyout = copy_out or functools.partial(_default_copyout, config, model.device)
     t_loop = time.perf_counter()
     with (
         torch.inference_mode(),
         ActivationRecorder(model, list(plan.sites)) as recorder,
         BackgroundWriter(writer, queue_size=config.queue_size) as background,
+        make_copyout(background.put) as copyout,
         tqdm(
             total=stop - start,
             initial=resume_from - start,
@@ -272,29 +348,31 @@ def capture(
             **bar_switch(config.progress),
         ) as bar,
     ):
-        for source_batch in source.batches(first, config.batch_size, config.num_workers):
-            if source_batch.example_ids[0] >= stop:
-                break
-            acts = recorder.run(source_batch.inputs)
-            batch = Batch(
-                acts={name: acts[name].to("cpu") for name in names},
-                example_ids=source_batch.example_ids,
-                token_ids=source_batch.token_ids,
-                token_mask=None
-                if cleaner is None or source_batch.token_ids is None
-                else cleaner.mask(source_batch.token_ids),
-                labels=source_batch.labels,
-                extras=source_batch.extras,
-                texts=None
-                if decode is None or source_batch.token_ids is None
-                else decode.batch_decode(source_batch.token_ids),
-            )
-            if source_batch.example_ids[-1] >= stop:
-                batch = batch.select(batch.example_ids < stop)
-            background.put(batch)
-            fresh = int(np.count_nonzero(batch.example_ids >= resume_from))
-            n_run += fresh
-            bar.update(fresh)
+        try:
+            for source_batch in source.batches(first, config.batch_size, config.num_workers):
+                ids = source_batch.example_ids
+                if ids[0] >= stop:
+                    break
+                acts = recorder.run(source_batch.inputs)
+                build = functools.partial(
+                    _host_batch,
+                    source_batch,
+                    token_mask=None
+                    if cleaner is None or source_batch.token_ids is None
+                    else cleaner.mask(source_batch.token_ids),
+                    texts=None
+                    if decode is None or source_batch.token_ids is None
+                    else decode.batch_decode(source_batch.token_ids),
+                    stop=stop,
+                )
+                copyout.put({name: acts[name] for name in names}, build)
+                del acts
+                fresh = int(np.count_nonzero((ids >= resume_from) & (ids < stop)))
+                n_run += fresh
+                bar.update(fresh)
+            copyout.close()
+        except (torch.OutOfMemoryError, DeviceError) as err:
+            raise device_failure(err) from err
         output = background.close()
     seconds = time.perf_counter() - t_loop
     log.info(
@@ -312,4 +390,34 @@ def capture(
         seconds=seconds,
         setup_seconds=setup_seconds,
         writer_wait_s=background.blocked_s,
+        extra={"copy_wait_s": copyout.waited_s},
     )
+
+
+def _default_copyout(config: CaptureConfig, device: torch.device, sink: Sink) -> CopyOut:
+    dtype = COPY_DTYPES.get(config.copy_dtype or "")
+    return open_copyout(sink, device=device, slots=config.copy_slots, dtype=dtype)
+
+
+def _host_batch(
+    source: SourceBatch,
+    host_acts: dict[str, torch.Tensor],
+    *,
+    token_mask: np.ndarray | None,
+    texts: list[str] | None,
+    stop: int,
+) -> Batch:
+    """The writer's batch of ``source`` once its activations are in host memory (examples
+    from ``stop`` on left out)."""
+    batch = Batch(
+        acts=host_acts,
+        example_ids=source.example_ids,
+        token_ids=source.token_ids,
+        token_mask=token_mask,
+        labels=source.labels,
+        extras=source.extras,
+        texts=texts,
+    )
+    if source.example_ids[-1] >= stop:
+        batch = batch.select(batch.example_ids < stop)
+    return batch

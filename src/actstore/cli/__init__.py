@@ -1,4 +1,8 @@
-"""The ``actstore`` command. Each sub-module registers one group of commands on :data:`app`.
+"""The ``actstore`` command. Each sub-module registers one group of commands on :data:`app`
+(:mod:`.application`); ``main`` is the console script.
+
+Importing this package imports nothing else: ``main`` loads the app inside its error
+handling, so Ctrl-C at any moment (even during imports) prints one line and exits 130.
 
 Example:
     $ actstore capture --layers 3,5 --out actstore-data
@@ -11,63 +15,37 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
-import typer
-
-from ..errors import ActstoreError
-
-app = typer.Typer(
-    name="actstore",
-    help=(
-        "Capture transformer activations into the formats SAE tools read, verify them, and "
-        "stream them back for training. Run `actstore COMMAND --help` for each command."
-    ),
-    invoke_without_command=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
+#: The command modules, each registering its commands on the app when imported.
+COMMAND_MODULES = (
+    "capture_cmd",
+    "convert_cmd",
+    "cp_cmd",
+    "dist_cmd",
+    "inspect_cmd",
+    "runs_cmd",
+    "s3_cmd",
+    "serve_cmd",
+    "status_cmd",
 )
 
 
-def _show_version(value: bool) -> None:
-    if value:
-        from .._version import __version__
+def load_app() -> Any:
+    """The Typer app with every command registered."""
+    import importlib
 
-        typer.echo(f"actstore {__version__}")
-        raise typer.Exit()
+    from .application import app
 
-
-@app.callback()
-def _root(
-    ctx: typer.Context,
-    version: bool = typer.Option(
-        False,
-        "--version",
-        help="Print the version and exit.",
-        callback=_show_version,
-        is_eager=True,
-    ),
-) -> None:
-    """Capture transformer activations into the formats SAE tools read, verify them, and
-    stream them back for training. Run `actstore COMMAND --help` for each command."""
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
-        raise typer.Exit()
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"{__name__}.{name}")
+    return app
 
 
-# Command modules register themselves on `app` when imported.
-from . import (
-    capture_cmd,  # noqa: F401
-    convert_cmd,  # noqa: F401
-    cp_cmd,  # noqa: F401
-    dist_cmd,  # noqa: F401
-    inspect_cmd,  # noqa: F401
-    runs_cmd,  # noqa: F401
-    s3_cmd,  # noqa: F401
-    serve_cmd,  # noqa: F401
-    status_cmd,  # noqa: F401
-)
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        return load_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _configure_logging() -> None:
@@ -82,14 +60,41 @@ def _configure_logging() -> None:
     logging.getLogger("huggingface_hub").propagate = False
 
 
+def _say(line: str, code: int) -> None:
+    """Print ``line`` on stderr (red for errors, yellow for interrupts, on a terminal) and
+    exit with ``code``."""
+    typer = sys.modules.get("typer")
+    if typer is None:  # interrupted before typer was imported
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    else:
+        color = typer.colors.RED if code == 2 else typer.colors.YELLOW
+        typer.secho(line, fg=color, err=True)
+    sys.exit(code)
+
+
 def main() -> None:
-    """Entry point of the console script; actstore errors print as one clear line."""
+    """Entry point of the console script: actstore errors and missing optional
+    dependencies print as one ``error:`` line (exit 2), Ctrl-C as one line (exit 130)."""
+    try:
+        _run()
+    except KeyboardInterrupt:
+        _say("interrupted", 130)
+
+
+def _run() -> None:
+    from ..errors import ActstoreError, missing_extra
+    from .application import Interrupted
+
     _configure_logging()
     try:
-        app()
+        load_app()()
     except ActstoreError as err:
-        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        typer.secho("interrupted", fg=typer.colors.YELLOW, err=True)
-        sys.exit(130)
+        _say(f"error: {err}", 2)
+    except ModuleNotFoundError as err:
+        extra = missing_extra(err)
+        if extra is None:
+            raise
+        _say(f"error: {extra}", 2)
+    except Interrupted:
+        _say("interrupted", 130)

@@ -7,7 +7,8 @@ from typing import Any
 
 import typer
 
-from . import app
+from ..errors import ConfigError
+from .application import app, lazy_epilog
 from .common import human_bytes, parse_int_list
 
 _EXAMPLES = """\b
@@ -47,7 +48,7 @@ def _format_epilog() -> str:
     return _EXAMPLES + "\n\b\n" + "\n".join(lines)
 
 
-@app.command(epilog=_format_epilog())
+@app.command(cls=lazy_epilog(_format_epilog))
 def capture(
     model: str = typer.Option(
         "embedded",
@@ -59,8 +60,9 @@ def capture(
         help="Image folder (class subfolders become labels), .txt (one document "
         "per line) or .jsonl file, a directory saved by datasets' save_to_disk, a .parquet, "
         ".arrow, .json or .csv file or a folder of them, a Hugging Face Hub id (org/name), or "
-        "'embedded' (the Python language reference, shipped with Python). A column of token "
-        "ids (input_ids or tokens) is used as is, without re-tokenizing.",
+        "'embedded' (the Python language reference, shipped with Python), or a .npy/.bin "
+        "token file. A field or column of token ids (input_ids or tokens, or --token-field) "
+        "is used as is, without re-tokenizing; text is read only as far as the budget needs.",
     ),
     dataset_config: str = typer.Option(None, help="Hub datasets: the configuration (subset)."),
     streaming: bool = typer.Option(
@@ -98,6 +100,29 @@ def capture(
     ),
     batch_size: int = typer.Option(32, help="Examples per forward pass."),
     device: str = typer.Option("cpu", help="torch device: cpu, cuda, cuda:1, ..."),
+    device_map: str = typer.Option(
+        None,
+        help="Spread the model over this machine's devices (instead of --device): auto, "
+        "balanced, balanced_low_0, sequential (accelerate's planners), or a JSON object (or "
+        ".json file) of module -> device (0, cuda:1, cpu, disk), e.g. "
+        '\'{"embed_tokens": 0, "layers.0": 0, "layers.1": 1, "norm": 1}\'. Either way only '
+        "blocks up to the deepest site are loaded. See --dry-run.",
+    ),
+    max_memory: str = typer.Option(
+        None,
+        help="With --device-map auto/balanced/sequential: the most each device may hold, "
+        "e.g. 0=70GiB,1=70GiB,cpu=200GiB (what does not fit goes to cpu, then disk).",
+    ),
+    offload_folder: str = typer.Option(
+        None, help="Local directory for the weights --device-map puts on disk."
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Run the checks and print what each device will hold (weights of the blocks "
+        "loaded, site tensors, forward working memory), from config.json and the "
+        "checkpoint's headers; load no weights, write nothing.",
+    ),
     dtype: str = typer.Option(
         "float32",
         help="Compute dtype: float32, bfloat16 or float16. Stores keep their "
@@ -120,7 +145,16 @@ def capture(
     ),
     num_workers: int = typer.Option(0, help="DataLoader workers decoding images."),
     split: str = typer.Option("train", help="Split of a Hub dataset or a saved DatasetDict."),
-    text_field: str = typer.Option("text", help="Text field of JSONL records / HF datasets."),
+    text_field: str = typer.Option(
+        None,
+        help="Text field of JSONL records / column of a dataset (default: text; when there is "
+        "none, a token-id column, input_ids or tokens).",
+    ),
+    token_field: str = typer.Option(
+        None,
+        help="Field / column of pre-tokenized ids (lists of ints), packed as they are; "
+        "input_ids and tokens are found without it. Ids must fit the model's vocabulary.",
+    ),
     progress: bool = typer.Option(True, help="Show progress bars."),
     ray: str = typer.Option(
         None,
@@ -190,6 +224,20 @@ def capture(
     background thread writes through a bounded queue. Stores are published atomically;
     rerunning a crashed capture resumes it, and rerunning a finished one reports it.
     """
+    params = dict(locals())
+    if device != "cpu" and device_map is not None:
+        raise ConfigError("give --device or --device-map, not both (the map names devices)")
+    if device != "cpu":  # before anything else: a device this machine lacks is refused
+        from ..capture.preflight import check_device
+
+        check_device(device)
+    from .capture_memo import recall, remember
+
+    memo = recall(params)
+    if memo is not None:  # a finished capture, answered before torch or the dataset load
+        typer.echo(f"Already captured (same config, same content hash): {memo.location}")
+        typer.echo(memo.summary)
+        return
     from ..capture import CaptureConfig
     from ..capture import capture as run_capture
     from ..formats import open_store
@@ -216,6 +264,7 @@ def capture(
         num_workers=num_workers,
         split=split,
         text_field=text_field,
+        token_field=token_field,
         progress=progress,
         mode=mode.replace("-", "_"),
         prompt_field=prompt_field,
@@ -223,6 +272,9 @@ def capture(
         generate_max_new_tokens=generate_max_new_tokens,
         chat_template=chat_template,
         clean_tokens=spec.clean_tokens if clean is None else clean,
+        device_map=device_map,
+        max_memory=max_memory,
+        offload_folder=offload_folder,
     )
     from ..capture.preflight import preflight
     from ..dist import slurm_machine
@@ -236,7 +288,32 @@ def capture(
         from ..storage.lock import BREAK_LOCK_ENV
 
         os.environ[BREAK_LOCK_ENV] = "1"
-    pre = preflight(config, spec, out, options, space_check=space_check, open_store=not distributed)
+    if dry_run:
+        from ..capture.models import memory_report
+
+        preflight(config, spec, out, options, open_store=False)
+        typer.echo(
+            memory_report(
+                config.model,
+                sites=config.sites,
+                dtype=config.dtype,
+                device=config.device,
+                placement=config.placement,
+                batch_size=config.batch_size,
+                context_length=config.context_length,
+                queue_size=config.queue_size,
+            )
+        )
+        return
+    pre = preflight(
+        config,
+        spec,
+        out,
+        options,
+        space_check=space_check,
+        open_store=not distributed,
+        local_devices=ray is None,
+    )
     if distributed:
         from .dist_cmd import run_distributed_capture
 
@@ -270,13 +347,15 @@ def capture(
             + (f", resumed at example {result.resumed_from}" if result.resumed_from else "")
         )
     site = reader.sites[-1]
-    typer.echo(
+    text = (
         f"Stored {summary.get('shape', '')} ({human_bytes(summary.get('bytes', 0))}) in\n"
         f"  {location}\n\nRead it back:\n"
         f"  actstore inspect {location}\n  actstore verify {location}\n"
         f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
         f"print(r.read_block(r.blocks('{site}')[0])[0, :8])\""
     )
+    typer.echo(text)
+    remember(params, location, text, spec.manifests)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -293,7 +372,7 @@ def _run_interruptible(config, spec, out: str, options, pre, run_capture):
 
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        return run_capture(config, open_writer)
+        return run_capture(config, open_writer, source=pre.source)
     except KeyboardInterrupt:
         pre.release()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

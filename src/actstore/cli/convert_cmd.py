@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from ..formats.registry import FORMAT_NAMES
-from . import app
+from .application import app, lazy_epilog
 from .common import human_bytes
 
 
@@ -17,6 +16,7 @@ def _epilog() -> str:
         "Examples:",
         "  actstore convert actstore-data/3f1c... acts-pkl --to pickle",
         "  actstore convert acts-pkl acts-zarr --to zarr --opt r_max=0",
+        "  actstore convert acts-zarr acts-saev --to saev --sites resid.3,resid.5",
         "\b",
         "Target formats (--to) and their options (--opt KEY=VALUE):",
     ]
@@ -31,14 +31,14 @@ def _epilog() -> str:
     return "\n".join(lines)
 
 
-@app.command(epilog=_epilog())
+@app.command(cls=lazy_epilog(_epilog))
 def convert(
     source: str = typer.Argument(..., help="The store to read (any format; detected)."),
     target: str = typer.Argument(
         ...,
         help="Where to write: the target format's output location, as `capture --out` takes it.",
     ),
-    to: str = typer.Option(..., "--to", "-t", help=f"Target format: {', '.join(FORMAT_NAMES)}."),
+    to: str = typer.Option(..., "--to", "-t", help="Target format (listed below)."),
     opt: list[str] = typer.Option(
         [], "--opt", help="Target format option KEY=VALUE, repeatable (see below)."
     ),
@@ -46,6 +46,11 @@ def convert(
         64,
         help="Examples per step; memory is bounded by one step "
         "plus one target shard (and one source shard from pkl.gz).",
+    ),
+    sites: str = typer.Option(
+        None,
+        help="Comma-separated sites to convert (any spelling: resid.6, 6, "
+        "blocks.6.hook_resid_post); default: every stored site.",
     ),
     verify: bool = typer.Option(True, help="Re-read both stores and compare every row."),
     progress: bool = typer.Option(True, help="Show progress bars."),
@@ -69,6 +74,7 @@ def convert(
         batch_size=batch_size,
         verify=verify,
         progress=progress,
+        sites=None if sites is None else [x.strip() for x in sites.split(",") if x.strip()],
     )
     size = open_store(result.location).describe().get("bytes", 0)
     verb = "Already converted" if result.already_complete else "Converted"

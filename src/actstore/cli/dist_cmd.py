@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from . import app
+from .application import app
 
 
 def run_distributed_capture(
@@ -149,13 +149,18 @@ def _check_capture_args(args: list[str]) -> None:
 
     command = typer.main.get_command(app).commands["capture"]  # type: ignore[attr-defined]
     try:
-        command.make_context("capture", list(args))
+        ctx = command.make_context("capture", list(args))
     except Exception as err:  # click's usage errors (typer may vendor its own click)
         if not hasattr(err, "format_message"):
             raise
         raise ConfigError(
             f"the capture arguments after `--` are invalid: {err.format_message()}"
         ) from None
+    from ..capture.placement import parse_placement
+
+    # the device map's syntax (its modules and devices are checked on the nodes)
+    params = ctx.params
+    parse_placement(params.get("device_map"), params.get("max_memory"))
 
 
 @app.command()

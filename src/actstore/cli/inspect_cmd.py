@@ -10,7 +10,7 @@ import json
 import numpy as np
 import typer
 
-from . import app
+from .application import app
 from .common import human_bytes
 
 

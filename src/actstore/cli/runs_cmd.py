@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from . import app
+from .application import app
 from .common import parse_int_list
 
 _RUN_HELP = "Run directory ($SAEV_NFS/saev/runs/<run_id>), as printed by `actstore new-run`."

@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from . import app
+from .application import app
 from .common import human_bytes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from . import app
+from .application import app
 
 
 @app.command(

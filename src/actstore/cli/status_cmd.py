@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from . import app
+from .application import app
 from .common import human_bytes
 
 #: How deep under an output root stores are looked for (saev's dialect nests 3 levels).

@@ -1,7 +1,8 @@
 """Run a distributed capture as Ray tasks: one slice per worker, then the merge.
 
 Each task loads its own model copy (on its own GPU when the cluster has enough: Ray sets
-``CUDA_VISIBLE_DEVICES`` per task, so ``--device cuda`` means that GPU) and writes its
+``CUDA_VISIBLE_DEVICES`` per task, so ``--device cuda`` means that GPU; with a device map,
+on the GPUs of one machine, see :func:`_gpus_per_machine`) and writes its
 slice as a part with :func:`~actstore.dist.run.capture_part`. A task that dies (a killed
 worker, a lost node) or fails with an I/O error is retried by Ray, and the retry resumes
 the part from its last finished shard. Slices still failing after the retries are reported
@@ -30,6 +31,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from ..capture import CaptureConfig
+from ..capture.placement import gpus_per_worker
 from ..errors import CaptureError, ConfigError, require
 from ..progress import bar_switch
 from .parts import MissingPartsError, merge_store
@@ -101,6 +103,8 @@ def capture_on_ray(
         if config.device.startswith("cuda") and not n_gpus:
             raise ConfigError("--device cuda, but the Ray cluster has no GPUs")
         gpus = (1 if n_gpus >= workers else n_gpus / workers) if config.device != "cpu" else 0
+        if config.placement.spread:
+            gpus = _gpus_per_machine(ray, config)
         task = ray.remote(_run_part).options(
             num_cpus=1,
             num_gpus=gpus,
@@ -133,6 +137,24 @@ def capture_on_ray(
     finally:
         if own:
             ray.shutdown()
+
+
+def _gpus_per_machine(ray: Any, config: CaptureConfig) -> int:
+    """GPUs each worker holds with a device map: those the map or --max-memory names, else
+    every GPU of the largest node (one multi-GPU machine per worker; Ray sets
+    ``CUDA_VISIBLE_DEVICES`` to them, so GPU indices in the map count from 0 there)."""
+    per_node = [
+        int(node["Resources"].get("GPU", 0)) for node in ray.nodes() if node.get("Alive", True)
+    ]
+    largest = max(per_node, default=0)
+    wanted = gpus_per_worker(config.placement)
+    if wanted is None:
+        return largest
+    if wanted > largest:
+        raise ConfigError(
+            f"the device map uses {wanted} GPUs per worker, but the largest Ray node has {largest}"
+        )
+    return wanted
 
 
 def _failure_report(

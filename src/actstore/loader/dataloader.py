@@ -18,9 +18,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from ..devicecopy import copies_for, try_pin
 from ..errors import ConfigError
 from .dataset import ActivationLoader
-from .pipeline import LoaderBatch, RingBatch
+from .device import to_device
+from .pipeline import LoaderBatch, RingBatch, WorkerLink
 
 #: Batch slots each worker may have in use at once (only batches you hold use more than
 #: a few; each costs one batch of shared memory).
@@ -39,7 +41,9 @@ class ActivationDataLoader(DataLoader):
     Each worker reads its own contiguous run of the rank's batches (with its own
     ``io_threads``); the DataLoader interleaves them round-robin, which this class counts
     to give an exact :meth:`state_dict`. Pinning and the move to ``device`` happen in the
-    main process. Batching, shuffling and ``drop_last`` belong to the ActivationLoader.
+    main process: the workers' shared windows are registered with CUDA once (no pinning
+    copy) and each batch is copied to the device on a side stream while the previous one
+    is in use. Batching, shuffling and ``drop_last`` belong to the ActivationLoader.
     With ``persistent_workers=True`` the workers (and their filled pools) outlive an
     epoch; each new iteration tells them the current position through shared memory.
     """
@@ -55,25 +59,25 @@ class ActivationDataLoader(DataLoader):
                 f"{fixed} are set on the ActivationLoader (batch_size, "
                 "drop_last, seed), not on the DataLoader"
             )
-        if kwargs.get("persistent_workers") and num_workers > 0:
-            dataset._share_position()
-        finish = dataset._finish
-        pin = kwargs.pop("pin_memory", False)
+        finish = dataset.finish
+        pinned = kwargs.pop("pin_memory", False)
         if num_workers > 0:  # workers never pin or move: this process does
-            pin = pin or finish.pin_memory
+            pinned = pinned or finish.pin_memory
         elif finish.pin_memory or finish.device is not None:  # the loader already does
-            pin = False
+            pinned = False
         # with workers, batches arrive in shared slots: this process pins them itself
         super().__init__(
             dataset,
             batch_size=None,
             num_workers=num_workers,
-            pin_memory=pin and num_workers == 0,
+            pin_memory=pinned and num_workers == 0,
             **kwargs,
         )
-        self._pin = pin and num_workers > 0
+        self._pin = pinned and num_workers > 0
+        if self._pin and not torch.cuda.is_available():
+            raise ConfigError("pin_memory needs CUDA, which is not available")
         self._device = finish.device if num_workers > 0 else None
-        dataset._device_in_main = num_workers > 0
+        self._link: WorkerLink | None = None
         # the main process's side of the workers' batch slots: (worker, slot) -> (the
         # slot as a numpy array, its reference count when no batch refers to it)
         self._slots: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
@@ -85,14 +89,19 @@ class ActivationDataLoader(DataLoader):
         if num_workers > 0:
             _check_shared_memory(dataset, num_workers)
             self._new_ring(dataset)
+        else:
+            dataset.attach_workers(None)
 
     def _new_ring(self, loader: ActivationLoader) -> None:
         """Fresh slot flags and pool counters for a new set of worker processes (batches
         still held keep their memory)."""
-        loader._ring_flags = torch.zeros((self.num_workers, MAX_SLOTS), dtype=torch.int8)
-        loader._ring_flags.share_memory_()
-        loader._pool_released = torch.zeros((self.num_workers, MAX_POOLS), dtype=torch.int64)
-        loader._pool_released.share_memory_()
+        self._link = WorkerLink.create(
+            self.num_workers,
+            slots=MAX_SLOTS,
+            pools=MAX_POOLS,
+            persistent=bool(self.persistent_workers),
+        )
+        loader.attach_workers(self._link)
         self._slots, self._delivered = {}, []
         self._pools, self._pool_batches = {}, []
 
@@ -101,21 +110,30 @@ class ActivationDataLoader(DataLoader):
         if self.num_workers == 0:  # the loader runs here and counts its own batches
             yield from super().__iter__()
             return
-        loader._begin(self.num_workers)
-        loader._publish_position()  # persistent workers read it when this iteration starts
         if not self.persistent_workers or self._iterator is None:
             self._new_ring(loader)  # new worker processes
         else:  # persistent workers start the epoch with the windows you no longer hold
             self._hand_back()
+        loader.begin(self.num_workers)  # persistent workers read the position it publishes
         epoch = loader.epoch
-        for message in super().__iter__():
+        batches = self._received(super().__iter__())
+        if self._device is not None:  # the next batch's copy runs while this one is used
+            batches = to_device(batches, copies_for(self._device))
+        try:
+            for batch in batches:
+                loader.count_batch()
+                yield batch
+                del batch
+        finally:
+            batches.close()
+        loader.end_iteration(epoch)
+
+    def _received(self, messages: Iterator[RingBatch]) -> Iterator[Any]:
+        for message in messages:
             batch = self._receive(message)
             del message
-            loader._batches_done += 1
-            yield batch if self._device is None else _to_device(batch, self._device)
+            yield batch
             del batch
-        if loader.epoch == epoch:
-            loader.set_epoch(epoch + 1)
 
     def _receive(self, message: RingBatch) -> Any:
         """The batch in a worker's slot or window, as a zero-copy view; slots and windows
@@ -124,29 +142,34 @@ class ActivationDataLoader(DataLoader):
         if message.pool >= 0:
             key = (message.worker, message.pool)
             if message.storage is not None:
-                self._pools[key] = message.storage.numpy()
+                self._pools[key] = self._pinned(message.storage.numpy())
             view = self._pools[key][message.offset : message.offset + message.nbytes]
             idle = sys.getrefcount(view)  # one name + the argument, as the tuple above
             self._pool_batches.append((message.worker, message.pool, view, idle))
         else:
             key = (message.worker, message.slot)
             if message.storage is not None:
-                root = message.storage.numpy()
+                root = self._pinned(message.storage.numpy())
                 self._slots[key] = (root, sys.getrefcount(root))
             self._delivered.append(key)
             view = self._slots[key][0][: message.nbytes]
         acts = torch.from_numpy(view).view(getattr(torch, message.dtype))
         acts = acts.view(message.shape)
         del view
-        if self._pin:
-            acts = acts.pin_memory()
         if message.rows is None:
             return acts
         return LoaderBatch(acts, torch.as_tensor(message.rows))
 
+    def _pinned(self, root: np.ndarray) -> np.ndarray:
+        """A worker's shared pool or slot, registered with CUDA when batches are pinned or
+        go to a CUDA device (once: it serves many batches)."""
+        return try_pin(root) if self._pin else root
+
     def _hand_back(self) -> None:
         """Give workers back the slots and windows of batches nobody refers to any more."""
-        flags = self.dataset._ring_flags  # type: ignore[attr-defined]
+        link = self._link
+        assert link is not None, "batches arrive from workers only"
+        flags = link.slot_flags
         kept = []
         for key in self._delivered:
             root, idle = self._slots[key]
@@ -155,7 +178,7 @@ class ActivationDataLoader(DataLoader):
             else:
                 kept.append(key)
         self._delivered = kept
-        released = self.dataset._pool_released  # type: ignore[attr-defined]
+        released = link.pool_released
         still = []
         for entry in self._pool_batches:
             if sys.getrefcount(entry[2]) == entry[3]:
@@ -188,9 +211,3 @@ def _check_shared_memory(loader: ActivationLoader, num_workers: int) -> None:
             f"{need / 2**20:.0f} MiB but {free / 2**20:.0f} MiB is free; enlarge it (docker: "
             "--shm-size), use fewer workers or a smaller pool_blocks"
         )
-
-
-def _to_device(batch: Any, device: Any) -> Any:
-    if isinstance(batch, LoaderBatch):
-        return LoaderBatch(batch.acts.to(device, non_blocking=True), batch.rows.to(device))
-    return batch.to(device, non_blocking=True)

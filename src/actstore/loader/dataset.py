@@ -22,10 +22,12 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..devicecopy import copies_for
 from ..errors import ConfigError
 from ..formats import open_store
 from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
+from .device import to_device
 from .pipeline import (
     Buffers,
     BufferSet,
@@ -34,6 +36,7 @@ from .pipeline import (
     Layout,
     LoaderBatch,
     RingBatch,
+    WorkerLink,
     first_rows,
     kept_rows,
     unit_rows,
@@ -97,9 +100,12 @@ class LoaderConfig:
     return_index: bool = False
     """Yield :class:`LoaderBatch` ``(acts, rows)`` with each row's storage index."""
     pin_memory: bool = False
-    """Yield batches in pinned memory (needs CUDA)."""
+    """Yield batches in pinned memory (needs CUDA): the window pools and batch buffers are
+    registered with CUDA once, so batches are still views of them (no copy)."""
     device: str | None = None
-    """Move batches there (``"cuda"``), from pinned memory with ``non_blocking=True``."""
+    """Move batches there (``"cuda"``): pinned as above, each batch is copied on a side
+    stream while the previous one is in use (see :mod:`actstore.loader.device`). Any other
+    device: copied there on a background thread."""
 
     def __post_init__(self) -> None:
         if self.site is not None and self.sites is not None:
@@ -127,12 +133,6 @@ class LoaderConfig:
             self.pin_memory or (self.device and torch.device(self.device).type == "cuda")
         ) and not torch.cuda.is_available():
             raise ConfigError("pin_memory and device='cuda' need CUDA, which is not available")
-
-
-def _stored_key(reader: Any, name: Hashable) -> Site:
-    """The stored site ``name`` spells (any spelling; negative layers count from the end
-    of the model the store was captured from): :meth:`ReaderBase.site`."""
-    return reader.site(name)
 
 
 class ActivationLoader(IterableDataset):
@@ -167,11 +167,11 @@ class ActivationLoader(IterableDataset):
         self.reader = open_store(source) if isinstance(source, (str, os.PathLike)) else source
         reader = self.reader
         if config.sites is not None:
-            self.sites: tuple[Hashable, ...] = tuple(_stored_key(reader, s) for s in config.sites)
+            self.sites: tuple[Site, ...] = tuple(reader.site(s) for s in config.sites)
             if len(set(self.sites)) != len(self.sites):
                 raise ConfigError(f"sites {list(config.sites)} name one stored site twice")
         elif config.site is not None:
-            self.sites = (_stored_key(reader, config.site),)
+            self.sites = (reader.site(config.site),)
         elif len(reader.sites) == 1:
             self.sites = (reader.sites[0],)
         else:
@@ -233,17 +233,12 @@ class ActivationLoader(IterableDataset):
         self.epoch = config.epoch
         self._batches_done = 0
         self._saved_workers: int | None = None  # consumers the position was counted with
-        self._device_in_main = False  # set by ActivationDataLoader: workers skip pin/device
         self._buffers: tuple[int, BufferSet] | None = None  # (pid, buffers), never pickled
-        # (epoch, batches, consumers) in shared memory, for persistent DataLoader workers
-        self._shared_position: torch.Tensor | None = None
-        # [workers, slots] int8 in shared memory, set by ActivationDataLoader: workers fill
-        # shared batch slots (see _fill_ring); _ring_slots: (pid, this worker's slots)
-        self._ring_flags: torch.Tensor | None = None
-        self._ring_slots: tuple[int, list[torch.Tensor], set[int]] | None = None
-        # [workers, pools] int64 in shared memory, counted up by ActivationDataLoader as
-        # it drops batches that lie in a worker's window pool (sent without a copy)
-        self._pool_released: torch.Tensor | None = None
+        # set by ActivationDataLoader (attach_workers): its workers send batches through
+        # shared memory (see _fill_ring), and pinning and the device act in its process
+        self._link: WorkerLink | None = None
+        self._ring_slots: tuple[int, list[torch.Tensor], set[int]] | None = None  # (pid,
+        # this worker's batch slots, pools it has sent)
 
     # ------------------------------------------------------------------ sizes
 
@@ -334,6 +329,12 @@ class ActivationLoader(IterableDataset):
         batch (None where unused); invert with ``x / scale + shift``."""
         return self._finish.shift, self._finish.scale
 
+    @property
+    def finish(self) -> Finish:
+        """How stored rows become the batches this loader yields (output dtype,
+        normalisation, pinning, device)."""
+        return self._finish
+
     # ------------------------------------------------------------------ epochs and state
 
     def set_epoch(self, epoch: int) -> None:
@@ -352,7 +353,7 @@ class ActivationLoader(IterableDataset):
             "epoch": self.epoch,
             "batches": self._batches_done,
             "num_workers": self._saved_workers or 1,
-            **self._fingerprint(),
+            **self.fingerprint(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -371,7 +372,7 @@ class ActivationLoader(IterableDataset):
             )
         # states saved before runs and slabs existed: single whole blocks
         state = {"run_blocks": 1, "mix": 1, **state}
-        mine = self._fingerprint()
+        mine = self.fingerprint()
         wrong = [
             f"{k}={state.get(k)!r} (this loader: {v!r})"
             for k, v in mine.items()
@@ -388,7 +389,9 @@ class ActivationLoader(IterableDataset):
         self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
         self._saved_workers = int(state["num_workers"])
 
-    def _fingerprint(self) -> dict[str, Any]:
+    def fingerprint(self) -> dict[str, Any]:
+        """What this loader's order depends on (part of :meth:`state_dict`): a saved
+        position continues only on a loader with the same fingerprint."""
         cfg = self.config
         sizes = self.layout.kept_rows.astype("<i8").tobytes()
         return {
@@ -420,8 +423,8 @@ class ActivationLoader(IterableDataset):
         if self._buffers is None or self._buffers[0] != os.getpid():
             info = get_worker_info()
             released = None
-            if info is not None and self._pool_released is not None:
-                released = self._pool_released[info.id].numpy()
+            if info is not None and self._link is not None:
+                released = self._link.pool_released[info.id].numpy()
             self._buffers = (os.getpid(), self._new_buffers(released=released))
         return self._buffers[1]
 
@@ -430,35 +433,62 @@ class ActivationLoader(IterableDataset):
         serve``'s ring) in this process, from the next iteration on."""
         self._buffers = (os.getpid(), self._new_buffers(pools=pools))
 
-    def _new_buffers(self, **kwargs: Any) -> BufferSet:
+    def _new_buffers(
+        self, *, released: np.ndarray | None = None, pools: Buffers | None = None
+    ) -> BufferSet:
+        # pinned where batches are pinned or moved to CUDA in this process: never in a
+        # DataLoader worker (the main process pins what workers send) nor for serve
+        own = released is None and pools is None and get_worker_info() is None
         return BufferSet(
             self.layout,
             batch_size=self.batch_size,
             pool_blocks=self.pool_blocks,
             out_dtype=self._finish.out_dtype,
-            **kwargs,
+            released=released,
+            pools=pools,
+            pinned=self._finish.pin_memory and own,
         )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_buffers": None, "_ring_slots": None}
 
-    def _share_position(self) -> None:
-        """Keep the position in shared memory too, so worker processes that persist
-        across epochs (``persistent_workers=True``) learn it at every new iteration."""
-        if self._shared_position is None:
-            self._shared_position = torch.zeros(3, dtype=torch.int64).share_memory_()
-        self._publish_position()
+    # ------------------------------------------------------------------ the seam used by
+    # ActivationDataLoader (main process) and serve
 
-    def _publish_position(self) -> None:
-        """Main process: write the position where persistent workers will read it."""
-        if self._shared_position is not None:
-            position = [self.epoch, self._batches_done, self._saved_workers or 0]
-            self._shared_position.copy_(torch.tensor(position, dtype=torch.int64))
+    def attach_workers(self, link: WorkerLink | None) -> None:
+        """Run under :class:`~actstore.loader.ActivationDataLoader`'s worker processes,
+        which coordinate with it through ``link``'s shared memory: workers send batches as
+        places in shared memory, and pinning and the move to the device happen in the
+        main process. None: detach (the loader runs in its own process again)."""
+        self._link = link
+
+    def begin(self, num_consumers: int) -> None:
+        """Main process, before ``num_consumers`` consumers (worker processes, or 1: this
+        process) start an iteration: check that the saved position was reached with as
+        many, move on to the next epoch if the last one was served completely, and
+        publish the position to persistent workers."""
+        self._check_workers(num_consumers)
+        if self._batches_done >= len(self) > 0:  # the last epoch was served completely
+            self.set_epoch(self.epoch + 1)
+        self._saved_workers = num_consumers
+        if self._link is not None and self._link.position is not None:
+            position = [self.epoch, self._batches_done, num_consumers]
+            self._link.position.copy_(torch.tensor(position, dtype=torch.int64))
+
+    def count_batch(self) -> None:
+        """Main process: one more batch of this iteration reached the user."""
+        self._batches_done += 1
+
+    def end_iteration(self, epoch: int) -> None:
+        """Main process: the iteration over epoch ``epoch`` served its last batch; the next
+        one starts the following epoch (unless :meth:`set_epoch` chose another)."""
+        if self.epoch == epoch:
+            self.set_epoch(epoch + 1)
 
     def _read_position(self) -> None:
         """Worker process: take the position the main process published."""
-        if self._shared_position is not None:
-            epoch, batches, workers = self._shared_position.tolist()
+        if self._link is not None and self._link.position is not None:
+            epoch, batches, workers = self._link.position.tolist()
             self.epoch, self._batches_done, self._saved_workers = epoch, batches, workers or None
 
     def __iter__(self) -> Iterator[Any]:
@@ -472,19 +502,21 @@ class ActivationLoader(IterableDataset):
         batches = self._iterate(
             worker=(info.id + self._batches_done) % n, num_workers=n, count=False
         )
-        if self._ring_flags is None:
+        if self._link is None:
             return batches
-        return self._fill_ring(batches, info.id)
+        return self._fill_ring(batches, self._link, info.id)
 
-    def _fill_ring(self, batches: Iterator[Any], worker: int) -> Iterator[RingBatch]:
+    def _fill_ring(
+        self, batches: Iterator[Any], link: WorkerLink, worker: int
+    ) -> Iterator[RingBatch]:
         """Worker process: send each batch through shared memory the main process owns.
         A batch that is a slice of a window pool (the common case: no carry across windows,
         no dtype change or normalisation) is sent as its place in the pool, with no copy;
         any other is copied into a batch slot. Either way only numbers travel (and a slot
         or pool itself the first time), never a per-batch pickle of the data.
-        ``_ring_flags[worker, s]`` is 1 while slot ``s`` is in use; pools are reused once
-        the main process has dropped every batch sent from them (``BufferSet.held``)."""
-        flags = self._ring_flags[worker].numpy()
+        ``link.slot_flags[worker, s]`` is 1 while slot ``s`` is in use; pools are reused
+        once the main process has dropped every batch sent from them (``BufferSet.held``)."""
+        flags = link.slot_flags[worker].numpy()
         if self._ring_slots is None or self._ring_slots[0] != os.getpid():
             self._ring_slots = (os.getpid(), [], set())
         _, slots, pools_sent = self._ring_slots
@@ -544,7 +576,7 @@ class ActivationLoader(IterableDataset):
     def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         """This consumer's batches from the current position (``count``: advance it)."""
         if count:
-            self._begin(num_workers)
+            self.begin(num_workers)
         else:
             self._check_workers(num_workers)
         return self._generate(worker, num_workers, count)
@@ -557,13 +589,6 @@ class ActivationLoader(IterableDataset):
                 "DataLoader workers (num_workers=0 counts as 1); resume with the same number"
             )
 
-    def _begin(self, num_workers: int) -> None:
-        """Called in the main process before ``num_workers`` consumers start."""
-        self._check_workers(num_workers)
-        if self._batches_done >= len(self) > 0:  # the last epoch was served completely
-            self.set_epoch(self.epoch + 1)
-        self._saved_workers = num_workers
-
     def _generate(self, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         cfg, epoch = self.config, self.epoch
         plan = self.plan(epoch)
@@ -574,7 +599,7 @@ class ActivationLoader(IterableDataset):
         start = min(span.start + skip * cfg.batch_size, span.stop)
         finish = self._finish
         if get_worker_info() is not None and (finish.pin_memory or finish.device is not None):
-            if not self._device_in_main:
+            if self._link is None:
                 raise ConfigError(
                     "pin_memory/device act in the main process: wrap the loader "
                     "in ActivationDataLoader, or use DataLoader(pin_memory=True)"
@@ -592,14 +617,18 @@ class ActivationLoader(IterableDataset):
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
         )
+        batches = consumer.batches(start, span.stop)
+        if finish.device is not None:  # the next batch's copy runs while this one is used
+            batches = to_device(batches, copies_for(finish.device))
         try:
-            for batch in consumer.batches(start, span.stop):
+            for batch in batches:
                 if count:
                     self._batches_done += 1
                 yield batch
-            if count and self.epoch == epoch:
-                self.set_epoch(epoch + 1)
+            if count:
+                self.end_iteration(epoch)
         finally:
+            batches.close()
             consumer.close()
 
 

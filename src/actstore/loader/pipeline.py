@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..devicecopy import try_pin
 from ..errors import ConfigError
 from ..formats.base import Block
 from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
@@ -62,6 +63,31 @@ class RingBatch(NamedTuple):
     """>= 0: the batch lies in the worker's window pool ``pool`` at byte ``offset`` (no
     copy was made; ``slot`` is unused)."""
     offset: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerLink:
+    """Shared memory through which :class:`~actstore.loader.ActivationDataLoader` (the main
+    process) and the worker processes running its ActivationLoader coordinate (see
+    ``ActivationLoader.attach_workers``)."""
+
+    slot_flags: torch.Tensor
+    """int8 ``[workers, slots]``: 1 while the main process still uses batch slot ``s`` of
+    worker ``w`` (the worker copies a batch there when it is no slice of a window pool)."""
+    pool_released: torch.Tensor
+    """int64 ``[workers, pools]``: batches sent from window pool ``p`` of worker ``w`` that
+    the main process has dropped (the worker reuses the pool once all are)."""
+    position: torch.Tensor | None = None
+    """int64 ``[3]`` (epoch, batches delivered, consumers), read by persistent workers at
+    the start of every iteration; None when workers are made anew for each."""
+
+    @classmethod
+    def create(cls, workers: int, *, slots: int, pools: int, persistent: bool) -> WorkerLink:
+        """Zeroed counters in shared memory for ``workers`` new worker processes."""
+        flags = torch.zeros((workers, slots), dtype=torch.int8).share_memory_()
+        released = torch.zeros((workers, pools), dtype=torch.int64).share_memory_()
+        position = torch.zeros(3, dtype=torch.int64).share_memory_() if persistent else None
+        return cls(slot_flags=flags, pool_released=released, position=position)
 
 
 class Buffers:
@@ -189,6 +215,11 @@ def _allocate(count: int, dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(memory, dtype=dtype, count=count)
 
 
+def _allocate_pinned(count: int, dtype: np.dtype) -> np.ndarray:
+    """:func:`_allocate`, registered with CUDA once (copies to the GPU read it by DMA)."""
+    return try_pin(_allocate(count, dtype))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """What a consumer reads: per-site blocks and how many rows each block serves."""
@@ -250,7 +281,9 @@ class Finish:
     single_site: bool
     """Batches are ``[B, D]`` (else ``[B, n_sites, D]``)."""
     pin_memory: bool
+    """The buffers batches are cut from are pinned (registered with CUDA)."""
     device: torch.device | None
+    """Batches are moved there (``actstore.loader.device.to_device``); None: kept."""
     return_index: bool
 
 
@@ -268,7 +301,9 @@ class BufferSet:
     ``released`` (a DataLoader worker's, set by :class:`ActivationDataLoader`): the window
     pools are shared memory, batches cut from them are sent to the main process without a
     copy (:attr:`pool_storage`), and a pool is reused only once ``released[i]`` (counted by
-    the main process) catches up with :attr:`pool_sent` ``[i]``."""
+    the main process) catches up with :attr:`pool_sent` ``[i]``.
+    ``pinned``: the window pools and the buffers batches are assembled in are registered
+    with CUDA, so batches cut from them go to the GPU by DMA."""
 
     def __init__(
         self,
@@ -279,14 +314,16 @@ class BufferSet:
         out_dtype: torch.dtype,
         released: np.ndarray | None = None,
         pools: Buffers | None = None,
+        pinned: bool = False,
     ) -> None:
         shape = pool_shape(layout, pool_blocks)
+        allocate = _allocate_pinned if pinned else _allocate
         self.pool_storage: list[torch.Tensor] = []
         self.pool_sent = np.zeros(0 if released is None else len(released), dtype=np.int64)
         if pools is not None:  # given by the owner of the memory (``actstore serve``)
             self.pools = pools
         elif released is None:
-            self.pools = Buffers(shape, layout.dtype)
+            self.pools = Buffers(shape, layout.dtype, allocate=allocate)
         else:
             self.pools = Buffers(
                 shape,
@@ -297,9 +334,9 @@ class BufferSet:
         if pools is None:
             self.pools.reserve(2)  # a window being served and the next one being read
         row_shape = (batch_size, layout.n_sites, layout.d_model)
-        self.carry = Buffers(row_shape, layout.dtype)
+        self.carry = Buffers(row_shape, layout.dtype, allocate=allocate)
         self.stage = Buffers(row_shape, np.float32)
-        self.out = Buffers(row_shape, _NUMPY_STORAGE[out_dtype])
+        self.out = Buffers(row_shape, _NUMPY_STORAGE[out_dtype], allocate=allocate)
 
     def _allocate_shared(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A window pool in shared memory, its pages faulted in at once."""
@@ -520,7 +557,8 @@ class Consumer:
             prefetch()
 
     def _finish(self, rows: np.ndarray, ids: np.ndarray | None) -> Any:
-        """Rows ``[n, S, D]`` (a pool or carry view) -> the batch the user gets."""
+        """Rows ``[n, S, D]`` (a pool or carry view) -> the batch in host memory (the
+        loader moves it to ``finish.device``)."""
         fin, n = self.finish, len(rows)
         shape = (n, self.layout.d_model) if fin.single_site else rows.shape
         acts = torch.from_numpy(rows.reshape(shape))
@@ -541,16 +579,9 @@ class Consumer:
             if fin.out_dtype == torch.bfloat16:
                 target = target.view(torch.bfloat16)
             acts = target.copy_(acts)
-        if fin.pin_memory:
-            acts = acts.pin_memory()
-        if fin.device is not None:
-            acts = acts.to(fin.device, non_blocking=fin.pin_memory)
         if not fin.return_index:
             return acts
-        rows_t = torch.from_numpy(np.ascontiguousarray(ids))
-        if fin.device is not None:
-            rows_t = rows_t.to(fin.device, non_blocking=False)
-        return LoaderBatch(acts, rows_t)
+        return LoaderBatch(acts, torch.from_numpy(np.ascontiguousarray(ids)))
 
 
 def first_rows(blocks: Sequence[Block]) -> np.ndarray:

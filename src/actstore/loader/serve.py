@@ -47,16 +47,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..devicecopy import copies_for, try_pin
 from ..errors import ConfigError, ServeError
 from ..storage.lock import pid_alive
 from .dataset import OUT_DTYPES, ActivationLoader, LoaderConfig
+from .device import to_device
 from .pipeline import _NUMPY_STORAGE, Buffers, LoaderBatch, pool_shape
 
 log = logging.getLogger(__name__)
 
 MODES = ("broadcast", "partition")
 STATE_VERSION = 1
-_MAGIC = 0x6163747365727631  # "actserv1"
+_MAGIC = 0x6163747365727632  # "actserv2"
 # header fields of the control file (int64 each)
 (
     _H_MAGIC,
@@ -75,7 +77,7 @@ _MAGIC = 0x6163747365727631  # "actserv1"
     _H_POOL_WAIT,
 ) = range(14)
 _HEADER = 16
-_PER_CONSUMER = 2  # pid, cursor (oldest global batch still needed)
+_PER_CONSUMER = 3  # pid, cursor (oldest global batch still needed), next batch it asks for
 _PER_SLOT = 4  # global batch held, its rows, its window pool (-1: the slot), byte offset
 _POOLS = 3  # window pools shared with consumers: served, being read, one more for lag
 _TEXT_BYTES = 16384  # settings (JSON), then the failure message
@@ -181,6 +183,8 @@ class _Shared:
             self.ring_map = mmap.mmap(ring_fd, 0)
         finally:
             os.close(ring_fd)
+        #: the whole ring file (registered with CUDA by a consumer that moves batches there)
+        self.ring = np.frombuffer(self.ring_map, dtype=np.uint8)
         acts_bytes = self.batch * self.row * storage.itemsize
         # one array per slot (not views of one array): a slot is free once no batch
         # refers to its array, which reference counts tell (see Buffers)
@@ -228,7 +232,7 @@ class _Lock:
 def ring_bytes(loader: ActivationLoader, slots: int) -> int:
     """Shared memory of a ring of ``slots`` batches of ``loader`` (activations + row ids),
     plus the window pools it shares when its batches need no conversion."""
-    storage = np.dtype(_NUMPY_STORAGE[loader._finish.out_dtype])
+    storage = np.dtype(_NUMPY_STORAGE[loader.finish.out_dtype])
     acts_bytes = loader.batch_size * len(loader.sites) * loader.d_model * storage.itemsize
     at = _pools_at(slots, loader.batch_size, acts_bytes)
     return at + _POOLS * _pool_bytes(loader) if _zero_copy(loader) else at
@@ -243,7 +247,7 @@ def _pools_at(slots: int, batch: int, acts_bytes: int) -> int:
 def _zero_copy(loader: ActivationLoader) -> bool:
     """Whether the loader's batches are its windows' rows as stored (no dtype change or
     normalisation), so the server can share its windows instead of copying batches."""
-    finish = loader._finish
+    finish = loader.finish
     same = np.dtype(_NUMPY_STORAGE[finish.out_dtype]) == loader.layout.dtype
     return same and finish.shift is None and finish.scale is None
 
@@ -297,7 +301,7 @@ class Server:
             "single_site": loader.config.sites is None,
             "d_model": loader.d_model,
             "n_rows": loader.n_rows,
-            "fingerprint": loader._fingerprint(),
+            "fingerprint": loader.fingerprint(),
             "pools": _POOLS if _zero_copy(loader) else 0,
             "pool_bytes": _pool_bytes(loader),
         }
@@ -424,12 +428,22 @@ class Server:
         return last >= 0 and bool(((pids != 0) & (cursors <= last)).any())
 
     def _live(self, shared: _Shared) -> np.ndarray:
-        """Consumers whose process is registered and alive (gone ones are deregistered)."""
+        """Consumers whose process is registered and alive (gone ones are deregistered;
+        a warning names those that left before the end of what is served)."""
+        end = int(shared.words[_H_END])
         for c, pid in enumerate(shared.consumer[:, 0].tolist()):
             if pid and not pid_alive(pid):
                 with shared.lock():
                     if shared.consumer[c, 0] == pid:
-                        log.warning("consumer %d (pid %d) is gone", c, pid)
+                        finished = 0 <= end <= int(shared.consumer[c, 2])
+                        # a consumer that took its last batch and exited is a normal end
+                        log.log(
+                            logging.DEBUG if finished else logging.WARNING,
+                            "consumer %d (pid %d) is gone%s",
+                            c,
+                            pid,
+                            " after its last batch" if finished else "",
+                        )
                         shared.consumer[c, 0] = 0
         return shared.consumer[:, 0] != 0
 
@@ -459,9 +473,9 @@ class Server:
                     if g == end:
                         break
         words[_H_STATUS] = _FINISHED
-        while True:  # wait until every live consumer has moved past the last batch
+        while True:  # wait until every live consumer has received its last batch
             live = self._live(shared)
-            if not (live & (shared.consumer[:, 1] < g)).any():
+            if not (live & (shared.consumer[:, 2] < g)).any():
                 return
             time.sleep(0.01)
 
@@ -529,6 +543,9 @@ class ServedLoader:
 
     Batches are zero-copy views of the shared ring, valid for as long as you hold them; a
     consumer that holds ``slots`` batches at once stalls the server (an error says so).
+    With ``device="cuda"`` the ring is registered with CUDA once and each batch is copied
+    to the GPU on a side stream while the previous one is in use (see
+    :mod:`actstore.loader.device`); any other ``device``: copied there on a thread.
     ``state_dict()`` / ``load_state_dict()`` resume this consumer exactly, also with a
     restarted server (the server starts at the earliest position its consumers ask for).
     """
@@ -541,8 +558,13 @@ class ServedLoader:
         directory: str = "/dev/shm",
         return_index: bool = False,
         timeout_s: float = 60.0,
+        device: str | torch.device | None = None,
     ) -> None:
         self.name, self.consumer, self.return_index = name, int(consumer), return_index
+        self.device = None if device is None else torch.device(device)
+        cuda = self.device is not None and self.device.type == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' needs CUDA, which is not available")
         self.ctl_path, self.ring_path = _paths(directory, name)
         self.shared = self._attach(directory, timeout_s)
         words = self.shared.words
@@ -560,6 +582,8 @@ class ServedLoader:
             else (len(settings["sites"]), settings["d_model"])
         )
         self._bf16 = settings["dtype"] == "bfloat16"
+        if cuda:
+            try_pin(self.shared.ring)  # batches go to the GPU by DMA, with no staging copy
         self.epoch, self._batches = 0, 0
         self._registered = False
         # (global batch, its array, references to it when dropped) per batch handed out
@@ -656,7 +680,7 @@ class ServedLoader:
                         f"server {self.name!r} (it is at batch {produced}); restart the server "
                         "and its consumers from their saved states"
                     )
-            shared.consumer[c, 1] = g
+            shared.consumer[c, 1] = shared.consumer[c, 2] = g
             shared.consumer[c, 0] = os.getpid()
         self._registered = True
 
@@ -676,9 +700,24 @@ class ServedLoader:
         return self._generate(epoch)
 
     def _generate(self, epoch: int) -> Iterator[Any]:
+        batches = self._host_batches(epoch, self._batches)
+        if self.device is not None:  # the next batch's copy runs while this one is used
+            batches = to_device(batches, copies_for(self.device))
+        try:
+            for batch in batches:
+                self._batches += 1
+                yield batch
+                del batch
+        finally:
+            batches.close()
+        self._release(self._global(epoch + 1, 0))
+        self.epoch, self._batches = epoch + 1, 0
+
+    def _host_batches(self, epoch: int, start: int) -> Iterator[Any]:
+        """Batches ``start, start + 1, ...`` of ``epoch``, as views of the shared ring."""
         shared = self.shared
-        while self._batches < len(self):
-            g = self._global(epoch, self._batches)
+        for b in range(start, len(self)):
+            g = self._global(epoch, b)
             s = self._wait(g)
             n, pool = int(shared.slot[s, 1]), int(shared.slot[s, 2])
             if pool >= 0:  # rows of a server window, in place
@@ -692,14 +731,11 @@ class ServedLoader:
                 acts = acts.view(torch.bfloat16)
             self._held.append((g, view, idle))
             del view
-            self._batches += 1
             if self.return_index:
                 yield LoaderBatch(acts, torch.from_numpy(shared.ids[s, :n].copy()))
             else:
                 yield acts
             del acts
-        self._release(self._global(epoch + 1, 0))
-        self.epoch, self._batches = epoch + 1, 0
 
     def _release(self, upto: int) -> None:
         """Publish the oldest batch still needed: handed-out batches nobody refers to any
@@ -708,6 +744,7 @@ class ServedLoader:
         while held and sys.getrefcount(held[0][1]) == held[0][2]:
             held.popleft()
         shared.consumer[self.consumer, 1] = held[0][0] if held else upto
+        shared.consumer[self.consumer, 2] = upto
 
     def _wait(self, g: int) -> int:
         """Slot of batch ``g`` once the server has written it."""

@@ -70,6 +70,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda``, ``cuda:1``..."""
+    autocast: str | None = None
+    """``bfloat16``: run the SAE's forward pass and loss under ``torch.autocast`` in
+    bfloat16 (matmuls in bf16, parameters, optimiser and metrics in float32). None: fp32."""
     loader: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the shared loader (pool size, workers...)."""
 
@@ -85,6 +88,8 @@ class TrainConfig:
             raise ConfigError("lr must be > 0, l1_coeff and warmup_steps >= 0")
         if not 0 <= self.decay_fraction <= 1:
             raise ConfigError(f"decay_fraction must be in [0, 1], not {self.decay_fraction}")
+        if self.autocast not in (None, "bfloat16"):
+            raise ConfigError(f"autocast must be None or 'bfloat16', not {self.autocast!r}")
 
     def sae_config(self, d_model: int) -> SAEConfig:
         return SAEConfig(d_model=d_model, d_sae=self.expansion * d_model, kind=self.kind, k=self.k)
@@ -163,14 +168,18 @@ def train_sae(
         **bar_switch(progress),
         dynamic_ncols=True,
     )
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=config.autocast == "bfloat16"
+    )
     with bar:
         for batch in batches:
-            x_n = sae.normalise(batch.to(device, torch.float32, non_blocking=True))
-            f = sae.encode_normalised(x_n)
-            x_hat = sae.decode_normalised(f)
-            loss = (x_n - x_hat).square().sum(-1).mean() / d_model
-            if config.kind == "relu":
-                loss = loss + config.l1_coeff * f.sum(-1).mean() / d_model
+            with autocast:
+                x_n = sae.normalise(batch.to(device, torch.float32, non_blocking=True))
+                f = sae.encode_normalised(x_n)
+                x_hat = sae.decode_normalised(f)
+                loss = (x_n - x_hat).float().square().sum(-1).mean() / d_model
+                if config.kind == "relu":
+                    loss = loss + config.l1_coeff * f.float().sum(-1).mean() / d_model
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
             sae.remove_parallel_grad()

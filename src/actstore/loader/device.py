@@ -1,0 +1,58 @@
+"""Batches onto the training device while the trainer works on the previous one.
+
+:func:`to_device` takes host batches (tensors, or :class:`~actstore.loader.LoaderBatch`)
+and yields them on the device. The copy of the next batch is started on a side stream
+(:class:`~actstore.devicecopy.CudaCopies`) before the current one is handed out, so it
+runs while the trainer computes; the trainer's stream waits for a batch's copy only when
+it uses the batch, and the host never waits except to let go of a batch's host memory
+once its copy is finished (usually long before). Host batches that lie in pinned memory
+(the loader's window pools, workers' shared memory and the ``serve`` ring, registered
+with :func:`~actstore.devicecopy.pin`) are copied by DMA with no staging copy.
+
+At most two batches are held in host memory at once, and a host batch is released only
+after its copy finished, so a window pool is never reused under a copy.
+
+Example:
+    >>> for acts in to_device(ActivationLoader(store, site=6), copies_for("cuda")):  # doctest: +SKIP
+    ...     loss = sae.step(acts)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+import torch
+
+from ..devicecopy import Copies, Transfer
+from .pipeline import LoaderBatch
+
+Item = TypeVar("Item", torch.Tensor, LoaderBatch)
+
+
+def _start(item: torch.Tensor | LoaderBatch, copies: Copies) -> tuple[Transfer, bool]:
+    if isinstance(item, LoaderBatch):
+        return copies.to_device([item.acts, item.rows]), True
+    return copies.to_device([item]), False
+
+
+def to_device(batches: Iterable[Item], copies: Copies) -> Iterator[Item]:
+    """``batches`` on ``copies.device``, in order, one copy running ahead; closes
+    ``copies`` when done."""
+    source = iter(batches)
+    try:
+        item = next(source, None)
+        pending = None if item is None else _start(item, copies)
+        del item
+        while pending is not None:
+            transfer, indexed = pending
+            transfer.wait()  # its host rows may be reused from now on
+            item = next(source, None)
+            pending = None if item is None else _start(item, copies)
+            del item
+            out = transfer.use()
+            del transfer
+            yield LoaderBatch(out[0], out[1]) if indexed else out[0]  # type: ignore[misc]
+            del out
+    finally:
+        copies.close()
