@@ -46,6 +46,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -155,15 +156,23 @@ class FileEntry:
             return max(1, math.ceil(self.size / self.unit))
         return 1
 
-    def bounds(self) -> list[tuple[int, int]]:
-        """``(offset, length)`` of every block, in order."""
+    def bounds(self, first: int = 0, count: int | None = None) -> list[tuple[int, int]]:
+        """``(offset, length)`` of blocks ``first .. first + count - 1`` (default: all), in
+        order; O(count), so a read of a few blocks of a large file costs a few tuples."""
+        stop = self.n_blocks if count is None else min(first + count, self.n_blocks)
         if self.ranges is not None:
-            return [tuple(r) for r in self.ranges]  # type: ignore[misc]
+            return list(self.ranges[first:stop])
         if self.unit:
             return [
-                (o, min(self.unit, self.size - o)) for o in range(0, max(self.size, 1), self.unit)
+                (o, min(self.unit, self.size - o))
+                for o in range(first * self.unit, stop * self.unit, self.unit)
             ]
-        return [(0, self.size)]
+        return [(0, self.size)][first:stop]
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """Start offsets of the explicit :attr:`ranges` (computed once per entry)."""
+        return np.array([o for o, _ in self.ranges or ()], dtype=np.int64)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"size": self.size, "digest": self.digest}
@@ -771,12 +780,10 @@ class Integrity:
         entry = self._require(name)
         end = offset + length
         if entry.ranges is not None:
-            starts = [o for o, _ in entry.ranges]
-            i = _index_of(starts, offset)
-            j = i
-            while j < len(entry.ranges) and sum(entry.ranges[j]) < end:
-                j += 1
-            if i is None or j >= len(entry.ranges) or sum(entry.ranges[j]) != end:
+            starts = entry.starts
+            i = int(np.searchsorted(starts, offset))
+            j = int(np.searchsorted(starts, end)) - 1 if length else i
+            if i >= len(starts) or starts[i] != offset or j < i or sum(entry.ranges[j]) != end:
                 raise CorruptStoreError(
                     f"{self.files.url_of(name)}: bytes {offset}-{end} are not whole blocks"
                 )
@@ -798,14 +805,14 @@ class Integrity:
         view = memoryview(data).cast("B")
         first, count = self.block_index(name, offset, len(view))
         entry = self._require(name)
-        bounds = [(o - offset, n) for o, n in entry.bounds()[first : first + count]]
+        bounds = [(o - offset, n) for o, n in entry.bounds(first, count)]
         want = self.digests(name)[first : first + count]
         keys = block_keys(self.manifest.store_id, name, first, count)  # type: ignore[union-attr]
         got = digest_ranges(view, bounds, keys)
         bad = np.flatnonzero(got != want)
         if len(bad):
             block = first + int(bad[0])
-            o, n = entry.bounds()[block]
+            ((o, n),) = entry.bounds(block, 1)
             raise CorruptStoreError(
                 f"{self.files.url_of(name)}: block {block} (bytes {o}-{o + n}) is not the "
                 "block published there (changed, damaged, moved or from another store); "
@@ -901,13 +908,6 @@ class Integrity:
         for i in range(b, len(bounds)):  # the file ended early (reported by size)
             out[i] = 0
         return out
-
-
-def _index_of(starts: list[int], offset: int) -> int | None:
-    import bisect
-
-    i = bisect.bisect_left(starts, offset)
-    return i if i < len(starts) and starts[i] == offset else None
 
 
 _WARNED: set[str] = set()
