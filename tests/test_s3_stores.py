@@ -217,12 +217,21 @@ def test_cp_both_ways_publishes_last_resumes_and_verifies(s3, saev_local, tmp_pa
     copy_store(url, back, part_bytes=5 << 20)
     for name in names:
         assert (back / name).read_bytes() == (local / name).read_bytes()
-    # A same-sized but different file at the destination is skipped, then caught.
+    # A same-sized but different file at the destination is found by content and replaced,
+    # in both directions; the rest is kept.
     damaged = bytearray((back / "acts000001.bin").read_bytes())
     damaged[100] ^= 1
     (back / "acts000001.bin").write_bytes(bytes(damaged))
-    with pytest.raises(CorruptStoreError, match="acts000001.bin: 1 block.s. differ from the manif"):
-        copy_store(url, back, check_store=verify_store)
+    again = copy_store(url, back, check_store=verify_store)
+    assert (again.copied, again.skipped) == (1, len(names) - 1)
+    assert f"{len(names) - 1} files already there matched by content" in again.verified
+    assert (back / "acts000001.bin").read_bytes() == (local / "acts000001.bin").read_bytes()
+    key = f"copy/{local.name}/acts000002.bin"
+    zeros = bytes(len((local / "acts000002.bin").read_bytes()))
+    s3.client().put_object(Bucket=s3.bucket, Key=key, Body=zeros)  # same size, all zero
+    again = copy_store(local, url, check_store=verify_store)
+    assert (again.copied, again.skipped) == (1, len(names) - 1)
+    assert open_files(url).read_bytes("acts000002.bin") == (local / "acts000002.bin").read_bytes()
 
 
 def test_cp_multipart_upload_carries_the_etags_of_the_bytes_sent(s3, tmp_path):

@@ -31,6 +31,8 @@ def cp(
       actstore cp actstore-data/3f1c0e s3://bucket/acts/3f1c0e
       actstore cp s3://bucket/acts/3f1c0e /scratch/3f1c0e
     """
+    from functools import partial
+
     from tqdm.auto import tqdm
 
     from ..formats import available_formats, verify_store
@@ -51,7 +53,7 @@ def cp(
             part_bytes=part_mb * MiB,
             verify=verify,
             progress=bar.update,
-            check_store=verify_store,
+            check_store=partial(verify_store, foreign_ok=True),
             # every format's index, then the root manifest: DST opens only once it is whole
             last=[
                 *sorted({name for spec in available_formats() for name in spec.manifests}),

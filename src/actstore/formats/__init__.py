@@ -22,10 +22,11 @@ def open_store(location: str | os.PathLike | Location, **kwargs: Any) -> ReaderB
     return detect_format(location).open_reader(location, **kwargs)
 
 
-def verify_store(location: str | os.PathLike | Location) -> str:
+def verify_store(location: str | os.PathLike | Location, *, foreign_ok: bool = False) -> str:
     """Open the store at ``location`` and run its full ``verify()``; raise
     :class:`~actstore.errors.CorruptStoreError` listing the faults, else say what was
-    checked (what ``actstore cp`` runs on a copy's destination)."""
+    checked (what ``actstore cp`` runs on a copy). ``foreign_ok``: a store another tool
+    wrote (no root manifest) passes on its format's own checks, and the report says so."""
     from ..errors import CorruptStoreError
 
     reader = open_store(location)
@@ -33,7 +34,10 @@ def verify_store(location: str | os.PathLike | Location) -> str:
         report = reader.verify()
     finally:
         reader.close()
-    if not report.ok:
+    foreign = reader.checks.manifest is None
+    if foreign and foreign_ok:
+        report.faults[:] = [f for f in report.faults if not f.startswith("no root manifest")]
+    if report.faults:
         raise CorruptStoreError(
             f"{location} fails verification: {'; '.join(report.faults[:5])}"
             + (f" (and {len(report.faults) - 5} more)" if len(report.faults) > 5 else "")
@@ -41,6 +45,7 @@ def verify_store(location: str | os.PathLike | Location) -> str:
     return (
         f"{type(reader).__name__}.verify() of {location}: {report.files_checked} files, "
         f"{report.bytes_checked} bytes checked"
+        + (" (written by another tool: no root manifest, its format's checks only)" * foreign)
     )
 
 

@@ -37,10 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFoundError
 from ..faults import point
 from .files import StoreFiles, open_files
-from .local import atomic_write_bytes, fsync_dir
+from .local import IO_CHUNK, atomic_write_bytes, fsync_dir
 from .manifest import MANIFEST
 from .object import LocalStore, MiB, S3Config, S3Store, is_internal, join_key, open_location
 
@@ -110,8 +112,14 @@ def copy_store(
     if str(src).rstrip("/") == str(dst).rstrip("/"):
         raise ConfigError("source and destination are the same location")
     base = prefix.rstrip("/") + "/" if prefix else ""
-    present = {o.key[len(base) :]: o.size for o in store.list(base)}
-    todo = [n for n in listing if present.get(n) != listing[n]]
+    landed = {o.key[len(base) :]: o for o in store.list(base)}
+    todo = [n for n in listing if n not in landed or landed[n].size != listing[n]]
+    trusted = ""
+    if verify:  # a file already there with the right size is kept only if its bytes match
+        kept = [n for n in listing if n not in todo]
+        versions = {n: landed[n].version for n in kept}
+        stale, trusted = _stale(source, open_files(dst, s3=s3, cache=False), kept, versions)
+        todo += stale
     # the index files, then the root manifest, last and in that order: the destination is
     # openable only once everything is in
     rank = {name: i for i, name in enumerate(last)}
@@ -126,7 +134,7 @@ def copy_store(
     verified = "not verified (--no-verify)"
     if verify:
         etags = {**(sent or {}), **copier.etags}
-        verified = _verify(source, store, prefix, listing, etags, check_store)
+        verified = _verify(source, store, prefix, listing, etags, check_store) + trusted
     return CopyReport(
         files=len(listing),
         copied=len(todo),
@@ -410,6 +418,48 @@ def multipart_etag(path: str | os.PathLike, etag: str) -> str:
     return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
 
 
+def _content_tag(files: StoreFiles, name: str, like: str) -> str:
+    """What identifies the bytes of ``name`` in ``files`` comparably with ``like``: the S3
+    ETag they would have when ``like`` is one (uploaded in the same number of parts), else
+    their xxh3-128."""
+    if files.local_path is None:
+        return files.version(name).strip('"')
+    path = files.local_path / name
+    if like and len(like.rpartition("-")[0] or like) == 32:  # an MD5-based ETag
+        return multipart_etag(path, like)
+    hasher = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(IO_CHUNK):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _stale(
+    source: StoreFiles, dest: StoreFiles, names: list[str], versions: dict[str, str]
+) -> tuple[list[str], str]:
+    """Which of ``names``, already at the destination with the source's size, hold other
+    bytes (an interrupted copy, a stale or forged object): compared by content, not size.
+    Returns them and a note for the report."""
+    if not names:
+        return [], ""
+    if source.local_path is None and dest.local_path is None:
+        return [], f"; {len(names)} files already there compared by size only (both remote)"
+    stale = []
+    for name in names:
+        if dest.local_path is not None and source.local_path is not None:
+            same = _content_tag(source, name, "") == _content_tag(dest, name, "")
+        elif dest.local_path is None:  # upload: the object's ETag against the local bytes
+            theirs = versions[name].strip('"')
+            same = bool(theirs) and _content_tag(source, name, theirs) == theirs
+        else:  # download: the local bytes against the source object's ETag
+            theirs = source.version(name).strip('"')
+            same = bool(theirs) and _content_tag(dest, name, theirs) == theirs
+        if not same:
+            log.warning("%s at the destination holds other bytes than the source; copying it", name)
+            stale.append(name)
+    return stale, f"; {len(names) - len(stale)} files already there matched by content"
+
+
 def _verify(
     source: StoreFiles,
     store: Any,
@@ -440,11 +490,11 @@ def _verify(
     done = f"{len(listing)} sizes"
     if isinstance(store, S3Store):
         done += f", {len(etags)} ETags"
-    local = source.url if source.local_path is not None else None
-    if isinstance(store, LocalStore):
-        local = store.url(prefix)
-    if local is None:
-        return done + " (both sides remote: no format checksums read)"
     if check_store is None:
         return done
-    return done + ", " + check_store(local)
+    # the destination's own checks on local disk; for an upload, the source's (its ETags
+    # match the bytes checked); both remote: the destination's, read back
+    checked = source.url if source.local_path is not None else store.url(prefix)
+    if isinstance(store, LocalStore):
+        checked = store.url(prefix)
+    return done + ", " + check_store(checked)
