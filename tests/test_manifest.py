@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.storage.files import open_files
+from actstore.storage.integrity import Integrity
 from actstore.storage.manifest import (
     BLOCKS,
     KEY_ENV,
     MANIFEST,
     FileEntry,
-    Integrity,
     ManifestBuilder,
     RootManifest,
     hash_ranges,

@@ -16,7 +16,7 @@ from test_saev_store import T, make_acts, write_store
 from typer.testing import CliRunner
 
 from actstore.cli import app
-from actstore.errors import CorruptStoreError, StoreNotFoundError
+from actstore.errors import StoreNotFoundError
 from actstore.formats import open_store, verify_store
 from actstore.formats.pickle import PickleReader
 from actstore.formats.saev import SaevReader

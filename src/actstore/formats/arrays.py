@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..storage.files import StoreFiles
-from ..storage.manifest import Integrity
+from ..storage.integrity import Integrity
 
 
 class LazyRows:

@@ -37,8 +37,8 @@ import numpy as np
 
 from ..errors import ConfigError, IndexOutOfRangeError, LayerNotStoredError
 from ..sites import Site
+from ..storage.integrity import Integrity
 from ..storage.location import Location
-from ..storage.manifest import Integrity
 
 if TYPE_CHECKING:
     import os

@@ -344,7 +344,7 @@ class ShardedWriter(FormatWriter):
     def _check_published(self) -> None:
         """``final`` holds a store: ours with this record (complete), or refuse."""
         from ..storage.files import LocalFiles
-        from ..storage.manifest import Integrity
+        from ..storage.integrity import Integrity
 
         try:
             checks = Integrity.open(LocalFiles(self.final))
@@ -872,7 +872,7 @@ def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -
 
 def _part_checks(part: Path):
     from ..storage.files import LocalFiles
-    from ..storage.manifest import Integrity
+    from ..storage.integrity import Integrity
 
     return Integrity.open(LocalFiles(part))
 

@@ -12,26 +12,17 @@ renamed or swapped, or a file
 copied in from another store fails exactly like a flipped byte. A file's digest is the
 xxh3-128 of its block digests, so one sequential pass checks both.
 
-:class:`Integrity` is the read side: opened with the store's files it checks, without
-reading data, that the manifest is whole (its own digest, and an HMAC when
-``ACTSTORE_MANIFEST_KEY`` is set), that the listing matches it (sizes, nothing missing,
-nothing extra, no symlinks) and, when a reader reads its metadata through
-:meth:`Integrity.read_bytes`/:meth:`~Integrity.read_json`, that each metadata file is the one
-published. Readers then pass every range they read to :meth:`Integrity.check`.
 :class:`ManifestBuilder` is the write side, fed by :class:`BlockHasher` as files are
-written.
+written; :class:`~actstore.storage.integrity.Integrity` is the read side.
 
 Example:
     >>> import tempfile, pathlib
-    >>> from actstore.storage.files import open_files
     >>> d = pathlib.Path(tempfile.mkdtemp())
     >>> _ = (d / "data.bin").write_bytes(bytes(range(256)) * 16)
     >>> builder = ManifestBuilder(format="doc", store_id=store_id_of({"a": 1}), record={"a": 1})
     >>> builder.add_file(d, "data.bin", unit=1024)
     >>> builder.write(d, summary={"rows": 4})
-    >>> checks = Integrity.open(open_files(d))
-    >>> checks.check("data.bin", 1024, (d / "data.bin").read_bytes()[1024:2048])
-    >>> sorted(checks.manifest.files)
+    >>> sorted(RootManifest.from_bytes((d / MANIFEST).read_bytes(), MANIFEST).files)
     ['data.bin']
 """
 
@@ -43,22 +34,18 @@ import json
 import logging
 import math
 import os
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import xxhash
 
 from .._version import __version__
-from ..errors import CorruptStoreError, StoreNotFoundError
+from ..errors import CorruptStoreError
 from .local import IO_CHUNK, atomic_write_bytes
-
-if TYPE_CHECKING:
-    from .files import StoreFiles
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +57,7 @@ OWN_FILES = (MANIFEST, BLOCKS)
 KEY_ENV = "ACTSTORE_MANIFEST_KEY"
 VERSION = 1
 
-_MAGIC = b"ACTBLK\x00\x01"
+BLOCKS_MAGIC = b"ACTBLK\x00\x01"
 WHOLE_BLOCKS_BYTES = 64 << 20
 """Largest ``actstore-blocks.bin`` a reader loads whole on first use (8 bytes per block)."""
 
@@ -310,7 +297,7 @@ def manifest_key() -> bytes | None:
 # ---------------------------------------------------------------------- writing
 
 
-class _KeyedHasher:
+class KeyedHasher:
     """Streaming xxh3-64 of one block, keyed at the end."""
 
     def __init__(self, key: int) -> None:
@@ -338,7 +325,7 @@ class BlockHasher:
         self._fill = 0
 
     def _hasher(self, index: int) -> Any:
-        return _KeyedHasher(int(block_keys(self.store_id, self.name, index, 1)[0]))
+        return KeyedHasher(int(block_keys(self.store_id, self.name, index, 1)[0]))
 
     def update(self, data: bytes | memoryview | np.ndarray) -> None:
         view = memoryview(data).cast("B")
@@ -504,7 +491,7 @@ class ManifestBuilder:
     def build(self, *, summary: dict[str, Any]) -> tuple[bytes, bytes | None]:
         """The manifest's bytes and the blocks file's (None when every file is one block),
         for a store written through an object store."""
-        files, blob, at = {}, [_MAGIC], 0
+        files, blob, at = {}, [BLOCKS_MAGIC], 0
         for name in sorted(self.files):
             entry, digests = self.files[name], self._digests[name]
             if entry.at >= 0:
@@ -517,7 +504,7 @@ class ManifestBuilder:
             format=self.format,
             store_id=self.store_id,
             record=self.record,
-            summary=_jsonable(summary),
+            summary=jsonable(summary),
             files=files,
             blocks="" if data is None else xxhash.xxh3_128_hexdigest(data),
             skip=dict(self.skip),
@@ -543,401 +530,24 @@ def skipped(name: str, skip: Iterable[str]) -> str:
     return next((s for s in skip if (folder + "/").startswith(s)), "")
 
 
-def _jsonable(doc: Any) -> Any:
+def jsonable(doc: Any) -> Any:
     return json.loads(json.dumps(doc, default=str))
-
-
-# ---------------------------------------------------------------------- reading
-
-
-class Integrity:
-    """A store's checks against its root manifest, for a reader (see the module doc).
-
-    ``manifest`` is None for a store without one: a foreign store (read unverified after
-    one warning) or, with ``verify_reads=False``, any store. Picklable: digests reload per
-    process.
-    """
-
-    def __init__(self, files: StoreFiles, manifest: RootManifest | None, *, enabled: bool) -> None:
-        self.files = files
-        self.manifest = manifest
-        self.enabled = enabled and manifest is not None
-        self._digests: dict[str, np.ndarray] = {}
-        self._all: np.ndarray | None = None
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_digests": {}, "_all": None, "_lock": None}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    @classmethod
-    def open(
-        cls,
-        files: StoreFiles,
-        *,
-        ours: bool = True,
-        verify_reads: bool = True,
-        format: str | None = None,
-    ) -> Integrity:
-        """Load and check the manifest of the store ``files`` holds, and its listing.
-
-        ``ours``: the store says actstore wrote it, so a missing manifest is an error
-        (unless ``verify_reads=False``); otherwise one warning and unverified reads."""
-        outside = files.outside_links()
-        if outside:
-            raise CorruptStoreError(
-                f"{files.url_of(outside[0])} is a symlink out of the store; a store's files must "
-                "lie inside it: copy the file in or re-create the store"
-            )
-        if files.size(MANIFEST) is None:
-            if ours and verify_reads:
-                raise CorruptStoreError(
-                    f"{files.url} was written by actstore but its root manifest ({MANIFEST}) "
-                    "is missing: its contents cannot be checked. Restore the file or "
-                    "re-create the store; open it with verify_reads=False to read it unchecked"
-                )
-            if verify_reads:
-                _warn_once(
-                    files.url,
-                    f"{files.url} has no actstore manifest (written by another tool): its "
-                    "contents cannot be verified",
-                )
-            return cls(files, None, enabled=False)
-        manifest = RootManifest.from_bytes(files.read_bytes(MANIFEST), files.url_of(MANIFEST))
-        if format is not None and manifest.format != format:
-            raise CorruptStoreError(
-                f"{files.url_of(MANIFEST)} describes a {manifest.format} store, but the files "
-                f"are a {format} store: the manifest belongs to another store"
-            )
-        checks = cls(files, manifest, enabled=verify_reads)
-        if verify_reads:
-            problems = checks.listing_faults()
-            missing = [p for p in problems if p.endswith((" is missing", " are missing"))]
-            if missing:
-                raise StoreNotFoundError(
-                    f"{files.url}: {missing[0]}"
-                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                    + "; restore it, finish the copy (actstore cp) or re-create the store"
-                )
-            if problems:
-                raise CorruptStoreError(
-                    f"{files.url} does not match its root manifest: {problems[0]}"
-                    + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
-                    + "; run actstore verify for the full list, restore the files or re-create it"
-                )
-        return checks
-
-    # ------------------------------------------------------------------ open checks
-
-    def listing_faults(self) -> list[str]:
-        """Differences between the files present and the manifest: missing, extra, wrong
-        size, symlinks (O(files), no data read)."""
-        m = self.manifest
-        if m is None:
-            return []
-        faults = [f"{name} is a symlink" for name in self.files.symlinks()]
-        present: dict[str, int] = {}
-        counted = {folder: [0, 0] for folder in m.skip}
-        for n, s in self.files.list().items():
-            folder = skipped(n, m.skip)
-            if folder:
-                counted[folder][0] += 1
-                counted[folder][1] += s
-            elif n not in OWN_FILES and not any(n.startswith(f) for f in m.nested):
-                present[n] = s
-        for folder, (count, size) in m.skip.items():
-            got, got_bytes = counted[folder]
-            if got < count:
-                faults.append(
-                    f"{folder.rstrip('/')} holds {got} of the {count} chunk files: "
-                    f"{count - got} {'is' if count - got == 1 else 'are'} missing"
-                )
-            elif (got, got_bytes) != (count, size):
-                faults.append(
-                    f"{folder.rstrip('/')} holds {got} chunk files of {got_bytes} bytes, the "
-                    f"manifest says {count} of {size}"
-                )
-        for name, entry in m.files.items():
-            size = present.get(name)
-            if size is None:
-                faults.append(f"{name} is missing")
-            elif size != entry.size:
-                faults.append(f"{name} has {size} bytes, the manifest says {entry.size}")
-        faults += [
-            f"{name} is not listed in the manifest" for name in sorted(set(present) - set(m.files))
-        ]
-        if m.blocks and self.files.size(BLOCKS) is None:
-            faults.append(f"{BLOCKS} is missing")
-        return faults
-
-    def small_file_faults(self, max_bytes: int = 1 << 20) -> list[str]:
-        """The one-block files up to ``max_bytes`` (metadata and indexes) whose bytes differ
-        from the manifest: a cheap check of everything but the data."""
-        faults = []
-        for name, entry in (self.manifest.files if self.manifest else {}).items():
-            if entry.at >= 0 or entry.size > max_bytes:
-                continue
-            try:
-                data = self.files.read_bytes(name)
-                keys = block_keys(self.manifest.store_id, name, 0, 1)  # type: ignore[union-attr]
-                if digest_ranges(memoryview(data), [(0, len(data))], keys)[0] != int(
-                    entry.single, 16
-                ):
-                    faults.append(f"{name} differs from the manifest (edited)")
-            except (CorruptStoreError, StoreNotFoundError) as err:
-                faults.append(str(err))
-        return faults
-
-    def check_summary(self, summary: dict[str, Any]) -> None:
-        """Raise unless what a reader parsed from metadata equals what was published."""
-        if not self.enabled:
-            return
-        got, want = _jsonable(summary), self.manifest.summary  # type: ignore[union-attr]
-        if got != want:
-            keys = sorted(k for k in {*got, *want} if got.get(k) != want.get(k))
-            raise CorruptStoreError(
-                f"{self.files.url}: the metadata reads differently from what was published "
-                f"({', '.join(f'{k}: {got.get(k)!r}, published {want.get(k)!r}' for k in keys[:3])}): "
-                "metadata files were edited; restore them or re-create the store"
-            )
-
-    # ------------------------------------------------------------------ checked reads
-
-    def entry(self, name: str) -> FileEntry | None:
-        return None if self.manifest is None else self.manifest.files.get(name)
-
-    def read_bytes(self, name: str) -> bytes:
-        """The whole of file ``name``, checked."""
-        data = self.files.read_bytes(name)
-        self.check(name, 0, data)
-        return data
-
-    def read_json(self, name: str) -> Any:
-        """File ``name`` parsed as JSON, checked before it is parsed."""
-        data = self.read_bytes(name)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CorruptStoreError(
-                f"{self.files.url_of(name)} is not valid JSON ({err}); the store is damaged: "
-                "restore this file or re-create the store"
-            ) from err
-
-    def digests(self, name: str) -> np.ndarray:
-        """The block digests of ``name`` (loaded once, checked against its file digest)."""
-        found = self._digests.get(name)
-        if found is not None:
-            return found
-        entry = self._require(name)
-        if entry.at < 0:
-            digests = np.array([int(entry.single, 16)], dtype="<u8")
-        else:
-            n = entry.n_blocks
-            every = self._every_digest()
-            if every is not None:
-                digests = every[entry.at : entry.at + n]
-            else:
-                raw = self.files.read_range(BLOCKS, len(_MAGIC) + 8 * entry.at, 8 * n, cache=False)
-                digests = np.frombuffer(bytes(raw), dtype="<u8")
-            if len(digests) != n or file_digest(digests) != entry.digest:
-                raise CorruptStoreError(
-                    f"{self.files.url_of(BLOCKS)}: the block digests of {name} do not match the "
-                    "manifest; restore the file or re-create the store"
-                )
-        with self._lock:
-            return self._digests.setdefault(name, digests)
-
-    def _every_digest(self) -> np.ndarray | None:
-        """All of ``actstore-blocks.bin`` (one read, checked whole) when it is at most
-        ``WHOLE_BLOCKS_BYTES``: one request on object storage instead of one per file."""
-        if self._all is None:
-            size = self.files.size(BLOCKS) or 0
-            if size > WHOLE_BLOCKS_BYTES:
-                return None
-            data = bytes(self.files.read_range(BLOCKS, 0, size, cache=False))
-            if xxhash.xxh3_128_hexdigest(data) != self.manifest.blocks:  # type: ignore[union-attr]
-                raise CorruptStoreError(
-                    f"{self.files.url_of(BLOCKS)} does not match the root manifest; restore it "
-                    "or re-create the store"
-                )
-            self._all = np.frombuffer(data, dtype="<u8", offset=len(_MAGIC))
-        return self._all
-
-    def _require(self, name: str) -> FileEntry:
-        entry = self.entry(name)
-        if entry is None:
-            raise CorruptStoreError(
-                f"{self.files.url_of(name)} is not listed in the store's root manifest; "
-                "restore the store or re-create it"
-            )
-        return entry
-
-    def block_index(self, name: str, offset: int, length: int) -> tuple[int, int]:
-        """``(first, count)`` of the blocks exactly covering bytes ``[offset, offset+length)``."""
-        entry = self._require(name)
-        end = offset + length
-        if entry.ranges is not None:
-            starts = entry.starts
-            i = int(np.searchsorted(starts, offset))
-            j = int(np.searchsorted(starts, end)) - 1 if length else i
-            if i >= len(starts) or starts[i] != offset or j < i or sum(entry.ranges[j]) != end:
-                raise CorruptStoreError(
-                    f"{self.files.url_of(name)}: bytes {offset}-{end} are not whole blocks"
-                )
-            return i, j - i + 1
-        unit = entry.unit or max(entry.size, 1)
-        first, misaligned = divmod(offset, unit)
-        if misaligned or (end % unit and end != entry.size) or end > entry.size:
-            raise CorruptStoreError(
-                f"{self.files.url_of(name)}: bytes {offset}-{end} are not whole blocks of "
-                f"{unit} bytes within its {entry.size} bytes"
-            )
-        return first, max(1, math.ceil((end - offset) / unit)) if length else 0
-
-    def check(self, name: str, offset: int, data: bytes | memoryview | np.ndarray) -> None:
-        """Raise :class:`CorruptStoreError` unless ``data``, read from ``name`` at byte
-        ``offset``, is exactly the published bytes of the blocks it covers."""
-        if not self.enabled:
-            return
-        view = memoryview(data).cast("B")
-        first, count = self.block_index(name, offset, len(view))
-        entry = self._require(name)
-        bounds = [(o - offset, n) for o, n in entry.bounds(first, count)]
-        want = self.digests(name)[first : first + count]
-        keys = block_keys(self.manifest.store_id, name, first, count)  # type: ignore[union-attr]
-        got = digest_ranges(view, bounds, keys)
-        bad = np.flatnonzero(got != want)
-        if len(bad):
-            block = first + int(bad[0])
-            ((o, n),) = entry.bounds(block, 1)
-            raise CorruptStoreError(
-                f"{self.files.url_of(name)}: block {block} (bytes {o}-{o + n}) is not the "
-                "block published there (changed, damaged, moved or from another store); "
-                "restore the file or re-create the store (verify_reads=False reads it anyway)"
-            )
-
-    def block_bounds(self, name: str) -> list[tuple[int, int]]:
-        return self._require(name).bounds()
-
-    # ------------------------------------------------------------------ full verify
-
-    def verify(
-        self,
-        faults: list[str],
-        *,
-        progress: Callable[[int], None] | None = None,
-        on_chunk: Callable[[str, int, memoryview], None] | None = None,
-    ) -> tuple[int, int]:
-        """Check every byte of every listed file (one sequential read each) and the listing;
-        append every fault found to ``faults``. ``on_chunk(name, offset, bytes)`` sees the
-        data as it passes (formats scan values there). Returns (files, bytes) checked."""
-        m = self.manifest
-        if m is None:
-            faults.append(
-                f"no root manifest ({MANIFEST}): the contents cannot be verified (deleted, or "
-                "a store written by another tool)"
-            )
-            return 0, 0
-        faults += self.listing_faults()
-        n_files, n_bytes = 1, self.files.size(MANIFEST) or 0  # the manifest checked itself
-        if m.blocks and self.files.size(BLOCKS) is not None:
-            data = self.files.read_bytes(BLOCKS)
-            n_files, n_bytes = n_files + 1, n_bytes + len(data)
-            if xxhash.xxh3_128_hexdigest(data) != m.blocks:
-                faults.append(f"{BLOCKS} does not match the manifest (damaged)")
-        for name, entry in sorted(m.files.items()):
-            size = self.files.size(name)
-            if size is None or size != entry.size:
-                continue  # reported by listing_faults
-            try:
-                want = self.digests(name)
-            except CorruptStoreError as err:
-                faults.append(str(err))
-                continue
-            got = self._scan(name, entry, progress, on_chunk)
-            n_files += 1
-            n_bytes += size
-            if file_digest(got) != entry.digest or not np.array_equal(got, want):
-                bad = np.flatnonzero(got != want) if len(got) == len(want) else [0]
-                first = int(bad[0]) if len(bad) else 0
-                o, n = entry.bounds()[first]
-                faults.append(
-                    f"{name}: {len(bad)} block(s) differ from the manifest, first block {first} "
-                    f"(bytes {o}-{o + n}): the file was changed, damaged or replaced"
-                )
-        return n_files, n_bytes
-
-    def _scan(
-        self,
-        name: str,
-        entry: FileEntry,
-        progress: Callable[[int], None] | None,
-        on_chunk: Callable[[str, int, memoryview], None] | None,
-    ) -> np.ndarray:
-        """Block digests of ``name`` recomputed from one sequential read."""
-        bounds = entry.bounds()
-        keys = block_keys(self.manifest.store_id, name, 0, len(bounds))  # type: ignore[union-attr]
-        out = np.empty(len(bounds), dtype="<u8")
-        hashers = [None] * len(bounds)
-        pos, b = 0, 0
-        for chunk in self.files.iter_chunks(name) if entry.size else [memoryview(b"")]:
-            if on_chunk is not None:
-                on_chunk(name, pos, chunk)
-            end = pos + len(chunk)
-            while b < len(bounds):
-                o, n = bounds[b]
-                if o >= end and n:
-                    break
-                h = hashers[b] or _KeyedHasher(int(keys[b]))
-                lo, hi = max(o, pos), min(o + n, end)
-                if hi > lo:
-                    h.update(chunk[lo - pos : hi - pos])
-                if o + n <= end:
-                    out[b] = h.intdigest()
-                    hashers[b] = None
-                    b += 1
-                else:
-                    hashers[b] = h
-                    break
-            pos = end
-            if progress is not None:
-                progress(len(chunk))
-        for i in range(b, len(bounds)):  # the file ended early (reported by size)
-            out[i] = 0
-        return out
-
-
-_WARNED: set[str] = set()
-_WARN_LOCK = threading.Lock()
-
-
-def _warn_once(url: str, message: str) -> None:
-    with _WARN_LOCK:
-        if url in _WARNED:
-            return
-        _WARNED.add(url)
-    log.warning("%s", message)
-
-
-def iter_names(manifest: RootManifest) -> Iterator[str]:
-    yield from sorted(manifest.files)
 
 
 __all__ = [
     "BLOCKS",
+    "BLOCKS_MAGIC",
     "MANIFEST",
     "BlockHasher",
     "FileEntry",
-    "Integrity",
     "ManifestBuilder",
     "RootManifest",
     "block_keys",
     "file_digest",
     "hash_file_blocks",
     "hash_ranges",
+    "jsonable",
     "rekey",
+    "skipped",
     "store_id_of",
 ]

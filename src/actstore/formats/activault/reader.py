@@ -39,8 +39,9 @@ from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
+from ...storage.integrity import Integrity
 from ...storage.location import Location
-from ...storage.manifest import MANIFEST, Integrity
+from ...storage.manifest import MANIFEST
 from ...storage.object import MiB, S3Config, base_name, join_key, open_location, parent_key
 from ..base import Block, ReaderBase, VerifyReport, summary_of
 from .layout import (

@@ -30,8 +30,9 @@ import xxhash
 
 from ...errors import ConfigError, CorruptStoreError, ProtocolVersionError, StoreNotFoundError
 from ...storage.files import StoreFiles
+from ...storage.integrity import Integrity
 from ...storage.location import Location
-from ...storage.manifest import Integrity, block_keys
+from ...storage.manifest import block_keys
 from ..base import PIECE_SLOT, scratch
 from .layout import (
     ACT_DTYPE,

@@ -32,8 +32,8 @@ from ...batch import Batch, CapturePlan
 from ...errors import ConfigError, CorruptStoreError, IndexOutOfRangeError, StoreNotFoundError
 from ...sites import Site
 from ...stats import RunningStats, merge_all
+from ...storage.integrity import Integrity
 from ...storage.location import Location
-from ...storage.manifest import Integrity
 from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport, summary_of
 from .layout import (
