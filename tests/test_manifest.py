@@ -3,6 +3,7 @@ digest and HMAC, counted chunk folders, and what ``Integrity`` refuses at open a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -197,7 +198,7 @@ def test_tile_covers_the_file_with_the_given_ranges_kept(pairs):
     size = pos + 5
     tiled = tile(ranges, size)
     assert [r for r in tiled if r in ranges] == ranges
-    assert tiled[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in zip(tiled, tiled[1:]))
+    assert tiled[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(tiled))
     assert sum(tiled[-1]) == size
     entry, digests = hash_ranges(store_id_of({}), "f", bytes(size), tiled)
     assert entry.n_blocks == len(tiled) == len(digests)
