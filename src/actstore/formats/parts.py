@@ -174,7 +174,7 @@ def sharded_part_format(name: str, writer: type[ShardedWriter]) -> PartFormat:
     import shutil
 
     from ..storage.location import Location
-    from .writer import PART, merge_parts, read_part
+    from .writer import PART, read_part
 
     def final_location(plan: CapturePlan, out: str, options: Any) -> Path:
         return writer.store_location(plan, Location.parse(out), options).path()
@@ -199,7 +199,7 @@ def sharded_part_format(name: str, writer: type[ShardedWriter]) -> PartFormat:
         options = writer.options_type(**doc["options"])
         store = Location.parse(final)
         target = writer(plan, store.parent, options, store=store)
-        location = merge_parts(target, [p.path for p in parts])
+        location = target.merge([p.path for p in parts])
         shutil.rmtree(parts_root(final))
         return location
 

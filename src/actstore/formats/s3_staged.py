@@ -26,14 +26,12 @@ import contextlib
 import hashlib
 import logging
 import os
-import shutil
-import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ..batch import Batch
 from ..errors import CaptureError, ConfigError
+from ..storage import remove_tree
 from ..storage.cache import CACHE_ENV
 from ..storage.copy import copy_store
 from ..storage.manifest import MANIFEST
@@ -151,7 +149,7 @@ class StagedS3Writer(WriterBase):
             if self.lock is not None:
                 self.lock.release()
         if not self.keep_local:
-            _remove_tree(self.staging)  # the staged store and the writer's bookkeeping
+            remove_tree(self.staging)  # the staged store and the writer's bookkeeping
             with contextlib.suppress(OSError):
                 self.staging.parent.rmdir()  # the destination's staging folder, if empty
         log.info("published %s", self.url)
@@ -169,14 +167,3 @@ class StagedS3Writer(WriterBase):
         finally:
             if self.lock is not None:
                 self.lock.release()
-
-
-def _remove_tree(path: Path) -> None:
-    """Delete a published (read-only) staged store."""
-
-    def writable(func: Any, target: str, _: Any) -> None:
-        os.chmod(os.path.dirname(target), stat.S_IRWXU)
-        os.chmod(target, stat.S_IRUSR | stat.S_IWUSR)
-        func(target)
-
-    shutil.rmtree(path, onerror=writable)  # files are read-only once published

@@ -29,7 +29,7 @@ writes the format's index and metadata at publication. Everything else lives her
   (``<format>.<step>``) for the crash tests;
 * **parts**: with ``example_range`` the writer captures one slice of a distributed capture
   (whole shards, numbered as in the whole store) and publishes it with ``part.json``;
-  :func:`merge_parts` joins parts into the store, byte-identical to a one-process capture.
+  :meth:`ShardedWriter.merge` joins parts into the store, byte-identical to a one-process capture.
 
 Example:
     >>> writer = SaevWriter.from_plan(plan, Location.parse("acts"), SaevOptions())  # doctest: +SKIP
@@ -45,23 +45,27 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
-import stat
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
 from ..batch import Batch, CapturePlan
 from ..errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
 from ..faults import point
 from ..sites import Site
 from ..stats import RunningStats, merge_all
-from ..storage import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
+from ..storage import (
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    link_or_copy,
+    make_tree_read_only,
+    read_json,
+    remove_tree,
+)
 from ..storage.location import Location, partial_of
 from ..storage.lock import StoreLock
 from ..storage.manifest import (
@@ -73,6 +77,7 @@ from ..storage.manifest import (
     store_id_of,
 )
 from .base import FormatWriter, summary_of
+from .shard import ShardSink, ShardStats, as_float32
 
 log = logging.getLogger(__name__)
 
@@ -81,85 +86,6 @@ BLOCKS_DIR = ".blocks"
 PART = "part.json"
 #: Files of the partial directory that are bookkeeping, never published.
 BOOKKEEPING = (PROGRESS, BLOCKS_DIR)
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    """One durable file of a shard: its name in the store, manifest entry and digests, and
-    what the format needs of it at publication (``info``, kept in the progress record)."""
-
-    name: str
-    entry: FileEntry
-    digests: np.ndarray
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-class ShardSink(abc.ABC):
-    """Writes the files of one shard. The writer hands it the shard's examples in order."""
-
-    @abc.abstractmethod
-    def append(self, batch: Batch) -> None:
-        """Encode the next examples of this shard (a batch of at most one shard's worth)."""
-
-    @abc.abstractmethod
-    def finish(self) -> list[WrittenFile]:
-        """Make every file durable (fsynced) and return them with their block digests."""
-
-    def abort(self) -> None:
-        """Close open files; the shard's files are discarded by the next open."""
-
-    def chunk_files(self) -> list[str]:
-        """After :meth:`finish`: files of this shard the format checks through its own
-        digests (under :meth:`ShardedWriter.manifest_skip`), sealed with the shard for an
-        uploader to send early. Default: none."""
-        return []
-
-
-class _ShardStats:
-    """Per-site statistics of one shard, folded in runs of ``rows_per_chunk`` rows counted
-    from the shard's start: the result does not depend on how batches split the shard."""
-
-    def __init__(self, sites: Sequence[Site], d: int) -> None:
-        self.stats = {s: RunningStats(d) for s in sites}
-        self.per = next(iter(self.stats.values())).rows_per_chunk if self.stats else 1
-        self._pending = {s: np.empty((self.per, d), dtype="<f4") for s in sites}
-        self._fill = 0
-
-    def update(self, rows: dict[Site, np.ndarray]) -> None:
-        """Fold the shard's next rows (``[n, D]`` per site, the same ``n`` for every site)."""
-        n = len(next(iter(rows.values()))) if rows else 0
-        i = 0
-        if self._fill or n < self.per:
-            take = min(self.per - self._fill, n)
-            for site, part in rows.items():
-                self._pending[site][self._fill : self._fill + take] = part[:take]
-            self._fill += take
-            i = take
-            if self._fill == self.per:
-                self._fold({s: b for s, b in self._pending.items()})
-                self._fill = 0
-        while n - i >= self.per:
-            self._fold({s: part[i : i + self.per] for s, part in rows.items()})
-            i += self.per
-        if i < n:
-            for site, part in rows.items():
-                self._pending[site][: n - i] = part[i:]
-            self._fill = n - i
-
-    def finish(self) -> dict[Site, RunningStats]:
-        if self._fill:
-            self._fold({s: b[: self._fill] for s, b in self._pending.items()})
-            self._fill = 0
-        return self.stats
-
-    def _fold(self, chunks: dict[Site, np.ndarray]) -> None:
-        for site, chunk in chunks.items():
-            self.stats[site].update(chunk)
-
-
-def as_float32(tensor: torch.Tensor) -> np.ndarray:
-    """A captured tensor as a C-order float32 array (a view when it already is one)."""
-    return np.ascontiguousarray(tensor.detach().to(torch.float32).numpy(), dtype="<f4")
 
 
 class ShardedWriter(FormatWriter):
@@ -215,7 +141,7 @@ class ShardedWriter(FormatWriter):
         self._shards: list[dict[str, Any]] = []
         self._digests: dict[str, np.ndarray] = {}
         self._sink: ShardSink | None = None
-        self._stats: _ShardStats | None = None
+        self._stats: ShardStats | None = None
         self._in_shard = 0
         self._written = 0
         self._sides: dict[str, Any] = {}
@@ -363,7 +289,7 @@ class ShardedWriter(FormatWriter):
                 "or files not written by actstore); choose another output or move it away"
             )
         if self.partial.exists():  # a crash after the rename left the bookkeeping
-            _remove_tree(self.partial)
+            remove_tree(self.partial)
         self.complete = True
         self.resume_from = self.example_range[1]
         self._release()
@@ -381,7 +307,7 @@ class ShardedWriter(FormatWriter):
             self._elapsed_before = float(progress["elapsed"])
         except (CorruptStoreError, KeyError, TypeError, FileNotFoundError) as err:
             log.warning("%s is unreadable (%s); starting this capture over", self.partial, err)
-            _remove_tree(self.partial)
+            remove_tree(self.partial)
             return
         if recorded != json.loads(json.dumps(self.record, default=str)):
             raise StoreExistsError(
@@ -417,7 +343,7 @@ class ShardedWriter(FormatWriter):
             path = self.partial / name
             if not path.is_file() or path.stat().st_size < size:
                 log.warning("%s is shorter than its finished shards; starting over", path)
-                _remove_tree(self.partial)
+                remove_tree(self.partial)
                 return
             os.truncate(path, size)
         self._shards = kept
@@ -468,7 +394,7 @@ class ShardedWriter(FormatWriter):
         self.final.parent.mkdir(parents=True, exist_ok=True)
         init = self.partial.with_name(self.partial.name + "-init")
         if init.exists():
-            _remove_tree(init)  # a crash while creating it (we hold the lock)
+            remove_tree(init)  # a crash while creating it (we hold the lock)
         init.mkdir()
         point(f"{self.format_name}.init_created")
         self.init_files(init)
@@ -562,7 +488,7 @@ class ShardedWriter(FormatWriter):
     def _append(self, index: int, batch: Batch) -> None:
         if self._sink is None:
             self._sink = self.open_shard(index, self.partial)
-            self._stats = _ShardStats(self.sites, self.plan.d_model)
+            self._stats = ShardStats(self.sites, self.plan.d_model)
             self._in_shard = 0
         self._sink.append(batch)
         self._stats.update(self.stat_rows(batch))  # type: ignore[union-attr]
@@ -726,7 +652,7 @@ class ShardedWriter(FormatWriter):
             handle.close()
         self._sides.clear()
         if self._lock is not None and self._created and not self._shards and self.partial.exists():
-            _remove_tree(self.partial)
+            remove_tree(self.partial)
             self._created = False
         self._release()
 
@@ -734,6 +660,69 @@ class ShardedWriter(FormatWriter):
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
+
+    def merge(self, part_dirs: Sequence[str | os.PathLike]) -> Path:
+        """Publish this writer's store (opened for the whole capture, nothing written) from
+        published parts in example order that together cover every example: shard files are
+        hard-linked (copied across file systems), side files concatenated, statistics merged
+        shard by shard in order, the index and manifest written as one process would.
+
+        Example:
+            >>> SaevWriter.from_plan(plan, out, options).merge(parts)  # doctest: +SKIP
+        """
+        if self.complete:
+            return self.final
+        parts = [Path(p) for p in part_dirs]
+        if not parts:
+            raise ConfigError("merging needs at least one part")
+        shards: list[dict[str, Any]] = []
+        at = 0
+        record = json.loads(json.dumps(self.record, default=str))
+        for part in parts:
+            doc = read_part(part)
+            if doc["record"] != record:
+                raise ConfigError(f"{part} belongs to a different capture than {self.final}")
+            start, stop = doc["example_range"]
+            if start != at:
+                raise ConfigError(f"{part} starts at example {start}, expected {at}")
+            at = stop
+            shards += [{**e, "_from": str(part)} for e in doc["shards"]]
+        if at != self.plan.n_examples:
+            raise ConfigError(f"the parts end at example {at} of {self.plan.n_examples}")
+        self._begin()
+        work = self.partial
+        side_names = sorted(shards[-1]["sides"]) if shards else []
+        sides = {n: open(work / n, "wb") for n in side_names}  # noqa: SIM115 - closed below
+        try:
+            for part in parts:
+                checks = _part_checks(part)
+                for name, handle in sides.items():
+                    handle.write(checks.read_bytes(name))
+            for entry in shards:
+                source = Path(entry.pop("_from"))
+                checks = _part_checks(source)
+                for name in entry["files"]:
+                    link_or_copy(source / name, work / name)
+                    self._digests[name] = checks.digests(name)
+                for name in entry.get("chunks", ()):
+                    (work / name).parent.mkdir(parents=True, exist_ok=True)
+                    link_or_copy(source / name, work / name)
+            sizes = {n: h.tell() for n, h in sides.items()}
+        finally:
+            for handle in sides.values():
+                handle.flush()
+                os.fsync(handle.fileno())
+                handle.close()
+        for entry in shards:
+            entry["sides"] = sizes
+        self._shards = shards
+        stats = self.statistics()
+        self.write_index(work, shards, stats)
+        rows = next(iter(stats.values())).count if stats else 0
+        self._write_manifest(work, shards, self.summary(rows))
+        self._finish_publication()
+        log.info("merged %d parts into %s (%d shards)", len(parts), self.final, len(shards))
+        return self.final
 
 
 def _files_below(directory: Path, exclude: Sequence[str] = ()) -> list[str]:
@@ -758,30 +747,9 @@ def _mask(n: int, start: int, count: int) -> np.ndarray:
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        _remove_tree(path)
+        remove_tree(path)
     else:
         path.unlink(missing_ok=True)
-
-
-def _remove_tree(path: Path) -> None:
-    """Delete a directory tree, read-only files included."""
-
-    def writable(func: Any, target: str, _: Any) -> None:
-        os.chmod(os.path.dirname(target), stat.S_IRWXU)
-        os.chmod(target, stat.S_IRUSR | stat.S_IWUSR)
-        func(target)
-
-    shutil.rmtree(path, onerror=writable)
-
-
-def make_tree_read_only(directory: Path) -> None:
-    """Remove write permission from every file below ``directory``."""
-    mask = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
-    for dirpath, _, names in os.walk(directory):
-        for n in names:
-            p = Path(dirpath) / n
-            if not p.is_symlink():
-                p.chmod(p.stat().st_mode & mask)
 
 
 # ---------------------------------------------------------------------- parts
@@ -806,80 +774,8 @@ def read_part(part_dir: str | os.PathLike) -> dict[str, Any]:
     return doc
 
 
-def merge_parts(writer: ShardedWriter, part_dirs: Sequence[str | os.PathLike]) -> Path:
-    """Publish ``writer``'s store (opened for the whole capture, nothing written) from
-    published parts in example order that together cover every example: shard files are
-    hard-linked (copied across file systems), side files concatenated, statistics merged
-    shard by shard in order, the index and manifest written as one process would.
-
-    Example:
-        >>> merge_parts(SaevWriter.from_plan(plan, out, options), parts)  # doctest: +SKIP
-    """
-    if writer.complete:
-        return writer.final
-    parts = [Path(p) for p in part_dirs]
-    if not parts:
-        raise ConfigError("merging needs at least one part")
-    shards: list[dict[str, Any]] = []
-    at = 0
-    record = json.loads(json.dumps(writer.record, default=str))
-    for part in parts:
-        doc = read_part(part)
-        if doc["record"] != record:
-            raise ConfigError(f"{part} belongs to a different capture than {writer.final}")
-        start, stop = doc["example_range"]
-        if start != at:
-            raise ConfigError(f"{part} starts at example {start}, expected {at}")
-        at = stop
-        shards += [{**e, "_from": str(part)} for e in doc["shards"]]
-    if at != writer.plan.n_examples:
-        raise ConfigError(f"the parts end at example {at} of {writer.plan.n_examples}")
-    writer._begin()
-    work = writer.partial
-    side_names = sorted(shards[-1]["sides"]) if shards else []
-    sides = {n: open(work / n, "wb") for n in side_names}  # noqa: SIM115 - closed below
-    try:
-        for part in parts:
-            checks = _part_checks(part)
-            for name, handle in sides.items():
-                handle.write(checks.read_bytes(name))
-        for entry in shards:
-            source = Path(entry.pop("_from"))
-            checks = _part_checks(source)
-            for name in entry["files"]:
-                _link_or_copy(source / name, work / name)
-                writer._digests[name] = checks.digests(name)
-            for name in entry.get("chunks", ()):
-                (work / name).parent.mkdir(parents=True, exist_ok=True)
-                _link_or_copy(source / name, work / name)
-        sizes = {n: h.tell() for n, h in sides.items()}
-    finally:
-        for handle in sides.values():
-            handle.flush()
-            os.fsync(handle.fileno())
-            handle.close()
-    for entry in shards:
-        entry["sides"] = sizes
-    writer._shards = shards
-    stats = writer.statistics()
-    writer.write_index(work, shards, stats)
-    rows = next(iter(stats.values())).count if stats else 0
-    writer._write_manifest(work, shards, writer.summary(rows))
-    writer._finish_publication()
-    log.info("merged %d parts into %s (%d shards)", len(parts), writer.final, len(shards))
-    return writer.final
-
-
 def _part_checks(part: Path):
     from ..storage.files import LocalFiles
     from ..storage.integrity import Integrity
 
     return Integrity.open(LocalFiles(part))
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)

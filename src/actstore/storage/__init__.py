@@ -6,9 +6,10 @@ from .local import (
     atomic_write_json,
     fsync_dir,
     hash_file,
-    make_read_only,
-    publish_dir,
+    link_or_copy,
+    make_tree_read_only,
     read_json,
+    remove_tree,
 )
 from .object import LocalStore, ObjectStore, S3Config, S3Store, open_location
 
@@ -22,8 +23,9 @@ __all__ = [
     "atomic_write_json",
     "fsync_dir",
     "hash_file",
-    "make_read_only",
+    "link_or_copy",
+    "make_tree_read_only",
     "open_location",
-    "publish_dir",
     "read_json",
+    "remove_tree",
 ]

@@ -19,13 +19,14 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import CorruptStoreError, StoreExistsError, StoreNotFoundError
+from ..errors import CorruptStoreError, StoreNotFoundError
 
 #: Read size for hashing and copying: large enough for sequential disk speed.
 IO_CHUNK = 8 << 20
@@ -143,26 +144,31 @@ def hash_file(path: str | os.PathLike, algorithm: str = "sha256") -> str:
     return hasher.hexdigest()
 
 
-def publish_dir(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> None:
-    """Rename a finished temporary directory to its final name, atomically.
+def remove_tree(path: str | os.PathLike) -> None:
+    """Delete a directory tree, read-only files (a published store's) included."""
 
-    Refuses (``StoreExistsError``) if ``final_dir`` already exists: nothing is overwritten.
-    """
-    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
-    if final_dir.exists():
-        raise StoreExistsError(f"{final_dir} already exists; refusing to overwrite it")
-    for child in tmp_dir.iterdir():
-        if child.is_file():
-            with open(child, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(tmp_dir)
-    os.rename(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
+    def writable(func: Any, target: str, _: Any) -> None:
+        os.chmod(os.path.dirname(target), stat.S_IRWXU)
+        os.chmod(target, stat.S_IRUSR | stat.S_IWUSR)
+        func(target)
+
+    shutil.rmtree(path, onerror=writable)
 
 
-def make_read_only(directory: str | os.PathLike) -> None:
-    """Remove write permission from every file in ``directory`` (not recursive)."""
+def make_tree_read_only(directory: str | os.PathLike) -> None:
+    """Remove write permission from every file below ``directory`` (symlinks left alone)."""
     mask = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
-    for child in Path(directory).iterdir():
-        if child.is_file():
-            child.chmod(child.stat().st_mode & mask)
+    for dirpath, _, names in os.walk(directory):
+        for n in names:
+            p = Path(dirpath) / n
+            if not p.is_symlink():
+                p.chmod(p.stat().st_mode & mask)
+
+
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Hard-link ``src`` as ``dst`` (its folder made), or copy it across file systems."""
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

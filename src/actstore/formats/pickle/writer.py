@@ -43,7 +43,8 @@ from ...stats import RunningStats
 from ...storage import FileHasher, atomic_write_bytes
 from ...storage.location import Location
 from ...storage.manifest import BlockHasher
-from ..writer import ShardedWriter, ShardSink, WrittenFile, as_float32
+from ..shard import ShardSink, WrittenFile, as_float32
+from ..writer import ShardedWriter
 from .layout import (
     MAX_SHARD_BYTES,
     METADATA,
@@ -328,7 +329,7 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
     Example:
         >>> merge_stores(["run/machine_0", "run/machine_1"], "run/merged")  # doctest: +SKIP
     """
-    from ..writer import merge_parts, read_part
+    from ..writer import read_part
 
     docs = sorted(((read_part(s), Path(s)) for s in stores), key=lambda d: d[0]["example_range"])
     if not docs:
@@ -344,4 +345,4 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
     plan = CapturePlan.from_json_dict(first["plan"])
     out = Location.parse(out)
     writer = PickleWriter(plan, out, PickleOptions(**first["options"]))
-    return merge_parts(writer, [p for _, p in docs])
+    return writer.merge([p for _, p in docs])

@@ -37,7 +37,8 @@ from ...stats import RunningStats
 from ...storage import atomic_write_bytes, atomic_write_json
 from ...storage.location import Location
 from ...storage.manifest import hash_ranges
-from ..writer import ShardedWriter, ShardSink, WrittenFile
+from ..shard import ShardSink, WrittenFile
+from ..writer import ShardedWriter
 from .layout import (
     FORMAT_TAG,
     INFO,

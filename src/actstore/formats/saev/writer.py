@@ -42,7 +42,8 @@ from ...stats import RunningStats
 from ...storage import atomic_write_bytes, atomic_write_json
 from ...storage.location import Location
 from ...storage.manifest import BlockHasher
-from ..writer import ShardedWriter, ShardSink, WrittenFile, as_float32
+from ..shard import ShardSink, WrittenFile, as_float32
+from ..writer import ShardedWriter
 from .layout import (
     SaevMetadata,
     encode_data,

@@ -55,7 +55,8 @@ from ...storage import atomic_write_json
 from ...storage.local import atomic_write
 from ...storage.location import Location
 from ...storage.manifest import block_keys, hash_file_blocks
-from ..writer import ShardedWriter, ShardSink, WrittenFile
+from ..shard import ShardSink, WrittenFile
+from ..writer import ShardedWriter
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
