@@ -216,7 +216,12 @@ def observe(location: Path, fmt: str) -> dict[str, Any]:
     return seen
 
 
-def verify_ok(location: Path) -> bool:
+#: Formats whose verify() raises (instead of reporting) on some damage: a known bug,
+#: pinned by test_zarr_verify_reports_a_damaged_digest_array_instead_of_raising (xfail).
+VERIFY_MAY_RAISE = ("zarr",)
+
+
+def verify_ok(location: Path, fmt: str) -> bool:
     """``verify()``'s verdict, with the reader opened unchecked when a checked open refuses
     (what ``actstore verify`` does); a store not even that opens is not ok."""
     try:
@@ -228,6 +233,10 @@ def verify_ok(location: Path) -> bool:
             return False
     try:
         return reader.verify().ok
+    except ActstoreError:
+        if fmt in VERIFY_MAY_RAISE:
+            return False
+        raise
     finally:
         reader.close()
 
@@ -274,7 +283,7 @@ def built(request, tmp_path_factory) -> Built:
     store = BUILDERS[fmt](tmp_path_factory.mktemp(f"{fmt}-a"), 0)
     other = BUILDERS[fmt](tmp_path_factory.mktemp(f"{fmt}-b"), 1)
     b = Built(fmt, store, other)
-    assert not _refused(b.reference) and verify_ok(store)
+    assert not _refused(b.reference) and verify_ok(store, fmt)
     return b
 
 
@@ -352,9 +361,9 @@ def test_any_damage_is_refused_or_harmless_on_every_read_path(built, data):
             if seen["open"] is not REFUSED:
                 assert seen.keys() == built.reference.keys()
             if changed(built, copy):
-                assert not verify_ok(copy), "verify() passed a damaged store"
+                assert not verify_ok(copy, built.fmt), "verify() passed a damaged store"
             else:
-                assert not _refused(seen) and verify_ok(copy)
+                assert not _refused(seen) and verify_ok(copy, built.fmt)
         finally:
             for p in [copy, *copy.rglob("*")]:
                 if not p.is_symlink():
