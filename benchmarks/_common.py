@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from actstore.formats.saev import SaevMetadata, SaevOptions, SaevWriter
 
 
-#: The shard files of a saev store (``acts000000.bin``...), not ``actstore-blocks.bin``.
+#: The shard files of a saev store (``acts000000.bin``...), not ``actstore-blocks.xxh3``.
 SAEV_SHARDS = "acts[0-9]*.bin"
 
 

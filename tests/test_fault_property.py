@@ -209,7 +209,7 @@ def observe(location: Path, fmt: str) -> dict[str, Any]:
                 seen[f"gather {site}"] = _attempt(
                     lambda site=site: reader.gather(rows, site).copy()
                 )
-        if hasattr(reader, "tokens"):
+        if hasattr(type(reader), "tokens"):
             seen["tokens"] = _attempt(lambda: _tokens(reader))
     finally:
         reader.close()
@@ -341,8 +341,12 @@ def changed(b: Built, copy: Path) -> bool:
     return False
 
 
+#: Examples per format (raise it to hunt: ACTSTORE_FAULT_EXAMPLES=2000 pytest ...).
+EXAMPLES = int(os.environ.get("ACTSTORE_FAULT_EXAMPLES", "25"))
+
+
 @settings(
-    max_examples=25,
+    max_examples=EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

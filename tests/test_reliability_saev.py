@@ -152,15 +152,15 @@ def test_scatter_read_is_exact_when_verified(reference):
 def test_damaged_or_deleted_block_digests(tmp_path, reference):
     store = _writable_copy(reference, tmp_path / reference.name)
     block = SaevReader(store).blocks(2)[0]
-    blocks = store / "actstore-blocks.bin"
+    blocks = store / "actstore-blocks.xxh3"
     data = bytearray(blocks.read_bytes())
     data[20] ^= 0xFF
     blocks.write_bytes(bytes(data))
-    with pytest.raises(CorruptStoreError, match="actstore-blocks.bin does not match the root man"):
+    with pytest.raises(CorruptStoreError, match="actstore-blocks.xxh3 does not match the root man"):
         SaevReader(store).read_block(block)
-    assert any("actstore-blocks.bin does not match" in f for f in SaevReader(store).verify().faults)
+    assert any("actstore-blocks.xxh3 does not match" in f for f in SaevReader(store).verify().faults)
     blocks.unlink()
-    with pytest.raises(StoreNotFoundError, match="actstore-blocks.bin is missing"):
+    with pytest.raises(StoreNotFoundError, match="actstore-blocks.xxh3 is missing"):
         SaevReader(store)
 
 
@@ -176,7 +176,7 @@ def test_our_store_without_its_manifest_is_an_error(tmp_path, reference):
 
 def test_a_store_saev_wrote_reads_unverified_with_one_warning(tmp_path, reference, caplog):
     store = _writable_copy(reference, tmp_path / reference.name)
-    for name in ("actstore-manifest.json", "actstore-blocks.bin", "statistics.json", "tokens.bin"):
+    for name in ("actstore-manifest.json", "actstore-blocks.xxh3", "statistics.json", "tokens.bin"):
         (store / name).unlink()  # what saev's own writer leaves
     with caplog.at_level(logging.WARNING):
         reader = SaevReader(store)

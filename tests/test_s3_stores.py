@@ -40,7 +40,7 @@ def upload(local, url):
 
 
 def gets(s3) -> int:
-    """GETs of shard data (the block digests, ``actstore-blocks.bin``, are fetched once)."""
+    """GETs of shard data (the block digests, ``actstore-blocks.xxh3``, are fetched once)."""
     return sum(
         1
         for method, path, _ in s3.faults.requests

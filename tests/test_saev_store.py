@@ -153,7 +153,7 @@ def test_reader_accepts_the_empty_last_shard_saev_itself_writes(tmp_path):
     full-size all-zero shard and lists it with 0 examples; such directories must open."""
     acts = make_acts(n=20)  # 4 full shards of 5
     path = _writable_copy(write_store(tmp_path / "s", acts, "saev"), tmp_path / "saev-made")
-    for name in ("actstore-manifest.json", "actstore-blocks.bin", "statistics.json", "tokens.bin"):
+    for name in ("actstore-manifest.json", "actstore-blocks.xxh3", "statistics.json", "tokens.bin"):
         (path / name).unlink()  # saev writes none of actstore's files
     shards = json.loads((path / "shards.json").read_text())
     (path / "shards.json").write_text(

@@ -258,7 +258,7 @@ class Integrity:
             return self._digests.setdefault(name, digests)
 
     def _every_digest(self) -> np.ndarray | None:
-        """All of ``actstore-blocks.bin`` (one read, checked whole) when it is at most
+        """All of ``actstore-blocks.xxh3`` (one read, checked whole) when it is at most
         ``WHOLE_BLOCKS_BYTES``: one request on object storage instead of one per file."""
         if self._all is None:
             size = self.files.size(BLOCKS) or 0

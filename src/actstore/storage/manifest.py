@@ -3,7 +3,7 @@ against.
 
 ``actstore-manifest.json`` lists every file of the store with its size and digest, the
 digest of what a reader trusts from metadata (:attr:`RootManifest.summary`: sites in order,
-shapes, counts, dtype), and where each file's block digests lie in ``actstore-blocks.bin``.
+shapes, counts, dtype), and where each file's block digests lie in ``actstore-blocks.xxh3``.
 A *block* is the unit a reader reads at once (one example of one layer, one Arrow record
 batch column, one zarr chunk, one whole shard). Its digest is xxh3-64 **keyed by its
 identity**: the xxh3-64 of its bytes XORed with a key derived from the store id, the file
@@ -50,7 +50,7 @@ from .local import IO_CHUNK, atomic_write_bytes
 log = logging.getLogger(__name__)
 
 MANIFEST = "actstore-manifest.json"
-BLOCKS = "actstore-blocks.bin"
+BLOCKS = "actstore-blocks.xxh3"
 #: Files of the manifest itself (not listed in it).
 OWN_FILES = (MANIFEST, BLOCKS)
 #: Environment variable holding a key: manifests are then signed (HMAC-SHA256) and checked.
@@ -59,7 +59,7 @@ VERSION = 1
 
 BLOCKS_MAGIC = b"ACTBLK\x00\x01"
 WHOLE_BLOCKS_BYTES = 64 << 20
-"""Largest ``actstore-blocks.bin`` a reader loads whole on first use (8 bytes per block)."""
+"""Largest ``actstore-blocks.xxh3`` a reader loads whole on first use (8 bytes per block)."""
 
 
 def store_id_of(record: Any) -> str:
@@ -130,7 +130,7 @@ class FileEntry:
     """Explicit blocks ``(offset, length)`` tiling the file, when read units are not a fixed
     size (the values of one Arrow record batch column; see :func:`tile`)."""
     at: int = -1
-    """Index of the first block digest in ``actstore-blocks.bin`` (-1: one block, whose
+    """Index of the first block digest in ``actstore-blocks.xxh3`` (-1: one block, whose
     digest :attr:`single` holds)."""
     single: str = ""
     """The block digest (16 hex) of a one-block file."""
@@ -204,7 +204,7 @@ class RootManifest:
     """What a reader trusts from metadata, checked against what it parses on open."""
     files: dict[str, FileEntry]
     blocks: str = ""
-    """xxh3-128 of ``actstore-blocks.bin`` ("" when there is none)."""
+    """xxh3-128 of ``actstore-blocks.xxh3`` ("" when there is none)."""
     skip: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Folders whose files a format checks through a digest file of its own (zarr chunk
     directories, which can hold millions of files) with how many files and bytes they hold:
@@ -513,7 +513,7 @@ class ManifestBuilder:
         return manifest.to_bytes(), data
 
     def write(self, directory: str | os.PathLike, *, summary: dict[str, Any]) -> None:
-        """Write ``actstore-blocks.bin`` (when any file has several blocks), then the
+        """Write ``actstore-blocks.xxh3`` (when any file has several blocks), then the
         manifest: the store's last file."""
         manifest, blocks = self.build(summary=summary)
         if blocks is not None:

@@ -630,7 +630,11 @@ class ActivaultReader(ReaderBase):
                     f"{hook}: {scan['non_finite']} activation values are NaN or infinite"
                 )
             stats = scan["stats"]
-            stored = self.site_statistics(self._hook_site(hook))
+            try:
+                stored = self.site_statistics(self._hook_site(hook))
+            except CorruptStoreError as err:  # reported with the rest, not raised
+                report.faults.append(str(err))
+                continue
             if stored is None:
                 report.notes.append(f"{hook}: no exact statistics.json (count missing) to check")
             elif stored.count != stats.count or not (

@@ -12,7 +12,7 @@ the capture goes, so a shard's fsync waits only for its tail.
 Files besides the spec's: ``statistics.json`` (per-layer mean/variance/norm),
 ``tokens.bin`` (int32 ``[n_examples, T]`` token ids, text models), ``classes.json`` (label
 names, when labels.bin holds classes), and the root manifest (``actstore-manifest.json``,
-``actstore-blocks.bin``).
+``actstore-blocks.xxh3``).
 
 Example:
     >>> w = SaevWriter.from_plan(plan, Location.parse("/scratch/acts"), SaevOptions())  # doctest: +SKIP
