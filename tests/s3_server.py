@@ -373,6 +373,14 @@ def s3(s3_server, monkeypatch) -> S3Env:
 
 
 @pytest.fixture
+def conformance_s3_url(s3, tmp_path, monkeypatch):
+    """``name -> s3://...`` on the loopback server: what actstore.testing's S3 rule needs
+    (staging goes under the test's tmp directory)."""
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))
+    return lambda name: s3.url(name.replace("[", "-").replace("]", ""))
+
+
+@pytest.fixture
 def s3_proxy(s3_server, monkeypatch) -> S3Env:
     """Like ``s3``, but the endpoint is a :class:`FaultyProxy` in front of the server."""
     _, port = s3_server.get_host_and_port()

@@ -8,61 +8,44 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conformance import ConformanceSuite, FormatCase
 
-from actstore.formats.activault import ActivaultOptions, ActivaultWriter, hook_name
-from actstore.formats.activault.layout import parse_data_file
+from actstore.formats.activault import ActivaultOptions
+from actstore.testing import ConformanceSuite, FormatCase
 
 
-class LocalCase(FormatCase):
-    """One row per file (the conformance store has 23 examples of 6 tokens: no tail)."""
+class ActivaultCase(FormatCase):
+    """One example of 6 tokens per file: 23 files per hook."""
 
     def __init__(self, dtype: str = "bfloat16") -> None:
-        self.dtype = dtype
-        self.stored_dtype = "float16" if dtype == "float16" else "float32"
-
-    def out(self, root: Path) -> str:
-        return str(root)
-
-    #: (rows, tokens) per file: 1 x 6 gives 23 files per hook, one per example.
-    file_shape = (1, 0)
-
-    def _writer(self, root, plan) -> ActivaultWriter:
-        rows, seq = self.file_shape
-        return ActivaultWriter(
-            plan,
-            self.out(root),
-            ActivaultOptions(rows_per_file=rows, sequence_length=seq, dtype=self.dtype),
+        super().__init__(
+            "activault",
+            ActivaultOptions(rows_per_file=1, sequence_length=0, dtype=dtype),
+            stored_dtype="float16" if dtype == "float16" else "float32",
         )
-
-    def open_writer(self, root, plan, batches):
-        return self._writer(root, plan), batches
-
-    def write_unpublished(self, root, plan, batches):
-        writer = self._writer(root, plan)
-        for batch in batches:
-            writer.write(batch)
-        writer.abort()
-        return str(writer.location)
-
-    def damage(self, location):
-        hook = Path(location) / "models.layers.3.post"
-        victim = sorted(p for p in hook.iterdir() if parse_data_file(p.name))[4]
-        with open(victim, "r+b") as f:
-            f.truncate(victim.stat().st_size - 4)
+        self.dtype = dtype
 
     def expected_rows(self, plan, acts, site):
         rows = torch.from_numpy(acts[str(site)].reshape(-1, plan.d_model))
         return rows.to(getattr(torch, self.dtype)).to(torch.float32).numpy()
 
 
-class S3Case(LocalCase):
-    env = None  # set per test by the autouse fixture
-    #: 3 rows of 23 tokens: rows cross example boundaries; 2 files per hook (fewer requests).
-    file_shape = (3, 23)
+class S3Case(ActivaultCase):
+    """3 rows of 23 tokens per file: rows cross example boundaries; 2 files per hook (fewer
+    requests). Written to the loopback S3 server of the ``s3`` fixture."""
 
-    def out(self, root: Path) -> str:
-        return self.env.url(root.parent.name, root.name)
+    env = None  # set per test by the autouse fixture
+
+    def __init__(self) -> None:
+        super().__init__("float32")
+        self.options = ActivaultOptions(rows_per_file=3, sequence_length=23, dtype="float32")
+
+    def open_writer(self, out, plan, batches):
+        root = Path(out)
+        return super().open_writer(self.env.url(root.parent.name, root.name), plan, batches)
+
+    def write_unpublished(self, out, plan, batches):
+        root = Path(out)
+        return super().write_unpublished(self.env.url(root.parent.name, root.name), plan, batches)
 
     def damage(self, location):
         keys = sorted(
@@ -76,14 +59,14 @@ class S3Case(LocalCase):
 
 
 class TestActivaultLocalConformance(ConformanceSuite):
-    case = LocalCase("bfloat16")
+    case = ActivaultCase("bfloat16")
 
     def test_statistics_match_numpy(self, store):
         """Statistics describe the stored (bfloat16-rounded) values exactly."""
         plan, acts, location = store
         reader = self.case.open(location)
         for site in plan.sites:
-            stats = reader.statistics(hook_name(site))
+            stats = reader.statistics(site)
             rows = self.case.expected_rows(plan, acts, site).astype(np.float64)
             assert stats.count == rows.shape[0]
             np.testing.assert_allclose(stats.mean, rows.mean(0), rtol=1e-9, atol=1e-12)
@@ -91,11 +74,11 @@ class TestActivaultLocalConformance(ConformanceSuite):
 
 
 class TestActivaultLocalFloat32Conformance(ConformanceSuite):
-    case = LocalCase("float32")
+    case = ActivaultCase("float32")
 
 
 class TestActivaultS3Conformance(ConformanceSuite):
-    case = S3Case("float32")
+    case = S3Case()
 
     @pytest.fixture(autouse=True)
     def _bucket(self, s3):

@@ -12,7 +12,6 @@ import uuid
 import numpy as np
 import pytest
 import torch
-from conformance import make_batches, make_plan
 
 from actstore.errors import (
     CaptureError,
@@ -33,6 +32,7 @@ from actstore.formats.activault import (
 from actstore.formats.activault.layout import group_uuid, parse_data_file, serialize_megabatch
 from actstore.sites import Site
 from actstore.storage.object import S3Config
+from actstore.testing import make_batches, make_plan
 
 SITES = (Site("resid", 1), Site("mlp_out", 2), Site("attn_in", 0))
 

@@ -11,7 +11,6 @@ import logging
 
 import numpy as np
 import pytest
-from conformance import make_acts, make_batches, make_plan
 from typer.testing import CliRunner
 
 from actstore.cli import app
@@ -26,6 +25,7 @@ from actstore.errors import ConfigError, CorruptStoreError
 from actstore.formats import open_store
 from actstore.formats.registry import FORMAT_NAMES, available_formats, get_format, parse_options
 from actstore.sites import Site
+from actstore.testing import make_acts, make_batches, make_plan
 
 FORMATS = [spec.name for spec in available_formats()]
 #: Options that cut the 23-example test store into several shards/files.

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conformance import make_acts, make_batches, make_plan
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from actstore.batch import Batch
@@ -27,7 +26,7 @@ from actstore.errors import ActstoreError
 from actstore.formats import open_store
 from actstore.loader import ActivationLoader
 from actstore.storage.manifest import MANIFEST
-
+from actstore.testing import make_acts, make_batches, make_plan
 
 
 class _Refused:
@@ -49,7 +48,7 @@ def _saev(out: Path, seed: int) -> Path:
 
 
 def _zarr(out: Path, seed: int) -> Path:
-    from test_zarr_store import N, P_FULL, R_FULL, SITES, H, make_writer
+    from test_zarr_store import P_FULL, R_FULL, SITES, H, N, make_writer
 
     writer = make_writer(out / "activations.zarr")
     for lo in range(0, N, 3):
@@ -123,6 +122,16 @@ def _files(store: Path) -> dict[str, int]:
         for p in sorted(store.rglob("*"))
         if p.is_file()
     }
+
+
+def _is_data(fmt: str, name: str) -> bool:
+    return {
+        "saev": name.startswith("acts"),
+        "zarr": name.startswith("arrays/") and "_activations/" in name,
+        "pickle": name.startswith("shard_"),
+        "activault": name.endswith(".pt"),
+        "saelens": name.endswith(".arrow"),
+    }[fmt] and not name.endswith((".zarray", ".zattrs"))
 
 
 def _writable_copy(store: Path, dest: Path) -> Path:
@@ -274,6 +283,8 @@ class Built:
         self.fmt, self.store, self.other = fmt, store, other
         self.files, self.other_files = _files(store), _files(other)
         self.reference = observe(store, fmt)
+        #: files of activation values (the rest is metadata, statistics, tokens, manifest)
+        self.data_files = {n for n in self.files if _is_data(fmt, n)}
 
     def __repr__(self) -> str:
         return f"Built({self.fmt}: {self.store})"
@@ -309,6 +320,7 @@ def damage(b: Built, copy: Path, draw) -> None:
     partners += [("other store", n) for n, s in b.other_files.items() if s == size]
     kinds = ["flip", "truncate"] + (["swap"] if partners else [])
     kind = draw(st.sampled_from(kinds), label="kind")
+    event(f"{kind} {'data' if name in b.data_files else 'metadata'}")
     if kind == "flip":
         offset = draw(st.integers(0, size - 1), label="offset")
         out = bytearray(data)
@@ -359,6 +371,8 @@ def test_any_damage_is_refused_or_harmless_on_every_read_path(built, data):
         try:
             damage(built, copy, data.draw)
             seen = observe(copy, built.fmt)
+            refused = _refused(seen)
+            event("refused at open" if refused == ["open"] else f"{len(refused)} paths refused")
             for path, got in seen.items():
                 if got is REFUSED:
                     continue

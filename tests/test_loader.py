@@ -10,9 +10,9 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from conformance import saev_writer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from saev_fixtures import saev_writer
 
 from actstore.batch import Batch
 from actstore.errors import ConfigError, LayerNotStoredError
@@ -178,7 +178,7 @@ def format_cases():
 
 @pytest.mark.parametrize("case", format_cases())
 def test_any_format_through_the_reader_contract(case, tmp_path):
-    from conformance import make_acts, make_batches, make_plan
+    from actstore.testing import make_acts, make_batches, make_plan
 
     plan = make_plan()
     acts = make_acts(plan)

@@ -295,7 +295,7 @@ def test_verified_slab_reads_read_whole_blocks_and_catch_damage(store, tmp_path,
 @pytest.mark.parametrize("case", format_cases())
 def test_any_format_with_mix(case, tmp_path):
     """Through the reader contract (zarr: the default slab read, contiguous row ranges)."""
-    from conformance import make_acts, make_batches, make_plan
+    from actstore.testing import make_acts, make_batches, make_plan
 
     plan = make_plan()
     acts = make_acts(plan)

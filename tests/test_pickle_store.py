@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conformance import make_acts, make_batches, make_plan, resign
 
 from actstore import safe_pickle
 from actstore.capture import CaptureConfig, capture
@@ -30,6 +29,7 @@ from actstore.formats import open_store
 from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter, merge_stores
 from actstore.formats.saev import SaevReader, SaevWriter
 from actstore.sites import Site
+from actstore.testing import make_acts, make_batches, make_plan, resign
 
 PER_SHARD = 5
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conformance import resign
 from test_activault_s3 import make_run_data, write_run
 
 from actstore.errors import CorruptStoreError
 from actstore.formats import open_store
 from actstore.formats.activault import ActivaultOptions, ActivaultReader, ActivaultWriter
+from actstore.testing import resign
 
 
 @pytest.fixture

@@ -42,7 +42,7 @@ POINTS = [
 WRITE = textwrap.dedent(
     f"""
     import sys
-    from conformance import make_acts, make_batches, make_plan
+    from actstore.testing import make_acts, make_batches, make_plan
     from actstore.formats.pickle import PickleOptions, PickleWriter
     plan = make_plan()
     writer = PickleWriter(plan, sys.argv[1], PickleOptions(samples_per_shard={PER_SHARD}))
@@ -179,7 +179,7 @@ def test_flipped_byte_fails_reads_unless_verify_reads_is_off(tmp_path):
 
 
 def test_second_writer_is_refused_with_one_line(tmp_path):
-    from conformance import make_plan
+    from actstore.testing import make_plan
 
     plan = make_plan()
     first = PickleWriter(plan, tmp_path / "acts", PickleOptions(samples_per_shard=PER_SHARD))

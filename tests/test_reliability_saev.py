@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conformance import saev_writer
+from saev_fixtures import saev_writer
 from test_saev_store import batches, make_acts, make_metadata, write_store
 
 from actstore.errors import CorruptStoreError, StoreLockedError, StoreNotFoundError
@@ -46,7 +46,7 @@ POINTS = [
 WRITE = textwrap.dedent(
     """
     import sys
-    from conformance import saev_writer
+    from saev_fixtures import saev_writer
     from test_saev_store import batches, make_acts, make_metadata
     acts = make_acts()
     writer = saev_writer(make_metadata(), sys.argv[1], has_tokens=True)
@@ -158,7 +158,9 @@ def test_damaged_or_deleted_block_digests(tmp_path, reference):
     blocks.write_bytes(bytes(data))
     with pytest.raises(CorruptStoreError, match="actstore-blocks.xxh3 does not match the root man"):
         SaevReader(store).read_block(block)
-    assert any("actstore-blocks.xxh3 does not match" in f for f in SaevReader(store).verify().faults)
+    assert any(
+        "actstore-blocks.xxh3 does not match" in f for f in SaevReader(store).verify().faults
+    )
     blocks.unlink()
     with pytest.raises(StoreNotFoundError, match="actstore-blocks.xxh3 is missing"):
         SaevReader(store)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conformance import resign
 from test_zarr_store import N, SyntheticBatches, expected, layout, make_writer, write_store
 
 from actstore.errors import CorruptStoreError, StoreLockedError, StoreNotFoundError
 from actstore.formats import open_store
 from actstore.formats.zarr import ZarrReader
+from actstore.testing import resign
 
 
 @pytest.fixture

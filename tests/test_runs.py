@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conformance import saev_writer
+from saev_fixtures import saev_writer
 from typer.testing import CliRunner
 
 from actstore.batch import Batch

@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conformance import make_acts, make_batches, make_plan
 from test_saelens import files, rows, sae_lens_store, unverified_warnings
 from typer.testing import CliRunner
 
@@ -32,6 +31,7 @@ from actstore.sites import Site
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.manifest import BLOCKS, MANIFEST
+from actstore.testing import make_acts, make_batches, make_plan
 
 OPTIONS = SaelensOptions(examples_per_shard=10, block_kb=1)  # 3 files, blocks of 5 examples
 FILE1 = "data-00001-of-00003.arrow"
@@ -358,7 +358,7 @@ def test_sealed_files_are_the_finished_arrow_files(tmp_path):
 
 _KILLED_WRITER = """
 import os, signal, sys
-from conformance import make_acts, make_batches, make_plan
+from actstore.testing import make_acts, make_batches, make_plan
 from actstore.formats.registry import get_format
 from actstore.formats.saelens import SaelensOptions
 OPTIONS = SaelensOptions(examples_per_shard=10, block_kb=1)

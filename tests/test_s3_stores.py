@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conformance import make_plan
 from test_pickle_store import write as write_pickle
 from test_saev_store import T, make_acts, write_store
 from typer.testing import CliRunner
@@ -25,6 +24,7 @@ from actstore.storage.cache import BlockCache
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.manifest import BLOCKS, MANIFEST
+from actstore.testing import make_plan
 
 
 @pytest.fixture
@@ -295,7 +295,7 @@ def test_reads_survive_connection_resets_through_the_proxy(s3_proxy, saev_local)
 
 _KILLED_WRITER = """
 import os, signal, sys
-from conformance import saev_plan
+from saev_fixtures import saev_plan
 from test_saev_store import batches, make_acts, make_metadata
 from actstore.formats.registry import get_format
 plan, options = saev_plan(make_metadata(), has_tokens=True)
@@ -311,7 +311,7 @@ def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatc
     import subprocess
     import sys
 
-    from conformance import saev_plan
+    from saev_fixtures import saev_plan
     from test_saev_store import batches, make_metadata
 
     from actstore.formats.registry import get_format
@@ -364,12 +364,12 @@ def test_cli_capture_saev_straight_to_s3(s3, model_dir, text_file, tmp_path, mon
 
 
 def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_path):
-    from conformance import make_acts as make_plan_acts
-    from conformance import make_batches
     from test_pickle_store import PER_SHARD
 
     from actstore.formats.pickle import PickleOptions, PickleWriter
     from actstore.formats.s3_staged import StagedS3Writer
+    from actstore.testing import make_acts as make_plan_acts
+    from actstore.testing import make_batches
 
     plan = make_plan()
     batches = make_batches(plan, make_plan_acts(plan))

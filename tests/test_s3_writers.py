@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conformance import make_acts as make_plan_acts
-from conformance import make_batches, make_plan, saev_plan
+from saev_fixtures import saev_plan
 from test_pickle_store import PER_SHARD
 from test_pickle_store import write as write_pickle
 from test_saev_store import batches, make_acts, make_metadata, write_store
@@ -34,6 +33,8 @@ from actstore.storage.files import open_files
 from actstore.storage.manifest import MANIFEST
 from actstore.storage.object import LOCK_NAME, S3Store
 from actstore.storage.s3lock import S3Lock
+from actstore.testing import make_acts as make_plan_acts
+from actstore.testing import make_batches, make_plan
 
 MiB = 1 << 20
 
@@ -153,7 +154,7 @@ def test_upload_error_surfaces_at_close_and_a_rerun_publishes(s3, tmp_path):
 
 _KILLED_PICKLE = """
 import os, signal, sys, time
-from conformance import make_acts, make_batches, make_plan
+from actstore.testing import make_acts, make_batches, make_plan
 from test_pickle_store import PER_SHARD
 from pathlib import Path
 from actstore.formats.pickle import PickleOptions, PickleWriter

@@ -14,7 +14,6 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from conformance import ConformanceSuite, FormatCase, make_acts, make_batches, make_plan
 from typer.testing import CliRunner
 
 from actstore import ActivationLoader
@@ -32,6 +31,7 @@ from actstore.formats.saelens import (
     hook_name,
 )
 from actstore.sites import Site
+from actstore.testing import ConformanceSuite, FormatCase, make_acts, make_batches, make_plan
 
 SMALL = SaelensOptions(examples_per_shard=4, block_kb=1)
 SITES = ("resid.1", "mlp_out.2", "attn_out.0")
@@ -443,33 +443,16 @@ def test_site_spellings(tmp_path):
 # ---------------------------------------------------------------- conformance
 
 
-class SaelensCase(FormatCase):
-    def __init__(self, dtype: str = "float32") -> None:
-        self.stored_dtype = dtype
-
-    def open_writer(self, root, plan, batches):
-        options = SaelensOptions(examples_per_shard=10, block_kb=1, dtype=self.stored_dtype)
-        return SaelensWriter.from_plan(plan, root, options), batches
-
-    def write_unpublished(self, root, plan, batches):
-        writer = SaelensWriter.from_plan(plan, root, SaelensOptions(examples_per_shard=10))
-        for batch in batches:
-            writer.write(batch)
-        writer.abort()
-        return str(writer.final)
-
-    def damage(self, location):
-        data = Path(location) / "data-00001-of-00003.arrow"
-        data.chmod(0o644)
-        os.truncate(data, data.stat().st_size - 4)
-
-
 class TestSaelensConformance(ConformanceSuite):
-    case = SaelensCase()
+    case = FormatCase("saelens", SaelensOptions(examples_per_shard=10, block_kb=1))
 
 
 class TestSaelensFloat16Conformance(ConformanceSuite):
-    case = SaelensCase("float16")
+    case = FormatCase(
+        "saelens",
+        SaelensOptions(examples_per_shard=10, block_kb=1, dtype="float16"),
+        stored_dtype="float16",
+    )
 
 
 # ---------------------------------------------------------------- kill -9

@@ -10,7 +10,7 @@ import stat
 import numpy as np
 import pytest
 import torch
-from conformance import saev_writer
+from saev_fixtures import saev_writer
 
 from actstore.batch import Batch
 from actstore.errors import (

@@ -124,8 +124,9 @@ def test_unmapped_family_keeps_residual_sites():
 @pytest.fixture(scope="module")
 def pickle_store(tmp_path_factory):
     """A pkl.gz store of resid.1 and resid.3 of a 4-block model (reader keys: layer ints)."""
-    from conformance import make_acts, make_batches, make_plan
     from test_pickle_conformance import PickleCase
+
+    from actstore.testing import make_acts, make_batches, make_plan
 
     case, plan = PickleCase(compress=False), make_plan()
     root = tmp_path_factory.mktemp("pickle") / "store"
@@ -160,10 +161,10 @@ def test_loader_names_missing_and_bad_sites_in_one_line(pickle_store):
 
 def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
     """Zarr stores name sites as captured ("resid.3"); a layer or a TL name finds them."""
-    from conformance import make_acts, make_batches, make_plan
     from test_zarr_conformance import ZarrCase
 
     from actstore.loader import ActivationLoader
+    from actstore.testing import make_acts, make_batches, make_plan
 
     case, plan = ZarrCase(), make_plan()
     reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, make_acts(plan))))
@@ -277,12 +278,12 @@ def test_transformerlens_names_hold_transformerlens_values(kind, model_dir):
 def test_inspect_and_the_loader_use_canonical_names_on_activault_hooks(tmp_path):
     """Activault stores key sites by hook name; inspect prints the canonical site beside
     it, and the loader finds the hook from any spelling."""
-    from conformance import make_acts, make_batches, make_plan
     from test_activault_conformance import LocalCase
     from typer.testing import CliRunner
 
     from actstore.cli import app
     from actstore.loader import ActivationLoader
+    from actstore.testing import make_acts, make_batches, make_plan
 
     case, plan = LocalCase(), make_plan()
     location = case.write(tmp_path / "run", plan, make_batches(plan, make_acts(plan)))

@@ -10,66 +10,51 @@ their rows are the suite's rows in the suite's order. Run once with one chunk pe
 from __future__ import annotations
 
 import dataclasses
-import os
-from pathlib import Path
 
 import numpy as np
-from conformance import ConformanceSuite, FormatCase
 
-from actstore.formats.zarr import ZarrOptions, ZarrWriter
+from actstore.formats.zarr import ZarrOptions
+from actstore.testing import ConformanceSuite, FormatCase
 
 
 def prompt_lengths(plan) -> np.ndarray:
     return 1 + np.arange(plan.n_examples) % (plan.tokens_per_example - 1)
 
 
-def as_prompt_response(plan, batches):
-    """The suite's plan and batches, split into prompt and response via extras."""
-    p = prompt_lengths(plan)
-    r = plan.tokens_per_example - p
-    plan = dataclasses.replace(plan, extras={"prompt_lengths": p, "response_lengths": r})
-    out = []
-    for batch in batches:
-        ids = batch.example_ids
-        out.append(
-            dataclasses.replace(batch, extras={"prompt_len": p[ids], "response_len": r[ids]})
-        )
-    return plan, out
-
-
 class ZarrCase(FormatCase):
-    stored_dtype = "float16"
+    """Zarr stores prompt/response samples: the suite's examples get prompt and response
+    lengths, as a prompt/response capture gives them."""
 
     def __init__(self, t_chunk: int | None = None) -> None:
-        self.options = ZarrOptions(
+        options = ZarrOptions(
             p_max=5, r_max=5, t_chunk_prompt=t_chunk, t_chunk_response=t_chunk, samples_per_shard=5
         )
+        super().__init__("zarr", options, round_trip_through=None)
 
-    def _writer(self, root: Path, plan, batches):
-        plan, batches = as_prompt_response(plan, batches)
-        return ZarrWriter.from_plan(plan, root, self.options), batches
+    def plan(self, **overrides):
+        plan = super().plan(**overrides)
+        p = prompt_lengths(plan)
+        extras = {"prompt_lengths": p, "response_lengths": plan.tokens_per_example - p}
+        return dataclasses.replace(plan, extras=extras)
 
-    def open_writer(self, root, plan, batches):
-        return self._writer(root, plan, batches)
+    def batches(self, plan, acts):
+        p = prompt_lengths(plan)
+        r = plan.tokens_per_example - p
+        return [
+            dataclasses.replace(
+                b, extras={"prompt_len": p[b.example_ids], "response_len": r[b.example_ids]}
+            )
+            for b in super().batches(plan, acts)
+        ]
 
-    def write_unpublished(self, root, plan, batches):
-        writer, batches = self._writer(root, plan, batches)
-        for batch in batches:
-            writer.write(batch)
-        writer.abort()  # never closed: as after a crash
-        return str(writer.final)
-
-    def open(self, location):
-        from actstore.formats.registry import get_format
-
-        return get_format("zarr").open_reader(location)
-
-    def damage(self, location):
-        chunk = Path(location) / "arrays" / "prompt_activations" / "4.1.0.0"
-        assert chunk.exists()
-        os.chmod(chunk, 0o644)
-        with open(chunk, "r+b") as f:
-            f.truncate(chunk.stat().st_size - 2)
+    def expected_tokens(self, plan):
+        """Prompt tokens, then response tokens, each padded with -1 to P_max and R_max."""
+        ids, p = super().expected_tokens(plan), prompt_lengths(plan)
+        out = np.full((plan.n_examples, 10), -1, dtype=ids.dtype)
+        for i, n in enumerate(p):
+            out[i, :n] = ids[i, :n]
+            out[i, 5 : 5 + plan.tokens_per_example - n] = ids[i, n:]
+        return out
 
 
 class TestZarrConformance(ConformanceSuite):

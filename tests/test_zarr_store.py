@@ -444,14 +444,14 @@ def test_blocks_and_statistics(store):
             ]
         )
         np.testing.assert_array_equal(rows, want)
-        exact = np.concatenate(
+        exact = np.concatenate(  # the statistics describe the stored float16 values
             [
                 sample_acts(i)[k][
                     np.r_[0 : min(P_FULL[i], 8), P_FULL[i] : P_FULL[i] + min(R_FULL[i], 6)]
                 ]
                 for i in range(N)
             ]
-        ).astype(np.float64)
+        ).astype(np.float16).astype(np.float64)
         stats = reader.statistics(site)
         assert stats.count == len(exact) == len(rows)
         np.testing.assert_allclose(stats.mean, exact.mean(0), rtol=1e-10)
@@ -544,7 +544,9 @@ def test_damage_is_detected(store, tmp_path):
     report = ZarrReader(copy).verify()
     assert not report.ok and any("sample 5" in f for f in report.faults)
     chunk.write_bytes(bytes(data[:-2]))
-    with pytest.raises(CorruptStoreError, match="chunk files of 2878 bytes, the manifest says 30 of"):
+    with pytest.raises(
+        CorruptStoreError, match="chunk files of 2878 bytes, the manifest says 30 of"
+    ):
         ZarrReader(copy)  # the chunk folder's bytes are counted at open
     with pytest.raises(CorruptStoreError, match="truncated"):
         ZarrReader(copy, verify_reads=False).read(5, "mlp_out.3", "response")
@@ -656,7 +658,7 @@ def test_shared_loader_serves_every_stored_token_once_aligned_across_sites(store
 
 def test_batches_without_prompt_response_lengths_store_prompts_only(tmp_path):
     """Packed captures and conversions carry no split: all tokens are the prompt, R_max = 0."""
-    from conformance import make_acts, make_batches, make_plan
+    from actstore.testing import make_acts, make_batches, make_plan
 
     plan = make_plan()
     acts = make_acts(plan)

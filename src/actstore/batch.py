@@ -123,8 +123,8 @@ def sample_key(
     *,
     prompt: str | None = None,
     response: str | None = None,
-    prompt_ids: Sequence[int] | None = None,
-    response_ids: Sequence[int] | None = None,
+    prompt_ids: Sequence[int] | np.ndarray | None = None,
+    response_ids: Sequence[int] | np.ndarray | None = None,
     fallback: str = "",
 ) -> str:
     """sha256 hex (64 chars) identifying a sample by its text and tokens.

@@ -42,7 +42,7 @@ from .batch import Batch, CapturePlan
 from .errors import ActstoreError, ConfigError, CorruptStoreError
 from .formats import open_store
 from .formats.base import ReaderBase, WriterBase
-from .formats.registry import FORMAT_NAMES, FormatSpec, detect_format, get_format
+from .formats.registry import FormatSpec, detect_format, format_names, get_format
 from .progress import bar_switch
 from .sites import Site
 
@@ -202,7 +202,7 @@ def open_target(
         hints = [f"convert the residual stream alone with --sites {','.join(map(str, kept))}"]
         takers = [
             name
-            for name in FORMAT_NAMES
+            for name in format_names()
             if name not in (spec.name, source_format) and _accepts(get_format(name), plan)
         ]
         if takers:
@@ -269,7 +269,8 @@ def convert(
             writer.abort()
             raise
         location = writer.close()
-    rows, errors = {}, {}
+    rows: dict[str, int] = {}
+    errors: dict[str, float] = {}
     target_reader = open_store(location)
     if verify:
         rows, errors = compare_stores(
@@ -408,7 +409,8 @@ def _aligned(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Pairs of equally long row runs from two streams of row chunks, which must end
     together (else the stores hold different numbers of rows)."""
-    a = b = np.empty((0, 0))
+    a: np.ndarray | None = np.empty((0, 0))
+    b: np.ndarray | None = np.empty((0, 0))
     while True:
         if a is not None and not len(a):
             a = next(left, None)

@@ -34,7 +34,7 @@ import _compat_pickle
 import io
 import pickle
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -76,7 +76,7 @@ def _checked_reconstruct(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
 def _numpy_allowed() -> dict[tuple[str, str], Callable[..., Any]]:
     from numpy._core import multiarray, numeric  # the names numpy >= 2 pickles refer to
 
-    rebuild = {
+    rebuild: dict[str, Callable[..., Any]] = {
         "_reconstruct": _checked_reconstruct,
         "scalar": multiarray.scalar,
     }
@@ -88,7 +88,8 @@ def _numpy_allowed() -> dict[tuple[str, str], Callable[..., Any]]:
         for name, fn in rebuild.items():
             out[(module, name)] = fn
     for module in ("numpy._core.numeric", "numpy.core.numeric"):
-        out[(module, "_frombuffer")] = numeric._frombuffer
+        # a private numpy helper (pickles of some arrays name it), absent from numpy's stubs
+        out[(module, "_frombuffer")] = numeric._frombuffer  # type: ignore[attr-defined]
     return out
 
 
@@ -169,10 +170,21 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeDataError("refusing a pickle with persistent ids (not activation data)")
 
 
+class BinaryReader(Protocol):
+    """What :func:`load` reads: a binary file (``open(path, "rb")``, ``io.BytesIO``,
+    ``gzip.GzipFile``...)."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def readinto(self, buffer: Any, /) -> int: ...
+
+    def readline(self, limit: int = -1, /) -> bytes: ...
+
+
 class _Bounded:
     """A read-only file view that refuses to read past ``limit`` bytes in total."""
 
-    def __init__(self, raw: IO[bytes], limit: int) -> None:
+    def __init__(self, raw: BinaryReader, limit: int) -> None:
         self.raw, self.left, self.limit = raw, limit, limit
         self.name = getattr(raw, "name", "")
 
@@ -232,7 +244,7 @@ def _check_arrays(obj: Any) -> None:
             stack.extend(item)
 
 
-def load(file: IO[bytes], *, max_bytes: int | None = None) -> Any:
+def load(file: BinaryReader, *, max_bytes: int | None = None) -> Any:
     """Unpickle one object from a binary file object, refusing anything but plain data.
 
     Raises :class:`UnsafeDataError` for disallowed objects and :class:`CorruptStoreError`

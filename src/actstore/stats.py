@@ -34,8 +34,9 @@ class RunningStats:
 
     d: int
     count: int = 0
-    mean: np.ndarray = field(default=None)  # type: ignore[assignment]
-    m2: np.ndarray = field(default=None)  # type: ignore[assignment]
+    # None: zeros of width d, filled in by __post_init__ (readers always see arrays)
+    mean: np.ndarray = field(default=None)  # type: ignore[arg-type]
+    m2: np.ndarray = field(default=None)  # type: ignore[arg-type]
     norm_mean: float = 0.0
     _scratch: np.ndarray | None = field(default=None, repr=False, compare=False)
 

@@ -142,7 +142,7 @@ class ModelPlan:
     """The name recorded in stores."""
     family: str
     modality: str
-    model_class: type
+    model_class: type[Any]
     config: Any
     """The truncated config (``last_block + 1`` blocks)."""
     init_kwargs: dict[str, Any]
@@ -236,6 +236,7 @@ def plan_model(
     ckpt = resolve_checkpoint(name)
     family = _vision_family(_read_config(ckpt, AutoConfig).model_type)
     init_kwargs: dict[str, Any] = {}
+    model_class: Any  # a transformers model class
     if family is not None:
         model_class = {
             "clip": transformers.CLIPVisionModel,
@@ -363,6 +364,8 @@ def load_model(
         load_map = device_map
     offload = None
     if device_map is not None and "disk" in device_map.values():
+        # resolve_device_map refuses "disk" without an offload folder (so a placement)
+        assert placement is not None and placement.offload_folder is not None
         # one folder per load: workers of one machine may share --offload-folder
         Path(placement.offload_folder).expanduser().mkdir(parents=True, exist_ok=True)
         offload = tempfile.mkdtemp(prefix="actstore-offload-", dir=placement.offload_folder)
@@ -373,7 +376,7 @@ def load_model(
     if load_map is None:
         module.to(device)
     blocks = module.get_submodule(plan.blocks_path)
-    common = {
+    common: dict[str, Any] = {
         "module": module,
         "ckpt": plan.label,
         "family": plan.family,
@@ -449,7 +452,8 @@ def _size(n: float) -> str:
 def _span(blocks: Sequence[int]) -> str:
     if not blocks:
         return "-"
-    runs, start = [], blocks[0]
+    runs: list[str] = []
+    start: int | None = blocks[0]  # None after the last run
     for prev, cur in zip(blocks, [*blocks[1:], None], strict=True):
         if cur != prev + 1:
             runs.append(f"{start}" if start == prev else f"{start}-{prev}")

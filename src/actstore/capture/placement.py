@@ -384,7 +384,8 @@ def memory_plan(
     first_block = None
     params, buffers = sizes
     for name, nbytes in [*params.items(), *buffers.items()]:
-        dev = device if device_map is None else device_label(_owner(name, device_map))
+        owner = None if device_map is None else _owner(name, device_map)  # maps cover all
+        dev = device if owner is None else device_label(owner)
         if name in buffers and dev in ("disk", "cpu"):
             dev = main
         weights[dev] = weights.get(dev, 0) + nbytes

@@ -303,10 +303,9 @@ def weightless_plan(
     processor, and the dataset only; and the opened source, for capture to take over."""
     from .runner import packed_source, source_plan
 
-    if facts.is_vision:
-        from transformers import AutoImageProcessor as loader
-    else:
-        from transformers import AutoTokenizer as loader
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    loader: Any = AutoImageProcessor if facts.is_vision else AutoTokenizer
     try:
         with quiet_transformers():
             helper = loader.from_pretrained(facts.path)

@@ -437,12 +437,15 @@ def open_prompt_source(config: Any, model: LoadedModel) -> PromptResponseSource:
             )
             responses = [tok.decode(r, skip_special_tokens=True) for r in response_ids]
         else:
+            responses = [r.response for r in records if r.response is not None]
+            if len(responses) != len(records):  # read_records gives each one a response
+                raise ConfigError(f"{config.dataset}: records without a response")
             pairs = [
-                encode_pair(tok, r.prompt, r.response, chat_template=templated) for r in records
+                encode_pair(tok, r.prompt, response, chat_template=templated)
+                for r, response in zip(records, responses, strict=True)
             ]
             prompt_ids = [p for p, _ in pairs]
             response_ids = [r for _, r in pairs]
-            responses = [r.response for r in records]
     samples = [
         Sample(
             prompt_ids=p,

@@ -98,7 +98,10 @@ class Checkpoint:
         return sorted(set(self.weight_map.values()))
 
     def path(self, filename: str) -> str:
-        return _fetch(self.source, filename, required=True)
+        local = _fetch(self.source, filename, required=True)
+        if local is None:  # required: _fetch raises rather than return None
+            raise StoreNotFoundError(f"{self.source}: cannot get {filename}")
+        return local
 
     def lazy_tensors(
         self, keep: Callable[[str], bool]
@@ -129,12 +132,11 @@ class Checkpoint:
         for name, filename in self.weight_map.items():
             if keep(name):
                 by_file.setdefault(filename, []).append(name)
-        kept: int | None = 0
+        kept = 0
         for filename, names in by_file.items():
             local = _fetch(self.source, filename, required=False, download=False)
             if local is None:
-                kept = None
-                break
+                return None, sorted(by_file)
             sizes = _header_sizes(local)
             kept += sum(sizes[name] for name in names)
         return kept, sorted(by_file)

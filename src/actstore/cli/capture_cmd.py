@@ -33,10 +33,10 @@ Examples:
 
 
 def _format_epilog() -> str:
-    from ..formats.registry import FORMAT_NAMES, describe_options, get_format
+    from ..formats.registry import describe_options, format_names, get_format
 
     lines = ["Formats (--format) and their options (--opt KEY=VALUE):"]
-    for name in FORMAT_NAMES:
+    for name in format_names():
         try:
             spec = get_format(name)
         except Exception as err:  # noqa: BLE001 - listed as unavailable
@@ -329,7 +329,7 @@ def capture(
             num_machines=num_machines,
         )
         return
-    if pre.complete:
+    if pre.writer is not None and pre.writer.complete:  # pre.complete
         location = pre.writer.close()
         already = True
     else:

@@ -9,7 +9,7 @@ from .common import human_bytes
 
 
 def _epilog() -> str:
-    from ..formats.registry import FORMAT_NAMES, describe_options, get_format
+    from ..formats.registry import describe_options, format_names, get_format
 
     lines = [
         "\b",
@@ -20,7 +20,7 @@ def _epilog() -> str:
         "\b",
         "Target formats (--to) and their options (--opt KEY=VALUE):",
     ]
-    for name in FORMAT_NAMES:
+    for name in format_names():
         try:
             spec = get_format(name)
         except Exception as err:  # noqa: BLE001 - listed as unavailable

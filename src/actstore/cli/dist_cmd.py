@@ -22,7 +22,7 @@ def run_distributed_capture(
     retries: int,
     machine_id: int | None,
     num_machines: int | None,
-) -> Path | None:
+) -> Path | str | None:
     """What ``actstore capture`` does with --ray or a machine id; prints the outcome."""
     from ..dist import capture_distributed, capture_on_ray, slurm_machine
     from ..errors import ConfigError
@@ -74,7 +74,7 @@ def run_distributed_capture(
     return done.published
 
 
-def _echo_next_steps(location: Path) -> None:
+def _echo_next_steps(location: Path | str) -> None:
     typer.echo(f"\nRead it back:\n  actstore inspect {location}\n  actstore verify {location}")
 
 

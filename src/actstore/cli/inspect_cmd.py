@@ -80,6 +80,22 @@ def inspect(
             typer.echo(f"  {'':<18} first row: {s['first_row']} ...")
 
 
+def _manifest_faults(location: str) -> list[str]:
+    """Every fault of the store's files against its root manifest (sizes, listing, each
+    block), for a store its format cannot open even unchecked."""
+    from ..errors import ActstoreError
+    from ..storage.integrity import Integrity
+    from ..storage.location import Location
+
+    faults: list[str] = []
+    try:
+        files = Location.parse(location).files(cache=False)
+        Integrity.open(files, verify_reads=False).verify(faults)
+    except ActstoreError as err:
+        faults.append(str(err))
+    return faults
+
+
 @app.command()
 def verify(
     location: str = typer.Argument(..., help="A store: directory or URL."),
@@ -92,12 +108,15 @@ def verify(
     """
     from tqdm.auto import tqdm
 
-    from ..errors import ActstoreError
+    from ..errors import ActstoreError, StoreNotFoundError
     from ..formats import open_store
     from ..progress import bar_switch
+    from ..storage.location import Location
     from .status_cmd import refuse_output_root
 
     refuse_output_root(location, "verify")
+    if not Location.parse(location).exists():  # a usage error (exit 2), not a fault found
+        raise StoreNotFoundError(f"{location} does not exist; give a store directory or URL")
     faults: list[str] = []
     try:
         reader = open_store(location)
@@ -105,10 +124,16 @@ def verify(
         faults.append(str(err))
         try:  # open it unchecked, so every fault is found and listed, not only the first
             reader = open_store(location, verify_reads=False)
-        except ActstoreError:
-            typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
+        except ActstoreError as again:
+            # the format cannot read it at all: still check every byte against the manifest
+            faults += [f for f in [str(again), *_manifest_faults(location)] if f not in faults]
+            for fault in faults:
+                typer.secho(f"FAULT: {fault}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from None
-    total = reader.describe().get("bytes")
+    try:  # describe() may read data (pkl.gz token ids): a fault there is verify's to list
+        total = reader.describe().get("bytes")
+    except ActstoreError:
+        total = None
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", **bar_switch(progress)) as bar:
         report = reader.verify(progress=bar.update)
     for note in report.notes:

@@ -18,13 +18,19 @@ def _hook_summary(store, prefix: str) -> dict[str, Any]:
     from ..formats.activault.layout import METADATA, STATISTICS, parse_data_file
     from ..storage.object import join_key
 
-    files, strays = [], []
+    found: list[tuple[Any, str, int]] = []
+    strays: list[tuple[str, int]] = []
     for obj in store.list(prefix + "/"):
         name = obj.key[len(prefix) + 1 :]
         if name in (METADATA, STATISTICS) or name.endswith("cfg.json"):
             continue
-        (files if parse_data_file(name) is not None else strays).append((name, obj.size))
-    files.sort(key=lambda f: parse_data_file(f[0]).sort_key)  # upload order
+        parsed = parse_data_file(name)
+        if parsed is None:
+            strays.append((name, obj.size))
+        else:
+            found.append((parsed.sort_key, name, obj.size))
+    found.sort(key=lambda f: f[0])  # upload order
+    files = [(name, size) for _, name, size in found]
     out: dict[str, Any] = {"files": len(files), "bytes": sum(s for _, s in files)}
     md_key = join_key(prefix, METADATA)
     if store.size(md_key) is not None:
@@ -62,12 +68,19 @@ def ls(
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
-    from ..storage.object import S3Config, S3Store, is_internal, join_key, open_location
+    from ..storage.object import (
+        LocalStore,
+        S3Config,
+        S3Store,
+        is_internal,
+        join_key,
+        open_location,
+    )
 
     store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
     if isinstance(store, S3Store):
         store.check_bucket()
-    elif not (store.root / prefix).exists():
+    elif isinstance(store, LocalStore) and not (store.root / prefix).exists():
         raise StoreNotFoundError(f"{store.url(prefix)} does not exist")
     described = _store_summary(location, store.url(prefix))
     if described is not None:
@@ -87,7 +100,7 @@ def ls(
     if cfg is None and not hooks:
         listed = store.list(prefix.rstrip("/") + "/" if prefix else "")
         objects = [o for o in listed if not is_internal(o.key)][:1000]
-        out = {
+        out: dict[str, Any] = {
             "location": store.url(prefix),
             "folders": dirs,
             "objects": len(objects),

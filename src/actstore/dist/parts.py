@@ -195,7 +195,7 @@ def find_unmerged(out: str | Path) -> list[tuple[Path | str, PartFormat]]:
     ``s3://`` run for Activault) whose parts are waiting."""
     if "://" not in str(out):
         out = Path(out).expanduser().resolve()
-    found = []
+    found: list[tuple[Path | str, PartFormat]] = []
     for fmt in part_formats():
         if isinstance(out, str) and not fmt.remote:
             continue

@@ -13,19 +13,21 @@ Example:
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..storage.files import StoreFiles
 from ..storage.integrity import Integrity
 
 
-class LazyRows:
+class LazyRows(abc.ABC):
     """A read-only ``shape = (n, ...)`` array whose rows are fetched (and checked) only when
     indexed: ``rows(index)`` gives the rows of an int64 index array."""
 
-    def __init__(self, dtype: np.dtype | str, shape: tuple[int, ...]) -> None:
+    def __init__(self, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> None:
         self.dtype = np.dtype(dtype)
         self.shape = tuple(int(x) for x in shape)
         self.row_shape = self.shape[1:]
@@ -37,9 +39,9 @@ class LazyRows:
     def __len__(self) -> int:
         return self.shape[0]
 
+    @abc.abstractmethod
     def rows(self, index: np.ndarray) -> np.ndarray:
         """Rows ``index`` (an int64 array of valid row numbers), read and checked."""
-        raise NotImplementedError
 
     def __getitem__(self, key: Any) -> np.ndarray:
         from .base import as_indices
@@ -66,7 +68,7 @@ class RowFile(LazyRows):
         files: StoreFiles,
         checks: Integrity,
         name: str,
-        dtype: np.dtype | str,
+        dtype: npt.DTypeLike,
         shape: tuple[int, ...],
     ) -> None:
         super().__init__(dtype, shape)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ConfigError, IndexOutOfRangeError, LayerNotStoredError
 from ..sites import Site
@@ -92,7 +93,7 @@ _SCRATCH = _Scratch()
 BLOCK_SLOT, PIECE_SLOT = 0, 1
 
 
-def scratch(n: int, d: int, dtype: np.dtype | str, slot: int = BLOCK_SLOT) -> np.ndarray:
+def scratch(n: int, d: int, dtype: npt.DTypeLike, slot: int = BLOCK_SLOT) -> np.ndarray:
     """This thread's scratch buffer ``slot`` as ``[n, d]`` of ``dtype`` (valid until that
     slot's next use; a read that assembles a block from pieces reads them into another slot)."""
     dtype = np.dtype(dtype)
@@ -277,11 +278,10 @@ class ReaderBase(abc.ABC):
     def split_key(self, key: Any, n_examples: int, n_tokens: int):
         """``reader[example, site, token]`` parsed: ``(examples, site or None for all,
         token selector, whether example was a scalar)``; examples as an int64 array."""
-        if not isinstance(key, tuple):
-            key = (key,)
-        if len(key) > 3:
+        parts: tuple[Any, ...] = key if isinstance(key, tuple) else (key,)
+        if len(parts) > 3:
             raise IndexError("index as reader[example, site, token]")
-        ex, site, token = (*key, *(slice(None),) * (3 - len(key)))
+        ex, site, token = [*parts] + [slice(None)] * (3 - len(parts))
         examples = as_indices(ex, n_examples, "example")
         if isinstance(site, slice):
             if site != slice(None):
@@ -295,15 +295,26 @@ class ReaderBase(abc.ABC):
 
     # ------------------------------------------------------------------ optional
 
-    tokens: Any = None
-    """Per-example token ids ``[n_examples, T]`` (text stores that keep them), checked as
-    they are read."""
-    labels: Any = None
-    """Per-example class labels (image folders with classes); ``[n, T]`` in saev."""
-    classes: list[str] | None = None
-    """Class names for ``labels``."""
-    torch_dtype: torch.dtype | None = None
-    """The stored torch dtype when :attr:`dtype` widens it (bfloat16 read as float32)."""
+    @property
+    def tokens(self) -> Any:
+        """Per-example token ids ``[n_examples, T]`` (text stores that keep them), checked
+        as they are read; None if the store has none."""
+        return None
+
+    @property
+    def labels(self) -> Any:
+        """Per-example class labels (image folders with classes); ``[n, T]`` in saev."""
+        return None
+
+    @property
+    def classes(self) -> list[str] | None:
+        """Class names for ``labels``."""
+        return None
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The stored torch dtype when :attr:`dtype` widens it (bfloat16 read as float32)."""
+        return None
 
     def stored_dtype(self) -> str:
         """The dtype the values are stored in, e.g. ``"bfloat16"`` or ``"float32"``."""

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,13 +119,14 @@ class PartFormat:
     """Where the published store goes for ``(plan, out, options)`` (a path, or a URL)."""
     part_writer: Callable[[CapturePlan, Path, Any, Slice], Any]
     """A writer of one slice of the store at ``final`` (it knows where its part goes)."""
-    list_parts: Callable[[Path], list[PartInfo]]
-    """The published parts of the store at ``final``."""
+    list_parts: Callable[[Any], list[PartInfo]]
+    """The published parts of the store at ``final`` (a ``Path``; a URL if ``remote``)."""
     merge: Callable[[list[PartInfo], Any], Path | str]
     """Publish the store at ``final`` from its parts (in example order, tiling it) and
     remove what is no longer needed; returns the store's location."""
-    pending: Callable[[Path], list[Path]]
-    """Final locations under an output directory whose parts are waiting for a merge."""
+    pending: Callable[[Any], Sequence[Path | str]]
+    """Final locations under an output directory (a ``Path``; a URL if ``remote``) whose
+    parts are waiting for a merge."""
     remote: bool = False
     """Whether finals may be object-storage URLs (merged without a local lock)."""
 
@@ -198,7 +199,9 @@ def sharded_part_format(name: str, writer: type[ShardedWriter]) -> PartFormat:
         plan = CapturePlan.from_json_dict(doc["plan"])
         options = writer.options_type(**doc["options"])
         store = Location.parse(final)
-        target = writer(plan, store.parent, options, store=store)
+        # Concrete writers take (plan, output, options, *, store), not the base's __init__.
+        make: Callable[..., ShardedWriter] = writer
+        target = make(plan, store.parent, options, store=store)
         location = target.merge([p.path for p in parts])
         shutil.rmtree(parts_root(final))
         return location

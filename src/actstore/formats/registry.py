@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 #: Detection order: the first format whose ``detect`` accepts a location opens it.
 FORMAT_NAMES = ("saev", "zarr", "pickle", "activault", "saelens")
 
+#: Formats registered from outside this package (:func:`register_format`), detected after
+#: the built-in ones, in registration order.
+_REGISTERED: dict[str, FormatSpec] = {}
+
 #: The optional dependency each format needs beyond the core install, and its extra.
 EXTRAS = {"zarr": "zarr", "saelens": "datasets"}
 
@@ -74,7 +78,8 @@ class FormatSpec:
     uploaded by :class:`~actstore.formats.s3_staged.StagedS3Writer`)."""
 
     def open_reader(self, location: str | os.PathLike | Location, **kwargs: Any) -> ReaderBase:
-        return self.reader(location, **kwargs)
+        make: Callable[..., ReaderBase] = self.reader  # each reader's own signature (above)
+        return make(location, **kwargs)
 
     def open_writer(
         self, plan: CapturePlan, out: str | os.PathLike | Location, options: Any = None
@@ -105,10 +110,37 @@ class FormatSpec:
         return (*self.manifests, MANIFEST)
 
 
+def register_format(spec: FormatSpec) -> FormatSpec:
+    """Make a format defined outside actstore known to ``open_store``, ``capture --format``,
+    ``convert`` and the rest, by its ``spec.name`` (the one line a plugin format adds).
+
+    Example:
+        >>> register_format(dataclasses.replace(get_format("pickle"), name="pkl-copy")).name
+        'pkl-copy'
+        >>> unregister_format("pkl-copy")
+    """
+    if spec.name in FORMAT_NAMES:
+        raise ConfigError(f"format {spec.name!r} is built in; give the new format another name")
+    _REGISTERED[spec.name] = spec
+    return spec
+
+
+def unregister_format(name: str) -> None:
+    """Forget a format :func:`register_format` added (tests)."""
+    _REGISTERED.pop(name, None)
+
+
+def format_names() -> tuple[str, ...]:
+    """Every format name: the built-in ones, then the registered ones."""
+    return (*FORMAT_NAMES, *_REGISTERED)
+
+
 def get_format(name: str) -> FormatSpec:
     """The :class:`FormatSpec` of format ``name``."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     if name not in FORMAT_NAMES:
-        raise ConfigError(f"unknown format {name!r}; choose one of {', '.join(FORMAT_NAMES)}")
+        raise ConfigError(f"unknown format {name!r}; choose one of {', '.join(format_names())}")
     if importlib.util.find_spec(f"{__package__}.{name}") is None:
         raise ConfigError(f"format {name!r} is not implemented yet")
     try:
@@ -127,7 +159,7 @@ def get_format(name: str) -> FormatSpec:
 def available_formats() -> list[FormatSpec]:
     """Formats whose code and dependencies are importable here."""
     out = []
-    for name in FORMAT_NAMES:
+    for name in format_names():
         try:
             out.append(get_format(name))
         except (MissingDependencyError, ConfigError):

@@ -46,11 +46,12 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from ..batch import Batch, CapturePlan
 from ..errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
@@ -133,7 +134,7 @@ class ShardedWriter(FormatWriter):
         #: Publish a part of a distributed capture (``part.json``, merged later) rather
         #: than a complete store of ``example_range`` (zarr's run shards are the latter).
         self.is_part = example_range is not None if part is None else part
-        self.example_range = self._check_range(example_range)
+        self.example_range: tuple[int, int] = self._check_range(example_range)
         #: Shards are numbered as in the whole store: a part's first shard is not 0.
         self.first_shard = self.example_range[0] // self.examples_per_shard if self.is_part else 0
         self.complete = False
@@ -177,7 +178,8 @@ class ShardedWriter(FormatWriter):
         options = options or cls.options_type()
         if fields:
             options = dataclasses.replace(options, **fields)
-        return cls(plan, Location.parse(location), options)  # type: ignore[call-arg]
+        make: Callable[..., ShardedWriter] = cls  # the subclass's signature, not __init__'s
+        return make(plan, Location.parse(location), options)
 
     @classmethod
     @abc.abstractmethod
@@ -187,9 +189,8 @@ class ShardedWriter(FormatWriter):
     @classmethod
     def for_slice(cls, plan: CapturePlan, store: Location, options: Any, sl: Any) -> ShardedWriter:
         """The writer of one slice of a distributed capture (published at ``store``)."""
-        return cls(  # type: ignore[call-arg]
-            plan, store.parent, options, example_range=(sl.start, sl.stop), store=store
-        )
+        make: Callable[..., ShardedWriter] = cls  # the subclass's signature, not __init__'s
+        return make(plan, store.parent, options, example_range=(sl.start, sl.stop), store=store)
 
     # ------------------------------------------------------------------ the format's part
 
@@ -218,9 +219,12 @@ class ShardedWriter(FormatWriter):
 
     def stat_rows(self, batch: Batch) -> dict[Site, np.ndarray]:
         """The rows statistics are taken over: by default every token of every site, as
-        captured (float32 ``[n * T, D]``)."""
+        stored (float32 ``[n * T, D]`` of the values after the :attr:`stored_dtype` cast),
+        so the statistics describe what readers serve."""
+        cast = getattr(torch, self.stored_dtype)
         return {
-            s: as_float32(batch.acts[str(s)]).reshape(-1, self.plan.d_model) for s in self.sites
+            s: as_float32(batch.acts[str(s)].detach().to(cast)).reshape(-1, self.plan.d_model)
+            for s in self.sites
         }
 
     def summary(self, rows: int) -> dict[str, Any]:

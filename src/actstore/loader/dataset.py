@@ -271,7 +271,7 @@ class ActivationLoader(IterableDataset):
         """The order of epoch ``epoch`` (see :mod:`actstore.order`)."""
         layout = self.layout
         return plan_epoch(
-            layout.kept_rows if layout.mix == 1 else layout.unit_rows,
+            layout.unit_row_counts,
             pool_blocks=self.pool_blocks,
             seed=self.config.seed,
             epoch=epoch,

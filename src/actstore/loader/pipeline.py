@@ -154,6 +154,14 @@ class Buffers:
         self._busy.append(True)
         return len(self._arrays) - 1
 
+    def take(self) -> int:
+        """:meth:`acquire` on buffers without a ``limit``: a free array's index, allocating
+        one when none is free (so never None)."""
+        i = self.acquire()
+        if i is None:
+            raise AssertionError("Buffers.take needs buffers without a limit")
+        return i
+
     def release(self, i: int) -> None:
         """The pipeline is done with array ``i`` (it is reused once its views are gone)."""
         self._busy[i] = False
@@ -244,6 +252,16 @@ class Layout:
     @property
     def n_sites(self) -> int:
         return len(self.blocks)
+
+    @property
+    def unit_row_counts(self) -> np.ndarray:
+        """Rows per unit of the epoch order: :attr:`kept_rows` with ``mix`` 1, else
+        :attr:`unit_rows` (``[mix, n_blocks]``)."""
+        if self.mix == 1:
+            return self.kept_rows
+        if self.unit_rows is None:
+            raise ConfigError(f"a layout with mix {self.mix} needs unit_rows")
+        return self.unit_rows
 
     @property
     def max_unit_rows(self) -> int:
@@ -422,7 +440,8 @@ class Consumer:
         """:meth:`_submit` for ``mix`` > 1: each unit is one slab of a block, read with
         ``read_slabs_scatter``; units of one slab of consecutive blocks share a task."""
         layout = self.layout
-        offsets = np.concatenate([[0], np.cumsum(layout.unit_rows.reshape(-1)[units])]).tolist()
+        rows_of = layout.unit_row_counts.reshape(-1)
+        offsets = np.concatenate([[0], np.cumsum(rows_of[units])]).tolist()
         tasks: list[list[tuple[int, np.ndarray | None, np.ndarray]]] = []
         previous = -2
         for j in np.argsort(units, kind="stable").tolist():
@@ -538,7 +557,7 @@ class Consumer:
                     pos += n
                     continue
                 if carry is None:
-                    carry = (self._carry.acquire(), 0)
+                    carry = (self._carry.take(), 0)
                 buf, filled = carry
                 n = min(size - filled, end - pos)
                 self._carry[buf][filled : filled + n] = rows[pos : pos + n]
@@ -564,7 +583,7 @@ class Consumer:
         acts = torch.from_numpy(rows.reshape(shape))
         if fin.shift is not None or fin.scale is not None:
             if acts.dtype != torch.float32:
-                stage = self._stage.acquire()
+                stage = self._stage.take()
                 staged = torch.from_numpy(self._stage[stage][:n].reshape(shape))
                 self._stage.release(stage)
                 acts = staged.copy_(acts)
@@ -573,7 +592,7 @@ class Consumer:
             if fin.scale is not None:
                 acts.mul_(fin.scale)
         if acts.dtype != fin.out_dtype:
-            out = self._out.acquire()
+            out = self._out.take()
             target = torch.from_numpy(self._out[out][:n].reshape(shape))
             self._out.release(out)
             if fin.out_dtype == torch.bfloat16:

@@ -70,6 +70,9 @@ class SAEConfig:
 class SparseAutoencoder(nn.Module):
     """A TopK or ReLU sparse autoencoder with built-in input normalisation."""
 
+    input_mean: torch.Tensor  # buffers, registered in __init__
+    input_scale: torch.Tensor
+
     def __init__(self, config: SAEConfig) -> None:
         super().__init__()
         self.config = config
@@ -153,4 +156,4 @@ class SparseAutoencoder(nn.Module):
     @torch.no_grad()
     def normalise_decoder(self) -> None:
         """Rescale decoder rows to unit norm."""
-        self.W_dec /= self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12)
+        self.W_dec.div_(self.W_dec.norm(dim=1, keepdim=True).clamp_min(1e-12))

@@ -200,7 +200,7 @@ def train_sae(
                     "explained_variance": window.explained_variance,
                     "l0": window.l0,
                     "dead_fraction": dead.fraction,
-                    "lr": schedule.get_last_lr()[0],
+                    "lr": float(schedule.get_last_lr()[0]),  # a tensor for a tensor lr
                 }
                 history.append(entry)
                 log.info(

@@ -135,8 +135,11 @@ class BlockCache:
         except FileNotFoundError:
             self._count("misses")
             return None
-        data = memoryview(mapped)[:size] if mapped is not None else None
-        if data is None or mapped[size:] != xxhash.xxh3_128(data).digest():
+        if mapped is None:
+            self._drop_damaged(path)
+            return None
+        data = memoryview(mapped)[:size]
+        if mapped[size:] != xxhash.xxh3_128(data).digest():
             self._drop_damaged(path)
             return None
         _touch(path)

@@ -204,7 +204,9 @@ class FileCopier:
             return self._start_local(pool, name, key, size, offsets)
         raise ConfigError(f"cannot copy to {self.store.root_url}")  # pragma: no cover
 
-    def _start_s3(self, pool, name, key, size, offsets):
+    def _start_s3(
+        self, pool: ThreadPoolExecutor, name: str, key: str, size: int, offsets: list[int]
+    ) -> tuple[list[Future], Any, Any]:
         store: S3Store = self.store
         if len(offsets) == 1:  # one PUT
 
@@ -214,11 +216,11 @@ class FileCopier:
                 self._done(size)
                 return self.hash(data).digest() if self.hash else b""
 
-            def finish(digests: list[bytes]) -> None:
+            def finish_put(digests: list[bytes]) -> None:
                 if self.hash:
                     self.etags[name] = digests[0].hex()
 
-            return [pool.submit(put)], finish, lambda: None
+            return [pool.submit(put)], finish_put, lambda: None
 
         upload_id, found = self._resumable(key, size, len(offsets))
 
@@ -270,7 +272,9 @@ class FileCopier:
         log.info("resuming the upload of %s: %d of %d parts are there", key, len(keep), n_parts)
         return upload_id, keep
 
-    def _start_local(self, pool, name, key, size, offsets):
+    def _start_local(
+        self, pool: ThreadPoolExecutor, name: str, key: str, size: int, offsets: list[int]
+    ) -> tuple[list[Future], Any, Any]:
         target = Path(self.store.url(key))
         if len(offsets) > 1:
             return self._start_local_parts(pool, name, target, size, offsets)
@@ -304,7 +308,9 @@ class FileCopier:
 
         return futures, finish, abort
 
-    def _start_local_parts(self, pool, name, target: Path, size: int, offsets: list[int]):
+    def _start_local_parts(
+        self, pool: ThreadPoolExecutor, name: str, target: Path, size: int, offsets: list[int]
+    ) -> tuple[list[Future], Any, Any]:
         """A large file, resumable: parts go into ``.NAME.partial.tmp`` and each finished
         part is appended to the journal ``.NAME.parts.tmp`` (headed by the source's size,
         version and the part size: a changed source or part size starts over)."""
@@ -404,7 +410,7 @@ def multipart_etag(path: str | os.PathLike, etag: str) -> str:
         if not fits:
             return ""
         part = fits[0]
-    digests = []
+    digests: list[bytes] = []
     with open(path, "rb") as f:
         while True:
             block = f.read(part)

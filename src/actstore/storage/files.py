@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import builtins
 import ctypes
 import errno
 import json
@@ -118,11 +119,11 @@ class StoreFiles(abc.ABC):
     def exists(self, name: str) -> bool:
         return self.size(name) is not None
 
-    def symlinks(self) -> list[str]:
+    def symlinks(self) -> builtins.list[str]:
         """Names below the directory that are symbolic links (a store holds none)."""
         return []
 
-    def outside_links(self) -> list[str]:
+    def outside_links(self) -> builtins.list[str]:
         """Symbolic links below the directory that lead out of it."""
         return []
 
@@ -208,7 +209,7 @@ def _preadv(fd: int, iov: np.ndarray, offset: int, source: str) -> None:
 
 def _buffer(n: int) -> memoryview:
     """A fresh writable buffer of ``n`` bytes, not zero-filled (every byte is read into)."""
-    return memoryview(np.empty(n, dtype=np.uint8))
+    return np.empty(n, dtype=np.uint8).data
 
 
 def _bytes_view(out: Any) -> memoryview:
@@ -221,8 +222,10 @@ class LocalFiles(StoreFiles):
     threads read the same files over and over) until :meth:`close`."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.local_path = Path(path).expanduser()
-        self.url = str(self.local_path)
+        self.root = Path(path).expanduser()
+        """The directory (``local_path`` too, except for :class:`PathFiles`)."""
+        self.local_path = self.root
+        self.url = str(self.root)
         self._fds: dict[str, int] = {}
         self._pid = os.getpid()
         self._fd_lock = threading.Lock()
@@ -235,30 +238,28 @@ class LocalFiles(StoreFiles):
         self._fd_lock = threading.Lock()
 
     def _path(self, name: str) -> Path:
-        return self.local_path / name
+        return self.root / name
 
     def list(self) -> dict[str, int]:
         out = {}
-        for dirpath, _, names in os.walk(self.local_path):
+        for dirpath, _, names in os.walk(self.root):
             for n in names:
                 p = Path(dirpath) / n
-                out[p.relative_to(self.local_path).as_posix()] = p.stat().st_size
+                out[p.relative_to(self.root).as_posix()] = p.stat().st_size
         return dict(sorted(out.items()))
 
-    def symlinks(self) -> list[str]:
+    def symlinks(self) -> builtins.list[str]:
         out = []
-        for dirpath, dirnames, names in os.walk(self.local_path):
+        for dirpath, dirnames, names in os.walk(self.root):
             for n in [*dirnames, *names]:
                 p = Path(dirpath) / n
                 if p.is_symlink():
-                    out.append(p.relative_to(self.local_path).as_posix())
+                    out.append(p.relative_to(self.root).as_posix())
         return sorted(out)
 
-    def outside_links(self) -> list[str]:
-        root = self.local_path.resolve()
-        return [
-            n for n in self.symlinks() if not (self.local_path / n).resolve().is_relative_to(root)
-        ]
+    def outside_links(self) -> builtins.list[str]:
+        root = self.root.resolve()
+        return [n for n in self.symlinks() if not (self.root / n).resolve().is_relative_to(root)]
 
     def size(self, name: str) -> int | None:
         path = self._path(name)
@@ -394,6 +395,12 @@ class PathFiles(LocalFiles):
 
     def list(self) -> dict[str, int]:
         return {n: p.stat().st_size for n, p in sorted(self._paths.items())}
+
+    def symlinks(self) -> builtins.list[str]:
+        return []  # no directory to walk: each file has its own path
+
+    def outside_links(self) -> builtins.list[str]:
+        return []
 
     def size(self, name: str) -> int | None:
         path = self._paths.get(name)

@@ -166,11 +166,11 @@ class Integrity:
                     f"manifest says {count} of {size}"
                 )
         for name, entry in m.files.items():
-            size = present.get(name)
-            if size is None:
+            have = present.get(name)
+            if have is None:
                 faults.append(f"{name} is missing")
-            elif size != entry.size:
-                faults.append(f"{name} has {size} bytes, the manifest says {entry.size}")
+            elif have != entry.size:
+                faults.append(f"{name} has {have} bytes, the manifest says {entry.size}")
         faults += [
             f"{name} is not listed in the manifest" for name in sorted(set(present) - set(m.files))
         ]
@@ -304,12 +304,15 @@ class Integrity:
             )
         return first, max(1, math.ceil((end - offset) / unit)) if length else 0
 
-    def check(self, name: str, offset: int, data: bytes | memoryview | np.ndarray) -> None:
+    def check(
+        self, name: str, offset: int, data: bytes | bytearray | memoryview | np.ndarray
+    ) -> None:
         """Raise :class:`CorruptStoreError` unless ``data``, read from ``name`` at byte
         ``offset``, is exactly the published bytes of the blocks it covers."""
         if not self.enabled:
             return
-        view = memoryview(data).cast("B")
+        # numpy's stubs declare ndarray.__buffer__ (PEP 688) only for Python >= 3.12
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
         first, count = self.block_index(name, offset, len(view))
         entry = self._require(name)
         bounds = [(o - offset, n) for o, n in entry.bounds(first, count)]
@@ -388,7 +391,7 @@ class Integrity:
         bounds = entry.bounds()
         keys = block_keys(self.manifest.store_id, name, 0, len(bounds))  # type: ignore[union-attr]
         out = np.empty(len(bounds), dtype="<u8")
-        hashers = [None] * len(bounds)
+        hashers: list[KeyedHasher | None] = [None] * len(bounds)
         pos, b = 0, 0
         for chunk in self.files.iter_chunks(name) if entry.size else [memoryview(b"")]:
             if on_chunk is not None:

@@ -24,9 +24,9 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
-from ..errors import CorruptStoreError, StoreNotFoundError
+from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 
 #: Read size for hashing and copying: large enough for sequential disk speed.
 IO_CHUNK = 8 << 20
@@ -107,6 +107,12 @@ def read_json(path: str | os.PathLike) -> Any:
         ) from err
 
 
+class _Hash(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
 class FileHasher:
     """Incremental digest, by algorithm name ("sha256" or "xxh128").
 
@@ -116,6 +122,7 @@ class FileHasher:
     """
 
     def __init__(self, algorithm: str = "sha256") -> None:
+        self._h: _Hash
         if algorithm == "sha256":
             self._h = hashlib.sha256()
         elif algorithm == "xxh128":
@@ -123,7 +130,7 @@ class FileHasher:
 
             self._h = xxhash.xxh3_128()
         else:
-            raise ValueError(f"unknown checksum algorithm {algorithm!r}; use sha256 or xxh128")
+            raise ConfigError(f"unknown checksum algorithm {algorithm!r}; use sha256 or xxh128")
         self.algorithm = algorithm
 
     def update(self, data: bytes | memoryview) -> None:
@@ -155,7 +162,7 @@ def remove_tree(path: str | os.PathLike) -> None:
     shutil.rmtree(path, onerror=writable)
 
 
-def make_tree_read_only(directory: str | os.PathLike) -> None:
+def make_tree_read_only(directory: str | os.PathLike[str]) -> None:
     """Remove write permission from every file below ``directory`` (symlinks left alone)."""
     mask = ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
     for dirpath, _, names in os.walk(directory):

@@ -43,7 +43,9 @@ class Location:
     """S3 settings for an ``s3://`` location (None: from the environment)."""
 
     @classmethod
-    def parse(cls, location: str | os.PathLike | Location, *, s3: S3Config | None = None):
+    def parse(
+        cls, location: str | os.PathLike | Location, *, s3: S3Config | None = None
+    ) -> Location:
         """The location a user wrote: a path, ``file:///path`` or ``s3://bucket/prefix``."""
         if isinstance(location, Location):
             return location if s3 is None else cls(location.url, s3)

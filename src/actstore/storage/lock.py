@@ -65,7 +65,8 @@ class StoreLock:
     """A held write lock; :meth:`release` (or process death) frees it."""
 
     def __init__(self, store: Path, path: Path, fd: int) -> None:
-        self.store, self.path, self._fd = store, path, fd
+        self.store, self.path = store, path
+        self._fd: int | None = fd
 
     @classmethod
     def acquire(cls, store: str | os.PathLike, *, break_lock: bool = False) -> StoreLock:

@@ -328,7 +328,8 @@ class BlockHasher:
         return KeyedHasher(int(block_keys(self.store_id, self.name, index, 1)[0]))
 
     def update(self, data: bytes | memoryview | np.ndarray) -> None:
-        view = memoryview(data).cast("B")
+        # numpy's stubs declare ndarray.__buffer__ (PEP 688) only for Python >= 3.12
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
         self.size += len(view)
         if not self.unit:
             if self._partial is None:

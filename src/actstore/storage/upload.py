@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterable
@@ -56,7 +57,7 @@ class BackgroundUploader:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    def offer(self, files: Iterable[tuple[str, Path]]) -> None:
+    def offer(self, files: Iterable[tuple[str, str | os.PathLike[str]]]) -> None:
         """Queue the files not offered before (returns at once)."""
         for name, path in files:
             if name in self._offered:
@@ -85,9 +86,9 @@ class BackgroundUploader:
                         }
                     size = path.stat().st_size
                     have = present.get(name)
-                    same = have is not None and have[0] == size and have[1] != ""
-                    if same and multipart_etag(path, have[1]) == have[1]:
-                        self.etags[name] = have[1]
+                    etag = have[1] if have is not None and have[0] == size else ""
+                    if etag and multipart_etag(path, etag) == etag:
+                        self.etags[name] = etag
                         self.found.append(name)
                         continue
                     self._files.add(name, path)

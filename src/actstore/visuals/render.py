@@ -224,6 +224,7 @@ def _draw_text(
     md = reader.metadata
     text = TokenText.load(md.ckpt)
     token_ids = reader.tokens
+    assert token_ids is not None  # only text stores (with tokens.bin) are drawn as text
     sections, listing = [], []
     for summary in tqdm(summaries, desc="visuals", unit="latent", **bar_switch(progress)):
         examples = top_examples(acts, summary.latent, rows, config.n_examples)

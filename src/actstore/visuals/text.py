@@ -121,7 +121,8 @@ def render_contexts(
     labels: list[tuple[int, str]] = []
     for context in contexts:
         labels.append((len(lines), f"example {context.example}"))
-        x, line = 0.0, []
+        x = 0.0
+        line: list[tuple[str, float, bool, float]] = []
         for offset, (piece, value) in enumerate(zip(context.pieces, context.values)):
             w = fnt.getlength(piece)
             if line and x + w > width - 2 * margin:

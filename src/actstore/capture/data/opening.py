@@ -145,7 +145,9 @@ def model_vocab_size(model: LoadedModel) -> int | None:
     from transformers import PreTrainedModel
 
     if isinstance(model.module, PreTrainedModel):
-        return int(model.module.get_input_embeddings().num_embeddings)
+        embeddings = model.module.get_input_embeddings()
+        # nn.Module.__getattr__ is typed Tensor | Module; an embedding's num_embeddings is an int
+        return int(embeddings.num_embeddings)  # type: ignore[arg-type]
     return None if model.tokenizer is None else len(model.tokenizer)
 
 

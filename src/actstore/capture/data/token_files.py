@@ -71,7 +71,9 @@ def _bin(path: Path, vocab_size: int | None) -> tuple[np.ndarray, dict[str, Any]
                 f"{path}: its llm.c header promises {count:,} tokens but the file holds "
                 f"{size - LLMC_HEADER_BYTES:,} bytes after it"
             )
-        stream = np.memmap(path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,))
+        stream: np.ndarray = np.memmap(
+            path, dtype=dtype, mode="r", offset=LLMC_HEADER_BYTES, shape=(count,)
+        )
         return stream, {"format": "llm.c", "dtype": np.dtype(dtype).name}
     dtype = np.uint16 if vocab_size is not None and vocab_size <= 1 << 16 else np.uint32
     itemsize = np.dtype(dtype).itemsize

@@ -270,7 +270,9 @@ def load_megabatch(data: bytes | bytearray | memoryview, *, source: str) -> dict
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            obj = torch.load(_BufferReader(data), map_location="cpu", weights_only=True)
+            # torch.load takes any seekable binary file; its annotation names only IO[bytes]
+            buf = _BufferReader(data)
+            obj = torch.load(buf, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
     except Exception as err:  # any failure means a damaged file
         raise CorruptStoreError(
             f"{source} is not a loadable megabatch ({type(err).__name__}: {err}); the file is "

@@ -62,6 +62,13 @@ class HookMetadata:
         return replace(self, bytes_per_file=n)
 
     @property
+    def file_bytes(self) -> int:
+        """:attr:`bytes_per_file` of metadata read from a run (:meth:`from_dict` requires it)."""
+        if self.bytes_per_file is None:
+            raise CorruptStoreError("hook metadata.json lacks bytes_per_file (no file uploaded)")
+        return self.bytes_per_file
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         return (self.batch_size, self.sequence_length, self.d_in)
 

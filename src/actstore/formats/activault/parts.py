@@ -43,15 +43,18 @@ class _Rebased(WriterBase):
     example ids are shifted to start at 0 (the runner sends global ids)."""
 
     def __init__(self, inner: Any, start: int, stop: int) -> None:
-        self.inner, self.example_range = inner, (start, stop)
+        self.inner = inner
+        self.example_range: tuple[int, int] = (start, stop)
         self.wants_texts = inner.wants_texts
 
+    # complete and resume_from are read-through views of the inner writer's state (format
+    # writers assign them as plain attributes, hence WriterBase declares them writable).
     @property
-    def complete(self) -> bool:
+    def complete(self) -> bool:  # type: ignore[override]
         return self.inner.complete
 
     @property
-    def resume_from(self) -> int:
+    def resume_from(self) -> int:  # type: ignore[override]
         start, stop = self.example_range
         return stop if self.inner.complete else start + self.inner.resume_from
 
@@ -116,7 +119,7 @@ def part_format() -> PartFormat:
             )
         return out
 
-    def merge(parts, final):
+    def merge(parts: list[PartInfo], final: str) -> str:
         store, prefix = open_location(final)
         runs = [join_key(root_of(prefix), base_name(str(p.path))) for p in parts]
         records = [read_record(store, r) for r in runs]
@@ -137,7 +140,7 @@ def part_format() -> PartFormat:
         bucket = store.bucket_name
         rows_per_batch = max(1, first.rows_per_file // max(int(plan.get("batch_size", 1)), 1))
 
-        def write_cfg(rec):
+        def write_cfg(rec: RunRecord) -> None:
             store.put_json(
                 join_key(prefix, CFG),
                 run_cfg(
@@ -180,9 +183,10 @@ def part_format() -> PartFormat:
                 for r in runs
             ]
             store.put_json(join_key(prefix, hook, METADATA), metas[0])
-            if None not in stats:
+            known = [s for s in stats if s is not None]
+            if len(known) == len(stats):
                 store.put_json(
-                    join_key(prefix, hook, STATISTICS), statistics_to_dict(merge_all(stats))
+                    join_key(prefix, hook, STATISTICS), statistics_to_dict(merge_all(known))
                 )
         done = dataclasses.replace(record, complete=True, digests=digests)
         write_cfg(done)

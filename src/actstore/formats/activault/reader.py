@@ -135,14 +135,14 @@ class ActivaultReader(ReaderBase):
         self._pool_lock = threading.Lock()
         self._pid = os.getpid()
         self.store.check_bucket()
+        #: The hook folder this reader was opened on (None: the whole run).
+        self.hook_folder: str | None = None
         if self.store.size(join_key(prefix, METADATA)) is not None:
-            self.run_prefix, hook_names = parent_key(prefix), [base_name(prefix)]
+            self.run_prefix, self.hook_folder = parent_key(prefix), base_name(prefix)
             self.files = self.location.parent.files(cache_dir=cache_dir, cache_bytes=cache_bytes)
         else:
-            self.run_prefix, hook_names = prefix, None
-        whole_run = hook_names is None
-        #: The hook folder this reader was opened on (None: the whole run).
-        self.hook_folder: str | None = None if whole_run else hook_names[0]
+            self.run_prefix = prefix
+        whole_run = self.hook_folder is None
         self.cfg: dict[str, Any] = {}
         self.record: RunRecord | None = None
         cfg_key = join_key(self.run_prefix, CFG)
@@ -154,15 +154,16 @@ class ActivaultReader(ReaderBase):
                     self.cfg["actstore"], source=self.store.url(cfg_key)
                 )
         siblings = self.store.list_dirs(self.run_prefix)
-        if whole_run:
-            if self.record is not None:
-                hook_names = list(self.record.hooks)
-            else:
-                hook_names = [
-                    h
-                    for h in siblings
-                    if self.store.size(join_key(self.run_prefix, h, METADATA)) is not None
-                ]
+        if self.hook_folder is not None:
+            hook_names = [self.hook_folder]
+        elif self.record is not None:
+            hook_names = list(self.record.hooks)
+        else:
+            hook_names = [
+                h
+                for h in siblings
+                if self.store.size(join_key(self.run_prefix, h, METADATA)) is not None
+            ]
         for hook in hook_names:  # before the manifest: the more useful message
             clash = [s for s in siblings if s != hook and s.startswith(hook)]
             if clash:
@@ -171,8 +172,7 @@ class ActivaultReader(ReaderBase):
                     f"{clash[0]!r}: Activault's reader would mix their files; rename or move "
                     f"{clash[0]!r}"
                 )
-        unfinished = self.record is not None and not self.record.complete
-        if unfinished and not self.files.exists(MANIFEST):
+        if self.record is not None and not self.record.complete and not self.files.exists(MANIFEST):
             if not allow_incomplete:
                 raise CorruptStoreError(
                     f"{self.store.url(self.run_prefix)} is an unfinished capture "
@@ -448,7 +448,7 @@ class ActivaultReader(ReaderBase):
         """The raw bytes of file ``index`` of ``site`` (concurrent ranged GETs), checked."""
         listing = self.listings[self.hook_of(site)]
         f = listing.files[index]
-        size = listing.metadata.bytes_per_file
+        size = listing.metadata.file_bytes
         out = bytearray(size)
         self.store.get_into(
             f.key,
@@ -545,7 +545,7 @@ class ActivaultReader(ReaderBase):
         """Decoded tokens of the first rows of the first file, when the model's tokenizer is
         available locally and the file is at most ``max_bytes``."""
         first = next(iter(self.listings.values()))
-        if not first.files or first.metadata.bytes_per_file > max_bytes:
+        if not first.files or first.metadata.file_bytes > max_bytes:
             return None
         tokenizer = local_tokenizer(self.model_name)
         if tokenizer is None:

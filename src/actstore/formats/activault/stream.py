@@ -311,7 +311,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
                 if carried:
                     carry_states = [torch.cat(carry_states)]
                     carry_ids = [torch.cat(carry_ids)] if carry_ids else []
-                states = ids = perm = None
+                del states, ids, perm
             if carried and not self.drop_last:
                 self.position = starts[-1]
                 yield self._emit(carry_states, carry_ids)

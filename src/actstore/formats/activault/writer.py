@@ -141,7 +141,7 @@ class ActivaultWriter(FormatWriter):
         self._pending: dict[int, dict[str, Any]] = {}
         self._metadata_bytes: dict[str, int] = {}
         self._packer = Packer(list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype)
-        self._stats: dict[str, RunningStats] | None = None
+        self._stats: dict[str, RunningStats] = {}  # set here or by _resume
         self.identity = {
             "hooks": self.hooks,
             "rows_per_file": self.rows,
@@ -197,7 +197,7 @@ class ActivaultWriter(FormatWriter):
         self._next_example = self.record.next_example
         self._skip = self.record.next_skip
         self._emitted = self.record.groups
-        if self._stats is None:
+        if not self._stats:
             self._stats = {h: RunningStats(self.plan.d_model) for h in self.hooks}
 
     def _start_new_run(self) -> None:
@@ -280,7 +280,7 @@ class ActivaultWriter(FormatWriter):
             self.store.get_json(join_key(prefix, METADATA)),
             source=self.store.url(join_key(prefix, METADATA)),
         )
-        self._metadata_bytes[hook] = md.bytes_per_file
+        self._metadata_bytes[hook] = md.file_bytes
         for name, g in keep.items():
             if sizes.get(name) != md.bytes_per_file:
                 raise CorruptStoreError(
@@ -579,7 +579,7 @@ def write_run_manifest(
             value = np.array([int(text, 16)], dtype="<u8")
             builder.add(
                 name,
-                FileEntry(size=md.bytes_per_file, digest=file_digest(value), single=text),
+                FileEntry(size=md.file_bytes, digest=file_digest(value), single=text),
                 value,
             )
         for name in (METADATA, STATISTICS):

@@ -316,7 +316,7 @@ class PickleReader(ReaderBase):
                 raise CorruptStoreError(
                     f"shard {file}: {layer_key(layer)} must list {info.num_samples} samples"
                 )
-            ids = []
+            ids: list[Any] = []  # checked to be ints in range below
             for item in items:
                 if not isinstance(item, dict) or not isinstance(item.get("activation"), np.ndarray):
                     raise CorruptStoreError(

@@ -141,8 +141,7 @@ class SaelensReader(ReaderBase):
         self.record: dict[str, Any] | None = None
         self.layout: SaelensLayout | None = None
         if ours:
-            self._open_own()
-            sites = [Site.parse(s) for s in self.layout.sites]  # type: ignore[union-attr]
+            sites = [Site.parse(s) for s in self._open_own().sites]
         else:  # Integrity.open warned once that it cannot be verified
             sites = [hook_site(c) or ColumnSite(c, -1) for c in self.columns]
         self._column_sites = dict(zip(self.columns, sites))
@@ -152,7 +151,7 @@ class SaelensReader(ReaderBase):
         self._statistics: dict[str, Any] | None = None
         self._check_summary()
 
-    def _open_own(self) -> None:
+    def _open_own(self) -> SaelensLayout:
         record = self.checks.read_json(SIDECAR)
         layout = SaelensLayout.from_dict(record.get("layout"), source=self.files.url_of(SIDECAR))
         listed = record.get("files") or []
@@ -177,6 +176,7 @@ class SaelensReader(ReaderBase):
                 f"{layout.n_examples} in {want}: it was edited; restore it or re-capture"
             )
         self.record, self.layout = record, layout
+        return layout
 
     # ------------------------------------------------------------------ properties
 
@@ -533,6 +533,20 @@ class SaelensReader(ReaderBase):
                     report.faults.append(str(err))
                 report.files_checked += 1
                 report.bytes_checked += self.files.require(name)
+        elif self.files.exists(STATISTICS):  # the statistics against the shapes
+            try:
+                for site in self.sites:
+                    stats = self.site_statistics(site)
+                    want = self.n_rows(site)
+                    if stats is None or stats.count != want or stats.d != self.d_model:
+                        raise CorruptStoreError(
+                            f"{site} counts {stats and stats.count} rows of width "
+                            f"{stats and stats.d}, expected {want} of {self.d_model}"
+                        )
+                    if stats.mean.shape != (stats.d,) or stats.m2.shape != (stats.d,):
+                        raise CorruptStoreError(f"{site} has vectors of the wrong length")
+            except (CorruptStoreError, KeyError, TypeError, AttributeError, ValueError) as err:
+                report.faults.append(f"{STATISTICS} is malformed: {err}")
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
 

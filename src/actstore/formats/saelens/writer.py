@@ -128,7 +128,7 @@ class SaelensWriter(ShardedWriter):
 
         names = [name for e in shards for name in e["files"]]
         digests = "".join(e["files"][n]["digest"] for e in shards for n in e["files"])
-        state = {
+        state: dict[str, Any] = {
             "_data_files": [{"filename": n} for n in names],
             # datasets' fingerprint only keys its cache; this one is a pure function of the data
             "_fingerprint": xxhash.xxh3_64_hexdigest(digests.encode()),

@@ -258,7 +258,7 @@ class SaevMetadata:
                 )
         if not all(_is_type(x, int) for x in doc["layers"]):
             raise CorruptStoreError(f"{source}: layers must be a list of integers")
-        values = {_RENAMES.get(k, k): v for k, v in doc.items() if k in keys}
+        values = {_RENAMES.get(k, k): doc[k] for k in keys if k in doc}
         for key in ("patches_per_ex", "patches_per_shard"):
             if not _is_type(values[key], int):
                 raise CorruptStoreError(f"{source}: {key} must be an integer")

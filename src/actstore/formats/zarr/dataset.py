@@ -59,12 +59,11 @@ class ZarrPairDataset(torch.utils.data.Dataset):
         return rng.choice(self.reader.layout.n_layers, size=self.n_layers, replace=False)
 
     def __getitem__(self, index: int | Sequence[int]) -> dict[str, Any]:
-        single = isinstance(index, (int, np.integer))
         samples = np.atleast_1d(np.asarray(index, dtype=np.int64))
         idx = np.stack([self.layers_of(i) for i in samples])
         acts, lengths = self.reader.read_batch_index(samples, idx, self.part, self.trim)
         layers = np.asarray(self.reader.layout.layers)[idx]
-        if single:
+        if isinstance(index, (int, np.integer)):
             return {
                 "acts": torch.from_numpy(acts[0]),
                 "length": int(lengths[0]),

@@ -95,7 +95,7 @@ class ZarrReader(ReaderBase):
         self._open_location(
             location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
         )
-        self._cache = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
+        self._cache: dict[str, Any] = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
         self.manifest: dict[str, Any] | None = None
         if self.files.exists(MANIFEST):
             self.stores = self._open_run()
@@ -593,7 +593,7 @@ class ZarrReader(ReaderBase):
                 for li, site in enumerate(lay.sites):
                     acts[site][j, :p] = self.read_index(i, li, "prompt")
                     acts[site][j, p : p + r] = self.read_index(i, li, "response")
-                if token_ids is not None:
+                if token_ids is not None and ids is not None:  # both or neither
                     token_ids[j, :p] = ids[i, :p]
                     token_ids[j, p : p + r] = ids[i, lay.p_max : lay.p_max + r]
             extras: dict[str, Any] = {
@@ -601,14 +601,16 @@ class ZarrReader(ReaderBase):
                 "response_len": r_len.astype(np.int64),
             }
             for part in PARTS:
-                if full[part] is not None:
-                    extras[f"{part}_len_full"] = full[part][lo:hi].astype(np.int64)
+                part_full = full[part]
+                if part_full is not None:
+                    extras[f"{part}_len_full"] = part_full[lo:hi].astype(np.int64)
             if keys is not None:
                 extras["sample_key"] = list(keys[lo:hi])
             for name, values in optional.items():
                 if values is not None:
                     extras[name] = values[lo:hi]
             prompts = [self.text(i, "prompt") for i in range(lo, hi)]
+            texts = [t for t in prompts if t is not None]
             responses = [self.text(i, "response") for i in range(lo, hi)]
             if responses[0] is not None:
                 extras["response_text"] = responses
@@ -616,7 +618,7 @@ class ZarrReader(ReaderBase):
                 acts={s: torch.from_numpy(a) for s, a in acts.items()},
                 example_ids=np.arange(lo, hi, dtype=np.int64),
                 token_ids=token_ids,
-                texts=prompts if prompts[0] is not None else None,
+                texts=texts if len(texts) == n else None,
                 extras=extras,
             )
 

@@ -263,7 +263,10 @@ def merge_run(
     options = ZarrOptions(**reader.config.get("options", {}))
     store = Location.parse(dest)
     writer = ZarrWriter(plan, store.parent, options, store=store)
-    writer.statistics_override = {s: reader.statistics(s) for s in reader.sites}
+    stored = {s: reader.statistics(s) for s in reader.sites}
+    known = {s: st for s, st in stored.items() if st is not None}
+    if len(known) == len(stored):  # else the writer's own statistics of the merged rows
+        writer.statistics_override = known
     n = reader.n_samples
     with tqdm(total=n, desc="merge", unit="sample", **bar_switch(progress)) as bar:
         try:

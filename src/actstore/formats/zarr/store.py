@@ -42,7 +42,7 @@ def byte_view(array: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, without a copy (also for zero-size arrays)."""
     if not array.flags.c_contiguous:
         raise ConfigError("the output array must be C-contiguous")
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data
 
 
 def zarr_module():

@@ -393,15 +393,13 @@ class ZarrWriter(ShardedWriter):
         return _ZarrShard(self, index, directory)
 
     def stat_rows(self, batch: Batch) -> dict[Site, np.ndarray]:
-        """Every stored (unpadded) prompt and response token, as captured."""
+        """Every stored (unpadded) prompt and response token, as stored (float16): the
+        statistics describe the values a reader serves, as in every format."""
         p_full, r_full = _batch_lengths(batch)
         kept = [self.layout.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
         out = {}
         for site in self.sites:
-            exact = batch.acts[str(site)].detach()
-            if exact.dtype not in (torch.float32, torch.float64):
-                exact = exact.to(torch.float32)
-            exact = exact.numpy()
+            exact = batch.acts[str(site)].detach().to(torch.float16).to(torch.float32).numpy()
             rows = []
             for b, (p0, pk, r0, rk) in enumerate(kept):
                 rows.append(exact[b, p0 : p0 + pk])
@@ -578,10 +576,10 @@ class _ZarrShard(ShardSink):
         out = []
         info = {"truncated": self.truncated}
         for name in names:
-            path = self.directory / name
-            if not path.is_file():
+            file = self.directory / name
+            if not file.is_file():
                 continue  # a per-sample chunk of fill values only: zarr does not store it
-            entry, digests = hash_file_blocks(w.store_id, path, name)
+            entry, digests = hash_file_blocks(w.store_id, file, name)
             out.append(WrittenFile(name, entry, digests, info=info if "chunksums" in name else {}))
         return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import builtins
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,7 +76,7 @@ class ObjectStore(abc.ABC):
         """Every object whose key starts with ``prefix`` (string prefix, S3 semantics)."""
 
     @abc.abstractmethod
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         """Names of the immediate "sub-directories" of ``prefix`` (``prefix/NAME/...``)."""
 
     @abc.abstractmethod

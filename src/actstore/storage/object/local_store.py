@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import shutil
 from collections.abc import Iterator
@@ -154,7 +155,7 @@ class LocalStore(ObjectStore):
                         )
         yield from sorted(out, key=lambda o: o.key)
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         directory = self._path(prefix.strip("/"))
         if not directory.is_dir():
             return []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import functools
 import logging
 import os
 import threading
@@ -296,14 +298,16 @@ class S3Store(ObjectStore):
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self._call("LIST", prefix, lambda kw=kwargs: self.client.list_objects_v2(**kw))
+            page = self._call(
+                "LIST", prefix, functools.partial(self.client.list_objects_v2, **kwargs)
+            )
             for item in page.get("Contents", []):
                 yield ObjectInfo(item["Key"], int(item["Size"]), item.get("ETag", "").strip('"'))
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         base = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
         names: list[str] = []
         token: str | None = None
@@ -311,7 +315,9 @@ class S3Store(ObjectStore):
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self._call("LIST", base, lambda kw=kwargs: self.client.list_objects_v2(**kw))
+            page = self._call(
+                "LIST", base, functools.partial(self.client.list_objects_v2, **kwargs)
+            )
             for item in page.get("CommonPrefixes", []):
                 names.append(item["Prefix"][len(base) :].rstrip("/"))
             if not page.get("IsTruncated"):
@@ -394,7 +400,9 @@ class S3Store(ObjectStore):
         )
         return part["ETag"]
 
-    def complete_upload(self, key: str, upload_id: str, etags: list[str], size: int) -> None:
+    def complete_upload(
+        self, key: str, upload_id: str, etags: builtins.list[str], size: int
+    ) -> None:
         """Publish ``key`` from its parts (ETags in part order); ``size``: the total bytes."""
         parts = [{"PartNumber": i, "ETag": e} for i, e in enumerate(etags, start=1)]
         self._complete(key, upload_id, parts, size)
@@ -406,7 +414,9 @@ class S3Store(ObjectStore):
         except Exception as err:  # noqa: BLE001 - the original error matters more
             log.warning("could not abort multipart upload of %s: %s", self.url(key), err)
 
-    def _complete(self, key: str, upload_id: str, parts: list[dict[str, Any]], size: int) -> None:
+    def _complete(
+        self, key: str, upload_id: str, parts: builtins.list[dict[str, Any]], size: int
+    ) -> None:
         botocore_exc = require("botocore.exceptions", "s3")
 
         def attempt() -> None:
@@ -445,8 +455,12 @@ class S3Store(ObjectStore):
                 page = self._call(
                     "LIST parts",
                     key,
-                    lambda m=marker: self.client.list_parts(
-                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumberMarker=m
+                    functools.partial(
+                        self.client.list_parts,
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumberMarker=marker,
                     ),
                 )
             except StoreNotFoundError:
@@ -571,8 +585,11 @@ class S3Store(ObjectStore):
             self._call(
                 "ABORT multipart",
                 up["Key"],
-                lambda up=up: self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                functools.partial(
+                    self.client.abort_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=up["Key"],
+                    UploadId=up["UploadId"],
                 ),
             )
         return len(uploads)

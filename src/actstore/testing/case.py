@@ -1,0 +1,124 @@
+"""How the conformance suite drives one format: :class:`FormatCase`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..batch import Batch, CapturePlan
+from ..formats.base import ReaderBase, WriterBase
+from ..formats.registry import FormatSpec, get_format
+from ..sites import Site
+from ..storage.location import Location
+from ..storage.manifest import MANIFEST, OWN_FILES, RootManifest
+from .data import make_batches, make_plan, make_tokens
+
+
+class FormatCase:
+    """Adapter between :class:`~actstore.testing.ConformanceSuite` and one format, built on
+    the format's registered :class:`~actstore.formats.registry.FormatSpec`: every method
+    has a working default, so a new format's case is usually one line,
+    ``FormatCase("myformat", MyOptions(...))``. Override a method only where the format
+    needs something the suite's plain capture does not give (zarr: prompt/response lengths
+    in :meth:`prepare`).
+    """
+
+    def __init__(
+        self,
+        format: str,
+        options: Any = None,
+        *,
+        stored_dtype: str | None = None,
+        round_trip_through: str | None = "saev",
+        plan_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        self.format = format
+        self.options = options
+        self.plan_overrides = dict(plan_overrides or {})
+        self._stored_dtype = stored_dtype
+        self.round_trip_through = round_trip_through
+        """The format :meth:`ConformanceSuite.test_converts_both_ways` converts through and
+        back (None: the format does not take every plan a capture gives; not checked)."""
+
+    def __repr__(self) -> str:
+        return f"FormatCase({self.format!r}, {self.options!r})"
+
+    @property
+    def spec(self) -> FormatSpec:
+        return get_format(self.format)
+
+    @property
+    def stored_dtype(self) -> str:
+        """The numpy dtype rows read back in (after the format's cast)."""
+        if self._stored_dtype is not None:
+            return self._stored_dtype
+        return "float32" if self.spec.stored_dtype == "bfloat16" else self.spec.stored_dtype
+
+    def writer_options(self) -> Any:
+        return self.options if self.options is not None else self.spec.options()
+
+    def plan(self, **overrides: Any) -> CapturePlan:
+        """The capture the suite stores (default: :func:`~actstore.testing.make_plan`)."""
+        return make_plan(**{**self.plan_overrides, **overrides})
+
+    def batches(self, plan: CapturePlan, acts: dict[str, np.ndarray]) -> list[Batch]:
+        """``acts`` as the batches a capture for this format gives its writer (default:
+        :func:`~actstore.testing.make_batches`; zarr adds prompt/response lengths)."""
+        return make_batches(plan, acts)
+
+    def open_writer(
+        self, out: str | os.PathLike, plan: CapturePlan, batches: list[Batch]
+    ) -> tuple[WriterBase, list[Batch]]:
+        """``(writer, batches)``: the writer of output ``out`` (a directory or an ``s3://``
+        URL; reopening a store begun there resumes it) and the batches to give it."""
+        return self.spec.open_writer(plan, out, self.writer_options()), batches
+
+    def write(self, out: str | os.PathLike, plan: CapturePlan, batches: list[Batch]) -> str:
+        """Write and publish a store; return its location."""
+        writer, batches = self.open_writer(out, plan, batches)
+        for batch in batches:
+            writer.write(batch)
+        return str(writer.close())
+
+    def write_unpublished(
+        self, out: str | os.PathLike, plan: CapturePlan, batches: list[Batch]
+    ) -> str:
+        """Write ``batches`` and abort, as after a crash; return where the store would be."""
+        writer, given = self.open_writer(out, plan, batches)
+        for batch in given:
+            writer.write(batch)
+        writer.abort()
+        where = self.spec.writer.store_location(plan, Location.parse(out), self.writer_options())
+        return where.url
+
+    def damage(self, location: str) -> None:
+        """Flip one byte in the middle of the store's largest data file (local stores)."""
+        root = Path(location)
+        manifest = RootManifest.from_bytes((root / MANIFEST).read_bytes(), MANIFEST)
+        name = max(
+            (n for n in manifest.files if n not in OWN_FILES), key=lambda n: manifest.files[n].size
+        )
+        victim = root / name
+        victim.chmod(0o644)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+
+    def open(self, location: str) -> ReaderBase:
+        from ..formats import open_store
+
+        return open_store(location)
+
+    def expected_tokens(self, plan: CapturePlan) -> np.ndarray:
+        """The ``tokens`` a reader gives back when the plan keeps them (default: the ids of
+        :func:`~actstore.testing.make_tokens`, ``[N, T]``)."""
+        return make_tokens(plan)
+
+    def expected_rows(
+        self, plan: CapturePlan, acts: dict[str, np.ndarray], site: Site
+    ) -> np.ndarray:
+        """Rows of ``site`` in storage order (example-major, then token), as stored."""
+        return acts[str(site)].reshape(-1, plan.d_model).astype(self.stored_dtype)
