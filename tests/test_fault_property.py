@@ -134,7 +134,7 @@ def _is_data(fmt: str, name: str) -> bool:
     }[fmt] and not name.endswith((".zarray", ".zattrs"))
 
 
-def _writable_copy(store: Path, dest: Path) -> Path:
+def writable_copy(store: Path, dest: Path) -> Path:
     shutil.copytree(store, dest, symlinks=True)
     for p in [dest, *dest.rglob("*")]:
         p.chmod(p.stat().st_mode | stat.S_IWUSR)
@@ -367,7 +367,7 @@ EXAMPLES = int(os.environ.get("ACTSTORE_FAULT_EXAMPLES", "25"))
 @given(data=st.data())
 def test_any_damage_is_refused_or_harmless_on_every_read_path(built, data):
     with tempfile.TemporaryDirectory(prefix=f"fault-{built.fmt}-") as tmp:
-        copy = _writable_copy(built.store, Path(tmp) / built.store.name)
+        copy = writable_copy(built.store, Path(tmp) / built.store.name)
         try:
             damage(built, copy, data.draw)
             seen = observe(copy, built.fmt)
@@ -395,7 +395,7 @@ def test_any_damage_is_refused_or_harmless_on_every_read_path(built, data):
 
 @pytest.fixture
 def zarr_copy(tmp_path) -> Path:
-    return _writable_copy(_zarr(tmp_path / "built", 0), tmp_path / "activations.zarr")
+    return writable_copy(_zarr(tmp_path / "built", 0), tmp_path / "activations.zarr")
 
 
 def _flip_byte(path: Path, offset: int, xor: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -128,7 +128,7 @@ class ActivationDataLoader(DataLoader):
             batches.close()
         loader.end_iteration(epoch)
 
-    def _received(self, messages: Iterator[RingBatch]) -> Iterator[Any]:
+    def _received(self, messages: Iterator[RingBatch]) -> Generator[Any, None, None]:
         for message in messages:
             batch = self._receive(message)
             del message

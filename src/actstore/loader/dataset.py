@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..devicecopy import copies_for
 from ..errors import ConfigError
 from ..formats import open_store
+from ..formats.base import SiteLike
 from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
 from .device import to_device
@@ -57,11 +58,11 @@ STATE_VERSION = 1
 class LoaderConfig:
     """Options of :class:`ActivationLoader` (all keyword-only)."""
 
-    site: Hashable | None = None
+    site: SiteLike | None = None
     """The site to read, in any spelling :meth:`actstore.sites.Site.parse` takes (``5``,
     ``"resid.5"``, ``"blocks.5.hook_resid_post"``, ``-1``) or the reader's own name. None:
     the store's only site. Batches are ``[B, D]``."""
-    sites: tuple[Hashable, ...] | None = None
+    sites: tuple[SiteLike, ...] | None = None
     """Several sites aligned on the same tokens (crosscoders): batches ``[B, len(sites), D]``."""
     batch_size: int = 4096
     pool_blocks: int | None = None
@@ -294,8 +295,9 @@ class ActivationLoader(IterableDataset):
         cfg = self.config
         shift = scale = None
         if cfg.normalize is not None:
-            stats = [self.reader.statistics(site) for site in self.sites]
-            missing = [site for site, s in zip(self.sites, stats) if s is None]
+            found = [self.reader.statistics(site) for site in self.sites]
+            missing = [site for site, s in zip(self.sites, found) if s is None]
+            stats = [s for s in found if s is not None]
             if missing:
                 raise ConfigError(
                     f"normalize={cfg.normalize!r} needs stored statistics, and "
@@ -527,7 +529,8 @@ class ActivationLoader(IterableDataset):
             )
             del batch
             nbytes = acts.numel() * acts.element_size()
-            rows = None if rows is None else rows.numpy().copy()
+            row_ids = None if rows is None else rows.numpy().copy()
+            del rows
             shape, dtype = tuple(acts.shape), str(acts.dtype).removeprefix("torch.")
             place = buffers.pool_of(acts)
             if place is not None:
@@ -543,7 +546,7 @@ class ActivationLoader(IterableDataset):
                     shape=shape,
                     dtype=dtype,
                     storage=buffers.pool_storage[pool] if fresh else None,
-                    rows=rows,
+                    rows=row_ids,
                     pool=pool,
                     offset=offset,
                 )
@@ -570,7 +573,7 @@ class ActivationLoader(IterableDataset):
                 shape=shape,
                 dtype=dtype,
                 storage=slots[s] if fresh else None,
-                rows=rows,
+                rows=row_ids,
             )
 
     def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:

@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from typing import TypeVar
 
 import torch
@@ -36,7 +36,7 @@ def _start(item: torch.Tensor | LoaderBatch, copies: Copies) -> tuple[Transfer, 
     return copies.to_device([item]), False
 
 
-def to_device(batches: Iterable[Item], copies: Copies) -> Iterator[Item]:
+def to_device(batches: Iterable[Item], copies: Copies) -> Generator[Item, None, None]:
     """``batches`` on ``copies.device``, in order, one copy running ahead; closes
     ``copies`` when done."""
     source = iter(batches)

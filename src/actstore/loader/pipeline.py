@@ -21,7 +21,7 @@ import ctypes
 import mmap
 import sys
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -370,7 +370,7 @@ class BufferSet:
         _populate(storage.data_ptr(), storage.numel())
         self.pool_storage.append(storage)
         # through a memoryview, so every view's ``.base`` is the array returned here
-        return np.frombuffer(memoryview(storage.numpy()), dtype=dtype, count=count)
+        return np.frombuffer(storage.numpy().data, dtype=dtype, count=count)
 
     def pool_of(self, acts: torch.Tensor) -> tuple[int, int] | None:
         """``(pool, byte offset)`` when ``acts`` is a contiguous slice of a shared pool."""
@@ -510,7 +510,7 @@ class Consumer:
 
     # ------------------------------------------------------------------ serving batches
 
-    def batches(self, start: int, stop: int) -> Iterator[Any]:
+    def batches(self, start: int, stop: int) -> Generator[Any, None, None]:
         """Batches of ``batch_size`` stream rows from ``start`` (the last one ends at
         ``stop`` and may be short)."""
         plan, size = self.plan, self.batch_size
@@ -610,21 +610,23 @@ def first_rows(blocks: Sequence[Block]) -> np.ndarray:
 
 
 def kept_rows(
-    blocks: Sequence[Block], cls_rows: Callable[[Block], np.ndarray] | None
+    blocks: Sequence[Block], cls_rows: Callable[[Block], np.ndarray | None] | None
 ) -> np.ndarray:
     """Rows each block serves: all of them, or (given ``cls_rows``) all but its CLS rows."""
     if cls_rows is None:
         return np.fromiter((b.n_rows for b in blocks), dtype=np.int64, count=len(blocks))
-    return np.fromiter(
-        (b.n_rows - len(cls_rows(b)) for b in blocks), dtype=np.int64, count=len(blocks)
-    )
+    out = np.empty(len(blocks), dtype=np.int64)
+    for i, block in enumerate(blocks):
+        cls = cls_rows(block)
+        out[i] = block.n_rows - (0 if cls is None else len(cls))
+    return out
 
 
 def unit_rows(
     blocks: Sequence[Block],
     period: int | None,
     mix: int,
-    cls_rows: Callable[[Block], np.ndarray] | None,
+    cls_rows: Callable[[Block], np.ndarray | None] | None,
 ) -> np.ndarray:
     """int64 ``[mix, n_blocks]``: rows each slab of each block serves (``cls_rows``
     given: its CLS rows left out)."""

@@ -39,7 +39,7 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -713,7 +713,7 @@ class ServedLoader:
         self._release(self._global(epoch + 1, 0))
         self.epoch, self._batches = epoch + 1, 0
 
-    def _host_batches(self, epoch: int, start: int) -> Iterator[Any]:
+    def _host_batches(self, epoch: int, start: int) -> Generator[Any, None, None]:
         """Batches ``start, start + 1, ...`` of ``epoch``, as views of the shared ring."""
         shared = self.shared
         for b in range(start, len(self)):
