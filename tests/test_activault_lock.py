@@ -54,6 +54,7 @@ def test_second_writer_of_a_local_run_is_refused_naming_the_holder(tmp_path):
     assert open_store(run).verify().ok
 
 
+@pytest.mark.slow  # the real command, in a subprocess, with a tiny model
 def test_second_capture_command_exits_2_with_one_error_line(tmp_path, model_dir, text_file):
     plan, acts = make_run_data()
     run = tmp_path / "run"

@@ -300,15 +300,6 @@ def built(request, tmp_path_factory) -> Built:
     return b
 
 
-def _flip(path: Path, data: bytes, draw) -> bytes:
-    offset = draw(st.integers(0, len(data) - 1), label="offset")
-    bit = draw(st.integers(1, 255), label="xor")
-    out = bytearray(data)
-    out[offset] ^= bit
-    path.write_bytes(bytes(out))
-    return bytes(out)
-
-
 def damage(b: Built, copy: Path, draw) -> None:
     """Damage one file of ``copy``: flip a byte, truncate it, or swap its bytes."""
     names = sorted(n for n, size in b.files.items() if size)
@@ -368,26 +359,39 @@ EXAMPLES = int(os.environ.get("ACTSTORE_FAULT_EXAMPLES", "25"))
 def test_any_damage_is_refused_or_harmless_on_every_read_path(built, data):
     with tempfile.TemporaryDirectory(prefix=f"fault-{built.fmt}-") as tmp:
         copy = writable_copy(built.store, Path(tmp) / built.store.name)
-        try:
-            damage(built, copy, data.draw)
-            seen = observe(copy, built.fmt)
-            refused = _refused(seen)
-            event("refused at open" if refused == ["open"] else f"{len(refused)} paths refused")
-            for path, got in seen.items():
-                if got is REFUSED:
-                    continue
-                assert path in built.reference, f"{path} read from a store that has none"
-                assert _same(built.reference[path], got), f"{path} served other values"
-            if seen["open"] is not REFUSED:
-                assert seen.keys() == built.reference.keys()
-            if changed(built, copy):
-                assert not verify_ok(copy, built.fmt), "verify() passed a damaged store"
-            else:
-                assert not _refused(seen) and verify_ok(copy, built.fmt)
-        finally:
-            for p in [copy, *copy.rglob("*")]:
-                if not p.is_symlink():
-                    p.chmod(p.stat().st_mode | stat.S_IWUSR)
+        damage(built, copy, data.draw)
+        seen = observe(copy, built.fmt)
+        refused = _refused(seen)
+        event("refused at open" if refused == ["open"] else f"{len(refused)} paths refused")
+        for path, got in seen.items():
+            if got is REFUSED:
+                continue
+            assert path in built.reference, f"{path} read from a store that has none"
+            assert _same(built.reference[path], got), f"{path} served other values"
+        if seen["open"] is not REFUSED:
+            assert seen.keys() == built.reference.keys()
+        if changed(built, copy):
+            assert not verify_ok(copy, built.fmt), "verify() passed a damaged store"
+        else:  # nothing changed (same bytes swapped in): nothing may be refused either
+            assert not refused and verify_ok(copy, built.fmt)
+
+
+# ---------------------------------------------------------------------------- found here
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_activault_verify_reports_a_damaged_statistics_file(tmp_path, how):
+    """verify() once raised the CorruptStoreError of a damaged hook statistics.json (read to
+    compare with the data) instead of listing it with the other faults."""
+    run = writable_copy(_activault(tmp_path / "built", 0), tmp_path / "run")
+    stats = run / "models.layers.1.post" / "statistics.json"
+    if how == "flip":
+        _flip_byte(stats, 0, 0x01)
+    else:
+        os.truncate(stats, 1)
+    reader = open_store(run, verify_reads=False)
+    faults = reader.verify().faults
+    assert any("models.layers.1.post/statistics.json" in f for f in faults), faults
 
 
 # ---------------------------------------------------------------------------- known bugs

@@ -444,14 +444,18 @@ def test_blocks_and_statistics(store):
             ]
         )
         np.testing.assert_array_equal(rows, want)
-        exact = np.concatenate(  # the statistics describe the stored float16 values
-            [
-                sample_acts(i)[k][
-                    np.r_[0 : min(P_FULL[i], 8), P_FULL[i] : P_FULL[i] + min(R_FULL[i], 6)]
+        exact = (
+            np.concatenate(  # the statistics describe the stored float16 values
+                [
+                    sample_acts(i)[k][
+                        np.r_[0 : min(P_FULL[i], 8), P_FULL[i] : P_FULL[i] + min(R_FULL[i], 6)]
+                    ]
+                    for i in range(N)
                 ]
-                for i in range(N)
-            ]
-        ).astype(np.float16).astype(np.float64)
+            )
+            .astype(np.float16)
+            .astype(np.float64)
+        )
         stats = reader.statistics(site)
         assert stats.count == len(exact) == len(rows)
         np.testing.assert_allclose(stats.mean, exact.mean(0), rtol=1e-10)

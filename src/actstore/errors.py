@@ -50,6 +50,11 @@ class IndexOutOfRangeError(ActstoreError, IndexError):
     """An example, token or row index is outside the stored range."""
 
 
+class InvalidIndexError(ActstoreError, IndexError):
+    """An index of the wrong form: ``reader[example, site, token]`` with more parts, a site
+    sliced rather than named, an index that is not an int, slice or int array."""
+
+
 class StoreExistsError(ActstoreError, FileExistsError):
     """The destination already holds a published store (nothing was overwritten)."""
 
@@ -72,6 +77,11 @@ class StorageError(ActstoreError, OSError):
 
 class ServeError(ActstoreError, RuntimeError):
     """A served stream cannot go on (server gone or failed, position no longer held)."""
+
+
+class UnsupportedError(ActstoreError, NotImplementedError):
+    """The storage service lacks a feature the operation needs (S3 conditional writes);
+    callers fall back where they can."""
 
 
 class DeviceError(ActstoreError, RuntimeError):

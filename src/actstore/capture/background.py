@@ -18,7 +18,7 @@ import time
 from typing import Any, Self
 
 from ..batch import Batch
-from ..errors import CaptureError
+from ..errors import CaptureError, ConfigError
 from ..formats.base import WriterBase
 
 _DONE = object()
@@ -29,7 +29,7 @@ class BackgroundWriter:
 
     def __init__(self, writer: WriterBase, *, queue_size: int = 4) -> None:
         if queue_size < 1:
-            raise ValueError("queue_size must be at least 1")
+            raise ConfigError("queue_size must be at least 1")
         self.writer = writer
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None

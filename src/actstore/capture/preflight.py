@@ -301,9 +301,9 @@ def weightless_plan(
 ) -> tuple[CapturePlan, ExampleSource]:
     """The plan capture will make (packed mode), from config.json, the tokenizer or image
     processor, and the dataset only; and the opened source, for capture to take over."""
-    from .runner import packed_source, source_plan
-
     from transformers import AutoImageProcessor, AutoTokenizer
+
+    from .runner import packed_source, source_plan
 
     loader: Any = AutoImageProcessor if facts.is_vision else AutoTokenizer
     try:

@@ -158,9 +158,12 @@ def _header_sizes(path: str) -> dict[str, int]:
     with open(path, "rb") as f:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length < 2**30:
+            raise CorruptStoreError(
+                f"{path} is not a readable safetensors file (header length {length}); "
+                "download the model again"
+            )
         try:
-            if not 0 < length < 2**30:
-                raise ValueError(f"header length {length}")
             header = json.loads(f.read(length))
         except ValueError as err:
             raise CorruptStoreError(

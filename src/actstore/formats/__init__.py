@@ -2,7 +2,13 @@
 constants, writer and reader) and registers itself as ``FORMAT`` (see :mod:`.registry`).
 
 Example:
-    >>> reader = open_store("actstore-data/3f1c...")  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+    >>> store = FormatCase("pickle").write(out.name, plan, make_batches(plan, make_acts(plan)))
+    >>> reader = open_store(store)  # whichever format the files hold
+    >>> type(reader).__name__, reader.sites
+    ('PickleReader', (Site(kind='resid', layer=1), Site(kind='resid', layer=3)))
 """
 
 from __future__ import annotations

@@ -6,9 +6,14 @@ store's files layer, and checks each row against the root manifest (a row is one
 before returning it.
 
 Example:
-    >>> rows = RowFile(files, checks, "tokens.bin", "<i4", (n_examples, 128))  # doctest: +SKIP
-    >>> rows[12][:4]  # doctest: +SKIP
-    array([  101,  2023,  2003,  1037], dtype=int32)
+    >>> import tempfile
+    >>> from actstore.formats import open_store
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 23 examples of 6 tokens
+    >>> reader = open_store(FormatCase("saev").write(out.name, plan, make_batches(plan, make_acts(plan))))
+    >>> rows = RowFile(reader.files, reader.checks, "tokens.bin", "<i4", (23, 6))
+    >>> rows[12][:4], rows[3:9, :2].shape
+    (array([76, 77, 78, 79], dtype=int32), (6, 2))
 """
 
 from __future__ import annotations

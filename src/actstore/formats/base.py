@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, IndexOutOfRangeError, LayerNotStoredError
+from ..errors import ConfigError, IndexOutOfRangeError, InvalidIndexError, LayerNotStoredError
 from ..sites import Site
 from ..storage.integrity import Integrity
 from ..storage.location import Location
@@ -280,12 +280,14 @@ class ReaderBase(abc.ABC):
         token selector, whether example was a scalar)``; examples as an int64 array."""
         parts: tuple[Any, ...] = key if isinstance(key, tuple) else (key,)
         if len(parts) > 3:
-            raise IndexError("index as reader[example, site, token]")
+            raise InvalidIndexError("index as reader[example, site, token]")
         ex, site, token = [*parts] + [slice(None)] * (3 - len(parts))
         examples = as_indices(ex, n_examples, "example")
         if isinstance(site, slice):
             if site != slice(None):
-                raise IndexError("sites are selected by name (reader[ex, 'resid.6']) or all (:)")
+                raise InvalidIndexError(
+                    "sites are selected by name (reader[ex, 'resid.6']) or all (:)"
+                )
             chosen = None
         else:
             chosen = self.site(site)
@@ -475,7 +477,7 @@ def as_indices(index: Any, n: int, what: str) -> np.ndarray:
         return np.arange(n)[index]
     arr = np.asarray(index)
     if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
-        raise IndexError(f"{what} index must be an int, slice or int array")
+        raise InvalidIndexError(f"{what} index must be an int, slice or int array")
     arr = np.atleast_1d(arr).astype(np.int64)
     bad = (arr < -n) | (arr >= n)
     if bad.any():
@@ -538,8 +540,17 @@ class FormatWriter(WriterBase):
     constructing one creates nothing on disk (the first :meth:`write` does).
 
     Example:
-        >>> with SaevWriter.from_plan(plan, Location.parse("out"), SaevOptions()) as w:  # doctest: +SKIP
-        ...     w.write(batch)
+        >>> import os, tempfile
+        >>> from actstore.formats.saev import SaevOptions, SaevWriter
+        >>> from actstore.testing import make_acts, make_batches, make_plan
+        >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+        >>> with SaevWriter.from_plan(plan, Location.parse(out.name), SaevOptions()) as w:
+        ...     print(os.listdir(out.name))  # only its write lock so far  # doctest: +ELLIPSIS
+        ...     for batch in make_batches(plan, make_acts(plan)):
+        ...         w.write(batch)
+        ['.3fc6....lock']
+        >>> os.listdir(out.name) == [w.final.name]  # published as the block ended, unlocked
+        True
     """
 
     @classmethod

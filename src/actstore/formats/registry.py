@@ -241,28 +241,27 @@ def convert_value(text: str, hint: Any, what: str, fmt: str) -> Any:
         if text.lower() == "none" and type(None) in args:
             return None
         return convert_value(text, inner[0], what, fmt)
+    wrong = ConfigError(f"{what}={text!r} for format {fmt!r}: expected {_type_name(hint)}")
+    if hint is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise wrong
+    if origin is typing.Literal:
+        if text not in [str(a) for a in args]:
+            raise wrong
+        return text
     try:
-        if hint is bool:
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
         if origin in (tuple, list):
             item = args[0] if args else str
             return tuple(
                 convert_value(x.strip(), item, what, fmt) for x in text.split(",") if x.strip()
             )
-        if origin is typing.Literal:
-            if text not in [str(a) for a in args]:
-                raise ValueError(text)
-            return text
         if hint in (int, float, str):
             return hint(text)
-    except ValueError:
-        raise ConfigError(
-            f"{what}={text!r} for format {fmt!r}: expected {_type_name(hint)}"
-        ) from None
+    except ValueError:  # int("x"), or an item of a tuple (ConfigError)
+        raise wrong from None
     return text
 
 

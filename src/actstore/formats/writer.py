@@ -32,10 +32,16 @@ writes the format's index and metadata at publication. Everything else lives her
   :meth:`ShardedWriter.merge` joins parts into the store, byte-identical to a one-process capture.
 
 Example:
-    >>> writer = SaevWriter.from_plan(plan, Location.parse("acts"), SaevOptions())  # doctest: +SKIP
-    >>> for batch in batches: writer.write(batch)  # doctest: +SKIP
-    >>> writer.close()  # doctest: +SKIP
-    Location(url='/abs/acts/3f1c...')
+    >>> import tempfile
+    >>> from actstore.formats.saev import SaevOptions, SaevWriter
+    >>> from actstore.testing import make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+    >>> writer = SaevWriter.from_plan(plan, Location.parse(out.name), SaevOptions())
+    >>> for batch in make_batches(plan, make_acts(plan)):
+    ...     writer.write(batch)
+    >>> store = writer.close()  # published: <out>/<store id>/
+    >>> store.parent == Path(out.name), (store / "actstore-manifest.json").is_file()
+    (True, True)
 """
 
 from __future__ import annotations
@@ -401,7 +407,11 @@ class ShardedWriter(FormatWriter):
             remove_tree(init)  # a crash while creating it (we hold the lock)
         init.mkdir()
         point(f"{self.format_name}.init_created")
-        self.init_files(init)
+        try:
+            self.init_files(init)
+        except BaseException:
+            remove_tree(init)  # nothing was durable: leave nothing behind
+            raise
         self._init_names = _files_below(init)
         atomic_write_json(init / PROGRESS, self._progress_doc(), indent=None)
         point(f"{self.format_name}.init_filled")

@@ -324,6 +324,7 @@ class Server:
         if len(text) > _TEXT_BYTES // 2:
             raise ConfigError("server settings too long (site names?)")
         k, r = cfg.consumers, cfg.slots
+        assert r is not None  # ServeConfig.__post_init__ sets it
         ctl_bytes = (_HEADER + k * _PER_CONSUMER + r * _PER_SLOT) * 8 + _TEXT_BYTES
         need = ring_bytes(loader, r) + ctl_bytes
         try:
@@ -527,7 +528,8 @@ def start_server(
 ) -> multiprocessing.process.BaseProcess:
     """:func:`serve` in a new process (started; ``join()`` it or let it end by itself)."""
     ctx = multiprocessing.get_context(context)
-    process = ctx.Process(
+    # every start method's context has Process; typeshed's BaseContext (for a str) does not
+    process = ctx.Process(  # type: ignore[attr-defined]
         target=serve,
         args=(source,),
         kwargs={"name": name, "consumers": consumers, **options},

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptStoreError, StorageError, StoreNotFoundError
+from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFoundError
 from .cache import BlockCache, parse_size
 from .local import IO_CHUNK
 from .location import Location
@@ -294,7 +294,7 @@ class LocalFiles(StoreFiles):
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
         view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
-            raise ValueError(f"out holds {len(view)} bytes, not {length}")
+            raise ConfigError(f"out holds {len(view)} bytes, not {length}")
         fd = self.fd(name)
         done = 0
         while done < length:
@@ -478,7 +478,7 @@ class S3Files(StoreFiles):
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
         view = _buffer(length) if out is None else _bytes_view(out)
         if len(view) != length:
-            raise ValueError(f"out holds {len(view)} bytes, not {length}")
+            raise ConfigError(f"out holds {len(view)} bytes, not {length}")
         size = self.require(name)
         if offset + length > size:
             raise CorruptStoreError(

@@ -398,7 +398,9 @@ def tile(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
     out, pos = [], 0
     for o, n in sorted((int(o), int(n)) for o, n in ranges):
         if o < pos or o + n > size:
-            raise ValueError(f"block ranges overlap or pass the end of the file: {(o, n)}")
+            raise CorruptStoreError(
+                f"block ranges overlap or pass the end of the file: {(o, n)} of {size} bytes"
+            )
         if o > pos:
             out.append((pos, o - pos))
         out.append((o, n))

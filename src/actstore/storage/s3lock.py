@@ -38,7 +38,7 @@ import threading
 import uuid
 from typing import Any, Self
 
-from ..errors import StoreLockedError
+from ..errors import StoreLockedError, UnsupportedError
 from .lock import BREAK_LOCK_ENV, _who, pid_alive
 from .object import LOCK_NAME, S3Store, join_key
 
@@ -105,7 +105,7 @@ class S3Lock:
         for _ in range(_TRIES):
             try:
                 etag = store.put_if(key, data, etag=None)
-            except NotImplementedError:
+            except UnsupportedError:
                 return cls._acquire_unconditionally(store, key, where, record, break_lock)
             if etag is not None:
                 return cls(store, key, record, etag, True)

@@ -112,25 +112,28 @@ class HookMetadata:
             raise CorruptStoreError(f"{source} lacks {', '.join(missing)}{hint}")
         try:
             shape = [int(x) for x in doc["shape"]]
-            if len(shape) != 3 or min(shape) < 1:
-                raise ValueError(f"shape {shape} is not [rows, seq, d]")
             ids_shape = [int(x) for x in doc.get("input_ids_shape", shape[:2])]
-            if ids_shape != shape[:2]:
-                raise ValueError(f"input_ids_shape {ids_shape} does not match shape {shape}")
             nbytes = int(doc["bytes_per_file"])
-            if nbytes < 1:
-                raise ValueError(f"bytes_per_file {nbytes} is not positive")
+            batches_per_file = int(doc.get("batches_per_file", 1))
             parse_dtype(doc["dtype"])
+        except (TypeError, ValueError) as err:
+            raise CorruptStoreError(f"{source} is malformed: {err}") from err
+        if len(shape) != 3 or min(shape) < 1:
+            problem = f"shape {shape} is not [rows, seq, d]"
+        elif ids_shape != shape[:2]:
+            problem = f"input_ids_shape {ids_shape} does not match shape {shape}"
+        elif nbytes < 1:
+            problem = f"bytes_per_file {nbytes} is not positive"
+        else:
             return cls(
                 batch_size=shape[0],
                 sequence_length=shape[1],
                 d_in=shape[2],
                 dtype=str(doc["dtype"]),
                 bytes_per_file=nbytes,
-                batches_per_file=int(doc.get("batches_per_file", 1)),
+                batches_per_file=batches_per_file,
             )
-        except (TypeError, ValueError) as err:
-            raise CorruptStoreError(f"{source} is malformed: {err}") from err
+        raise CorruptStoreError(f"{source} is malformed: {problem}")
 
 
 def statistics_to_dict(stats: RunningStats) -> dict[str, Any]:
@@ -156,13 +159,12 @@ def statistics_from_dict(doc: Any, *, source: str) -> RunningStats | None:
     try:
         mean = np.asarray(doc["mean"], dtype=np.float64)
         m2 = np.asarray(doc["M2"], dtype=np.float64)
-        if mean.shape != m2.shape or mean.ndim != 1:
-            raise ValueError("mean and M2 must be equal-length lists")
-        return RunningStats(
-            d=mean.shape[0], count=int(doc["count"]), mean=mean, m2=m2, norm_mean=float(doc["norm"])
-        )
+        count, norm = int(doc["count"]), float(doc["norm"])
     except (KeyError, TypeError, ValueError) as err:
         raise CorruptStoreError(f"{source} is malformed: {err!r}") from err
+    if mean.shape != m2.shape or mean.ndim != 1:
+        raise CorruptStoreError(f"{source} is malformed: mean and M2 must be equal-length lists")
+    return RunningStats(d=mean.shape[0], count=count, mean=mean, m2=m2, norm_mean=norm)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,10 +14,14 @@ Items are what the spec's ``__getitem__`` returns: ``{"activation": float32 tens
 rows rather than whole samples) use :class:`actstore.loader.ActivationLoader` on the store.
 
 Example:
-    >>> dataset = ActivationDataset("acts-pkl", layer_idx=15)  # doctest: +SKIP
-    >>> loader = torch.utils.data.DataLoader(dataset, batch_size=32, num_workers=2)  # doctest: +SKIP
-    >>> for batch in loader:  # doctest: +SKIP
-    ...     batch["activation"].shape  # [32, seq_len, hidden]
+    >>> import tempfile, torch
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # layers 1 and 3, 6 tokens
+    >>> store = FormatCase("pickle").write(out.name, plan, make_batches(plan, make_acts(plan)))
+    >>> dataset = ActivationDataset(store, layer_idx=3)
+    >>> loader = torch.utils.data.DataLoader(dataset, batch_size=4)
+    >>> next(iter(loader))["activation"].shape  # [4, seq_len, hidden]
+    torch.Size([4, 6, 8])
 """
 
 from __future__ import annotations

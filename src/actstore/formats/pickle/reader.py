@@ -14,9 +14,13 @@ arrays of the declared width. The last decoded shard is cached, so reading the b
 every layer of one shard decodes it once.
 
 Example:
-    >>> r = PickleReader("acts-pkl")  # doctest: +SKIP
-    >>> for item in r.items(15):  # the spec's iter_activations, checked  # doctest: +SKIP
-    ...     item["activation"].shape, item["sample_idx"]
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # layers 1 and 3, 6 tokens
+    >>> r = PickleReader(FormatCase("pickle").write(out.name, plan, make_batches(plan, make_acts(plan))))
+    >>> item = next(r.items(3))  # the spec's iter_activations, checked
+    >>> item["activation"].shape, item["sample_idx"]
+    ((6, 8), 0)
 """
 
 from __future__ import annotations

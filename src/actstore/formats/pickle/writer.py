@@ -15,10 +15,14 @@ capture keeps them); with ``SOURCE_DATE_EPOCH`` set they are that time and zero 
 two captures of the same data are byte-identical.
 
 Example:
-    >>> w = PickleWriter.from_plan(plan, Location.parse("acts-pkl"))  # doctest: +SKIP
-    >>> for batch in batches: w.write(batch)  # doctest: +SKIP
-    >>> w.close()  # doctest: +SKIP
-    Location(url='/abs/acts-pkl')
+    >>> import tempfile
+    >>> from actstore.testing import make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 23 examples
+    >>> w = PickleWriter.from_plan(plan, Location.parse(out.name))
+    >>> for batch in make_batches(plan, make_acts(plan)):
+    ...     w.write(batch)
+    >>> sorted(p.name for p in w.close().iterdir())  # published at the output itself
+    ['actstore-manifest.json', 'metadata.json', 'shard_0001.pkl.gz']
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch
 import xxhash
 
 from ...batch import Batch, CapturePlan
-from ...errors import CaptureError
+from ...errors import CaptureError, require
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage import atomic_write_bytes, atomic_write_json
@@ -93,6 +93,7 @@ class SaelensWriter(ShardedWriter):
         example_range: tuple[int, int] | None = None,
         store: Location | None = None,
     ) -> None:
+        require("datasets.arrow_writer", "datasets")  # missing: one line, nothing created
         options = options or SaelensOptions()
         self.layout = layout_for(plan, options)
         self.stored_dtype = self.layout.dtype

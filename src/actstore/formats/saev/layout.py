@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ...errors import ConfigError, CorruptStoreError, ProtocolVersionError
+from ...errors import ConfigError, CorruptStoreError, IndexOutOfRangeError, ProtocolVersionError
 
 PROTOCOL = "2.1"
 DIALECTS = ("protocol", "saev")
@@ -166,7 +166,7 @@ class SaevMetadata:
     def shard_examples(self, index: int) -> int:
         """Examples really stored in shard ``index`` (the last may hold fewer)."""
         if not 0 <= index < self.n_shards:
-            raise IndexError(f"shard {index} out of range (0..{self.n_shards - 1})")
+            raise IndexOutOfRangeError(f"shard {index} out of range (0..{self.n_shards - 1})")
         return min(self.examples_per_shard, self.n_examples - index * self.examples_per_shard)
 
     def shard_file_examples(self, index: int) -> int:
@@ -192,8 +192,6 @@ class SaevMetadata:
 
     def locate(self, example: int, layer: int, token: int) -> tuple[int, int]:
         """(shard index, byte offset in that shard) of one activation vector."""
-        from ...errors import IndexOutOfRangeError
-
         if not 0 <= example < self.n_examples:
             raise IndexOutOfRangeError(f"example {example} out of range (0..{self.n_examples - 1})")
         if not 0 <= token < self.tokens_per_ex:

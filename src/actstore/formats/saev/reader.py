@@ -13,11 +13,15 @@ manifest: they open with one warning and read unverified (``verify_reads=False``
 same for any store, and then random access reads only the rows asked for).
 
 Example:
-    >>> r = SaevReader("/scratch/acts/3f1c...")  # doctest: +SKIP
-    >>> r[12, "resid.6", 0].shape   # (example, site, token) -> [d_model]  # doctest: +SKIP
-    (768,)
-    >>> r[0:4, 6].shape            # examples 0..3, all tokens  # doctest: +SKIP
-    (4, 197, 768)
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 23 examples x 6 tokens x 8
+    >>> store = FormatCase("saev").write(out.name, plan, make_batches(plan, make_acts(plan)))
+    >>> r = SaevReader(store)
+    >>> r[12, "resid.3", 0].shape   # (example, site, token) -> [d_model]
+    (8,)
+    >>> r[0:4, 3].shape             # examples 0..3, all tokens (site by layer)
+    (4, 6, 8)
 """
 
 from __future__ import annotations
@@ -508,9 +512,16 @@ class SaevReader(ReaderBase):
         row straight into its slot.
 
         Example:
-            >>> reader.gather([5, 0, 5], site="resid.6").shape  # doctest: +SKIP
-            (3, 768)
-            >>> cls = reader.gather((np.array([2, 9]), 0), 6)  # token 0  # doctest: +SKIP
+            >>> import tempfile
+            >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+            >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+            >>> acts = make_acts(plan)  # [23 examples, 6 tokens, 8] per site
+            >>> reader = SaevReader(FormatCase("saev").write(out.name, plan, make_batches(plan, acts)))
+            >>> rows = reader.gather([5, 0, 5], site="resid.3")  # flat rows example * 6 + token
+            >>> rows.shape, bool((rows[0] == acts["resid.3"][0, 5]).all())
+            ((3, 8), True)
+            >>> reader.gather((np.array([2, 9]), 0), 3).shape  # token 0 of examples 2 and 9
+            (2, 8)
         """
         md = self.metadata
         if site is None:

@@ -15,10 +15,15 @@ names, when labels.bin holds classes), and the root manifest (``actstore-manifes
 ``actstore-blocks.xxh3``).
 
 Example:
-    >>> w = SaevWriter.from_plan(plan, Location.parse("/scratch/acts"), SaevOptions())  # doctest: +SKIP
-    >>> for batch in batches: w.write(batch)  # doctest: +SKIP
-    >>> w.close()  # doctest: +SKIP
-    Location(url='/scratch/acts/3f1c...')
+    >>> import tempfile
+    >>> from actstore.testing import make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 23 examples, 2 layers
+    >>> w = SaevWriter.from_plan(plan, Location.parse(out.name), SaevOptions())
+    >>> for batch in make_batches(plan, make_acts(plan)):
+    ...     w.write(batch)
+    >>> sorted(p.name for p in w.close().iterdir())  # doctest: +NORMALIZE_WHITESPACE
+    ['acts000000.bin', 'actstore-blocks.xxh3', 'actstore-manifest.json', 'metadata.json',
+     'shards.json', 'statistics.json', 'tokens.bin']
 """
 
 from __future__ import annotations
@@ -108,8 +113,12 @@ def imagefolder_files(root: str) -> tuple[str, ...]:
     file names sorted; files directly under ``root`` are not examples.
 
     Example:
-        >>> imagefolder_files("/data/imagenet/val")[:1]  # doctest: +SKIP
-        ('/data/imagenet/val/n01440764/ILSVRC2012_val_00000293.JPEG',)
+        >>> import pathlib, tempfile
+        >>> tmp = tempfile.TemporaryDirectory(); root = pathlib.Path(tmp.name)
+        >>> for name in ("dog/b.png", "dog/a.jpg", "cat/c.png", "notes.txt", "README.png"):
+        ...     (root / name).parent.mkdir(exist_ok=True); (root / name).touch()
+        >>> [str(pathlib.Path(f).relative_to(root)) for f in imagefolder_files(str(root))]
+        ['cat/c.png', 'dog/a.jpg', 'dog/b.png']
     """
     with os.scandir(root) as entries:
         classes = sorted(e.name for e in entries if e.is_dir())

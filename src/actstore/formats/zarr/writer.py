@@ -276,8 +276,8 @@ class ZarrWriter(ShardedWriter):
     options_type = ZarrOptions
     ragged_tokens = True
     stored_dtype = "float16"
-    #: Statistics to publish instead of those of the stored values (a merged run keeps
-    #: its shards' statistics of the values as captured).
+    #: Statistics to publish instead of those folded from the rows written (a merged run
+    #: keeps its shards' statistics, merged).
     statistics_override: dict[Site, RunningStats] | None = None
 
     def __init__(
@@ -290,6 +290,7 @@ class ZarrWriter(ShardedWriter):
         store: Location | None = None,
         run_shard: dict[str, int] | None = None,
     ) -> None:
+        zarr_module()  # zarr-python missing: one clear line before anything is created
         options = options or ZarrOptions()
         layout, attrs, config = plan_store(plan, options)
         start, stop = example_range if example_range is not None else (0, plan.n_examples)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from ...errors import ConfigError, StorageError, StoreNotFoundError, require
+from ...errors import ConfigError, StorageError, StoreNotFoundError, UnsupportedError, require
 from .base import ObjectInfo, ObjectStore
 from .config import MiB, S3Config, _env
 from .retry import _AUTH_CODES, _MISSING_CODES, Retrier, _describe_error
@@ -493,8 +493,9 @@ class S3Store(ObjectStore):
     def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
         """PUT ``data`` only if ``key`` does not exist (``etag=None``: ``If-None-Match: *``)
         or still has ETag ``etag`` (``If-Match``). Returns the new ETag, or None when the
-        condition does not hold. Raises :class:`NotImplementedError` when the service
-        does not support conditional writes (the caller falls back)."""
+        condition does not hold. Raises :class:`~actstore.errors.UnsupportedError` (a
+        ``NotImplementedError``) when the service does not support conditional writes (the
+        caller falls back)."""
         condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
 
         def attempt() -> Any:
@@ -519,7 +520,7 @@ class S3Store(ObjectStore):
         except StoreNotFoundError:
             return None  # If-Match on a key that is gone
         if done is _UNSUPPORTED:
-            raise NotImplementedError(f"{self.root_url} does not support conditional writes")
+            raise UnsupportedError(f"{self.root_url} does not support conditional writes")
         return done
 
     def get_with_age(self, key: str) -> tuple[bytes, str, float] | None:
