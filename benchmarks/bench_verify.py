@@ -1,12 +1,17 @@
-"""Cost of verified reads: ``read_block`` with and without the xxh3 block checks.
+"""Cost of the root manifest's checks: verified reads, ``verify`` and opening.
 
-Writes a saev store, then reads every block of one layer in a shuffled order into one
-reused buffer (as the loader does), once with ``verify_reads=True`` (the default) and
-once with ``verify_reads=False``, warm (files in the page cache) and cold (evicted
-first). Each pair runs ``--repeats`` times interleaved; the median is reported. Goal:
-verified reads cost at most 10% of the throughput. Both single-layer stores (blocks of
-several examples, up to 1 MiB) and multi-layer stores (one example per block) are
-measured with ``--layers``.
+Writes a saev store, then measures, each pair ``--repeats`` times interleaved, medians
+reported:
+
+1. ``read_block`` of every block of one layer in a shuffled order into one reused buffer,
+   with ``verify_reads=True`` (the default) and ``False``, warm (page cache) and cold
+   (evicted first). Goal: verified at least 0.9 of unverified.
+2. a cold epoch of the in-process loader (``ActivationLoader``, its I/O threads), verified
+   and unverified. Goal: verified at least 0.95 of unverified.
+3. ``reader.verify()`` of the cold store against the disk's sequential read of the same
+   files (the best of one stream and ``--streams`` streams). Goal: at least 0.8.
+4. ``open_store`` of a pkl.gz store of ``--open-files`` files (one sample per shard),
+   warm. Goal: under 1 s for 10,000 files.
 
     python benchmarks/bench_verify.py --gib 1 --layers 1
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from _common import SAEV_SHARDS, evict, files_under, saev_writer
+from bench_loader import stream_read
 
 from actstore.batch import Batch
 from actstore.formats.saev import SaevMetadata, SaevReader
@@ -78,6 +84,67 @@ def read_all(store: Path, verify: bool, cold: bool, order: np.ndarray) -> float:
     return total / seconds / 1e9
 
 
+def loader_epoch(store: Path, verify: bool) -> float:
+    """GB/s of one cold epoch of the in-process loader over layer 0."""
+    from actstore.loader import ActivationLoader
+
+    evict(files_under(store, SAEV_SHARDS))
+    reader = SaevReader(store, verify_reads=verify)
+    loader = ActivationLoader(reader, site=reader.layers[0], batch_size=4096, seed=0)
+    total = 0
+    start = time.perf_counter()
+    for batch in loader:
+        total += batch.numel() * 4
+    seconds = time.perf_counter() - start
+    reader.close()
+    return total / seconds / 1e9
+
+
+def verify_rate(store: Path) -> float:
+    """GB/s of a cold ``reader.verify()`` (every file of the store)."""
+    evict(files_under(store))
+    reader = SaevReader(store)
+    start = time.perf_counter()
+    report = reader.verify()
+    seconds = time.perf_counter() - start
+    assert report.ok, report.faults
+    return report.bytes_checked / seconds / 1e9
+
+
+def disk_rate(store: Path, streams: int) -> float:
+    """GB/s of the best of one-stream and ``streams``-stream cold sequential reads."""
+    paths = files_under(store)
+    best = 0.0
+    for n in sorted({1, streams}):
+        evict(paths)
+        nbytes, timer = stream_read(paths, n)
+        best = max(best, nbytes / timer.seconds / 1e9)
+    return best
+
+
+def open_many(root: Path, n_files: int, repeats: int) -> tuple[int, float]:
+    """(files, median seconds) of ``open_store`` on a pkl.gz store of ~``n_files`` shards."""
+    from actstore.formats import open_store
+    from actstore.formats.pickle import PickleOptions
+    from actstore.formats.registry import get_format
+    from actstore.testing import make_acts, make_batches, make_plan
+
+    plan = make_plan(n_examples=n_files, tokens_per_example=2, d_model=4, batch_size=256)
+    writer = get_format("pickle").open_writer(
+        plan, root / "many", PickleOptions(samples_per_shard=1, compress=False)
+    )
+    for batch in make_batches(plan, make_acts(plan)):
+        writer.write(batch)
+    store = Path(str(writer.close()))
+    files = len(files_under(store))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        open_store(store).close()
+        times.append(time.perf_counter() - start)
+    return files, statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,6 +155,8 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--streams", type=int, default=4, help="streams of the disk baseline")
+    parser.add_argument("--open-files", type=int, default=10_000)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="actstore-bench-verify-", dir=args.dir))
     try:
@@ -110,6 +179,27 @@ def main() -> None:
                 f"{checked:6.2f} GB/s, ratio {checked / plain:.3f} (goal >= 0.90; per "
                 f"repetition {', '.join(f'{r:.3f}' for r in ratios)})"
             )
+        pairs = [
+            (loader_epoch(store, False), loader_epoch(store, True)) for _ in range(args.repeats)
+        ]
+        plain = statistics.median(p[0] for p in pairs)
+        checked = statistics.median(p[1] for p in pairs)
+        print(
+            f"  loader cold epoch: unverified {plain:6.2f} GB/s, verified {checked:6.2f} GB/s, "
+            f"ratio {checked / plain:.3f} (goal >= 0.95; per repetition "
+            f"{', '.join(f'{p[1] / p[0]:.3f}' for p in pairs)})"
+        )
+        pairs = [(disk_rate(store, args.streams), verify_rate(store)) for _ in range(args.repeats)]
+        disk = statistics.median(p[0] for p in pairs)
+        checked = statistics.median(p[1] for p in pairs)
+        print(
+            f"  verify(): {checked:6.2f} GB/s vs the disk's sequential read {disk:6.2f} GB/s "
+            f"(best of 1 and {args.streams} streams), ratio {checked / disk:.3f} (goal >= 0.80; "
+            f"per repetition {', '.join(f'{p[1] / p[0]:.3f}' for p in pairs)})"
+        )
+        if args.open_files:
+            files, seconds = open_many(root, args.open_files, args.repeats)
+            print(f"  open_store of a {files}-file store: {seconds:.3f} s (goal < 1 s)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

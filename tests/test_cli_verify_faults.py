@@ -152,14 +152,6 @@ def test_verify_of_a_path_that_does_not_exist_is_a_usage_error(tmp_path):
     assert "FAULT" not in proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="zarr StoreMeta.open (formats/zarr/meta.py) loads meta/chunksums only when reads "
-    "are checked, so verify() of a reader opened with verify_reads=False (what actstore verify "
-    "falls back to when the checked open refuses) cannot check chunks against their keyed "
-    "digests: it reports 'has no chunk digests ... its root manifest is gone' (the manifest "
-    "is there) and the damaged chunk only as a sample digest mismatch",
-)
 def test_zarr_verify_unchecked_names_the_damaged_chunk(stores, tmp_path):
     from actstore.formats import open_store
 

@@ -229,9 +229,8 @@ def observe(location: Path, fmt: str) -> dict[str, Any]:
     return seen
 
 
-#: Formats whose verify() raises (instead of reporting a fault) on some damage: known bugs,
-#: pinned by the xfail tests at the end of this module. Remove a format once they pass.
-VERIFY_MAY_RAISE = {"zarr": (ActstoreError, ValueError)}
+#: Formats whose verify() may raise (instead of reporting a fault) on some damage: none.
+VERIFY_MAY_RAISE: dict[str, tuple[type[BaseException], ...]] = {}
 
 
 def verify_ok(location: Path, fmt: str) -> bool:
@@ -408,13 +407,6 @@ def _flip_byte(path: Path, offset: int, xor: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ActstoreError,
-    reason="zarr verify_store_content (formats/zarr/verify.py) reads the per-sample digest "
-    "array with store.array(DIGEST) outside any try: a damaged chunk of it raises "
-    "CorruptStoreError out of verify() instead of becoming one fault among the others",
-)
 def test_zarr_verify_reports_a_damaged_digest_array_instead_of_raising(zarr_copy):
     _flip_byte(zarr_copy / "arrays" / "content_xxh128" / "0", 5, 0x01)
     reader = open_store(zarr_copy)
@@ -422,13 +414,6 @@ def test_zarr_verify_reports_a_damaged_digest_array_instead_of_raising(zarr_copy
     assert any("content_xxh128/0" in f for f in report.faults)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeDecodeError,
-    reason="zarr verify_store_content (formats/zarr/verify.py) decodes text/*.jsonl unchecked "
-    "and outside any try: a damaged byte raises UnicodeDecodeError/JSONDecodeError (not even "
-    "an ActstoreError) out of verify()",
-)
 def test_zarr_verify_reports_a_damaged_text_file_instead_of_raising(zarr_copy):
     _flip_byte(zarr_copy / "text" / "prompts.jsonl", 0, 0x80)
     reader = open_store(zarr_copy)

@@ -18,9 +18,14 @@ batches are built from blocks, with token ids from ``reader.tokens`` and labels 
 ``reader.labels`` (see :class:`~actstore.formats.base.ReaderBase`).
 
 Example:
-    >>> result = convert("acts/3f1c...", "acts-pkl", to="pickle")  # doctest: +SKIP
-    >>> result.location, result.max_abs_error  # doctest: +SKIP
-    (PosixPath('/abs/acts-pkl'), {'resid.3': 0.0})
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+    >>> batches = make_batches(plan, make_acts(plan))
+    >>> saev = FormatCase("saev").write(f"{out.name}/saev", plan, batches)
+    >>> result = convert(saev, f"{out.name}/acts-pkl", to="pickle", progress=False)
+    >>> result.location.name, result.max_abs_error  # every row read back and compared
+    ('acts-pkl', {'resid.1': 0.0, 'resid.3': 0.0})
 """
 
 from __future__ import annotations

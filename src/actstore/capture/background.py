@@ -5,9 +5,18 @@ so no batch is ever dropped and memory stays bounded at ``queue_size`` batches. 
 error is re-raised in the forward loop at its next ``put`` or at :meth:`close`.
 
 Example:
-    >>> with BackgroundWriter(writer, queue_size=4) as bg:  # doctest: +SKIP
-    ...     for batch in batches:
+    >>> import tempfile
+    >>> from actstore.formats.saev import SaevOptions, SaevWriter
+    >>> from actstore.storage.location import Location
+    >>> from actstore.testing import make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+    >>> writer = SaevWriter.from_plan(plan, Location.parse(out.name), SaevOptions())
+    >>> with BackgroundWriter(writer, queue_size=4) as bg:  # an error aborts the writer
+    ...     for batch in make_batches(plan, make_acts(plan)):
     ...         bg.put(batch)
+    ...     store = bg.close()  # waits for the queue, then publishes
+    >>> (store / "shards.json").is_file()
+    True
 """
 
 from __future__ import annotations

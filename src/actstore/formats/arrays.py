@@ -10,7 +10,8 @@ Example:
     >>> from actstore.formats import open_store
     >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
     >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 23 examples of 6 tokens
-    >>> reader = open_store(FormatCase("saev").write(out.name, plan, make_batches(plan, make_acts(plan))))
+    >>> batches = make_batches(plan, make_acts(plan))
+    >>> reader = open_store(FormatCase("saev").write(out.name, plan, batches))
     >>> rows = RowFile(reader.files, reader.checks, "tokens.bin", "<i4", (23, 6))
     >>> rows[12][:4], rows[3:9, :2].shape
     (array([76, 77, 78, 79], dtype=int32), (6, 2))

@@ -2,9 +2,14 @@
 that counts the batches it delivers, so ``state_dict()`` is exact with worker processes.
 
 Example:
-    >>> data = ActivationDataLoader(ActivationLoader(path, site=6), num_workers=2)  # doctest: +SKIP
-    >>> for step, acts in enumerate(data): ...  # doctest: +SKIP
-    >>> checkpoint = {"sae": sae.state_dict(), "data": data.state_dict()}  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 138 rows per site
+    >>> store = FormatCase("saev").write(out.name, plan, make_batches(plan, make_acts(plan)))
+    >>> data = ActivationDataLoader(ActivationLoader(store, site=3, batch_size=32), num_workers=2)
+    >>> sum(len(acts) for acts in data)  # one epoch, read by two worker processes
+    138
+    >>> checkpoint = {"data": data.state_dict()}  # with the model's state
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
 """:class:`ActivationLoader`: shuffled, resumable batches of activation rows from any store.
 
 Example:
-    >>> loader = ActivationLoader("acts/3f1c...", site=6, batch_size=4096, seed=0)  # doctest: +SKIP
-    >>> for acts in loader:            # float32 [4096, d_model], one epoch  # doctest: +SKIP
-    ...     loss = sae.step(acts)
-    >>> state = loader.state_dict()    # later: loader.load_state_dict(state)  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 23 x 6 rows of width 8
+    >>> store = FormatCase("saev").write(out.name, plan, make_batches(plan, make_acts(plan)))
+    >>> loader = ActivationLoader(store, site=3, batch_size=32, seed=0)
+    >>> [tuple(acts.shape) for acts in loader]  # float32 [32, d_model], one epoch
+    [(32, 8), (32, 8), (32, 8), (32, 8), (10, 8)]
+    >>> state = loader.state_dict()  # later: loader.load_state_dict(state)
 """
 
 from __future__ import annotations
@@ -154,9 +158,13 @@ class ActivationLoader(IterableDataset):
     (buffers are reused only once unreferenced).
 
     Example:
-        >>> loader = ActivationLoader(path, site=6, batch_size=4096, seed=0)  # doctest: +SKIP
-        >>> next(iter(loader)).shape  # doctest: +SKIP
-        torch.Size([4096, 768])
+        >>> import tempfile
+        >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+        >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # d_model 8
+        >>> path = FormatCase("saev").write(out.name, plan, make_batches(plan, make_acts(plan)))
+        >>> loader = ActivationLoader(path, site=3, batch_size=16, seed=0)
+        >>> next(iter(loader)).shape
+        torch.Size([16, 8])
     """
 
     def __init__(self, source: Any, config: LoaderConfig | None = None, **options: Any) -> None:

@@ -14,11 +14,16 @@ A :class:`Run` is opened from its directory alone and resolves every other path 
 a missing directory, link or file raises an error naming it and saying how to create it.
 
 Example:
-    >>> run = Run.create(train_shards="/scratch/saev/shards/91bf70dd",  # doctest: +SKIP
-    ...                  val_shards="/scratch/saev/shards/0c2e5a11")
-    >>> run = Run("/nfs/saev/runs/k3x9q2ab")  # doctest: +SKIP
-    >>> run.shards("train"), run.sae_path  # doctest: +SKIP
-    (PosixPath('/scratch/saev/shards/91bf70dd'), PosixPath('/nfs/.../checkpoint/sae.pt'))
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, tmp = make_plan(), tempfile.TemporaryDirectory()
+    >>> batches = make_batches(plan, make_acts(plan))
+    >>> shards = Path(FormatCase("saev").write(f"{tmp.name}/shards", plan, batches))
+    >>> run = Run.create(train_shards=shards, val_shards=shards, train_dataset=tmp.name,
+    ...                  val_dataset=tmp.name, run_id="k3x9q2ab", root=f"{tmp.name}/runs")
+    >>> run = Run(f"{tmp.name}/runs/k3x9q2ab")  # later: from its directory alone
+    >>> run.shards("train") == shards, run.sae_path.relative_to(run.path).as_posix()
+    (True, 'checkpoint/sae.pt')
 """
 
 from __future__ import annotations
@@ -47,7 +52,9 @@ def scratch_root() -> Path:
     """``$SAEV_SCRATCH`` (default ``~/.cache/actstore``): where ``saev/shards`` lives.
 
     Example:
-        >>> scratch_root()  # with SAEV_SCRATCH=/scratch/me  # doctest: +SKIP
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"SAEV_SCRATCH": "/scratch/me"}):
+        ...     scratch_root()
         PosixPath('/scratch/me')
     """
     value = os.environ.get("SAEV_SCRATCH")
@@ -58,7 +65,9 @@ def nfs_root() -> Path:
     """``$SAEV_NFS`` (default ``~/.local/share/actstore``): where ``saev/runs`` lives.
 
     Example:
-        >>> nfs_root()  # with SAEV_NFS=/nfs/me  # doctest: +SKIP
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"SAEV_NFS": "/nfs/me"}):
+        ...     nfs_root()
         PosixPath('/nfs/me')
     """
     value = os.environ.get("SAEV_NFS")

@@ -15,8 +15,12 @@ A run's ``checkpoint/`` holds:
 Both are written atomically (temporary file + fsync + rename).
 
 Example:
-    >>> save_sae(sae, "run/checkpoint/sae.pt")  # doctest: +SKIP
-    >>> sae = load_sae("run/checkpoint/sae.pt")  # doctest: +SKIP
+    >>> import tempfile
+    >>> out = tempfile.TemporaryDirectory()
+    >>> sae = SparseAutoencoder(SAEConfig(d_model=8, d_sae=32, k=4))
+    >>> save_sae(sae, f"{out.name}/sae.pt")
+    >>> load_sae(f"{out.name}/sae.pt").config
+    SAEConfig(d_model=8, d_sae=32, kind='topk', k=4)
 """
 
 from __future__ import annotations

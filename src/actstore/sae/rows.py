@@ -4,8 +4,15 @@ Training reads shuffled rows through :mod:`actstore.loader`; evaluation and infe
 each row exactly once and in order, so they read the store's blocks sequentially.
 
 Example:
-    >>> for rows in ordered_rows(reader, layer=3, tokens="content"):  # doctest: +SKIP
-    ...     rows.acts.shape, rows.example[0], rows.token[0]
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(has_cls=True), tempfile.TemporaryDirectory()  # 23 x 6 tokens
+    >>> batches = make_batches(plan, make_acts(plan))
+    >>> reader = SaevReader(FormatCase("saev").write(out.name, plan, batches))
+    >>> for rows in ordered_rows(reader, layer=3, tokens="content", batch_rows=64):
+    ...     rows.acts.shape, int(rows.example[0]), int(rows.token[0])
+    ((65, 8), 0, 1)
+    ((50, 8), 13, 1)
 """
 
 from __future__ import annotations
@@ -34,8 +41,13 @@ def token_positions(reader: SaevReader, tokens: str) -> np.ndarray:
     """Token indices kept per example: all, or all but a leading CLS (``content``).
 
     Example:
-        >>> token_positions(reader, "content")  # a ViT with CLS at 0  # doctest: +SKIP
-        array([ 1,  2, ..., 196])
+        >>> import tempfile
+        >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+        >>> plan, out = make_plan(has_cls=True), tempfile.TemporaryDirectory()  # CLS at 0
+        >>> batches = make_batches(plan, make_acts(plan))
+        >>> reader = SaevReader(FormatCase("saev").write(out.name, plan, batches))
+        >>> token_positions(reader, "content"), token_positions(reader, "all")
+        (array([1, 2, 3, 4, 5]), array([0, 1, 2, 3, 4, 5]))
     """
     if tokens not in TOKEN_CHOICES:
         raise ConfigError(f"tokens must be one of {TOKEN_CHOICES}, not {tokens!r}")

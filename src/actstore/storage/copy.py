@@ -19,8 +19,14 @@ Every destination object appears whole or not at all, so:
   ``metadata.json`` of pkl.gz...).
 
 Example:
-    >>> copy_store("/data/acts/3f1c", "s3://bucket/acts/3f1c")  # doctest: +SKIP
-    CopyReport(files=9, copied=9, skipped=0, bytes_copied=..., verified='saev verify() ...')
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+    >>> store = FormatCase("saev").write(out.name, plan, make_batches(plan, make_acts(plan)))
+    >>> copy_store(store, f"{out.name}/copy")  # or to s3://bucket/prefix  # doctest: +ELLIPSIS
+    CopyReport(files=7, copied=7, skipped=0, bytes_copied=..., verified='7 sizes', parts_reused=0)
+    >>> copy_store(store, f"{out.name}/copy").skipped  # a rerun sends only what is missing
+    7
 """
 
 from __future__ import annotations

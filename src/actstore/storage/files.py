@@ -123,9 +123,13 @@ class StoreFiles(abc.ABC):
         """Names below the directory that are symbolic links (a store holds none)."""
         return []
 
-    def outside_links(self) -> builtins.list[str]:
-        """Symbolic links below the directory that lead out of it."""
+    def outside_links(self, links: builtins.list[str] | None = None) -> builtins.list[str]:
+        """Symbolic links below the directory (or of ``links``) that lead out of it."""
         return []
+
+    def listing(self) -> tuple[dict[str, int], builtins.list[str]]:
+        """:meth:`list` and :meth:`symlinks` at once (one walk of a local tree)."""
+        return self.list(), self.symlinks()
 
     def read_bytes(self, name: str) -> bytes:
         """The whole of ``name``."""
@@ -240,26 +244,44 @@ class LocalFiles(StoreFiles):
     def _path(self, name: str) -> Path:
         return self.root / name
 
+    def _scan(self) -> tuple[dict[str, int], builtins.list[str]]:
+        """One walk of the tree with ``os.scandir`` (file type from the directory entry, one
+        ``stat`` per file): sizes of the files (symlinked files followed, as ``os.walk``
+        would list them) and the symlinks, files or folders, not followed."""
+        sizes: dict[str, int] = {}
+        links: builtins.list[str] = []
+        stack = [("", str(self.root))]
+        while stack:
+            prefix, folder = stack.pop()
+            try:
+                entries = list(os.scandir(folder))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                rel = prefix + entry.name
+                if entry.is_symlink():
+                    links.append(rel)
+                    if entry.is_file():
+                        sizes[rel] = entry.stat().st_size
+                elif entry.is_dir(follow_symlinks=False):
+                    stack.append((rel + "/", entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    sizes[rel] = entry.stat(follow_symlinks=False).st_size
+        return dict(sorted(sizes.items())), sorted(links)
+
     def list(self) -> dict[str, int]:
-        out = {}
-        for dirpath, _, names in os.walk(self.root):
-            for n in names:
-                p = Path(dirpath) / n
-                out[p.relative_to(self.root).as_posix()] = p.stat().st_size
-        return dict(sorted(out.items()))
+        return self._scan()[0]
 
     def symlinks(self) -> builtins.list[str]:
-        out = []
-        for dirpath, dirnames, names in os.walk(self.root):
-            for n in [*dirnames, *names]:
-                p = Path(dirpath) / n
-                if p.is_symlink():
-                    out.append(p.relative_to(self.root).as_posix())
-        return sorted(out)
+        return self._scan()[1]
 
-    def outside_links(self) -> builtins.list[str]:
+    def listing(self) -> tuple[dict[str, int], builtins.list[str]]:
+        return self._scan()
+
+    def outside_links(self, links: builtins.list[str] | None = None) -> builtins.list[str]:
         root = self.root.resolve()
-        return [n for n in self.symlinks() if not (self.root / n).resolve().is_relative_to(root)]
+        links = self.symlinks() if links is None else links
+        return [n for n in links if not (self.root / n).resolve().is_relative_to(root)]
 
     def size(self, name: str) -> int | None:
         path = self._path(name)
@@ -399,7 +421,7 @@ class PathFiles(LocalFiles):
     def symlinks(self) -> builtins.list[str]:
         return []  # no directory to walk: each file has its own path
 
-    def outside_links(self) -> builtins.list[str]:
+    def outside_links(self, links: builtins.list[str] | None = None) -> builtins.list[str]:
         return []
 
     def size(self, name: str) -> int | None:

@@ -91,7 +91,8 @@ class Integrity:
 
         ``ours``: the store says actstore wrote it, so a missing manifest is an error
         (unless ``verify_reads=False``); otherwise one warning and unverified reads."""
-        outside = files.outside_links()
+        listing = files.listing()
+        outside = files.outside_links(listing[1])
         if outside:
             raise CorruptStoreError(
                 f"{files.url_of(outside[0])} is a symlink out of the store; a store's files must "
@@ -119,7 +120,7 @@ class Integrity:
             )
         checks = cls(files, manifest, enabled=verify_reads)
         if verify_reads:
-            problems = checks.listing_faults()
+            problems = checks.listing_faults(listing)
             missing = [p for p in problems if p.endswith((" is missing", " are missing"))]
             if missing:
                 raise StoreNotFoundError(
@@ -137,16 +138,18 @@ class Integrity:
 
     # ------------------------------------------------------------------ open checks
 
-    def listing_faults(self) -> list[str]:
-        """Differences between the files present and the manifest: missing, extra, wrong
-        size, symlinks (O(files), no data read)."""
+    def listing_faults(self, listing: tuple[dict[str, int], list[str]] | None = None) -> list[str]:
+        """Differences between the files present (``listing``: sizes and symlinks, as
+        :meth:`StoreFiles.listing` gives them; default: listed now) and the manifest:
+        missing, extra, wrong size, symlinks (O(files), no data read)."""
         m = self.manifest
         if m is None:
             return []
-        faults = [f"{name} is a symlink" for name in self.files.symlinks()]
+        sizes, links = listing if listing is not None else self.files.listing()
+        faults = [f"{name} is a symlink" for name in links]
         present: dict[str, int] = {}
         counted = {folder: [0, 0] for folder in m.skip}
-        for n, s in self.files.list().items():
+        for n, s in sizes.items():
             folder = skipped(n, m.skip)
             if folder:
                 counted[folder][0] += 1

@@ -2,8 +2,12 @@
 ``datasets`` dataset, decoded and preprocessed in DataLoader workers.
 
 Example:
-    >>> image_files(Path("imagenet/val"))[:1]  # doctest: +SKIP
-    [PosixPath('imagenet/val/n01440764/ILSVRC2012_val_00000293.JPEG')]
+    >>> import tempfile
+    >>> tmp = tempfile.TemporaryDirectory(); root = Path(tmp.name)
+    >>> for name in ("n02/b.JPEG", "n01/a.png", "n01/notes.txt"):
+    ...     (root / name).parent.mkdir(exist_ok=True); (root / name).touch()
+    >>> [p.relative_to(root).as_posix() for p in image_files(root)]
+    ['n01/a.png', 'n02/b.JPEG']
 """
 
 from __future__ import annotations
@@ -151,8 +155,11 @@ def image_files(root: Path) -> list[Path]:
     """The images under ``root`` in capture order (sorted paths): example i is file i.
 
     Example:
-        >>> image_files(Path("imagenet/val"))[:1]  # doctest: +SKIP
-        [PosixPath('imagenet/val/n01440764/ILSVRC2012_val_00000293.JPEG')]
+        >>> import tempfile
+        >>> tmp = tempfile.TemporaryDirectory(); root = Path(tmp.name)
+        >>> (root / "n01").mkdir(); (root / "n01" / "a.JPEG").touch(); (root / "x.txt").touch()
+        >>> [p.relative_to(root).as_posix() for p in image_files(root)]
+        ['n01/a.JPEG']
     """
     return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 

@@ -3,8 +3,11 @@ document per non-blank line), ``.jsonl`` (one record per line: a text field, or 
 token ids), and the embedded corpus (the Python language reference shipped with CPython).
 
 Example:
-    >>> rows = jsonl_rows(Path("corpus.jsonl"))  # doctest: +SKIP
-    >>> rows.kind, next(rows.items)[:20]  # doctest: +SKIP
+    >>> import json, tempfile
+    >>> tmp = tempfile.TemporaryDirectory(); path = Path(tmp.name) / "corpus.jsonl"
+    >>> _ = path.write_text(json.dumps({"id": 1, "text": "The assert statement is..."}))
+    >>> rows = jsonl_rows(path, text_field=None, token_field=None)  # the field: found
+    >>> rows.kind, next(rows.items)[:20]
     ('text', 'The assert statement')
 """
 

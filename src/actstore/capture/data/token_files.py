@@ -9,9 +9,12 @@ budget needs.
   (uint32 tokens read as uint16) is refused.
 
 Example:
-    >>> stream, facts = open_token_file(Path("train.bin"), vocab_size=50257)  # doctest: +SKIP
-    >>> facts["format"], facts["dtype"]  # doctest: +SKIP
-    ('raw', 'uint16')
+    >>> import tempfile
+    >>> tmp = tempfile.TemporaryDirectory(); path = Path(tmp.name) / "train.bin"
+    >>> np.arange(100, dtype=np.uint16).tofile(path)  # raw GPT-2 token ids
+    >>> stream, facts = open_token_file(path, vocab_size=50257)
+    >>> facts["format"], facts["dtype"], stream[:3]
+    ('raw', 'uint16', memmap([0, 1, 2], dtype=uint16))
 """
 
 from __future__ import annotations

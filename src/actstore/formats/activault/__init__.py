@@ -2,8 +2,16 @@
 and streamed back with prefetching (see ``docs/activault.md``).
 
 Example:
-    >>> reader = open_store("s3://bucket/run")  # doctest: +SKIP
-    >>> stream = ActivaultStream("s3://bucket/run/models.layers.6.post", batch_size=4096)  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(n_examples=24), tempfile.TemporaryDirectory()  # 6 tokens each
+    >>> case = FormatCase("activault", ActivaultOptions(rows_per_file=4))  # 24-token files
+    >>> run = case.write(f"{out.name}/run", plan, make_batches(plan, make_acts(plan)))
+    >>> from actstore.formats import open_store
+    >>> reader = open_store(run)  # a local run here; s3://bucket/run alike
+    >>> stream = ActivaultStream(f"{run}/models.layers.3.post", batch_size=16)
+    >>> next(iter(stream)).shape
+    torch.Size([16, 8])
 """
 
 from __future__ import annotations

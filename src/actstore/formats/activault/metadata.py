@@ -192,6 +192,8 @@ class RunRecord:
     dropped_tokens: int = 0
     """Kept tokens after the last full file, not stored (files must be equal size)."""
     num_runs: int = 1
+    """Kept at 1 (read for compatibility): resumes and merges write what one uninterrupted
+    capture writes."""
     digests: dict[str, list[str]] = field(default_factory=dict)
     """Hook -> keyed digest (16 hex) of each committed file, for the root manifest written
     at completion (Activault's own reader ignores this key)."""

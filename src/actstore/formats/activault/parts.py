@@ -133,7 +133,7 @@ def part_format() -> PartFormat:
             next_skip=0,
             complete=False,
             dropped_tokens=sum(r.dropped_tokens for r in records),
-            num_runs=sum(r.num_runs for r in records),
+            num_runs=1,  # one logical run, as a one-process capture records
             digests={},
         )
         plan = first.plan

@@ -13,10 +13,18 @@ Blocks are whole megabatch files (one file = ``rows x seq`` rows of one hook); b
 of every hook holds the same tokens (the same group uuid).
 
 Example:
-    >>> r = ActivaultReader("s3://bucket/run")  # doctest: +SKIP
-    >>> r.sites, r.hooks  # doctest: +SKIP
-    ((Site(kind='resid', layer=1), Site(kind='mlp_out', layer=1)), ['models.layers.1.post', 'models.layers.1.mlp.post'])
-    >>> rows = r.read_block(r.blocks("resid.1")[0])  # [rows*seq, d] float32  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.formats.activault import ActivaultOptions
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(n_examples=24), tempfile.TemporaryDirectory()  # 6 tokens each
+    >>> case = FormatCase("activault", ActivaultOptions(rows_per_file=4))  # 24-token files
+    >>> run = case.write(f"{out.name}/run", plan, make_batches(plan, make_acts(plan)))
+    >>> r = ActivaultReader(run)  # a local run here; s3://bucket/run alike
+    >>> r.sites, r.hooks  # doctest: +NORMALIZE_WHITESPACE
+    ((Site(kind='resid', layer=1), Site(kind='resid', layer=3)),
+     ['models.layers.1.post', 'models.layers.3.post'])
+    >>> r.read_block(r.blocks("resid.1")[0]).shape  # [rows*seq, d] float32
+    (24, 8)
 """
 
 from __future__ import annotations
@@ -310,7 +318,14 @@ class ActivaultReader(ReaderBase):
         drifted apart (a hook that rejected a batch) is not.
 
         Example:
-            >>> reader.aligned_on(["resid.8", "mlp_out.8"])  # doctest: +SKIP
+            >>> import tempfile
+            >>> from actstore.formats.activault import ActivaultOptions
+            >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+            >>> plan, out = make_plan(n_examples=24), tempfile.TemporaryDirectory()
+            >>> case = FormatCase("activault", ActivaultOptions(rows_per_file=4))
+            >>> batches = make_batches(plan, make_acts(plan))
+            >>> reader = ActivaultReader(case.write(out.name, plan, batches))
+            >>> reader.aligned_on(["resid.1", "resid.3"])
             True
         """
         hooks = [self.hook_of(s) for s in sites]

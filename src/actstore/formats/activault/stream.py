@@ -17,10 +17,17 @@ This is actstore's counterpart of Activault's ``S3RCache``, made exactly resumab
   width, dtype and model.
 
 Example:
-    >>> stream = ActivaultStream("s3://bucket/run/models.layers.6.post", batch_size=4096)  # doctest: +SKIP
-    >>> for acts in stream:  # [4096, d] in the stored dtype  # doctest: +SKIP
-    ...     loss = sae(acts.cuda().float())
-    >>> state = stream.state_dict()  # save with the model checkpoint  # doctest: +SKIP
+    >>> from actstore.formats.activault import ActivaultOptions
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(n_examples=24), tempfile.TemporaryDirectory()  # 6 tokens each
+    >>> case = FormatCase("activault", ActivaultOptions(rows_per_file=4))  # 24-token files
+    >>> run = case.write(f"{out.name}/run", plan, make_batches(plan, make_acts(plan)))
+    >>> stream = ActivaultStream(f"{run}/models.layers.3.post", batch_size=16)  # or s3://...
+    >>> for acts in stream:  # [16, d] in the stored dtype (the last batch may be smaller)
+    ...     loss = acts.float().square().mean()  # sae(acts.cuda().float())
+    >>> acts.dtype, stream.state_dict()["epoch"]  # save the state with the model checkpoint
+    (torch.bfloat16, 1)
 """
 
 from __future__ import annotations

@@ -19,10 +19,15 @@ statistics that lag the commit record back in from the committed files, and resu
 the recorded position: no token is stored twice or missed.
 
 Example:
-    >>> w = ActivaultWriter(plan, "s3://bucket/run", ActivaultOptions())  # doctest: +SKIP
-    >>> for batch in batches: w.write(batch)  # doctest: +SKIP
-    >>> w.close()  # doctest: +SKIP
-    's3://bucket/run'
+    >>> import os, tempfile
+    >>> from actstore.testing import make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(n_examples=24), tempfile.TemporaryDirectory()  # 6 tokens each
+    >>> w = ActivaultWriter(plan, f"{out.name}/run", ActivaultOptions(rows_per_file=4))  # or s3://
+    >>> for batch in make_batches(plan, make_acts(plan)):
+    ...     w.write(batch)
+    >>> run = w.close()
+    >>> sorted(os.listdir(run)), len(os.listdir(run / "models.layers.1.post"))  # 6 files + 2 json
+    (['actstore-manifest.json', 'cfg.json', 'models.layers.1.post', 'models.layers.3.post'], 8)
 """
 
 from __future__ import annotations
@@ -247,7 +252,7 @@ class ActivaultWriter(FormatWriter):
             return
         aborted = self.store.abort_incomplete(self.run_prefix + "/")
         self._stats = {h: self._recover_hook(h, record) for h in self.hooks}
-        self.record = replace(record, num_runs=record.num_runs + 1)
+        self.record = record  # as the first attempt wrote it: a resumed run is byte-identical
         self._write_cfg()
         self.resume_from = record.next_example
         log.info(
@@ -609,7 +614,8 @@ def file_shape(plan: CapturePlan, options: ActivaultOptions) -> tuple[int, int]:
     """(rows, tokens per row) of every megabatch file a capture ``plan`` writes.
 
     Example:
-        >>> file_shape(plan, ActivaultOptions(rows_per_file=4))  # doctest: +SKIP
+        >>> from actstore.testing import make_plan
+        >>> file_shape(make_plan(tokens_per_example=128), ActivaultOptions(rows_per_file=4))
         (4, 128)
     """
     seq = options.sequence_length or plan.tokens_per_example

@@ -17,7 +17,8 @@ Example:
     >>> import tempfile
     >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
     >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # layers 1 and 3, 6 tokens
-    >>> r = PickleReader(FormatCase("pickle").write(out.name, plan, make_batches(plan, make_acts(plan))))
+    >>> batches = make_batches(plan, make_acts(plan))
+    >>> r = PickleReader(FormatCase("pickle").write(out.name, plan, batches))
     >>> item = next(r.items(3))  # the spec's iter_activations, checked
     >>> item["activation"].shape, item["sample_idx"]
     ((6, 8), 0)
@@ -116,8 +117,9 @@ class PickleReader(ReaderBase):
         )
         self.shards = sorted(self.metadata.shards, key=lambda s: s.sample_id_range)
         self._check_declared()
+        listed = self.files.list()  # one listing, not a stat per shard
         for info in self.shards:
-            url, size = self.files.url_of(info.filename), self.files.size(info.filename)
+            url, size = self.files.url_of(info.filename), listed.get(info.filename)
             if size is None:
                 raise StoreNotFoundError(f"shard {url} is missing; restore it or re-capture")
             if size != info.size_bytes:
@@ -139,14 +141,15 @@ class PickleReader(ReaderBase):
             raise CorruptStoreError(
                 f"{self.files.url_of(METADATA)}: hidden_size {hidden!r} is invalid"
             )
-        stray = [info.layers for info in self.shards if set(info.layers) - set(md.layers)]
+        layers = set(md.layers)  # (a property over every shard: computed once)
+        stray = [info.layers for info in self.shards if set(info.layers) - layers]
         if stray:
             raise CorruptStoreError(
                 f"{self.files.url_of(METADATA)}: a shard lists layers {list(stray[0])} outside "
                 f"layers_extracted {list(md.layers)}"
             )
         if md.actstore:  # written by actstore: every shard holds every layer
-            short = [i.filename for i in self.shards if set(i.layers) != set(md.layers)]
+            short = [i.filename for i in self.shards if set(i.layers) != layers]
             if short:
                 raise CorruptStoreError(
                     f"{self.files.url_of(METADATA)}: shard {short[0]} does not list every layer of "

@@ -17,8 +17,12 @@ Hugging Face module (``transformer.h.1``) denotes no site: its key is a
 :class:`~.layout.ColumnSite` spelled as the column, readable but not convertible.
 
 Example:
-    >>> r = SaelensReader("acts-saelens")  # doctest: +SKIP
-    >>> r.sites, r.columns  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(sites=(Site("resid", 3),)), tempfile.TemporaryDirectory()
+    >>> batches = make_batches(plan, make_acts(plan))
+    >>> r = SaelensReader(FormatCase("saelens").write(out.name, plan, batches))
+    >>> r.sites, r.columns
     ((Site(kind='resid', layer=3),), ('blocks.3.hook_resid_post',))
 """
 
@@ -162,10 +166,11 @@ class SaelensReader(ReaderBase):
                 f"{self.url}: {SIDECAR} does not match state.json/dataset_info.json "
                 "(files or columns differ); restore the store or re-capture"
             )
+        sizes = self.files.list()  # one listing, not a stat per file
         for e in listed:
-            if self.files.size(e["name"]) != e.get("bytes"):
+            if sizes.get(e["name"]) != e.get("bytes"):
                 raise CorruptStoreError(
-                    f"{self.files.url_of(e['name'])} has {self.files.size(e['name'])} bytes, expected "
+                    f"{self.files.url_of(e['name'])} has {sizes.get(e['name'])} bytes, expected "
                     f"{e.get('bytes')} (truncated or replaced); restore it or re-capture"
                 )
         shards = [e["n_examples"] for e in listed]

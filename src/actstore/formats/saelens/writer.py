@@ -11,10 +11,15 @@ bytes between them. At publication the writer adds ``state.json`` and
 ``actstore.json`` (the layout, the capture plan and where each block's values lie).
 
 Example:
-    >>> writer = SaelensWriter.from_plan(plan, Location.parse("acts-saelens"))  # doctest: +SKIP
-    >>> for batch in batches: writer.write(batch)  # doctest: +SKIP
-    >>> writer.close()  # doctest: +SKIP
-    Location(url='/abs/acts-saelens')
+    >>> import tempfile
+    >>> from actstore.testing import make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
+    >>> writer = SaelensWriter.from_plan(plan, Location.parse(out.name))
+    >>> for batch in make_batches(plan, make_acts(plan)):
+    ...     writer.write(batch)
+    >>> sorted(p.name for p in writer.close().iterdir())  # doctest: +NORMALIZE_WHITESPACE
+    ['actstore-blocks.xxh3', 'actstore-manifest.json', 'actstore.json',
+     'data-00000-of-00001.arrow', 'dataset_info.json', 'state.json', 'statistics.json']
 """
 
 from __future__ import annotations

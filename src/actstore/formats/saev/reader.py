@@ -148,9 +148,10 @@ class SaevReader(ReaderBase):
 
     def _check_sizes(self) -> None:
         md = self.metadata
+        listed = self.files.list()  # one listing, not a stat per shard
         for i in range(md.n_shards):
             url = self.files.url_of(shard_name(i))
-            size, want = self.files.size(shard_name(i)), md.shard_nbytes(i)
+            size, want = listed.get(shard_name(i)), md.shard_nbytes(i)
             if size is None:
                 raise StoreNotFoundError(f"shard {url} is missing; restore it or re-capture")
             if size != want:
@@ -159,7 +160,7 @@ class SaevReader(ReaderBase):
                     f"({'truncated' if size < want else 'too long'}); restore it or re-capture"
                 )
         for name, row in (("tokens.bin", md.tokens_per_ex * 4), ("labels.bin", md.patches_per_ex)):
-            size = self.files.size(name)
+            size = listed.get(name)
             if size is not None and size != md.n_examples * row:
                 raise CorruptStoreError(
                     f"{self.files.url_of(name)} has {size} bytes, expected {md.n_examples * row}"
@@ -516,7 +517,8 @@ class SaevReader(ReaderBase):
             >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
             >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
             >>> acts = make_acts(plan)  # [23 examples, 6 tokens, 8] per site
-            >>> reader = SaevReader(FormatCase("saev").write(out.name, plan, make_batches(plan, acts)))
+            >>> store = FormatCase("saev").write(out.name, plan, make_batches(plan, acts))
+            >>> reader = SaevReader(store)
             >>> rows = reader.gather([5, 0, 5], site="resid.3")  # flat rows example * 6 + token
             >>> rows.shape, bool((rows[0] == acts["resid.3"][0, 5]).all())
             ((3, 8), True)

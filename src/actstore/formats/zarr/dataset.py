@@ -25,10 +25,18 @@ class ZarrPairDataset(torch.utils.data.Dataset):
     layers each epoch. DataLoader workers each get their own pickled copy of the reader.
 
     Example:
-        >>> ds = reader.dataset("response")  # doctest: +SKIP
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True,
-        ...                                      num_workers=4)  # per item  # doctest: +SKIP
-        >>> loader = ds.loader(32, num_workers=4)  # per batch, faster  # doctest: +SKIP
+        >>> import tempfile
+        >>> from actstore.formats import open_store
+        >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+        >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 6-token prompts
+        >>> batches = make_batches(plan, make_acts(plan))
+        >>> reader = open_store(FormatCase("zarr").write(out.name, plan, batches))
+        >>> ds = reader.dataset("prompt")
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True,
+        ...                                      num_workers=2)  # per item
+        >>> next(iter(loader))["acts"].shape  # [b, n_layers, P_max, H]
+        torch.Size([4, 2, 6, 8])
+        >>> loader = ds.loader(4, num_workers=2)  # per batch, faster
     """
 
     def __init__(

@@ -13,9 +13,13 @@ checked against its digest, keyed by its place, before any row is copied out; a 
 digests list but the store lacks is an error, one they do not list is padding (zeros).
 
 Example:
-    >>> meta = StoreMeta.open(Location.parse("out/activations.zarr"))  # doctest: +SKIP
-    >>> meta.layout.sites, meta.lengths["prompt"][:3]  # doctest: +SKIP
-    (('resid.3',), array([12, 40, 7], dtype=int32))
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 6-token prompts
+    >>> store = FormatCase("zarr").write(out.name, plan, make_batches(plan, make_acts(plan)))
+    >>> meta = StoreMeta.open(Location.parse(store))
+    >>> meta.layout.sites, meta.lengths["prompt"][:3]
+    (('resid.1', 'resid.3'), array([6, 6, 6], dtype=int32))
 """
 
 from __future__ import annotations

@@ -11,10 +11,16 @@ DataLoader workers and each worker reads independently. Local directories and
 ``s3://bucket/prefix`` are read the same way, through :mod:`actstore.storage.files`.
 
 Example:
-    >>> r = ZarrReader("out/activations.zarr")  # doctest: +SKIP
-    >>> r.read(12, "resid.6", "response").shape   # sample 12: (response_len[12], H)  # doctest: +SKIP
-    (41, 4096)
-    >>> batch = r.random_batch(32, np.random.default_rng(0))  # 32 samples x 2 random layers  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 6-token prompts, no response
+    >>> batches = make_batches(plan, make_acts(plan))
+    >>> r = ZarrReader(FormatCase("zarr").write(out.name, plan, batches))
+    >>> r.read(12, "resid.3", "prompt").shape  # sample 12: (prompt_len[12], H)
+    (6, 8)
+    >>> batch = r.random_batch(4, np.random.default_rng(0), part="prompt")  # 4 samples x 2 layers
+    >>> batch["acts"].shape
+    (4, 2, 6, 8)
 """
 
 from __future__ import annotations
@@ -284,8 +290,13 @@ class ZarrReader(ReaderBase):
         each checked.
 
         Example:
-            >>> reader.read(0, "resid.3", "response").shape  # doctest: +SKIP
-            (17, 4096)
+            >>> import tempfile
+            >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
+            >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 6-token prompts
+            >>> batches = make_batches(plan, make_acts(plan))
+            >>> reader = ZarrReader(FormatCase("zarr").write(out.name, plan, batches))
+            >>> reader.read(0, "resid.3", "prompt").shape, reader.read(0, 3, trim=False).shape
+            ((6, 8), (6, 8))
         """
         return self.read_index(i, self._layer_index(site), part, trim=trim, out=out)
 

@@ -145,7 +145,7 @@ def write_shards(
     ``"timings"`` (not stored).
 
     Example:
-        >>> write_shards(run, plan, SyntheticBatches(...), n_writers=2)  # doctest: +SKIP
+        >>> write_shards(run_dir, plan, producer, n_writers=2)  # doctest: +SKIP
     """
     run_dir = Path(run_dir).expanduser()
     ranges = shard_ranges(plan.n_examples, n_writers)

@@ -2,8 +2,16 @@
 arrays and ``.zmetadata``); publication is :class:`~actstore.formats.writer.ShardedWriter`'s.
 
 Example:
-    >>> root = create_arrays(tmp, layout, token_ids=True, sample_rows=1024)  # doctest: +SKIP
-    >>> consolidate(tmp)  # doctest: +SKIP
+    >>> import tempfile
+    >>> from actstore.formats.zarr import ZarrOptions
+    >>> from actstore.formats.zarr.writer import plan_store
+    >>> from actstore.testing import make_plan
+    >>> layout = plan_store(make_plan(), ZarrOptions())[0]
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> root = create_arrays(Path(tmp.name), layout, token_ids=True, sample_rows=1024)
+    >>> consolidate(Path(tmp.name))
+    >>> "prompt_activations" in root["arrays"], (Path(tmp.name) / ".zmetadata").is_file()
+    (True, True)
 """
 
 from __future__ import annotations

@@ -32,12 +32,25 @@ def verify_store_content(store: StoreMeta, report: VerifyReport, progress: Any) 
     """The format's checks of one store beyond its listed files: the chunk files present
     against the digests, every chunk's bytes, each sample's content digest, lengths,
     statistics, text files. Returns the count of non-finite values."""
+    opened_with = store.chunksums
+    try:
+        return _verify_store(store, report, progress)
+    finally:
+        store.chunksums = opened_with  # an unchecked reader stays unchecked after verify
+
+
+def _verify_store(store: StoreMeta, report: VerifyReport, progress: Any) -> int:
     lay, where = store.layout, store.location.url
     verify_statistics(store, report)
-    if store.chunksums is None:
+    if store.chunksums is None and store.checks.manifest is not None:
+        try:  # opened unchecked (as `actstore verify` does to list every fault): load them
+            store.chunksums = store._load_chunksums()
+        except CorruptStoreError as err:
+            report.faults.append(str(err))
+    if store.chunksums is None and store.checks.manifest is None:
         report.faults.append(
-            f"{where} has no chunk digests: its chunks cannot be verified (its root manifest "
-            "is gone, or a store written by another tool)"
+            f"{where} has no chunk digests: its chunks cannot be verified (no root manifest: "
+            "it was deleted, or another tool wrote the store)"
         )
     for part in PARTS:
         grid = (lay.n_samples, lay.n_layers, lay.n_chunks(part), 1)
@@ -68,8 +81,12 @@ def verify_store_content(store: StoreMeta, report: VerifyReport, progress: Any) 
         for name in store.files.symlinks():
             if name.startswith(folder):
                 report.faults.append(f"{store.url_of(name)}: a symlink, not a chunk file")
-    digests = store.array(DIGEST)
-    full = {p: store.array(FULL_LENGTHS[p]) for p in PARTS}
+    try:
+        digests = store.array(DIGEST)
+        full = {p: store.array(FULL_LENGTHS[p]) for p in PARTS}
+    except CorruptStoreError as err:
+        report.faults.append(str(err))
+        return 0
     if digests is None or any(v is None for v in full.values()):
         report.faults.append(f"{where} lacks its per-sample digests or full lengths")
         return 0
@@ -106,15 +123,25 @@ def verify_store_content(store: StoreMeta, report: VerifyReport, progress: Any) 
             report.files_checked += 1
             # split on "\n" only: str.splitlines() also splits at U+2028/U+0085, which
             # json.dumps(ensure_ascii=False) leaves raw inside a record
-            text = store.files.read_bytes(TEXT_FILES[part]).decode("utf-8")
-            lines = [json.loads(x) for x in text.split("\n") if x.strip()]
-            if [rec.get("i") for rec in lines] != list(range(lay.n_samples)):
+            try:
+                text = store.checks.read_bytes(TEXT_FILES[part]).decode("utf-8")
+                lines = [json.loads(x) for x in text.split("\n") if x.strip()]
+                ids = [rec.get("i") for rec in lines]
+            except (CorruptStoreError, UnicodeDecodeError, ValueError, AttributeError) as err:
+                report.faults.append(f"{store.url_of(TEXT_FILES[part])} is unreadable: {err}")
+                continue
+            if ids != list(range(lay.n_samples)):
                 report.faults.append(
                     f"{store.url_of(TEXT_FILES[part])}: expected one record per sample, i = 0..{lay.n_samples - 1}"
                 )
     for name in store.attrs.get("optional_arrays", []):
-        if store.array(OPTIONAL_ARRAYS[name][0]) is None:
-            report.faults.append(f"{where} lacks {OPTIONAL_ARRAYS[name][0]} its attributes list")
+        try:
+            if store.array(OPTIONAL_ARRAYS[name][0]) is None:
+                report.faults.append(
+                    f"{where} lacks {OPTIONAL_ARRAYS[name][0]} its attributes list"
+                )
+        except CorruptStoreError as err:
+            report.faults.append(str(err))
     return non_finite
 
 

@@ -22,10 +22,16 @@ Statistics are over every stored (unpadded) prompt and response token, as captur
 the float16 cast).
 
 Example:
-    >>> writer = ZarrWriter.from_plan(plan, Location.parse("out"), ZarrOptions(r_max=64))  # doctest: +SKIP
-    >>> for batch in batches: writer.write(batch)  # doctest: +SKIP
-    >>> writer.close()  # doctest: +SKIP
-    Location(url='/abs/out/activations.zarr')
+    >>> import dataclasses, tempfile
+    >>> from actstore.testing import make_acts, make_batches, make_plan
+    >>> plan, out = make_plan(), tempfile.TemporaryDirectory()  # 23 samples of 6 tokens
+    >>> p = 1 + np.arange(23) % 5  # prompt tokens of each sample; the rest is its response
+    >>> writer = ZarrWriter.from_plan(plan, Location.parse(out.name), ZarrOptions(r_max=64))
+    >>> for b in make_batches(plan, make_acts(plan)):
+    ...     lengths = {"prompt_len": p[b.example_ids], "response_len": 6 - p[b.example_ids]}
+    ...     writer.write(dataclasses.replace(b, extras=lengths))
+    >>> writer.close().relative_to(out.name)
+    PosixPath('activations.zarr')
 """
 
 from __future__ import annotations
