@@ -52,6 +52,7 @@ from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
 from ...storage.object import S3Config
+from ..arrays import LazyRows
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     MAX_SHARD_BYTES,
@@ -200,22 +201,14 @@ class PickleReader(ReaderBase):
         return sum(self.shard_rows(i) for i, info in enumerate(self.shards) if layer in info.layers)
 
     @property
-    def tokens(self) -> np.ndarray | None:
-        """Token ids ``[n_samples, T]`` (int32) from every item's ``metadata.token_ids``, in
-        sample id order (each shard read and checked), or None where items lack them."""
+    def tokens(self) -> LazyRows | None:
+        """Token ids ``[n_samples, T]`` (int32) from each item's ``metadata.token_ids``, in
+        sample id order; rows are read (their shard loaded and checked) only when indexed.
+        None when the capture kept none."""
         if not self.metadata.actstore.get("has_tokens"):
             return None
-        rows = []
-        layer = self.layers[0]
-        for item in self.items(layer):
-            ids = (item.get("metadata") or {}).get("token_ids")
-            if ids is None:
-                return None
-            rows.append(np.asarray(ids, dtype=np.int32))
-        try:
-            return np.stack(rows) if rows else np.empty((0, 0), np.int32)
-        except ValueError:
-            return None
+        width = int(self.metadata.actstore.get("tokens_per_example") or 0)
+        return _ItemTokens(self, width)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -599,3 +592,33 @@ class PickleReader(ReaderBase):
             report.faults.append(f"statistics of layer {layer} have vectors of the wrong length")
             return False
         return stats is not None
+
+
+class _ItemTokens(LazyRows):
+    """``reader.tokens`` of a pkl.gz store: row ``i`` is the ``i``-th sample (sample id
+    order), read from the one shard holding it."""
+
+    def __init__(self, reader: PickleReader, width: int) -> None:
+        counts = [s.num_samples for s in reader.shards]
+        super().__init__(np.int32, (sum(counts), width))
+        self.reader = reader
+        self.starts = np.cumsum([0, *counts])
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        out = np.empty((len(index), *self.row_shape), dtype=self.dtype)
+        key = layer_key(self.reader.layers[0])
+        shard_of = np.searchsorted(self.starts, index, side="right") - 1
+        for shard in np.unique(shard_of):
+            items = self.reader.load_shard(int(shard))[key]
+            for j in np.flatnonzero(shard_of == shard):
+                ids = (items[int(index[j] - self.starts[shard])].get("metadata") or {}).get(
+                    "token_ids"
+                )
+                if ids is None or len(ids) != self.row_shape[0]:
+                    raise CorruptStoreError(
+                        f"{self.reader.url}: sample row {int(index[j])} lacks its "
+                        f"{self.row_shape[0]} token ids; the store is damaged, re-capture it"
+                    )
+                out[j] = np.asarray(ids, dtype=np.int32)
+        return out
+
