@@ -166,9 +166,9 @@ def test_blocks_of_a_single_layer_store_vary_in_size(single):
 
 def format_cases():
     """The conformance suite's cases of the formats whose readers work without a server."""
-    from test_saev_conformance import SaevCase
+    from test_saev_conformance import TestSaevConformance
 
-    cases = [pytest.param(SaevCase(), id="saev")]
+    cases = [pytest.param(TestSaevConformance.case, id="saev")]
     try:
         from test_zarr_conformance import ZarrCase  # float16 rows, no scatter hook
     except ImportError:
@@ -178,12 +178,12 @@ def format_cases():
 
 @pytest.mark.parametrize("case", format_cases())
 def test_any_format_through_the_reader_contract(case, tmp_path):
-    from actstore.testing import make_acts, make_batches, make_plan
+    from actstore.testing import make_acts
 
-    plan = make_plan()
+    plan = case.plan()
     acts = make_acts(plan)
-    reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, acts)))
-    sites = [case.site_name(s) for s in plan.sites]
+    reader = case.open(case.write(tmp_path / "store", plan, case.batches(plan, acts)))
+    sites = list(plan.sites)
     want = [case.expected_rows(plan, acts, s).astype(case.stored_dtype) for s in plan.sites]
     for workers in (1, 3):
         for stream in range(workers):

@@ -295,12 +295,12 @@ def test_verified_slab_reads_read_whole_blocks_and_catch_damage(store, tmp_path,
 @pytest.mark.parametrize("case", format_cases())
 def test_any_format_with_mix(case, tmp_path):
     """Through the reader contract (zarr: the default slab read, contiguous row ranges)."""
-    from actstore.testing import make_acts, make_batches, make_plan
+    from actstore.testing import make_acts
 
-    plan = make_plan()
+    plan = case.plan()
     acts = make_acts(plan)
-    reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, acts)))
-    site = case.site_name(plan.sites[0])
+    reader = case.open(case.write(tmp_path / "store", plan, case.batches(plan, acts)))
+    site = plan.sites[0]
     want = case.expected_rows(plan, acts, plan.sites[0]).astype(case.stored_dtype)
     for mix in (2, 3):
         loader = ActivationLoader(

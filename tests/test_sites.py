@@ -124,11 +124,11 @@ def test_unmapped_family_keeps_residual_sites():
 @pytest.fixture(scope="module")
 def pickle_store(tmp_path_factory):
     """A pkl.gz store of resid.1 and resid.3 of a 4-block model (reader keys: layer ints)."""
-    from test_pickle_conformance import PickleCase
+    from test_pickle_conformance import TestPlainPickleConformance
 
     from actstore.testing import make_acts, make_batches, make_plan
 
-    case, plan = PickleCase(compress=False), make_plan()
+    case, plan = TestPlainPickleConformance.case, make_plan()
     root = tmp_path_factory.mktemp("pickle") / "store"
     return case.open(case.write(root, plan, make_batches(plan, make_acts(plan))))
 
@@ -164,10 +164,11 @@ def test_loader_spellings_on_a_store_keyed_by_site_names(tmp_path):
     from test_zarr_conformance import ZarrCase
 
     from actstore.loader import ActivationLoader
-    from actstore.testing import make_acts, make_batches, make_plan
+    from actstore.testing import make_acts
 
-    case, plan = ZarrCase(), make_plan()
-    reader = case.open(case.write(tmp_path / "store", plan, make_batches(plan, make_acts(plan))))
+    case = ZarrCase()
+    plan = case.plan()
+    reader = case.open(case.write(tmp_path / "store", plan, case.batches(plan, make_acts(plan))))
     for spelling in (3, "blocks.3.hook_resid_post", "resid.3"):
         assert ActivationLoader(reader, site=spelling).sites == (Site("resid", 3),)
         np.testing.assert_array_equal(
@@ -278,14 +279,14 @@ def test_transformerlens_names_hold_transformerlens_values(kind, model_dir):
 def test_inspect_and_the_loader_use_canonical_names_on_activault_hooks(tmp_path):
     """Activault stores key sites by hook name; inspect prints the canonical site beside
     it, and the loader finds the hook from any spelling."""
-    from test_activault_conformance import LocalCase
+    from test_activault_conformance import ActivaultCase
     from typer.testing import CliRunner
 
     from actstore.cli import app
     from actstore.loader import ActivationLoader
     from actstore.testing import make_acts, make_batches, make_plan
 
-    case, plan = LocalCase(), make_plan()
+    case, plan = ActivaultCase(), make_plan()
     location = case.write(tmp_path / "run", plan, make_batches(plan, make_acts(plan)))
     reader = case.open(location)
     assert ActivationLoader(reader, site="blocks.3.hook_resid_post").sites == (Site("resid", 3),)

@@ -500,12 +500,13 @@ class ShardedWriter(FormatWriter):
     parts_are_stores: ClassVar[bool] = False
 
     def _append(self, index: int, batch: Batch) -> None:
-        if self._sink is None:
-            self._sink = self.open_shard(index, self.partial)
-            self._stats = ShardStats(self.sites, self.plan.d_model)
+        sink, stats = self._sink, self._stats
+        if sink is None or stats is None:  # a new shard (both are set together)
+            sink = self._sink = self.open_shard(index, self.partial)
+            stats = self._stats = ShardStats(self.sites, self.plan.d_model)
             self._in_shard = 0
-        self._sink.append(batch)
-        self._stats.update(self.stat_rows(batch))  # type: ignore[union-attr]
+        sink.append(batch)
+        stats.update(self.stat_rows(batch))
         for name, data in self.side_rows(batch).items():
             f = self._sides.get(name)
             if f is None:
@@ -517,8 +518,10 @@ class ShardedWriter(FormatWriter):
         point(f"{self.format_name}.written")
 
     def _finish_shard(self, index: int) -> None:
-        files = self._sink.finish()  # type: ignore[union-attr]
-        chunks = self._sink.chunk_files()  # type: ignore[union-attr]
+        sink, shard_stats = self._sink, self._stats
+        assert sink is not None and shard_stats is not None  # called with a shard open
+        files = sink.finish()
+        chunks = sink.chunk_files()
         self._sink = None
         point(f"{self.format_name}.shard_synced")
         blocks = self.partial / BLOCKS_DIR
@@ -531,7 +534,7 @@ class ShardedWriter(FormatWriter):
             handle.flush()
             os.fsync(handle.fileno())
             sides[name] = handle.tell()
-        stats = self._stats.finish()  # type: ignore[union-attr]
+        stats = shard_stats.finish()
         self._shards.append(
             {
                 "index": index,
