@@ -29,7 +29,7 @@ from actstore.formats.activault.metadata import (
     statistics_from_dict,
     statistics_to_dict,
 )
-from actstore.formats.activault.writer import _Position
+from actstore.formats.activault.upload import Position
 from actstore.sites import SITE_KINDS, Site
 from actstore.stats import RunningStats
 
@@ -181,12 +181,12 @@ def test_statistics_json_is_activaults_plus_count_and_exact():
 
 
 def test_position_tracks_partial_examples():
-    pos = _Position(example=10, skip=0)
+    pos = Position(example=10, skip=0)
     pos.add(np.array([10, 11, 12]), np.array([5, 0, 4]))
     assert pos.advance(3) == (10, 3)
     assert pos.advance(2) == (12, 0)  # example 11 kept nothing: skipped over
     assert pos.advance(4) == (13, 0)
-    resumed = _Position(example=20, skip=3)  # 3 kept tokens of example 20 stored already
+    resumed = Position(example=20, skip=3)  # 3 kept tokens of example 20 stored already
     resumed.add(np.array([20, 21]), np.array([2, 6]))  # the 2 kept tokens after those 3
     assert resumed.advance(1) == (20, 4)
     assert resumed.advance(3) == (21, 2)

@@ -427,7 +427,8 @@ class ZarrReader(ReaderBase):
 
     def _concat(self, name: str) -> np.ndarray | None:
         parts = [store.array(name) for store in self.stores]
-        return None if any(p is None for p in parts) else np.concatenate(parts)  # type: ignore[arg-type]
+        arrays = [p for p in parts if p is not None]
+        return np.concatenate(arrays) if len(arrays) == len(parts) else None
 
     def array(self, name: str) -> np.ndarray | None:
         """A per-sample array over all samples (``"sample_key"``, ``"hallu_label"``, ``"split"``,
