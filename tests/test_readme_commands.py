@@ -36,7 +36,8 @@ def test_ci_lints_before_pytest_and_disables_bars():
     script = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "export TQDM_DISABLE=1" in script.split(MARKER)[0]
     command = " ".join(fenced_block("tests"))
-    order = [command.index(step) for step in ("ruff format --check", "ruff check", "lint-imports")]
+    steps = ("ruff format --check", "ruff check", "lint-imports", "mypy")
+    order = [command.index(step) for step in steps]
     assert order == sorted(order) and order[-1] < command.index("python -m pytest")
 
 

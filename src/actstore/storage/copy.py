@@ -5,18 +5,21 @@
 files), or a hidden temporary file filled with ``pwrite`` and renamed into place locally.
 Every destination object appears whole or not at all, so:
 
-* **resume**: running the same copy again skips files already at the destination with the
-  source's size, and resumes a large file part by part: an unfinished multipart upload is
-  continued (its parts listed, those whose MD5 matches the source kept), and an unfinished
-  download continues in its partial file (``.NAME.partial.tmp``, with a journal of the
-  parts already written, ``.NAME.parts.tmp``, valid while the source object is unchanged);
-* **publish last**: ``metadata.json`` (what every reader opens first, and what detection
-  looks for) is written after every other file is in, so a reader never opens a store
-  whose copy is half done;
+* **resume**: running the same copy again keeps a file already at the destination only
+  when its content matches the source's (its ETag, or the xxh3 of both local files; a
+  same-size file with other bytes is sent again), and resumes a large file part by part:
+  an unfinished multipart upload is continued (its parts listed, those whose MD5 matches
+  the source kept), and an unfinished download continues in its partial file
+  (``.NAME.partial.tmp``, with a journal of the parts already written, ``.NAME.parts.tmp``,
+  valid while the source object is unchanged);
+* **publish last**: the format's index files (``last``), then the root manifest
+  (``actstore-manifest.json``, without which readers refuse a store of ours) are written
+  after every other file is in, so a reader never opens a store whose copy is half done;
 * **verify**: each object uploaded to S3 must carry the ETag of the bytes sent (MD5, or
-  the MD5 of the part MD5s), and the local side of the copy is checked by the format's own
-  ``verify()`` against the checksums the store records (``checksums.sha256`` of saev,
-  ``metadata.json`` of pkl.gz...).
+  the MD5 of the part MD5s), and ``check_store`` (the format's full ``verify()``) runs on
+  the destination when it is local, on the source when the copy is an upload (every
+  object's ETag is then that of the checked bytes), and on the destination when both are
+  remote.
 
 Example:
     >>> import tempfile

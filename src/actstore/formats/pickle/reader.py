@@ -621,4 +621,3 @@ class _ItemTokens(LazyRows):
                     )
                 out[j] = np.asarray(ids, dtype=np.int32)
         return out
-
