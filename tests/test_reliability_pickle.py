@@ -206,3 +206,63 @@ def test_gzip_trailing_garbage_is_corrupt(tmp_path):
     reader = PickleReader(out)
     with pytest.raises(CorruptStoreError, match="bytes follow the pickle"):
         reader.read_block(reader.blocks(1)[0])
+
+
+class _Allocate:
+    """A 30-byte pickle that asks for ``n`` bytes when loaded."""
+
+    def __init__(self, kind, *args):
+        self.kind, self.args = kind, args
+
+    def __reduce__(self):
+        return (self.kind, self.args)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        _Allocate(bytearray, 4_000_000_000),
+        _Allocate(bytes, 4_000_000_000),
+        {"activation": _Allocate(np.zeros, (1 << 16, 1 << 16), np.float32)},
+    ],
+    ids=["bytearray", "bytes", "numpy zeros"],
+)
+def test_a_small_pickle_that_allocates_gigabytes_is_refused_before_allocating(payload):
+    """The bound covers allocations the stream asks for, not only the bytes it holds."""
+    import io
+    import pickle
+    import resource
+
+    from actstore.errors import ActstoreError
+    from actstore.safe_pickle import load
+
+    data = pickle.dumps(payload)
+    assert len(data) < 200
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ActstoreError):
+        load(io.BytesIO(data), max_bytes=1 << 20)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB
+
+
+def test_another_capture_over_an_unfinished_one_is_refused_and_changes_nothing(tmp_path):
+    """A rerun with another configuration must not resume (or discard) the unfinished
+    capture in the same output: one line says so, and the partial store is kept."""
+    from actstore.errors import StoreExistsError
+    from actstore.formats.pickle import PickleOptions
+    from actstore.formats.registry import get_format
+    from actstore.testing import make_acts, make_batches, make_plan
+
+    plan = make_plan()
+    spec, options = get_format("pickle"), PickleOptions(samples_per_shard=PER_SHARD)
+    writer = spec.open_writer(plan, tmp_path / "out", options)
+    for batch in make_batches(plan, make_acts(plan))[:3]:
+        writer.write(batch)
+    writer.abort()
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    other = make_plan(d_model=16)
+    with pytest.raises(StoreExistsError, match="unfinished capture with another configuration"):
+        spec.open_writer(other, tmp_path / "out", options)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    resumed = spec.open_writer(plan, tmp_path / "out", options)  # the same one still resumes
+    assert resumed.resume_from == 2 * PER_SHARD
+    resumed.abort()

@@ -313,3 +313,28 @@ def test_consistently_edited_metadata_is_caught_on_open(tmp_path, reference):
     reader = SaevReader(store2)
     with pytest.raises(CorruptStoreError, match="statistics.json: block 0 .* is not the block"):
         reader.statistics(2)
+
+
+def test_a_finished_shard_damaged_before_the_rerun_is_rewritten(tmp_path, reference, caplog):
+    """Resume trusts a recorded shard only if it still matches its digests: one damaged in
+    the partial directory (a bad disk, a stray edit) is written again from there."""
+    acts = make_acts()
+    out = tmp_path / "out"
+    writer = saev_writer(make_metadata(), out, has_tokens=True)
+    for batch in list(batches(acts))[:4]:  # 16 examples: shards 0-2 finished
+        writer.write(batch)
+    writer.abort()
+    partial = next(out.glob(".*.partial"))
+    shard = partial / "acts000001.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        resumed = saev_writer(make_metadata(), out, has_tokens=True)
+    assert resumed.resume_from == 5  # shard 0 kept, shard 1 and after written again
+    assert "shard 1" in caplog.text and "fails its checksums" in caplog.text
+    for batch in batches(acts, start=4):
+        resumed.write(batch)
+    store = resumed.close()
+    for f in reference.iterdir():
+        assert (store / f.name).read_bytes() == f.read_bytes(), f.name

@@ -247,6 +247,24 @@ class ConformanceSuite:
             np.testing.assert_array_equal(sa.mean, sb.mean)
             np.testing.assert_array_equal(sa.var, sb.var)
 
+    def test_a_second_writer_is_refused_until_the_first_stops(self, tmp_path):
+        """Two captures into one store: the second is refused with one line naming the
+        first; once the first stops (abort, or its process dies), the store is free."""
+        from ..errors import StoreLockedError
+
+        plan = self.case.plan()
+        batches = self.case.batches(plan, make_acts(plan))
+        first, given = self.case.open_writer(tmp_path / "store", plan, batches)
+        try:
+            first.write(given[0])
+            with pytest.raises(StoreLockedError) as refused:
+                self.case.open_writer(tmp_path / "store", plan, batches)
+            assert len(str(refused.value).splitlines()) == 1
+        finally:
+            first.abort()
+        again, _ = self.case.open_writer(tmp_path / "store", plan, batches)
+        again.abort()
+
     def test_parts_merge_into_the_one_process_store(self, tmp_path, store):
         """Captured in two parts (as two machines would) and merged: the same rows and
         statistics as the one-process store."""
