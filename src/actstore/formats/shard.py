@@ -8,15 +8,19 @@ import abc
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..batch import Batch
 from ..sites import Site
 from ..stats import RunningStats
 from ..storage.manifest import FileEntry
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._lazy import torch
 
 
 @dataclass(frozen=True)

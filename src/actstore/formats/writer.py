@@ -54,10 +54,9 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
-import torch
 
 from ..batch import Batch, CapturePlan
 from ..errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
@@ -85,6 +84,11 @@ from ..storage.manifest import (
 )
 from .base import FormatWriter, summary_of
 from .shard import ShardSink, ShardStats, as_float32
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._lazy import torch
 
 log = logging.getLogger(__name__)
 

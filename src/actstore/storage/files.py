@@ -259,14 +259,17 @@ class LocalFiles(StoreFiles):
                 continue
             for entry in entries:
                 rel = prefix + entry.name
-                if entry.is_symlink():
-                    links.append(rel)
-                    if entry.is_file():
-                        sizes[rel] = entry.stat().st_size
-                elif entry.is_dir(follow_symlinks=False):
-                    stack.append((rel + "/", entry.path))
-                elif entry.is_file(follow_symlinks=False):
-                    sizes[rel] = entry.stat(follow_symlinks=False).st_size
+                try:
+                    if entry.is_symlink():
+                        links.append(rel)
+                        if entry.is_file():
+                            sizes[rel] = entry.stat().st_size
+                    elif entry.is_dir(follow_symlinks=False):
+                        stack.append((rel + "/", entry.path))
+                    elif entry.is_file(follow_symlinks=False):
+                        sizes[rel] = entry.stat(follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue  # removed while we listed (another process's temporary file)
         return dict(sorted(sizes.items())), sorted(links)
 
     def list(self) -> dict[str, int]:

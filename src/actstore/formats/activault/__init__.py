@@ -16,14 +16,27 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..registry import FormatSpec
 from .layout import CFG, METADATA, check_hook_prefixes, hook_name, hook_site
 from .metadata import HookMetadata
 from .options import ActivaultOptions
 from .parts import part_format
 from .reader import ActivaultReader, detect
-from .stream import ActivaultStream
 from .writer import ActivaultWriter
+
+if TYPE_CHECKING:
+    from .stream import ActivaultStream
+
+
+def __getattr__(name: str) -> Any:  # the stream is a torch IterableDataset: loaded on use
+    if name == "ActivaultStream":
+        from .stream import ActivaultStream
+
+        return ActivaultStream
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 FORMAT = FormatSpec(
     name="activault",

@@ -31,24 +31,25 @@ import uuid as uuid_lib
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ...errors import ConfigError, CorruptStoreError
 from ...sites import Site
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 CFG = "cfg.json"
 METADATA = "metadata.json"
 STATISTICS = "statistics.json"
 
-#: torch dtypes a megabatch may hold, by the name used in options and ``metadata["dtype"]``.
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
+#: The torch dtypes a megabatch may hold, by the name used in options and
+#: ``metadata["dtype"]`` (``getattr(torch, name)``; see :func:`parse_dtype`).
+DTYPES = ("bfloat16", "float16", "float32")
 
 #: Site kind -> Activault hook suffix after ``models.layers.{L}``. ``resid`` (the block's
 #: output) is ``.post``: Activault's own fallback maps a ``post`` hook it cannot find as a
@@ -190,7 +191,7 @@ def parse_dtype(text: str) -> torch.dtype:
             f"unsupported activation dtype {text!r}; Activault stores torch.bfloat16, "
             "torch.float16 or torch.float32"
         )
-    return DTYPES[name]
+    return getattr(torch, name)
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:

@@ -37,10 +37,9 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
@@ -66,6 +65,11 @@ from .layout import (
     parse_dtype,
 )
 from .metadata import HookMetadata, RunRecord, statistics_from_dict
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 log = logging.getLogger(__name__)
 

@@ -40,16 +40,20 @@ from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ...errors import ConfigError
 from ...storage.location import Location
 from ...storage.object import S3Config
 from .layout import parse_dtype
 from .reader import ActivaultReader
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 
 @dataclass

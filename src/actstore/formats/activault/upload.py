@@ -11,10 +11,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from ...errors import CaptureError
@@ -28,6 +27,11 @@ from .layout import (
     data_file_name,
     serialize_megabatch,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 log = logging.getLogger(__name__)
 

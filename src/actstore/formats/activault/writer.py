@@ -37,10 +37,9 @@ import threading
 import uuid as uuid_lib
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from ...batch import Batch, CapturePlan
@@ -68,7 +67,6 @@ from ...storage.object import (
 from ..base import FormatWriter, summary_of
 from .layout import (
     CFG,
-    DTYPES,
     METADATA,
     STATISTICS,
     check_hook_prefixes,
@@ -78,6 +76,7 @@ from .layout import (
     hook_name,
     load_megabatch,
     parse_data_file,
+    parse_dtype,
 )
 from .metadata import (
     HookMetadata,
@@ -95,6 +94,11 @@ from .upload import (
     group_statistics,
     keyed_digest,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +135,7 @@ class ActivaultWriter(FormatWriter):
         self.location = location_of(self.store, self.run_prefix)
         self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
         check_hook_prefixes(self.hooks)
-        self.dtype = DTYPES[options.dtype]
+        self.dtype = parse_dtype(options.dtype)
         self.rows, self.seq = file_shape(plan, options)
         self.batches_per_file = max(1, self.rows // plan.batch_size)
         self.tokens_per_file = self.rows * self.seq
@@ -623,7 +627,7 @@ def file_shape(plan: CapturePlan, options: ActivaultOptions) -> tuple[int, int]:
         plan.batch_size,
         seq,
         plan.d_model,
-        DTYPES[options.dtype],
+        parse_dtype(options.dtype),
         total_tokens=plan.n_examples * plan.tokens_per_example,
     )
     return rows, seq

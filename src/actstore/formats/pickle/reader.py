@@ -34,10 +34,9 @@ import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ... import safe_pickle
 from ...batch import Batch, CapturePlan
@@ -63,6 +62,11 @@ from .layout import (
     layer_key,
     plan_sites,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 #: Bytes an item may hold besides its activation array (text preview, token ids, ...).
 ITEM_OVERHEAD = 64 << 10

@@ -29,10 +29,9 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from ...batch import Batch, CapturePlan
@@ -57,6 +56,11 @@ from .layout import (
     values_offsets,
 )
 from .options import SaelensOptions
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 
 def plan_record(plan: CapturePlan) -> dict[str, Any]:

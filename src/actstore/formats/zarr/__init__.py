@@ -2,7 +2,7 @@
 chunks ``(1, 1, T_chunk, H)`` so one ``(sample, layer)`` read touches only its own chunks;
 sharded parallel writers with a manifest, a multi-shard reader and an optional merge.
 Stores and runs may live at ``s3://bucket/prefix`` (read with ranged GETs; captured there
-through a staging directory, see :mod:`.remote`).
+through a staging directory by the registry's ``open_writer``).
 
 Example:
     >>> from actstore.formats.zarr import ZarrReader
@@ -13,14 +13,27 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..registry import FormatSpec
-from .dataset import ZarrPairDataset
 from .layout import ZarrLayout, choose_layout
 from .options import ZarrOptions
 from .parts import part_format
 from .reader import ZarrReader, detect
 from .shards import merge_run, shard_ranges, write_manifest, write_shards
 from .writer import ZarrWriter, plan_store, store_path
+
+if TYPE_CHECKING:
+    from .dataset import ZarrPairDataset
+
+
+def __getattr__(name: str) -> Any:  # the torch Dataset loads torch: only when asked for
+    if name == "ZarrPairDataset":
+        from .dataset import ZarrPairDataset
+
+        return ZarrPairDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 FORMAT = FormatSpec(
     name="zarr",

@@ -28,10 +28,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ...batch import Batch, CapturePlan
 from ...errors import ConfigError, CorruptStoreError, IndexOutOfRangeError, StoreNotFoundError
@@ -57,6 +56,11 @@ from .layout import (
 from .meta import StoreMeta
 from .store import OPTIONAL_ARRAYS
 from .verify import verify_store_content
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 MANIFEST = "manifest.json"
 

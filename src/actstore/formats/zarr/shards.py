@@ -35,9 +35,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm.auto import tqdm
 
 from ...batch import Batch, CapturePlan
@@ -49,6 +48,11 @@ from ...storage.manifest import ManifestBuilder
 from .layout import RUN_FORMAT_TAG, SCHEMA_VERSION, STORE_NAME
 from .options import ZarrOptions
 from .writer import ZarrWriter
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 log = logging.getLogger(__name__)
 

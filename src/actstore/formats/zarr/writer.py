@@ -46,10 +46,9 @@ import os
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from ..._version import __version__
@@ -94,6 +93,11 @@ from .store import (
     sample_arrays,
     zarr_module,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ..._lazy import torch
 
 log = logging.getLogger(__name__)
 

@@ -138,21 +138,23 @@ class LocalStore(ObjectStore):
         if not top.is_dir():
             return
         out = []
+
+        def add(path: Path) -> None:
+            try:
+                out.append(ObjectInfo(path.relative_to(self.root).as_posix(), path.stat().st_size))
+            except FileNotFoundError:  # a dangling symlink, or removed while we listed
+                pass
+
         for entry in top.iterdir():
             if not entry.name.startswith(stem) or self._is_temp(entry.name):
                 continue
             if entry.is_file():
-                out.append(
-                    ObjectInfo(entry.relative_to(self.root).as_posix(), entry.stat().st_size)
-                )
+                add(entry)
                 continue
             for dirpath, _, filenames in os.walk(entry):
                 for name in filenames:
                     if not self._is_temp(name):
-                        path = Path(dirpath) / name
-                        out.append(
-                            ObjectInfo(path.relative_to(self.root).as_posix(), path.stat().st_size)
-                        )
+                        add(Path(dirpath) / name)
         yield from sorted(out, key=lambda o: o.key)
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
