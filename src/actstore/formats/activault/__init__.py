@@ -9,6 +9,7 @@ Example:
     >>> run = case.write(f"{out.name}/run", plan, make_batches(plan, make_acts(plan)))
     >>> from actstore.formats import open_store
     >>> reader = open_store(run)  # a local run here; s3://bucket/run alike
+    >>> from actstore.formats.activault import ActivaultStream  # loaded on use (torch)
     >>> stream = ActivaultStream(f"{run}/models.layers.3.post", batch_size=16)
     >>> next(iter(stream)).shape
     torch.Size([16, 8])
