@@ -39,7 +39,7 @@ import numpy.typing as npt
 from ..errors import ConfigError, IndexOutOfRangeError, InvalidIndexError, LayerNotStoredError
 from ..sites import Site
 from ..storage.integrity import Integrity
-from ..storage.location import Location
+from ..storage.location import Location, refuse_partial
 
 if TYPE_CHECKING:
     import os
@@ -143,6 +143,7 @@ class ReaderBase(abc.ABC):
         """Set :attr:`location`, :attr:`files` and :attr:`verify_reads` (no I/O yet);
         :attr:`checks` starts unverified until :meth:`_open_checks`."""
         self.location = Location.parse(location, s3=s3)
+        refuse_partial(self.location)
         self.files = self.location.files(cache_dir=cache_dir, cache_bytes=cache_bytes)
         self.verify_reads = verify_reads
         self.checks = Integrity(self.files, None, enabled=False)

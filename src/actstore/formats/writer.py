@@ -12,9 +12,8 @@ writes the format's index and metadata at publication. Everything else lives her
 * **the lock** (:class:`~actstore.storage.lock.StoreLock`) from open to publish or abort;
 * **nothing on disk** until the first :meth:`~ShardedWriter.write` (a refused capture
   leaves no ``.partial``), except the lock file while the writer lives;
-* **progress**: when a shard's files are fsynced, their block digests are saved in
-  ``.partial/.blocks/`` and the shard is recorded, with its per-site statistics, in
-  ``.partial/progress.json`` (atomically);
+* **progress**: when a shard's files are fsynced, the shard is recorded, with its files'
+  block digests and its per-site statistics, in ``.partial/progress.json`` (atomically);
 * **verified resume**: a rerun with the same capture record re-hashes the recorded shards,
   keeps the ones that still match, deletes everything after them, truncates the per-example
   side files (``tokens.bin``...) to match, and resumes at the next shard; the result is
@@ -23,10 +22,10 @@ writes the format's index and metadata at publication. Everything else lives her
   counted from the shard's start (so batching and resumes do not change a bit), merged in
   shard order;
 * **publication**: the format's index, then the root manifest (every file's size and keyed
-  block digests, :mod:`actstore.storage.manifest`) last, then the directory is renamed into
-  place, made read-only, and the bookkeeping removed. A crash after the manifest is written
-  is finished by the next open (rename); every step calls :func:`actstore.faults.point`
-  (``<format>.<step>``) for the crash tests;
+  block digests, :mod:`actstore.storage.manifest`) last; then the bookkeeping is removed,
+  the files made read-only and the directory renamed into place. A crash after the
+  manifest is written is finished by the next open of the same capture; every step calls
+  :func:`actstore.faults.point` (``<format>.<step>``) for the crash tests;
 * **parts**: with ``example_range`` the writer captures one slice of a distributed capture
   (whole shards, numbered as in the whole store) and publishes it with ``part.json``;
   :meth:`ShardedWriter.merge` joins parts into the store, byte-identical to a one-process capture.
@@ -64,7 +63,6 @@ from ..faults import point
 from ..sites import Site
 from ..stats import RunningStats, merge_all
 from ..storage import (
-    atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
     link_or_copy,
@@ -78,6 +76,7 @@ from ..storage.manifest import (
     MANIFEST,
     FileEntry,
     ManifestBuilder,
+    RootManifest,
     hash_file_blocks,
     hash_ranges,
     store_id_of,
@@ -87,16 +86,17 @@ from .shard import ShardSink, ShardStats, as_float32
 
 if TYPE_CHECKING:
     import torch
+
+    from ..storage.integrity import Integrity
 else:
     from .._lazy import torch
 
 log = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"
-BLOCKS_DIR = ".blocks"
 PART = "part.json"
 #: Files of the partial directory that are bookkeeping, never published.
-BOOKKEEPING = (PROGRESS, BLOCKS_DIR)
+BOOKKEEPING = (PROGRESS,)
 
 
 class ShardedWriter(FormatWriter):
@@ -277,9 +277,27 @@ class ShardedWriter(FormatWriter):
             return
         if self.partial.exists():
             if (self.partial / MANIFEST).is_file():  # crashed between manifest and rename
+                self._check_record(self.partial)
                 self._finish_publication()
                 return
             self._resume()
+
+    def _check_record(self, directory: Path) -> None:
+        """``directory``'s root manifest was written for this capture record, or refuse."""
+        try:
+            manifest = RootManifest.from_bytes(
+                (directory / MANIFEST).read_bytes(), str(directory / MANIFEST)
+            )
+        except (OSError, CorruptStoreError) as err:
+            raise StoreExistsError(
+                f"{directory} holds a publication cut short with an unreadable manifest "
+                f"({err}); delete it to start this capture over"
+            ) from err
+        if manifest.record != self.store_id:
+            raise StoreExistsError(
+                f"{directory} holds another capture, cut short while publishing; rerun that "
+                "capture to finish it, or delete the directory to start this one"
+            )
 
     def _check_published(self) -> None:
         """``final`` holds a store: ours with this record (complete), or refuse."""
@@ -302,8 +320,6 @@ class ShardedWriter(FormatWriter):
                 f"{self.final} already holds something else (another capture, a damaged store "
                 "or files not written by actstore); choose another output or move it away"
             )
-        if self.partial.exists():  # a crash after the rename left the bookkeeping
-            remove_tree(self.partial)
         self.complete = True
         self.resume_from = self.example_range[1]
         self._release()
@@ -319,7 +335,7 @@ class ShardedWriter(FormatWriter):
             if not self.reproducible:
                 self.started = float(progress["started"])
             self._elapsed_before = float(progress["elapsed"])
-        except (CorruptStoreError, KeyError, TypeError, FileNotFoundError) as err:
+        except (CorruptStoreError, KeyError, TypeError, ValueError, FileNotFoundError) as err:
             log.warning("%s is unreadable (%s); starting this capture over", self.partial, err)
             remove_tree(self.partial)
             return
@@ -348,11 +364,6 @@ class ShardedWriter(FormatWriter):
             if any(name.startswith(f) for f in skip):
                 continue  # the format's own chunk folders: discard_after decides
             (self.partial / name).unlink()
-        blocks = self.partial / BLOCKS_DIR
-        if blocks.is_dir():
-            for child in blocks.iterdir():
-                if child.name.replace("%", "/") not in keep:
-                    child.unlink()
         for name, size in sides.items():
             path = self.partial / name
             if not path.is_file() or path.stat().st_size < size:
@@ -528,10 +539,7 @@ class ShardedWriter(FormatWriter):
         chunks = sink.chunk_files()
         self._sink = None
         point(f"{self.format_name}.shard_synced")
-        blocks = self.partial / BLOCKS_DIR
-        blocks.mkdir(exist_ok=True)
         for f in files:
-            atomic_write_bytes(blocks / f.name.replace("/", "%"), f.digests.tobytes())
             self._digests[f.name] = f.digests
         sides = {}
         for name, handle in self._sides.items():
@@ -588,24 +596,34 @@ class ShardedWriter(FormatWriter):
         total = sum(e["n_examples"] for e in self._shards)
         if total != stop - start:
             self.abort()
-            raise CaptureError(
-                f"only {self.position - start} of {stop - start} examples were written; rerun "
-                f"the same capture to resume from {self.partial}"
+            where = (
+                f"rerun the same capture to resume from {self.partial}"
+                if self.partial.exists()
+                else "no shard was finished, so nothing was kept"
             )
-        self._begin()  # an empty part still publishes
-        self._close_sides()
-        stats = self.statistics()
-        if self.is_part:
-            atomic_write_json(self.partial / PART, self._part_doc(), indent=None)
-        if not self.is_part or self.parts_are_stores:
-            self.write_index(self.partial, self._shards, stats)
-        point(f"{self.format_name}.index_written")
-        rows = next(iter(stats.values())).count if stats else 0
-        self._write_manifest(self.partial, self._shards, self.summary(rows))
-        point(f"{self.format_name}.manifest_written")
-        self._finish_publication()
+            raise CaptureError(
+                f"only {self.position - start} of {stop - start} examples were written; {where}"
+            )
+        try:
+            self._close_sides()
+            stats = self.statistics()
+            if self.is_part:
+                atomic_write_json(self.partial / PART, self._part_doc(), indent=None)
+            if not self.is_part or self.parts_are_stores:
+                self.write_index(self.partial, self._shards, stats)
+            point(f"{self.format_name}.index_written")
+            self._write_manifest(self.partial, self._shards, self.summary(self._rows(stats)))
+            point(f"{self.format_name}.manifest_written")
+            self._finish_publication()
+        except BaseException:
+            self.abort()  # the finished shards stay: a rerun publishes them
+            raise
         log.info("published %s (%d shards, %d examples)", self.final, len(self._shards), total)
         return self.final
+
+    @staticmethod
+    def _rows(stats: dict[Site, RunningStats]) -> int:
+        return next(iter(stats.values())).count if stats else 0
 
     def _part_doc(self) -> dict[str, Any]:
         return {
@@ -624,11 +642,7 @@ class ShardedWriter(FormatWriter):
         )
         for entry in shards:
             for name, doc in entry["files"].items():
-                digests = self._digests.get(name)
-                if digests is None:
-                    raw = (directory / BLOCKS_DIR / name.replace("/", "%")).read_bytes()
-                    digests = np.frombuffer(raw, dtype="<u8")
-                builder.add(name, FileEntry.from_dict(doc, name), digests)
+                builder.add(name, FileEntry.from_dict(doc, name), self._digests[name])
         for name in self._side_names(directory, shards):
             builder.add_file(directory, name, unit=self.side_unit(name))
         builder.add_tree(directory, skip=self.manifest_skip(), exclude=BOOKKEEPING)
@@ -639,11 +653,12 @@ class ShardedWriter(FormatWriter):
         return sorted(n for n in names if (directory / n).is_file())
 
     def _finish_publication(self) -> None:
-        """Drop the bookkeeping, rename the partial directory into place, make it
-        read-only, release the lock (also finishes a publication a crash cut short)."""
+        """Drop the bookkeeping, make the files read-only, rename the partial directory
+        into place, release the lock (also finishes a publication a crash cut short)."""
         for name in BOOKKEEPING:
             _remove(self.partial / name)
         point(f"{self.format_name}.bookkeeping_removed")
+        make_tree_read_only(self.partial)
         if self.final.is_dir() and not any(self.final.iterdir()):
             self.final.rmdir()  # an empty directory made for the output
         self.final.parent.mkdir(parents=True, exist_ok=True)
@@ -651,7 +666,6 @@ class ShardedWriter(FormatWriter):
         os.rename(self.partial, self.final)
         fsync_dir(self.final.parent)
         point(f"{self.format_name}.published")
-        make_tree_read_only(self.final)
         self.complete = True
         self.resume_from = self.example_range[1]
         self._release()
@@ -699,8 +713,9 @@ class ShardedWriter(FormatWriter):
         shards: list[dict[str, Any]] = []
         at = 0
         record = json.loads(json.dumps(self.record, default=str))
+        checks = {part: _part_checks(part) for part in parts}
         for part in parts:
-            doc = read_part(part)
+            doc = read_part(part, checks[part])
             if doc["record"] != record:
                 raise ConfigError(f"{part} belongs to a different capture than {self.final}")
             start, stop = doc["example_range"]
@@ -711,22 +726,34 @@ class ShardedWriter(FormatWriter):
         if at != self.plan.n_examples:
             raise ConfigError(f"the parts end at example {at} of {self.plan.n_examples}")
         self._begin()
-        work = self.partial
+        try:
+            self._merge_into(self.partial, parts, shards, checks)
+        except BaseException:
+            self.abort()
+            raise
+        log.info("merged %d parts into %s (%d shards)", len(parts), self.final, len(shards))
+        return self.final
+
+    def _merge_into(
+        self,
+        work: Path,
+        parts: list[Path],
+        shards: list[dict[str, Any]],
+        checks: dict[Path, Integrity],
+    ) -> None:
         side_names = sorted(shards[-1]["sides"]) if shards else []
         sides = {n: open(work / n, "wb") for n in side_names}  # noqa: SIM115 - closed below
         try:
             for part in parts:
-                checks = _part_checks(part)
                 for name, handle in sides.items():
-                    handle.write(checks.read_bytes(name))
+                    for piece in checks[part].read_pieces(name):
+                        handle.write(piece)
             for entry in shards:
                 source = Path(entry.pop("_from"))
-                checks = _part_checks(source)
                 for name in entry["files"]:
                     link_or_copy(source / name, work / name)
-                    self._digests[name] = checks.digests(name)
+                    self._digests[name] = checks[source].digests(name)
                 for name in entry.get("chunks", ()):
-                    (work / name).parent.mkdir(parents=True, exist_ok=True)
                     link_or_copy(source / name, work / name)
             sizes = {n: h.tell() for n, h in sides.items()}
         finally:
@@ -739,11 +766,8 @@ class ShardedWriter(FormatWriter):
         self._shards = shards
         stats = self.statistics()
         self.write_index(work, shards, stats)
-        rows = next(iter(stats.values())).count if stats else 0
-        self._write_manifest(work, shards, self.summary(rows))
+        self._write_manifest(work, shards, self.summary(self._rows(stats)))
         self._finish_publication()
-        log.info("merged %d parts into %s (%d shards)", len(parts), self.final, len(shards))
-        return self.final
 
 
 def _files_below(directory: Path, exclude: Sequence[str] = ()) -> list[str]:
@@ -776,10 +800,11 @@ def _remove(path: Path) -> None:
 # ---------------------------------------------------------------------- parts
 
 
-def read_part(part_dir: str | os.PathLike) -> dict[str, Any]:
-    """``part.json`` of a published part, checked to tile its example range."""
+def read_part(part_dir: str | os.PathLike, checks: Integrity | None = None) -> dict[str, Any]:
+    """``part.json`` of a published part, checked against the part's root manifest and to
+    tile its example range."""
     part_dir = Path(part_dir)
-    doc = read_json(part_dir / PART)
+    doc = (checks or _part_checks(part_dir)).read_json(PART)
     try:
         start, stop = (int(x) for x in doc["example_range"])
         held = sum(int(e["n_examples"]) for e in doc["shards"])
@@ -795,7 +820,7 @@ def read_part(part_dir: str | os.PathLike) -> dict[str, Any]:
     return doc
 
 
-def _part_checks(part: Path):
+def _part_checks(part: Path) -> Integrity:
     from ..storage.files import LocalFiles
     from ..storage.integrity import Integrity
 

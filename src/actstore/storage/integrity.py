@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -332,8 +332,20 @@ class Integrity:
                 "restore the file or re-create the store (verify_reads=False reads it anyway)"
             )
 
-    def block_bounds(self, name: str) -> list[tuple[int, int]]:
-        return self._require(name).bounds()
+    def read_pieces(self, name: str, piece_bytes: int = 16 << 20) -> Iterator[bytes]:
+        """File ``name`` in checked pieces of whole blocks, each about ``piece_bytes`` (or
+        one block, when a block is larger): a large file streamed, never held whole."""
+        bounds = self._require(name).bounds()
+        i = 0
+        while i < len(bounds):
+            start, j = bounds[i][0], i + 1
+            while j < len(bounds) and sum(bounds[j]) - start <= piece_bytes:
+                j += 1
+            end = sum(bounds[j - 1])
+            data = bytes(self.files.read_range(name, start, end - start, cache=False))
+            self.check(name, start, data)
+            yield data
+            i = j
 
     # ------------------------------------------------------------------ full verify
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptStoreError
 
 if TYPE_CHECKING:
     from .files import StoreFiles
@@ -153,6 +153,17 @@ def partial_of(final: Location | str | os.PathLike) -> Location:
     beside it (every writer and ``actstore status`` use this one name)."""
     final = Location.parse(final)
     return final.parent.child(f".{final.name}{PARTIAL_SUFFIX}")
+
+
+def refuse_partial(location: Location) -> None:
+    """Raise :class:`CorruptStoreError` if ``location`` is a writer's partial directory
+    (an unfinished capture: readers open only published stores)."""
+    final = final_of_partial(location.name)
+    if final is not None:
+        raise CorruptStoreError(
+            f"{location} is an unfinished capture of {final} (a partial directory): rerun the "
+            "same capture command to resume and publish it"
+        )
 
 
 def final_of_partial(name: str) -> str | None:

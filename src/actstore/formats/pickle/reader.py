@@ -105,11 +105,6 @@ class PickleReader(ReaderBase):
         self._open_location(
             location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
         )
-        if self.location.name.endswith(".partial"):
-            raise CorruptStoreError(
-                f"{self.url} is an unfinished capture (a .partial directory): rerun the same "
-                "capture command to resume and publish it"
-            )
         if not self.files.exists(METADATA):
             raise StoreNotFoundError(
                 f"{self.files.url_of(METADATA)} does not exist; is {self.url} a pkl.gz store?"

@@ -100,11 +100,6 @@ class SaelensReader(ReaderBase):
         self._open_location(
             location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
         )
-        if self.location.name.endswith(".partial"):
-            raise CorruptStoreError(
-                f"{self.url} is an unfinished capture (a .partial directory): rerun the same "
-                "capture command to resume and publish it"
-            )
         if not self.files.exists(STATE):
             raise StoreNotFoundError(
                 f"{self.url} holds no saelens store (no {STATE}): a wrong path, a directory not "

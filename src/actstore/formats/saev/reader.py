@@ -92,11 +92,6 @@ class SaevReader(ReaderBase):
         self._open_location(
             location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
         )
-        if self.location.name.endswith(".partial"):
-            raise CorruptStoreError(
-                f"{self.url} is an unfinished capture (a .partial directory): rerun the same "
-                "capture command to resume and publish it"
-            )
         if not self.files.exists("metadata.json"):
             raise StoreNotFoundError(
                 f"{self.url} holds no saev store (no metadata.json): a wrong path, or an "

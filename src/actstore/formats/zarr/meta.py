@@ -35,7 +35,7 @@ import xxhash
 from ...errors import ConfigError, CorruptStoreError, ProtocolVersionError, StoreNotFoundError
 from ...storage.files import StoreFiles
 from ...storage.integrity import Integrity
-from ...storage.location import Location
+from ...storage.location import Location, refuse_partial
 from ...storage.manifest import block_keys
 from ..base import PIECE_SLOT, scratch
 from .layout import (
@@ -81,11 +81,7 @@ class StoreMeta:
         cache: dict[str, Any] | None = None,
     ) -> StoreMeta:
         files = files or location.files(**(cache or {}))
-        if location.name.endswith(".partial"):
-            raise CorruptStoreError(
-                f"{location} is an unfinished write (a .partial directory); rerun the capture "
-                "to publish the store"
-            )
+        refuse_partial(location)
         if files.size(".zmetadata") is None:
             raise StoreNotFoundError(
                 f"{location} holds no finished zarr store (no .zmetadata, written last): an "
