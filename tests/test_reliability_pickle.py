@@ -266,3 +266,18 @@ def test_another_capture_over_an_unfinished_one_is_refused_and_changes_nothing(t
     resumed = spec.open_writer(plan, tmp_path / "out", options)  # the same one still resumes
     assert resumed.resume_from == 2 * PER_SHARD
     resumed.abort()
+
+
+def test_publication_cut_short_is_finished_only_by_the_same_capture(tmp_path, reference):
+    from actstore.errors import StoreExistsError
+    from actstore.testing import make_plan
+
+    out = tmp_path / "acts"
+    assert _run(out, "pickle.manifest_written").returncode == CRASH_EXIT
+    other = make_plan(ckpt="another-model")
+    with pytest.raises(StoreExistsError, match="another capture, cut short while publishing"):
+        PickleWriter(other, out, PickleOptions(samples_per_shard=PER_SHARD))
+    assert not (out / "metadata.json").exists()  # nothing published by the other capture
+    rerun = _run(out, None)
+    assert rerun.returncode == 0, rerun.stderr
+    assert _content(out) == _content(reference)

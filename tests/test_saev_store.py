@@ -17,6 +17,7 @@ from actstore.errors import (
     CaptureError,
     CorruptStoreError,
     IndexOutOfRangeError,
+    InvalidIndexError,
     LayerNotStoredError,
     ProtocolVersionError,
     StoreExistsError,
@@ -252,8 +253,21 @@ def test_reader_errors_name_the_problem(tmp_path):
         reader[23, 2, 0]
     with pytest.raises(IndexOutOfRangeError, match="token 6 out of range"):
         reader[0, 2, 6]
+    with pytest.raises(IndexOutOfRangeError, match="token 10 out of range"):
+        reader[0, 2, [1, 10]]
+    with pytest.raises(InvalidIndexError, match="token index must be an int, slice or int array"):
+        reader[0, 2, np.array([1.5])]
+    np.testing.assert_array_equal(reader[0, 2, [1, -1]], reader[0, 2, [1, 5]])
     with pytest.raises(StoreNotFoundError):
         SaevReader(tmp_path / "missing")
+
+    old = _writable_copy(path, tmp_path / "old-actstore")  # before the root manifest
+    (old / "actstore-manifest.json").unlink()
+    (old / "actstore-blocks.xxh3").unlink(missing_ok=True)
+    (old / "checksums.xxh128").write_text("")
+    with pytest.raises(CorruptStoreError, match="written by an older actstore .* re-capture it"):
+        SaevReader(old)
+    assert SaevReader(old, verify_reads=False).n_examples == reader.n_examples
 
     missing = _writable_copy(path, tmp_path / "missing-shard")
     (missing / "acts000002.bin").unlink()

@@ -44,10 +44,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .batch import Batch, CapturePlan
-from .errors import ActstoreError, ConfigError, CorruptStoreError
+from .errors import ActstoreError, ConfigError, CorruptStoreError, LayerNotStoredError
 from .formats import open_store
 from .formats.base import ReaderBase, WriterBase
-from .formats.registry import FormatSpec, detect_format, format_names, get_format
+from .formats.registry import FormatSpec, available_formats, detect_format, get_format
 from .progress import bar_switch
 from .sites import Site
 
@@ -120,7 +120,7 @@ def example_batches(
         while pending_rows >= batch_size * t or (i == len(blocks[0]) - 1 and pending_rows):
             if pending_rows % t and pending_rows < batch_size * t:
                 raise ConfigError(
-                    f"{reader.describe().get('location', 'the store')}: rows do not divide into "
+                    f"{reader.url}: rows do not divide into "
                     f"examples of {t} tokens; only fixed-length stores convert"
                 )
             take = min(batch_size, pending_rows // t)
@@ -158,16 +158,22 @@ def _reader_sites(reader: ReaderBase, plan: CapturePlan) -> list[Site]:
 # ---------------------------------------------------------------------- convert
 
 
-def select_sites(plan: CapturePlan, sites: Sequence[str] | None, source: Any) -> CapturePlan:
-    """``plan`` with only ``sites`` (any spelling; None: all), each one the store holds."""
+def select_sites(plan: CapturePlan, sites: Sequence[str] | None, reader: ReaderBase) -> CapturePlan:
+    """``plan`` with only ``sites`` (any spelling the reader takes, native names included;
+    None: all), each one the store holds."""
     if not sites:
         return plan
     chosen: list[Site] = []
     for name in sites:
-        site = Site.parse(name).resolve(plan.n_model_layers)
-        if site not in plan.sites:
+        try:
+            site = reader.site(name)
+        except LayerNotStoredError as err:
             stored = ", ".join(str(s) for s in plan.sites)
-            raise ConfigError(f"--sites {name}: {source} does not hold it; it holds {stored}")
+            raise ConfigError(
+                f"--sites {name}: {reader.url} does not hold it; it holds {stored}"
+            ) from err
+        except ConfigError as err:
+            raise ConfigError(f"--sites {name}: {err}") from err
         if site in chosen:
             raise ConfigError(f"--sites names {site} twice")
         chosen.append(site)
@@ -206,9 +212,9 @@ def open_target(
         others = ", ".join(str(s) for s in plan.sites if s not in kept)
         hints = [f"convert the residual stream alone with --sites {','.join(map(str, kept))}"]
         takers = [
-            name
-            for name in format_names()
-            if name not in (spec.name, source_format) and _accepts(get_format(name), plan)
+            other.name
+            for other in available_formats()
+            if other.name not in (spec.name, source_format) and _accepts(other, plan)
         ]
         if takers:
             either = ", ".join(takers[:-1]) + (" or " if len(takers) > 1 else "") + takers[-1]
@@ -247,7 +253,28 @@ def convert(
     dst_spec = get_format(to)
     check_output(str(target), what="the target")
     reader = src_spec.open_reader(str(source))
-    plan = select_sites(source_plan(reader), sites, source)
+    try:
+        return _convert(
+            reader, src_spec, dst_spec, target, options, batch_size, verify, progress, sites, t0
+        )
+    finally:
+        reader.close()
+
+
+def _convert(
+    reader: ReaderBase,
+    src_spec: FormatSpec,
+    dst_spec: FormatSpec,
+    target: str | Path,
+    options: Any,
+    batch_size: int,
+    verify: bool,
+    progress: bool,
+    sites: Sequence[str] | None,
+    t0: float,
+) -> ConvertResult:
+    source, to = reader.url, dst_spec.name
+    plan = select_sites(source_plan(reader), sites, reader)
     options = options if options is not None else dst_spec.options()
     writer = open_target(dst_spec, plan, str(target), options, source, src_spec.name)
     already = writer.complete
@@ -277,15 +304,19 @@ def convert(
     rows: dict[str, int] = {}
     errors: dict[str, float] = {}
     target_reader = open_store(location)
-    if verify:
-        rows, errors = compare_stores(
-            reader,
-            target_reader,
-            plan,
-            stored_dtype=target_reader.stored_dtype(),
-            progress=progress,
-        )
-    dropped = dropped_fields(plan, target_reader.capture_plan(), dst_spec.name)
+    try:
+        if verify:
+            rows, errors = compare_stores(
+                reader,
+                target_reader,
+                plan,
+                stored_dtype=target_reader.stored_dtype(),
+                progress=progress,
+            )
+        dropped = dropped_fields(plan, target_reader.capture_plan(), dst_spec.name)
+        stored_dtype = target_reader.stored_dtype()
+    finally:
+        target_reader.close()
     for name, why in dropped.items():
         log.info("%s: %s", name, why)
     result = ConvertResult(
@@ -298,10 +329,9 @@ def convert(
         verified=verify,
         already_complete=already,
         seconds=time.perf_counter() - t0,
-        stored_dtype=target_reader.stored_dtype(),
+        stored_dtype=stored_dtype,
         dropped=dropped,
     )
-    target_reader.close()
     log.info(
         "converted %s (%s) to %s (%s) in %.1fs",
         source,

@@ -292,8 +292,11 @@ class ReaderBase(abc.ABC):
             chosen = None
         else:
             chosen = self.site(site)
-        if isinstance(token, (int, np.integer)) and not -n_tokens <= token < n_tokens:
-            raise IndexOutOfRangeError(f"token {token} out of range (0..{n_tokens - 1})")
+        if isinstance(token, (int, np.integer)):
+            if not -n_tokens <= token < n_tokens:
+                raise IndexOutOfRangeError(f"token {token} out of range (0..{n_tokens - 1})")
+        elif not isinstance(token, slice):
+            token = as_indices(token, n_tokens, "token")
         return examples, chosen, token, isinstance(ex, (int, np.integer))
 
     # ------------------------------------------------------------------ optional

@@ -207,7 +207,12 @@ def sharded_part_format(name: str, writer: type[ShardedWriter]) -> PartFormat:
         return location
 
     def pending(out: Path) -> list[Path]:
-        roots = [r for r in Path(out).rglob(".*.parts") if r.is_dir()]
+        # parts live beside their store: in --out (saev), in --out/saev/shards (its saev
+        # dialect), or beside --out itself (pkl.gz publishes at --out); never a deep walk
+        out = Path(out)
+        places = (out, out / "saev" / "shards", out.parent)
+        found = {r for place in places for r in place.glob(".*.parts") if r.is_dir()}
+        roots = [r for r in found if r.parent != out.parent or r.name == f".{out.name}.parts"]
         return [
             r.parent / r.name[1 : -len(".parts")]
             for r in sorted(roots)

@@ -101,7 +101,7 @@ class FormatSpec:
             staging=staging.url,
             subdir=subdir,
             s3=location.s3,
-            last=(*self.manifests, MANIFEST),
+            last=self.last_files,
         )
 
     @property

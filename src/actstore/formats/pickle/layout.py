@@ -60,13 +60,9 @@ def layer_key(layer: int) -> str:
     return f"layer_{layer}"
 
 
-def utc_now() -> str:
-    """ISO 8601 UTC timestamp, as the spec writes it (``2025-01-09T12:00:00Z``)."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 def utc_text(seconds: float) -> str:
-    """:func:`utc_now`'s format for a time in seconds since the epoch.
+    """A time in seconds since the epoch as the spec writes it (ISO 8601 UTC,
+    ``2025-01-09T12:00:00Z``).
 
     Example:
         >>> utc_text(0)

@@ -110,7 +110,8 @@ class PickleReader(ReaderBase):
                 f"{self.files.url_of(METADATA)} does not exist; is {self.url} a pkl.gz store?"
             )
         raw = self.files.read_json(METADATA)
-        ours = isinstance(raw, dict) and bool((raw.get("extraction_config") or {}).get("actstore"))
+        config = raw.get("extraction_config") if isinstance(raw, dict) else None
+        ours = isinstance(config, dict) and bool(config.get("actstore"))
         self._open_checks(ours=ours)
         self.metadata = PickleMetadata.from_json_dict(
             self.checks.read_json(METADATA), source=self.files.url_of(METADATA)

@@ -268,8 +268,6 @@ class _PickleShard(ShardSink):
         self.n += batch.n_examples
 
     def finish(self) -> list[WrittenFile]:
-        import os
-
         w = self.w
         items = self.items
         first_item = items[layer_key(w.plan.layers[0])]

@@ -52,7 +52,9 @@ _SLAB_WARNED = threading.Event()  # the verified slab fallback is announced once
 
 _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
 #: Files only actstore writes into a saev directory (a store holding one is ours).
-OWN_MARKERS = ("statistics.json", "tokens.bin", "actstore-manifest.json", "checksums.xxh128")
+OWN_MARKERS = ("statistics.json", "tokens.bin", "actstore-manifest.json")
+#: The checksum file of actstore before the root manifest (such stores are refused by name).
+OLD_CHECKSUMS = "checksums.xxh128"
 
 
 def detect(files) -> bool:
@@ -96,6 +98,15 @@ class SaevReader(ReaderBase):
             raise StoreNotFoundError(
                 f"{self.url} holds no saev store (no metadata.json): a wrong path, or an "
                 "unfinished copy (finish it with actstore cp)"
+            )
+        if (
+            self.verify_reads
+            and self.files.exists(OLD_CHECKSUMS)
+            and not self.files.exists("actstore-manifest.json")
+        ):
+            raise CorruptStoreError(
+                f"{self.url} was written by an older actstore (it has {OLD_CHECKSUMS}, not a "
+                "root manifest): re-capture it, or open it with verify_reads=False"
             )
         self._open_checks(ours=any(self.files.exists(n) for n in OWN_MARKERS))
         self.metadata = SaevMetadata.from_json_dict(

@@ -50,6 +50,7 @@ from ...storage.manifest import BlockHasher
 from ..shard import ShardSink, WrittenFile, as_float32
 from ..writer import ShardedWriter
 from .layout import (
+    DEFAULT_PATCHES_PER_SHARD,
     SaevMetadata,
     encode_data,
     encode_saev_img_folder,
@@ -66,13 +67,13 @@ def saev_metadata(
     plan: CapturePlan,
     *,
     dialect: str = "protocol",
-    patches_per_shard: int = 2_400_000,
+    patches_per_shard: int = DEFAULT_PATCHES_PER_SHARD,
 ) -> SaevMetadata:
     """The metadata a capture ``plan`` produces (the content hash depends on all of it)."""
     if any(site.kind != "resid" for site in plan.sites):
         raise ConfigError(
             "the saev protocol stores the residual stream only (its 'layers'); capture "
-            "attention/MLP sites into the zarr, activault or pickle formats"
+            "attention/MLP sites into the zarr, activault or saelens formats"
         )
     data = encode_data(plan.data)
     if dialect == "saev" and plan.data.get("kind") == "image_folder":
@@ -171,7 +172,7 @@ class SaevWriter(ShardedWriter):
             )
         super().__init__(
             plan=plan,
-            store=store or self.store_location(plan, output, options),
+            store=store or self._location_of(md, output),
             output=output,
             options=options,
             record={
@@ -198,6 +199,10 @@ class SaevWriter(ShardedWriter):
         md = saev_metadata(
             plan, dialect=options.dialect, patches_per_shard=options.patches_per_shard
         )
+        return cls._location_of(md, location)
+
+    @staticmethod
+    def _location_of(md: SaevMetadata, location: Location) -> Location:
         location = Location.parse(location)
         if location.is_local:
             return Location.parse(store_dir(md, location.path()))
