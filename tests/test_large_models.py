@@ -432,3 +432,43 @@ def test_slurm_script_passes_the_device_map_and_checks_its_syntax():
         app, [*head, "--model", "gpt2", "--device-map", "auto", "--max-memory", "0=lots"]
     )
     assert bad.exit_code != 0 and "'lots' is not a size" in str(bad.exception)
+
+
+def test_dry_run_reads_headers_and_downloads_no_weights(model_dir, monkeypatch):
+    """``find(download=False)`` reads a local checkpoint as ``find`` does; a Hub checkpoint
+    that is not on this machine (and a Hub that cannot be asked: offline) is not downloaded,
+    and its size is reported unknown."""
+    import huggingface_hub
+
+    local = str(model_dir("llama"))
+    plan = plan_model(local, sites=["resid.1"])
+    assert Checkpoint.find(local, download=False) == Checkpoint.find(local)
+    kept, files = Checkpoint.find(local, download=False).read_plan(plan.keep())
+    assert (kept, files) == Checkpoint.find(local).read_plan(plan.keep()) and kept > 0
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    remote = Checkpoint.find("actstore-tests/never-downloaded", download=False)
+    assert remote == Checkpoint(
+        source="actstore-tests/never-downloaded", weight_map={}, total_size=None, mapped=False
+    )
+    assert remote.files == ["model.safetensors"]
+    assert remote.read_plan(plan.keep()) == (None, ["model.safetensors"])
+
+
+def test_a_device_map_strategy_is_not_a_device(model_dir):
+    with pytest.raises(ConfigError) as err:
+        load_model(str(model_dir("llama")), device="auto", sites=["resid.1"])
+    assert str(err.value) == (
+        "device 'auto' is a device map strategy, not a device; pass "
+        "placement=parse_placement('auto') (--device-map auto)"
+    )
+
+
+def test_a_failed_load_leaves_no_offload_folder_behind(model_dir, tmp_path):
+    ckpt, offload = tmp_path / "broken", tmp_path / "offload"
+    shutil.copytree(model_dir("llama"), ckpt)
+    (ckpt / "model.safetensors").write_bytes(b"\xff" * 4096)
+    placement = parse_placement(json.dumps(DISK_MAP), offload_folder=str(offload))
+    with pytest.raises(CorruptStoreError) as err:
+        load_model(str(ckpt), sites=["resid.2"], placement=placement)
+    assert str(err.value).startswith(f"{ckpt / 'model.safetensors'} is not a readable")
+    assert offload.is_dir() and list(offload.iterdir()) == []

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from actstore.capture import CaptureConfig, plan_capture
-from actstore.capture.preflight import preflight
+from actstore.capture.preflight import check_dataset, check_device, preflight
+from actstore.errors import ConfigError, StoreNotFoundError
 from actstore.formats.registry import get_format, parse_options
 
 
@@ -54,3 +55,54 @@ def test_prompt_response_gets_the_cheap_checks_only(tmp_path, model_dir):
     assert pre.writer is None and pre.plan is None and not pre.complete
     assert pre.sites[0].layer == pre.model.n_layers - 1 == 3
     assert not (tmp_path / "out").exists()
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str]:
+    """Run the ``actstore`` console script in-process; its exit code and stderr."""
+    import sys
+
+    from actstore.cli import main
+
+    saved = sys.argv
+    sys.argv = ["actstore", *argv]
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    finally:
+        sys.argv = saved
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["auto", "balanced", "balanced_low_0", "sequential"])
+def test_a_device_map_strategy_given_as_device_is_refused_naming_device_map(name):
+    with pytest.raises(ConfigError) as err:
+        check_device(name)
+    assert str(err.value) == (
+        f"--device {name} is a device map strategy, not a device; use --device-map {name} "
+        "(it spreads the model over this machine's devices)"
+    )
+
+
+def test_device_auto_is_one_line_before_the_dataset_is_read(tmp_path, model_dir, capsys):
+    out = tmp_path / "out"
+    args = ["capture", "--model", str(model_dir("gpt2")), "--dataset", str(tmp_path / "x.txt")]
+    code, err = _main([*args, "--device", "auto", "--out", str(out), "--no-progress"], capsys)
+    assert code == 2 and err.splitlines() == [
+        (
+            "error: --device auto is a device map strategy, not a device; use --device-map auto "
+            "(it spreads the model over this machine's devices)"
+        )
+    ]
+    assert not out.exists()
+
+
+def test_a_missing_dataset_names_every_kind_token_files_included(tmp_path):
+    with pytest.raises(StoreNotFoundError) as err:
+        check_dataset(str(tmp_path / "train.bin"))
+    assert str(err.value) == (
+        f"dataset {tmp_path / 'train.bin'} does not exist; give an image folder, a .txt, "
+        ".jsonl, .json, .csv, .parquet or .arrow file (or a folder of them), a .npy or .bin "
+        "token file, a directory written by datasets' save_to_disk, or a Hub id (org/name)"
+    )

@@ -20,7 +20,8 @@ before the copy (twice the bytes over PCIe for a bfloat16 model, no cast on the 
 thread). A widening cast is exact, so either way the stored values are the same.
 
 Example:
-    >>> with open_copyout(writer_thread.put, slots=4) as out:  # doctest: +SKIP
+    >>> out = open_copyout(writer_thread.put, device=model.device, slots=4)  # doctest: +SKIP
+    >>> with out:  # doctest: +SKIP
     ...     out.put(recorder.run(inputs), lambda acts: Batch(acts=acts, example_ids=ids))
     ...     out.close()
 """

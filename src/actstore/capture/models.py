@@ -44,6 +44,7 @@ from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 from ..sites import Site
 from .placement import (
+    STRATEGIES,
     DeviceMemory,
     Placement,
     check_devices,
@@ -354,6 +355,11 @@ def load_model(
     are far slower there. ``sites`` (None: all blocks) decides the last block loaded;
     ``placement`` spreads the model over this machine's devices instead of ``device``.
     """
+    if device in STRATEGIES:
+        raise ConfigError(
+            f"device {device!r} is a device map strategy, not a device; pass "
+            f"placement=parse_placement({device!r}) (--device-map {device})"
+        )
     plan = plan_model(name, dtype=dtype, sites=sites)
     if placement is not None and placement.spread and check_placement_devices:
         check_devices(placement)
@@ -369,7 +375,12 @@ def load_model(
         # one folder per load: workers of one machine may share --offload-folder
         Path(placement.offload_folder).expanduser().mkdir(parents=True, exist_ok=True)
         offload = tempfile.mkdtemp(prefix="actstore-offload-", dir=placement.offload_folder)
-    module = load_weights(plan, load_map, offload)
+    try:
+        module = load_weights(plan, load_map, offload)
+    except BaseException:
+        if offload is not None:  # else removed with the module (below)
+            shutil.rmtree(offload, ignore_errors=True)
+        raise
     if offload is not None:
         weakref.finalize(module, shutil.rmtree, offload, ignore_errors=True)
     module.eval().requires_grad_(False)
@@ -487,9 +498,11 @@ def memory_report(
         site_blocks=[s.layer for s in resolved],
         batch_tokens=batch_tokens,
     )
-    checkpoint = Checkpoint.find(plan.ckpt)
+    checkpoint = Checkpoint.find(plan.ckpt, download=False)
     if checkpoint is None:
         reads = "no safetensors checkpoint (a .bin one is read whole)"
+    elif not checkpoint.mapped:
+        reads = "? from model.safetensors (not downloaded yet; its size is known once it is)"
     else:
         kept, files = checkpoint.read_plan(plan.keep())
         total = f" of {_size(checkpoint.total_size)}" if checkpoint.total_size else ""

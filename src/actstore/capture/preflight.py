@@ -69,10 +69,6 @@ class ModelFacts:
     """Text models: rows of the input embedding (pre-tokenized ids must be below it)."""
 
 
-#: ``--device`` values handed to the model loader as they are (accelerate's device maps).
-DEVICE_MAPS = frozenset({"auto", "balanced", "balanced_low_0", "sequential"})
-
-
 def is_url(location: str) -> bool:
     """True for ``s3://...`` and other URLs (no local checks apply)."""
     return "://" in str(location)
@@ -110,9 +106,16 @@ def check_output(out: str, what: str = "--out") -> None:
 
 def check_device(device: str) -> None:
     """``device`` names a torch device this machine has (torch loads only for a non-CPU
-    device)."""
-    if device == "cpu" or device in DEVICE_MAPS:
+    device); a device map strategy (``auto``...) is refused, naming ``--device-map``."""
+    if device == "cpu":
         return
+    from .placement import STRATEGIES
+
+    if device in STRATEGIES:
+        raise ConfigError(
+            f"--device {device} is a device map strategy, not a device; use --device-map "
+            f"{device} (it spreads the model over this machine's devices)"
+        )
     import torch
 
     try:
@@ -149,17 +152,13 @@ def _check_cuda(device: str, index: int | None) -> None:
 
 def check_dataset(dataset: str) -> None:
     """The dataset path exists and can be read (``embedded`` always can)."""
-    from .data import looks_like_hub_id
+    from .data import KINDS_HINT, looks_like_hub_id
 
     if dataset == "embedded" or looks_like_hub_id(dataset):
         return  # Hub ids are checked (offline: at once) when the source opens
     path = Path(dataset).expanduser()
     if not path.exists():
-        raise StoreNotFoundError(
-            f"dataset {dataset} does not exist; give an image folder, a .txt, .jsonl, .json, "
-            ".csv, .parquet or .arrow file (or a folder of them), a directory written by "
-            "datasets' save_to_disk, or a Hub id (org/name)"
-        )
+        raise StoreNotFoundError(f"dataset {dataset} does not exist; {KINDS_HINT} (org/name)")
     try:
         if path.is_dir():
             os.listdir(path)

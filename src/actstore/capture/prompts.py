@@ -439,7 +439,11 @@ def open_prompt_source(config: Any, model: LoadedModel) -> PromptResponseSource:
         else:
             responses = [r.response for r in records if r.response is not None]
             if len(responses) != len(records):  # read_records gives each one a response
-                raise ConfigError(f"{config.dataset}: records without a response")
+                raise ConfigError(
+                    f"{config.dataset}: {len(records) - len(responses)} records have no "
+                    f"{config.response_field!r} field; give --response-field or "
+                    "--generate-max-new-tokens N"
+                )
             pairs = [
                 encode_pair(tok, r.prompt, response, chat_template=templated)
                 for r, response in zip(records, responses, strict=True)

@@ -1,8 +1,9 @@
 """The capture loop: model + dataset -> batches -> a format writer on a background thread.
 
 Example:
+    >>> from actstore.formats.registry import get_format
     >>> cfg = CaptureConfig(model="embedded", dataset="embedded", sites=("resid.3",))
-    >>> result = capture(cfg, lambda plan: SaevWriter.open(plan, dump_to="out"))  # doctest: +SKIP
+    >>> result = capture(cfg, lambda plan: get_format("saev").open_writer(plan, "out"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..progress import bar_switch
 from ..sites import Site
 from .background import BackgroundWriter
 from .copyout import CopyOut, Sink, device_failure, open_copyout
-from .data import ExampleSource, SourceBatch, open_source
+from .data import ExampleSource, open_source
 from .hooks import ActivationRecorder
 from .models import LoadedModel, load_model
 from .placement import Placement, parse_placement
@@ -135,6 +136,12 @@ class CaptureConfig:
             )
         if self.device_map is not None and self.device != "cpu":
             raise ConfigError("give --device or --device-map, not both (the map names devices)")
+        if self.device_map is not None and self.generate_max_new_tokens is not None:
+            raise ConfigError(
+                "--generate-max-new-tokens loads the whole model on --device to generate, "
+                "without --device-map: drop --device-map and give a --device that holds the "
+                "model, or generate the responses first and give them with --response-field"
+            )
         self.placement  # noqa: B018 - checks the device map and memory syntax now
 
     @property
@@ -354,9 +361,13 @@ def capture(
                 if ids[0] >= stop:
                     break
                 acts = recorder.run(source_batch.inputs)
+                # only what the writer keeps: not the inputs, which may be on the GPU
                 build = functools.partial(
                     _host_batch,
-                    source_batch,
+                    example_ids=ids,
+                    token_ids=source_batch.token_ids,
+                    labels=source_batch.labels,
+                    extras=source_batch.extras,
                     token_mask=None
                     if cleaner is None or source_batch.token_ids is None
                     else cleaner.mask(source_batch.token_ids),
@@ -400,24 +411,27 @@ def _default_copyout(config: CaptureConfig, device: torch.device, sink: Sink) ->
 
 
 def _host_batch(
-    source: SourceBatch,
     host_acts: dict[str, torch.Tensor],
     *,
+    example_ids: np.ndarray,
+    token_ids: np.ndarray | None,
+    labels: np.ndarray | None,
+    extras: dict[str, Any],
     token_mask: np.ndarray | None,
     texts: list[str] | None,
     stop: int,
 ) -> Batch:
-    """The writer's batch of ``source`` once its activations are in host memory (examples
-    from ``stop`` on left out)."""
+    """The writer's batch of a source batch (its fields the writer keeps, never its model
+    inputs) once its activations are in host memory (examples from ``stop`` on left out)."""
     batch = Batch(
         acts=host_acts,
-        example_ids=source.example_ids,
-        token_ids=source.token_ids,
+        example_ids=example_ids,
+        token_ids=token_ids,
         token_mask=token_mask,
-        labels=source.labels,
-        extras=source.extras,
+        labels=labels,
+        extras=extras,
         texts=texts,
     )
-    if source.example_ids[-1] >= stop:
+    if example_ids[-1] >= stop:
         batch = batch.select(batch.example_ids < stop)
     return batch

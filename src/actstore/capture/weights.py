@@ -68,10 +68,20 @@ class Checkpoint:
     """Tensor name -> file name (relative to the checkpoint)."""
     total_size: int | None
     """Bytes of all its tensors (the index's ``total_size``), when known."""
+    tensor_bytes: dict[str, int] | None = None
+    """Bytes of each tensor, when its file's header has been read (a one-file checkpoint)."""
+    mapped: bool = True
+    """False: a one-file checkpoint that is not on this machine and whose header could not
+    be read (``find(download=False)``, Hub unreachable): its tensors and sizes are unknown."""
 
     @classmethod
-    def find(cls, source: str) -> Checkpoint | None:
-        """The safetensors checkpoint of ``source``, or None when it has none (``.bin``)."""
+    def find(cls, source: str, *, download: bool = True) -> Checkpoint | None:
+        """The safetensors checkpoint of ``source``, or None when it has none (``.bin``).
+
+        With ``download=False`` (``--dry-run``) only the small index may be downloaded: a
+        one-file checkpoint not on this machine yet is not, its header is read from the Hub
+        (a few kilobytes) when the Hub answers, else its tensors are unknown (``mapped``
+        False)."""
         index = _fetch(source, INDEX, required=False)
         if index is not None:
             try:
@@ -85,17 +95,28 @@ class Checkpoint:
                 weight_map=weight_map,
                 total_size=int(total) if isinstance(total, (int, float)) else None,
             )
-        single = _fetch(source, SINGLE, required=False)
-        if single is None:
+        single = _fetch(source, SINGLE, required=False, download=download)
+        if single is not None:
+            sizes = _header_sizes(single)
+        elif download or Path(source).expanduser().is_dir():
             return None
-        sizes = _header_sizes(single)
+        else:
+            remote = _hub_header_sizes(source)
+            if remote is None:
+                return cls(source=source, weight_map={}, total_size=None, mapped=False)
+            if not remote:  # the Hub has no such file
+                return None
+            sizes = remote
         return cls(
-            source=source, weight_map=dict.fromkeys(sizes, SINGLE), total_size=sum(sizes.values())
+            source=source,
+            weight_map=dict.fromkeys(sizes, SINGLE),
+            total_size=sum(sizes.values()),
+            tensor_bytes=sizes,
         )
 
     @property
     def files(self) -> list[str]:
-        return sorted(set(self.weight_map.values()))
+        return sorted(set(self.weight_map.values())) if self.mapped else [SINGLE]
 
     def path(self, filename: str) -> str:
         local = _fetch(self.source, filename, required=True)
@@ -127,17 +148,21 @@ class Checkpoint:
     def read_plan(self, keep: Callable[[str], bool]) -> tuple[int | None, list[str]]:
         """(bytes of the tensors ``keep`` accepts, the files holding them), from those
         files' headers only; the bytes are None when a file is not on this machine yet
-        (nothing is downloaded)."""
+        (nothing is downloaded), or the checkpoint is not ``mapped``."""
+        if not self.mapped:
+            return None, self.files
         by_file: dict[str, list[str]] = {}
         for name, filename in self.weight_map.items():
             if keep(name):
                 by_file.setdefault(filename, []).append(name)
         kept = 0
         for filename, names in by_file.items():
-            local = _fetch(self.source, filename, required=False, download=False)
-            if local is None:
-                return None, sorted(by_file)
-            sizes = _header_sizes(local)
+            sizes = self.tensor_bytes
+            if sizes is None:
+                local = _fetch(self.source, filename, required=False, download=False)
+                if local is None:
+                    return None, sorted(by_file)
+                sizes = _header_sizes(local)
             kept += sum(sizes[name] for name in names)
         return kept, sorted(by_file)
 
@@ -173,6 +198,25 @@ def _header_sizes(path: str) -> dict[str, int]:
     return {
         name: int(info["data_offsets"][1] - info["data_offsets"][0])
         for name, info in header.items()
+    }
+
+
+def _hub_header_sizes(repo_id: str) -> dict[str, int] | None:
+    """Bytes of each tensor of the Hub's ``model.safetensors`` of ``repo_id``, from its
+    header alone (HTTP range requests); empty when the Hub has no such file, None when the
+    Hub cannot say (offline, unreachable, no access)."""
+    from huggingface_hub import parse_safetensors_file_metadata
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        header = parse_safetensors_file_metadata(repo_id, SINGLE)
+    except EntryNotFoundError:
+        return {}
+    except Exception:  # noqa: BLE001 - a size the Hub does not give is reported unknown
+        return None
+    return {
+        name: int(info.data_offsets[1] - info.data_offsets[0])
+        for name, info in header.tensors.items()
     }
 
 

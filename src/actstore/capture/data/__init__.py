@@ -23,7 +23,7 @@ from .base import ExampleSource, SourceBatch
 from .columns import TOKEN_COLUMNS
 from .hf import BUILDERS, HFDataset, check_hub_reachable, load_saved, looks_like_hub_id
 from .images import IMAGE_SUFFIXES, ImageSource, image_files
-from .opening import model_vocab_size, open_source
+from .opening import KINDS_HINT, model_vocab_size, open_source
 from .packing import TextSource, pack_documents, pack_token_rows
 from .text_files import EMBEDDED_DATASET, embedded_documents
 from .token_files import TOKEN_FILE_SUFFIXES
@@ -32,6 +32,7 @@ __all__ = [
     "BUILDERS",
     "EMBEDDED_DATASET",
     "IMAGE_SUFFIXES",
+    "KINDS_HINT",
     "TOKEN_COLUMNS",
     "TOKEN_FILE_SUFFIXES",
     "ExampleSource",

@@ -54,10 +54,27 @@ def pick_field(
             f"{where}'s {DEFAULT_TEXT_FIELD!r} {noun} holds token ids, not text; pass "
             f"--token-field {DEFAULT_TEXT_FIELD} to capture them as they are"
         )
+    for name in TOKEN_COLUMNS:  # ids that are not all ints (a list of words is not ids)
+        if _numbers(kinds.get(name, "")):
+            raise ConfigError(
+                f"{where}'s {name!r} {noun} holds {kinds[name]}, not token ids: every id "
+                "must be an integer"
+            )
     raise ConfigError(
         f"{where} has no {DEFAULT_TEXT_FIELD!r} {noun} and no token-id {noun} "
         f"({', '.join(TOKEN_COLUMNS)}); {listed}; name one with --text-field or --token-field"
     )
+
+
+def _numbers(kind: str) -> bool:
+    """Whether ``kind`` (of :func:`value_kind`) is a list of numbers not all ints."""
+    prefix = "a list of "
+    return kind.startswith(prefix) and set(kind[len(prefix) :].split(", ")) <= {
+        "bool",
+        "float",
+        "int",
+        "list",
+    }
 
 
 def _expect(
@@ -79,16 +96,24 @@ def _expect(
 
 
 def value_kind(value: Any) -> str:
-    """``"text"``, ``"tokens"`` (a list of ints, or of lists of ints) or what else a JSON
-    value is."""
+    """``"text"``, ``"tokens"`` (a list of ints, or of lists of ints, of any lengths: every
+    element is checked) or what else a JSON value is."""
     if isinstance(value, str):
         return "text"
     if isinstance(value, list):
-        flat = value[0] if value and isinstance(value[0], list) else value
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+        leaves = _leaf_types(value)
+        if leaves <= {"int"}:
             return "tokens"
-        return "a list of " + ", ".join(sorted({type(v).__name__ for v in flat}))
+        return "a list of " + ", ".join(sorted(leaves))
     return "null" if value is None else type(value).__name__
+
+
+def _leaf_types(values: list[Any]) -> set[str]:
+    """The type names of a (nested) list's elements: ``{"int"}`` for token ids; a list
+    mixing lists and values counts ``list`` among them."""
+    if values and all(isinstance(v, list) for v in values):
+        return set().union(*(_leaf_types(v) for v in values))
+    return {type(v).__name__ for v in values}
 
 
 def arrow_kind(dtype: Any) -> str:

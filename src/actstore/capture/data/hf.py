@@ -93,6 +93,18 @@ class HFDataset:
                 raise
             raise mapped from err
 
+    def tables(self, ds: Any, batch_size: int, where: str) -> Iterator[Any]:
+        """``ds`` (loaded from this dataset) in Arrow tables of ``batch_size`` rows, in
+        stored order. Data is parsed as it is read (local files always stream), so a file
+        that does not parse fails here, as one :class:`CorruptStoreError` naming ``where``."""
+        with _quiet_datasets():
+            try:
+                yield from ds.with_format("arrow").iter(batch_size=batch_size)
+            except Exception as err:
+                if not _unreadable(err):
+                    raise
+                raise _corrupt(err, where, self) from err
+
     def describe(self) -> dict[str, Any]:
         """What identifies the dataset in a store's metadata (``streaming`` only for Hub
         ids: a local file gives the same rows either way)."""
@@ -106,13 +118,61 @@ class HFDataset:
         return out
 
 
+#: ``datasets``' messages for a split the dataset does not have (streamed, downloaded).
+_NO_SPLIT = re.compile(
+    r"^(?:Bad split: .*\. Available splits|Unknown split \".*\"\. Should be one of):? (\[.*\])"
+)
+#: Exceptions (by type name) of data that does not parse: pandas' (csv), ``datasets``'.
+_PARSE_ERRORS = frozenset(
+    {"ParserError", "EmptyDataError", "DatasetGenerationError", "CastError", "JSONDecodeError"}
+)
+#: Builder -> what its files must hold, for messages.
+_FILE_KINDS = {
+    "json": "JSON",
+    "csv": "CSV",
+    "parquet": "Parquet",
+    "arrow": "Arrow",
+    "text": "UTF-8 text",
+}
+
+
+def _unreadable(err: BaseException) -> bool:
+    """Whether ``err`` says that data cannot be parsed (not that it is missing, offline or
+    too big for memory)."""
+    import pyarrow as pa
+
+    if isinstance(err, MemoryError):
+        return False
+    return isinstance(err, (pa.ArrowException, UnicodeDecodeError)) or (
+        type(err).__name__ in _PARSE_ERRORS
+    )
+
+
+def _corrupt(err: BaseException, where: str, hf: HFDataset) -> CorruptStoreError:
+    """One line for data of ``where`` that does not parse, and what to do about it."""
+    cause = err
+    while type(cause).__name__ == "DatasetGenerationError" and cause.__cause__ is not None:
+        cause = cause.__cause__  # "An error occurred while generating the dataset": the why
+    kind = _FILE_KINDS.get(hf.path, "data") if hf.kind == "files" else "data"
+    return CorruptStoreError(
+        f"cannot read {where}: it is not valid {kind} ({_first_line(cause)}); repair or "
+        "re-create it, or give another --dataset"
+    )
+
+
 def _load_error(err: Exception, where: str, hf: HFDataset) -> Exception | None:
     """The one-line error for a failed ``load_dataset`` (None when unknown)."""
     name, text = type(err).__name__, str(err)
     if isinstance(err, ValueError) and "corresponds to no data" in text:
         return ConfigError(f"{where} holds no rows")
-    if isinstance(err, ValueError) and "split" in text.lower():
-        return ConfigError(f"{where} has no split {hf.split!r}; choose one with --split")
+    no_split = _NO_SPLIT.match(text) if isinstance(err, ValueError) else None
+    if no_split is not None:
+        return ConfigError(
+            f"{where} has no split {hf.split!r}; choose one with --split (it has "
+            f"{no_split.group(1)})"
+        )
+    if _unreadable(err):
+        return _corrupt(err, where, hf)
     if isinstance(err, ValueError):
         return ConfigError(f"cannot load {where}: {_first_line(err)}")
     if isinstance(err, ConnectionError):
@@ -125,8 +185,6 @@ def _load_error(err: Exception, where: str, hf: HFDataset) -> Exception | None:
         "DataFilesNotFoundError",
     ):
         return StoreNotFoundError(f"cannot load {where}: {_first_line(err)}")
-    if name in ("DatasetGenerationError", "ArrowInvalid"):
-        return CorruptStoreError(f"cannot read {where}: {_first_line(err)}")
     return None
 
 
@@ -136,11 +194,12 @@ def _first_line(err: BaseException) -> str:
 
 @contextlib.contextmanager
 def _quiet_datasets():
-    """Silence ``datasets``' progress bars and info logs while loading."""
+    """Silence ``datasets``' progress bars and logs while loading and reading: its errors
+    are also raised, and are reported once, by the caller."""
     from datasets.utils import logging as ds_logging
 
     level, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
-    ds_logging.set_verbosity_error()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
     ds_logging.disable_progress_bar()
     try:
         yield
@@ -208,12 +267,12 @@ def hf_rows(
     """The text or token-id column of ``hf`` (chosen from its Arrow type), read lazily;
     ``description`` identifies the dataset (the column is added to it)."""
     ds = hf.load()
-    first = next(_tables(ds, 1), None)
+    first = next(hf.tables(ds, 1, root), None)
     if first is None or first.num_rows == 0:
         raise ConfigError(f"{root} holds no rows")
     kinds = {f.name: arrow_kind(f.type) for f in first.schema}
     name, kind = pick_field(kinds, where=root, text_field=text_field, token_field=token_field)
-    tables = _tables(ds.select_columns([name]), ARROW_BATCH)
+    tables = hf.tables(ds.select_columns([name]), ARROW_BATCH, root)
     if kind == "tokens":
         items: Iterator[Any] = _token_rows(tables, name, root)
         description = {**description, "token_column": name}
@@ -225,12 +284,6 @@ def hf_rows(
     if hf.kind == "files" and hf.path == "text":
         total = None  # rows are lines, blank ones included
     return Rows(kind=kind, items=items, description=description, total=total)
-
-
-def _tables(ds, batch_size: int) -> Iterator[Any]:
-    """``ds`` in Arrow tables of ``batch_size`` rows, in stored order."""
-    with _quiet_datasets():
-        yield from ds.with_format("arrow").iter(batch_size=batch_size)
 
 
 def _documents(tables: Iterator[Any], name: str, *, skip_blank: bool) -> Iterator[str]:

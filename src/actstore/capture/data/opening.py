@@ -29,7 +29,8 @@ from .token_files import TOKEN_FILE_SUFFIXES, token_file_source
 if TYPE_CHECKING:
     from ..models import LoadedModel
 
-_KINDS_HINT = (
+#: The kinds of dataset ``--dataset`` may name, for messages.
+KINDS_HINT = (
     "give an image folder, a .txt, .jsonl, .json, .csv, .parquet or .arrow file (or a "
     "folder of them), a .npy or .bin token file, a directory written by datasets' "
     "save_to_disk, or a Hub id"
@@ -235,7 +236,7 @@ def _data_files(path: Path, request: _Request) -> ExampleSource:
     if found is None and path.is_dir() and request.image:
         return image_folder(path, request.model, request.limit)  # explains: no images
     if found is None:
-        raise ConfigError(f"cannot tell what kind of dataset {path} is: {_KINDS_HINT}")
+        raise ConfigError(f"cannot tell what kind of dataset {path} is: {KINDS_HINT}")
     builder, files = found
     hf = HFDataset(kind="files", path=builder, data_files=files, streaming=not request.image)
     return request.hf(hf, str(path), hf.describe())

@@ -347,15 +347,24 @@ def _read_token_rows(
     return read
 
 
-def check_vocabulary(ids: np.ndarray, vocab_size: int | None, root: str, ckpt: str) -> None:
-    """One line when a pre-tokenized id is negative or not below the model's vocabulary."""
+def check_vocabulary(
+    ids: np.ndarray, vocab_size: int | None, root: str, ckpt: str, *, token_file: bool = False
+) -> None:
+    """One line when a pre-tokenized id is negative or not below the model's vocabulary;
+    what to do depends on where the ids come from: a field or column of a dataset (which
+    may have text beside it), or a ``token_file`` (ids only)."""
     if vocab_size is None or not len(ids):
         return
     low, high = int(ids.min()), int(ids.max())
     if low >= 0 and high < vocab_size:
         return
     bad = high if high >= vocab_size else low
+    todo = (
+        f"Tokenize the text again with {ckpt}'s tokenizer, or capture the model it was made for"
+        if token_file
+        else "Capture its text column with --text-field instead"
+    )
     raise ConfigError(
         f"{root} holds token id {bad}, outside {ckpt}'s vocabulary of {vocab_size}: was it "
-        "tokenized for another model? Capture its text column with --text-field instead"
+        f"tokenized for another model? {todo}"
     )

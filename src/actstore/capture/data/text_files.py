@@ -147,4 +147,27 @@ def _values(records: Iterator[tuple[int, Any]], path: Path, name: str, kind: str
                 f"{path}:{lineno}: field {name!r} holds {found}, where earlier records hold "
                 f"{'token ids' if kind == 'tokens' else 'text'}"
             )
-        yield np.asarray(value, dtype=np.int64).reshape(-1) if kind == "tokens" else value
+        yield _token_ids(value, f"{path}:{lineno}", name) if kind == "tokens" else value
+
+
+def _token_ids(value: list[Any], where: str, name: str) -> np.ndarray:
+    """A list of token ids (ints, checked by :func:`~.columns.value_kind`), or of such
+    lists of any lengths, as one int64 array: nested lists end to end, as for an Arrow
+    column of nested lists."""
+    if any(isinstance(v, list) for v in value):
+        value = list(_leaves(value))
+    try:
+        return np.asarray(value, dtype=np.int64)
+    except OverflowError:
+        raise ConfigError(
+            f"{where}: field {name!r} holds a token id that does not fit 64 bits; token ids "
+            "are below the model's vocabulary size"
+        ) from None
+
+
+def _leaves(values: list[Any]) -> Iterator[Any]:
+    for v in values:
+        if isinstance(v, list):
+            yield from _leaves(v)
+        else:
+            yield v

@@ -119,7 +119,7 @@ def token_file_source(
             "lower --context-length"
         )
     used = np.asarray(stream[: n * context_length])
-    check_vocabulary(used, vocab_size, str(path), model.ckpt)
+    check_vocabulary(used, vocab_size, str(path), model.ckpt, token_file=True)
     windows = np.ascontiguousarray(used.astype(np.int32).reshape(n, context_length))
     log.info(
         "packed %s contexts of %d tokens from the first %s of %s tokens of %s; %s left unread",
