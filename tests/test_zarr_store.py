@@ -619,8 +619,7 @@ def test_parallel_shards_manifest_multi_shard_reader_and_merge(store, tmp_path):
     m = ZarrReader(merged)
     assert m.attrs["prompt_truncated_count"] == 2 and "shard" not in m.attrs
     assert m.verify().ok
-    with pytest.raises(StoreExistsError):
-        merge_run(run, progress=False)
+    assert merge_run(run, progress=False) == merged  # merged already: nothing to do
 
 
 def test_manifest_refuses_a_missing_shard(tmp_path):
@@ -682,3 +681,35 @@ def test_batches_without_prompt_response_lengths_store_prompts_only(tmp_path):
 
     root = zarr.open_consolidated(str(reader.path), mode="r")
     assert root["arrays/response_activations"].shape == (plan.n_examples, 2, 0, plan.d_model)
+
+
+def test_negative_zero_chunks_are_stored_read_back_bit_exact_and_verify(tmp_path):
+    """Regression: a chunk of -0.0 equals 0 but zarr stores it (it compares bits); the chunk
+    digests must count it stored too, or the published store fails its own checks."""
+    writer = make_writer(tmp_path / "activations.zarr")
+    sent = {}
+    for batch in SyntheticBatches()(0, N):
+        for k, site in enumerate(SITES):
+            acts = batch.acts[site].numpy()
+            for b, i in enumerate(batch.example_ids.tolist()):
+                if i == 2:  # every value -0.0
+                    acts[b] = -0.0
+                elif i == 4:  # -0.0 and +0.0 mixed, every other token
+                    acts[b] = 0.0
+                    acts[b, 1::2] = -0.0
+            for b, i in enumerate(batch.example_ids.tolist()):
+                sent[i, k] = acts[b, : P_FULL[i] + R_FULL[i]].astype(np.float16)
+        writer.write(batch)
+    reader = ZarrReader(writer.close())
+    report = reader.verify()
+    assert report.ok, report.faults
+    lay = reader.layout
+    for i in (2, 4):
+        for k, site in enumerate(SITES):
+            p0, pk, r0, rk = lay.kept(int(P_FULL[i]), int(R_FULL[i]))
+            want = sent[i, k]
+            got_p, got_r = reader.read(i, site, "prompt"), reader.read(i, site, "response")
+            np.testing.assert_array_equal(got_p.view(np.uint16), want[p0 : p0 + pk].view(np.uint16))
+            np.testing.assert_array_equal(got_r.view(np.uint16), want[r0 : r0 + rk].view(np.uint16))
+    assert (reader.read(2, "resid.1", "prompt").view(np.uint16) == 0x8000).all()
+    assert ZarrReader(reader.path).verify().ok  # a fresh open checks every chunk again

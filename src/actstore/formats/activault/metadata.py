@@ -15,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -28,8 +27,6 @@ from .layout import parse_dtype
 
 #: Version of the ``actstore`` section in cfg.json.
 RUN_RECORD_VERSION = 2
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +194,9 @@ class RunRecord:
     digests: dict[str, list[str]] = field(default_factory=dict)
     """Hook -> keyed digest (16 hex) of each committed file, for the root manifest written
     at completion (Activault's own reader ignores this key)."""
+    version: int = RUN_RECORD_VERSION
+    """Version of the record as read (1: an older actstore, no :attr:`digests`; such a run
+    is read but never resumed)."""
 
     @property
     def tokens_per_file(self) -> int:
@@ -205,7 +205,7 @@ class RunRecord:
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": "activault",
-            "version": RUN_RECORD_VERSION,
+            "version": self.version,
             "run_id": self.run_id,
             "complete": self.complete,
             "groups": self.groups,
@@ -225,7 +225,8 @@ class RunRecord:
     @classmethod
     def from_dict(cls, doc: Any, *, source: str) -> RunRecord:
         try:
-            if int(doc["version"]) > RUN_RECORD_VERSION:
+            version = int(doc["version"])
+            if version > RUN_RECORD_VERSION:
                 raise CorruptStoreError(
                     f"{source} was written by a newer actstore (record version {doc['version']}); "
                     "upgrade actstore"
@@ -247,6 +248,7 @@ class RunRecord:
                 digests={
                     str(h): [str(x) for x in v] for h, v in dict(doc.get("digests", {})).items()
                 },
+                version=version,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source}: malformed 'actstore' section ({err!r})") from err

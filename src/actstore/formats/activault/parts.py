@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ...batch import Batch
-from ...errors import ConfigError
+from ...errors import ConfigError, CorruptStoreError
 from ...stats import merge_all
 from ...storage.manifest import rekey
 from ...storage.object import base_name, join_key, open_location, parent_key
@@ -36,6 +36,41 @@ def _store_id(store: Any, run: str) -> str:
 
     key = join_key(run, MANIFEST)
     return RootManifest.from_bytes(store.get(key), store.url(key)).store_id
+
+
+def _check_parts(
+    store: Any, runs: list[str], records: list[RunRecord], part_ids: list[str], final: str
+) -> dict[str, Any]:
+    """Refuse parts a merge cannot join, before it writes anything: every part is a run of
+    the same capture (store id, hooks), records a digest for each committed file of each
+    hook, and holds the same ``metadata.json`` per hook. Returns that metadata per hook."""
+    for run, rec, part_id in zip(runs, records, part_ids):
+        where = store.url(join_key(run, CFG))
+        if part_id != part_ids[0] or rec.hooks != records[0].hooks:
+            raise CorruptStoreError(
+                f"{where} belongs to another capture than the first part of {final} (its store "
+                "id or hooks differ); capture the parts again with the same plan and options"
+            )
+        for hook in rec.hooks:
+            digests = rec.digests.get(hook, [])
+            if len(digests) != rec.groups or not all(_is_digest(d) for d in digests):
+                raise CorruptStoreError(
+                    f"{where} records {len(digests)} file digests of {hook} for {rec.groups} "
+                    "committed files, or malformed ones; capture this part again"
+                )
+    metas = {}
+    for hook in records[0].hooks:
+        found = [store.get_json(join_key(r, hook, METADATA)) for r in runs]
+        if any(m != found[0] for m in found):
+            raise ConfigError(f"the parts of {final} disagree on {hook}/metadata.json")
+        HookMetadata.from_dict(found[0], source=store.url(join_key(runs[0], hook, METADATA)))
+        metas[hook] = found[0]
+    return metas
+
+
+def _is_digest(text: str) -> bool:
+    """``text`` is a keyed file digest as cfg.json records it (16 hex digits)."""
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text)
 
 
 class _Rebased(WriterBase):
@@ -90,8 +125,14 @@ def part_format() -> PartFormat:
         return _Rebased(ActivaultWriter(plan, url, options), sl.start, sl.stop)
 
     def read_record(store, run_prefix):
+        source = store.url(join_key(run_prefix, CFG))
         doc = store.get_json(join_key(run_prefix, CFG))
-        return RunRecord.from_dict(doc["actstore"], source=store.url(join_key(run_prefix, CFG)))
+        if not isinstance(doc, dict) or "actstore" not in doc:
+            raise CorruptStoreError(
+                f"{source} has no 'actstore' section (not written by actstore); capture this "
+                "part again"
+            )
+        return RunRecord.from_dict(doc["actstore"], source=source)
 
     def list_parts(final):
         store, prefix = open_location(final)
@@ -153,15 +194,12 @@ def part_format() -> PartFormat:
                 indent=2,
             )
 
-        write_cfg(record)  # incomplete: readers refuse the run until the end
         part_ids = [_store_id(store, r) for r in runs]
         merged_store_id = part_ids[0]  # the capture's: every part has it
+        metas = _check_parts(store, runs, records, part_ids, final)
+        write_cfg(record)  # incomplete: readers refuse the run until the end
         digests: dict[str, list[str]] = {h: [] for h in first.hooks}
         for hook in first.hooks:
-            metas = [store.get_json(join_key(r, hook, METADATA)) for r in runs]
-            if any(m != metas[0] for m in metas):
-                raise ConfigError(f"the parts of {final} disagree on {hook}/metadata.json")
-            HookMetadata.from_dict(metas[0], source=store.url(join_key(runs[0], hook, METADATA)))
             group = 0
             for run, rec, part_id in zip(runs, records, part_ids):
                 for g in range(rec.groups):
@@ -182,7 +220,7 @@ def part_format() -> PartFormat:
                 )
                 for r in runs
             ]
-            store.put_json(join_key(prefix, hook, METADATA), metas[0])
+            store.put_json(join_key(prefix, hook, METADATA), metas[hook])
             known = [s for s in stats if s is not None]
             if len(known) == len(stats):
                 store.put_json(

@@ -64,7 +64,7 @@ from .layout import (
     parse_data_file,
     parse_dtype,
 )
-from .metadata import HookMetadata, RunRecord, statistics_from_dict
+from .metadata import RUN_RECORD_VERSION, HookMetadata, RunRecord, statistics_from_dict
 
 if TYPE_CHECKING:
     import torch
@@ -197,6 +197,17 @@ class ActivaultReader(ReaderBase):
                 self.files, ours=True, verify_reads=False, format=self.format_name
             )
         else:  # a run with a root manifest is checked, whatever its cfg.json claims
+            version = RUN_RECORD_VERSION if self.record is None else self.record.version
+            if (
+                version < RUN_RECORD_VERSION
+                and self.verify_reads
+                and not self.files.exists(MANIFEST)
+            ):
+                raise CorruptStoreError(
+                    f"{self.store.url(self.run_prefix)} was written by an older actstore (run "
+                    f"record version {version}, before root manifests), so its files cannot be "
+                    "checked; re-capture it, or open it with verify_reads=False"
+                )
             self._open_checks(ours=self.record is not None)
             if self.checks.enabled:  # cfg.json as published, before anything is trusted
                 doc = self.checks.read_json(CFG)

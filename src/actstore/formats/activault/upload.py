@@ -68,7 +68,7 @@ class HookUploader:
         expected_bytes: int | None,
         on_done: Callable[[int, str, int, RunningStats, str], None],
         on_error: Callable[[BaseException], None],
-        store_id: str = "0" * 16,
+        store_id: str,
     ) -> None:
         self.hook, self.prefix, self.store, self.store_id = hook, prefix, store, store_id
         self.expected_bytes = expected_bytes
@@ -79,6 +79,8 @@ class HookUploader:
         self._lock = threading.Lock()
         self._queue: queue.Queue[UploadJob | None] = queue.Queue(maxsize=queue_files)
         self._stop = threading.Event()
+        self._closed = False
+        self._stops_sent = 0
         self._threads = [
             threading.Thread(target=self._run, name=f"actstore-upload-{hook}-{i}", daemon=True)
             for i in range(threads)
@@ -88,6 +90,8 @@ class HookUploader:
 
     def submit(self, job: UploadJob) -> float:
         """Queue ``job``; returns the seconds spent waiting for room."""
+        if self._closed:
+            raise CaptureError(f"the uploader of {self.hook} is closed; no more files can be sent")
         start = time.perf_counter()
         self._queue.put(job)
         return time.perf_counter() - start
@@ -132,11 +136,18 @@ class HookUploader:
         self.on_done(job.group, self.hook, expected, stats, digest)
 
     def close(self, *, abort: bool = False) -> None:
-        """Finish queued uploads (or skip them with ``abort``) and stop the threads."""
+        """Finish queued uploads (or skip them with ``abort``) and stop the threads.
+
+        Idempotent: a second call (``abort`` after a ``close`` that raised) sends no more
+        stop markers (the threads that took theirs have exited: nothing would take another
+        off the bounded queue, and the put would block for ever).
+        """
         if abort:
             self._stop.set()
-        for _ in self._threads:
+        self._closed = True
+        while self._stops_sent < len(self._threads):
             self._queue.put(None)
+            self._stops_sent += 1
         for t in self._threads:
             t.join()
 

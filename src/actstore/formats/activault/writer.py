@@ -8,11 +8,13 @@ across layers). Each hook's megabatches go through a bounded queue to that hook'
 :class:`HookUploader`, which serialises (``torch.save``) and uploads them on its own
 threads with its own client; the caller waits only when a queue is full.
 
-Commit protocol (what makes resume exact). A group is committed once every hook's file of
-it is uploaded, in group order: the first commit writes each hook's ``metadata.json``
-(with ``bytes_per_file``), then ``cfg.json`` records ``groups`` and the stream position
-where the next group starts (example, kept tokens already stored of that example), then
-each hook's ``statistics.json`` is updated. Files are whole or absent (single PUT, or a
+Commit protocol (what makes resume exact). ``cfg.json`` is first written when the first
+group is handed to the uploaders, before any data file exists (opening a writer creates
+nothing). A group is committed once every hook's file of it is uploaded, in group order:
+the first commit writes each hook's ``metadata.json`` (with ``bytes_per_file``), then
+``cfg.json`` records ``groups`` and the stream position where the next group starts
+(example, kept tokens already stored of that example), then each hook's
+``statistics.json`` is updated. Files are whole or absent (single PUT, or a
 multipart upload completed only when every part is in). A rerun of the same capture finds
 ``cfg.json``, deletes files of uncommitted groups and unfinished uploads, folds any
 statistics that lag the commit record back in from the committed files, and resumes at
@@ -79,6 +81,7 @@ from .layout import (
     parse_dtype,
 )
 from .metadata import (
+    RUN_RECORD_VERSION,
     HookMetadata,
     RunRecord,
     run_cfg,
@@ -103,16 +106,6 @@ else:
 log = logging.getLogger(__name__)
 
 
-def location_of(store: ObjectStore, prefix: str) -> str:
-    """The user-facing location of ``prefix`` in ``store`` (URL or absolute path)."""
-    return store.url(prefix)
-
-
-def plan_record(plan: CapturePlan) -> dict[str, Any]:
-    """The capture plan as plain JSON (what a resumed capture must match)."""
-    return plan.to_json_dict()
-
-
 class ActivaultWriter(FormatWriter):
     """Writer for one Activault run (``s3://bucket/run``, ``file://...`` or a directory).
 
@@ -132,7 +125,7 @@ class ActivaultWriter(FormatWriter):
         self.plan, self.options = plan, options
         self._s3 = options.s3_config(s3)
         self.store, self.run_prefix = open_location(str(out), self._s3)
-        self.location = location_of(self.store, self.run_prefix)
+        self.location = self.store.url(self.run_prefix)  # a URL or an absolute path
         self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
         check_hook_prefixes(self.hooks)
         self.dtype = parse_dtype(options.dtype)
@@ -151,12 +144,13 @@ class ActivaultWriter(FormatWriter):
         self._metadata_bytes: dict[str, int] = {}
         self._packer = Packer(list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype)
         self._stats: dict[str, RunningStats] = {}  # set here or by _resume
+        self._cfg_written = True  # a new run writes it with its first group
         self.identity = {
             "hooks": self.hooks,
             "rows_per_file": self.rows,
             "sequence_length": self.seq,
             "dtype": options.dtype,
-            "plan": plan_record(plan),
+            "plan": plan.to_json_dict(),  # what a resumed capture must match
         }
         self.store_id = store_id_of(self.identity)
         if not self.run_prefix:
@@ -193,7 +187,7 @@ class ActivaultWriter(FormatWriter):
             rows_per_file=self.rows,
             sequence_length=self.seq,
             dtype=self.options.dtype,
-            plan=plan_record(self.plan),
+            plan=self.plan.to_json_dict(),
         )
 
     def _open(self) -> None:
@@ -218,7 +212,9 @@ class ActivaultWriter(FormatWriter):
                 "actstore can resume; choose a new run name"
             )
         self.record = self._new_record()
-        self._write_cfg()
+        # cfg.json is written with the first group (before any data file: a run holding
+        # files but no cfg.json is refused): opening a writer creates nothing
+        self._cfg_written = False
         log.info("new Activault run %s (hooks: %s)", self.location, ", ".join(self.hooks))
 
     def _resume(self, cfg_key: str) -> None:
@@ -229,6 +225,12 @@ class ActivaultWriter(FormatWriter):
                 "resumed or extended: choose a new run name"
             )
         record = RunRecord.from_dict(doc["actstore"], source=self.store.url(cfg_key))
+        if record.version < RUN_RECORD_VERSION:
+            raise StoreExistsError(
+                f"{self.location} was written by an older actstore (run record version "
+                f"{record.version}, without file digests) and cannot be resumed or completed "
+                "here; capture into a new run"
+            )
         expected = self._new_record()
         differ = [
             name
@@ -423,6 +425,10 @@ class ActivaultWriter(FormatWriter):
 
     def _emit_group(self, states: dict[str, torch.Tensor], ids: torch.Tensor) -> None:
         """Hand one full group (a megabatch per hook) to the uploaders."""
+        if not self._cfg_written:
+            with self._lock:
+                self._write_cfg()
+            self._cfg_written = True
         if not self._uploaders:
             self._start_uploaders()
         group = self._emitted

@@ -9,7 +9,7 @@ loads it with ``datasets.load_from_disk`` and reads the column of its ``hook_nam
 
 actstore adds sidecar files that ``datasets`` and ``sae_lens`` ignore: ``actstore.json``
 (the layout and capture plan), ``statistics.json`` (exact per-site statistics) and
-and the root manifest. For every record batch ``actstore.json`` also records where each
+the root manifest. For every record batch ``actstore.json`` also records where each
 column's values start in its file (``values_at``): a reader fetches a block with one ranged
 read of just those bytes (one manifest block), without walking the Arrow stream.
 

@@ -434,11 +434,9 @@ class SaelensReader(ReaderBase):
         """The capture that produced the store (pieced together for foreign caches; a
         :class:`ConfigError` when a column names no actstore site, see :class:`ColumnSite`)."""
         if self.record is not None:
-            plan = dict(self.record["plan"])
-            plan["sites"] = tuple(Site.parse(s) for s in plan["sites"])
             try:
-                return CapturePlan(**plan)
-            except TypeError as err:
+                return CapturePlan.from_json_dict(dict(self.record["plan"]))
+            except (KeyError, TypeError, ValueError) as err:
                 raise CorruptStoreError(
                     f"{self.files.url_of(SIDECAR)}: bad plan record ({err})"
                 ) from err

@@ -176,7 +176,7 @@ class _HashlessSink:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.file = open(path, "wb")  # noqa: SIM115 - closed by ArrowWriter through close()
+        self.file = open(path, "wb")  # noqa: SIM115 - closed by close() (finalize, abort)
         self.size = 0
         self.closed = False
 
@@ -260,8 +260,11 @@ class _ArrowFile(ShardSink):
     def finish(self) -> list[WrittenFile]:
         if self._pending_n:  # the file's last, short block
             self._write_block(self._pending_n)
-        self.arrow.finalize()
-        self.arrow.close()  # closes the sink: flush + fsync
+        # finalize(close_stream=True) closes the sink (flush + fsync); ArrowWriter.close()
+        # would not: it leaves a caller's stream open. Closing it again is a no-op, and makes
+        # the fsync certain whatever a datasets version does with the stream.
+        self.arrow.finalize(close_stream=True)
+        self.sink.close()
         data = self.path.read_bytes()
         values_at = _values_at(data, self.layout)
         ranges = _ranges(values_at, self.layout, self.n)

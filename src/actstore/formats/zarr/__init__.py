@@ -21,7 +21,7 @@ from .options import ZarrOptions
 from .parts import part_format
 from .reader import ZarrReader, detect
 from .shards import merge_run, shard_ranges, write_manifest, write_shards
-from .writer import ZarrWriter, plan_store, store_path
+from .writer import ZarrWriter, plan_store
 
 if TYPE_CHECKING:
     from .dataset import ZarrPairDataset
@@ -58,7 +58,6 @@ __all__ = [
     "merge_run",
     "plan_store",
     "shard_ranges",
-    "store_path",
     "write_manifest",
     "write_shards",
 ]

@@ -5,10 +5,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...errors import CorruptStoreError
+from ...storage.integrity import Integrity
+from ...storage.location import Location
 from ..parts import PartFormat, PartInfo, Slice
-from .reader import MANIFEST, ZarrReader
+from .layout import CONFIG_FILE
+from .meta import parse_zmetadata
+from .reader import MANIFEST
 from .shards import SHARDS_DIR, shard_ranges, write_manifest
 from .writer import ZarrWriter
+
+
+def shard_info(path: Path) -> PartInfo:
+    """What the merge needs of a published shard: its attributes and ``meta/config.json``,
+    checked against its root manifest (not its per-sample arrays or chunk digests)."""
+    location = Location.parse(path)
+    checks = Integrity.open(location.files(), ours=True, format="zarr")
+    _, attrs, _, _ = parse_zmetadata(checks.read_json(".zmetadata"), location.url)
+    config = checks.read_json(CONFIG_FILE) if checks.files.exists(CONFIG_FILE) else {}
+    try:
+        shard = attrs["shard"]
+        start, stop = int(shard["start"]), int(shard["stop"])
+        total = int(config["layout"]["n_samples"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptStoreError(
+            f"{path} lacks its shard record ({err!r} in its attributes or meta/config.json): "
+            f"it is not a shard of a run; move it out of {path.parent}"
+        ) from None
+    return PartInfo(
+        path=path, start=start, stop=stop, n_examples=total, identity=attrs.get("fingerprint")
+    )
 
 
 def part_format() -> PartFormat:
@@ -31,16 +57,7 @@ def part_format() -> PartFormat:
         return ZarrWriter.for_shard(plan, final, sl.machine_id, used, options)
 
     def info(path):
-        store = ZarrReader(path)
-        shard = store.attrs.get("shard") or {}
-        total = store.config["layout"]["n_samples"]
-        return PartInfo(
-            path=path,
-            start=shard["start"],
-            stop=shard["stop"],
-            n_examples=total,
-            identity=store.attrs.get("fingerprint"),
-        )
+        return shard_info(Path(path))
 
     def list_parts(final):
         shards = final / SHARDS_DIR

@@ -206,9 +206,6 @@ class ZarrReader(ReaderBase):
     def sites(self) -> tuple[Site, ...]:
         return tuple(Site.parse(s) for s in self.layout.sites)
 
-    def native_name(self, site: Site) -> str:
-        return str(site)
-
     @property
     def layers(self) -> tuple[int, ...]:
         return self.layout.layers

@@ -192,7 +192,13 @@ def write_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
     if len(declared) != 1 or None in declared:
         raise CorruptStoreError(f"shards of {run_dir} disagree on (or lack) their shard count")
     n_shards = declared.pop()
-    by_index = {r.attrs["shard"]["index"]: r for r in readers}
+    try:
+        by_index = {int(r.attrs["shard"]["index"]): r for r in readers}
+        starts = {k: int(r.attrs["shard"]["start"]) for k, r in by_index.items()}
+    except (KeyError, TypeError, ValueError) as err:
+        raise CorruptStoreError(
+            f"a shard of {run_dir} has a malformed shard record ({err!r}); re-capture it"
+        ) from None
     missing = [k for k in range(n_shards) if k not in by_index]
     if missing:
         raise CaptureError(
@@ -203,9 +209,9 @@ def write_manifest(run_dir: str | os.PathLike) -> dict[str, Any]:
     first = by_index[0]
     for k in range(n_shards):
         reader = by_index[k]
-        if reader.attrs["shard"]["start"] != start:
+        if starts[k] != start:
             raise CorruptStoreError(
-                f"{reader.url} starts at {reader.attrs['shard']['start']}, "
+                f"{reader.url} starts at {starts[k]}, "
                 f"expected {start} (overlapping or missing samples)"
             )
         if not reader.layout.same_bytes_as(first.layout):
@@ -253,7 +259,11 @@ def merge_run(
     """Merge the shards of a run into one store (default ``run_dir/merged/activations.zarr``),
     written as one capture of every sample would be: each sample re-encoded through a
     :class:`ZarrWriter` (float16 values exact), the statistics those the shards recorded
-    (of the values as captured), merged. The manifest then names the merged store."""
+    (of the values as stored), merged. The manifest then names the merged store.
+
+    A merge cut short is finished by running it again: a merged store already published
+    for this run is kept (its writer recognises its own capture record) and only the
+    manifest is updated; ``dest`` holding anything else is refused."""
     from .reader import ZarrReader
 
     run_dir = Path(run_dir).expanduser()
@@ -261,8 +271,6 @@ def merge_run(
     if reader.manifest is None:
         raise ConfigError(f"{run_dir} is not a sharded run (no {MANIFEST})")
     dest = Path(dest).expanduser() if dest is not None else run_dir / MERGED_DIR / STORE_NAME
-    if dest.exists():
-        raise StoreExistsError(f"{dest} already exists; remove it to merge again")
     plan = reader.capture_plan()
     options = ZarrOptions(**reader.config.get("options", {}))
     store = Location.parse(dest)
@@ -272,21 +280,24 @@ def merge_run(
     if len(known) == len(stored):  # else the writer's own statistics of the merged rows
         writer.statistics_override = known
     n = reader.n_samples
-    with tqdm(total=n, desc="merge", unit="sample", **bar_switch(progress)) as bar:
-        try:
-            for batch in reader.example_batches(plan.batch_size):
-                writer.write(batch)
-                bar.update(batch.n_examples)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+    if writer.complete:  # published by an earlier merge cut short before the manifest
+        log.info("%s is already merged; updating %s", dest, run_dir / MANIFEST)
+    else:
+        with tqdm(total=n, desc="merge", unit="sample", **bar_switch(progress)) as bar:
+            try:
+                for batch in reader.example_batches(plan.batch_size):
+                    writer.write(batch)
+                    bar.update(batch.n_examples)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
     manifest = dict(reader.manifest)
     try:
         manifest["merged"] = str(dest.relative_to(run_dir))
     except ValueError:
         manifest["merged"] = str(dest)
     atomic_write_json(run_dir / MANIFEST, manifest)
-    _write_run_manifest(run_dir, ZarrReader(reader.stores_paths[0]))
+    _write_run_manifest(run_dir, reader.stores[0])
     log.info("merged %d shards of %s into %s", len(reader.stores_paths), run_dir, dest)
     return dest

@@ -40,8 +40,6 @@ from .layout import (
     ZarrLayout,
 )
 
-#: Threads flushing files before a store is published.
-FSYNC_THREADS = 8
 #: Per-sample arrays a store may hold besides the required ones, with their dtype.
 OPTIONAL_ARRAYS = {"hallu_label": (HALLU_LABEL, np.dtype("i1")), "split": (SPLIT, np.dtype("i1"))}
 

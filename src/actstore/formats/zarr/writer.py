@@ -17,9 +17,10 @@ exactly one chunk of each: when it is full they are written, the file system syn
 the shard's keyed chunk digests saved in ``meta/chunksums/<part>.<shard>.npy``; the base
 then records the shard. Activation chunk files are not listed in the root manifest one by
 one (a store may hold millions): the chunk digest files are, and readers check every chunk
-against them. Text files (``text/prompts.jsonl``...) grow as per-example side files.
-Statistics are over every stored (unpadded) prompt and response token, as captured (before
-the float16 cast).
+against them; so does a resumed capture, for the chunks of every shard it keeps. Text files
+(``text/prompts.jsonl``...) grow as per-example side files. Statistics are over every
+stored (unpadded) prompt and response token, as stored (after the float16 cast): they
+describe the values a reader serves.
 
 Example:
     >>> import dataclasses, tempfile
@@ -103,12 +104,6 @@ log = logging.getLogger(__name__)
 
 #: Bytes of activations a writer shard holds (a resume restarts at most this far back).
 SHARD_BYTES = 256 << 20
-
-
-def store_path(out: str | Path) -> Path:
-    """``out`` itself if it ends in ``.zarr``, else ``out/activations.zarr``."""
-    out = Path(out).expanduser()
-    return out if out.suffix == ".zarr" else out / STORE_NAME
 
 
 def plan_lengths(plan: CapturePlan) -> tuple[np.ndarray, np.ndarray]:
@@ -367,10 +362,6 @@ class ZarrWriter(ShardedWriter):
             run_shard={"index": index, "n_shards": n_shards},
         )
 
-    @property
-    def final_path(self) -> Path:
-        return self.final
-
     # ------------------------------------------------------------------ the format's part
 
     def init_files(self, directory: Path) -> None:
@@ -384,6 +375,50 @@ class ZarrWriter(ShardedWriter):
 
     def manifest_skip(self) -> tuple[str, ...]:
         return tuple(ACTIVATIONS.values())
+
+    def _shard_intact(self, entry: dict[str, Any]) -> bool:
+        """On resume: the shard's recorded files hash to their digests (the base's check,
+        which covers its chunk digest files) and so does every activation chunk of its
+        samples, which the progress record does not list: a shard with a damaged, missing
+        or stray chunk is written again, as in every format."""
+        if not super()._shard_intact(entry):
+            return False
+        try:
+            index = int(entry["index"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        return all(self._chunks_intact(index, part) for part in PARTS)
+
+    def _chunks_intact(self, index: int, part: str) -> bool:
+        """Every activation chunk of ``part`` in writer shard ``index`` of the partial
+        directory is as its chunk digests record: stored and equal, or absent."""
+        lay = self.layout
+        lo, hi = (x - self.id_offset for x in self.shard_bounds(index))
+        folder = self.partial / ACTIVATIONS[part]
+        try:
+            sums = np.load(self.partial / chunksums_name(part, index), allow_pickle=False)
+            separator = json.loads((folder / ".zarray").read_text()).get("dimension_separator", ".")
+        except (OSError, ValueError, AttributeError):
+            return False
+        if sums.shape != (hi - lo, lay.n_layers, lay.n_chunks(part)) or sums.dtype != "<u8":
+            return False
+        for i, layer, c in np.ndindex(*sums.shape):
+            want = int(sums[i, layer, c])
+            path = folder / chunk_key((lo + i, layer, c, 0), separator)
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                if want:
+                    return False
+                continue
+            except OSError:
+                return False
+            if not want or len(data) != lay.chunk_nbytes(part):
+                return False  # a chunk the digests say was never stored, or a cut one
+            key = int(block_keys(self.store_id, chunk_id(part, lo + i, layer, c), 0, 1)[0])
+            if ((xxhash.xxh3_64_intdigest(data) ^ key) or 1) != want:
+                return False
+        return True
 
     def discard_after(self, directory: Path, position: int) -> None:
         first = position - self.id_offset
@@ -633,12 +668,16 @@ def chunk_digests(
 ) -> np.ndarray:
     """Keyed xxh3-64 of each activation chunk of ``data`` (``[n, L, n_chunks * T_chunk, H]``
     float16 of samples ``first, first + 1, ...``, zero-padded to whole chunks): uint64
-    ``[n, L, n_chunks]``, 0 where the chunk holds only zeros (zarr does not store it)."""
+    ``[n, L, n_chunks]``, 0 where the chunk holds only +0.0 (zarr does not store it).
+
+    A chunk is stored when any value differs from the fill value 0 *by its bits*, as zarr
+    decides: a chunk of -0.0 compares equal to 0 but is written, so it has a digest.
+    """
     n, n_layers = data.shape[:2]
     if n_chunks == 0:
         return np.zeros((n, n_layers, 0), dtype="<u8")
-    chunks = data.reshape(n, n_layers, n_chunks, -1)
-    stored = (chunks != 0).any(axis=3)
+    chunks = np.ascontiguousarray(data).reshape(n, n_layers, n_chunks, -1)
+    stored = (chunks.view(np.dtype(f"u{chunks.dtype.itemsize}")) != 0).any(axis=3)
     out = np.zeros((n, n_layers, n_chunks), dtype="<u8")
     for i, layer, c in zip(*np.nonzero(stored)):
         key = int(block_keys(store_id, chunk_id(part, first + int(i), int(layer), int(c)), 0, 1)[0])
@@ -686,4 +725,4 @@ def _batch_texts(batch: Batch) -> tuple[list[str] | None, list[str] | None]:
     )
 
 
-__all__ = ["ZarrWriter", "plan_store", "store_attrs", "store_path"]
+__all__ = ["ZarrWriter", "plan_store", "store_attrs"]
