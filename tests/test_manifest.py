@@ -174,6 +174,53 @@ def test_verify_reports_every_fault(tmp_path):
     assert any("meta.json" in f for f in faults), faults
 
 
+def _self_signed(doc: dict) -> bytes:
+    """``doc`` with a correct ``self`` digest: malformed, but consistent with itself."""
+    import xxhash
+
+    body = {k: v for k, v in doc.items() if k not in ("self", "hmac")}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return json.dumps({**body, "self": xxhash.xxh3_128_hexdigest(canonical)}).encode()
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda d: d.update(version="one"), "version 'one' is not an integer"),
+        (lambda d: d.update(version=None), "version None is not an integer"),
+        (lambda d: d.update(store_id="not-hex-at-all!!"), "store_id 'not-hex-at-all!!' is not 16"),
+        (lambda d: d.update(store_id="abc"), "store_id 'abc' is not 16 hex digits"),
+        (lambda d: d.update(blocks="zz"), "blocks 'zz' is not 32 hex digits"),
+        (lambda d: d["files"]["meta.json"].update(xxh3="g" * 16), "meta.json: xxh3 'gggg"),
+        (lambda d: d["files"]["a.bin"].update(digest=7), "a.bin: digest '7' is not 32 hex"),
+        (lambda d: d["files"]["a.bin"].update(size="big"), "malformed file entry"),
+    ],
+)
+def test_a_self_consistent_manifest_with_malformed_values_is_refused(tmp_path, edit, words):
+    store = _store(tmp_path / "s")
+    doc = json.loads((store / MANIFEST).read_text())
+    edit(doc)
+    (store / MANIFEST).chmod(0o644)
+    (store / MANIFEST).write_bytes(_self_signed(doc))
+    with pytest.raises(CorruptStoreError) as err:
+        _open(store)
+    assert words in str(err.value)
+    assert str(err.value).startswith(f"{store}/{MANIFEST}")
+
+
+def test_entries_with_computed_starts_are_placed_in_the_blocks_file(tmp_path):
+    data = bytes(range(256)) * 4
+    (tmp_path / "r.bin").write_bytes(data)
+    builder = ManifestBuilder(format="t", store_id=store_id_of("r"), record="r")
+    entry, digests = hash_ranges(builder.store_id, "r.bin", data, [(0, 100), (100, 500)])
+    assert entry.starts.tolist() == [0, 100, 600]  # the cached property is computed
+    builder.add("r.bin", entry, digests)
+    builder.write(tmp_path, summary={})
+    checks = _open(tmp_path)
+    assert checks.manifest.files["r.bin"].at == 0
+    checks.check("r.bin", 100, data[100:600])
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     size=st.integers(0, 5000),

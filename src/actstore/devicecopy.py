@@ -142,8 +142,16 @@ class Copies(abc.ABC):
 
 
 def _fail(err: BaseException) -> DeviceError:
-    kind = "out of memory" if isinstance(err, torch.OutOfMemoryError) else "failed"
-    return DeviceError(f"a copy between host and device {kind}: {type(err).__name__}: {err}")
+    """One line: the first line of the runtime's message (CUDA's run on for lines) and
+    what to do."""
+    oom = isinstance(err, torch.OutOfMemoryError)
+    kind = "ran out of memory" if oom else "failed"
+    first = (str(err).strip().splitlines() or [""])[0].strip()
+    return DeviceError(
+        f"a copy between host and device {kind} ({type(err).__name__}: {first}); "
+        "use a smaller batch_size, or free GPU memory (other processes, tensors you hold)"
+        + ("" if oom else ", and check the device with nvidia-smi")
+    )
 
 
 class _CudaTransfer(Transfer):
@@ -252,12 +260,15 @@ class ThreadCopies(Copies):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="actstore-copy")
         self._before = before  # run on the copy thread before each transfer (tests: delay)
 
-    def _submit(self, sources: Sequence[torch.Tensor], dtype: torch.dtype | None) -> Transfer:
+    def _submit(
+        self, sources: Sequence[torch.Tensor], dtype: torch.dtype | None, device: torch.device
+    ) -> Transfer:
         def copy() -> list[torch.Tensor]:
             if self._before is not None:
                 self._before()
             return [
-                torch.empty(s.shape, dtype=dtype or s.dtype, device="cpu").copy_(s) for s in sources
+                torch.empty(s.shape, dtype=dtype or s.dtype, device=device).copy_(s)
+                for s in sources
             ]
 
         return _ThreadTransfer(self._pool.submit(copy))
@@ -265,10 +276,10 @@ class ThreadCopies(Copies):
     def to_host(
         self, sources: Sequence[torch.Tensor], dtype: torch.dtype | None = None
     ) -> Transfer:
-        return self._submit(sources, dtype)
+        return self._submit(sources, dtype, torch.device("cpu"))
 
     def to_device(self, sources: Sequence[torch.Tensor]) -> Transfer:
-        return self._submit(sources, None)
+        return self._submit(sources, None, self.device)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

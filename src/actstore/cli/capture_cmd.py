@@ -329,7 +329,7 @@ def capture(
             num_machines=num_machines,
         )
         return
-    if pre.writer is not None and pre.writer.complete:  # pre.complete
+    if pre.writer is not None and pre.writer.complete:
         location = pre.writer.close()
         already = True
     else:

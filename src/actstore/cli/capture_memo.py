@@ -3,13 +3,17 @@ torch, transformers or the dataset load.
 
 A capture's key is the sha256 of everything that decides which store it writes: every
 option as given, the absolute ``--out``, the files (path, size, mtime) of the model
-directory and of the dataset, the Python version, and the source files of actstore and of
-the libraries that read and tokenise the data (transformers, tokenizers, datasets, pyarrow,
-numpy). Only captures into a local directory, of a local model directory (or the embedded
-model) over a local dataset (or the embedded corpus), on one machine, are memoised; the rest
-always take the full path (preflight). A memo names the store and the size and mtime of its
-manifest files at publication; it answers only while those are unchanged, so a removed,
-rewritten or damaged-and-recaptured store is never reported from the memo.
+directory and of the dataset, the Python version, actstore's source files, and the entry
+file (``__init__.py``: size, mtime) of each library that reads and tokenises the data
+(transformers, tokenizers, datasets, pyarrow, numpy), which changes when one is upgraded
+or reinstalled (not each of their source files). Only captures into a local directory, of
+a local model directory (or the embedded model) over a local dataset (or the embedded
+corpus), on one machine, are memoised; the rest, and any whose files cannot all be
+listed (a dangling symlink, an unreadable file), always take the full path (preflight). A
+memo names the store and the size, mtime and inode of its index files and its root
+manifest (``actstore-manifest.json`` and ``actstore-blocks.xxh3``) at publication; it
+answers only while those are unchanged, so a removed, rewritten or damaged-and-recaptured
+store is never reported from the memo.
 
 Memos live in ``$ACTSTORE_MEMO_DIR``, else ``$XDG_CACHE_HOME/actstore/captures`` (default
 ``~/.cache/...``); a directory that cannot be written only costs the speed-up.
@@ -64,18 +68,21 @@ def capture_key(params: dict[str, Any]) -> str | None:
     out = str(params.get("out", ""))
     if "://" in out:
         return None
-    model = _model_files(str(params.get("model")))
-    data = _dataset_files(str(params.get("dataset")))
-    if model is None or data is None:
+    try:  # a file that cannot be listed (dangling symlink, no permission): no memo
+        model = _model_files(str(params.get("model")))
+        data = _dataset_files(str(params.get("dataset")))
+        if model is None or data is None:
+            return None
+        doc = {
+            "options": {k: v for k, v in sorted(params.items()) if k not in _IGNORED},
+            "out": str(Path(out).expanduser().absolute()),
+            "model": model,
+            "dataset": data,
+            "python": sys.version,
+            "code": _code_files(),
+        }
+    except OSError:
         return None
-    doc = {
-        "options": {k: v for k, v in sorted(params.items()) if k not in _IGNORED},
-        "out": str(Path(out).expanduser().absolute()),
-        "model": model,
-        "dataset": data,
-        "python": sys.version,
-        "code": _code_files(),
-    }
     text = json.dumps(doc, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -96,16 +103,24 @@ def recall(params: dict[str, Any]) -> Memo | None:
     return Memo(location, summary)
 
 
+#: The root manifest's files (:mod:`actstore.storage.manifest`), named here so that
+#: recalling a memo imports nothing.
+ROOT_FILES = ("actstore-manifest.json", "actstore-blocks.xxh3")
+
+
 def remember(
     params: dict[str, Any], location: Any, summary: str, manifests: tuple[str, ...]
 ) -> None:
-    """Record a finished capture (nothing when it is not memoised or cannot be written)."""
+    """Record a finished capture (nothing when it is not memoised or cannot be written):
+    the stats of its format's index files ``manifests`` (each must exist) and of its root
+    manifest files (those it has)."""
     key = capture_key(params)
     if key is None or not Path(str(location)).is_dir():
         return
     stats = _stats(str(location), list(manifests))
     if not stats or len(stats) != len(manifests):
         return
+    stats.update(_stats(str(location), [n for n in ROOT_FILES if n not in stats]))
     doc = {"location": str(location), "summary": summary, "manifests": stats}
     directory = memo_dir()
     try:
@@ -129,12 +144,13 @@ def _stats(location: str, names: list[str]) -> dict[str, list[int]]:
 
 
 def _listing(root: Path) -> list[list[Any]] | None:
-    """(relative path, size, mtime) of every file under ``root`` (a file: itself)."""
+    """(relative path, size, mtime) of every file under ``root`` (a file: itself); an
+    entry that cannot be listed or stat'ed raises :class:`OSError`."""
     if root.is_file():
         st = root.stat()
         return [[root.name, st.st_size, st.st_mtime_ns]]
     out: list[list[Any]] = []
-    for dirpath, dirs, files in os.walk(root):
+    for dirpath, dirs, files in os.walk(root, onerror=_raise):
         dirs.sort()
         for name in sorted(files):
             path = os.path.join(dirpath, name)
@@ -143,6 +159,10 @@ def _listing(root: Path) -> list[list[Any]] | None:
             if len(out) > _MAX_FILES:
                 return None
     return out
+
+
+def _raise(err: OSError) -> None:
+    raise err
 
 
 def _model_files(model: str) -> dict[str, Any] | None:
@@ -171,7 +191,8 @@ def _dataset_files(dataset: str) -> dict[str, Any] | None:
 
 
 def _code_files() -> list[Any]:
-    """actstore's source files and the installed libraries' entry files (size, mtime)."""
+    """actstore's source files, and each installed library's entry file (size, mtime): not
+    their other source files."""
     root = Path(__file__).resolve().parents[1]
     out: list[Any] = [
         [str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns]

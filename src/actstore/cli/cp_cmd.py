@@ -21,10 +21,14 @@ def cp(
     ),
 ) -> None:
     """Copy a store (every file under SRC) to DST, in parallel. Run the same command again
-    to resume an interrupted copy: files already at DST with the right size are skipped,
-    and a large file cut off mid-way resumes from the parts already at DST.
+    to resume an interrupted copy: files already at DST with the right size are skipped
+    when their content matches (compared by checksum or ETag; with --no-verify, by size
+    alone), and a large file cut off mid-way resumes from the parts already at DST.
     The store's index (metadata.json, .zmetadata...) and then its root manifest
     (actstore-manifest.json) are written last, so DST opens only once the copy is whole.
+    DST must hold nothing but (part of) this store. Exits 1 when the copy's verification
+    finds a fault (listed, as actstore verify does; the copy stays to be resumed), 2 on a
+    usage error.
 
     \b
     Examples:
@@ -37,29 +41,33 @@ def cp(
 
     from ..formats import available_formats, verify_store
     from ..progress import bar_switch
-    from ..storage.copy import copy_store
+    from ..storage.copy import CopyFaultError, copy_store
     from ..storage.files import open_files
     from ..storage.manifest import MANIFEST
     from ..storage.object import MiB, S3Config
 
     s3 = S3Config(endpoint_url=endpoint_url)
     total = sum(open_files(src, s3=s3, cache=False).list().values())
-    with tqdm(total=total, unit="B", unit_scale=True, desc="cp", **bar_switch(progress)) as bar:
-        report = copy_store(
-            src,
-            dst,
-            s3=s3,
-            threads=threads,
-            part_bytes=part_mb * MiB,
-            verify=verify,
-            progress=bar.update,
-            check_store=partial(verify_store, foreign_ok=True),
-            # every format's index, then the root manifest: DST opens only once it is whole
-            last=[
-                *sorted({name for spec in available_formats() for name in spec.manifests}),
-                MANIFEST,
-            ],
-        )
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="cp", **bar_switch(progress)) as bar:
+            report = copy_store(
+                src,
+                dst,
+                s3=s3,
+                threads=threads,
+                part_bytes=part_mb * MiB,
+                verify=verify,
+                progress=bar.update,
+                check_store=partial(verify_store, foreign_ok=True),
+                # every format's index, then the root manifest: DST opens only once it is whole
+                last=[
+                    *sorted({name for spec in available_formats() for name in spec.manifests}),
+                    MANIFEST,
+                ],
+            )
+    except CopyFaultError as err:  # a fault found in the copy: listed, exit 1 (as verify)
+        typer.secho(f"FAULT: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
     reused = f", {report.parts_reused} parts of an interrupted copy kept" * bool(
         report.parts_reused
     )

@@ -101,14 +101,18 @@ def verify(
     location: str = typer.Argument(..., help="A store: directory or URL."),
     progress: bool = typer.Option(True, help="Show a progress bar while hashing."),
 ) -> None:
-    """Check a store's integrity: metadata against the index and file sizes, every
-    checksum, content hash and NaN/Inf values. Exits 1 on any fault.
+    """Check a store's integrity: every file against the root manifest
+    (actstore-manifest.json: sizes, the listing, and the keyed digest of every block, so a
+    block changed, moved or copied from another store is found), metadata against the
+    index, the format's own checksums and content hashes, and NaN/Inf values. Lists every
+    fault and exits 1 on any; exits 2 on a usage error (no such store, a missing optional
+    dependency).
 
     Example: actstore verify actstore-data/3f1c0e...
     """
     from tqdm.auto import tqdm
 
-    from ..errors import ActstoreError, StoreNotFoundError
+    from ..errors import ActstoreError, CorruptStoreError, StoreNotFoundError
     from ..formats import open_store
     from ..progress import bar_switch
     from ..storage.location import Location
@@ -118,13 +122,16 @@ def verify(
     if not Location.parse(location).exists():  # a usage error (exit 2), not a fault found
         raise StoreNotFoundError(f"{location} does not exist; give a store directory or URL")
     faults: list[str] = []
+    # the store's faults are listed (exit 1); any other error (a missing dependency, a bad
+    # option) is the user's to fix: one error line, exit 2
+    store_faults = (CorruptStoreError, StoreNotFoundError)
     try:
         reader = open_store(location)
-    except ActstoreError as err:
+    except store_faults as err:
         faults.append(str(err))
         try:  # open it unchecked, so every fault is found and listed, not only the first
             reader = open_store(location, verify_reads=False)
-        except ActstoreError as again:
+        except store_faults as again:
             # the format cannot read it at all: still check every byte against the manifest
             faults += [f for f in [str(again), *_manifest_faults(location)] if f not in faults]
             for fault in faults:

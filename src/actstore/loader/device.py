@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Generator, Iterable
 from typing import TypeVar
 
@@ -40,6 +41,7 @@ def to_device(batches: Iterable[Item], copies: Copies) -> Generator[Item, None, 
     """``batches`` on ``copies.device``, in order, one copy running ahead; closes
     ``copies`` when done."""
     source = iter(batches)
+    pending: tuple[Transfer, bool] | None = None
     try:
         item = next(source, None)
         pending = None if item is None else _start(item, copies)
@@ -55,4 +57,7 @@ def to_device(batches: Iterable[Item], copies: Copies) -> Generator[Item, None, 
             yield LoaderBatch(out[0], out[1]) if indexed else out[0]  # type: ignore[misc]
             del out
     finally:
+        if pending is not None:  # closed early: the copy started ahead still reads its
+            with contextlib.suppress(Exception):  # host rows, which are reused once we return
+                pending[0].wait()
         copies.close()

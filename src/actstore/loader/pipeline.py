@@ -353,7 +353,7 @@ class BufferSet:
             self.pools.reserve(2)  # a window being served and the next one being read
         row_shape = (batch_size, layout.n_sites, layout.d_model)
         self.carry = Buffers(row_shape, layout.dtype, allocate=allocate)
-        self.stage = Buffers(row_shape, np.float32)
+        self.stage = Buffers(row_shape, np.float32, allocate=allocate)  # a batch, when float32
         self.out = Buffers(row_shape, _NUMPY_STORAGE[out_dtype], allocate=allocate)
 
     def _allocate_shared(self, count: int, dtype: np.dtype) -> np.ndarray:

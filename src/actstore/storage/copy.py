@@ -11,7 +11,9 @@ Every destination object appears whole or not at all, so:
   an unfinished multipart upload is continued (its parts listed, those whose MD5 matches
   the source kept), and an unfinished download continues in its partial file
   (``.NAME.partial.tmp``, with a journal of the parts already written, ``.NAME.parts.tmp``,
-  valid while the source object is unchanged);
+  valid while the source object is unchanged); the other temporary files a killed copy
+  leaves (``.NAME.XXXXXXXX.tmp``) are removed first, and a destination holding files the
+  source lacks is refused before anything is copied;
 * **publish last**: the format's index files (``last``), then the root manifest
   (``actstore-manifest.json``, without which readers refuse a store of ours) are written
   after every other file is in, so a reader never opens a store whose copy is half done;
@@ -34,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -41,7 +44,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,9 +80,83 @@ class CopyReport:
     """Parts of interrupted copies found at the destination and not sent again."""
 
 
+class CopyFaultError(CorruptStoreError):
+    """The copy is done but its verification found a fault (``actstore cp`` exits 1, as
+    ``actstore verify`` does for a fault); the copy is left in place to be resumed."""
+
+
 def _is_temp(name: str) -> bool:
     base = name.rpartition("/")[2]
     return base.startswith(".") and base.endswith(".tmp")
+
+
+def _temp_owner(name: str) -> tuple[str, str]:
+    """``(file, tag)`` of a copier's temporary file ``dir/.FILE.TAG.tmp``: the file it
+    becomes (``dir/FILE``) and ``partial``, ``parts`` or mkstemp's random tag."""
+    folder, _, base = name.rpartition("/")
+    stem, _, tag = base[1 : -len(".tmp")].rpartition(".")
+    return (f"{folder}/{stem}" if folder else stem), tag
+
+
+def _local_temps(store: Any, prefix: str) -> list[str]:
+    """The hidden temporary files (``.*.tmp``) below a local destination (listings leave
+    them out); none for object storage, where unfinished uploads are not objects."""
+    if not isinstance(store, LocalStore):
+        return []
+    root = Path(store.url(prefix))
+    found = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            if _is_temp(n):
+                found.append((Path(dirpath) / n).relative_to(root).as_posix())
+    return sorted(found)
+
+
+def _refuse_others(
+    url: str, listing: dict[str, int], landed: dict[str, Any], temps: list[str]
+) -> None:
+    """Refuse a destination holding files the source lacks (its verification, and readers,
+    would refuse the copy for them): only the source's files and this copier's temporary
+    files of them may be there."""
+    others = [n for n in landed if n not in listing]
+    others += [t for t in temps if _temp_owner(t)[0] not in listing]
+    if others:
+        shown = ", ".join(sorted(others)[:3]) + (f" and {len(others) - 3} more" * (len(others) > 3))
+        raise ConfigError(
+            f"{url} holds {len(others)} file(s) that are not in the source ({shown}): remove "
+            "them, or copy into an empty directory"
+        )
+
+
+def _remove_leftovers(store: Any, prefix: str, temps: list[str], resumable: set[str]) -> None:
+    """Remove the temporary files an interrupted copy left at a local destination, except
+    the partial file and journal of a file about to be resumed part by part."""
+    root = Path(store.url(prefix))
+    for name in temps:
+        owner, tag = _temp_owner(name)
+        if owner in resumable and tag in ("partial", "parts"):
+            continue
+        log.info("removing %s, left by an interrupted copy", name)
+        try:
+            (root / name).unlink(missing_ok=True)
+        except OSError as err:
+            raise StorageError(
+                f"cannot remove {root / name} ({err.strerror}), left by an interrupted copy; "
+                "remove it yourself and rerun"
+            ) from err
+
+
+def _disk_error(target: Path | str, err: OSError) -> StorageError:
+    """A local write of the copy failed: one line naming the file and what to do."""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageError(
+            f"disk full writing {target}; free space and rerun the same copy to resume"
+        )
+    code = errno.errorcode.get(err.errno or 0, str(err.errno))
+    return StorageError(
+        f"writing {target} failed ({code}: {err.strerror}); fix the cause and rerun the same "
+        "copy to resume"
+    )
 
 
 def copy_store(
@@ -101,9 +178,17 @@ def copy_store(
     the format's own verification on the local side (raising on a fault) and returns
     what it checked (this layer knows no formats). ``sent``: ETags of files the caller
     already uploaded (a background uploader), checked with the rest. ``last``: file names
-    (the part after the last ``/``) sent only once every other file is in, so the
-    destination is openable only when complete: the format's manifest. Raises :class:`CorruptStoreError` if
-    the verification finds a difference (the copy is left in place to be resumed).
+    (the part after the last ``/``) sent, in that order, only once every other file is in,
+    so the destination is openable only when complete: the format's index files, then the
+    root manifest (the default sends only the root manifest last).
+
+    A local destination's leftovers of an interrupted copy (hidden ``.NAME.*.tmp`` files)
+    are removed first, except the partial file and journal of a large file that is resumed;
+    a destination holding any other file the source lacks is refused
+    (:class:`ConfigError`) before anything is copied. A disk error writing locally raises
+    :class:`StorageError` (rerun to resume). Raises :class:`CopyFaultError` (a
+    :class:`CorruptStoreError`) if the verification after copying finds a difference (the
+    copy is left in place to be resumed).
     """
     if threads < 1:
         raise ConfigError(f"threads must be >= 1, not {threads}")
@@ -121,14 +206,19 @@ def copy_store(
     if str(src).rstrip("/") == str(dst).rstrip("/"):
         raise ConfigError("source and destination are the same location")
     base = prefix.rstrip("/") + "/" if prefix else ""
-    landed = {o.key[len(base) :]: o for o in store.list(base)}
+    landed = {o.key[len(base) :]: o for o in store.list(base) if not is_internal(o.key)}
+    temps = _local_temps(store, prefix)
+    _refuse_others(store.url(prefix), listing, landed, temps)
     todo = [n for n in listing if n not in landed or landed[n].size != listing[n]]
     trusted = ""
     if verify:  # a file already there with the right size is kept only if its bytes match
         kept = [n for n in listing if n not in todo]
         versions = {n: landed[n].version for n in kept}
-        stale, trusted = _stale(source, open_files(dst, s3=s3, cache=False), kept, versions)
+        dest = open_files(dst, s3=s3, cache=False)
+        stale, trusted = _stale(source, dest, kept, versions, part_bytes)
         todo += stale
+    resumable = {n for n in todo if listing[n] > part_bytes}  # copied part by part
+    _remove_leftovers(store, prefix, temps, resumable)
     # the index files, then the root manifest, last and in that order: the destination is
     # openable only once everything is in
     rank = {name: i for i, name in enumerate(last)}
@@ -143,7 +233,10 @@ def copy_store(
     verified = "not verified (--no-verify)"
     if verify:
         etags = {**(sent or {}), **copier.etags}
-        verified = _verify(source, store, prefix, listing, etags, check_store) + trusted
+        try:
+            verified = _verify(source, store, prefix, listing, etags, check_store) + trusted
+        except (CorruptStoreError, StoreNotFoundError) as err:
+            raise CopyFaultError(str(err)) from err
     return CopyReport(
         files=len(listing),
         copied=len(todo),
@@ -186,15 +279,14 @@ class FileCopier:
                     raise errors[0]
                 finish(results)
             except BaseException as err:  # noqa: BLE001 - abort this file, report the first
+                for f in futures:  # no part may still write once its file is closed
+                    f.cancel()
+                wait(futures)
                 abort()
                 if not errors:
                     errors.append(err)
         if errors:
             raise errors[0]
-
-    def _read(self, name: str, offset: int, length: int) -> memoryview:
-        view = self.source.read_range(name, offset, length, cache=False)
-        return view
 
     def _done(self, n: int) -> None:
         if self.progress is not None:
@@ -220,7 +312,7 @@ class FileCopier:
         if len(offsets) == 1:  # one PUT
 
             def put() -> bytes:
-                data = self._read(name, 0, size)
+                data = self.source.read_range(name, 0, size, cache=False)
                 store.put(key, data)
                 self._done(size)
                 return self.hash(data).digest() if self.hash else b""
@@ -234,7 +326,9 @@ class FileCopier:
         upload_id, found = self._resumable(key, size, len(offsets))
 
         def send(number: int, offset: int) -> tuple[str, bytes]:
-            data = self._read(name, offset, min(self.part_bytes, size - offset))
+            data = self.source.read_range(
+                name, offset, min(self.part_bytes, size - offset), cache=False
+            )
             old = found.get(number)
             digest = hashlib.md5(data).digest() if old or self.hash else b""
             if old is not None and old.strip('"') == digest.hex():
@@ -290,29 +384,40 @@ class FileCopier:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        except OSError as err:
+            raise _disk_error(target, err) from err
+        files = _Open(fd)
+        try:
             os.ftruncate(fd, size)
         except OSError as err:
-            raise ConfigError(f"cannot write {target}: {err}") from err
+            files.close()
+            Path(tmp).unlink(missing_ok=True)
+            raise _disk_error(target, err) from err
 
         def write(offset: int) -> None:
-            data = self._read(name, offset, min(self.part_bytes, size - offset))
-            _pwrite_all(fd, data, offset)
+            data = self.source.read_range(
+                name, offset, min(self.part_bytes, size - offset), cache=False
+            )
+            try:
+                _pwrite_all(fd, data, offset)
+            except OSError as err:
+                raise _disk_error(target, err) from err
             self._done(len(data))
 
         futures = [pool.submit(write, o) for o in offsets] if size else []
 
         def finish(_: list[Any]) -> None:
-            os.fsync(fd)
-            os.close(fd)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-            fsync_dir(target.parent)
+            try:
+                os.fsync(fd)
+                files.close(check=True)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, target)
+                fsync_dir(target.parent)
+            except OSError as err:
+                raise _disk_error(target, err) from err
 
         def abort() -> None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            files.close()
             Path(tmp).unlink(missing_ok=True)
 
         return futures, finish, abort
@@ -329,15 +434,17 @@ class FileCopier:
             {"size": size, "version": self.source.version(name), "part": self.part_bytes}
         )
         done = _journaled(journal, header) if partial.exists() else set()
+        files = _Open()
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             if not done:
                 atomic_write_bytes(journal, (header + "\n").encode())
-            fd = os.open(partial, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = files.add(os.open(partial, os.O_RDWR | os.O_CREAT, 0o644))
             os.ftruncate(fd, size)
-            jfd = os.open(journal, os.O_WRONLY | os.O_APPEND)
+            jfd = files.add(os.open(journal, os.O_WRONLY | os.O_APPEND))
         except OSError as err:
-            raise ConfigError(f"cannot write {target}: {err}") from err
+            files.close()
+            raise _disk_error(target, err) from err
         if done:
             log.info(
                 "resuming the download of %s: %d of %d parts are there",
@@ -353,30 +460,55 @@ class FileCopier:
                     self.parts_reused += 1
                 self._done(length)
                 return
-            data = self._read(name, offset, length)
-            _pwrite_all(fd, data, offset)
-            os.write(jfd, f"{offset}\n".encode())  # one small append: whole or absent
+            data = self.source.read_range(name, offset, length, cache=False)
+            try:
+                _pwrite_all(fd, data, offset)
+                os.write(jfd, f"{offset}\n".encode())  # one small append: whole or absent
+            except OSError as err:
+                raise _disk_error(target, err) from err
             point("copy.part_sent")
             self._done(len(data))
 
         futures = [pool.submit(write, o) for o in offsets]
 
         def finish(_: list[Any]) -> None:
-            os.fsync(fd)
-            os.close(fd)
-            os.close(jfd)
-            os.replace(partial, target)
-            journal.unlink(missing_ok=True)
-            fsync_dir(target.parent)
+            try:
+                os.fsync(fd)
+                files.close(check=True)
+                os.replace(partial, target)
+                journal.unlink(missing_ok=True)
+                fsync_dir(target.parent)
+            except OSError as err:
+                raise _disk_error(target, err) from err
 
         def keep() -> None:  # the partial file and its journal stay for the next run
-            for f in (fd, jfd):
-                try:
-                    os.close(f)
-                except OSError:
-                    pass
+            files.close()
 
         return futures, finish, keep
+
+
+class _Open:
+    """File descriptors of one file being copied, each closed once (a second ``close``
+    could otherwise close a number another thread has opened since)."""
+
+    def __init__(self, *fds: int) -> None:
+        self.fds = list(fds)
+
+    def add(self, fd: int) -> int:
+        self.fds.append(fd)
+        return fd
+
+    def close(self, *, check: bool = False) -> None:
+        """Close them all; ``check``: raise the first error (else ignored)."""
+        first: OSError | None = None
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError as err:
+                first = first or err
+        if check and first is not None:
+            raise first
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -396,10 +528,11 @@ def _journaled(journal: Path, header: str) -> set[int]:
     return {int(line) for line in lines[1:] if line.isdigit()}
 
 
-def multipart_etag(path: str | os.PathLike, etag: str) -> str:
+def multipart_etag(path: str | os.PathLike, etag: str, part_bytes: int | None = None) -> str:
     """The ETag S3 gives the bytes of local file ``path`` uploaded the way ``etag`` (an
     existing object's ETag) says: the MD5, or for ``<md5>-<n>`` the MD5 of the MD5s of
-    ``n`` equal parts (part size guessed from common sizes; "" if none fits).
+    ``n`` equal parts (part size: ``part_bytes`` when it gives ``n`` parts, else guessed
+    from common sizes; "" if none fits).
 
     Example:
         >>> import tempfile; f = tempfile.NamedTemporaryFile(delete=False); _ = f.write(b"x")
@@ -413,8 +546,8 @@ def multipart_etag(path: str | os.PathLike, etag: str) -> str:
     else:
         fits = [
             p
-            for p in (DEFAULT_PART_BYTES, 32 * MiB, 8 * MiB, 5 * MiB, 64 * MiB)
-            if -(-size // p) == n
+            for p in (part_bytes, DEFAULT_PART_BYTES, 32 * MiB, 8 * MiB, 5 * MiB, 64 * MiB)
+            if p and -(-size // p) == n
         ]
         if not fits:
             return ""
@@ -433,15 +566,15 @@ def multipart_etag(path: str | os.PathLike, etag: str) -> str:
     return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
 
 
-def _content_tag(files: StoreFiles, name: str, like: str) -> str:
+def _content_tag(files: StoreFiles, name: str, like: str, part_bytes: int | None = None) -> str:
     """What identifies the bytes of ``name`` in ``files`` comparably with ``like``: the S3
-    ETag they would have when ``like`` is one (uploaded in the same number of parts), else
-    their xxh3-128."""
+    ETag they would have when ``like`` is one (uploaded in the same number of parts, of
+    ``part_bytes`` first guessed), else their xxh3-128."""
     if files.local_path is None:
         return files.version(name).strip('"')
     path = files.local_path / name
     if like and len(like.rpartition("-")[0] or like) == 32:  # an MD5-based ETag
-        return multipart_etag(path, like)
+        return multipart_etag(path, like, part_bytes)
     hasher = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(IO_CHUNK):
@@ -450,11 +583,16 @@ def _content_tag(files: StoreFiles, name: str, like: str) -> str:
 
 
 def _stale(
-    source: StoreFiles, dest: StoreFiles, names: list[str], versions: dict[str, str]
+    source: StoreFiles,
+    dest: StoreFiles,
+    names: list[str],
+    versions: dict[str, str],
+    part_bytes: int | None = None,
 ) -> tuple[list[str], str]:
     """Which of ``names``, already at the destination with the source's size, hold other
-    bytes (an interrupted copy, a stale or forged object): compared by content, not size.
-    Returns them and a note for the report."""
+    bytes (an interrupted copy, a stale or forged object): compared by content, not size
+    (a multipart ETag recomputed with the copy's ``part_bytes`` first). Returns them and a
+    note for the report."""
     if not names:
         return [], ""
     if source.local_path is None and dest.local_path is None:
@@ -465,10 +603,10 @@ def _stale(
             same = _content_tag(source, name, "") == _content_tag(dest, name, "")
         elif dest.local_path is None:  # upload: the object's ETag against the local bytes
             theirs = versions[name].strip('"')
-            same = bool(theirs) and _content_tag(source, name, theirs) == theirs
+            same = bool(theirs) and _content_tag(source, name, theirs, part_bytes) == theirs
         else:  # download: the local bytes against the source object's ETag
             theirs = source.version(name).strip('"')
-            same = bool(theirs) and _content_tag(dest, name, theirs) == theirs
+            same = bool(theirs) and _content_tag(dest, name, theirs, part_bytes) == theirs
         if not same:
             log.warning("%s at the destination holds other bytes than the source; copying it", name)
             stale.append(name)

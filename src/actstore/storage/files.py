@@ -221,6 +221,35 @@ def _bytes_view(out: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _open_error(url: str, err: OSError) -> CorruptStoreError | StorageError:
+    """What opening a store file for reading failed with, as our error: a symlink
+    (``ELOOP``) or a path through a file (``ENOTDIR``) is the store's fault; anything else is
+    this machine's (permissions, descriptors), said with its fix."""
+    if err.errno in (errno.ELOOP, errno.ENOTDIR):
+        return CorruptStoreError(
+            f"{url} cannot be opened ({err.strerror}): a symlink or not a file; a store's "
+            "files must be regular files inside it: restore it or re-create the store"
+        )
+    code = errno.errorcode.get(err.errno or 0, str(err.errno))
+    if err.errno in (errno.EMFILE, errno.ENFILE):
+        fix = (
+            "too many open files: raise the limit (`ulimit -n 65536`) or read fewer stores at once"
+        )
+    elif err.errno in (errno.EACCES, errno.EPERM):
+        fix = "permission denied: make the store readable by this user (chmod)"
+    else:
+        fix = "check the disk or file system and retry"
+    return StorageError(f"{url} cannot be opened ({code}: {err.strerror}); {fix}")
+
+
+def _read_error(url: str, offset: int, err: OSError) -> StorageError:
+    code = errno.errorcode.get(err.errno or 0, str(err.errno))
+    return StorageError(
+        f"reading {url} at byte {offset} failed ({code}: {err.strerror}); check the disk or "
+        "file system and retry"
+    )
+
+
 class LocalFiles(StoreFiles):
     """A directory on local disk. File descriptors are kept open per process (loader
     threads read the same files over and over) until :meth:`close`."""
@@ -301,20 +330,24 @@ class LocalFiles(StoreFiles):
         fd = self._fds.get(name)
         if fd is not None:
             return fd
-        try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError as err:
-            raise StoreNotFoundError(f"{self.url_of(name)} does not exist") from err
-        except OSError as err:
-            raise CorruptStoreError(
-                f"{self.url_of(name)} cannot be opened ({err.strerror}): a symlink or not a "
-                "file; a store's files must be regular files inside it"
-            ) from err
+        fd = self._open(name)
         with self._fd_lock:
             kept = self._fds.setdefault(name, fd)
         if kept != fd:
             os.close(fd)
         return kept
+
+    def _open(self, name: str) -> int:
+        """``os.open`` of ``name`` read-only, symlinks refused, errors as ours: a missing file
+        :class:`StoreNotFoundError`, a symlink or a path through a file
+        :class:`CorruptStoreError`, anything else (permissions, too many open files...)
+        :class:`StorageError` saying what to do."""
+        try:
+            return os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError as err:
+            raise StoreNotFoundError(f"{self.url_of(name)} does not exist") from err
+        except OSError as err:
+            raise _open_error(self.url_of(name), err) from err
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
         view = _buffer(length) if out is None else _bytes_view(out)
@@ -323,7 +356,10 @@ class LocalFiles(StoreFiles):
         fd = self.fd(name)
         done = 0
         while done < length:
-            n = os.preadv(fd, [view[done:]], offset + done)
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as err:
+                raise _read_error(self.url_of(name), offset + done, err) from err
             if n == 0:
                 raise CorruptStoreError(
                     f"{self.url_of(name)} ended at byte {offset + done}, expected "
@@ -343,14 +379,9 @@ class LocalFiles(StoreFiles):
     def read_exact(self, name: str, out: Any) -> bool:
         view = _bytes_view(out)
         try:
-            fd = os.open(self._path(name), os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
+            fd = self._open(name)
+        except StoreNotFoundError:
             return False
-        except OSError as err:
-            raise CorruptStoreError(
-                f"{self.url_of(name)} cannot be opened ({err.strerror}): a store's files must be "
-                "plain files inside it; restore it or re-create the store"
-            ) from err
         try:
             size = os.fstat(fd).st_size
             if size != len(view):
@@ -361,7 +392,10 @@ class LocalFiles(StoreFiles):
                 )
             done = 0
             while done < len(view):
-                got = os.preadv(fd, [view[done:]], done)
+                try:
+                    got = os.preadv(fd, [view[done:]], done)
+                except OSError as err:
+                    raise _read_error(self.url_of(name), done, err) from err
                 if got == 0:
                     raise CorruptStoreError(f"{self.url_of(name)} shrank while being read")
                 done += got
@@ -372,17 +406,31 @@ class LocalFiles(StoreFiles):
     def read_rows(
         self, name: str, offsets: np.ndarray, row_bytes: int, out: np.ndarray, slots: np.ndarray
     ) -> None:
-        """One vectored ``preadv`` per run of rows less than ``GAP_BYTES`` apart (the gap
-        bytes land in a discard buffer), each row straight into its slot, without the GIL."""
+        """One vectored ``preadv`` per run of rows less than ``GAP_BYTES`` apart (the bytes
+        between them, skipped rows included, land in a discard buffer), each row straight
+        into its slot, without the GIL. Offsets out of order or overlapping are read one
+        row at a time."""
         offsets = np.asarray(offsets, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        if len(offsets) != len(slots):
+            raise ConfigError(f"{len(offsets)} offsets but {len(slots)} slots")
+        keep = slots >= 0  # a skipped row is not read: it becomes part of a gap
+        offsets, slots = offsets[keep], slots[keep]
         if not len(offsets):
             return
-        base = out.ctypes.data
-        stride = out.strides[0]
-        addr = np.where(slots >= 0, base + slots.astype(np.int64) * stride, _TRASH.ctypes.data)
+        row = out[0].nbytes if out.ndim and len(out) else 0
+        if row != row_bytes or not out[0].flags.c_contiguous or int(slots.max()) >= len(out):
+            raise ConfigError(
+                f"read_rows needs out rows of {row_bytes} contiguous bytes and slots below "
+                f"{len(out)} (out rows hold {row} bytes, largest slot {int(slots.max())})"
+            )
         gaps = np.diff(offsets) - row_bytes
+        if (gaps < 0).any():  # not ascending, or overlapping: no single pass reads them
+            super().read_rows(name, offsets, row_bytes, out, slots)
+            return
+        addr = out.ctypes.data + slots * out.strides[0]
         new_run = np.ones(len(offsets), dtype=bool)
-        new_run[1:] = gaps > GAP_BYTES
+        new_run[1:] = gaps > GAP_BYTES  # so every gap read into _TRASH fits it
         starts = np.flatnonzero(new_run)
         fd = self.fd(name)
         for lo, hi in zip(starts.tolist(), [*starts[1:].tolist(), len(offsets)]):
@@ -423,6 +471,9 @@ class PathFiles(LocalFiles):
 
     def symlinks(self) -> builtins.list[str]:
         return []  # no directory to walk: each file has its own path
+
+    def listing(self) -> tuple[dict[str, int], builtins.list[str]]:
+        return self.list(), []
 
     def outside_links(self, links: builtins.list[str] | None = None) -> builtins.list[str]:
         return []

@@ -58,15 +58,26 @@ log = logging.getLogger(__name__)
 class Integrity:
     """A store's checks against its root manifest, for a reader (see the module doc).
 
-    ``manifest`` is None for a store without one: a foreign store (read unverified after
-    one warning) or, with ``verify_reads=False``, any store. Picklable: digests reload per
-    process.
+    ``manifest`` is None for a store without one (a foreign store, read unverified after
+    one warning; with ``verify_reads=False`` one of ours whose manifest is missing) and,
+    with ``verify_reads=False``, for a store whose manifest cannot be read (damaged,
+    edited, of another store): its data is then read unchecked after one warning, and
+    :attr:`problem` says why. Picklable: digests reload per process.
     """
 
-    def __init__(self, files: StoreFiles, manifest: RootManifest | None, *, enabled: bool) -> None:
+    def __init__(
+        self,
+        files: StoreFiles,
+        manifest: RootManifest | None,
+        *,
+        enabled: bool,
+        problem: str = "",
+    ) -> None:
         self.files = files
         self.manifest = manifest
         self.enabled = enabled and manifest is not None
+        self.problem = problem
+        """Why the store's root manifest was not used ("" when it was, or there is none)."""
         self._digests: dict[str, np.ndarray] = {}
         self._all: np.ndarray | None = None
         self._lock = threading.Lock()
@@ -112,12 +123,19 @@ class Integrity:
                     "contents cannot be verified",
                 )
             return cls(files, None, enabled=False)
-        manifest = RootManifest.from_bytes(files.read_bytes(MANIFEST), files.url_of(MANIFEST))
-        if format is not None and manifest.format != format:
-            raise CorruptStoreError(
-                f"{files.url_of(MANIFEST)} describes a {manifest.format} store, but the files "
-                f"are a {format} store: the manifest belongs to another store"
-            )
+        try:
+            manifest = RootManifest.from_bytes(files.read_bytes(MANIFEST), files.url_of(MANIFEST))
+            if format is not None and manifest.format != format:
+                raise CorruptStoreError(
+                    f"{files.url_of(MANIFEST)} describes a {manifest.format} store, but the "
+                    f"files are a {format} store: the manifest belongs to another store"
+                )
+        except CorruptStoreError as err:
+            if verify_reads:
+                raise
+            # unchecked reads of a damaged store: what someone recovering its data asks for
+            _warn_once(files.url, f"{err}; reading {files.url} unchecked (verify_reads=False)")
+            return cls(files, None, enabled=False, problem=str(err))
         checks = cls(files, manifest, enabled=verify_reads)
         if verify_reads:
             problems = checks.listing_faults(listing)
@@ -264,7 +282,13 @@ class Integrity:
         """All of ``actstore-blocks.xxh3`` (one read, checked whole) when it is at most
         ``WHOLE_BLOCKS_BYTES``: one request on object storage instead of one per file."""
         if self._all is None:
-            size = self.files.size(BLOCKS) or 0
+            size = self.files.size(BLOCKS)
+            if size is None:
+                raise StoreNotFoundError(
+                    f"{self.files.url_of(BLOCKS)} is missing, so the block digests of the "
+                    "store's files cannot be checked: restore it, finish the copy (rerun "
+                    "actstore cp) or re-create the store; verify_reads=False reads it unchecked"
+                )
             if size > WHOLE_BLOCKS_BYTES:
                 return None
             data = bytes(self.files.read_range(BLOCKS, 0, size, cache=False))
@@ -362,8 +386,9 @@ class Integrity:
         m = self.manifest
         if m is None:
             faults.append(
-                f"no root manifest ({MANIFEST}): the contents cannot be verified (deleted, or "
-                "a store written by another tool)"
+                self.problem
+                or f"no root manifest ({MANIFEST}): the contents cannot be verified (deleted, "
+                "or a store written by another tool)"
             )
             return 0, 0
         faults += self.listing_faults()
@@ -379,8 +404,9 @@ class Integrity:
                 continue  # reported by listing_faults
             try:
                 want = self.digests(name)
-            except CorruptStoreError as err:
-                faults.append(str(err))
+            except (CorruptStoreError, StoreNotFoundError) as err:
+                if str(err) not in faults:  # one missing blocks file fails every file
+                    faults.append(str(err))
                 continue
             got = self._scan(name, entry, progress, on_chunk)
             n_files += 1

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,7 +160,10 @@ def remove_tree(path: str | os.PathLike) -> None:
         os.chmod(target, stat.S_IRUSR | stat.S_IWUSR)
         func(target)
 
-    shutil.rmtree(path, onerror=writable)
+    if sys.version_info >= (3, 12):  # onerror is deprecated there
+        shutil.rmtree(path, onexc=writable)
+    else:
+        shutil.rmtree(path, onerror=writable)
 
 
 def make_tree_read_only(directory: str | os.PathLike[str]) -> None:

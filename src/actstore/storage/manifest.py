@@ -28,10 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
-import logging
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -46,8 +46,6 @@ import xxhash
 from .._version import __version__
 from ..errors import CorruptStoreError
 from .local import IO_CHUNK, atomic_write_bytes
-
-log = logging.getLogger(__name__)
 
 MANIFEST = "actstore-manifest.json"
 BLOCKS = "actstore-blocks.xxh3"
@@ -263,12 +261,18 @@ class RootManifest:
                     f"{source} is not signed with the key in ${KEY_ENV}: the store was not "
                     "written with that key, or its manifest was rewritten; do not trust it"
                 )
-        if int(doc.get("version", 0)) > VERSION:
+        version = doc.get("version", 0)
+        if not isinstance(version, int) or isinstance(version, bool):
             raise CorruptStoreError(
-                f"{source} is manifest version {doc.get('version')}; upgrade actstore to read it"
+                f"{source} is malformed (version {version!r} is not an integer); restore it or "
+                "re-create the store"
+            )
+        if version > VERSION:
+            raise CorruptStoreError(
+                f"{source} is manifest version {version}; upgrade actstore to read it"
             )
         try:
-            return cls(
+            manifest = cls(
                 format=str(doc["format"]),
                 store_id=str(doc["store_id"]),
                 record=str(doc["record"]),
@@ -284,8 +288,32 @@ class RootManifest:
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CorruptStoreError(
-                f"{source} is malformed ({err!r}); re-create the store"
+                f"{source} is malformed ({err!r}); restore it or re-create the store"
             ) from err
+        bad = _not_hex(manifest)
+        if bad:
+            raise CorruptStoreError(
+                f"{source} is malformed ({bad}); restore it or re-create the store"
+            )
+        return manifest
+
+
+def _is_hex(text: str, length: int) -> bool:
+    return len(text) == length and all(c in "0123456789abcdef" for c in text)
+
+
+def _not_hex(m: RootManifest) -> str:
+    """What of ``m`` that readers parse as hex digits is not (empty when all is well)."""
+    if not _is_hex(m.store_id, 16):
+        return f"store_id {m.store_id!r} is not 16 hex digits"
+    if m.blocks and not _is_hex(m.blocks, 32):
+        return f"blocks {m.blocks!r} is not 32 hex digits"
+    for name, e in m.files.items():
+        if not _is_hex(e.digest, 32):
+            return f"{name}: digest {e.digest!r} is not 32 hex digits"
+        if e.at < 0 and not _is_hex(e.single, 16):
+            return f"{name}: xxh3 {e.single!r} is not 16 hex digits"
+    return ""
 
 
 def manifest_key() -> bytes | None:
@@ -498,7 +526,7 @@ class ManifestBuilder:
         for name in sorted(self.files):
             entry, digests = self.files[name], self._digests[name]
             if entry.at >= 0:
-                entry = FileEntry(**{**entry.__dict__, "at": at})
+                entry = dataclasses.replace(entry, at=at)
                 blob.append(digests.tobytes())
                 at += len(digests)
             files[name] = entry

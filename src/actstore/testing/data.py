@@ -95,12 +95,15 @@ def resign(store: str | os.PathLike, *, summary: dict[str, Any] | None = None) -
         name = path.relative_to(root).as_posix()
         if not path.is_file() or name in OWN_FILES or skipped(name, old.skip):
             continue
+        if any(name.startswith(folder) for folder in old.nested):
+            continue  # a nested store's file: its own manifest lists it
         entry = old.files.get(name)
         if entry is not None and entry.ranges is not None:
             builder.add_file(root, name, ranges=[r for r in entry.ranges if r[1]])
         else:
             builder.add_file(root, name, unit=entry.unit if entry else 0)
     builder.skip = dict(old.skip)
+    builder.nested = list(old.nested)
     for name in OWN_FILES:
         if (root / name).exists():
             (root / name).chmod(0o644)

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ...errors import StorageError, StoreNotFoundError
+from ...errors import ConfigError, StorageError, StoreNotFoundError
 from ..local import atomic_write
 from .base import ObjectInfo, ObjectStore, base_name, parent_key
 from .config import MiB
@@ -42,7 +42,14 @@ class LocalStore(ObjectStore):
             shutil.copyfile(self._path(src), target)
 
     def delete_tree(self, prefix: str) -> None:
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
+        """Remove everything under ``prefix`` (never the whole root: an empty prefix is
+        refused)."""
+        if not prefix.strip("/"):
+            raise ConfigError(
+                f"refusing to delete the whole of {self.root_url}: delete_tree needs a prefix "
+                "below the root"
+            )
+        shutil.rmtree(self._path(prefix.strip("/")), ignore_errors=True)
 
     def acquire_lock(self, prefix: str, *, break_lock: bool = False) -> Any:
         from ..lock import StoreLock
