@@ -26,9 +26,6 @@ from typing import Any
 class LazyModule(types.ModuleType):
     """Stands for module ``name`` and imports it when an attribute is first read."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-
     def __getattr__(self, attr: str) -> Any:
         module = importlib.import_module(self.__name__)
         value = getattr(module, attr)

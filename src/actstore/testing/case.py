@@ -13,7 +13,7 @@ from ..formats.base import ReaderBase, WriterBase
 from ..formats.registry import FormatSpec, get_format
 from ..sites import Site
 from ..storage.location import Location
-from ..storage.manifest import MANIFEST, OWN_FILES, RootManifest
+from ..storage.manifest import OWN_FILES
 from .data import make_batches, make_plan, make_tokens
 
 
@@ -95,13 +95,25 @@ class FormatCase:
         return where.url
 
     def damage(self, location: str) -> None:
-        """Flip one byte in the middle of the store's largest data file (local stores)."""
+        """Flip one byte in the middle of a data file (local stores): the largest file of
+        the folder holding the most data, metadata left out (JSON, dot-files, the
+        manifest's own files): a chunk of values in every format."""
         root = Path(location)
-        manifest = RootManifest.from_bytes((root / MANIFEST).read_bytes(), MANIFEST)
-        name = max(
-            (n for n in manifest.files if n not in OWN_FILES), key=lambda n: manifest.files[n].size
+        data_files = [
+            p
+            for p in root.rglob("*")
+            if p.is_file()
+            and p.name not in OWN_FILES
+            and not p.name.startswith(".")
+            and p.suffix not in (".json", ".jsonl")
+        ]
+        folders: dict[Path, int] = {}
+        for p in data_files:
+            folders[p.parent] = folders.get(p.parent, 0) + p.stat().st_size
+        folder = max(folders, key=lambda f: (folders[f], str(f)))
+        victim = max(
+            (p for p in data_files if p.parent == folder), key=lambda p: (p.stat().st_size, str(p))
         )
-        victim = root / name
         victim.chmod(0o644)
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
