@@ -39,7 +39,13 @@ class ShardSink(abc.ABC):
 
     @abc.abstractmethod
     def append(self, batch: Batch) -> None:
-        """Encode the next examples of this shard (a batch of at most one shard's worth)."""
+        """Encode the next examples of this shard (a batch of at most one shard's worth).
+        It may leave writes of the batch's memory in flight until :meth:`settle`."""
+
+    def settle(self) -> None:
+        """Wait for the writes :meth:`append` left in flight (the writer computes the
+        batch's statistics meanwhile, and calls this before the batch is the caller's
+        again). Default: nothing is left in flight."""
 
     @abc.abstractmethod
     def finish(self) -> list[WrittenFile]:

@@ -520,7 +520,7 @@ class ShardedWriter(FormatWriter):
             sink = self._sink = self.open_shard(index, self.partial)
             stats = self._stats = ShardStats(self.sites, self.plan.d_model)
             self._in_shard = 0
-        sink.append(batch)
+        sink.append(batch)  # may still be writing while the statistics are folded
         stats.update(self.stat_rows(batch))
         for name, data in self.side_rows(batch).items():
             f = self._sides.get(name)
@@ -528,6 +528,7 @@ class ShardedWriter(FormatWriter):
                 (self.partial / name).parent.mkdir(parents=True, exist_ok=True)
                 f = self._sides[name] = open(self.partial / name, "ab")  # noqa: SIM115 - kept open
             f.write(data)
+        sink.settle()  # the batch's memory is the caller's again once write() returns
         self._in_shard += batch.n_examples
         self._written += batch.n_examples
         point(f"{self.format_name}.written")

@@ -270,25 +270,26 @@ class _ShardFile(ShardSink):
     def append(self, batch: Batch) -> None:
         """Each (example, layer) slab is one block and, in the file, follows the previous
         one: one gathered write straight from the capture's tensors on the I/O thread while
-        this thread digests the slabs (file writes and xxhash release the GIL). At most one
-        write is in flight, and none outlives this call (the batch is the caller's again)."""
+        this thread digests the slabs, then the writer folds the statistics (file writes,
+        xxhash and numpy release the GIL). At most one write is in flight, until
+        :meth:`settle`."""
         md = self.md
         parts = [as_float32(batch.acts[f"resid.{layer}"]) for layer in md.layers]
         n = batch.n_examples
         slabs = [memoryview(a[i]).cast("B") for i in range(n) for a in parts]
-        self._wait()
+        self.settle()
         self._pending = self._io.submit(_write_all, self.file.fileno(), slabs)
         for slab in slabs:
             self.hasher.update(slab)
-        self._wait()
         self.n += n
 
-    def _wait(self) -> None:
+    def settle(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
 
     def finish(self) -> list[WrittenFile]:
+        self.settle()
         pad = self.md.shard_nbytes(self.index) - self.n * self.md.example_nbytes
         if pad:
             zeros = bytes(pad)
@@ -303,7 +304,7 @@ class _ShardFile(ShardSink):
 
     def abort(self) -> None:
         with contextlib.suppress(Exception):  # the failed write is the caller's error
-            self._wait()
+            self.settle()
         self._io.shutdown()
         self.file.close()
 
