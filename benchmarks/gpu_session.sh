@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session (issue 24): bench_gpu.py, then the CUDA-marked tests. From the repository
-# root on the GPU machine, as one command (device time is scarce: about 6-7 minutes):
+# root on the GPU machine, as one command (device time is scarce: about 7-9 minutes):
 #
 #   bash benchmarks/gpu_session.sh
 #
@@ -36,6 +36,10 @@ EOF
 status=0
 timeout "${BENCH_TIMEOUT:-450}" python3 benchmarks/bench_gpu.py ${BENCH_ARGS:-} --json "$out/bench_gpu.json" \
     2>&1 | tee "$out/bench_gpu.log" || status=1
+# part 3: verified warm reads on all 16 cores, against the best page-cache read
+timeout "${LOADER_TIMEOUT:-120}" python3 benchmarks/bench_loader.py --data-dir /tmp/actstore-bl \
+    --gib 2 --repeats 2 --skip-naive --skip-cold --skip-mixing --workers 4 \
+    2>&1 | tee "$out/bench_loader_warm.log" || status=1
 # only the modules holding CUDA tests: the others import test-only packages (moto, sae-lens)
 timeout "${TEST_TIMEOUT:-140}" python3 -m pytest -m cuda -q -p no:cacheprovider \
     tests/test_gpu.py tests/test_loader.py 2>&1 | tee "$out/pytest_cuda.log" || status=1
