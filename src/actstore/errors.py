@@ -38,6 +38,11 @@ class CorruptStoreError(ActstoreError, ValueError):
     """Stored data fails validation: bad JSON, wrong size, checksum mismatch, ..."""
 
 
+class CopyFaultError(CorruptStoreError):
+    """A copy finished but checking it found a fault (``actstore cp`` exits 1, as
+    ``actstore verify`` does); the copy is left in place to be resumed."""
+
+
 class ProtocolVersionError(ActstoreError, ValueError):
     """The store was written with an incompatible (major) protocol version."""
 

@@ -39,9 +39,10 @@ def cp(
 
     from tqdm.auto import tqdm
 
+    from ..errors import CopyFaultError
     from ..formats import available_formats, verify_store
     from ..progress import bar_switch
-    from ..storage.copy import CopyFaultError, copy_store
+    from ..storage.copy import copy_store
     from ..storage.files import open_files
     from ..storage.manifest import MANIFEST
     from ..storage.object import MiB, S3Config

@@ -51,7 +51,13 @@ from typing import Any
 
 import xxhash
 
-from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFoundError
+from ..errors import (
+    ConfigError,
+    CopyFaultError,
+    CorruptStoreError,
+    StorageError,
+    StoreNotFoundError,
+)
 from ..faults import point
 from .files import StoreFiles, open_files
 from .local import IO_CHUNK, atomic_write_bytes, fsync_dir
@@ -78,11 +84,6 @@ class CopyReport:
     """How the copy was checked, in words."""
     parts_reused: int = 0
     """Parts of interrupted copies found at the destination and not sent again."""
-
-
-class CopyFaultError(CorruptStoreError):
-    """The copy is done but its verification found a fault (``actstore cp`` exits 1, as
-    ``actstore verify`` does for a fault); the copy is left in place to be resumed."""
 
 
 def _is_temp(name: str) -> bool:
