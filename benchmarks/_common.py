@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import base64
 import os
 import resource
 import time
@@ -139,28 +138,10 @@ def saev_plan(
 ) -> tuple[CapturePlan, SaevOptions]:
     """``(plan, options)`` of a capture whose saev metadata is ``md``: what
     ``SaevWriter.from_plan`` takes to write the store ``md`` describes (same content hash)."""
-    from actstore import safe_pickle
-    from actstore.batch import CapturePlan
     from actstore.formats.saev import SaevOptions
-    from actstore.sites import Site
 
-    data = safe_pickle.loads(base64.b64decode(md.data)) if md.data else {}
-    plan = CapturePlan(
-        ckpt=md.ckpt,
-        family=md.family,
-        modality="image" if md.family in ("clip", "siglip", "dinov2") else "text",
-        sites=tuple(Site("resid", layer) for layer in md.layers),
-        n_model_layers=max(md.layers) + 1,
-        d_model=md.d_model,
-        tokens_per_example=md.tokens_per_ex,
-        has_cls=md.cls_token,
-        n_examples=md.n_examples,
-        dataset_root=md.dataset,
-        data=data if isinstance(data, dict) else {},
-        classes=classes,
-        has_labels=has_labels,
-        has_tokens=has_tokens,
-        batch_size=batch_size,
+    plan = md.capture_plan(
+        has_tokens=has_tokens, has_labels=has_labels, classes=classes, batch_size=batch_size
     )
     return plan, SaevOptions(dialect=md.dialect, patches_per_shard=md.patches_per_shard)
 

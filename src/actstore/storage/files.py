@@ -22,7 +22,6 @@ import abc
 import builtins
 import ctypes
 import errno
-import json
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -34,7 +33,7 @@ import numpy as np
 
 from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFoundError
 from .cache import BlockCache, parse_size
-from .local import IO_CHUNK
+from .local import IO_CHUNK, parse_json
 from .location import Location
 from .object import MiB, S3Config, S3Store, is_internal, join_key
 
@@ -138,14 +137,7 @@ class StoreFiles(abc.ABC):
 
     def read_json(self, name: str) -> Any:
         """``name`` parsed as UTF-8 JSON (clear errors for missing or damaged files)."""
-        data = self.read_bytes(name)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CorruptStoreError(
-                f"{self.url_of(name)} is not valid JSON ({err}); the store is damaged: "
-                "re-create it or restore this file"
-            ) from err
+        return parse_json(self.read_bytes(name), self.url_of(name))
 
     def iter_chunks(self, name: str, chunk: int = IO_CHUNK) -> Iterator[memoryview]:
         """The bytes of ``name`` in order, ``chunk`` bytes at a time (one reused buffer)."""

@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -34,6 +33,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptStoreError, StoreNotFoundError
+from .local import parse_json
 from .manifest import (
     BLOCKS,
     BLOCKS_MAGIC,
@@ -244,14 +244,7 @@ class Integrity:
 
     def read_json(self, name: str) -> Any:
         """File ``name`` parsed as JSON, checked before it is parsed."""
-        data = self.read_bytes(name)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise CorruptStoreError(
-                f"{self.files.url_of(name)} is not valid JSON ({err}); the store is damaged: "
-                "restore this file or re-create the store"
-            ) from err
+        return parse_json(self.read_bytes(name), self.files.url_of(name))
 
     def digests(self, name: str) -> np.ndarray:
         """The block digests of ``name`` (loaded once, checked against its file digest)."""

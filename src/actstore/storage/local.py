@@ -92,6 +92,18 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None =
     atomic_write_bytes(path, (text + "\n").encode("utf-8"))
 
 
+def parse_json(data: bytes | memoryview, source: object) -> Any:
+    """``data`` (a store file's bytes, from ``source``) parsed as UTF-8 JSON; bad bytes
+    are :class:`CorruptStoreError` naming the file and what to do."""
+    try:
+        return json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptStoreError(
+            f"{source} is not valid JSON ({err}); the store is damaged: restore this file "
+            "or re-create the store"
+        ) from err
+
+
 def read_json(path: str | os.PathLike) -> Any:
     """Read a JSON file, turning a missing file or bad JSON into actstore errors."""
     path = Path(path)

@@ -33,7 +33,15 @@ import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ...errors import ConfigError, CorruptStoreError, IndexOutOfRangeError, ProtocolVersionError
+from ...batch import CapturePlan
+from ...errors import (
+    ConfigError,
+    CorruptStoreError,
+    IndexOutOfRangeError,
+    ProtocolVersionError,
+    UnsafeDataError,
+)
+from ...sites import Site
 
 PROTOCOL = "2.1"
 DIALECTS = ("protocol", "saev")
@@ -212,6 +220,35 @@ class SaevMetadata:
             return {key: values[_RENAMES.get(key, key)] for key in SAEV_KEYS}
         return {**{key: values[key] for key in PROTOCOL_KEYS}, **self.extra}
 
+    def capture_plan(
+        self,
+        *,
+        has_tokens: bool = False,
+        has_labels: bool = False,
+        classes: list[str] | None = None,
+        batch_size: int = 32,
+    ) -> CapturePlan:
+        """The capture this metadata describes, as far as it records it (with the side
+        files' presence given): what ``SaevWriter.from_plan`` turns back into this
+        metadata (same content hash)."""
+        return CapturePlan(
+            ckpt=self.ckpt,
+            family=self.family,
+            modality="image" if self.family in SAEV_FAMILIES else "text",
+            sites=tuple(Site("resid", layer) for layer in self.layers),
+            n_model_layers=max(self.layers) + 1,
+            d_model=self.d_model,
+            tokens_per_example=self.tokens_per_ex,
+            has_cls=self.cls_token,
+            n_examples=self.n_examples,
+            dataset_root=self.dataset,
+            data=decode_data(self.data),
+            classes=classes,
+            has_labels=has_labels,
+            has_tokens=has_tokens,
+            batch_size=batch_size,
+        )
+
     def content_hash(self) -> str:
         """The directory name: full sha256 (protocol dialect) or its first 8 hex (saev)."""
         doc = self.to_json_dict()
@@ -306,6 +343,21 @@ def encode_data(description: dict[str, Any]) -> str:
     import pickle
 
     return base64.b64encode(pickle.dumps(description, protocol=4)).decode("utf8")
+
+
+def decode_data(data: str) -> dict[str, Any]:
+    """The dataset description in metadata's ``data`` (a base64 pickle), decoded with the
+    restricted unpickler so a store cannot run code through it; {} if it is not a dict
+    (e.g. saev's own ImgFolder object)."""
+    if not data:
+        return {}
+    from ... import safe_pickle
+
+    try:
+        decoded = safe_pickle.loads(base64.b64decode(data))
+    except (UnsafeDataError, CorruptStoreError, ValueError):
+        return {}
+    return decoded if isinstance(decoded, dict) else {}
 
 
 def encode_saev_img_folder(root: str) -> str:

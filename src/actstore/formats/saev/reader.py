@@ -44,7 +44,7 @@ from ...storage.location import Location
 from ...storage.object import S3Config
 from ..arrays import RowFile
 from ..base import Block, ReaderBase, VerifyReport, as_indices, place, scratch
-from .layout import SAEV_FAMILIES, SaevMetadata, shard_name
+from .layout import SaevMetadata, shard_name
 from .writer import STATISTICS
 
 log = logging.getLogger(__name__)
@@ -364,23 +364,10 @@ class SaevReader(ReaderBase):
 
     def capture_plan(self) -> CapturePlan:
         """The capture this store came from, as far as saev's metadata records it."""
-        md = self.metadata
-        return CapturePlan(
-            ckpt=md.ckpt,
-            family=md.family,
-            modality="image" if md.family in SAEV_FAMILIES else "text",
-            sites=self.sites,
-            n_model_layers=max(md.layers) + 1,
-            d_model=md.d_model,
-            tokens_per_example=md.tokens_per_ex,
-            has_cls=md.cls_token,
-            n_examples=md.n_examples,
-            dataset_root=md.dataset,
-            data=_decode_data(md.data),
-            classes=self.classes,
-            has_labels=self.files.exists("labels.bin"),
+        return self.metadata.capture_plan(
             has_tokens=self.files.exists("tokens.bin"),
-            batch_size=32,
+            has_labels=self.files.exists("labels.bin"),
+            classes=self.classes,
         )
 
     # ------------------------------------------------------------------ blocks (loader)
@@ -645,20 +632,3 @@ class SaevReader(ReaderBase):
             report.faults.append(f"{shard}: padding after the last example is not zero")
         if scan["non_finite"]:
             report.notes.append(f"{scan['non_finite']} activation values are NaN or infinite")
-
-
-def _decode_data(data: str) -> dict[str, Any]:
-    """The dataset description in metadata's ``data`` (a base64 pickle), decoded with the
-    restricted unpickler so a store cannot run code through it; {} if it is not a dict
-    (e.g. saev's own ImgFolder object)."""
-    if not data:
-        return {}
-    import base64
-
-    from ... import safe_pickle
-
-    try:
-        decoded = safe_pickle.loads(base64.b64decode(data))
-    except (UnsafeDataError, CorruptStoreError, ValueError):
-        return {}
-    return decoded if isinstance(decoded, dict) else {}
