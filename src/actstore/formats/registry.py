@@ -1,8 +1,22 @@
 """The format registry: how ``open_store``, ``capture --format`` and ``convert`` find formats.
 
-Each format package ``actstore.formats.<name>`` exposes ``FORMAT: FormatSpec``. The registry
-imports the packages listed in :data:`FORMAT_NAMES` lazily, so a format whose optional
-dependency is missing reports itself unavailable, with the extra to install.
+Formats come from three places, in this detection order:
+
+1. the built-in packages ``actstore.formats.<name>`` (:data:`FORMAT_NAMES`), each exposing
+   ``FORMAT: FormatSpec``;
+2. installed packages that declare an entry point in the group :data:`ENTRY_POINT_GROUP`
+   (``actstore.formats``), named after the format and pointing at its ``FormatSpec`` (or at
+   a module exposing ``FORMAT``), e.g. in the plugin's ``pyproject.toml``::
+
+       [project.entry-points."actstore.formats"]
+       npz = "actstore_npz:FORMAT"
+
+   so ``capture --format npz``, ``convert``, ``verify``, ``inspect`` and ``open_store`` take
+   it once the package is installed, with no edit to actstore;
+3. :func:`register_format` calls in the running process (tests, notebooks).
+
+Every format is imported lazily, when first needed, so a format whose optional dependency
+is missing reports itself unavailable, with the extra (or package) to install.
 
 Format options are a frozen dataclass whose fields carry ``metadata={"help": ...}``; the
 CLI fills them from ``--opt key=value`` pairs with :func:`parse_options`, converting each
@@ -18,7 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
+import logging
 import os
 import types
 import typing
@@ -36,8 +52,17 @@ if TYPE_CHECKING:
     from .base import FormatWriter, ReaderBase, WriterBase
     from .parts import PartFormat
 
-#: Detection order: the first format whose ``detect`` accepts a location opens it.
+log = logging.getLogger(__name__)
+
+#: The built-in formats, in detection order (the first format whose ``detect`` accepts a
+#: location opens it); installed plugins and registered formats are tried after them.
 FORMAT_NAMES = ("saev", "zarr", "pickle", "activault", "saelens")
+
+#: The entry-point group an installed package declares its formats in (see above).
+ENTRY_POINT_GROUP = "actstore.formats"
+
+#: Plugins that failed to load, each reported once per process.
+_BROKEN_WARNED: set[str] = set()
 
 #: Formats registered from outside this package (:func:`register_format`), detected after
 #: the built-in ones, in registration order.
@@ -130,9 +155,30 @@ def unregister_format(name: str) -> None:
     _REGISTERED.pop(name, None)
 
 
+def plugin_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """The installed plugin formats: name -> entry point of the group
+    :data:`ENTRY_POINT_GROUP`, sorted by name (nothing is imported). A plugin may not take
+    a built-in format's name (it is left out, with a warning naming its package)."""
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
+    ):
+        if ep.name in FORMAT_NAMES:
+            _warn_once(
+                ep.name,
+                f"the plugin format {ep.name!r} ({_package(ep)}) takes a "
+                "built-in format's name and is ignored; rename its entry point",
+            )
+            continue
+        found.setdefault(ep.name, ep)  # the first on sys.path wins, as for imports
+    return found
+
+
 def format_names() -> tuple[str, ...]:
-    """Every format name: the built-in ones, then the registered ones."""
-    return (*FORMAT_NAMES, *_REGISTERED)
+    """Every format name: the built-in ones, then installed plugins (entry points, by
+    name), then the ones registered in this process."""
+    plugins = [n for n in plugin_entry_points() if n not in _REGISTERED]
+    return (*FORMAT_NAMES, *plugins, *_REGISTERED)
 
 
 def get_format(name: str) -> FormatSpec:
@@ -140,7 +186,10 @@ def get_format(name: str) -> FormatSpec:
     if name in _REGISTERED:
         return _REGISTERED[name]
     if name not in FORMAT_NAMES:
-        raise ConfigError(f"unknown format {name!r}; choose one of {', '.join(format_names())}")
+        plugin = plugin_entry_points().get(name)
+        if plugin is None:
+            raise ConfigError(f"unknown format {name!r}; choose one of {', '.join(format_names())}")
+        return _load_plugin(plugin)
     if importlib.util.find_spec(f"{__package__}.{name}") is None:
         raise ConfigError(f"format {name!r} is not implemented yet")
     try:
@@ -156,13 +205,50 @@ def get_format(name: str) -> FormatSpec:
     return module.FORMAT
 
 
+def _load_plugin(ep: importlib.metadata.EntryPoint) -> FormatSpec:
+    """The :class:`FormatSpec` entry point ``ep`` names (a spec, or a module with ``FORMAT``),
+    checked to be one and to carry the entry point's name."""
+    where = f"the plugin format {ep.name!r} ({_package(ep)}, entry point {ep.value!r})"
+    try:
+        loaded = ep.load()
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"{where} cannot be imported: {err}; install its dependencies or uninstall it"
+        ) from err
+    except Exception as err:  # a broken plugin must not break every command
+        raise ConfigError(f"{where} fails to import: {type(err).__name__}: {err}") from err
+    spec = getattr(loaded, "FORMAT", loaded) if isinstance(loaded, types.ModuleType) else loaded
+    if not isinstance(spec, FormatSpec):
+        raise ConfigError(
+            f"{where} names a {type(spec).__name__}, not an actstore FormatSpec (or a module "
+            "exposing FORMAT)"
+        )
+    if spec.name != ep.name:
+        raise ConfigError(f"{where} gives a FormatSpec named {spec.name!r}; the names must agree")
+    return spec
+
+
+def _package(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    return f"package {dist.metadata['Name']} {dist.version}" if dist is not None else "a package"
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _BROKEN_WARNED:
+        _BROKEN_WARNED.add(key)
+        log.warning("%s", message)
+
+
 def available_formats() -> list[FormatSpec]:
-    """Formats whose code and dependencies are importable here."""
+    """Formats whose code and dependencies are importable here (a plugin that fails to
+    load is left out, with one warning saying why)."""
     out = []
     for name in format_names():
         try:
             out.append(get_format(name))
-        except (MissingDependencyError, ConfigError):
+        except (MissingDependencyError, ConfigError) as err:
+            if name not in FORMAT_NAMES and name not in _REGISTERED:
+                _warn_once(name, str(err))
             continue
     return out
 
