@@ -10,9 +10,17 @@ import pytest
 import torch
 from test_loader import T, write_store
 
-from actstore.devicecopy import ThreadCopies
+from actstore.devicecopy import (
+    Staging,
+    ThreadCopies,
+    is_pinned,
+    pin,
+    pinned_bytes,
+    try_pin,
+)
 from actstore.errors import DeviceError
 from actstore.loader import ActivationLoader
+from actstore.loader.device import to_device
 from actstore.testing import FormatCase, make_acts, make_batches, make_plan
 
 
@@ -85,3 +93,49 @@ def test_leaving_a_device_loop_early_leaves_no_copy_running():
     moved.close()
     assert copies.stream.query()  # host[1] may be reused: its copy has finished
     np.testing.assert_array_equal(first[:4].cpu().numpy(), np.zeros(4, dtype=np.float32))
+
+
+def test_an_empty_array_is_never_registered():
+    """cudaHostRegister rejects zero bytes: pin() returns before it asks CUDA (this torch
+    has no CUDA, so asking would raise)."""
+    empty = np.empty(0, dtype=np.float32)
+    assert pin(empty) is empty and not is_pinned(empty)
+
+
+def test_with_pinning_off_memory_stays_unpinned(monkeypatch):
+    """``ACTSTORE_PIN=0`` forces the staging path: nothing is registered (no CUDA call)."""
+    monkeypatch.setenv("ACTSTORE_PIN", "0")
+    before = pinned_bytes()
+    rows = np.ones(1024, dtype=np.float32)
+    with pytest.raises(DeviceError, match=r"^ACTSTORE_PIN=0: host memory is not pinned$"):
+        pin(rows)
+    assert try_pin(rows) is rows and not is_pinned(rows) and pinned_bytes() == before
+
+
+def test_staging_copies_batches_into_reused_buffers():
+    staging = Staging("cpu", always=True)
+    acts = torch.arange(12.0).view(3, 4).to(torch.bfloat16)
+    rows = torch.tensor([7, 2, 9])
+    staged = []
+    for i in range(3):
+        a, r = staging.stage([acts + i, rows + i])
+        assert torch.equal(a, acts + i) and torch.equal(r, rows + i)
+        assert (a.dtype, r.dtype) == (torch.bfloat16, torch.int64)
+        staged.append((a, r))
+    # two buffers used in turn: batch 2 lies where batch 0 did
+    assert staged[2][0].data_ptr() == staged[0][0].data_ptr() != staged[1][0].data_ptr()
+    assert staging.staged == 3
+    assert not Staging("cpu").needed(acts)  # only CUDA needs pinned sources
+
+
+def test_staged_loader_batches_reach_the_device_exactly(store):
+    """The fallback for host memory that cannot be pinned, forced on the CPU: every batch
+    is staged, then copied on the copy thread; values and order are the loader's."""
+    reader, _ = store
+    options = {"site": 5, "batch_size": 16, "return_index": True}
+    staging = Staging("cpu", always=True)
+    got = list(to_device(ActivationLoader(reader, **options), ThreadCopies("cpu"), staging))
+    want = list(ActivationLoader(reader, **options))
+    assert staging.staged == len(want) == len(got)
+    for g, w in zip(got, want):
+        assert torch.equal(g.rows, w.rows) and torch.equal(g.acts, w.acts)

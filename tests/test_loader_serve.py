@@ -338,3 +338,31 @@ def test_consumers_move_batches_to_a_device_exactly_once(store, tmp_path):
     finally:
         server.kill()
     assert rows == stream(reader, 2)
+
+
+def test_a_consumer_that_cannot_pin_the_ring_stages_every_batch_exactly(store, tmp_path):
+    """The fallback of a CUDA consumer whose ring cannot be pinned (a ring on a disk file
+    system, ``ulimit -l``), forced here with ``staging=True``: every batch is copied out of
+    the ring into a reused staging buffer, then to the device; the stream stays exact."""
+    reader, acts = store
+    server = start_server(
+        reader, name="st", consumers=1, epochs=2, directory=tmp_path, context="fork", **OPTIONS
+    )
+    try:
+        loader = ServedLoader(
+            "st", 0, directory=tmp_path, return_index=True, device="cpu", staging=True
+        )
+        assert loader.staging
+        rows = []
+        for _ in range(2):
+            for batch in loader:
+                np.testing.assert_array_equal(batch.acts.numpy(), expected(acts, batch.rows, 1))
+                rows.append(batch.rows.tolist())
+        assert loader.staged_batches == len(rows)
+        loader.close()
+        server.join(30)
+    finally:
+        server.kill()
+    assert rows == stream(reader, 2)
+    with pytest.raises(ConfigError, match="staging=True copies batches on their way to a device"):
+        ServedLoader("st2", 0, directory=tmp_path, staging=True, timeout_s=0)

@@ -12,6 +12,11 @@
 - :func:`pin` registers host memory that the caller owns (a window pool, a shared-memory
   batch, the ``serve`` ring) with the CUDA runtime once, so copies from it run at the DMA
   engine's rate with no staging copy; the registration ends when the array is freed.
+  :func:`can_pin_files_under` tells whether files mapped from a directory can be pinned at
+  all (Linux pins only memory-backed files: tmpfs, hugetlbfs).
+- :class:`Staging`: where host memory cannot be pinned (``ulimit -l``, a ring on a disk
+  file system, ``ACTSTORE_PIN=0``), batches are first copied into a few reused staging
+  buffers that are (pinned on CUDA), then copied to the device from there.
 
 Example:
     >>> copies = ThreadCopies()
@@ -24,7 +29,9 @@ Example:
 from __future__ import annotations
 
 import abc
+import ctypes
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -43,22 +50,36 @@ _PINNED_LOCK = threading.Lock()
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.0f} MiB" if nbytes >= 2**20 else f"{nbytes:,} bytes"
+
+
+def pinning_enabled() -> bool:
+    """False when ``ACTSTORE_PIN=0``: no host memory is registered with CUDA, and copies to
+    the GPU go through :class:`Staging` buffers (for machines with a small locked-memory
+    limit, and to run the staging path on purpose)."""
+    return os.environ.get("ACTSTORE_PIN", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
 def pin(array: np.ndarray) -> np.ndarray:
     """Register ``array``'s memory with CUDA (``cudaHostRegister``), once; returns ``array``.
 
     ``array`` must own a contiguous mapping that outlives every view of it (views' ``.base``
     is ``array``): the registration is dropped by a finalizer when ``array`` is freed, so
-    it never outlives the memory. Registering again is a no-op."""
+    it never outlives the memory. Registering again, or an empty array, is a no-op."""
     address, nbytes = int(array.ctypes.data), int(array.nbytes)
-    if nbytes == 0:
+    if nbytes == 0:  # cudaHostRegister rejects zero bytes (cudaErrorInvalidValue)
         return array
+    if not pinning_enabled():
+        raise DeviceError("ACTSTORE_PIN=0: host memory is not pinned")
     with _PINNED_LOCK:
         if address in _PINNED:
             return array
         code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE))
         if code != 0:
+            _clear_cuda_error()  # else the next CUDA call (a copy) reports it as its own
             raise DeviceError(
-                f"cannot pin {nbytes / 2**20:.0f} MiB of host memory for copies to CUDA "
+                f"cannot pin {_size(nbytes)} of host memory for copies to CUDA "
                 f"(cudaHostRegister error {code}); raise the locked-memory limit (ulimit -l), "
                 "or leave device unset and move batches yourself"
             )
@@ -70,18 +91,77 @@ def pin(array: np.ndarray) -> np.ndarray:
 
 def try_pin(array: np.ndarray) -> np.ndarray:
     """:func:`pin` where pinning only makes copies faster: if the memory cannot be pinned,
-    say so once (copies from it are then staged by the driver: correct, slower)."""
+    say so once (copies from it then go through :class:`Staging`: correct, slower)."""
     global _WARNED
     try:
         return pin(array)
     except DeviceError as err:
-        if not _WARNED:
+        if not _WARNED and pinning_enabled():
             _WARNED = True
             log.warning("%s; copies to the GPU go through a staging buffer instead", err)
         return array
 
 
 _WARNED = False
+
+
+def is_pinned(array: np.ndarray) -> bool:
+    """Whether ``array``'s memory was registered by :func:`pin` (and still is)."""
+    with _PINNED_LOCK:
+        return int(array.ctypes.data) in _PINNED
+
+
+def _cudart_function(name: str) -> Callable[..., int] | None:
+    """``name`` from the CUDA runtime torch loaded (torch binds only a few of them)."""
+    bound = getattr(torch.cuda.cudart(), name, None)
+    if bound is not None:
+        return bound  # type: ignore[no-any-return]
+    try:
+        maps = open("/proc/self/maps").read().split()  # noqa: SIM115 - read at once
+    except OSError:
+        maps = []
+    candidates = [None, *sorted({m for m in maps if "libcudart.so" in m})]
+    for library in candidates:
+        try:
+            fn = getattr(ctypes.CDLL(library), name)
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn  # type: ignore[no-any-return]
+    return None
+
+
+def _clear_cuda_error() -> None:
+    """Reset the runtime's last error after a failed call whose failure was handled."""
+    clear = _cudart_function("cudaGetLastError")
+    if clear is not None:
+        clear()
+
+
+#: file systems whose mapped files Linux lets a device pin for long (``FOLL_LONGTERM``):
+#: memory-backed ones; pages of disk files (ext4, xfs, ...) are refused (EFAULT, which CUDA
+#: reports as cudaErrorInvalidValue)
+PINNABLE_FILE_SYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
+
+
+def can_pin_files_under(directory: str | os.PathLike[str]) -> bool:
+    """Whether memory mapped from files in ``directory`` can be pinned (its file system, per
+    /proc/mounts, is memory-backed)."""
+    path = os.path.realpath(directory)
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mount = fields[1].replace("\\040", " ")
+                inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fields[2]
+    except OSError:
+        return True  # cannot tell: try, and fall back if the registration fails
+    return kind in PINNABLE_FILE_SYSTEMS
 
 
 def _unpin(address: int) -> None:
@@ -283,6 +363,63 @@ class ThreadCopies(Copies):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class Staging:
+    """Host buffers that batches are copied into before they go to ``device``, where their
+    own memory cannot be pinned (on CUDA the buffers are pinned by torch's allocator, so
+    the copy to the device is still a DMA that overlaps the computation).
+
+    ``always``: stage every batch (else only tensors not in pinned memory, on CUDA). A
+    staged batch no longer refers to its source, which may be reused at once. ``slots``
+    buffers are used in turn; each grows to the largest batch seen. :func:`to_device`
+    waits for a batch's copy before it stages the one after the next, so two suffice.
+
+    Example:
+        >>> staging = Staging("cpu", always=True)
+        >>> x = torch.arange(4.0)
+        >>> (staged,) = staging.stage([x])
+        >>> torch.equal(staged, x), staged.data_ptr() != x.data_ptr(), staging.staged
+        (True, True, 1)
+    """
+
+    def __init__(self, device: torch.device | str, *, always: bool = False, slots: int = 2) -> None:
+        self.device = torch.device(device)
+        self.always = always
+        self._pinned = self.device.type == "cuda"
+        self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * slots
+        self._next = 0
+        #: batches staged so far
+        self.staged = 0
+
+    def needed(self, source: torch.Tensor) -> bool:
+        """Whether ``source`` must be staged before its copy to the device."""
+        if self.always:
+            return True
+        return self._pinned and source.device.type == "cpu" and not source.is_pinned()
+
+    def stage(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``sources`` (host tensors) copied into the next staging buffer, when any needs
+        it; else ``sources`` as they are."""
+        if not any(self.needed(s) for s in sources):
+            return list(sources)
+        sizes = [s.numel() * s.element_size() for s in sources]
+        align = 64
+        total = sum(-(-n // align) * align for n in sizes)
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        buffer = self._buffers[i]
+        if buffer.numel() < total:
+            buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self._pinned)
+            self._buffers[i] = buffer
+        out, at = [], 0
+        for source, n in zip(sources, sizes):
+            data = source.contiguous()
+            target = buffer[at : at + n].view(data.dtype)
+            out.append(target.view(data.shape).copy_(data))  # releases the GIL while it copies
+            at += -(-n // align) * align
+        self.staged += 1
+        return out
 
 
 def copies_for(device: torch.device | str) -> Copies:

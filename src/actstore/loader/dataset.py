@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ..devicecopy import copies_for
+from ..devicecopy import Staging, copies_for
 from ..errors import ConfigError
 from ..formats import open_store
 from ..formats.base import SiteLike
@@ -630,7 +630,8 @@ class ActivationLoader(IterableDataset):
         )
         batches = consumer.batches(start, span.stop)
         if finish.device is not None:  # the next batch's copy runs while this one is used
-            batches = to_device(batches, copies_for(finish.device))
+            # batches from memory that could not be pinned go through a staging buffer
+            batches = to_device(batches, copies_for(finish.device), Staging(finish.device))
         try:
             for batch in batches:
                 if count:

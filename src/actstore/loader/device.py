@@ -10,7 +10,10 @@ once its copy is finished (usually long before). Host batches that lie in pinned
 with :func:`~actstore.devicecopy.pin`) are copied by DMA with no staging copy.
 
 At most two batches are held in host memory at once, and a host batch is released only
-after its copy finished, so a window pool is never reused under a copy.
+after its copy finished, so a window pool is never reused under a copy. Batches whose
+memory could not be pinned (``ulimit -l``, a ring on a disk file system,
+``ACTSTORE_PIN=0``) are first copied into a :class:`~actstore.devicecopy.Staging` buffer
+(pinned), and their host memory is released at once.
 
 Example:
     >>> for acts in to_device(ActivationLoader(store, site=6), copies_for("cuda")):  # doctest: +SKIP
@@ -25,32 +28,39 @@ from typing import TypeVar
 
 import torch
 
-from ..devicecopy import Copies, Transfer
+from ..devicecopy import Copies, Staging, Transfer
 from .pipeline import LoaderBatch
 
 Item = TypeVar("Item", torch.Tensor, LoaderBatch)
 
 
-def _start(item: torch.Tensor | LoaderBatch, copies: Copies) -> tuple[Transfer, bool]:
-    if isinstance(item, LoaderBatch):
-        return copies.to_device([item.acts, item.rows]), True
-    return copies.to_device([item]), False
+def _start(
+    item: torch.Tensor | LoaderBatch, copies: Copies, staging: Staging | None
+) -> tuple[Transfer, bool]:
+    indexed = isinstance(item, LoaderBatch)
+    sources = [item.acts, item.rows] if isinstance(item, LoaderBatch) else [item]
+    if staging is not None:
+        sources = staging.stage(sources)
+    return copies.to_device(sources), indexed
 
 
-def to_device(batches: Iterable[Item], copies: Copies) -> Generator[Item, None, None]:
+def to_device(
+    batches: Iterable[Item], copies: Copies, staging: Staging | None = None
+) -> Generator[Item, None, None]:
     """``batches`` on ``copies.device``, in order, one copy running ahead; closes
-    ``copies`` when done."""
+    ``copies`` when done. ``staging``: batches it says need it are copied into its
+    buffers first (and their host memory let go at once)."""
     source = iter(batches)
     pending: tuple[Transfer, bool] | None = None
     try:
         item = next(source, None)
-        pending = None if item is None else _start(item, copies)
+        pending = None if item is None else _start(item, copies, staging)
         del item
         while pending is not None:
             transfer, indexed = pending
-            transfer.wait()  # its host rows may be reused from now on
+            transfer.wait()  # its host rows (or staging buffer) may be reused from now on
             item = next(source, None)
-            pending = None if item is None else _start(item, copies)
+            pending = None if item is None else _start(item, copies, staging)
             del item
             out = transfer.use()
             del transfer

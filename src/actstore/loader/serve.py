@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..devicecopy import copies_for, try_pin
+from ..devicecopy import Staging, can_pin_files_under, copies_for, is_pinned, try_pin
 from ..errors import ConfigError, ServeError
 from ..storage.lock import pid_alive
 from .dataset import OUT_DTYPES, ActivationLoader, LoaderConfig
@@ -548,6 +548,9 @@ class ServedLoader:
     With ``device="cuda"`` the ring is registered with CUDA once and each batch is copied
     to the GPU on a side stream while the previous one is in use (see
     :mod:`actstore.loader.device`); any other ``device``: copied there on a thread.
+    Where the ring cannot be pinned (its directory is on a disk file system, ``ulimit -l``,
+    ``ACTSTORE_PIN=0``) or with ``staging=True``, each batch is first copied out of the
+    ring into a (pinned) staging buffer, and its slot is let go at once.
     ``state_dict()`` / ``load_state_dict()`` resume this consumer exactly, also with a
     restarted server (the server starts at the earliest position its consumers ask for).
     """
@@ -561,12 +564,15 @@ class ServedLoader:
         return_index: bool = False,
         timeout_s: float = 60.0,
         device: str | torch.device | None = None,
+        staging: bool | None = None,
     ) -> None:
         self.name, self.consumer, self.return_index = name, int(consumer), return_index
         self.device = None if device is None else torch.device(device)
         cuda = self.device is not None and self.device.type == "cuda"
         if cuda and not torch.cuda.is_available():
             raise ConfigError("device='cuda' needs CUDA, which is not available")
+        if staging and self.device is None:
+            raise ConfigError("staging=True copies batches on their way to a device: set device")
         self.ctl_path, self.ring_path = _paths(directory, name)
         self.shared = self._attach(directory, timeout_s)
         words = self.shared.words
@@ -584,12 +590,21 @@ class ServedLoader:
             else (len(settings["sites"]), settings["d_model"])
         )
         self._bf16 = settings["dtype"] == "bfloat16"
-        if cuda:
+        if cuda and not staging and can_pin_files_under(directory):
             try_pin(self.shared.ring)  # batches go to the GPU by DMA, with no staging copy
+        #: batches are copied out of the ring into a staging buffer on their way to the
+        #: device (where the ring is not pinned, or with ``staging=True``)
+        self.staging = bool(staging) or (cuda and not is_pinned(self.shared.ring))
+        self._stager = None if not self.staging else Staging(self.device or "cpu", always=True)
         self.epoch, self._batches = 0, 0
         self._registered = False
         # (global batch, its array, references to it when dropped) per batch handed out
         self._held: deque[tuple[int, np.ndarray, int]] = deque()
+
+    @property
+    def staged_batches(self) -> int:
+        """Batches copied out of the ring into a staging buffer so far (see ``staging``)."""
+        return 0 if self._stager is None else self._stager.staged
 
     def _attach(self, directory: str, timeout_s: float) -> _Shared:
         """The running server's files. Files a dead server left behind are not attached
@@ -704,7 +719,7 @@ class ServedLoader:
     def _generate(self, epoch: int) -> Iterator[Any]:
         batches = self._host_batches(epoch, self._batches)
         if self.device is not None:  # the next batch's copy runs while this one is used
-            batches = to_device(batches, copies_for(self.device))
+            batches = to_device(batches, copies_for(self.device), self._stager)
         try:
             for batch in batches:
                 self._batches += 1
