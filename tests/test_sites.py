@@ -25,6 +25,9 @@ def test_every_spelling_parses_to_one_canonical_site():
     assert Site.parse("blocks.3.hook_attn_out") == Site("attn_out", 3)
     assert Site.parse("blocks.3.hook_mlp_out") == Site("mlp_out", 3)
     assert Site.parse("blocks.3.hook_normalized_resid_post") == Site("resid", 3)
+    assert Site.parse("blocks.3.ln1.hook_normalized") == Site("attn_in", 3)
+    assert Site.parse("blocks.3.ln2.hook_normalized") == Site("mlp_in", 3)
+    assert Site.parse("resid_post.3") == Site("resid_post", 3)
     assert Site.parse("resid_mid.-2").resolve(4) == Site("resid_mid", 2)
     assert Site("resid", 5).tl_name == "blocks.5.hook_resid_post"
     assert Site("mlp_out", 2).tl_name == "blocks.2.hook_mlp_out"
@@ -38,6 +41,7 @@ def test_every_spelling_parses_to_one_canonical_site():
         ("mlp_post.3", "unknown site kind 'mlp_post'"),
         ("blocks.3.hook_attn_in", "resid_pre repeated once per head"),
         ("blocks.3.hook_q_input", "hook 'hook_q_input' in 'blocks.3.hook_q_input' has no"),
+        ("blocks.3.attn.hook_z", "hook 'attn.hook_z' in 'blocks.3.attn.hook_z' has no"),
         ("", "cannot parse site ''"),
     ],
 )
@@ -106,19 +110,31 @@ def test_resid_pre_of_block_0_is_the_embedding_output(model_dir):
     assert torch.equal(got, hidden[0])
 
 
-def test_post_norm_family_refuses_transformerlens_resid_post(model_dir):
+def test_post_norm_family_takes_transformerlens_resid_post(model_dir):
+    """BERT's hook_resid_post is TransformerLens's: the sum entering the block's closing
+    LayerNorm (resid_post), not the block output (resid)."""
     model = load_model(str(model_dir("bert")))
     site = Site.parse("blocks.1.hook_resid_post")
-    with pytest.raises(ConfigError, match="no equivalent in bert: its blocks are post-norm"):
-        ActivationRecorder(model, [site])
-    check_sites("bert", [Site.parse("resid.1"), Site.parse("blocks.1.hook_normalized_resid_post")])
-    check_sites("gpt2", [site])  # pre-norm: the block output
+    inputs = _inputs(model, "bert")
+    with torch.inference_mode():
+        with ActivationRecorder(model, [site, Site("mlp_in", 1), Site("mlp_out", 1)]) as rec:
+            a = rec.run(inputs)
+        block = model.blocks[1]
+        torch.testing.assert_close(a["resid_post.1"], a["mlp_in.1"] + a["mlp_out.1"])
+        hidden = model.module(**inputs, output_hidden_states=True).hidden_states
+        assert torch.equal(block.output.LayerNorm(a["resid_post.1"]), hidden[2])
+    assert check_sites("bert", [site, Site.parse("resid_post.1")]) == (Site("resid_post", 1),) * 2
+    assert check_sites("bert", [Site.parse("blocks.1.hook_normalized_resid_post")]) == (
+        Site("resid", 1),
+    )
+    assert check_sites("gpt2", [site, Site.parse("resid_post.1")]) == (Site("resid", 1),) * 2
 
 
 def test_unmapped_family_keeps_residual_sites():
     check_sites("gpt_neox", [Site("resid", 1), Site("resid_pre", 1)])
     with pytest.raises(ConfigError, match="mlp_out sites are not mapped for the 'gpt_neox'"):
         check_sites("gpt_neox", [Site("mlp_out", 1)])
+    assert check_sites("gpt_neox", [Site("resid_post", 1)]) == (Site("resid", 1),)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +213,16 @@ def test_capture_stops_before_the_last_block_when_only_its_input_is_needed(model
 
 
 #: TransformerLens hooks checked against TransformerLens itself, per family.
-TL_CHECKED = ("hook_resid_pre", "hook_resid_mid", "hook_attn_out", "hook_mlp_out", "hook_mlp_in")
+TL_CHECKED = (
+    "hook_resid_pre",
+    "hook_resid_mid",
+    "hook_resid_post",
+    "hook_attn_out",
+    "hook_mlp_out",
+    "hook_mlp_in",
+    "ln1.hook_normalized",
+    "ln2.hook_normalized",
+)
 
 
 def _transformerlens(kind, directory):
@@ -262,18 +287,20 @@ def test_transformerlens_names_hold_transformerlens_values(kind, model_dir):
     model = load_model(str(model_dir(kind)))
     ids = torch.randint(4, 300, (2, 9), generator=torch.Generator().manual_seed(3))
     names = [f"blocks.2.{hook}" for hook in TL_CHECKED]
-    names.append(
-        "blocks.2.hook_resid_post" if kind == "gpt2" else "blocks.2.hook_normalized_resid_post"
-    )
+    if kind == "bert":
+        names.append("blocks.2.hook_normalized_resid_post")
+    meaning = {n: Site.parse(n).in_family(kind) for n in names}
     with torch.inference_mode():
         _, cache = tl_model.run_with_cache(ids)
-        sites = sorted({Site.parse(n) for n in names})
-        with ActivationRecorder(model, sites) as rec:
+        with ActivationRecorder(model, sorted(set(meaning.values()))) as rec:
             acts = rec.run({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-    for name in names:
-        torch.testing.assert_close(acts[str(Site.parse(name))], cache[name], rtol=1e-5, atol=1e-5)
+    for name, site in meaning.items():
+        torch.testing.assert_close(acts[str(site)], cache[name], rtol=1e-5, atol=1e-5)
     if kind == "bert":  # TL's hook_resid_post is before the closing LayerNorm: not resid.2
+        assert meaning["blocks.2.hook_resid_post"] == Site("resid_post", 2)
         assert not torch.allclose(acts["resid.2"], cache["blocks.2.hook_resid_post"], atol=1e-3)
+    else:
+        assert meaning["blocks.2.hook_resid_post"] == Site("resid", 2)
 
 
 def test_inspect_and_the_loader_use_canonical_names_on_activault_hooks(tmp_path):
@@ -324,3 +351,85 @@ def test_capture_names_a_site_given_twice_in_two_spellings(model_dir, tmp_path):
         ConfigError, match=r"blocks.3.hook_resid_post and resid.-1 both name resid.3"
     ):
         capture(cfg, lambda plan: pytest.fail("no writer may open"))
+
+
+#: Every TransformerLens name the README and docs/sites.md document, at block 1, and the site
+#: it captures in a pre-norm family (GPT-2, Llama, Qwen, Gemma, the CLIP, SigLIP and DINOv2
+#: towers) and in BERT (post-norm), exactly as ``capture --dry-run`` prints it.
+PRE_NORM_NAMES = {
+    "hook_resid_pre": "resid_pre.1",
+    "hook_resid_mid": "resid_mid.1",
+    "hook_resid_post": "resid.1",
+    "hook_attn_out": "attn_out.1",
+    "hook_mlp_out": "mlp_out.1",
+    "hook_mlp_in": "resid_mid.1",
+    "hook_normalized_resid_post": "resid.1",
+    "ln1.hook_normalized": "attn_in.1",
+    "ln2.hook_normalized": "mlp_in.1",
+}
+BERT_NAMES = PRE_NORM_NAMES | {
+    "hook_resid_post": "resid_post.1",
+    "ln1.hook_normalized": "mlp_in.1",
+    "ln2.hook_normalized": "resid.1",
+}
+ATTN_IN = (
+    "blocks.1.hook_attn_in is TransformerLens's resid_pre repeated once per head; "
+    "capture blocks.1.hook_resid_pre (resid_pre.1) instead"
+)
+
+
+@pytest.mark.parametrize(
+    "kind", ["gpt2", "llama", "qwen2", "gemma2", "bert", "clip", "siglip", "dinov2"]
+)
+def test_every_documented_transformerlens_name_through_the_cli(kind, model_dir):
+    """``actstore capture --sites blocks.1.<hook> --dry-run`` (preflight, then the plan) for
+    every documented name: the site each captures, or one line and exit 2."""
+    from typer.testing import CliRunner
+
+    from actstore.cli import app
+
+    model = str(model_dir(kind))
+    names = BERT_NAMES if kind == "bert" else PRE_NORM_NAMES
+    runner = CliRunner()
+    for hook, site in names.items():
+        result = runner.invoke(
+            app, ["capture", "--model", model, "--sites", f"blocks.1.{hook}", "--dry-run"]
+        )
+        assert result.exit_code == 0, (hook, result.output)
+        assert f"of 4 loaded for {site}; d_model 32" in result.output, (hook, result.output)
+    # refused before anything loads; the console script prints "error: <this>", exit 2
+    result = runner.invoke(app, ["capture", "--model", model, "--sites", "blocks.1.hook_attn_in"])
+    assert isinstance(result.exception, ConfigError) and str(result.exception) == ATTN_IN
+
+
+def test_bert_resid_post_round_trips_through_a_store(model_dir, text_file, tmp_path):
+    """A BERT capture of TransformerLens's hook_resid_post stores resid_post (the column
+    SAELens knows as blocks.1.hook_resid_post); every spelling finds it again, and the block
+    output stays resid."""
+    from typer.testing import CliRunner
+
+    from actstore import open_store
+    from actstore.cli import app
+
+    out = tmp_path / "acts"
+    args = ["capture", "--model", str(model_dir("bert")), "--dataset", str(text_file)]
+    args += ["--sites", "blocks.1.hook_resid_post,blocks.1.hook_normalized_resid_post"]
+    args += ["--context-length", "8", "--max-examples", "4", "--format", "saelens"]
+    result = CliRunner().invoke(app, [*args, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    reader = open_store(out)
+    assert reader.sites == (Site("resid_post", 1), Site("resid", 1))
+    assert reader.columns == ("blocks.1.hook_resid_post", "blocks.1.hook_normalized_resid_post")
+    for spelling in ("blocks.1.hook_resid_post", "resid_post.1", "resid_post.-3"):
+        assert reader.site(spelling) == Site("resid_post", 1)
+    for spelling in (
+        "resid.1",
+        "blocks.1.hook_normalized_resid_post",
+        "blocks.1.ln2.hook_normalized",
+    ):
+        assert reader.site(spelling) == Site("resid", 1)
+    post, out_ = reader[0, "resid_post.1"], reader[0, "resid.1"]
+    normed = torch.nn.functional.layer_norm(torch.as_tensor(post), (32,), eps=1e-12)
+    assert not np.allclose(post, out_, atol=1e-3)
+    # the closing LayerNorm (weights at their init: 1 and 0) turns resid_post into resid
+    torch.testing.assert_close(normed, torch.as_tensor(out_), rtol=1e-4, atol=1e-4)

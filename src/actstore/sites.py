@@ -8,12 +8,18 @@ Kinds (block ``L``; docs/sites.md maps each onto the modules of every supported 
   ``mlp_out``    what the MLP sub-layer adds to the residual stream
   ``attn_in``    the attention sub-layer's input (after its layer norm, if it has one)
   ``mlp_in``     the MLP sub-layer's input (after its layer norm)
+  ``resid_post`` TransformerLens's ``hook_resid_post``: the residual sum after the MLP, before
+                 any norm that closes the block. Only post-norm blocks (BERT) have such a
+                 norm; elsewhere it is the block output and is stored as ``resid``
 
 The canonical spelling is ``kind.layer`` (``resid.3``, ``mlp_out.-1``): ``str(site)`` prints
 it, stores record it, and it means the same in every family. :meth:`Site.parse` also takes a
 bare layer (``5`` = ``resid.5``) and TransformerLens hook names (``blocks.5.hook_resid_post``
-= ``resid.5``, ``blocks.5.hook_resid_pre``, ``blocks.5.hook_mlp_in`` = ``resid_mid.5``, ...).
-Negative layers count from the end and are resolved with :meth:`Site.resolve`.
+= ``resid.5``, ``blocks.5.hook_resid_pre``, ``blocks.5.hook_mlp_in`` = ``resid_mid.5``,
+``blocks.5.ln2.hook_normalized`` = ``mlp_in.5``, ...). A TransformerLens name means what it
+means in TransformerLens for the model's family: :meth:`Site.in_family` turns it into the site
+of that family (BERT's ``hook_resid_post`` is ``resid_post``, its ``ln2.hook_normalized`` the
+block output). Negative layers count from the end and are resolved with :meth:`Site.resolve`.
 
 Example:
     >>> Site.parse("mlp_out.-1").resolve(12)
@@ -30,7 +36,12 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 
+#: The kinds every mapped family has (docs/sites.md).
 SITE_KINDS = ("resid", "attn_out", "mlp_out", "attn_in", "mlp_in", "resid_pre", "resid_mid")
+#: Kinds only post-norm families (BERT) have apart from ``resid``: the sum entering the
+#: block's closing LayerNorm. In other families :meth:`Site.in_family` makes it ``resid``.
+POST_NORM_KINDS = ("resid_post",)
+ALL_KINDS = SITE_KINDS + POST_NORM_KINDS
 
 #: TransformerLens hook (``blocks.L.<hook>``) -> site kind with the same meaning.
 TL_HOOKS = {
@@ -41,17 +52,28 @@ TL_HOOKS = {
     "hook_mlp_out": "mlp_out",
     "hook_mlp_in": "resid_mid",  # TransformerLens: a copy of resid_mid, before ln2
     "hook_normalized_resid_post": "resid",  # BERT-style blocks: the block output
+    "ln1.hook_normalized": "attn_in",  # pre-norm: the norm before attention
+    "ln2.hook_normalized": "mlp_in",  # pre-norm: the norm before the MLP
+}
+#: What a TransformerLens hook means in a post-norm family, where it differs (TL's BertBlock:
+#: ``ln1`` normalises ``resid_mid``, ``hook_resid_post`` is the sum ``ln2`` normalises into
+#: the block output).
+POST_NORM_TL_HOOKS = {
+    "hook_resid_post": "resid_post",
+    "ln1.hook_normalized": "mlp_in",
+    "ln2.hook_normalized": "resid",
 }
 _TL_NAME = {kind: hook for hook, kind in TL_HOOKS.items() if hook.startswith("hook_resid_")}
 _TL_NAME |= {"attn_out": "hook_attn_out", "mlp_out": "hook_mlp_out"}
+_TL_NAME |= {"resid_post": "hook_resid_post"}
 
 #: Families whose blocks end in a LayerNorm after the residual add (BERT-style): there,
-#: TransformerLens's ``hook_resid_post`` is the sum *before* that norm, and the block output
-#: actstore stores as ``resid.L`` is ``hook_normalized_resid_post``.
+#: TransformerLens's ``hook_resid_post`` is the sum *before* that norm (``resid_post``), and
+#: the block output actstore stores as ``resid.L`` is ``hook_normalized_resid_post``.
 POST_NORM_FAMILIES = frozenset({"bert"})
 
 _SPELLINGS = "kind.layer (resid.6, mlp_out.-1), a layer (6) or blocks.6.hook_resid_post"
-_TL_RE = re.compile(r"^blocks\.(-?\d+)\.(\w+)$")
+_TL_RE = re.compile(r"^blocks\.(-?\d+)\.(\w+(?:\.\w+)?)$")
 _SITE_RE = re.compile(r"^(?:(\w+)\.)?(-?\d+)$")
 
 
@@ -61,14 +83,14 @@ class Site:
 
     kind: str
     layer: int
-    tl: bool = field(default=False, compare=False, repr=False)
-    """Spelled as TransformerLens's ``hook_resid_post``, which post-norm families (BERT)
-    do not have as a block output; see :func:`actstore.capture.sitemap.check_site`."""
+    tl: str = field(default="", compare=False, repr=False)
+    """The TransformerLens hook it was spelled as (``hook_resid_post``), whose meaning
+    depends on the family: see :meth:`in_family`."""
 
     def __post_init__(self) -> None:
-        if self.kind not in SITE_KINDS:
+        if self.kind not in ALL_KINDS:
             raise ConfigError(
-                f"unknown site kind {self.kind!r}; choose one of {', '.join(SITE_KINDS)}"
+                f"unknown site kind {self.kind!r}; choose one of {', '.join(ALL_KINDS)}"
             )
 
     def __str__(self) -> str:
@@ -87,21 +109,31 @@ class Site:
         Example:
             >>> Site("resid", 3).tl_name_in("bert"), Site("resid", 3).tl_name_in("gpt2")
             ('blocks.3.hook_normalized_resid_post', 'blocks.3.hook_resid_post')
+            >>> Site("resid_post", 3).tl_name_in("bert")
+            'blocks.3.hook_resid_post'
         """
         if self.kind == "resid" and family in POST_NORM_FAMILIES:
             return f"blocks.{self.layer}.hook_normalized_resid_post"
         return self.tl_name
 
-    def check_family(self, family: str) -> Site:
-        """This site, or a one-line :class:`ConfigError` when it was spelled as
-        TransformerLens's ``hook_resid_post`` for a post-norm family, where that hook is
-        not the block output (ask for ``hook_normalized_resid_post``)."""
-        if self.tl and self.kind == "resid" and family in POST_NORM_FAMILIES:
-            raise ConfigError(
-                f"{self.tl_name} has no equivalent in {family}: its blocks are post-norm, so "
-                "TransformerLens's hook_resid_post is a sum before the closing LayerNorm; use "
-                f"{self} or blocks.{self.layer}.hook_normalized_resid_post (the block output)"
-            )
+    def in_family(self, family: str) -> Site:
+        """The site this spelling means in a model of ``family``: a TransformerLens name
+        means there what TransformerLens means by it (BERT's ``hook_resid_post`` is the sum
+        before the closing LayerNorm, ``resid_post``), and ``resid_post`` of a pre-norm
+        family is its block output, ``resid``.
+
+        Example:
+            >>> tl = Site.parse("blocks.3.hook_resid_post")
+            >>> tl.in_family("bert"), tl.in_family("gpt2")
+            (Site(kind='resid_post', layer=3), Site(kind='resid', layer=3))
+            >>> Site.parse("blocks.3.ln1.hook_normalized").in_family("bert")
+            Site(kind='mlp_in', layer=3)
+        """
+        if family in POST_NORM_FAMILIES:
+            kind = POST_NORM_TL_HOOKS.get(self.tl)
+            return self if kind is None else Site(kind, self.layer)
+        if self.kind in POST_NORM_KINDS:
+            return Site("resid", self.layer)
         return self
 
     @classmethod
@@ -122,7 +154,7 @@ class Site:
                     f"TransformerLens hook {hook!r} in {text!r} has no actstore site; "
                     f"use one of {', '.join(TL_HOOKS)}"
                 )
-            return cls(TL_HOOKS[hook], layer, tl=hook == "hook_resid_post")
+            return cls(TL_HOOKS[hook], layer, tl=hook)
         m = _SITE_RE.match(text)
         if m is None:
             raise ConfigError(f"cannot parse site {text!r}; write it as {_SPELLINGS}")

@@ -44,7 +44,7 @@ class ActivationRecorder:
                 f"but {model.ckpt} was loaded through block {len(model.blocks) - 1} only; "
                 "load it with the sites to capture (load_model(..., sites=...))"
             )
-        check_sites(model.family, self.sites)
+        self.sites = list(check_sites(model.family, self.sites))  # as the family means them
         self._acts: dict[str, torch.Tensor] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 

@@ -53,6 +53,7 @@ from .placement import (
     resolve_device_map,
     tensor_bytes,
 )
+from .sitemap import check_sites
 from .weights import Checkpoint, needed_filter, tail_names
 
 log = logging.getLogger(__name__)
@@ -489,7 +490,7 @@ def memory_report(
     if placement.spread:
         check_devices(placement)
     device_map = plan.device_map(placement)
-    resolved = [Site.parse(s).resolve(plan.n_layers) for s in sites]
+    resolved = check_sites(plan.family, (Site.parse(s).resolve(plan.n_layers) for s in sites))
     tokens = plan.image_tokens or context_length
     batch_tokens = batch_size * tokens
     rows = plan.memory(

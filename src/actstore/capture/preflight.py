@@ -258,10 +258,9 @@ def check_sites(sites: tuple[str, ...], facts: ModelFacts) -> tuple[Site, ...]:
     post-norm blocks have no ``hook_resid_post``), none twice."""
     from .sitemap import check_sites as check_family
 
-    resolved = tuple(Site.parse(s).resolve(facts.n_layers) for s in sites)
+    resolved = check_family(facts.family, (Site.parse(s).resolve(facts.n_layers) for s in sites))
     if len(set(resolved)) != len(resolved):
         raise ConfigError(f"sites {list(sites)} name the same site twice")
-    check_family(facts.family, resolved)
     return resolved
 
 

@@ -217,7 +217,7 @@ def plan_capture(
             sites=config.sites,
             placement=config.placement,
         )
-    sites = [Site.parse(s).resolve(model.n_layers) for s in config.sites]
+    sites = [Site.parse(s).resolve(model.n_layers).in_family(model.family) for s in config.sites]
     for i, site in enumerate(sites):
         if site in sites[:i]:
             first = config.sites[sites.index(site)]

@@ -64,22 +64,25 @@ FAMILY_TAPS: dict[str, dict[str, Tap]] = {
     "siglip": _CLIP,
     # DINOv2 scales each sub-layer's output (LayerScale) before the residual add.
     "dinov2": _subs("norm2", "attention", "layer_scale1", "mlp", "layer_scale2"),
-    # Post-norm: resid_mid is the sum entering the attention block's closing LayerNorm.
+    # Post-norm: resid_mid is the sum entering the attention block's closing LayerNorm, and
+    # resid_post (TransformerLens's hook_resid_post) the sum entering the block's last one.
     "bert": _subs(
         "attention.output.LayerNorm",
         "attention",
         "attention.output.dense",
         "intermediate",
         "output.dense",
-    ),
+    )
+    | {"resid_post": Tap("output.LayerNorm", "in")},
 }
 
 _BLOCK = {"resid_pre": Tap("", "in"), "resid": Tap("", "out")}
 
 
 def tap_for(family: str, site: Site) -> Tap:
-    """The module and side to read ``site`` from, or a one-line :class:`ConfigError`."""
-    site.check_family(family)
+    """The module and side to read ``site`` (as :meth:`Site.in_family` reads it for
+    ``family``) from, or a one-line :class:`ConfigError`."""
+    site = site.in_family(family)
     if site.kind in _BLOCK:
         return _BLOCK[site.kind]
     taps = FAMILY_TAPS.get(family)
@@ -88,12 +91,25 @@ def tap_for(family: str, site: Site) -> Tap:
             f"{site.kind} sites are not mapped for the {family!r} architecture; capture "
             f"resid.N or resid_pre.N, or use one of: {', '.join(FAMILY_TAPS)}"
         )
+    if site.kind not in taps:
+        raise ConfigError(
+            f"{site} has no module in the {family!r} architecture; it takes "
+            f"{', '.join(sorted({*_BLOCK, *taps}))}"
+        )
     return taps[site.kind]
 
 
-def check_sites(family: str, sites: Iterable[Site]) -> None:
-    """Raise :class:`ConfigError` for the first site ``family`` cannot provide. ``family``
-    is :func:`actstore.capture.models.model_family` of config.json's ``model_type``, so this
-    runs before any weights load."""
-    for site in sites:
+def check_sites(family: str, sites: Iterable[Site]) -> tuple[Site, ...]:
+    """The sites as ``family`` means them (:meth:`Site.in_family`: a TransformerLens name
+    means what it means for that family), or :class:`ConfigError` for the first site
+    ``family`` cannot provide. ``family`` is :func:`actstore.capture.models.model_family` of
+    config.json's ``model_type``, so this runs before any weights load.
+
+    Example:
+        >>> check_sites("bert", [Site.parse("blocks.2.hook_resid_post")])
+        (Site(kind='resid_post', layer=2),)
+    """
+    out = tuple(site.in_family(family) for site in sites)
+    for site in out:
         tap_for(family, site)
+    return out

@@ -244,8 +244,7 @@ class ReaderBase(abc.ABC):
             return native
         if wanted.layer < 0:
             wanted = wanted.resolve(self.n_model_layers)
-        if wanted.tl and wanted.kind == "resid":
-            wanted.check_family(self.family)
+        wanted = wanted.in_family(self.family)  # a TransformerLens name, as the family means it
         for stored in self.sites:
             if stored == wanted:
                 return stored
