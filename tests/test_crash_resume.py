@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 
 from actstore.errors import CorruptStoreError
 from actstore.formats.saev import SaevReader
+from actstore.formats.writer import recorded_shards
 
 ARGS = [
     "--layers",
@@ -37,10 +37,7 @@ def run_capture(out, **kw):
 
 def finished_shards(out):
     for partial in out.glob(".*.partial"):
-        try:
-            return len(json.loads((partial / "progress.json").read_text())["shards"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            return 0
+        return recorded_shards(partial)
     return 0
 
 

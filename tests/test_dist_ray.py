@@ -24,6 +24,7 @@ from actstore.dist import MissingPartsError, capture_on_ray, init_local_ray
 from actstore.formats import get_format
 from actstore.formats.pickle import PickleOptions, PickleReader
 from actstore.formats.saev import SaevOptions
+from actstore.formats.writer import recorded_shards
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")  # ray[default] ships it
@@ -177,11 +178,7 @@ def test_killed_worker_is_retried_and_resumes(ray_cluster, model_dir, text_file,
     while killed is None and runner.is_alive():
         assert time.monotonic() < deadline, "machine 1 made no progress"
         for partial in out.glob(".*.parts/.part-0000000320-*.partial"):  # machine 1
-            try:
-                done = json.loads((partial / "progress.json").read_text())["shards"]
-            except (FileNotFoundError, json.JSONDecodeError, KeyError):
-                continue
-            if len(done) >= 2:
+            if recorded_shards(partial) >= 2:
                 for pid in _pids_with_open_files_in(partial):
                     os.kill(pid, signal.SIGKILL)  # a Ray worker this test's cluster started
                     killed = pid

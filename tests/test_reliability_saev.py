@@ -33,7 +33,7 @@ POINTS = [
     "saev.partial_created",
     "saev.written:1",
     "saev.written:3",
-    "saev.shard_file_synced:1",
+    "saev.shard_finished:1",
     "saev.shard_synced:3",
     "saev.shard_recorded:1",
     "saev.shard_recorded:4",

@@ -26,6 +26,7 @@ from actstore.formats import open_store, verify_store
 from actstore.formats.registry import get_format
 from actstore.formats.s3_staged import StagedS3Writer
 from actstore.formats.saelens import SaelensOptions, SaelensReader, SaelensWriter
+from actstore.formats.writer import recorded_shards
 from actstore.loader import ActivationLoader
 from actstore.sites import Site
 from actstore.storage.copy import copy_store
@@ -448,11 +449,8 @@ def test_cli_capture_to_s3_killed_with_sigkill_resumes_exactly(s3, model_dir, te
         )
 
     def finished() -> int:  # staging/<destination hash>/.killed.partial
-        found = list((tmp_path / "cache" / "staging").glob("*/.*.partial/progress.json"))
-        try:
-            return len(json.loads(found[0].read_text())["shards"]) if found else 0
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            return 0
+        found = list((tmp_path / "cache" / "staging").glob("*/.*.partial/progress.jsonl"))
+        return recorded_shards(found[0].parent) if found else 0
 
     proc = run()
     deadline = time.monotonic() + 120

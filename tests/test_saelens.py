@@ -30,6 +30,7 @@ from actstore.formats.saelens import (
     SaelensWriter,
     hook_name,
 )
+from actstore.formats.writer import recorded_shards
 from actstore.sites import Site
 from actstore.testing import ConformanceSuite, FormatCase, make_acts, make_batches, make_plan
 
@@ -460,7 +461,6 @@ class TestSaelensFloat16Conformance(ConformanceSuite):
 
 @pytest.mark.slow
 def test_sigkill_mid_capture_then_resume_is_byte_identical(model_dir, text_file, tmp_path):
-    import json
     import signal
     import subprocess
     import sys
@@ -477,10 +477,7 @@ def test_sigkill_mid_capture_then_resume_is_byte_identical(model_dir, text_file,
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def finished(partial):
-        try:
-            return len(json.loads((partial / "progress.json").read_text())["shards"])
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            return 0
+        return recorded_shards(partial)
 
     crashed, clean = tmp_path / "crashed", tmp_path / "clean"
     partial = tmp_path / ".crashed.partial"

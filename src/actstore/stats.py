@@ -23,9 +23,46 @@ import numpy as np
 
 from .errors import ConfigError, CorruptStoreError
 
-#: Bytes of the reused float64 scratch buffer: small enough to stay in cache (measured
-#: ~4x faster than folding 16K-row chunks through freshly allocated temporaries).
+#: Bytes of a chunk's float64 scratch buffer: small enough to stay in cache (measured
+#: ~4x faster than folding 16K-row chunks through freshly allocated temporaries). It fixes
+#: the chunking, hence the float rounding: statistics are folded in runs of
+#: :attr:`RunningStats.rows_per_chunk` rows.
 SCRATCH_BYTES = 8 << 20
+
+
+#: One chunk's moments: row count, per-dimension sum and sum of squares (float64), and the
+#: sum of the rows' L2 norms.
+Moments = tuple[int, np.ndarray, np.ndarray, float]
+
+
+def chunk_moments(rows: np.ndarray, scratch: np.ndarray | None = None) -> Moments:
+    """The :data:`Moments` of ``rows`` (``[n, d]``, any float dtype and strides), in float64.
+
+    The rows are cast once into ``scratch`` (float64, at least ``[n, d]``; allocated when
+    None), then reduced with numpy ufuncs, which release the GIL: threads folding different
+    chunks run in parallel. The result depends only on the rows, so statistics merged from
+    chunks in a fixed order are identical for any thread count. A float32 value's square is
+    exact in float64, so ``sumsq - sum**2 / n`` loses only what float64 sums of a chunk lose.
+
+    Example:
+        >>> n, s, ss, norms = chunk_moments(np.array([[3.0, 4.0], [0.0, 0.0]]))
+        >>> n, s.tolist(), ss.tolist(), norms
+        (2, [3.0, 4.0], [9.0, 16.0], 5.0)
+    """
+    n, d = rows.shape
+    if n == 0:
+        zero = np.zeros(d)
+        return 0, zero, zero.copy(), 0.0
+    if scratch is None or scratch.shape[0] < n or scratch.shape[1] != d:
+        scratch = np.empty((n, d), np.float64)
+    x = scratch[:n]
+    np.copyto(x, rows)
+    total = np.add.reduce(x, axis=0)
+    np.multiply(x, x, out=x)
+    sumsq = np.add.reduce(x, axis=0)
+    norms = np.add.reduce(x, axis=1)
+    np.sqrt(norms, out=norms)
+    return n, total, sumsq, float(np.add.reduce(norms))
 
 
 @dataclass
@@ -69,32 +106,27 @@ class RunningStats:
         return max(16, SCRATCH_BYTES // (8 * self.d))
 
     def update(self, rows: np.ndarray) -> None:
-        """Fold ``rows`` (shape ``[..., d]``, any strides) into the statistics, in place.
-
-        Rows are copied straight from their float32 (or other) source into a reused
-        float64 scratch buffer, whole sub-arrays of the first axis at a time (no
-        intermediate copy for strided views such as one layer of ``[B, L, T, D]``)."""
+        """Fold ``rows`` (shape ``[..., d]``, any strides) into the statistics, in place,
+        in runs of :attr:`rows_per_chunk` rows (each run's moments by :func:`chunk_moments`,
+        merged in order)."""
         rows = np.asarray(rows)
         if rows.shape[-1] != self.d:
             raise ConfigError(f"rows have width {rows.shape[-1]}, statistics expect {self.d}")
-        if rows.ndim == 1:
-            rows = rows[None]
-        inner = int(np.prod(rows.shape[1:-1], dtype=np.int64))
-        per = max(1, self.rows_per_chunk // max(inner, 1))
-        if self._scratch is None or len(self._scratch) < per * inner:
-            self._scratch = np.empty((max(self.rows_per_chunk, per * inner), self.d), np.float64)
-        for start in range(0, rows.shape[0], per):
-            chunk = rows[start : start + per]
-            n = chunk.shape[0] * inner
-            if n == 0:
-                continue
-            x = self._scratch[:n]
-            np.copyto(x.reshape(chunk.shape), chunk)  # float64, no page faults per chunk
-            norm_mean = float(np.sqrt(np.einsum("nd,nd->n", x, x)).mean())
-            mean = x.mean(axis=0)
-            np.subtract(x, mean, out=x)
-            m2 = np.einsum("nd,nd->d", x, x)
-            self._merge_moments(n, mean, m2, norm_mean)
+        rows = rows.reshape(-1, self.d)
+        per = self.rows_per_chunk
+        if self._scratch is None:
+            self._scratch = np.empty((per, self.d), np.float64)
+        for start in range(0, len(rows), per):
+            self.add(chunk_moments(rows[start : start + per], self._scratch))
+
+    def add(self, moments: Moments) -> None:
+        """Merge one chunk's :class:`Moments` (Chan et al.'s pairwise update)."""
+        n, total, sumsq, norm_sum = moments
+        if n == 0:
+            return
+        mean = total / n
+        m2 = np.maximum(sumsq - total * mean, 0.0)
+        self._merge_moments(n, mean, m2, norm_sum / n)
 
     def merge(self, other: RunningStats) -> RunningStats:
         """Return the statistics of the union of both row sets (neither is modified)."""

@@ -1,12 +1,16 @@
 """What a format writes for :class:`~actstore.formats.writer.ShardedWriter`: one
-:class:`ShardSink` per shard, returning :class:`WrittenFile` records; :class:`ShardStats`
-folds the per-site statistics of a shard the same way whatever the batch sizes."""
+:class:`ShardSink` per shard, which only encodes (its bytes go through
+:class:`~actstore.formats.pipeline.ShardOutput`); :class:`WrittenFile` records; and
+:class:`ShardStats`, which folds a shard's per-site statistics on the writer's thread pool
+the same way whatever the batch sizes and the number of threads."""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,11 +18,13 @@ import numpy as np
 
 from ..batch import Batch
 from ..sites import Site
-from ..stats import RunningStats
+from ..stats import Moments, RunningStats, chunk_moments
 from ..storage.manifest import FileEntry
 
 if TYPE_CHECKING:
     import torch
+
+    from .pipeline import ShardOutput
 else:
     from .._lazy import torch
 
@@ -35,72 +41,135 @@ class WrittenFile:
 
 
 class ShardSink(abc.ABC):
-    """Writes the files of one shard. The writer hands it the shard's examples in order."""
+    """Encodes one shard into named files through a
+    :class:`~actstore.formats.pipeline.ShardOutput`; it never opens, writes, fsyncs or
+    hashes a file itself. The writer hands it the shard's examples in order.
+
+    Rules (the conformance kit checks them): a sink keeps no reference to a batch's memory
+    after :meth:`append` returns, except through buffers handed to ``out.write`` (the
+    pipeline is done with those before the batch is the caller's again); its bytes depend
+    only on the examples, never on batch sizes, time or threads."""
 
     @abc.abstractmethod
-    def append(self, batch: Batch) -> None:
-        """Encode the next examples of this shard (a batch of at most one shard's worth).
-        It may leave writes of the batch's memory in flight until :meth:`settle`."""
-
-    def settle(self) -> None:
-        """Wait for the writes :meth:`append` left in flight (the writer computes the
-        batch's statistics meanwhile, and calls this before the batch is the caller's
-        again). Default: nothing is left in flight."""
+    def open(self, out: ShardOutput) -> None:
+        """Declare the shard's files (``out.declare`` / ``out.stream``)."""
 
     @abc.abstractmethod
-    def finish(self) -> list[WrittenFile]:
-        """Make every file durable (fsynced) and return them with their block digests."""
+    def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
+        """Encode the next examples of this shard. ``acts``: each site's values already
+        cast to the writer's :attr:`~actstore.formats.writer.ShardedWriter.stored_dtype`
+        (C-contiguous CPU tensors ``[n, T, D]``, cast once for the sink and the
+        statistics)."""
+
+    def finish(self, out: ShardOutput) -> None:
+        """Write what ends the shard (padding, footers; heavy encoding may run on the pool
+        through ``out.submit``). The pipeline then makes the files durable and digests
+        them. Default: nothing."""
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        """Once the shard's files are durable: what publication needs of each file (kept in
+        the journal). Default: nothing."""
+        return {}
 
     def abort(self) -> None:
-        """Close open files; the shard's files are discarded by the next open."""
+        """Drop what the sink holds (the pipeline closes the files)."""
 
     def chunk_files(self) -> list[str]:
         """After :meth:`finish`: files of this shard the format checks through its own
-        digests (under :meth:`ShardedWriter.manifest_skip`), sealed with the shard for an
-        uploader to send early. Default: none."""
+        digests (declared ``listed=False``), sealed with the shard for an uploader to send
+        early. Default: none."""
         return []
 
 
 class ShardStats:
     """Per-site statistics of one shard, folded in runs of ``rows_per_chunk`` rows counted
-    from the shard's start: the result does not depend on how batches split the shard."""
+    from the shard's start: the result does not depend on how batches split the shard, nor
+    on how many threads fold the runs (each run's :func:`~actstore.stats.chunk_moments` is
+    computed on ``pool`` and merged in run order at :meth:`finish`)."""
 
-    def __init__(self, sites: Sequence[Site], d: int) -> None:
-        self.stats = {s: RunningStats(d) for s in sites}
-        self.per = next(iter(self.stats.values())).rows_per_chunk if self.stats else 1
-        self._pending = {s: np.empty((self.per, d), dtype="<f4") for s in sites}
+    def __init__(self, sites: Sequence[Site], d: int, pool: Executor | None = None) -> None:
+        self.sites, self.d, self.pool = tuple(sites), d, pool
+        self.per = RunningStats(d).rows_per_chunk
+        self._parts: dict[Site, list[Future | Moments]] = {s: [] for s in self.sites}
+        # two staging buffers per site for runs that straddle batches: one may still be
+        # folded (submitted during this batch) while the other takes the batch's tail
+        self._stage = [{s: np.empty((self.per, d), "<f4") for s in self.sites} for _ in range(2)]
+        self._cur = 0
         self._fill = 0
 
-    def update(self, rows: dict[Site, np.ndarray]) -> None:
-        """Fold the shard's next rows (``[n, D]`` per site, the same ``n`` for every site)."""
-        n = len(next(iter(rows.values()))) if rows else 0
+    def update(self, rows: Mapping[Site, np.ndarray | torch.Tensor]) -> None:
+        """Fold the shard's next rows (``[n, D]`` per site, the same ``n`` for every site).
+        Runs are folded on the pool; the rows must stay unchanged until :meth:`settle`."""
+        arrays = {s: _float_rows(r) for s, r in rows.items()}
+        n = len(next(iter(arrays.values()))) if arrays else 0
         i = 0
         if self._fill or n < self.per:
+            stage = self._stage[self._cur]
             take = min(self.per - self._fill, n)
-            for site, part in rows.items():
-                self._pending[site][self._fill : self._fill + take] = part[:take]
+            for site, part in arrays.items():
+                stage[site][self._fill : self._fill + take] = part[:take]
             self._fill += take
             i = take
             if self._fill == self.per:
-                self._fold({s: b for s, b in self._pending.items()})
-                self._fill = 0
+                self._fold(stage)
+                self._cur, self._fill = 1 - self._cur, 0
         while n - i >= self.per:
-            self._fold({s: part[i : i + self.per] for s, part in rows.items()})
+            self._fold({s: part[i : i + self.per] for s, part in arrays.items()})
             i += self.per
         if i < n:
-            for site, part in rows.items():
-                self._pending[site][: n - i] = part[i:]
+            stage = self._stage[self._cur]
+            for site, part in arrays.items():
+                stage[site][: n - i] = part[i:]
             self._fill = n - i
 
-    def finish(self) -> dict[Site, RunningStats]:
-        if self._fill:
-            self._fold({s: b[: self._fill] for s, b in self._pending.items()})
-            self._fill = 0
-        return self.stats
+    def settle(self) -> None:
+        """Wait until no run still reads the rows given to :meth:`update`."""
+        for parts in self._parts.values():
+            for p in parts:
+                if isinstance(p, Future):
+                    p.result()
 
-    def _fold(self, chunks: dict[Site, np.ndarray]) -> None:
+    def finish(self) -> dict[Site, RunningStats]:
+        """The shard's statistics (the runs merged in order)."""
+        if self._fill:
+            stage = self._stage[self._cur]
+            self._fold({s: b[: self._fill] for s, b in stage.items()})
+            self._fill = 0
+        out = {}
+        for site, parts in self._parts.items():
+            stats = RunningStats(self.d)
+            for p in parts:
+                stats.add(p.result() if isinstance(p, Future) else p)
+            out[site] = stats
+        return out
+
+    def _fold(self, chunks: Mapping[Site, np.ndarray]) -> None:
         for site, chunk in chunks.items():
-            self.stats[site].update(chunk)
+            if self.pool is None:
+                self._parts[site].append(chunk_moments(chunk))
+            else:
+                self._parts[site].append(self.pool.submit(_moments, chunk))
+
+
+_scratch = threading.local()
+
+
+def _moments(rows: np.ndarray) -> Moments:
+    """:func:`chunk_moments` with a per-thread float64 scratch buffer."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.shape[0] < len(rows) or buf.shape[1] != rows.shape[1]:
+        buf = _scratch.buf = np.empty(rows.shape, np.float64)
+    return chunk_moments(rows, buf)
+
+
+def _float_rows(rows: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Rows numpy can fold: numpy arrays as they are, tensors as a view when numpy has
+    their dtype (bfloat16 is cast to float32, exactly)."""
+    if isinstance(rows, np.ndarray):
+        return rows
+    if rows.dtype == torch.bfloat16:
+        rows = rows.to(torch.float32)
+    return rows.detach().numpy()
 
 
 def as_float32(tensor: torch.Tensor) -> np.ndarray:

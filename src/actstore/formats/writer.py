@@ -12,8 +12,14 @@ writes the format's index and metadata at publication. Everything else lives her
 * **the lock** (:class:`~actstore.storage.lock.StoreLock`) from open to publish or abort;
 * **nothing on disk** until the first :meth:`~ShardedWriter.write` (a refused capture
   leaves no ``.partial``), except the lock file while the writer lives;
+* **the write pipeline** (:mod:`actstore.formats.pipeline`): each batch is cast once to
+  the stored dtype; the sink's buffers are written by positional writes on several I/O
+  streams with rolling writeback and digested as they are written, while the statistics
+  are folded on a thread pool; a shard's commit (fsync, then its journal line) runs on its
+  own thread while the next shard is written;
 * **progress**: when a shard's files are fsynced, the shard is recorded, with its files'
-  block digests and its per-site statistics, in ``.partial/progress.json`` (atomically);
+  block digests and its per-site statistics, by one line appended to the journal
+  ``.partial/progress.jsonl`` (O(1) per shard; a torn last line is a shard not recorded);
 * **verified resume**: a rerun with the same capture record re-hashes the recorded shards,
   keeps the ones that still match, deletes everything after them, truncates the per-example
   side files (``tokens.bin``...) to match, and resumes at the next shard; the result is
@@ -51,7 +57,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -63,11 +70,11 @@ from ..faults import point
 from ..sites import Site
 from ..stats import RunningStats, merge_all
 from ..storage import (
+    atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
     link_or_copy,
     make_tree_read_only,
-    read_json,
     remove_tree,
 )
 from ..storage.location import Location, partial_of
@@ -82,7 +89,8 @@ from ..storage.manifest import (
     store_id_of,
 )
 from .base import FormatWriter, summary_of
-from .shard import ShardSink, ShardStats, as_float32
+from .pipeline import Pools, ShardOutput
+from .shard import ShardSink, ShardStats, WrittenFile
 
 if TYPE_CHECKING:
     import torch
@@ -93,7 +101,7 @@ else:
 
 log = logging.getLogger(__name__)
 
-PROGRESS = "progress.json"
+PROGRESS = "progress.jsonl"
 PART = "part.json"
 #: Files of the partial directory that are bookkeeping, never published.
 BOOKKEEPING = (PROGRESS,)
@@ -152,7 +160,13 @@ class ShardedWriter(FormatWriter):
         self._shards: list[dict[str, Any]] = []
         self._digests: dict[str, np.ndarray] = {}
         self._sink: ShardSink | None = None
+        self._out: ShardOutput | None = None
         self._stats: ShardStats | None = None
+        self._pools: Pools | None = None
+        #: the commit stage: one thread, so shards are recorded in order
+        self._commits: ThreadPoolExecutor | None = None
+        self._committing: list[Future] = []
+        self._shard_index = -1
         self._in_shard = 0
         self._written = 0
         self._sides: dict[str, Any] = {}
@@ -227,15 +241,26 @@ class ShardedWriter(FormatWriter):
         """Block size of side file ``name`` in the manifest (whole rows; 0: one block)."""
         return 0
 
-    def stat_rows(self, batch: Batch) -> dict[Site, np.ndarray]:
+    def stat_rows(
+        self, batch: Batch, acts: Mapping[Site, torch.Tensor]
+    ) -> Mapping[Site, np.ndarray | torch.Tensor]:
         """The rows statistics are taken over: by default every token of every site, as
-        stored (float32 ``[n * T, D]`` of the values after the :attr:`stored_dtype` cast),
+        stored (``acts``: the values after the :attr:`stored_dtype` cast, ``[n * T, D]``),
         so the statistics describe what readers serve."""
-        cast = getattr(torch, self.stored_dtype)
-        return {
-            s: as_float32(batch.acts[str(s)].detach().to(cast)).reshape(-1, self.plan.d_model)
-            for s in self.sites
-        }
+        return {s: acts[s].reshape(-1, self.plan.d_model) for s in self.sites}
+
+    def cast(self, batch: Batch) -> dict[Site, torch.Tensor]:
+        """Each site of ``batch`` in the :attr:`stored_dtype`, C-contiguous on the CPU: the
+        one cast of the pipeline (a view when the capture already hands that dtype, as a
+        capture that casts on the GPU does)."""
+        dtype = getattr(torch, self.stored_dtype)
+        out = {}
+        for site in self.sites:
+            t = batch.acts[str(site)].detach()
+            if t.dtype != dtype or t.device.type != "cpu":
+                t = t.to(device="cpu", dtype=dtype)
+            out[site] = t.contiguous()
+        return out
 
     def summary(self, rows: int) -> dict[str, Any]:
         """What the root manifest records of the metadata (checked by readers on open)."""
@@ -328,14 +353,13 @@ class ShardedWriter(FormatWriter):
     def _resume(self) -> None:
         """Keep recorded shards whose files still hash to their digests; drop the rest."""
         try:
-            progress = read_json(self.partial / PROGRESS)
+            progress, entries = read_journal(self.partial)
             recorded = progress["record"]
-            entries = list(progress["shards"])
             self._init_names = [str(n) for n in progress["init"]]
             if not self.reproducible:
                 self.started = float(progress["started"])
-            self._elapsed_before = float(progress["elapsed"])
-        except (CorruptStoreError, KeyError, TypeError, ValueError, FileNotFoundError) as err:
+            self._elapsed_before = float(entries[-1]["elapsed"] if entries else progress["elapsed"])
+        except (CorruptStoreError, KeyError, TypeError, ValueError, OSError) as err:
             log.warning("%s is unreadable (%s); starting this capture over", self.partial, err)
             remove_tree(self.partial)
             return
@@ -354,6 +378,7 @@ class ShardedWriter(FormatWriter):
                     "shard %d of %s fails its checksums; rewriting from there", index, self.partial
                 )
                 break
+            entry.pop("elapsed", None)
             kept.append(entry)
         keep = {name for e in kept for name in e["files"]}
         sides = kept[-1]["sides"] if kept else {}
@@ -428,7 +453,7 @@ class ShardedWriter(FormatWriter):
             remove_tree(init)  # nothing was durable: leave nothing behind
             raise
         self._init_names = _files_below(init)
-        atomic_write_json(init / PROGRESS, self._progress_doc(), indent=None)
+        self._save_progress(init)
         point(f"{self.format_name}.init_filled")
         os.rename(init, self.partial)
         fsync_dir(self.partial.parent)
@@ -439,18 +464,28 @@ class ShardedWriter(FormatWriter):
         """Seconds spent writing this store, over every attempt."""
         return self._elapsed_before + time.perf_counter() - self._t0
 
-    def _progress_doc(self) -> dict[str, Any]:
+    def _journal_head(self) -> dict[str, Any]:
         return {
             "record": self.record,
             "store_id": self.store_id,
             "init": self._init_names,
             "started": self.started,
             "elapsed": self.elapsed(),
-            "shards": self._shards,
         }
 
-    def _save_progress(self) -> None:
-        atomic_write_json(self.partial / PROGRESS, self._progress_doc(), indent=None)
+    def _save_progress(self, directory: Path | None = None) -> None:
+        """Write the whole journal anew (atomically): its head and every kept shard."""
+        lines = [self._journal_head(), *({**e, "elapsed": self.elapsed()} for e in self._shards)]
+        text = "".join(json.dumps(doc, default=str, separators=(",", ":")) + "\n" for doc in lines)
+        atomic_write_bytes((directory or self.partial) / PROGRESS, text.encode())
+
+    def _append_journal(self, entry: dict[str, Any]) -> None:
+        """Record one durable shard: one line appended to the journal, fsynced (O(1))."""
+        line = json.dumps({**entry, "elapsed": self.elapsed()}, separators=(",", ":")) + "\n"
+        with open(self.partial / PROGRESS, "ab") as f:
+            f.write(line.encode())
+            f.flush()
+            os.fsync(f.fileno())
 
     # ------------------------------------------------------------------ writing
 
@@ -515,53 +550,109 @@ class ShardedWriter(FormatWriter):
     parts_are_stores: ClassVar[bool] = False
 
     def _append(self, index: int, batch: Batch) -> None:
-        sink, stats = self._sink, self._stats
-        if sink is None or stats is None:  # a new shard (both are set together)
+        sink, out, stats = self._sink, self._out, self._stats
+        if sink is None or out is None or stats is None:  # a new shard (all are set together)
+            self._raise_failed_commit()
+            pools = self._pools = self._pools or Pools()
             sink = self._sink = self.open_shard(index, self.partial)
-            stats = self._stats = ShardStats(self.sites, self.plan.d_model)
-            self._in_shard = 0
-        sink.append(batch)  # may still be writing while the statistics are folded
-        stats.update(self.stat_rows(batch))
-        for name, data in self.side_rows(batch).items():
-            f = self._sides.get(name)
-            if f is None:
-                (self.partial / name).parent.mkdir(parents=True, exist_ok=True)
-                f = self._sides[name] = open(self.partial / name, "ab")  # noqa: SIM115 - kept open
-            f.write(data)
-        sink.settle()  # the batch's memory is the caller's again once write() returns
+            out = self._out = ShardOutput(self.partial, self.store_id, pools)
+            stats = self._stats = ShardStats(self.sites, self.plan.d_model, pools.cpu)
+            sink.open(out)
+            self._in_shard, self._shard_index = 0, index
+        acts = self.cast(batch)
+        try:
+            sink.append(batch, acts, out)  # writes go out on the I/O streams
+            stats.update(self.stat_rows(batch, acts))  # folded on the CPU pool meanwhile
+            for name, data in self.side_rows(batch).items():
+                f = self._sides.get(name)
+                if f is None:
+                    (self.partial / name).parent.mkdir(parents=True, exist_ok=True)
+                    f = self._sides[name] = open(self.partial / name, "ab")  # noqa: SIM115
+                f.write(data)
+        finally:
+            out.settle()  # the batch's memory is the caller's again once write() returns
+            stats.settle()
         self._in_shard += batch.n_examples
         self._written += batch.n_examples
         point(f"{self.format_name}.written")
 
     def _finish_shard(self, index: int) -> None:
-        sink, shard_stats = self._sink, self._stats
-        assert sink is not None and shard_stats is not None  # called with a shard open
-        files = sink.finish()
-        chunks = sink.chunk_files()
-        self._sink = None
-        point(f"{self.format_name}.shard_synced")
-        for f in files:
-            self._digests[f.name] = f.digests
+        """Hand the shard to the commit stage (its own thread): the next shard is written
+        while this one is made durable and recorded."""
+        sink, out, shard_stats = self._sink, self._out, self._stats
+        assert sink is not None and out is not None and shard_stats is not None
+        sink.finish(out)
         sides = {}
         for name, handle in self._sides.items():
             handle.flush()
-            os.fsync(handle.fileno())
             sides[name] = handle.tell()
-        stats = shard_stats.finish()
-        self._shards.append(
-            {
-                "index": index,
-                "n_examples": self._in_shard,
-                "files": {f.name: f.entry.to_dict() for f in files},
-                "chunks": chunks,
-                "info": {f.name: f.info for f in files},
-                "sides": sides,
-                "stats": {str(s): st.to_dict() for s, st in stats.items()},
-            }
+        side_fds = [h.fileno() for h in self._sides.values()]
+        self._sink = self._out = self._stats = None
+        n_examples, self._in_shard = self._in_shard, 0
+        if self._commits is None:
+            self._commits = ThreadPoolExecutor(1, thread_name_prefix="actstore-commit")
+        self._committing.append(
+            self._commits.submit(
+                self._commit, index, n_examples, sink, out, shard_stats, sides, side_fds
+            )
         )
-        self._stats, self._in_shard = None, 0
-        self._save_progress()
+        point(f"{self.format_name}.shard_finished")
+
+    def _commit(
+        self,
+        index: int,
+        n_examples: int,
+        sink: ShardSink,
+        out: ShardOutput,
+        shard_stats: ShardStats,
+        sides: dict[str, int],
+        side_fds: list[int],
+    ) -> None:
+        try:
+            entries = out.close_files()
+        except BaseException:
+            out.abort()
+            raise
+        info = sink.info()
+        files = [WrittenFile(n, e, d, info.get(n, {})) for n, (e, d) in entries.items()]
+        chunks = sink.chunk_files()
+        for fd in side_fds:
+            os.fsync(fd)
+        point(f"{self.format_name}.shard_synced")
+        for f in files:
+            self._digests[f.name] = f.digests
+        stats = shard_stats.finish()
+        entry = {
+            "index": index,
+            "n_examples": n_examples,
+            "files": {f.name: f.entry.to_dict() for f in files},
+            "chunks": chunks,
+            "info": {f.name: f.info for f in files},
+            "sides": sides,
+            "stats": {str(s): _stats_doc(st) for s, st in stats.items()},
+        }
+        self._append_journal(entry)
+        self._shards.append(entry)
         point(f"{self.format_name}.shard_recorded")
+
+    def _raise_failed_commit(self) -> None:
+        """Re-raise a commit's failure on the writer's thread (finished ones are dropped)."""
+        done = [f for f in self._committing if f.done()]
+        self._committing = [f for f in self._committing if not f.done()]
+        for fut in done:
+            fut.result()
+
+    def _drain_commits(self) -> None:
+        """Wait for every shard handed to the commit stage (re-raising the first error)."""
+        pending, self._committing = self._committing, []
+        error: BaseException | None = None
+        for fut in pending:
+            try:
+                fut.result()
+            except BaseException as err:  # noqa: BLE001 - wait for all, raise the first
+                error = error or err
+        if error is not None:
+            raise error
 
     def sealed_files(self) -> list[tuple[str, os.PathLike]]:
         """Every finished shard's files, named as published (relative to the output)."""
@@ -593,7 +684,13 @@ class ShardedWriter(FormatWriter):
             raise CaptureError(f"the writer of {self.final} was aborted; nothing to publish")
         start, stop = self.example_range
         if self._sink is not None and self.position == stop:
-            self._finish_shard(self.first_shard + len(self._shards))
+            self._finish_shard(self._shard_index)
+        try:
+            self._drain_commits()
+        except BaseException:
+            self.abort()
+            raise
+        self._shutdown_pools()
         total = sum(e["n_examples"] for e in self._shards)
         if total != stop - start:
             self.abort()
@@ -684,6 +781,14 @@ class ShardedWriter(FormatWriter):
         if self._sink is not None:
             self._sink.abort()
             self._sink = None
+        if self._out is not None:
+            self._out.abort()
+            self._out = self._stats = None
+        try:
+            self._drain_commits()  # a shard already handed over is kept if it commits
+        except BaseException as err:  # noqa: BLE001 - the caller's error is the one raised
+            log.debug("a shard's commit failed while aborting: %s", err)
+        self._shutdown_pools()
         for handle in self._sides.values():
             handle.close()
         self._sides.clear()
@@ -691,6 +796,14 @@ class ShardedWriter(FormatWriter):
             remove_tree(self.partial)
             self._created = False
         self._release()
+
+    def _shutdown_pools(self) -> None:
+        if self._commits is not None:
+            self._commits.shutdown(wait=True)
+            self._commits = None
+        if self._pools is not None:
+            self._pools.shutdown()
+            self._pools = None
 
     def _release(self) -> None:
         lock, self._lock = self._lock, None
@@ -769,6 +882,46 @@ class ShardedWriter(FormatWriter):
         self.write_index(work, shards, stats)
         self._write_manifest(work, shards, self.summary(self._rows(stats)))
         self._finish_publication()
+
+
+def read_journal(partial: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The journal of an unfinished store: its head, and the shards recorded in order (a
+    last line cut short by a crash is a shard not recorded)."""
+    with open(Path(partial) / PROGRESS, "rb") as f:
+        lines = f.read().split(b"\n")
+    head = json.loads(lines[0])
+    shards = []
+    for i, line in enumerate(lines[1:], 1):
+        if not line.strip():
+            continue
+        try:
+            shards.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 2:  # only the last line can be torn
+                raise
+            log.warning("the journal's last line is incomplete: that shard is not recorded")
+    if not isinstance(head, dict):
+        raise CorruptStoreError(f"{partial}: the journal's head is not an object")
+    return head, shards
+
+
+def recorded_shards(partial: str | os.PathLike) -> int:
+    """How many shards an unfinished store's journal records (0 when it has none)."""
+    try:
+        return len(read_journal(partial)[1])
+    except (OSError, ValueError):
+        return 0
+
+
+def _stats_doc(stats: RunningStats) -> dict[str, Any]:
+    """A shard's statistics in the journal (``var`` is derived, so left out)."""
+    return {
+        "count": stats.count,
+        "d": stats.d,
+        "mean": stats.mean.tolist(),
+        "m2": stats.m2.tolist(),
+        "norm_mean": stats.norm_mean,
+    }
 
 
 def _files_below(directory: Path, exclude: Sequence[str] = ()) -> list[str]:

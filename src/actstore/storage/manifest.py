@@ -403,6 +403,41 @@ class BlockHasher:
         return _entry(self.size, digests, unit=self.unit), digests
 
 
+def file_entry(size: int, digests: np.ndarray, *, unit: int = 0) -> FileEntry:
+    """The manifest entry of a file of ``size`` bytes in blocks of ``unit`` (0: one
+    block) whose block digests are ``digests``."""
+    return _entry(size, digests, unit=unit)
+
+
+def block_digests(
+    store_id: str,
+    name: str,
+    data: memoryview | bytes | None,
+    unit: int,
+    first: int = 0,
+    *,
+    size: int = 0,
+) -> np.ndarray:
+    """Keyed digests of the blocks of ``data`` (blocks of ``unit`` bytes, the last may be
+    shorter), which starts at block ``first`` of file ``name``. ``data=None``: ``size``
+    zero bytes (a sparse extension), digested without materializing them past one block."""
+    if data is None:
+        count = -(-size // unit) if size else 0
+        if not count:
+            return np.zeros(0, "<u8")
+        zeros = bytes(min(unit, size))
+        whole = xxhash.xxh3_64_intdigest(zeros)
+        plain = np.full(count, whole, dtype="<u8")
+        tail = size - (count - 1) * unit
+        if tail != unit:
+            plain[-1] = xxhash.xxh3_64_intdigest(zeros[:tail])
+        return plain ^ block_keys(store_id, name, first, count)
+    view = memoryview(data).cast("B")
+    n = len(view)
+    bounds = [(o, min(unit, n - o)) for o in range(0, n, unit)] or [(0, 0)]
+    return digest_ranges(view, bounds, block_keys(store_id, name, first, len(bounds)))
+
+
 def _entry(size: int, digests: np.ndarray, *, unit: int = 0, ranges=None) -> FileEntry:
     single = f"{int(digests[0]):016x}" if len(digests) == 1 and ranges is None else ""
     return FileEntry(

@@ -32,10 +32,10 @@ import json
 import logging
 import os
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,8 +46,8 @@ from ...sites import Site
 from ...stats import RunningStats
 from ...storage import FileHasher, atomic_write_bytes
 from ...storage.location import Location
-from ...storage.manifest import BlockHasher
-from ..shard import ShardSink, WrittenFile, as_float32
+from ..pipeline import ShardOutput
+from ..shard import ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     MAX_SHARD_BYTES,
@@ -66,27 +66,29 @@ from .layout import (
 )
 from .options import PickleOptions
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 #: Pickle protocol of shards: 5 writes array buffers in one piece (Python >= 3.8 reads it).
 PICKLE_PROTOCOL = 5
 
 
-class _HashingWriter:
-    """Write-only file wrapper that hashes what passes through (gzip writes into it)."""
+class _Sha256Writer:
+    """Write-only file wrapper computing the spec's sha256 of what passes through."""
 
-    def __init__(self, raw: Any, blocks: BlockHasher) -> None:
-        self.raw, self.sha, self.blocks, self.size = raw, FileHasher("sha256"), blocks, 0
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.sha, self.size = raw, FileHasher("sha256"), 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.sha.update(view)
-        self.blocks.update(view)
         self.size += len(view)
         return self.raw.write(view)
 
     def flush(self) -> None:
-        self.raw.flush()
+        pass
 
 
 def per_shard(plan: CapturePlan, options: PickleOptions) -> int:
@@ -229,23 +231,29 @@ class PickleWriter(ShardedWriter):
 
 
 class _PickleShard(ShardSink):
-    """One shard's items, buffered until the shard is full, then pickled through gzip."""
+    """One shard's items, buffered until the shard is full, then pickled through gzip on
+    the writer's CPU pool (shards compress in parallel while the next ones fill)."""
 
     def __init__(self, writer: PickleWriter, index: int, directory: Path) -> None:
         self.w, self.index, self.directory = writer, index, directory
         self.items: dict[str, list[dict[str, Any]]] = {}
         self.n = 0
         self.n_tokens = 0
+        self.name = shard_filename(index + 1, writer.options.compress)
+        self._info: dict[str, dict[str, Any]] = {}
 
-    def append(self, batch: Batch) -> None:
+    def open(self, out: ShardOutput) -> None:
+        self.stream = out.stream(self.name)
+
+    def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
         w = self.w
-        acts = {layer: as_float32(batch.acts[f"resid.{layer}"]) for layer in w.plan.layers}
+        arrays = {layer: acts[Site("resid", layer)].numpy() for layer in w.plan.layers}
         start = w.example_range[0]
         for i, example in enumerate(batch.example_ids.tolist()):
             meta: dict[str, Any] = {
                 "token_count": int(batch.token_mask[i].sum())
                 if batch.token_mask is not None
-                else int(acts[w.plan.layers[0]].shape[1]),
+                else int(arrays[w.plan.layers[0]].shape[1]),
                 "dataset_idx": example,
                 "machine_id": w.machine_id,
             }
@@ -254,7 +262,7 @@ class _PickleShard(ShardSink):
             if batch.labels is not None:
                 meta["label"] = int(batch.labels[i])
             text = batch.texts[i][:TEXT_PREVIEW_CHARS] if batch.texts is not None else ""
-            for layer, array in acts.items():
+            for layer, array in arrays.items():
                 self.items.setdefault(layer_key(layer), []).append(
                     {
                         "sample_idx": w.machine_id * w.per_machine + example - start,
@@ -264,35 +272,33 @@ class _PickleShard(ShardSink):
                         "metadata": meta,
                     }
                 )
-            self.n_tokens += int(acts[w.plan.layers[0]].shape[1])
+            self.n_tokens += int(arrays[w.plan.layers[0]].shape[1])
         self.n += batch.n_examples
 
-    def finish(self) -> list[WrittenFile]:
+    def finish(self, out: ShardOutput) -> None:
+        out.submit(self._encode)
+
+    def _encode(self) -> None:
         w = self.w
-        items = self.items
+        items, self.items = self.items, {}
         first_item = items[layer_key(w.plan.layers[0])]
         first, last = first_item[0]["sample_idx"], first_item[-1]["sample_idx"]
-        name = shard_filename(self.index + 1, w.options.compress)
-        blocks = BlockHasher(w.store_id, name)
-        with open(self.directory / name, "wb") as raw:
-            sink = _HashingWriter(raw, blocks)
-            if w.options.compress:
-                with gzip.GzipFile(
-                    filename="",
-                    mode="wb",
-                    fileobj=sink,
-                    compresslevel=w.options.compresslevel,
-                    mtime=0,
-                ) as gz:
-                    pickle.dump(items, gz, protocol=PICKLE_PROTOCOL)
-            else:
-                pickle.dump(items, sink, protocol=PICKLE_PROTOCOL)
-            raw.flush()
-            point("pickle.shard_written")
-            os.fsync(raw.fileno())
+        sink = _Sha256Writer(self.stream)
+        if w.options.compress:
+            with gzip.GzipFile(
+                filename="",
+                mode="wb",
+                fileobj=sink,
+                compresslevel=w.options.compresslevel,
+                mtime=0,
+            ) as gz:
+                pickle.dump(items, gz, protocol=PICKLE_PROTOCOL)
+        else:
+            pickle.dump(items, sink, protocol=PICKLE_PROTOCOL)
+        point("pickle.shard_written")
         info = ShardInfo(
             shard_id=self.index + 1,
-            filename=name,
+            filename=self.name,
             size_bytes=sink.size,
             num_samples=self.n,
             layers=tuple(w.plan.layers),
@@ -301,9 +307,16 @@ class _PickleShard(ShardSink):
             checksum=f"sha256:{sink.sha.hexdigest()}",
             num_tokens=self.n_tokens,
         )
-        entry, digests = blocks.entry()
-        extra = {"shard": info.to_dict(), "machine_id": w.machine_id, "per_machine": w.per_machine}
-        return [WrittenFile(name, entry, digests, info=extra)]
+        self._info = {
+            self.name: {
+                "shard": info.to_dict(),
+                "machine_id": w.machine_id,
+                "per_machine": w.per_machine,
+            }
+        }
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        return self._info
 
 
 def _statistics(

@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,8 +39,8 @@ from ...sites import Site
 from ...stats import RunningStats
 from ...storage import atomic_write_bytes, atomic_write_json
 from ...storage.location import Location
-from ...storage.manifest import hash_ranges
-from ..shard import ShardSink, WrittenFile
+from ..pipeline import ShardOutput
+from ..shard import ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     FORMAT_TAG,
@@ -126,7 +125,7 @@ class SaelensWriter(ShardedWriter):
         atomic_write_json(directory / SIDECAR, self.record)
 
     def open_shard(self, index: int, directory: Path) -> ShardSink:
-        return _ArrowFile(self.layout, directory / self.layout.file_name(index), self.store_id)
+        return _ArrowFile(self.layout, self.layout.file_name(index))
 
     def write_index(
         self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
@@ -171,50 +170,26 @@ class SaelensWriter(ShardedWriter):
         atomic_write_json(directory / SIDECAR, record)
 
 
-class _HashlessSink:
-    """The file ``ArrowWriter`` streams into; fsyncs on close."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = open(path, "wb")  # noqa: SIM115 - closed by close() (finalize, abort)
-        self.size = 0
-        self.closed = False
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        self.size += view.nbytes
-        return self.file.write(view)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def tell(self) -> int:
-        return self.size
-
-    def close(self) -> None:
-        if not self.closed:
-            self.file.flush()
-            os.fsync(self.file.fileno())
-            self.file.close()
-            self.closed = True
-
-
 class _ArrowFile(ShardSink):
-    """One Arrow file, written as record batches of exactly ``examples_per_block``."""
+    """One Arrow file, written as record batches of exactly ``examples_per_block``; its
+    manifest blocks are each column's values in each record batch (found at commit)."""
 
-    def __init__(self, layout: SaelensLayout, path: Path, store_id: str) -> None:
-        from datasets.arrow_writer import ArrowWriter
-
-        self.layout, self.path, self.store_id = layout, path, store_id
-        self.sink = _HashlessSink(path)
-        self.arrow = ArrowWriter(features=layout.features(), stream=self.sink)
+    def __init__(self, layout: SaelensLayout, name: str) -> None:
+        self.layout, self.name = layout, name
         self._pending: list[tuple[list[np.ndarray], np.ndarray | None]] = []
         self._pending_n = 0
         self.n = 0
+        self.values_at: list[list[int]] = []
 
-    def append(self, batch: Batch) -> None:
+    def open(self, out: ShardOutput) -> None:
+        from datasets.arrow_writer import ArrowWriter
+
+        stream = out.stream(self.name, ranges=self._ranges)
+        self.arrow = ArrowWriter(features=self.layout.features(), stream=stream)
+
+    def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
         lay = self.layout
-        columns = [_as_numpy(batch.acts[site], lay.dtype) for site in lay.sites]
+        columns = [acts[Site.parse(site)].numpy() for site in lay.sites]
         tokens = None
         if lay.has_tokens:
             if batch.token_ids is None:
@@ -225,6 +200,9 @@ class _ArrowFile(ShardSink):
         self.n += batch.n_examples
         while self._pending_n >= lay.examples_per_block:
             self._write_block(lay.examples_per_block)
+        if self._pending:  # FIFO: what is left of this batch is the last entry; it waits
+            cols, toks = self._pending[-1]  # for the next record batch, so it is copied
+            self._pending[-1] = ([c.copy() for c in cols], None if toks is None else toks.copy())
 
     def _write_block(self, n: int) -> None:
         columns, tokens = self._take(n)
@@ -257,25 +235,20 @@ class _ArrowFile(ShardSink):
         toks = None if parts[0][1] is None else np.concatenate([p[1] for p in parts])
         return cols, toks
 
-    def finish(self) -> list[WrittenFile]:
+    def finish(self, out: ShardOutput) -> None:
         if self._pending_n:  # the file's last, short block
             self._write_block(self._pending_n)
-        # finalize(close_stream=True) closes the sink (flush + fsync); ArrowWriter.close()
-        # would not: it leaves a caller's stream open. Closing it again is a no-op, and makes
-        # the fsync certain whatever a datasets version does with the stream.
         self.arrow.finalize(close_stream=True)
-        self.sink.close()
-        data = self.path.read_bytes()
-        values_at = _values_at(data, self.layout)
-        ranges = _ranges(values_at, self.layout, self.n)
-        entry, digests = hash_ranges(self.store_id, self.path.name, data, ranges)
-        return [WrittenFile(self.path.name, entry, digests, info={"values_at": values_at})]
 
-    def abort(self) -> None:
-        self.sink.close()
+    def _ranges(self, data: memoryview) -> list[tuple[int, int]]:
+        self.values_at = _values_at(data, self.layout)
+        return _ranges(self.values_at, self.layout, self.n)
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        return {self.name: {"values_at": self.values_at}}
 
 
-def _values_at(data: bytes, layout: SaelensLayout) -> list[list[int]]:
+def _values_at(data: bytes | memoryview, layout: SaelensLayout) -> list[list[int]]:
     """Where each block column's values start in each record batch of an Arrow file."""
     import pyarrow as pa
 
@@ -296,8 +269,3 @@ def _ranges(values_at: list[list[int]], layout: SaelensLayout, n: int) -> list[t
             width = token_row if k >= len(layout.columns) else column
             out.append((int(offset), rows * width))
     return out
-
-
-def _as_numpy(tensor: torch.Tensor, dtype: str) -> np.ndarray:
-    want = torch.float32 if dtype == "float32" else torch.float16
-    return np.ascontiguousarray(tensor.detach().to(want).numpy())

@@ -1,13 +1,11 @@
 """Write a saev protocol 2.1 directory: the format's part of the crash protocol.
 
 :class:`SaevWriter` is a :class:`~actstore.formats.writer.ShardedWriter` (which owns the
-partial directory, progress record, verified resume, statistics, root manifest and
-publication): it lays out one shard file per shard, C-order float32 ``(S, L, T, D)``, and at
-publication writes ``shards.json``, ``statistics.json`` and ``classes.json``. A shard's
-examples are appended with one gathered ``writev`` per batch, on an I/O thread, straight
-from the capture's tensors (no copy), while this thread digests each (example, layer) slab:
-one manifest block, what a loader block reads. ``sync_file_range`` starts the writeback as
-the capture goes, so a shard's fsync waits only for its tail.
+partial directory, progress journal, verified resume, statistics, root manifest,
+publication and the write pipeline): it lays out one shard file per shard, C-order float32
+``(S, L, T, D)``, each (example, layer) slab one manifest block handed to the pipeline
+straight from the cast tensors (no copy), and at publication writes ``shards.json``,
+``statistics.json`` and ``classes.json``.
 
 Files besides the spec's: ``statistics.json`` (per-layer mean/variance/norm),
 ``tokens.bin`` (int32 ``[n_examples, T]`` token ids, text models), ``classes.json`` (label
@@ -28,26 +26,22 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, ConfigError
-from ...faults import point
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage import atomic_write_bytes, atomic_write_json
 from ...storage.location import Location
-from ...storage.manifest import BlockHasher
-from ..shard import ShardSink, WrittenFile, as_float32
+from ..pipeline import ShardOutput
+from ..shard import ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     DEFAULT_PATCHES_PER_SHARD,
@@ -57,6 +51,9 @@ from .layout import (
     shard_name,
 )
 from .options import SaevOptions
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +76,7 @@ def saev_metadata(
     if dialect == "saev" and plan.data.get("kind") == "image_folder":
         files = plan.extras.get("image_files")
         if files is None or tuple(files) == imagefolder_files(plan.dataset_root):
-            data = encode_saev_img_folder(plan.dataset_root)
+            data = encode_saev_img_folder(plan.dataset_root, plan.data_identity)
         else:
             log.warning(
                 "saev's ImgFolder (torchvision's ImageFolder) lists the images of %s differently "
@@ -216,7 +213,7 @@ class SaevWriter(ShardedWriter):
         atomic_write_bytes(directory / "metadata.json", self.metadata.to_json_text().encode())
 
     def open_shard(self, index: int, directory: Path) -> ShardSink:
-        return _ShardFile(self.metadata, index, directory / shard_name(index), self.store_id)
+        return _ShardFile(self.metadata, index, shard_name(index))
 
     def side_rows(self, batch: Batch) -> dict[str, bytes]:
         out = {}
@@ -257,97 +254,24 @@ class SaevWriter(ShardedWriter):
 
 
 class _ShardFile(ShardSink):
-    """One shard file: examples appended as they come, padded (saev dialect) at the end."""
+    """One shard file, C-order ``(S, L, T, D)``: each (example, layer) slab is one manifest
+    block (what a loader block reads), written at its place; the saev dialect's full-size
+    shard files are grown to size sparsely (the padding reads as zeros, takes no disk)."""
 
-    def __init__(self, md: SaevMetadata, index: int, path: Path, store_id: str) -> None:
-        self.md, self.index, self.path = md, index, path
-        self.file = open(path, "wb", buffering=0)  # noqa: SIM115 - open until finish/abort
-        self.hasher = BlockHasher(store_id, path.name, md.tokens_per_ex * md.d_model * 4)
+    def __init__(self, md: SaevMetadata, index: int, name: str) -> None:
+        self.md, self.index, self.name = md, index, name
         self.n = 0
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="saev-writer-io")
-        self._pending: Future | None = None
 
-    def append(self, batch: Batch) -> None:
-        """Each (example, layer) slab is one block and, in the file, follows the previous
-        one: one gathered write straight from the capture's tensors on the I/O thread while
-        this thread digests the slabs, then the writer folds the statistics (file writes,
-        xxhash and numpy release the GIL). At most one write is in flight, until
-        :meth:`settle`."""
+    def open(self, out: ShardOutput) -> None:
+        out.declare(self.name, unit=self.md.tokens_per_ex * self.md.d_model * 4)
+
+    def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
         md = self.md
-        parts = [as_float32(batch.acts[f"resid.{layer}"]) for layer in md.layers]
+        parts = [acts[Site("resid", layer)].numpy() for layer in md.layers]
         n = batch.n_examples
-        slabs = [memoryview(a[i]).cast("B") for i in range(n) for a in parts]
-        self.settle()
-        self._pending = self._io.submit(_write_all, self.file.fileno(), slabs)
-        for slab in slabs:
-            self.hasher.update(slab)
+        slabs = [parts[j][i] for i in range(n) for j in range(len(parts))]
+        out.write(self.name, slabs, self.n * md.example_nbytes)
         self.n += n
 
-    def settle(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def finish(self) -> list[WrittenFile]:
-        self.settle()
-        pad = self.md.shard_nbytes(self.index) - self.n * self.md.example_nbytes
-        if pad:
-            zeros = bytes(pad)
-            _write_all(self.file.fileno(), [memoryview(zeros)])
-            self.hasher.update(zeros)
-        os.fsync(self.file.fileno())
-        self.file.close()
-        self._io.shutdown()
-        point("saev.shard_file_synced")
-        entry, digests = self.hasher.entry()
-        return [WrittenFile(self.path.name, entry, digests)]
-
-    def abort(self) -> None:
-        with contextlib.suppress(Exception):  # the failed write is the caller's error
-            self.settle()
-        self._io.shutdown()
-        self.file.close()
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing these dirty pages to disk now, without waiting
-    (Linux ``sync_file_range``): the disk works while the capture goes on, and the
-    shard's ``fsync`` waits only for the tail."""
-    if _SYNC_FILE_RANGE is not None and nbytes:
-        _SYNC_FILE_RANGE(fd, ctypes.c_int64(offset), ctypes.c_int64(nbytes), 2)  # _WRITE
-
-
-def _libc_sync_file_range():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-_SYNC_FILE_RANGE = _libc_sync_file_range()
-
-
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    """Write ``views`` one after another at the file position (``writev``, resuming
-    after short writes), then start their writeback."""
-    start = os.lseek(fd, 0, os.SEEK_CUR)
-    total = sum(len(v) for v in views)
-    _write_views(fd, views)
-    _start_writeback(fd, start, total)
-
-
-def _write_views(fd: int, views: list[memoryview]) -> None:
-    max_iov = min(1024, os.sysconf("SC_IOV_MAX"))
-    i = 0
-    while i < len(views):
-        batch = views[i : i + max_iov]
-        done = os.writev(fd, batch)
-        for view in batch:  # skip the views written, trim a partly written one
-            if done >= len(view):
-                done -= len(view)
-                i += 1
-                continue
-            views[i] = view[done:]
-            break
+    def finish(self, out: ShardOutput) -> None:
+        out.extend(self.name, self.md.shard_nbytes(self.index))

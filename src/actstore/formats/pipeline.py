@@ -1,0 +1,299 @@
+"""The write pipeline every sharded writer shares: a format's :class:`ShardSink` only
+encodes, this module writes.
+
+A sink hands :class:`ShardOutput` named byte buffers at known offsets of named files
+(:meth:`ShardOutput.write`), or a file-like stream for encoders that write through one
+(:meth:`ShardOutput.stream`: gzip, Arrow). The pipeline owns everything else, once for
+every format:
+
+* **threads**: a pool of CPU workers (:func:`~actstore.storage.writeback.pool_size`: this
+  process's CPUs) for statistics, hashing and a format's own encoding work
+  (:meth:`ShardOutput.submit`); a pool of I/O streams for positional writes
+  (``pwritev``), several at once where one stream does not reach the disk;
+* **hashing**: block-aligned writes are digested on the I/O thread that writes them, in
+  parallel (a block's keyed digest depends only on its bytes and its place); streams are
+  digested in order as they are written;
+* **rolling writeback**: every range written is handed to the kernel's writeback at once
+  (:func:`~actstore.storage.writeback.start_writeback`), so a shard's ``fsync`` waits only
+  for its tail;
+* **commit**: :class:`CommitStage` runs on its own thread: it waits for the shard's writes,
+  makes its files durable, and records it (the writer's journal), in shard order, while
+  the next shard is being written.
+
+No format module opens, writes, fsyncs or hashes a shard file itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CaptureError
+from ..storage.manifest import BlockHasher, FileEntry, block_digests, file_entry, hash_ranges
+from ..storage.writeback import pool_size, pwrite_all, start_writeback, sync_files
+
+#: Buffers the sinks hand over: anything exposing the buffer protocol.
+Buffer = Any
+
+
+class Pools:
+    """The writer's threads: ``cpu`` (statistics, hashing, encoding) and ``io`` (writes).
+
+    ``threads``: CPU workers (default: this process's CPUs); ``streams``: concurrent
+    writes (default: ``min(4, threads)``, at least 2, so a write blocked on the disk never
+    stops the next one)."""
+
+    def __init__(self, threads: int | None = None, streams: int | None = None) -> None:
+        self.threads = int(threads or pool_size())
+        self.streams = int(streams or max(2, min(4, self.threads)))
+        self.cpu = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-cpu")
+        self.io = ThreadPoolExecutor(self.streams, thread_name_prefix="actstore-io")
+
+    def shutdown(self) -> None:
+        self.cpu.shutdown(wait=True)
+        self.io.shutdown(wait=True)
+
+
+@dataclass
+class _File:
+    """A file of the shard being written: its descriptor, size and digests so far."""
+
+    name: str
+    path: Path
+    fd: int
+    unit: int
+    listed: bool
+    size: int = 0
+    #: aligned writes: block index -> digest, filled by the I/O threads
+    blocks: dict[int, np.ndarray] = field(default_factory=dict)
+    #: streamed (or one-block) files: digests fed in order
+    hasher: BlockHasher | None = None
+    zero_from: int = -1  # size before a sparse extension (zero blocks hashed at commit)
+    #: blocks known only once the file is whole: hashed at commit from its bytes
+    ranges: Callable[[memoryview], Sequence[tuple[int, int]]] | None = None
+
+
+class ShardOutput:
+    """The files of one shard, written through the pipeline. A sink calls :meth:`declare`
+    (or :meth:`stream`) once per file, then :meth:`write`; buffers must stay unchanged
+    until the writer returns from the batch (the pipeline waits for them there)."""
+
+    def __init__(self, directory: Path, store_id: str, pools: Pools) -> None:
+        self.directory, self.store_id, self.pools = directory, store_id, pools
+        self.files: dict[str, _File] = {}
+        self._batch: list[Future] = []  # must finish before the batch is the caller's again
+        self._later: list[Future] = []  # must finish before the shard is committed
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ for sinks
+
+    def declare(self, name: str, *, unit: int = 0, listed: bool = True) -> None:
+        """Create file ``name`` (relative to the store) for this shard. ``unit``: its
+        manifest block size (writes must then cover whole blocks at block offsets, the
+        file's last block excepted; 0: one block, written in order). ``listed=False``: a
+        file the format checks through digests of its own (zarr's chunks): written and
+        made durable, not listed in the manifest."""
+        if name in self.files:
+            raise CaptureError(f"shard file {name} declared twice")
+        path = self.directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        f = _File(name, path, fd, unit, listed)
+        if listed and not unit:
+            f.hasher = BlockHasher(self.store_id, name, 0)
+        self.files[name] = f
+
+    def write(self, name: str, data: Buffer | Sequence[Buffer], offset: int | None = None) -> None:
+        """Write ``data`` (one buffer, or several that follow each other) at ``offset``
+        of file ``name`` (None: after everything written to it so far)."""
+        f = self.files[name]
+        views = [_bytes_view(b) for b in (data if isinstance(data, (list, tuple)) else [data])]
+        nbytes = sum(len(v) for v in views)
+        at = f.size if offset is None else int(offset)
+        f.size = max(f.size, at + nbytes)
+        if f.hasher is not None:
+            if at != f.hasher.size:
+                raise CaptureError(f"{name} is hashed in order; write at {f.hasher.size}")
+            for v in views:
+                f.hasher.update(v)
+        elif f.listed and f.unit and (at % f.unit or (nbytes % f.unit and at + nbytes < f.size)):
+            raise CaptureError(f"{name}: writes must cover whole blocks of {f.unit} bytes")
+        self._batch.append(self.pools.io.submit(self._write, f, views, at, nbytes))
+
+    def stream(
+        self,
+        name: str,
+        *,
+        unit: int = 0,
+        ranges: Callable[[memoryview], Sequence[tuple[int, int]]] | None = None,
+    ) -> io.RawIOBase:
+        """A write-only file object appending to a new file ``name`` (for encoders that
+        write through one, such as gzip or Arrow). Its writes are synchronous: the caller
+        may reuse a buffer once ``write`` returns. Blocks: ``unit`` bytes each (0: one),
+        digested as written; or ``ranges``, a function of the whole file's bytes giving its
+        read units (an Arrow file's value buffers), digested at commit from the page
+        cache."""
+        self.declare(name, unit=unit)
+        f = self.files[name]
+        if ranges is not None:
+            f.ranges, f.hasher = ranges, None
+        elif f.unit:
+            f.hasher = BlockHasher(self.store_id, name, f.unit)
+        return _Stream(self, f)
+
+    def extend(self, name: str, size: int) -> None:
+        """Grow file ``name`` to ``size`` bytes with zeros, allocated lazily (a sparse
+        file: the same bytes when read, no disk used for them)."""
+        f = self.files[name]
+        if size <= f.size:
+            return
+        if f.hasher is None and f.unit and f.size % f.unit:
+            raise CaptureError(f"{name}: a sparse extension must start on a block boundary")
+        f.zero_from = f.size
+        f.size = size
+        os.ftruncate(f.fd, size)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)`` on the CPU pool (a format's encoding work); the shard is
+        committed only after it finishes (its writes included)."""
+        fut = self.pools.cpu.submit(fn, *args)
+        with self._lock:
+            self._later.append(fut)
+        return fut
+
+    # ------------------------------------------------------------------ for the writer
+
+    def _write(self, f: _File, views: list[memoryview], at: int, nbytes: int) -> None:
+        pwrite_all(f.fd, list(views), at)
+        start_writeback(f.fd, at, nbytes)
+        if f.listed and f.hasher is None and f.unit:
+            found: dict[int, np.ndarray] = {}
+            pos = at
+            if all(len(v) % f.unit == 0 for v in views[:-1]):
+                for v in views:  # each view starts on a block: digest it where it lies
+                    found[pos // f.unit] = block_digests(
+                        self.store_id, f.name, v, f.unit, pos // f.unit
+                    )
+                    pos += len(v)
+            else:
+                joined = memoryview(b"".join(views))
+                found[at // f.unit] = block_digests(
+                    self.store_id, f.name, joined, f.unit, at // f.unit
+                )
+            with self._lock:
+                f.blocks.update(found)
+
+    def settle(self) -> None:
+        """Wait for the writes of the current batch (re-raising the first failure)."""
+        pending, self._batch = self._batch, []
+        _wait(pending)
+
+    def close_files(self) -> dict[str, tuple[FileEntry, np.ndarray]]:
+        """After every write finished: make the files durable and close them; returns
+        the manifest entry and block digests of every listed file."""
+        self.settle()
+        with self._lock:
+            later, self._later = self._later, []
+        _wait(later)
+        self.settle()  # writes the submitted work made
+        sync_files([f.fd for f in self.files.values()])
+        out = {}
+        for f in self.files.values():
+            os.close(f.fd)
+            f.fd = -1
+            if f.listed:
+                out[f.name] = self._entry(f)
+        return out
+
+    def _entry(self, f: _File) -> tuple[FileEntry, np.ndarray]:
+        if f.ranges is not None:
+            with open(f.path, "rb") as fh:
+                data = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+            try:
+                return hash_ranges(self.store_id, f.name, data, f.ranges(data))
+            finally:
+                data.release()
+        if f.hasher is not None:
+            if f.zero_from >= 0:
+                f.hasher.update(bytes(f.size - f.zero_from))
+            return f.hasher.entry()
+        parts = [f.blocks[k] for k in sorted(f.blocks)]
+        have = sum(len(p) for p in parts)
+        n_blocks = max(1, -(-f.size // f.unit))
+        if f.zero_from >= 0 and have < n_blocks:
+            parts.append(
+                block_digests(
+                    self.store_id, f.name, None, f.unit, have, size=f.size - have * f.unit
+                )
+            )
+        digests = np.concatenate(parts) if parts else np.zeros(0, "<u8")
+        if len(digests) != n_blocks:
+            raise CaptureError(f"{f.name}: {len(digests)} of {n_blocks} blocks were written")
+        return file_entry(f.size, digests, unit=f.unit), digests
+
+    def abort(self) -> None:
+        """Wait for writes in flight (their errors are the caller's), close the files."""
+        for fut in [*self._batch, *self._later]:
+            with contextlib.suppress(Exception):  # the caller is already failing
+                fut.result()
+        self._batch, self._later = [], []
+        for f in self.files.values():
+            if f.fd >= 0:
+                os.close(f.fd)
+                f.fd = -1
+
+
+class _Stream(io.RawIOBase):
+    """Appends to one shard file, synchronously, hashing in order."""
+
+    def __init__(self, out: ShardOutput, f: _File) -> None:
+        self._out, self._f = out, f
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Buffer) -> int:  # type: ignore[override]
+        view = _bytes_view(data)
+        f = self._f
+        pwrite_all(f.fd, [view], f.size)
+        start_writeback(f.fd, f.size, len(view))
+        if f.hasher is not None:
+            f.hasher.update(view)
+        f.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._f.size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:  # the pipeline closes the descriptor at commit
+        super().close()
+
+
+def _bytes_view(data: Buffer) -> memoryview:
+    if isinstance(data, np.ndarray) and not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    return memoryview(data).cast("B")
+
+
+def _wait(futures: list[Future]) -> None:
+    error: BaseException | None = None
+    for fut in futures:
+        try:
+            fut.result()
+        except BaseException as err:  # noqa: BLE001 - wait for every one, raise the first
+            error = error or err
+    if error is not None:
+        raise error
