@@ -30,6 +30,7 @@ import io
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +47,28 @@ from ..storage.writeback import pool_size, pwrite_all, start_writeback, sync_fil
 Buffer = Any
 
 
+class StageClock:
+    """CPU seconds spent per pipeline stage (``cast``, ``encode``, ``statistics``,
+    ``write``, ``hash``, ``commit``), summed over threads: where a writer's time goes
+    (``benchmarks/bench_writers.py`` prints it)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def add(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def timed(self, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, its thread's CPU time added to ``stage``."""
+        t0 = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            self.add(stage, time.thread_time() - t0)
+
+
 class Pools:
     """The writer's threads: ``cpu`` (statistics, hashing, encoding) and ``io`` (writes).
 
@@ -53,7 +76,13 @@ class Pools:
     writes (default: ``min(4, threads)``, at least 2, so a write blocked on the disk never
     stops the next one)."""
 
-    def __init__(self, threads: int | None = None, streams: int | None = None) -> None:
+    def __init__(
+        self,
+        threads: int | None = None,
+        streams: int | None = None,
+        clock: StageClock | None = None,
+    ) -> None:
+        self.clock = clock or StageClock()
         self.threads = int(threads or pool_size())
         self.streams = int(streams or max(2, min(4, self.threads)))
         self.cpu = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-cpu")
@@ -166,7 +195,7 @@ class ShardOutput:
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the CPU pool (a format's encoding work); the shard is
         committed only after it finishes (its writes included)."""
-        fut = self.pools.cpu.submit(fn, *args)
+        fut = self.pools.cpu.submit(self.pools.clock.timed, "encode", fn, *args)
         with self._lock:
             self._later.append(fut)
         return fut
@@ -174,8 +203,12 @@ class ShardOutput:
     # ------------------------------------------------------------------ for the writer
 
     def _write(self, f: _File, views: list[memoryview], at: int, nbytes: int) -> None:
+        clock = self.pools.clock
+        t0 = time.thread_time()
         pwrite_all(f.fd, list(views), at)
         start_writeback(f.fd, at, nbytes)
+        t1 = time.thread_time()
+        clock.add("write", t1 - t0)
         if f.listed and f.hasher is None and f.unit:
             found: dict[int, np.ndarray] = {}
             pos = at
@@ -192,6 +225,7 @@ class ShardOutput:
                 )
             with self._lock:
                 f.blocks.update(found)
+        clock.add("hash", time.thread_time() - t1)
 
     def settle(self) -> None:
         """Wait for the writes of the current batch (re-raising the first failure)."""
@@ -206,13 +240,13 @@ class ShardOutput:
             later, self._later = self._later, []
         _wait(later)
         self.settle()  # writes the submitted work made
-        sync_files([f.fd for f in self.files.values()])
+        self.pools.clock.timed("commit", sync_files, [f.fd for f in self.files.values()])
         out = {}
         for f in self.files.values():
             os.close(f.fd)
             f.fd = -1
             if f.listed:
-                out[f.name] = self._entry(f)
+                out[f.name] = self.pools.clock.timed("hash", self._entry, f)
         return out
 
     def _entry(self, f: _File) -> tuple[FileEntry, np.ndarray]:

@@ -24,7 +24,7 @@ from ..storage.manifest import FileEntry
 if TYPE_CHECKING:
     import torch
 
-    from .pipeline import ShardOutput
+    from .pipeline import ShardOutput, StageClock
 else:
     from .._lazy import torch
 
@@ -87,8 +87,14 @@ class ShardStats:
     on how many threads fold the runs (each run's :func:`~actstore.stats.chunk_moments` is
     computed on ``pool`` and merged in run order at :meth:`finish`)."""
 
-    def __init__(self, sites: Sequence[Site], d: int, pool: Executor | None = None) -> None:
-        self.sites, self.d, self.pool = tuple(sites), d, pool
+    def __init__(
+        self,
+        sites: Sequence[Site],
+        d: int,
+        pool: Executor | None = None,
+        clock: StageClock | None = None,
+    ) -> None:
+        self.sites, self.d, self.pool, self.clock = tuple(sites), d, pool, clock
         self.per = RunningStats(d).rows_per_chunk
         self._parts: dict[Site, list[Future | Moments]] = {s: [] for s in self.sites}
         # two staging buffers per site for runs that straddle batches: one may still be
@@ -147,6 +153,10 @@ class ShardStats:
         for site, chunk in chunks.items():
             if self.pool is None:
                 self._parts[site].append(chunk_moments(chunk))
+            elif self.clock is not None:
+                self._parts[site].append(
+                    self.pool.submit(self.clock.timed, "statistics", _moments, chunk)
+                )
             else:
                 self._parts[site].append(self.pool.submit(_moments, chunk))
 

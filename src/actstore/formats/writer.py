@@ -89,7 +89,7 @@ from ..storage.manifest import (
     store_id_of,
 )
 from .base import FormatWriter, summary_of
-from .pipeline import Pools, ShardOutput
+from .pipeline import Pools, ShardOutput, StageClock
 from .shard import ShardSink, ShardStats, WrittenFile
 
 if TYPE_CHECKING:
@@ -163,6 +163,8 @@ class ShardedWriter(FormatWriter):
         self._out: ShardOutput | None = None
         self._stats: ShardStats | None = None
         self._pools: Pools | None = None
+        #: CPU seconds per pipeline stage, over the writer's life (:meth:`stage_seconds`)
+        self.clock = StageClock()
         #: the commit stage: one thread, so shards are recorded in order
         self._commits: ThreadPoolExecutor | None = None
         self._committing: list[Future] = []
@@ -553,15 +555,17 @@ class ShardedWriter(FormatWriter):
         sink, out, stats = self._sink, self._out, self._stats
         if sink is None or out is None or stats is None:  # a new shard (all are set together)
             self._raise_failed_commit()
-            pools = self._pools = self._pools or Pools()
+            pools = self._pools = self._pools or Pools(clock=self.clock)
             sink = self._sink = self.open_shard(index, self.partial)
             out = self._out = ShardOutput(self.partial, self.store_id, pools)
-            stats = self._stats = ShardStats(self.sites, self.plan.d_model, pools.cpu)
+            stats = self._stats = ShardStats(self.sites, self.plan.d_model, pools.cpu, self.clock)
             sink.open(out)
             self._in_shard, self._shard_index = 0, index
-        acts = self.cast(batch)
+        acts = self.clock.timed("cast", self.cast, batch)
         try:
-            sink.append(batch, acts, out)  # writes go out on the I/O streams
+            self.clock.timed(
+                "encode", sink.append, batch, acts, out
+            )  # writes go out on the I/O streams
             stats.update(self.stat_rows(batch, acts))  # folded on the CPU pool meanwhile
             for name, data in self.side_rows(batch).items():
                 f = self._sides.get(name)
@@ -617,7 +621,7 @@ class ShardedWriter(FormatWriter):
         files = [WrittenFile(n, e, d, info.get(n, {})) for n, (e, d) in entries.items()]
         chunks = sink.chunk_files()
         for fd in side_fds:
-            os.fsync(fd)
+            self.clock.timed("commit", os.fsync, fd)
         point(f"{self.format_name}.shard_synced")
         for f in files:
             self._digests[f.name] = f.digests
@@ -634,6 +638,10 @@ class ShardedWriter(FormatWriter):
         self._append_journal(entry)
         self._shards.append(entry)
         point(f"{self.format_name}.shard_recorded")
+
+    def stage_seconds(self) -> dict[str, float]:
+        """CPU seconds each pipeline stage took so far, summed over its threads."""
+        return dict(self.clock.seconds)
 
     def _raise_failed_commit(self) -> None:
         """Re-raise a commit's failure on the writer's thread (finished ones are dropped)."""
