@@ -72,9 +72,11 @@ class StageClock:
 class Pools:
     """The writer's threads: ``cpu`` (statistics, hashing, encoding) and ``io`` (writes).
 
-    ``threads``: CPU workers (default: this process's CPUs); ``streams``: concurrent
-    writes (default: ``min(4, threads)``, at least 2, so a write blocked on the disk never
-    stops the next one)."""
+    ``threads``: CPU workers (default: ``ACTSTORE_WRITER_THREADS`` if set, else this
+    process's CPUs); ``streams``: concurrent writes (default: ``ACTSTORE_WRITER_STREAMS``
+    if set, else ``min(4, threads)``, at least 2, so a write blocked on the disk never
+    stops the next one). The variables let a benchmark or a shared machine size every
+    writer's pools (``benchmarks/bench_writers.py`` scales them from 1 to N)."""
 
     def __init__(
         self,
@@ -83,8 +85,10 @@ class Pools:
         clock: StageClock | None = None,
     ) -> None:
         self.clock = clock or StageClock()
-        self.threads = int(threads or pool_size())
-        self.streams = int(streams or max(2, min(4, self.threads)))
+        self.threads = int(threads or os.environ.get("ACTSTORE_WRITER_THREADS") or pool_size())
+        self.streams = int(
+            streams or os.environ.get("ACTSTORE_WRITER_STREAMS") or max(2, min(4, self.threads))
+        )
         self.cpu = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-cpu")
         self.io = ThreadPoolExecutor(self.streams, thread_name_prefix="actstore-io")
 
