@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 
 #: Split ids a prompt/response example carries (``Batch.extras["split"]``).
 SPLITS = {"train": 0, "val": 1, "test": 2}
+#: Keys of ``CapturePlan.data`` that identify the data itself, not where it was found:
+#: digests of the examples consumed (``actstore.capture.data.digest``) and, for a store
+#: converted from another, that store's identity and the precision its values were kept at.
+DATA_IDENTITY = ("token_digest", "image_digest", "sample_digest", "converted_from")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +107,12 @@ class CapturePlan:
     @property
     def layers(self) -> list[int]:
         return [s.layer for s in self.sites]
+
+    @property
+    def data_identity(self) -> dict[str, Any]:
+        """What in ``data`` identifies the data itself (:data:`DATA_IDENTITY`): every
+        writer's record holds ``data``, so a store of other data is another store."""
+        return {k: self.data[k] for k in DATA_IDENTITY if k in self.data}
 
     def to_json_dict(self) -> dict[str, Any]:
         """The plan as plain JSON values (sites as their names)."""

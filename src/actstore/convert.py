@@ -88,6 +88,33 @@ def source_plan(reader: ReaderBase) -> CapturePlan:
     return reader.capture_plan()
 
 
+def provenance(reader: ReaderBase, format_name: str) -> dict[str, Any]:
+    """What identifies the store ``reader`` reads as the source of a conversion: its
+    format, its store id and the digest of its root manifest (which covers every byte it
+    holds), and the precision its values are stored at. A store another tool wrote (no
+    manifest) is named by its location instead."""
+    out: dict[str, Any] = {"format": format_name, "dtype": reader.stored_dtype()}
+    manifest = reader.checks.manifest
+    if manifest is None:
+        out["location"] = str(reader.url)
+    else:
+        import xxhash
+
+        out["store_id"] = manifest.store_id
+        out["manifest"] = xxhash.xxh3_128_hexdigest(manifest.to_bytes())
+    return out
+
+
+def converted_plan(reader: ReaderBase, format_name: str) -> CapturePlan:
+    """The plan of a conversion of ``reader``'s store: its capture plan, with the source
+    store's identity and precision in ``data["converted_from"]``, so the converted store
+    never takes the name (saev's content hash) or the record of a capture, nor of a
+    conversion of another store or of the same data at another precision."""
+    plan = source_plan(reader)
+    data = {**plan.data, "converted_from": provenance(reader, format_name)}
+    return dataclasses.replace(plan, data=data)
+
+
 def example_batches(
     reader: ReaderBase, plan: CapturePlan, batch_size: int, start: int = 0
 ) -> Iterator[Batch]:
@@ -274,7 +301,7 @@ def _convert(
     t0: float,
 ) -> ConvertResult:
     source, to = reader.url, dst_spec.name
-    plan = select_sites(source_plan(reader), sites, reader)
+    plan = select_sites(converted_plan(reader, src_spec.name), sites, reader)
     options = options if options is not None else dst_spec.options()
     writer = open_target(dst_spec, plan, str(target), options, source, src_spec.name)
     already = writer.complete

@@ -50,6 +50,7 @@ from ..batch import SPLITS, sample_key
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ..progress import bar_switch
 from .data import ExampleSource, SourceBatch, load_saved
+from .data.digest import sequences_digest
 from .models import LoadedModel, quiet_transformers, resolve_checkpoint
 
 log = logging.getLogger(__name__)
@@ -473,6 +474,19 @@ def open_prompt_source(config: Any, model: LoadedModel) -> PromptResponseSource:
         "chat_template": templated,
         "n_records": len(records),
         "tokenizer": model.ckpt,
+        # the token ids of every prompt and response stored, and their labels and splits
+        "sample_digest": sequences_digest(
+            seq
+            for s in samples
+            for seq in (
+                s.prompt_ids,
+                s.response_ids,
+                [
+                    -1 if s.hallu_label is None else s.hallu_label,
+                    -1 if s.split is None else s.split,
+                ],
+            )
+        ),
     }
     log.info(
         "%d prompt/response samples from %s (%s responses, chat template %s)",

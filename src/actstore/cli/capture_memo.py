@@ -2,7 +2,8 @@
 torch, transformers or the dataset load.
 
 A capture's key is the sha256 of everything that decides which store it writes: every
-option as given, the absolute ``--out``, the files (path, size, mtime) of the model
+option as given, the absolute ``--out``, the files (path, size, mtime, inode and ctime:
+an edit that puts the old size and mtime back still moves the ctime) of the model
 directory and of the dataset, the Python version, actstore's source files, and the entry
 file (``__init__.py``: size, mtime) of each library that reads and tokenises the data
 (transformers, tokenizers, datasets, pyarrow, numpy), which changes when one is upgraded
@@ -144,21 +145,27 @@ def _stats(location: str, names: list[str]) -> dict[str, list[int]]:
 
 
 def _listing(root: Path) -> list[list[Any]] | None:
-    """(relative path, size, mtime) of every file under ``root`` (a file: itself); an
+    """(relative path, size, mtime, inode, ctime) of every file under ``root`` (a file:
+    itself); an
     entry that cannot be listed or stat'ed raises :class:`OSError`."""
     if root.is_file():
-        st = root.stat()
-        return [[root.name, st.st_size, st.st_mtime_ns]]
+        return [[root.name, *_identity(root.stat())]]
     out: list[list[Any]] = []
     for dirpath, dirs, files in os.walk(root, onerror=_raise):
         dirs.sort()
         for name in sorted(files):
             path = os.path.join(dirpath, name)
-            st = os.stat(path)
-            out.append([os.path.relpath(path, root), st.st_size, st.st_mtime_ns])
+            out.append([os.path.relpath(path, root), *_identity(os.stat(path))])
             if len(out) > _MAX_FILES:
                 return None
     return out
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    """What says a file is unchanged without reading it: its size and mtime, and its inode
+    and ctime, which every write (and every ``touch``/``cp -p`` putting an old mtime back)
+    moves and no user can set."""
+    return [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
 
 
 def _raise(err: OSError) -> None:

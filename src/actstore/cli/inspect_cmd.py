@@ -42,6 +42,48 @@ def _site_summary(reader, site, values: int) -> dict:
     return out
 
 
+#: Digests of the examples a store was made from (``CapturePlan.data``), as shown.
+_DIGESTS = ("token_digest", "image_digest", "sample_digest")
+_NARROWER = {"float16", "bfloat16"}
+
+
+def provenance(reader) -> dict[str, str]:
+    """Where the store's data came from and at what precision: the dataset and the digest
+    of the examples consumed, the store it was converted from (its format, id and stored
+    dtype), and the precision of its values (a float32 store of float16 values says so)."""
+    from ..errors import ActstoreError
+
+    try:
+        plan = reader.capture_plan()
+    except (ActstoreError, KeyError, TypeError, ValueError):
+        return {}
+    data = plan.data if isinstance(plan.data, dict) else {}
+    out: dict[str, str] = {}
+    where = next(
+        (str(data[k]) for k in ("path", "root", "id") if data.get(k)), plan.dataset_root or "?"
+    )
+    digests = [f"{k} {data[k]}" for k in _DIGESTS if data.get(k)]
+    out["data"] = f"{data.get('kind', 'dataset')} {where}; " + (
+        ", ".join(digests) if digests else "no digest of its examples recorded"
+    )
+    stored = reader.stored_dtype()
+    source = data.get("converted_from")
+    if isinstance(source, dict):
+        name = source.get("store_id") or source.get("location") or "?"
+        out["converted from"] = (
+            f"a {source.get('format', '?')} store ({name}), values stored as "
+            f"{source.get('dtype', '?')}"
+        )
+        was = source.get("dtype")
+        if was in _NARROWER and stored not in _NARROWER:
+            out["precision"] = f"{stored}, holding {was} values (rounded in the source)"
+        else:
+            out["precision"] = str(stored)
+    else:
+        out["precision"] = str(stored)
+    return out
+
+
 @app.command()
 def inspect(
     location: str = typer.Argument(..., help="A store: directory or URL (s3://bucket/run/hook)."),
@@ -61,7 +103,9 @@ def inspect(
     summary["per_site"] = {
         _site_label(reader, s): _site_summary(reader, s, values) for s in reader.sites
     }
+    origin = provenance(reader)
     if as_json:
+        summary["provenance"] = origin
         typer.echo(json.dumps(summary, indent=2, default=str))
         return
     typer.echo(summary.pop("path", location))
@@ -70,6 +114,8 @@ def inspect(
     for key, value in summary.items():
         if key == "bytes":
             value = human_bytes(value) + (f" in {files} files" if files else "")
+        typer.echo(f"  {key:<18} {value}")
+    for key, value in origin.items():
         typer.echo(f"  {key:<18} {value}")
     for site, s in per_site.items():
         line = f"  site {site:<13} {s['rows']} rows"
@@ -114,6 +160,7 @@ def verify(
 
     from ..errors import ActstoreError, CorruptStoreError, StoreNotFoundError
     from ..formats import open_store
+    from ..formats.base import VerifyReport
     from ..progress import bar_switch
     from ..storage.location import Location
     from .status_cmd import refuse_output_root
@@ -142,7 +189,10 @@ def verify(
     except ActstoreError:
         total = None
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", **bar_switch(progress)) as bar:
-        report = reader.verify(progress=bar.update)
+        try:
+            report = reader.verify(progress=bar.update)
+        except store_faults as err:  # a fault a format's check raised: listed like the rest
+            report = VerifyReport(location, faults=[str(err)])
     for note in report.notes:
         typer.echo(f"note: {note}")
     faults += [f for f in report.faults if f not in faults]

@@ -21,6 +21,7 @@ import torch
 
 from ...errors import ConfigError
 from .base import ExampleSource, SourceBatch
+from .digest import blobs_digest, files_digest
 from .hf import HFDataset
 
 if TYPE_CHECKING:
@@ -178,11 +179,14 @@ def image_folder(root: Path, model: LoadedModel, max_examples: int | None) -> Im
         classes = sorted({r.parts[0] for r in rel})
         index = {c: i for i, c in enumerate(classes)}
         labels = np.array([index[r.parts[0]] for r in rel], dtype=np.int64)
+    used = files if max_examples is None else files[:max_examples]
     description = {
         "kind": "image_folder",
         "root": str(root),
         "n_images": len(files),
         "classes": classes,
+        # the bytes of every image the store is made from (read once, here)
+        "image_digest": files_digest([str(p) for p in used], str(root)),
     }
     loader = _Loader(files=[str(p) for p in files])
     return ImageSource(loader, labels, classes, str(root), description, model, max_examples)
@@ -208,13 +212,47 @@ def hf_images(
         records = list(ds.take(max_examples))
         label_values = None if label_col is None else [r[label_col] for r in records]
         loader = _Loader(images=[r[column] for r in records])
+        digest = blobs_digest(_pixels(r[column]) for r in records)
     else:
         label_values = None if label_col is None else ds[label_col]
         loader = _Loader(hf=hf, column=column)
+        n = loader.n if max_examples is None else min(loader.n, max_examples)
+        digest = blobs_digest(_stored_images(ds, column, n))
     labels = classes = None
     if label_values is not None:
         labels = np.asarray(label_values, dtype=np.int64)
         names = getattr(ds.features[label_col], "names", None) if ds.features else None
         classes = list(names) if names else [str(i) for i in range(int(labels.max()) + 1)]
-    description = {**description, "column": column, "n_images": loader.n, "classes": classes}
+    description = {
+        **description,
+        "column": column,
+        "n_images": loader.n,
+        "classes": classes,
+        "image_digest": digest,
+    }
     return ImageSource(loader, labels, classes, root, description, model, max_examples)
+
+
+def _pixels(image: Any) -> bytes:
+    """A decoded image's mode, size and pixels."""
+    head = f"{image.mode} {image.size[0]}x{image.size[1]}|".encode()
+    return head + image.tobytes()
+
+
+def _stored_images(ds: Any, column: str, n: int) -> Iterator[bytes]:
+    """The first ``n`` images of ``column`` as stored: each one's encoded bytes (or its
+    file's bytes when the column holds paths), read from Arrow without decoding."""
+    seen = 0
+    for table in ds.select_columns([column]).with_format("arrow").iter(batch_size=256):
+        for value in table.column(column).to_pylist():
+            if seen == n:
+                return
+            seen += 1
+            if isinstance(value, dict) and value.get("bytes") is not None:
+                yield bytes(value["bytes"])
+            elif isinstance(value, dict) and value.get("path"):
+                yield Path(value["path"]).read_bytes()
+            else:
+                yield repr(value).encode()
+        if seen == n:
+            return

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from ...errors import ConfigError
 from ...progress import bar_switch
 from .base import ExampleSource, SourceBatch
+from .digest import token_digest
 
 if TYPE_CHECKING:
     from ..models import LoadedModel
@@ -43,13 +44,17 @@ FIRST_BATCH = 8
 
 
 class TextSource(ExampleSource):
-    """Packed fixed-length token contexts (``token_ids``: int32 ``[n_examples, T]``)."""
+    """Packed fixed-length token contexts (``token_ids``: int32 ``[n_examples, T]``); its
+    description carries their ``token_digest`` (:mod:`.digest`), so the store's identity
+    covers the tokens it holds."""
 
     def __init__(
         self, token_ids: np.ndarray, root: str, description: dict[str, Any], model: LoadedModel
     ) -> None:
         self.token_ids: np.ndarray = token_ids
         self.tokens_per_example = int(token_ids.shape[1])
+        if "token_digest" not in description:  # the packed ids, hashed once as handed over
+            description = {**description, "token_digest": token_digest(token_ids)}
         self._root, self._description, self.model = root, description, model
 
     @property

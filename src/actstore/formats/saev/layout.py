@@ -347,24 +347,50 @@ def encode_data(description: dict[str, Any]) -> str:
 
 def decode_data(data: str) -> dict[str, Any]:
     """The dataset description in metadata's ``data`` (a base64 pickle), decoded with the
-    restricted unpickler so a store cannot run code through it; {} if it is not a dict
-    (e.g. saev's own ImgFolder object)."""
+    restricted unpickler so a store cannot run code through it; for saev's own ImgFolder
+    object, the description pickled after it (see :func:`encode_saev_img_folder`), else {}."""
     if not data:
         return {}
     from ... import safe_pickle
 
     try:
-        decoded = safe_pickle.loads(base64.b64decode(data))
-    except (UnsafeDataError, CorruptStoreError, ValueError):
+        raw = base64.b64decode(data)
+    except ValueError:
         return {}
+    try:
+        decoded = safe_pickle.loads(raw)
+    except (UnsafeDataError, CorruptStoreError, ValueError):
+        decoded = _trailing(raw)
     return decoded if isinstance(decoded, dict) else {}
 
 
-def encode_saev_img_folder(root: str) -> str:
-    """base64 pickle of ``saev.data.datasets.ImgFolder(root=PosixPath(root))``.
+def _trailing(raw: bytes) -> Any:
+    """The object pickled after the first pickle in ``raw`` (found by walking its opcodes,
+    never running them), or None."""
+    import pickletools
+
+    from ... import safe_pickle
+
+    try:
+        end = next(pos for op, _, pos in pickletools.genops(raw) if op.name == "STOP") + 1
+        return safe_pickle.loads(raw[end:]) if end < len(raw) else None
+    except (UnsafeDataError, CorruptStoreError, ValueError, StopIteration):
+        return None
+
+
+def encode_saev_img_folder(root: str, description: dict[str, Any] | None = None) -> str:
+    """base64 pickle of ``saev.data.datasets.ImgFolder(root=PosixPath(root))``, followed
+    by the pickled ``description`` when given (what identifies the images:
+    ``pickle.loads`` stops at the first pickle's end, so saev reads its ImgFolder as
+    before, while the store's content hash covers the images' digest).
 
     Written opcode by opcode so saev need not be installed here; saev's
     ``Metadata.make_data_cfg()`` unpickles it into its own ``ImgFolder`` dataclass.
+
+    Example:
+        >>> data = base64.b64decode(encode_saev_img_folder("/x", {"image_digest": "ab"}))
+        >>> decode_data(base64.b64encode(data).decode())
+        {'image_digest': 'ab'}
     """
     root_bytes = root.encode("utf-8")
     stream = b"".join(
@@ -382,4 +408,8 @@ def encode_saev_img_folder(root: str) -> str:
             b".",  # STOP
         ]
     )
+    if description:
+        import pickle
+
+        stream += pickle.dumps(description, protocol=4)
     return base64.b64encode(stream).decode("utf8")

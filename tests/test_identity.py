@@ -1,0 +1,357 @@
+"""A store is what its name says (issue 30, items 1-5), through the real ``actstore`` command.
+
+- its identity covers the data it was made from: an edited corpus (same path, same token
+  count; a .npy with one id changed, a re-cleaned .txt or .jsonl, an image rewritten) is
+  captured anew, never answered "Already captured", and an unfinished capture of other
+  data is not resumed;
+- a conversion never lands under the name of a capture, and ``inspect`` says where the
+  data came from and at what precision;
+- ``--out`` that holds a store of another format, or foreign files, is refused in one line
+  before anything is created, and a store never nests inside another;
+- ``actstore ls`` of an output root lists its stores;
+- every check that needs no weights runs before anything is created or loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+# each case starts the real command, several times: minutes on a loaded 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+SAEV_HASH = 64
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None):
+    environ = {
+        **os.environ,
+        "PYTHONPATH": str(SRC),
+        "TQDM_DISABLE": "1",
+        "HF_HUB_OFFLINE": "1",
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "actstore", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        cwd=cwd,
+        timeout=300,
+        check=False,
+    )
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (-1, 0)
+        for name in files:
+            st = os.lstat(os.path.join(dirpath, name))
+            out[os.path.relpath(os.path.join(dirpath, name), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def assert_one_line_error(proc, needle: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def saev_stores(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and len(p.name) == SAEV_HASH)
+
+
+def rewrite_keeping_times(path: Path, data: bytes) -> None:
+    """Write ``data`` over ``path`` and put its size and mtime back as they were (what
+    ``cp -p`` or ``rsync -t`` of a re-made file does): only the content differs."""
+    st = path.stat()
+    assert len(data) == st.st_size
+    path.write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.fixture
+def world(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("ACTSTORE_MEMO_DIR", str(tmp_path / "memo"))
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "tokens.npy", rng.integers(4, 300, size=(6, 16)))
+    rows = rng.integers(4, 300, size=(6, 16)).tolist()
+    (tmp_path / "tokens.jsonl").write_text("".join(json.dumps({"tokens": r}) + "\n" for r in rows))
+    (tmp_path / "corpus.txt").write_text(
+        "".join(f"line {i} of the corpus, with words in it\n" for i in range(40))
+    )
+    return {"tmp": tmp_path, "gpt2": str(model_dir("gpt2")), "memo": tmp_path / "memo"}
+
+
+def capture(world, dataset, out, *extra, env: dict | None = None):
+    return run_cli(
+        "capture",
+        "--model",
+        world["gpt2"],
+        "--dataset",
+        dataset,
+        "--layers",
+        "1",
+        "--context-length",
+        "16",
+        "--batch-size",
+        "2",
+        "--out",
+        out,
+        "--no-progress",
+        *extra,
+        env=env,
+    )
+
+
+# ---------------------------------------------------------------------- 1. the data
+
+
+def _edit_npy(path: Path) -> None:
+    ids = np.load(path)
+    ids[3, 5] = 7 if ids[3, 5] != 7 else 8
+    buf = path.with_suffix(".tmp.npy")
+    np.save(buf, ids)
+    rewrite_keeping_times(path, buf.read_bytes())
+    buf.unlink()
+
+
+def _edit_jsonl(path: Path) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    record = json.loads(lines[2])
+    v = record["tokens"][0]
+    record["tokens"][0] = v + 1 if len(str(v + 1)) == len(str(v)) else v - 1
+    lines[2] = json.dumps(record) + "\n"
+    rewrite_keeping_times(path, "".join(lines).encode())
+
+
+def _edit_txt(path: Path) -> None:
+    text = path.read_text()
+    rewrite_keeping_times(path, text.replace("line 7 of", "LINE 7 of", 1).encode())
+
+
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [("tokens.npy", _edit_npy), ("tokens.jsonl", _edit_jsonl), ("corpus.txt", _edit_txt)],
+)
+def test_an_edited_corpus_is_captured_anew_not_already_captured(world, name, edit):
+    data, out = world["tmp"] / name, world["tmp"] / "out"
+    first = capture(world, data, out)
+    assert first.returncode == 0, first.stderr
+    again = capture(world, data, out)  # unchanged: answered (from the memo)
+    assert again.returncode == 0 and "Already captured" in again.stdout, again.stderr
+    (old,) = saev_stores(out)
+    edit(data)
+    rerun = capture(world, data, out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "Already captured" not in rerun.stdout, rerun.stdout
+    assert "Captured" in rerun.stdout
+    stores = saev_stores(out)
+    assert len(stores) == 2 and old in stores
+    new = next(s for s in stores if s != old)
+    import actstore
+
+    before, after = actstore.open_store(out / old), actstore.open_store(out / new)
+    assert not np.array_equal(np.asarray(before.tokens[:]), np.asarray(after.tokens[:]))
+    # the store records the digest of the tokens it holds
+    digest = after.capture_plan().data["token_digest"]
+    assert digest != before.capture_plan().data["token_digest"]
+    third = capture(world, data, out)
+    assert "Already captured" in third.stdout and new in third.stdout
+
+
+def test_an_unfinished_capture_of_other_data_is_not_resumed(world):
+    """pkl.gz writes its store at --out: an unfinished capture there, of a corpus since
+    edited, is refused in one line (never resumed with the new data), nothing changed."""
+    data, out = world["tmp"] / "tokens.npy", world["tmp"] / "acts-pkl"
+    opts = ("--format", "pickle", "--opt", "samples_per_shard=2")
+    crashed = capture(world, data, out, *opts, env={"ACTSTORE_CRASH_AT": "pickle.shard_recorded:2"})
+    assert crashed.returncode == 137, crashed.stderr
+    _edit_npy(data)
+    before = snapshot(world["tmp"] / ".acts-pkl.partial")
+    rerun = capture(world, data, out, *opts)
+    assert_one_line_error(rerun, "unfinished capture")
+    assert snapshot(world["tmp"] / ".acts-pkl.partial") == before
+
+
+def test_an_edited_image_is_captured_anew(world, model_dir, image_folder):
+    images = shutil.copytree(image_folder, world["tmp"] / "images")
+    out = world["tmp"] / "out"
+    argv = ["capture", "--model", model_dir("clip"), "--dataset", images, "--layers", "1"]
+    argv += ["--batch-size", "8", "--out", out, "--no-progress"]
+    assert run_cli(*argv).returncode == 0
+    (old,) = saev_stores(out)
+    picture = images / "dog" / "dog_001.png"
+    raw = bytearray(picture.read_bytes())
+    raw[-20] ^= 0xFF  # one byte of the image data, same size, same mtime
+    rewrite_keeping_times(picture, bytes(raw))
+    rerun = run_cli(*argv)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "Already captured" not in rerun.stdout
+    assert len(saev_stores(out)) == 2 and old in saev_stores(out)
+
+
+# ---------------------------------------------------------------------- 2. conversions
+
+
+def test_a_conversion_never_takes_the_name_of_a_capture(world):
+    data, root = world["tmp"] / "tokens.npy", world["tmp"] / "root"
+    zarr_out = world["tmp"] / "acts-zarr"
+    made = capture(world, data, zarr_out, "--format", "zarr")
+    assert made.returncode == 0, made.stderr
+    conv = run_cli("convert", zarr_out / "activations.zarr", root, "--to", "saev", "--no-progress")
+    assert conv.returncode == 0, conv.stderr
+    (converted,) = saev_stores(root)
+    shown = run_cli("inspect", root / converted)
+    assert shown.returncode == 0, shown.stderr
+    assert "converted from" in shown.stdout and "zarr" in shown.stdout
+    assert "float16" in shown.stdout  # the precision the values were stored at
+    fresh = capture(world, data, root)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "Already captured" not in fresh.stdout
+    stores = saev_stores(root)
+    assert len(stores) == 2 and converted in stores
+    shown = run_cli("inspect", root / next(s for s in stores if s != converted))
+    assert "converted from" not in shown.stdout and "token_digest" in shown.stdout
+
+
+# ---------------------------------------------------------------------- 3. --out
+
+
+def test_out_holding_a_store_of_another_format_is_refused_before_anything_is_created(world):
+    data = world["tmp"] / "tokens.npy"
+    pkl = world["tmp"] / "acts-pkl"
+    assert capture(world, data, pkl, "--format", "pickle").returncode == 0
+    zarr_root = world["tmp"] / "acts-zarr"
+    assert capture(world, data, zarr_root, "--format", "zarr").returncode == 0
+    saev_root = world["tmp"] / "acts-saev"
+    assert capture(world, data, saev_root).returncode == 0
+    (saev_store,) = saev_stores(saev_root)
+    foreign = world["tmp"] / "notes"
+    foreign.mkdir()
+    (foreign / "paper.tex").write_text("\\begin{document}")
+    cases = [
+        (pkl, ()),  # saev into a pkl.gz store
+        (zarr_root / "activations.zarr", ()),  # saev into a zarr store
+        (saev_root / saev_store, ()),  # saev into a saev store
+        (pkl / "deeper", ()),  # anything inside a store
+        (saev_root, ("--format", "pickle")),  # pkl.gz over an output root of stores
+        (foreign, ("--format", "pickle")),  # pkl.gz over foreign files
+        (pkl, ("--format", "saelens")),
+        (saev_root / saev_store, ("--format", "zarr")),
+    ]
+    for out, extra in cases:
+        before = snapshot(world["tmp"])
+        proc = capture(world, data, out, *extra)
+        line = assert_one_line_error(proc, str(out))
+        assert "--out" in line
+        assert "packed" not in proc.stderr  # refused before the dataset was read
+        assert snapshot(world["tmp"]) == before, (out, extra)
+    # the stores are intact
+    for store in (pkl, zarr_root / "activations.zarr", saev_root / saev_store):
+        assert run_cli("verify", store, "--no-progress").returncode == 0
+
+
+def test_a_conversion_into_a_store_of_another_format_is_refused(world):
+    data = world["tmp"] / "tokens.npy"
+    pkl, saev_root = world["tmp"] / "acts-pkl", world["tmp"] / "acts-saev"
+    assert capture(world, data, pkl, "--format", "pickle").returncode == 0
+    assert capture(world, data, saev_root).returncode == 0
+    (store,) = saev_stores(saev_root)
+    before = snapshot(world["tmp"])
+    proc = run_cli("convert", saev_root / store, pkl, "--to", "saev", "--no-progress")
+    assert_one_line_error(proc, str(pkl))
+    assert snapshot(world["tmp"]) == before
+
+
+# ---------------------------------------------------------------------- 4. ls
+
+
+def test_ls_of_an_output_root_lists_its_stores(world):
+    data, root = world["tmp"] / "tokens.npy", world["tmp"] / "actstore-data"
+    assert capture(world, data, root).returncode == 0
+    assert capture(world, data, root, "--format", "zarr").returncode == 0
+    (store,) = saev_stores(root)
+    proc = run_cli("ls", root)
+    assert proc.returncode == 0, proc.stderr
+    assert "Activault run" not in proc.stdout and "model None" not in proc.stdout
+    assert store in proc.stdout and "saev" in proc.stdout
+    assert "activations.zarr" in proc.stdout and "zarr" in proc.stdout
+    # an empty root, and a root with only an unfinished store, are said to be so
+    empty = world["tmp"] / "empty"
+    empty.mkdir()
+    proc = run_cli("ls", empty)
+    assert proc.returncode == 0 and "Activault" not in proc.stdout
+
+
+# ---------------------------------------------------------------------- 5. checks first
+
+
+@pytest.fixture
+def weightless(world, tmp_path) -> str:
+    """The tiny GPT-2 with garbage in place of its weights: loading it fails, so a check
+    that passes this far ran before any weight was read."""
+    broken = Path(shutil.copytree(world["gpt2"], tmp_path / "broken-gpt2"))
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file" * 10)
+    return str(broken)
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (("--dtype", "float64"), "--dtype"),
+        (("--dtype", "half"), "--dtype"),
+        (("--mode", "prompt-response"), "prompt"),  # a .npy is no prompt/response dataset
+        (("--mode", "prompt-response", "--format", "saev"), "prompt"),
+        (("--mode", "bogus"), "--mode"),
+        (("--sites", "mlp_out.1", "--format", "pickle"), "residual stream only"),
+        (("--sites", "mlp_out.1", "--num-machines", "2", "--machine-id", "0"), "residual"),
+    ],
+)
+def test_checks_without_weights_come_before_anything_is_created(world, weightless, extra, needle):
+    out = world["tmp"] / "new-out"
+    before = snapshot(world["tmp"])
+    argv = ["capture", "--model", weightless, "--dataset", world["tmp"] / "tokens.npy"]
+    argv += ["--context-length", "16", "--out", out, "--no-progress", *extra]
+    proc = run_cli(*argv)
+    assert_one_line_error(proc, needle)
+    assert "packed" not in proc.stderr  # before the dataset was packed
+    assert not out.exists()
+    assert snapshot(world["tmp"]) == before
+
+
+def test_prompt_response_dataset_checks_come_before_the_model_loads(world, weightless):
+    qa = world["tmp"] / "qa.jsonl"
+    qa.write_text(json.dumps({"question": "2+2?", "response": "4"}) + "\n")
+    for dataset, needle in [
+        (world["tmp"] / "corpus.txt", "prompt/response datasets are"),
+        (qa, "'prompt'"),
+    ]:
+        proc = run_cli(
+            "capture",
+            "--model",
+            weightless,
+            "--dataset",
+            dataset,
+            "--mode",
+            "prompt-response",
+            "--format",
+            "zarr",
+            "--out",
+            world["tmp"] / "pr",
+        )
+        assert_one_line_error(proc, needle)
+        assert not (world["tmp"] / "pr").exists()
