@@ -40,8 +40,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import CaptureError
-from ..storage.manifest import BlockHasher, FileEntry, block_digests, file_entry, hash_ranges
-from ..storage.writeback import pool_size, pwrite_all, start_writeback, sync_files
+from ..storage.manifest import (
+    BlockHasher,
+    FileEntry,
+    block_digests,
+    file_entry,
+    hash_file_blocks,
+    hash_ranges,
+)
+from ..storage.writeback import pool_size, pwrite_all, start_writeback, sync_files, sync_paths
 
 #: Buffers the sinks hand over: anything exposing the buffer protocol.
 Buffer = Any
@@ -127,6 +134,8 @@ class ShardOutput:
         self._batch: list[Future] = []  # must finish before the batch is the caller's again
         self._later: list[Future] = []  # must finish before the shard is committed
         self._lock = threading.Lock()
+        self._adopted: dict[str, tuple[int, bool]] = {}
+        self._order: list[str] = []  # every file, in the order the sink named them
 
     # ------------------------------------------------------------------ for sinks
 
@@ -142,6 +151,7 @@ class ShardOutput:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         f = _File(name, path, fd, unit, listed)
+        self._order.append(name)
         if listed and not unit:
             f.hasher = BlockHasher(self.store_id, name, 0)
         self.files[name] = f
@@ -196,6 +206,15 @@ class ShardOutput:
         f.size = size
         os.ftruncate(f.fd, size)
 
+    def adopt(self, name: str, *, unit: int = 0, listed: bool = True) -> None:
+        """File ``name``, written by a library through its own I/O (zarr-python's store),
+        belongs to this shard: at commit the pipeline makes it durable and, ``listed``,
+        digests it from its bytes (blocks of ``unit``; 0: one)."""
+        if name in self.files or name in self._adopted:
+            raise CaptureError(f"shard file {name} declared twice")
+        self._adopted[name] = (unit, listed)
+        self._order.append(name)
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the CPU pool (a format's encoding work); the shard is
         committed only after it finishes (its writes included)."""
@@ -245,12 +264,21 @@ class ShardOutput:
         _wait(later)
         self.settle()  # writes the submitted work made
         self.pools.clock.timed("commit", sync_files, [f.fd for f in self.files.values()])
-        out = {}
+        adopted = [self.directory / n for n in self._adopted]
+        self.pools.clock.timed("commit", sync_paths, adopted, self.directory)
         for f in self.files.values():
             os.close(f.fd)
             f.fd = -1
-            if f.listed:
-                out[f.name] = self.pools.clock.timed("hash", self._entry, f)
+        out = {}
+        for name in self._order:
+            f = self.files.get(name)
+            if f is not None and f.listed:
+                out[name] = self.pools.clock.timed("hash", self._entry, f)
+            elif f is None and self._adopted[name][1]:
+                unit, path = self._adopted[name][0], self.directory / name
+                out[name] = self.pools.clock.timed(
+                    "hash", hash_file_blocks, self.store_id, path, name, unit
+                )
         return out
 
     def _entry(self, f: _File) -> tuple[FileEntry, np.ndarray]:

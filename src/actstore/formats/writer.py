@@ -375,7 +375,7 @@ class ShardedWriter(FormatWriter):
             index = self.first_shard + len(kept)
             if entry.get("index") != index or entry.get("n_examples") != self._shard_size(index):
                 break
-            if not self._shard_intact(entry):
+            if not self.shard_intact(entry):
                 log.warning(
                     "shard %d of %s fails its checksums; rewriting from there", index, self.partial
                 )
@@ -411,7 +411,9 @@ class ShardedWriter(FormatWriter):
             self.resume_from - self.example_range[0],
         )
 
-    def _shard_intact(self, entry: dict[str, Any]) -> bool:
+    def shard_intact(self, entry: dict[str, Any]) -> bool:
+        """On resume: whether recorded shard ``entry``'s files still hash to their digests
+        (formats that keep more than the listed files extend it: zarr's chunks)."""
         try:
             for name, doc in entry["files"].items():
                 want = FileEntry.from_dict(doc, f"{self.partial / PROGRESS} ({name})")

@@ -84,6 +84,25 @@ def sync_files(fds: Sequence[int]) -> None:
         os.fsync(fd)
 
 
+def sync_paths(paths: Sequence[str | os.PathLike], directory: str | os.PathLike) -> None:
+    """Make files other code wrote durable (a library writing through its own store):
+    ``fsync`` each, or one ``syncfs`` of ``directory``'s file system for more than
+    :data:`SYNCFS_ABOVE` (no descriptor is held for each of thousands of files)."""
+    if len(paths) > SYNCFS_ABOVE and _SYNCFS is not None:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _SYNCFS(fd) == 0:
+                return
+        finally:
+            os.close(fd)
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def pool_size(limit: int = 16) -> int:
     """Worker threads for CPU work that releases the GIL: this process's CPUs (its
     affinity mask, not the machine's count), at most ``limit``."""

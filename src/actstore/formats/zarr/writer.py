@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
 import datetime as dt
 import hashlib
 import io
@@ -45,7 +44,7 @@ import json
 import logging
 import os
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,10 +57,10 @@ from ...errors import CaptureError
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage import atomic_write_json
-from ...storage.local import atomic_write
 from ...storage.location import Location
-from ...storage.manifest import block_keys, hash_file_blocks
-from ..shard import ShardSink, WrittenFile
+from ...storage.manifest import block_keys
+from ..pipeline import ShardOutput
+from ..shard import ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     ACT_DTYPE,
@@ -197,23 +196,6 @@ def _git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
-
-
-def _sync_filesystem(path: Path) -> None:
-    """Flush every dirty page of the file system holding ``path`` (Linux ``syncfs``; the
-    whole system's elsewhere): zarr writes chunk files through its own store, so they are
-    not fsynced one by one."""
-    try:
-        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
-    except (AttributeError, OSError):
-        os.sync()
-        return
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if syncfs(fd) != 0:
-            os.sync()
-    finally:
-        os.close(fd)
 
 
 def plan_store(plan: CapturePlan, options: ZarrOptions) -> tuple[ZarrLayout, dict, dict]:
@@ -376,12 +358,12 @@ class ZarrWriter(ShardedWriter):
     def manifest_skip(self) -> tuple[str, ...]:
         return tuple(ACTIVATIONS.values())
 
-    def _shard_intact(self, entry: dict[str, Any]) -> bool:
+    def shard_intact(self, entry: dict[str, Any]) -> bool:
         """On resume: the shard's recorded files hash to their digests (the base's check,
         which covers its chunk digest files) and so does every activation chunk of its
         samples, which the progress record does not list: a shard with a damaged, missing
         or stray chunk is written again, as in every format."""
-        if not super()._shard_intact(entry):
+        if not super().shard_intact(entry):
             return False
         try:
             index = int(entry["index"])
@@ -438,22 +420,20 @@ class ZarrWriter(ShardedWriter):
     def open_shard(self, index: int, directory: Path) -> ShardSink:
         return _ZarrShard(self, index, directory)
 
-    def stat_rows(self, batch: Batch) -> dict[Site, np.ndarray]:
+    def stat_rows(self, batch: Batch, acts: Mapping[Site, torch.Tensor]) -> dict[Site, np.ndarray]:
         """Every stored (unpadded) prompt and response token, as stored (float16): the
         statistics describe the values a reader serves, as in every format."""
         p_full, r_full = _batch_lengths(batch)
         kept = [self.layout.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
         out = {}
         for site in self.sites:
-            exact = batch.acts[str(site)].detach().to(torch.float16).to(torch.float32).numpy()
+            exact = acts[site].numpy()
             rows = []
             for b, (p0, pk, r0, rk) in enumerate(kept):
                 rows.append(exact[b, p0 : p0 + pk])
                 rows.append(exact[b, r0 : r0 + rk])
             out[site] = (
-                np.concatenate(rows).astype(np.float32, copy=False)
-                if rows
-                else np.empty((0, self.plan.d_model), np.float32)
+                np.concatenate(rows) if rows else np.empty((0, self.plan.d_model), np.float16)
             )
         return out
 
@@ -517,6 +497,7 @@ class _ZarrShard(ShardSink):
 
     def __init__(self, writer: ZarrWriter, index: int, directory: Path) -> None:
         self.w, self.index, self.directory = writer, index, directory
+        self._names: list[str] = []
         lo, hi = writer.shard_bounds(index)
         self.lo, self.n_rows = lo - writer.id_offset, hi - lo
         self.root = zarr_module().open_group(str(directory), mode="r+", zarr_format=2)
@@ -530,7 +511,11 @@ class _ZarrShard(ShardSink):
         self.filled = 0
         self.truncated = {p: 0 for p in PARTS}
 
-    def append(self, batch: Batch) -> None:
+    def open(self, out: ShardOutput) -> None:
+        """zarr-python writes the chunk files through its own store as batches come; the
+        pipeline adopts them at :meth:`finish`."""
+
+    def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
         w, lay = self.w, self.w.layout
         n = batch.n_examples
         lo = self.lo + self.filled
@@ -546,7 +531,7 @@ class _ZarrShard(ShardSink):
         prompt = padded["prompt"][:, :, : lay.p_max]
         response = padded["response"][:, :, : lay.r_max]
         for layer_idx, site in enumerate(lay.sites):
-            tensor = batch.acts.get(site)
+            tensor = acts.get(Site.parse(site))
             if tensor is None:
                 raise CaptureError(f"batch lacks site {site}; it has {sorted(batch.acts)}")
             if tuple(tensor.shape) != (n, batch.n_tokens, lay.hidden_size):
@@ -554,7 +539,7 @@ class _ZarrShard(ShardSink):
                     f"site {site} has shape {tuple(tensor.shape)}; expected "
                     f"({n}, {batch.n_tokens}, {lay.hidden_size})"
                 )
-            half = tensor.detach().to(torch.float16).numpy()
+            half = tensor.numpy()
             for b, (p0, pk, r0, rk) in enumerate(kept):
                 prompt[b, layer_idx, :pk] = half[b, p0 : p0 + pk]
                 response[b, layer_idx, :rk] = half[b, r0 : r0 + rk]
@@ -600,34 +585,28 @@ class _ZarrShard(ShardSink):
                 values = [SPLITS.get(v, v) if isinstance(v, str) else v for v in values]
             self._add(OPTIONAL_ARRAYS[name][0], np.asarray(values, dtype=np.int8))
 
-    def finish(self) -> list[WrittenFile]:
+    def finish(self, out: ShardOutput) -> None:
         w = self.w
         arrays = self.root["arrays"]
-        names = []
         for path in sample_arrays(w.layout, token_ids=w.token_ids, optional=w.optional):
             array = arrays[path.split("/", 1)[1]]
             array[self.lo : self.lo + self.n_rows] = np.concatenate(self.rows[path])
             key = chunk_key(
                 (self.lo // w.rows, *(0,) * (array.ndim - 1)), array.metadata.dimension_separator
             )
-            names.append(f"{path}/{key}")
-        (self.directory / "meta" / "chunksums").mkdir(parents=True, exist_ok=True)
+            if (self.directory / path / key).is_file():  # zarr skips chunks of fill values
+                out.adopt(f"{path}/{key}")
         for part in PARTS:
             buf = io.BytesIO()
             np.save(buf, self.sums[part], allow_pickle=False)
-            with atomic_write(self.directory / chunksums_name(part, self.index)) as f:
-                f.write(buf.getvalue())
-            names.append(chunksums_name(part, self.index))
-        _sync_filesystem(self.directory)
-        out = []
-        info = {"truncated": self.truncated}
-        for name in names:
-            file = self.directory / name
-            if not file.is_file():
-                continue  # a per-sample chunk of fill values only: zarr does not store it
-            entry, digests = hash_file_blocks(w.store_id, file, name)
-            out.append(WrittenFile(name, entry, digests, info=info if "chunksums" in name else {}))
-        return out
+            name = chunksums_name(part, self.index)
+            out.declare(name)
+            out.write(name, buf.getbuffer())
+        for name in self.chunk_files():
+            out.adopt(name, listed=False)  # checked through the chunk digests above
+
+    def info(self) -> dict[str, dict[str, Any]]:
+        return {chunksums_name(part, self.index): {"truncated": self.truncated} for part in PARTS}
 
     def chunk_files(self) -> list[str]:
         lay, names = self.w.layout, []
