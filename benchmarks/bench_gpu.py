@@ -10,16 +10,21 @@ and measures, each against a baseline taken in the same run:
    with the cast to float32 on the GPU); capture to saev, activault, zarr, pickle and
    saelens against the limit ``max(forward-only time, raw write + fsync of the same
    bytes)``; the heavy case (every layer stored) against the raw write;
-2. the loader: one epoch over the stored site with ``device="cuda"`` against the same
-   loader on the CPU (in process, and with DataLoader workers);
+2. the loader: epochs over the stored site with ``device="cuda"`` against the same
+   loader on the CPU, each kept across epochs as a trainer keeps it (in process, with
+   persistent DataLoader workers, and through ``actstore serve``: a served consumer);
 3. SAE training (topk, 16x, k=32, batch 4096) fed by the loader against the same training
-   on batches already on the GPU, fp32 and bf16 autocast.
+   on batches already on the GPU, fp32 and bf16 autocast, fed in process, by workers and
+   by a served consumer (each feed one endless stream: epochs follow each other as in
+   training, so the next epoch's read-ahead is part of what is measured).
 
 Prints one table of ratios (``--json`` also writes every number). ``--small`` runs the
 same code on the CPU in seconds (a tiny model; CUDA rows use ``device="cpu"``, where a
 thread does the copies), so the script is known to work before GPU time is spent.
 
     python benchmarks/bench_gpu.py                # GPU machine: well under 8 minutes (H200)
+    python benchmarks/bench_gpu.py --quick        # GPU machine, under 4 minutes: saev only,
+                                                  # no heavy case, fewer repeats
     python benchmarks/bench_gpu.py --small        # anywhere, seconds
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import shutil
@@ -47,6 +53,7 @@ from actstore.capture import CaptureConfig, capture
 from actstore.capture.copyout import Build, CopyOut, Sink
 from actstore.formats.registry import get_format, parse_options
 from actstore.loader import ActivationDataLoader, ActivationLoader
+from actstore.loader.serve import ServedLoader, start_server
 from actstore.sae.train import TrainConfig, train_sae
 
 
@@ -283,17 +290,78 @@ def open_format(name: str, out: Path) -> Callable[[Any], Any]:
     return lambda plan: spec.open_writer(plan, str(out), options)
 
 
-def loader_epoch(store: Path, site: int, rows: int, device: str | None, workers: int) -> float:
-    """Bytes per second of one epoch of ``site`` (float32 rows), batches on ``device``."""
-    loader = ActivationLoader(str(store), site=site, batch_size=rows, device=device)
-    data = ActivationDataLoader(loader, num_workers=workers) if workers else loader
+FEEDS = ("in process", "workers", "serve")
+
+
+class Feeds:
+    """The loader of one stored site as a trainer keeps it, once per feed and device:
+    in process, under a persistent ``ActivationDataLoader`` and as a served consumer (one
+    server per device, so a consumer that waits never stalls the other's ring). Each is
+    one endless stream of batches (epochs follow each other)."""
+
+    def __init__(self, store: Path, site: int, rows: int, workers: int, drop_last: bool) -> None:
+        self.store, self.site, self.rows, self.workers = store, site, rows, workers
+        self.options = {"site": site, "batch_size": rows, "drop_last": drop_last}
+        self._streams: dict[tuple[str, str | None], Iterator[Any]] = {}
+        self._servers: list[Any] = []
+        self._consumers: list[ServedLoader] = []
+        probe = ActivationLoader(str(store), **self.options)
+        self.per_epoch, self.d_model = len(probe), probe.d_model
+
+    def stream(self, feed: str, device: str | None) -> Iterator[Any]:
+        key = (feed, device)
+        if key not in self._streams:
+            self._streams[key] = self._make(feed, device)
+        return self._streams[key]
+
+    def _make(self, feed: str, device: str | None) -> Iterator[Any]:
+        if feed == "serve":
+            name = f"bench-gpu-{os.getpid()}-{len(self._servers)}"
+            self._servers.append(
+                start_server(
+                    str(self.store),
+                    name=name,
+                    consumers=1,
+                    epochs=100_000,
+                    context="spawn",
+                    **self.options,
+                )
+            )
+            consumer = ServedLoader(name, 0, device=device)
+            self._consumers.append(consumer)
+            return _endless(consumer)
+        loader = ActivationLoader(str(self.store), device=device, **self.options)
+        if feed == "workers":
+            return _endless(
+                ActivationDataLoader(loader, num_workers=self.workers, persistent_workers=True)
+            )
+        return _endless(loader)
+
+    def close(self) -> None:
+        self._streams.clear()
+        for consumer in self._consumers:
+            consumer.close()
+        for server in self._servers:
+            server.kill()
+            server.join(10)
+
+
+def _endless(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def epoch_rate(feeds: Feeds, feed: str, device: str | None) -> float:
+    """Bytes per second of one epoch's worth of batches from ``feed`` on ``device``."""
+    stream = feeds.stream(feed, device)
     n = 0
     with Timer() as t:
-        for x in data:
+        for x in itertools.islice(stream, feeds.per_epoch):
             n += x.shape[0]
+            del x
         if device is not None and torch.device(device).type == "cuda":
             torch.cuda.synchronize()
-    return n * loader.d_model * 4 / t.seconds
+    return n * feeds.d_model * 4 / t.seconds
 
 
 def sae_seconds(
@@ -339,7 +407,16 @@ def main() -> None:
     p.add_argument("--formats", default=",".join(FORMATS), help="writers to measure")
     p.add_argument("--skip-heavy", action="store_true", help="no every-layer capture")
     p.add_argument("--json", type=Path, help="also write every number here")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="under 4 minutes on an H100/H200: saev only, no heavy case, 2 repeats",
+    )
+    p.add_argument("--feeds", default=",".join(FEEDS), help="loader feeds of parts 2 and 3")
     args = p.parse_args()
+    if args.quick:
+        args.formats, args.skip_heavy = "saev", True
+        args.repeats = args.repeats or 2
     cuda = torch.cuda.is_available() and not args.small
     if not cuda and not args.small:
         sys.exit("no CUDA device: run on the GPU machine, or pass --small to try the code here")
@@ -473,81 +550,82 @@ def main() -> None:
         # 3. the loader and SAE training on the kept saev store
         if kept is not None:
             site = shape.sites[0]
-            for workers in (0, shape.workers):
-                cpu_rates, dev_rates = [], []
-                loader_epoch(kept, site, shape.rows, None, workers)  # page cache, workers warm
-                for _ in range(max(2, args.repeats - 1)):
-                    cpu_rates.append(loader_epoch(kept, site, shape.rows, None, workers))
-                    dev_rates.append(loader_epoch(kept, site, shape.rows, loader_device, workers))
-                cpu, dev_rate = median(cpu_rates), median(dev_rates)
-                where = "in process" if not workers else f"{workers} workers"
-                add(
-                    [
-                        f"loader epoch, device={loader_device}, {where}",
-                        None,
-                        "same loader, device=cpu",
-                        None,
-                        dev_rate / cpu,
-                        ">= 0.9",
-                        f"{dev_rate / 1e9:.2f} vs {cpu / 1e9:.2f} GB/s",
-                    ]
-                )
-            resident_loader = ActivationLoader(
-                str(kept), site=site, batch_size=shape.rows, device=loader_device, drop_last=True
-            )
-            resident = list(resident_loader)  # one epoch, already on the device
-            steps, d_model = len(resident), resident_loader.d_model
-            sae_seconds(
-                iter(resident * 2),
-                d_model=d_model,
-                steps=min(steps, 20),
-                rows=shape.rows,
-                device=device,
-                autocast=None,
-            )  # warm-up: kernels, allocator
-            for autocast in (None, "bfloat16"):
-                fed, on_device = [], []
-                for _ in range(max(1, args.repeats - 1)):
-                    loader = ActivationLoader(
-                        str(kept),
-                        site=site,
-                        batch_size=shape.rows,
-                        device=loader_device,
-                        drop_last=True,
+            feed_names = [f for f in args.feeds.split(",") if f]
+            feeds = Feeds(kept, site, shape.rows, shape.workers, drop_last=True)
+            try:
+                for feed in feed_names:
+                    where = f"{shape.workers} workers" if feed == "workers" else feed
+                    cpu_rates, dev_rates = [], []
+                    for device_ in (None, loader_device):  # started, warm: pools, page cache
+                        epoch_rate(feeds, feed, device_)
+                    for _ in range(max(2, args.repeats)):
+                        cpu_rates.append(epoch_rate(feeds, feed, None))
+                        dev_rates.append(epoch_rate(feeds, feed, loader_device))
+                    cpu, dev_rate = median(cpu_rates), median(dev_rates)
+                    add(
+                        [
+                            f"loader epoch, device={loader_device}, {where}",
+                            None,
+                            "same loader, device=cpu",
+                            None,
+                            dev_rate / cpu,
+                            ">= 0.9",
+                            f"{dev_rate / 1e9:.2f} vs {cpu / 1e9:.2f} GB/s",
+                        ]
                     )
-                    fed.append(
-                        sae_seconds(
-                            iter(loader),
-                            d_model=d_model,
-                            steps=steps,
-                            rows=shape.rows,
-                            device=device,
-                            autocast=autocast,
+                resident = list(
+                    itertools.islice(feeds.stream(feed_names[0], loader_device), feeds.per_epoch)
+                )  # one epoch's batches, already on the device
+                resident = [x.clone() for x in resident]
+                steps, d_model = len(resident), feeds.d_model
+                sae_seconds(
+                    iter(resident * 2),
+                    d_model=d_model,
+                    steps=min(steps, 20),
+                    rows=shape.rows,
+                    device=device,
+                    autocast=None,
+                )  # warm-up: kernels, allocator
+                for autocast in (None, "bfloat16"):
+                    for feed in feed_names:
+                        where = f"{shape.workers} workers" if feed == "workers" else feed
+                        fed, on_device = [], []
+                        for _ in range(max(1, args.repeats - 1)):
+                            fed.append(
+                                sae_seconds(
+                                    feeds.stream(feed, loader_device),
+                                    d_model=d_model,
+                                    steps=steps,
+                                    rows=shape.rows,
+                                    device=device,
+                                    autocast=autocast,
+                                )
+                            )
+                            on_device.append(
+                                sae_seconds(
+                                    iter(resident),
+                                    d_model=d_model,
+                                    steps=steps,
+                                    rows=shape.rows,
+                                    device=device,
+                                    autocast=autocast,
+                                )
+                            )
+                        a, b = median(fed), median(on_device)
+                        add(
+                            [
+                                f"SAE training fed by the loader ({where}), {autocast or 'fp32'}",
+                                a,
+                                "same training, batches already on the device",
+                                b,
+                                b / a,
+                                ">= 0.95",
+                                f"{steps} steps of {shape.rows} rows",
+                            ]
                         )
-                    )
-                    on_device.append(
-                        sae_seconds(
-                            iter(resident),
-                            d_model=d_model,
-                            steps=steps,
-                            rows=shape.rows,
-                            device=device,
-                            autocast=autocast,
-                        )
-                    )
-                a, b = median(fed), median(on_device)
-                add(
-                    [
-                        f"SAE training fed by the loader, {autocast or 'fp32'}",
-                        a,
-                        "same training, batches already on the device",
-                        b,
-                        b / a,
-                        ">= 0.95",
-                        f"{steps} steps of {shape.rows} rows",
-                    ]
-                )
-            del resident, resident_loader
+                del resident
+            finally:
+                feeds.close()
             shutil.rmtree(kept_root)
             print(f"# loader and SAE done at {time.perf_counter() - started:.0f} s", flush=True)
 

@@ -90,7 +90,10 @@ READABLE: dict[str, Callable[[Path], str]] = {
         _edit_json(
             s / "models.layers.1.post/statistics.json", lambda d: d.update(count=d["count"] - 64)
         ),
-        "models.layers.1.post/statistics.json does not match the data",
+        (
+            "models.layers.1.post/statistics.json: the statistics of models.layers.1.post do "
+            "not match the data"
+        ),
     )[1],
     "saelens": lambda s: (
         _edit_json(s / "statistics.json", lambda d: _first_site(d).update(count=3)),

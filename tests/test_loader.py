@@ -267,6 +267,29 @@ def test_iteration_continues_into_the_next_epoch(store):
     assert [r.tolist() for _, r in collect(resumed)] == [r.tolist() for _, r in epoch1]
 
 
+def test_the_next_epochs_first_window_is_read_as_an_epoch_ends(store):
+    """An epoch iterated to its end starts reading the next epoch's first window (into a
+    free pool), so the next epoch's first batch waits for no read; the stream is unchanged,
+    and a position changed meanwhile (set_epoch, load_state_dict) drops what was read."""
+    reader, _ = store
+    options = {"site": 5, "batch_size": 10, "pool_blocks": 3, "seed": 1, "return_index": True}
+    fresh = [rows(ActivationLoader(reader, epoch=e, **options)) for e in range(3)]
+    loader = ActivationLoader(reader, **options)
+    got = []
+    for e in range(3):
+        got.append(rows(loader))
+        assert loader.read_ahead == e + 1
+    assert got == fresh
+    loader.set_epoch(1)  # not the epoch read ahead (3)
+    assert rows(loader) == fresh[1] and loader.read_ahead == 2
+    loader.load_state_dict(ActivationLoader(reader, **options).state_dict())
+    assert rows(loader) == fresh[0]
+
+
+def rows(loader):
+    return [b.rows.tolist() for b in loader]
+
+
 # ---------------------------------------------------------------------- resume
 
 

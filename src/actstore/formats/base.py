@@ -433,6 +433,7 @@ class ReaderBase(abc.ABC):
         )
         report.files_checked, report.bytes_checked = n_files, n_bytes
         self.verify_content(report)
+        self.verify_statistics(report)
         return report
 
     def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
@@ -441,6 +442,33 @@ class ReaderBase(abc.ABC):
     def verify_content(self, report: VerifyReport) -> None:
         """The format's checks beyond the bytes (statistics consistent with shapes, padding,
         non-finite values seen by :meth:`scan_chunk`); add faults and notes to ``report``."""
+
+    def statistics_shards(self) -> list[int] | None:
+        """Rows of each writer shard, in storage order, when the stored statistics were
+        folded per shard (:class:`~actstore.formats.shard.ShardStats`) and merged in shard
+        order, as every :class:`~actstore.formats.writer.ShardedWriter` stores them; None
+        (the default): :meth:`verify_statistics` has nothing to recompute."""
+        return None
+
+    #: The file :meth:`verify_statistics` names in its faults.
+    statistics_file: ClassVar[str] = "statistics.json"
+
+    def verify_statistics(self, report: VerifyReport) -> None:
+        """Every site's stored statistics against those recomputed from the data with the
+        writer's own code (:mod:`actstore.formats.recompute`), bit for bit: an edited
+        value, or two sites' statistics swapped, is a fault even when the manifest was
+        rewritten over the edit."""
+        from ..errors import CorruptStoreError, StoreNotFoundError
+        from .recompute import recompute_into
+
+        try:
+            shards = self.statistics_shards() if self.sites else None
+        except (CorruptStoreError, StoreNotFoundError) as err:
+            report.faults.append(
+                f"{self.statistics_file}: cannot be checked against the data: {err}"
+            )
+            return
+        recompute_into(report.faults, self, shards, self.statistics_file, self.site_statistics)
 
     def close(self) -> None:
         """Release open files (the reader reopens them lazily if used again)."""

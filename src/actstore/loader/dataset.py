@@ -30,7 +30,7 @@ from ..devicecopy import Staging, copies_for
 from ..errors import ConfigError
 from ..formats import open_store
 from ..formats.base import SiteLike
-from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
+from ..order import EpochPlan, batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
 from .device import to_device
 from .pipeline import (
@@ -248,6 +248,9 @@ class ActivationLoader(IterableDataset):
         self._link: WorkerLink | None = None
         self._ring_slots: tuple[int, list[torch.Tensor], set[int]] | None = None  # (pid,
         # this worker's batch slots, pools it has sent)
+        # the next epoch's consumer, its first window already being read: (pid, what it
+        # serves: epoch, worker, consumers, rows, buffers; the consumer); never pickled
+        self._next: tuple[int, tuple[Any, ...], Consumer] | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -460,7 +463,7 @@ class ActivationLoader(IterableDataset):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_buffers": None, "_ring_slots": None}
+        return {**self.__dict__, "_buffers": None, "_ring_slots": None, "_next": None}
 
     # ------------------------------------------------------------------ the seam used by
     # ActivationDataLoader (main process) and serve
@@ -616,15 +619,11 @@ class ActivationLoader(IterableDataset):
                     "in ActivationDataLoader, or use DataLoader(pin_memory=True)"
                 )
             finish = replace(finish, pin_memory=False, device=None)
-        consumer = Consumer(
-            self.layout,
-            plan,
-            self._buffer_set(),
-            batch_size=cfg.batch_size,
-            io_threads=cfg.io_threads,
-            finish=finish,
-            read_blocks=self.run_blocks,
-        )
+        buffers = self._buffer_set()
+        key = (epoch, worker, num_workers, start, span.stop, id(buffers), _moves(finish))
+        consumer = self._primed_consumer(key)
+        if consumer is None:
+            consumer = self._consumer(plan, buffers, finish)
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
         )
@@ -637,11 +636,68 @@ class ActivationLoader(IterableDataset):
                 if count:
                     self._batches_done += 1
                 yield batch
+                del batch
             if count:
                 self.end_iteration(epoch)
+            self._prime_next_epoch(epoch + 1, num_workers, buffers, finish)
         finally:
             batches.close()
             consumer.close()
+
+    @property
+    def read_ahead(self) -> int | None:
+        """The epoch whose first window this process is reading ahead (an epoch iterated to
+        its end starts the next one's read at once), or None."""
+        primed = self._next
+        return None if primed is None or primed[0] != os.getpid() else int(primed[1][0])
+
+    def _consumer(self, plan: EpochPlan, buffers: BufferSet, finish: Finish) -> Consumer:
+        cfg = self.config
+        return Consumer(
+            self.layout,
+            plan,
+            buffers,
+            batch_size=cfg.batch_size,
+            io_threads=cfg.io_threads,
+            finish=finish,
+            read_blocks=self.run_blocks,
+        )
+
+    def _primed_consumer(self, key: tuple[Any, ...]) -> Consumer | None:
+        """The consumer :meth:`_prime_next_epoch` made, if it serves exactly ``key``."""
+        primed, self._next = self._next, None
+        if primed is None:
+            return None
+        pid, primed_key, consumer = primed
+        if pid == os.getpid() and primed_key == key:
+            return consumer
+        if pid == os.getpid():
+            consumer.close()
+        return None
+
+    def _prime_next_epoch(
+        self, epoch: int, num_workers: int, buffers: BufferSet, finish: Finish
+    ) -> None:
+        """An epoch ended in full: start reading the next epoch's first window now (into a
+        free pool), so the trainer's next epoch starts without waiting for a read."""
+        if os.environ.get("ACTSTORE_READ_AHEAD", "1") == "0":  # to measure without it
+            return
+        info = get_worker_info()
+        worker = 0 if info is None else info.id  # a new epoch starts at the DataLoader's worker 0
+        span = worker_span(
+            self._rank_span(), worker=worker, num_workers=num_workers, batch_size=self.batch_size
+        )
+        consumer = self._consumer(self.plan(epoch), buffers, finish)
+        if not consumer.prime(span.start, span.stop):
+            consumer.close()
+            return
+        key = (epoch, worker, num_workers, span.start, span.stop, id(buffers), _moves(finish))
+        self._next = (os.getpid(), key, consumer)
+
+
+def _moves(finish: Finish) -> tuple[bool, str | None]:
+    """What a consumer's ``finish`` does with batches beyond the loader's fixed options."""
+    return finish.pin_memory, None if finish.device is None else str(finish.device)
 
 
 def _rank_and_world(config: LoaderConfig) -> tuple[int, int]:

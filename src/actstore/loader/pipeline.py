@@ -399,10 +399,43 @@ class Consumer:
         self._stage, self._out = buffers.stage, buffers.out
         self._slabs: dict[tuple[int, int], np.ndarray] = {}
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="actstore-io")
+        #: the first window of ``batches(start, stop)``, read ahead by :meth:`prime`:
+        #: (start, stop, window, pool, permutation, read futures)
+        self._primed: tuple[int, int, int, int, np.ndarray, list[Future]] | None = None
 
     def close(self) -> None:
         if not sys.is_finalizing():  # at interpreter exit the threads are gone already
             self._io.shutdown(wait=True, cancel_futures=True)
+        self._drop_primed()
+
+    def _drop_primed(self) -> None:
+        if self._primed is not None:
+            *_, pool, _, futures = self._primed
+            self._primed = None
+            for future in futures:  # the reads write into the pool: done before it is reused
+                if not future.cancel():
+                    future.exception()
+            self._pools.release(pool)
+
+    def prime(self, start: int, stop: int) -> bool:
+        """Start reading the first window of ``batches(start, stop)`` now, into a window
+        pool that is free (no new memory is made), so that the first batch of that call
+        (the next epoch's, while the trainer still works on this one's last batches)
+        waits for no read. False when no pool is free or there is nothing to read."""
+        plan = self.plan
+        if self._primed is not None or start >= stop:
+            return False
+        first = plan.window_of(start)
+        while first <= plan.window_of(stop - 1) and not plan.window_rows(first):
+            first += 1
+        if first > plan.window_of(stop - 1):
+            return False
+        pool = self._pools.acquire(allocate=False, wait=False)
+        if pool is None:
+            return False
+        perm = plan.window_permutation(first)
+        self._primed = (start, stop, first, pool, perm, self._submit(first, pool, perm))
+        return True
 
     # ------------------------------------------------------------------ reading windows
 
@@ -519,6 +552,14 @@ class Consumer:
         first, last = plan.window_of(start), plan.window_of(stop - 1)
         todo = deque(w for w in range(first, last + 1) if plan.window_rows(w))
         loaded: deque[tuple[int, int, np.ndarray, list[Future]]] = deque()
+        if self._primed is not None:  # the first window, read ahead by prime()
+            p_start, p_stop, w, pool, perm, futures = self._primed
+            if (p_start, p_stop) == (start, stop) and todo and todo[0] == w:
+                self._primed = None
+                todo.popleft()
+                loaded.append((w, pool, perm, futures))
+            else:
+                self._drop_primed()
 
         def prefetch() -> None:
             # Keep the window being served and the next one in pools. Two pools are made;

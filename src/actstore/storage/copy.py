@@ -201,6 +201,14 @@ def copy_store(
     }
     if not listing:
         raise StoreNotFoundError(f"{source.url} holds no files; check the source location")
+    links = [n for n in source.symlinks() if not _is_temp(n) and not is_internal(n)]
+    if links:  # a store's fault, found before anything is copied: listed as verify lists it
+        raise CopyFaultError(
+            f"{source.url_of(links[0])} is a symlink"
+            + (f" (and {len(links) - 1} more)" if len(links) > 1 else "")
+            + ": a store's files are regular files inside it, so it is not copied; restore "
+            "the file (or the store) and copy again"
+        )
     store, prefix = open_location(dst, s3)
     if isinstance(store, S3Store):
         store.check_bucket()

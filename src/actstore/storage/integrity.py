@@ -385,17 +385,32 @@ class Integrity:
                 "or a store written by another tool)"
             )
             return 0, 0
-        faults += self.listing_faults()
+        sizes, links = self.files.listing()
+        faults += self.listing_faults((sizes, links))
+        linked = set(links)  # each reported above; never read (a store holds no symlinks)
         n_files, n_bytes = 1, self.files.size(MANIFEST) or 0  # the manifest checked itself
-        if m.blocks and self.files.size(BLOCKS) is not None:
-            data = self.files.read_bytes(BLOCKS)
+        if MANIFEST not in linked:
+            try:
+                layout = RootManifest.layout_fault(
+                    self.files.read_bytes(MANIFEST), str(self.files.url_of(MANIFEST))
+                )
+            except (CorruptStoreError, StoreNotFoundError) as err:
+                layout = str(err)
+            if layout:
+                faults.append(layout)
+        if m.blocks and self.files.size(BLOCKS) is not None and BLOCKS not in linked:
+            try:
+                data = self.files.read_bytes(BLOCKS)
+            except (CorruptStoreError, StoreNotFoundError) as err:
+                faults.append(str(err))
+                data = b""
             n_files, n_bytes = n_files + 1, n_bytes + len(data)
-            if xxhash.xxh3_128_hexdigest(data) != m.blocks:
+            if data and xxhash.xxh3_128_hexdigest(data) != m.blocks:
                 faults.append(f"{BLOCKS} does not match the manifest (damaged)")
         todo: list[tuple[str, FileEntry, np.ndarray]] = []
         for name, entry in sorted(m.files.items()):
-            if self.files.size(name) != entry.size:
-                continue  # missing or resized: reported by listing_faults
+            if name in linked or sizes.get(name) != entry.size:
+                continue  # a symlink, missing or resized: reported by listing_faults
             try:
                 todo.append((name, entry, self.digests(name)))
             except (CorruptStoreError, StoreNotFoundError) as err:
@@ -415,7 +430,10 @@ class Integrity:
 
         def check(job: tuple[str, FileEntry, np.ndarray]) -> str | None:
             name, entry, want = job
-            got = self._scan(name, entry, locked(progress), locked(on_chunk))
+            try:
+                got = self._scan(name, entry, locked(progress), locked(on_chunk))
+            except (CorruptStoreError, StoreNotFoundError) as err:
+                return str(err)  # replaced or removed while verify ran: a fault, listed
             if file_digest(got) == entry.digest and np.array_equal(got, want):
                 return None
             bad = np.flatnonzero(got != want) if len(got) == len(want) else [0]

@@ -232,7 +232,26 @@ class RootManifest:
         key = manifest_key()
         if key is not None:
             body["hmac"] = hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
-        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+        return _layout(body)
+
+    @staticmethod
+    def layout_fault(data: bytes, source: str) -> str:
+        """What is wrong with the bytes of manifest ``data`` (from ``source``) beyond what
+        its own digest covers (the parsed JSON): "" when they are exactly the bytes a writer
+        lays that JSON out as, else a fault. A whitespace or key-order change leaves every
+        value, and the digest, as they were; ``verify`` still reports it, since the store's
+        content changed."""
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return ""  # not JSON: the manifest's own check says so
+        if _layout(doc) == data:
+            return ""
+        return (
+            f"{source} is not laid out as actstore writes it (whitespace, key order or number "
+            "spelling changed, same values): the manifest was edited; restore it or "
+            "re-create the store"
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str) -> RootManifest:
@@ -296,6 +315,12 @@ class RootManifest:
                 f"{source} is malformed ({bad}); restore it or re-create the store"
             )
         return manifest
+
+
+def _layout(doc: Any) -> bytes:
+    """The bytes of a root manifest holding ``doc``, as :meth:`RootManifest.to_bytes` writes
+    them."""
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
 
 def _is_hex(text: str, length: int) -> bool:

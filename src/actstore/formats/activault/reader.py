@@ -65,6 +65,13 @@ from .layout import (
     parse_dtype,
 )
 from .metadata import RUN_RECORD_VERSION, HookMetadata, RunRecord, statistics_from_dict
+from .verify import (
+    check_statistics,
+    file_statistics,
+    merged_statistics,
+    one_process_run_id,
+    record_faults,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -588,17 +595,19 @@ class ActivaultReader(ReaderBase):
 
     def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
         """Every file of the run against its root manifest (one download each), then each
-        megabatch decoded: shapes, dtypes, NaN/Inf, the statistics against the data, stray
-        objects and group alignment across hooks. A run without a manifest (Activault's
-        own) is decoded file by file and reported as unverifiable."""
+        megabatch decoded: shapes, dtypes, NaN/Inf, each hook's statistics recomputed from
+        its files the writer's way (bit for bit), stray objects, group alignment across
+        hooks, and cfg.json against its commit record and its files
+        (:mod:`.verify`). A run without a manifest (Activault's own) is decoded file by
+        file and reported as unverifiable."""
         report = VerifyReport(self.url)
         report.notes.extend(self.notes)
         self._scan: dict[str, Any] = {
             h: {
-                "stats": RunningStats(lst.metadata.d_in),
+                "stats": {},
                 "non_finite": 0,
-                "buf": bytearray(),
-                "index": 0,
+                "bufs": {},
+                "index": {base_name(f.key): i for i, f in enumerate(lst.files)},
             }
             for h, lst in self.listings.items()
         }
@@ -610,7 +619,7 @@ class ActivaultReader(ReaderBase):
             for hook, listing in self.listings.items():
                 for i, f in enumerate(listing.files):
                     data = self.fetch(hook, i)
-                    self._decoded(hook, bytes(data), report_to=report)
+                    self._decoded(hook, i, bytes(data))
                     report.files_checked += 1
                     report.bytes_checked += f.size
                     if progress is not None:
@@ -619,17 +628,22 @@ class ActivaultReader(ReaderBase):
         return report
 
     def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
-        """Gather each megabatch file as verify reads it; decode it when whole."""
+        """Gather each megabatch file as verify reads it (files are read several at a
+        time: one buffer each); decode it when whole."""
         hook, _, base = name.rpartition("/")
         scan = getattr(self, "_scan", {}).get(hook)
         if scan is None or parse_data_file(base) is None:
             return
-        scan["buf"] += data
-        if len(scan["buf"]) == self.listings[hook].metadata.bytes_per_file:
-            self._decoded(hook, bytes(scan["buf"]))
-            scan["buf"] = bytearray()
+        index = scan["index"].get(base)
+        if index is None:
+            return
+        buf = scan["bufs"].setdefault(base, bytearray())
+        buf += data
+        if len(buf) == self.listings[hook].metadata.bytes_per_file:
+            del scan["bufs"][base]
+            self._decoded(hook, index, bytes(buf))
 
-    def _decoded(self, hook: str, data: bytes, report_to: VerifyReport | None = None) -> None:
+    def _decoded(self, hook: str, index: int, data: bytes) -> None:
         scan = self._scan[hook]
         listing = self.listings[hook]
         try:
@@ -637,11 +651,16 @@ class ActivaultReader(ReaderBase):
         except CorruptStoreError as err:
             scan.setdefault("faults", []).append(str(err))
             return
-        states = mb["states"].reshape(-1, listing.metadata.d_in).to(torch.float32)
-        scan["non_finite"] += int((~torch.isfinite(states)).sum())
-        scan["stats"].update(states.numpy())
+        states = mb["states"]
+        scan["non_finite"] += int((~torch.isfinite(states.to(torch.float32))).sum())
+        scan["stats"][index] = file_statistics(states)
 
     def verify_content(self, report: VerifyReport) -> None:
+        merged = (
+            self.record is not None
+            and self.checks.manifest is not None
+            and (self.record.run_id != one_process_run_id(self.checks.manifest.store_id))
+        )
         for hook, listing in self.listings.items():
             scan = self._scan[hook]
             report.faults.extend(scan.get("faults", []))
@@ -659,7 +678,6 @@ class ActivaultReader(ReaderBase):
                 report.notes.append(
                     f"{hook}: {scan['non_finite']} activation values are NaN or infinite"
                 )
-            stats = scan["stats"]
             try:
                 stored = self.site_statistics(self._hook_site(hook))
             except CorruptStoreError as err:  # reported with the rest, not raised
@@ -667,14 +685,16 @@ class ActivaultReader(ReaderBase):
                 continue
             if stored is None:
                 report.notes.append(f"{hook}: no exact statistics.json (count missing) to check")
-            elif stored.count != stats.count or not (
-                np.allclose(stored.mean, stats.mean, rtol=1e-6, atol=1e-9)
-                and np.allclose(stored.m2, stats.m2, rtol=1e-6, atol=1e-9)
-            ):
-                report.faults.append(
-                    f"{hook}/statistics.json does not match the data (count {stored.count} vs "
-                    f"{stats.count} tokens stored)"
+                continue
+            recomputed = merged_statistics(scan["stats"], len(listing.files))
+            if recomputed is not None:
+                check_statistics(
+                    report.faults, f"{hook}/{STATISTICS}", hook, stored, recomputed, merged=merged
                 )
+        if self.record is not None and self.checks.manifest is not None:
+            for fault in record_faults(self.cfg, self.record, self.checks.manifest, self.hooks):
+                if fault not in report.faults:
+                    report.faults.append(fault)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -384,6 +384,16 @@ class PickleReader(ReaderBase):
         np.concatenate([item["activation"] for item in items], out=out, casting="same_kind")
         return out
 
+    #: Where :meth:`verify_statistics` finds the statistics.
+    statistics_file = f"{METADATA} (statistics.activation_statistics)"
+
+    def statistics_shards(self) -> list[int] | None:
+        """Rows of each shard (one writer shard each); None for a store without actstore's
+        manifest (the spec's own tools fold statistics their own way)."""
+        if self.checks.manifest is None:
+            return None
+        return [self.shard_rows(i) for i in range(len(self.shards))]
+
     def site_statistics(self, site: Site) -> RunningStats | None:
         """Exact running statistics of ``site`` (None in stores that lack them)."""
         record = (self.metadata.statistics.get("activation_statistics") or {}).get(
@@ -580,6 +590,7 @@ class PickleReader(ReaderBase):
                 report.faults.append(f"statistics.{key} is {totals[key]}, the store has {want}")
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
+        self.verify_statistics(report)
         return report
 
     def _has_stats(self, layer: int, report: VerifyReport) -> bool:

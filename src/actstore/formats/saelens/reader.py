@@ -407,6 +407,15 @@ class SaelensReader(ReaderBase):
 
     # ------------------------------------------------------------------ statistics, tokens
 
+    def statistics_shards(self) -> list[int] | None:
+        """Rows of each Arrow file (one writer shard each); None for a cache without
+        actstore's statistics and manifest."""
+        if self.layout is None or self.checks.manifest is None:
+            return None
+        if not self.files.exists(STATISTICS):
+            return None
+        return [sum(rows) * self.context_size for rows in self._rows()]
+
     def site_statistics(self, site: Site) -> RunningStats | None:
         """Exact statistics of ``site`` (None for caches without actstore's sidecars)."""
         if self.layout is None or not self.files.exists(STATISTICS):

@@ -337,6 +337,13 @@ class SaevReader(ReaderBase):
             return None
         return self.checks.read_json("classes.json")
 
+    def statistics_shards(self) -> list[int] | None:
+        """Rows of each shard file (its examples' tokens): how the writer folded the
+        statistics; None for a store without actstore's statistics and manifest."""
+        if self.checks.manifest is None or not self.files.exists(STATISTICS):
+            return None
+        return [count * self.metadata.tokens_per_ex for count in self.shard_counts]
+
     def site_statistics(self, site: Site) -> RunningStats | None:
         """Running statistics of stored ``site`` (None if the file is absent)."""
         if not self.files.exists(STATISTICS):

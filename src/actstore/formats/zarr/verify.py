@@ -10,9 +10,12 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ...batch import sample_key
 from ...errors import CorruptStoreError
-from ...stats import RunningStats
+from ...stats import RunningStats, merge_all
 from ..base import VerifyReport
+from ..recompute import compare_statistics
+from ..shard import ShardStats
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
@@ -20,8 +23,10 @@ from .layout import (
     FULL_LENGTHS,
     LENGTHS,
     PARTS,
+    SAMPLE_KEY,
     STATISTICS_FILE,
     TEXT_FILES,
+    TOKEN_IDS,
     parse_chunk_key,
 )
 from .meta import StoreMeta
@@ -40,11 +45,18 @@ def verify_store_content(store: StoreMeta, report: VerifyReport, progress: Any) 
 
 
 def _verify_store(store: StoreMeta, report: VerifyReport, progress: Any) -> int:
-    verify_statistics(store, report)
+    stored = verify_statistics(store, report)
     _load_chunk_digests(store, report)
     for part in PARTS:
         _verify_chunk_files(store, part, report)
-    non_finite = _verify_samples(store, report, progress)
+    fold = _StatisticsFold(store) if stored is not None else None
+    non_finite = _verify_samples(store, report, progress, fold)
+    if fold is not None and stored is not None and fold.complete:
+        recomputed = fold.finish()
+        for site in store.layout.sites:
+            compare_statistics(
+                report.faults, store.url_of(STATISTICS_FILE), site, stored[site], recomputed[site]
+            )
     _verify_texts(store, report)
     _verify_optional_arrays(store, report)
     return non_finite
@@ -93,9 +105,47 @@ def _verify_chunk_files(store: StoreMeta, part: str, report: VerifyReport) -> No
             report.faults.append(f"{store.url_of(name)}: a symlink, not a chunk file")
 
 
-def _verify_samples(store: StoreMeta, report: VerifyReport, progress: Any) -> int:
+class _StatisticsFold:
+    """The store's statistics recomputed as :func:`_verify_samples` reads each sample: the
+    writer's own folding (:class:`ShardStats` per writer shard of ``sample_rows`` samples,
+    each sample's kept prompt then response tokens, every site at once; shards merged in
+    order), so the result is bit-identical to what the writer stored."""
+
+    def __init__(self, store: StoreMeta) -> None:
+        self.sites = list(store.layout.sites)
+        self.d = store.layout.hidden_size
+        self.per = max(1, int(store.sample_rows))
+        self.parts: list[dict[Any, RunningStats]] = []
+        self.shard: ShardStats | None = None
+        self.complete = True
+        """False once a read failed (the data's fault is listed; no comparison then)."""
+
+    def start(self, local: int) -> None:
+        """Sample ``local`` is next: a writer shard starts at every ``sample_rows``-th."""
+        if local % self.per == 0:
+            if self.shard is not None:
+                self.parts.append(self.shard.finish())
+            self.shard = ShardStats(self.sites, self.d)  # type: ignore[arg-type]
+
+    def add(self, rows: dict[str, np.ndarray]) -> None:
+        assert self.shard is not None
+        self.shard.update(rows)  # type: ignore[arg-type]
+
+    def finish(self) -> dict[Any, RunningStats]:
+        if self.shard is not None:
+            self.parts.append(self.shard.finish())
+            self.shard = None
+        if not self.parts:
+            return {s: RunningStats(self.d) for s in self.sites}
+        return {s: merge_all([p[s] for p in self.parts]) for s in self.sites}
+
+
+def _verify_samples(
+    store: StoreMeta, report: VerifyReport, progress: Any, fold: _StatisticsFold | None = None
+) -> int:
     """Lengths against the full lengths, and every sample's chunks (each checked against
-    its keyed digest) against the sample's content digest. Returns non-finite values."""
+    its keyed digest) against the sample's content digest; ``fold`` recomputes the
+    statistics from the same reads. Returns non-finite values."""
     lay, where = store.layout, store.location.url
     try:
         digests = store.array(DIGEST)
@@ -120,6 +170,8 @@ def _verify_samples(store: StoreMeta, report: VerifyReport, progress: Any) -> in
         "response": np.empty((lay.n_layers, lay.r_max, lay.hidden_size), dtype=ACT_DTYPE),
     }
     for local in range(lay.n_samples):
+        if fold is not None:
+            fold.start(local)
         h = xxhash.xxh3_128()
         n_read = 0
         for part, slab in slabs.items():
@@ -129,6 +181,11 @@ def _verify_samples(store: StoreMeta, report: VerifyReport, progress: Any) -> in
                 except CorruptStoreError as err:
                     report.faults.append(str(err))
                     slab[layer_idx] = 0
+                    if fold is not None:
+                        fold.complete = False
+            kept = int(store.lengths[part][local])
+            if fold is not None and kept:
+                fold.add({s: slab[k, :kept].astype("<f4") for k, s in enumerate(fold.sites)})
             h.update(byte_view(slab))
             non_finite += int(slab.size - np.count_nonzero(np.isfinite(slab)))
         report.bytes_checked += n_read
@@ -143,8 +200,11 @@ def _verify_samples(store: StoreMeta, report: VerifyReport, progress: Any) -> in
 
 
 def _verify_texts(store: StoreMeta, report: VerifyReport) -> None:
-    """Each text file holds one record per sample, in order."""
+    """Each text file holds one record per sample, in order, each carrying the sample key
+    the store records (``arrays/sample_key``); and the texts (with the stored token ids,
+    where no token was cut) give those keys again, as the writer derived them."""
     n = store.layout.n_samples
+    records: dict[str, list[dict[str, Any]]] = {}
     for part in PARTS:
         if not store.exists(TEXT_FILES[part]):
             continue
@@ -154,12 +214,99 @@ def _verify_texts(store: StoreMeta, report: VerifyReport) -> None:
         # json.dumps(ensure_ascii=False) leaves raw inside a record
         try:
             text = store.checks.read_bytes(TEXT_FILES[part]).decode("utf-8")
-            ids = [json.loads(x).get("i") for x in text.split("\n") if x.strip()]
+            lines = [json.loads(x) for x in text.split("\n") if x.strip()]
+            ids = [x.get("i") for x in lines]
         except (CorruptStoreError, UnicodeDecodeError, ValueError, AttributeError) as err:
             report.faults.append(f"{where} is unreadable: {err}")
             continue
         if ids != list(range(n)):
             report.faults.append(f"{where}: expected one record per sample, i = 0..{n - 1}")
+            continue
+        records[part] = lines
+    if records:
+        _verify_text_keys(store, records, report)
+
+
+def _verify_text_keys(
+    store: StoreMeta, records: dict[str, list[dict[str, Any]]], report: VerifyReport
+) -> None:
+    try:
+        keys = store.array(SAMPLE_KEY)
+    except CorruptStoreError as err:
+        report.faults.append(str(err))
+        return
+    if keys is None:
+        return
+    stored = [bytes(k).decode("ascii", "replace") for k in keys]
+    for part, lines in records.items():
+        bad = [i for i, line in enumerate(lines) if line.get("sample_key") != stored[i]]
+        if bad:
+            report.faults.append(
+                f"{store.url_of(TEXT_FILES[part])}: the sample_key of sample {bad[0]} "
+                f"({len(bad)} record(s)) is not the one the store records in {SAMPLE_KEY}: "
+                "the text file was edited; restore it or re-capture"
+            )
+    texts = {
+        p: [line.get(p) if isinstance(line.get(p), str) else None for line in lines]
+        for p, lines in records.items()
+    }
+    ids = _untruncated_ids(store)
+    # which way the writer derived the keys (texts alone, or texts and token ids), told by
+    # the samples whose texts give their keys; None for a store whose keys were given
+    matched: list[set[str]] = []
+    candidates: list[dict[str, str]] = []
+    for i in range(len(stored)):
+        prompt = texts["prompt"][i] if "prompt" in texts else None
+        response = texts["response"][i] if "response" in texts else None
+        cand = {"texts": sample_key(prompt=prompt, response=response)}
+        both = ids[i] if ids is not None else None
+        if both is not None:
+            cand["texts+ids"] = sample_key(
+                prompt=prompt, response=response, prompt_ids=both[0], response_ids=both[1]
+            )
+        candidates.append(cand)
+        matched.append({mode for mode, key in cand.items() if key == stored[i]})
+    modes = set().union(*matched) if matched else set()
+    if not modes:
+        report.notes.append(
+            f"{store.location.url}: the sample keys are not derived from the texts (given by "
+            "the capture), so the texts could not be checked against them"
+        )
+        return
+    bad = [
+        i
+        for i, (cand, hit) in enumerate(zip(candidates, matched))
+        if not hit and any(mode in cand for mode in modes)
+    ]
+    if bad:
+        files = " / ".join(TEXT_FILES[p] for p in records)
+        report.faults.append(
+            f"{store.location.url}/{files}: the text of sample {bad[0]} ({len(bad)} sample(s)) "
+            f"does not give the sample key the store records in {SAMPLE_KEY}: the text was "
+            "edited or swapped; restore it or re-capture"
+        )
+
+
+def _untruncated_ids(store: StoreMeta) -> list[tuple[np.ndarray, np.ndarray] | None] | None:
+    """Each sample's stored prompt and response token ids when none was cut (what the
+    writer's sample key covers); None per sample that was cut, None for a store that keeps
+    no token ids."""
+    try:
+        arrays = {p: store.array(TOKEN_IDS[p]) for p in PARTS}
+        full = {p: store.array(FULL_LENGTHS[p]) for p in PARTS}
+    except CorruptStoreError:
+        return None  # listed by the other checks
+    if any(a is None for a in arrays.values()) or any(f is None for f in full.values()):
+        return None
+    out: list[tuple[np.ndarray, np.ndarray] | None] = []
+    for i in range(store.layout.n_samples):
+        lengths = {p: int(store.lengths[p][i]) for p in PARTS}
+        if any(int(full[p][i]) != lengths[p] for p in PARTS):  # type: ignore[index]
+            out.append(None)
+            continue
+        p_ids, r_ids = (arrays[p][i, : lengths[p]] for p in PARTS)  # type: ignore[index]
+        out.append((p_ids, r_ids))
+    return out
 
 
 def _verify_optional_arrays(store: StoreMeta, report: VerifyReport) -> None:
@@ -172,12 +319,15 @@ def _verify_optional_arrays(store: StoreMeta, report: VerifyReport) -> None:
             report.faults.append(str(err))
 
 
-def verify_statistics(store: StoreMeta, report: VerifyReport) -> None:
+def verify_statistics(store: StoreMeta, report: VerifyReport) -> dict[str, RunningStats] | None:
+    """The statistics file's shape against the store (a fault when it is malformed); the
+    stored statistics per site, to compare with the data, or None."""
     path, lay = store.url_of(STATISTICS_FILE), store.layout
     if not store.exists(STATISTICS_FILE):
         report.faults.append(f"{path} is missing")
-        return
+        return None
     rows = int(store.lengths["prompt"].sum()) + int(store.lengths["response"].sum())
+    out = {}
     try:
         sites = store.files.read_json(STATISTICS_FILE)["sites"]
         if sorted(sites) != sorted(lay.sites):
@@ -188,5 +338,11 @@ def verify_statistics(store: StoreMeta, report: VerifyReport) -> None:
                 raise CorruptStoreError(
                     f"{site} counts {stats.count} rows of width {stats.d}; the store holds {rows} of {lay.hidden_size}"
                 )
+            if stats.mean.shape != (stats.d,) or stats.m2.shape != (stats.d,):
+                raise CorruptStoreError(f"{site} has vectors of the wrong length")
+            out[site] = stats
     except (CorruptStoreError, KeyError, TypeError, AttributeError) as err:
         report.faults.append(f"{path} is malformed: {err}")
+        return None
+    # only a store actstore wrote (a root manifest) folds its statistics the writer's way
+    return out if store.checks.manifest is not None else None

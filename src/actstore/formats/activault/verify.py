@@ -1,0 +1,178 @@
+"""What ``verify`` checks of an Activault run beyond its files' bytes: ``cfg.json``
+against its commit record and its files, and each hook's statistics recomputed from its
+megabatch files the writer's way.
+
+A run actstore wrote is named by its capture record: the store id is the digest of the
+record's identity (hooks, shapes, dtype, capture plan), the run id derives from the store
+id, and ``cfg.json`` records the keyed digest of every committed file. So a ``cfg.json``
+whose record was edited (hooks remapped or reordered, digests removed or changed) no
+longer gives the manifest's store id or the files' digests, and hook folders swapped
+give files whose digests are not the ones recorded for their hook, even when the root
+manifest was rewritten over the edit (without ``ACTSTORE_MANIFEST_KEY``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from ...errors import ConfigError
+from ...sites import Site
+from ...stats import RunningStats, merge_all
+from ...storage.manifest import store_id_of
+from ..recompute import compare_statistics
+from .layout import data_file_name, group_uuid, hook_site
+from .metadata import RUN_RECORD_VERSION, RunRecord, run_cfg
+from .upload import group_statistics
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...storage.manifest import RootManifest
+
+
+def one_process_run_id(store_id: str) -> str:
+    """The run id an uninterrupted capture with ``store_id`` gives (a run merged from
+    parts has another: :mod:`.parts`)."""
+    return str(uuid.UUID(hex=xxhash.xxh3_128_hexdigest(store_id.encode())))
+
+
+def file_statistics(states: torch.Tensor) -> RunningStats:
+    """One megabatch file's statistics, as the writer folds them (merged in group order)."""
+    return group_statistics(states)
+
+
+def merged_statistics(per_file: dict[int, RunningStats], n_files: int) -> RunningStats | None:
+    """The files' statistics merged in group order, as the writer stores them; None when a
+    file could not be decoded (its fault is listed)."""
+    if n_files == 0 or any(i not in per_file for i in range(n_files)):
+        return None
+    return merge_all([per_file[i] for i in range(n_files)])
+
+
+def check_statistics(
+    faults: list[str],
+    where: str,
+    hook: str,
+    stored: RunningStats | None,
+    recomputed: RunningStats,
+    *,
+    merged: bool,
+) -> None:
+    """Bit for bit for a run captured in one process; a run merged from parts merged its
+    parts' totals, whose bounds it does not keep: compared up to
+    :data:`~actstore.formats.recompute.MERGE_ORDER_RTOL`."""
+    compare_statistics(faults, where, hook, stored, recomputed, exact=not merged)
+
+
+def record_faults(
+    cfg: dict[str, Any], record: RunRecord, manifest: RootManifest, hooks: list[str]
+) -> list[str]:
+    """Every way ``cfg.json`` (``cfg``, with its commit ``record``) disagrees with the run's
+    root manifest (its store id and each file's keyed digest) and with itself."""
+    faults: list[str] = []
+    identity = {
+        "hooks": record.hooks,
+        "rows_per_file": record.rows_per_file,
+        "sequence_length": record.sequence_length,
+        "dtype": record.dtype,
+        "plan": record.plan,
+    }
+    if store_id_of(identity) != manifest.store_id:
+        faults.append(
+            "cfg.json: its commit record (hooks, shapes, dtype, capture plan) is not the one "
+            f"the run was published with (store id {store_id_of(identity)}, the manifest's "
+            f"{manifest.store_id}): cfg.json was edited; restore it or capture again"
+        )
+    faults += _site_faults(record)
+    if record.complete and record.version >= RUN_RECORD_VERSION:
+        faults += _digest_faults(record, manifest, hooks)
+    faults += _cfg_faults(cfg, record)
+    return faults
+
+
+def _site_faults(record: RunRecord) -> list[str]:
+    """Each hook folder's site (its name says it) against the site the record maps it to,
+    and the record's sites against the capture plan's, in order."""
+    faults = []
+    try:
+        mapped = {h: Site.parse(s) for h, s in record.hooks.items()}
+        planned = [Site.parse(s) for s in record.plan.get("sites", [])]
+    except (ConfigError, TypeError, ValueError) as err:
+        return [f"cfg.json: the commit record's sites are malformed ({err})"]
+    for hook, site in mapped.items():
+        named = hook_site(hook)
+        if named is not None and named != site:
+            faults.append(
+                f"cfg.json maps hook folder {hook} to {site}, but the folder holds {named}: "
+                "cfg.json was edited; restore it or capture again"
+            )
+    if planned and planned != list(mapped.values()):
+        faults.append(
+            f"cfg.json's hooks store {', '.join(map(str, mapped.values()))}, but its capture "
+            f"plan captured {', '.join(map(str, planned))}: cfg.json was edited"
+        )
+    return faults
+
+
+def _digest_faults(record: RunRecord, manifest: RootManifest, hooks: list[str]) -> list[str]:
+    """Each committed file's keyed digest in the record against the file's (the manifest's
+    entry, itself checked against the bytes)."""
+    faults = []
+    for hook in hooks:
+        recorded = record.digests.get(hook)
+        if recorded is None or len(recorded) != record.groups:
+            faults.append(
+                f"cfg.json records {0 if recorded is None else len(recorded)} file digests of "
+                f"{hook} for its {record.groups} committed files: the commit record was "
+                "edited; restore cfg.json or capture again"
+            )
+            continue
+        wrong = []
+        for g, text in enumerate(recorded):
+            name = f"{hook}/{data_file_name(group_uuid(record.run_id, g), g + 1)}"
+            entry = manifest.files.get(name)
+            if entry is None or entry.single != text:
+                wrong.append(name)
+        if wrong:
+            faults.append(
+                f"{wrong[0]}: not the file cfg.json's commit record holds for {hook} "
+                f"({len(wrong)} of {record.groups} files differ): hook folders or files were "
+                "swapped or replaced; restore them or capture again"
+            )
+    return faults
+
+
+def _cfg_faults(cfg: dict[str, Any], record: RunRecord) -> list[str]:
+    """cfg.json's own keys (Activault's totals, hook list, shapes) against what its commit
+    record gives."""
+    try:
+        want = run_cfg(
+            record,
+            run_name=cfg["run_name"],
+            bucket=cfg["data_config"]["bucket_name"],
+            batch_size=int(record.plan.get("batch_size", cfg["data_config"]["batch_size"])),
+            batches_per_file=int(cfg["upload_config"]["batches_per_upload"]),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        return [f"cfg.json is malformed: {err!r} is missing or not a number"]
+    differ = sorted(k for k in want if k != "actstore" and cfg.get(k) != want[k])
+    if not differ:
+        return []
+    return [
+        (
+            f"cfg.json's {', '.join(differ)} disagree{'s' * (len(differ) == 1)} with its commit "
+            "record: cfg.json was edited; restore it or capture again"
+        )
+    ]
+
+
+__all__ = [
+    "check_statistics",
+    "file_statistics",
+    "merged_statistics",
+    "one_process_run_id",
+    "record_faults",
+]
