@@ -16,8 +16,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from tiny_models import make_image_folder, save_text_model, save_vision_model
 
-# The loopback S3 server fixtures (s3_server, s3, s3_proxy) for every test module.
-pytest_plugins = ["s3_server"]
+# The conformance kit's pytest plugin: the loopback S3 server fixtures (s3_server, s3,
+# s3_proxy, conformance_s3_url) for every test module.
+pytest_plugins = ["actstore.testing.plugin"]
+
+# A format package of its own (tests/test_new_format.py installs it and runs its suite).
+collect_ignore = ["plugin_format"]
 
 TEXT_KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "bert")
 VISION_KINDS = ("clip", "siglip", "dinov2")

@@ -77,7 +77,7 @@ def test_cli_capture_to_s3_then_ls_inspect_verify(s3, model_dir, text_file):
     assert "gpt2-run/" in invoke("ls", s3.url()).output
     hook = "models.layers.1.post"
     hook_files = s3.keys(f"gpt2-run/{hook}/")  # the megabatches, metadata and statistics
-    assert sum(k.endswith(".pt") for k in hook_files) == len(reader)
+    assert sum(k.endswith(".pt") for k in hook_files) == reader.n_files
     hook_listing = invoke("ls", s3.url("gpt2-run", hook), "--json")
     described = json.loads(hook_listing.output)
     assert described["sites"] == ["resid.1"] and described["hooks"] == {hook: "resid.1"}
@@ -149,7 +149,7 @@ def test_cli_capture_to_a_local_directory_without_cleaning(tmp_path, model_dir, 
         "models.layers.3.post",
     ]
     reader = open_store(out)
-    assert len(reader) == 3 and reader.dtype == np.float16 and reader.record.token_mask is False
+    assert reader.n_files == 3 and reader.dtype == np.float16 and reader.record.token_mask is False
     names = sorted(p.name for p in (out / "models.layers.3.post").iterdir())
     assert names[-2:] == ["metadata.json", "statistics.json"]
     assert all(n.endswith(".pt") for n in names[:-2]) and len(names) == 5

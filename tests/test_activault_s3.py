@@ -310,7 +310,7 @@ def test_server_errors_during_upload_are_retried(s3):
     write_run(s3.url("run"), plan, acts, rows_per_file=2)
     assert (slow.hits, internal.hits, cfg_fault.hits) == (4, 3, 2)
     reader = open_store(s3.url("run"))
-    assert len(reader) == 12
+    assert reader.n_files == 12
     for site in SITES:  # nothing lost, nothing duplicated
         rows, _ = stored_stream(reader, hook_name(site))
         np.testing.assert_array_equal(rows, acts[str(site)].reshape(-1, 16))

@@ -51,7 +51,9 @@ def test_opening_a_writer_creates_nothing_and_abort_blocks_no_other_capture(tmp_
     assert other.close() == run
     reader = open_store(run)
     assert reader.record.rows_per_file == 2 and reader.record.dtype == "float32"
-    assert len(reader) == plan.n_examples * plan.tokens_per_example // (2 * plan.tokens_per_example)
+    assert reader.n_files == plan.n_examples * plan.tokens_per_example // (
+        2 * plan.tokens_per_example
+    )
     assert reader.verify().ok
 
 
@@ -147,7 +149,7 @@ def test_merge_refuses_a_part_without_digests_before_writing(tmp_path):
     assert files_below(final) == []  # nothing of the run was written
     cfg.write_bytes(original)  # repaired, the same parts merge
     reader = open_store(fmt.merge(parts, str(final)))
-    assert reader.verify().ok and len(reader) == 4
+    assert reader.verify().ok and reader.n_files == 4
 
 
 def test_merge_refuses_parts_of_another_capture(tmp_path):

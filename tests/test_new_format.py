@@ -1,238 +1,172 @@
-"""docs/design.md's recipe for a new format, followed by a throwaway one defined entirely in
-this file and registered with one line: one ``.npy`` file per site per shard plus a JSON
-index. It passes the whole conformance kit (``actstore.testing``) and works with
-``open_store``, the loader, ``convert`` and the CLI, without touching actstore's code."""
+"""docs/design.md's recipe for a new format, measured from outside: ``tests/plugin_format``
+is a sixth format (npyshards: one ``.npy`` file per site per shard plus a JSON index),
+written as a separate package that declares itself through the ``actstore.formats`` entry
+point. This module installs it with pip (into a temporary target directory: a real
+``.dist-info`` with ``entry_points.txt``, found by ``importlib.metadata``; nothing is
+registered by hand and nothing in actstore names the format), then checks that
+
+* the registry discovers it, after the built-in formats;
+* its own project's conformance suite passes every rule of the kit, the S3 round trip and
+  the byte-identical resume included, in a pytest process of its own that enables only the
+  kit's plugin (``pytest_plugins = ["actstore.testing.plugin"]``);
+* ``actstore capture --format npyshards`` in a separate process, then ``open_store``,
+  ``reader[...]``, the loader, ``verify``, ``inspect`` and ``convert`` both ways take it.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import io
+import importlib
+import importlib.metadata
 import os
-from collections.abc import Sequence
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from actstore.batch import Batch, CapturePlan
-from actstore.errors import StoreNotFoundError
 from actstore.formats import open_store
-from actstore.formats.base import Block, ReaderBase
-from actstore.formats.parts import sharded_part_format
-from actstore.formats.registry import FormatSpec, register_format, unregister_format
-from actstore.formats.shard import ShardSink, WrittenFile, as_float32
-from actstore.formats.writer import ShardedWriter
-from actstore.sites import Site
-from actstore.stats import RunningStats
-from actstore.storage import atomic_write_json
-from actstore.storage.location import Location
-from actstore.storage.manifest import hash_file_blocks
-from actstore.testing import ConformanceSuite, FormatCase, make_acts, make_plan
-
-INDEX = "index.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class NpyOptions:
-    examples_per_shard: int = dataclasses.field(
-        default=8, metadata={"help": "Examples per shard file."}
-    )
-
-
-def _name(shard: int, site: Site) -> str:
-    return f"shard-{shard:05d}.{site}.npy"
-
-
-class _NpySink(ShardSink):
-    def __init__(self, writer: NpyWriter, index: int, directory: Path) -> None:
-        self.writer, self.index, self.directory = writer, index, directory
-        self.rows: dict[Site, list[np.ndarray]] = {s: [] for s in writer.sites}
-
-    def append(self, batch: Batch) -> None:
-        for site in self.rows:
-            rows = as_float32(batch.acts[str(site)]).reshape(-1, self.writer.plan.d_model)
-            self.rows[site].append(rows.copy())
-
-    def finish(self) -> list[WrittenFile]:
-        out = []
-        for site, parts in self.rows.items():
-            name = _name(self.index, site)
-            with open(self.directory / name, "wb") as f:
-                np.save(f, np.concatenate(parts), allow_pickle=False)
-                f.flush()
-                os.fsync(f.fileno())
-            entry, digests = hash_file_blocks(self.writer.store_id, self.directory / name, name)
-            out.append(WrittenFile(name, entry, digests))
-        return out
-
-
-class NpyWriter(ShardedWriter):
-    format_name = "npyshards"
-    options_type = NpyOptions
-
-    def __init__(
-        self,
-        plan: CapturePlan,
-        output: Location,
-        options: NpyOptions | None = None,
-        *,
-        example_range: tuple[int, int] | None = None,
-        store: Location | None = None,
-    ) -> None:
-        options = options or NpyOptions()
-        super().__init__(
-            plan=plan,
-            store=store or self.store_location(plan, output, options),
-            output=output,
-            options=options,
-            record={"plan": plan.to_json_dict(), "per_shard": options.examples_per_shard},
-            examples_per_shard=options.examples_per_shard,
-            example_range=example_range,
-        )
-
-    @classmethod
-    def shard_examples(cls, plan: CapturePlan, options: Any) -> int:
-        return (options or NpyOptions()).examples_per_shard
-
-    def open_shard(self, index: int, directory: Path) -> ShardSink:
-        return _NpySink(self, index, directory)
-
-    def side_rows(self, batch: Batch) -> dict[str, bytes]:
-        if not self.plan.has_tokens or batch.token_ids is None:
-            return {}
-        return {"tokens.bin": np.ascontiguousarray(batch.token_ids, dtype="<i4").tobytes()}
-
-    def write_index(
-        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
-    ) -> None:
-        atomic_write_json(
-            directory / INDEX,
-            {
-                "format": "npyshards",
-                "plan": self.plan.to_json_dict(),
-                "shards": [e["n_examples"] for e in shards],
-                "statistics": {str(s): st.to_dict() for s, st in stats.items()},
-            },
-        )
-
-
-class NpyReader(ReaderBase):
-    format_name = "npyshards"
-
-    def __init__(
-        self,
-        location: str | os.PathLike | Location,
-        *,
-        verify_reads: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        cache_bytes: int | str | None = None,
-        s3: Any = None,
-    ) -> None:
-        self._open_location(
-            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
-        )
-        if not self.files.exists(INDEX):
-            raise StoreNotFoundError(f"{self.url} holds no npyshards store (no {INDEX})")
-        self._open_checks(ours=True)
-        self.index = self.checks.read_json(INDEX)
-        self.plan = CapturePlan.from_json_dict(self.index["plan"])
-        self._check_summary()
-
-    @property
-    def sites(self) -> tuple[Site, ...]:
-        return tuple(self.plan.sites)
-
-    @property
-    def d_model(self) -> int:
-        return self.plan.d_model
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype("float32")
-
-    def n_rows(self, site: Any) -> int:
-        self.site(site)
-        return sum(self.index["shards"]) * self.plan.tokens_per_example
-
-    def site_blocks(self, site: Site) -> list[Block]:
-        t = self.plan.tokens_per_example
-        return [Block(site, n * t, (k,)) for k, n in enumerate(self.index["shards"])]
-
-    def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
-        data = self.checks.read_bytes(_name(block.loc[0], block.site))  # checked whole
-        rows = np.load(io.BytesIO(data), allow_pickle=False)
-        if out is None:
-            return rows
-        out[: len(rows)] = rows
-        return out[: len(rows)]
-
-    def site_statistics(self, site: Site) -> RunningStats | None:
-        return RunningStats.from_dict(self.index["statistics"][str(site)])
-
-    def describe_format(self) -> dict[str, Any]:
-        return {"format": "npy shards", "shape": f"{sum(self.index['shards'])} examples"}
-
-    def capture_plan(self) -> CapturePlan:
-        return self.plan
-
-    @property
-    def tokens(self) -> np.ndarray | None:  # type: ignore[override]
-        if not self.plan.has_tokens:
-            return None
-        data = self.checks.read_bytes("tokens.bin")
-        return np.frombuffer(data, "<i4").reshape(self.plan.n_examples, -1)
-
-
-def _detect(files: Any) -> bool:
-    return files.exists(INDEX) and b'"npyshards"' in files.read_bytes(INDEX)
-
-
-SPEC = FormatSpec(
-    name="npyshards",
-    summary="one .npy per site per shard, plus a JSON index (a test's throwaway format)",
-    options=NpyOptions,
-    detect=_detect,
-    reader=NpyReader,
-    writer=NpyWriter,
-    parts=lambda: sharded_part_format("npyshards", NpyWriter),
-    manifests=(INDEX,),
+from actstore.formats.registry import (
+    ENTRY_POINT_GROUP,
+    FORMAT_NAMES,
+    available_formats,
+    format_names,
+    get_format,
 )
+from actstore.testing import ConformanceSuite
+
+pytestmark = pytest.mark.slow  # pip install, a capture and a pytest run in subprocesses
+
+PLUGIN = Path(__file__).resolve().parent / "plugin_format"
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _registered():
-    register_format(SPEC)  # the one line a new format adds outside its own code
-    yield
-    unregister_format("npyshards")
-
-
-class TestNpyShardsConformance(ConformanceSuite):
-    case = FormatCase("npyshards", NpyOptions(examples_per_shard=5))
-
-
-def test_the_cli_and_the_loader_take_the_new_format(tmp_path):
-    from actstore.loader import ActivationLoader
-    from actstore.testing import make_batches
-
-    plan = make_plan()
-    acts = make_acts(plan)
-    location = FormatCase("npyshards", NpyOptions(5)).write(
-        tmp_path / "store", plan, make_batches(plan, acts)
+@pytest.fixture(scope="module")
+def site_dir(tmp_path_factory):
+    """The plugin package pip-installed into a fresh directory, put on ``sys.path`` for
+    this module (and on ``PYTHONPATH`` of the subprocesses)."""
+    source = tmp_path_factory.mktemp("plugin-source") / "actstore-npyshards"
+    shutil.copytree(PLUGIN, source, ignore=shutil.ignore_patterns("test_*", "conftest.py"))
+    target = tmp_path_factory.mktemp("plugin-site")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
     )
-    reader = open_store(location)
-    assert isinstance(reader, NpyReader)
-    loader = ActivationLoader(location, site="resid.3", batch_size=16, return_index=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (target / "actstore_npyshards.py").exists()
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    yield target
+    sys.path.remove(str(target))
+    sys.modules.pop("actstore_npyshards", None)
+    importlib.invalidate_caches()
+
+
+def subprocess_env(site_dir: Path) -> dict[str, str]:
+    path = [str(site_dir), str(SRC), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+def test_the_installed_package_is_discovered(site_dir):
+    (entry,) = [
+        e for e in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if e.name == "npyshards"
+    ]
+    assert entry.value == "actstore_npyshards:FORMAT"
+    assert entry.dist is not None and entry.dist.metadata["Name"] == "actstore-npyshards"
+    assert "npyshards" not in FORMAT_NAMES
+    assert format_names()[: len(FORMAT_NAMES)] == FORMAT_NAMES  # built-in ones first
+    assert "npyshards" in format_names()
+    spec = get_format("npyshards")
+    assert spec.reader.__module__ == "actstore_npyshards"
+    assert spec in available_formats()
+
+
+def test_the_packages_own_suite_passes_every_rule(site_dir, tmp_path):
+    """The plugin project's test directory (its ``conftest.py`` enables the kit's pytest
+    plugin, nothing else) run by pytest in a process of its own: every rule passes, none is
+    skipped."""
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("conftest.py", "test_npyshards.py"):
+        shutil.copy(PLUGIN / name, project / name)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"]
+        + ["--rootdir", str(project), "-o", "addopts=", "test_npyshards.py"],
+        cwd=project,
+        env=subprocess_env(site_dir),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    rules = [name for name in dir(ConformanceSuite) if name.startswith("test_")]
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert re.match(rf"{len(rules)} passed", summary), done.stdout[-3000:]
+    assert "skipped" not in summary
+
+
+def test_every_command_takes_the_installed_format(site_dir, tmp_path, model_dir, text_file):
+    out = tmp_path / "captured"
+    done = subprocess.run(
+        [sys.executable, "-m", "actstore", "capture", "--model", str(model_dir("gpt2"))]
+        + ["--dataset", str(text_file), "--layers", "0,2", "--context-length", "8"]
+        + ["--max-examples", "12", "--format", "npyshards", "--opt", "examples_per_shard=5"]
+        + ["--out", str(out), "--no-progress"],
+        env=subprocess_env(site_dir),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    reader = open_store(out)
+    assert type(reader).__module__ == "actstore_npyshards"
+    assert reader.shape == (12, 2, 8, reader.d_model)
+    assert reader[3, "resid.2", 0].shape == (reader.d_model,)
+    np.testing.assert_array_equal(reader[0:8, 2][3, 0], reader[3, "resid.2", 0])
+    assert reader.tokens is not None and len(reader.tokens[11]) == 8
+    assert reader.statistics("resid.0").count == 12 * 8
+
+    from actstore.loader import ActivationLoader
+
+    loader = ActivationLoader(str(out), site="resid.2", batch_size=16, return_index=True)
     rows = np.concatenate([b.rows.numpy() for b in loader])
-    assert sorted(rows.tolist()) == list(range(plan.n_examples * plan.tokens_per_example))
-    runner = CliRunner()
+    assert sorted(rows.tolist()) == list(range(12 * 8))
+
     from actstore.cli import app
 
-    result = runner.invoke(app, ["verify", location, "--no-progress"])
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", str(out), "--no-progress"])
     assert result.exit_code == 0 and "OK:" in result.output, result.output
-    result = runner.invoke(app, ["inspect", location])
+    result = runner.invoke(app, ["inspect", str(out)])
     assert result.exit_code == 0 and "npy shards" in result.output, result.output
-    out = tmp_path / "as-saev"
-    result = runner.invoke(app, ["convert", location, str(out), "--to", "saev", "--no-progress"])
+    as_saev, back = tmp_path / "as-saev", tmp_path / "back"
+    result = runner.invoke(
+        app, ["convert", str(out), str(as_saev), "--to", "saev", "--no-progress"]
+    )
     assert result.exit_code == 0, result.output
+    result = runner.invoke(
+        app, ["convert", str(as_saev), str(back), "--to", "npyshards", "--no-progress"]
+    )
+    assert result.exit_code == 0, result.output
+    again = open_store(back)
+    assert type(again).__module__ == "actstore_npyshards"
+    np.testing.assert_array_equal(again[0:12], reader[0:12])

@@ -444,8 +444,16 @@ def test_site_spellings(tmp_path):
 # ---------------------------------------------------------------- conformance
 
 
+#: A SAELens cache is activation and token-id columns: no class labels.
+SAELENS_CANNOT_HOLD = {"labels": "a SAELens cache keeps activations and token ids only"}
+
+
 class TestSaelensConformance(ConformanceSuite):
-    case = FormatCase("saelens", SaelensOptions(examples_per_shard=10, block_kb=1))
+    case = FormatCase(
+        "saelens",
+        SaelensOptions(examples_per_shard=10, block_kb=1),
+        cannot_hold=SAELENS_CANNOT_HOLD,
+    )
 
 
 class TestSaelensFloat16Conformance(ConformanceSuite):
@@ -453,6 +461,8 @@ class TestSaelensFloat16Conformance(ConformanceSuite):
         "saelens",
         SaelensOptions(examples_per_shard=10, block_kb=1, dtype="float16"),
         stored_dtype="float16",
+        cannot_hold=SAELENS_CANNOT_HOLD,
+        check_crashes="crash and resume are checked on TestSaelensConformance's float32 cache",
     )
 
 

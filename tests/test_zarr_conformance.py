@@ -29,7 +29,13 @@ class ZarrCase(FormatCase):
         options = ZarrOptions(
             p_max=5, r_max=5, t_chunk_prompt=t_chunk, t_chunk_response=t_chunk, samples_per_shard=5
         )
-        super().__init__("zarr", options, round_trip_through=None)
+        super().__init__(
+            "zarr",
+            options,
+            round_trip_through=None,
+            cannot_hold={"labels": "zarr keeps per-sample hallucination labels, not classes"},
+            check_crashes=True if t_chunk is None else "checked with one chunk per sample",
+        )
 
     def plan(self, **overrides):
         plan = super().plan(**overrides)
@@ -46,6 +52,16 @@ class ZarrCase(FormatCase):
             )
             for b in super().batches(plan, acts)
         ]
+
+    def expected_examples(self, plan, acts, site):
+        """``reader[...]``'s token axis: the prompt, then the response, each zero-padded to
+        P_max and R_max."""
+        rows = acts[str(site)].astype(self.stored_dtype)
+        out = np.zeros((plan.n_examples, 10, plan.d_model), dtype=rows.dtype)
+        for i, n in enumerate(prompt_lengths(plan)):
+            out[i, :n] = rows[i, :n]
+            out[i, 5 : 5 + plan.tokens_per_example - n] = rows[i, n:]
+        return out
 
     def expected_tokens(self, plan):
         """Prompt tokens, then response tokens, each padded with -1 to P_max and R_max."""

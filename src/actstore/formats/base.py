@@ -119,8 +119,17 @@ class ReaderBase(abc.ABC):
     ``read_block`` may be called from several threads of one process at once (the loader
     reads a window's blocks in parallel).
 
-    Every reader is constructed as ``Reader(location, *, verify_reads=True, cache_dir=None,
-    cache_bytes=None, s3=None)``; :meth:`_open_location` does the part they share.
+    Every reader is constructed the same way, here: ``Reader(location, *, verify_reads=True,
+    cache_dir=None, cache_bytes=None, s3=None)`` sets :attr:`location`, :attr:`files` and
+    :attr:`verify_reads`, calls the format's :meth:`open_index` (find the index, load the
+    root manifest with :meth:`open_checks`, read and validate the index through
+    :attr:`checks`), then :meth:`check_summary`. A reader that takes more keywords sets
+    them and calls ``super().__init__(location, **kwargs)``.
+
+    What a reader serves, written once here on top of the format's block reads:
+    ``reader.shape`` (``(n_examples, n_sites, tokens_per_example, d_model)``),
+    ``reader[example, site, token]`` (ints, slices or int arrays; site in any spelling or
+    ``:``), ``len(reader)``, ``reader.statistics(site)``, ``reader.blocks(site)``.
     """
 
     #: The registry name of the format (``"saev"``...).
@@ -131,7 +140,7 @@ class ReaderBase(abc.ABC):
     checks: Integrity
     verify_reads: bool = True
 
-    def _open_location(
+    def __init__(
         self,
         location: str | os.PathLike | Location,
         *,
@@ -140,24 +149,35 @@ class ReaderBase(abc.ABC):
         cache_bytes: int | str | None = None,
         s3: S3Config | None = None,
     ) -> None:
-        """Set :attr:`location`, :attr:`files` and :attr:`verify_reads` (no I/O yet);
-        :attr:`checks` starts unverified until :meth:`_open_checks`."""
         self.location = Location.parse(location, s3=s3)
         refuse_partial(self.location)
-        self.files = self.location.files(cache_dir=cache_dir, cache_bytes=cache_bytes)
+        #: How the store's files are cached (``cache_dir``, ``cache_bytes``), for a format
+        #: that opens more file sets (a run's stores, a hook folder's parent).
+        self.cache_options: dict[str, Any] = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
+        self.s3 = s3
+        self.files = self.location.files(**self.cache_options)
         self.verify_reads = verify_reads
         self.checks = Integrity(self.files, None, enabled=False)
+        self.open_index()
+        self.check_summary()
 
-    def _open_checks(self, *, ours: bool) -> None:
+    @abc.abstractmethod
+    def open_index(self) -> None:
+        """The format's part of opening: raise :class:`~actstore.errors.StoreNotFoundError`
+        when :attr:`files` hold no index of the format, call :meth:`open_checks`, then read
+        and validate the index through :attr:`checks` (``read_json``, ``read_bytes``), so a
+        damaged index fails here naming the file."""
+
+    def open_checks(self, *, ours: bool) -> None:
         """Load the root manifest and check the listing against it (see
         :meth:`Integrity.open`); ``ours``: the store's metadata says actstore wrote it."""
         self.checks = Integrity.open(
             self.files, ours=ours, verify_reads=self.verify_reads, format=self.format_name
         )
 
-    def _check_summary(self) -> None:
-        """Compare what this reader parsed with what the writer published (call last in
-        ``__init__``)."""
+    def check_summary(self) -> None:
+        """Compare what this reader parsed with what the writer published (the
+        constructor's last step)."""
         self.checks.check_summary(self.trusted_summary())
 
     @property
@@ -213,19 +233,12 @@ class ReaderBase(abc.ABC):
     @property
     def family(self) -> str:
         """The model family the store was captured from (``"gpt2"``, ``"bert"``...)."""
-        return self._plan_facts()[0]
+        return self._plan_cached().family
 
     @property
     def n_model_layers(self) -> int:
         """Blocks of the model the store was captured from (negative layers count from it)."""
-        return self._plan_facts()[1]
-
-    def _plan_facts(self) -> tuple[str, int]:
-        facts = self.__dict__.get("_facts")
-        if facts is None:
-            plan = self.capture_plan()
-            facts = self.__dict__["_facts"] = (plan.family, plan.n_model_layers)
-        return facts
+        return self._plan_cached().n_model_layers
 
     def site(self, name: SiteLike) -> Site:
         """The stored :class:`Site` that ``name`` spells, in any spelling
@@ -275,9 +288,63 @@ class ReaderBase(abc.ABC):
         """Rows ``site`` holds (what its blocks cover)."""
         return sum(b.n_rows for b in self.blocks(site))
 
-    def split_key(self, key: Any, n_examples: int, n_tokens: int):
+    # ------------------------------------------------------------------ examples
+
+    @property
+    def n_examples(self) -> int:
+        """Examples stored (default: the capture plan's)."""
+        return self._plan_cached().n_examples
+
+    @property
+    def tokens_per_example(self) -> int | None:
+        """Token positions of every example on ``reader[...]``'s token axis, or None when
+        examples differ in length (default: the capture plan's)."""
+        return self._plan_cached().tokens_per_example
+
+    @property
+    def shape(self) -> tuple[int, int, int | None, int]:
+        """``(n_examples, n_sites, tokens_per_example, d_model)``: what ``reader[...]``
+        indexes (``tokens_per_example`` None when examples differ in length)."""
+        return (self.n_examples, len(self.sites), self.tokens_per_example, self.d_model)
+
+    def __len__(self) -> int:
+        return self.n_examples
+
+    def _plan_cached(self) -> CapturePlan:
+        """:meth:`capture_plan`, computed once."""
+        plan = self.__dict__.get("_capture_plan")
+        if plan is None:
+            plan = self.__dict__["_capture_plan"] = self.capture_plan()
+        return plan
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        """``reader[example, site, token]``: example and token take ints, slices or int
+        arrays (negatives count from the end); site takes any spelling (``6``,
+        ``"resid.6"``, ``-1``) or ``:`` for every site. Shapes follow numpy: an int drops
+        its axis, so ``reader[12, 5, 0]`` is ``[d_model]`` and ``reader[0:8, 5]`` is
+        ``[8, T, d_model]``. Every value is checked as it is read (:meth:`read_examples`)."""
+        n_tokens = self.tokens_per_example
+        if n_tokens is None:
+            raise ConfigError(
+                f"{self.url}: examples differ in length, so reader[example, site, token] has "
+                "no token axis; read them through blocks(site) and read_block"
+            )
+        examples, site, token, scalar = self.split_key(key, self.n_examples, n_tokens)
+        sites = list(self.sites) if site is None else [site]
+        picked = np.array([token], dtype=np.int64) if isinstance(token, int) else token
+        data = self.read_examples(examples, sites, picked)
+        if isinstance(token, int):
+            data = data[:, :, 0]
+        if site is not None:
+            data = data[:, 0]
+        return data[0] if scalar else data
+
+    def split_key(
+        self, key: Any, n_examples: int, n_tokens: int
+    ) -> tuple[np.ndarray, Site | None, int | slice | np.ndarray, bool]:
         """``reader[example, site, token]`` parsed: ``(examples, site or None for all,
-        token selector, whether example was a scalar)``; examples as an int64 array."""
+        token as an int (made non-negative), slice or int64 array, whether example was a
+        scalar)``; examples as an int64 array."""
         parts: tuple[Any, ...] = key if isinstance(key, tuple) else (key,)
         if len(parts) > 3:
             raise InvalidIndexError("index as reader[example, site, token]")
@@ -294,9 +361,49 @@ class ReaderBase(abc.ABC):
         if isinstance(token, (int, np.integer)):
             if not -n_tokens <= token < n_tokens:
                 raise IndexOutOfRangeError(f"token {token} out of range (0..{n_tokens - 1})")
+            token = int(token) % n_tokens
         elif not isinstance(token, slice):
             token = as_indices(token, n_tokens, "token")
         return examples, chosen, token, isinstance(ex, (int, np.integer))
+
+    def read_examples(
+        self, examples: np.ndarray, sites: Sequence[Site], tokens: slice | np.ndarray
+    ) -> np.ndarray:
+        """``[len(examples), len(sites), k, D]`` of :attr:`dtype`: token positions
+        ``tokens`` (a slice, or an int64 array of non-negative positions) of ``examples``
+        at stored ``sites``, checked: what ``reader[...]`` serves.
+
+        The default reads the blocks holding them (each block once, checked like any
+        :meth:`read_block`), for stores whose blocks of a site hold the examples in order,
+        ``tokens_per_example`` rows each (the rows the conformance kit's round trip
+        checks); formats override it where they can read less, or where an example's rows
+        are laid out otherwise (zarr's prompt and response)."""
+        n_tokens = int(self.tokens_per_example or 0)
+        picked = np.arange(n_tokens)[tokens] if isinstance(tokens, slice) else tokens
+        out = np.empty((len(examples), len(sites), len(picked), self.d_model), dtype=self.dtype)
+        rows = examples[:, None] * n_tokens + picked[None, :]
+        for j, site in enumerate(sites):
+            blocks = self.site_blocks(site)
+            ends = np.cumsum([b.n_rows for b in blocks], dtype=np.int64)
+            held = int(ends[-1]) if len(ends) else 0
+            if held != self.n_examples * n_tokens:
+                raise ConfigError(self.example_axis_error(site, held))
+            which = np.searchsorted(ends, rows, side="right")
+            dest = out[:, j]
+            for k in np.unique(which).tolist():
+                mine = which == k
+                first = int(ends[k]) - blocks[k].n_rows
+                dest[mine] = self._read_into_scratch(blocks[k])[rows[mine] - first]
+        return out
+
+    def example_axis_error(self, site: Site, rows: int) -> str:
+        """Why ``reader[...]`` cannot index examples of ``site``, whose blocks hold ``rows``
+        rows (formats say what their layout lost)."""
+        return (
+            f"{self.url}: {site} holds {rows} rows, not {self.n_examples} examples x "
+            f"{self.tokens_per_example} tokens, so reader[example, site, token] cannot place "
+            "them; read them through blocks(site)"
+        )
 
     # ------------------------------------------------------------------ optional
 
@@ -377,9 +484,28 @@ class ReaderBase(abc.ABC):
         return None
 
     def cls_rows(self, block: Block) -> np.ndarray | None:
-        """Rows of ``block`` that hold a CLS token (for the loader's ``drop_cls``), or
-        None when the store keeps no CLS token."""
-        return None
+        """Rows of ``block`` that hold a CLS token (token 0 of an example; for the
+        loader's ``drop_cls``), or None when the store keeps no CLS token. The default
+        places them from the block's position among its site's blocks, in stores whose
+        blocks hold the examples in order, ``tokens_per_example`` rows each; None where
+        the capture had no CLS or token positions are not kept."""
+        plan = self._plan_cached()
+        if not plan.has_cls:
+            return None
+        n_tokens = plan.tokens_per_example
+        starts = self.__dict__.setdefault("_block_starts", {}).get(block.site)
+        if starts is None:
+            blocks = self.site_blocks(block.site)
+            ends = np.cumsum([b.n_rows for b in blocks], dtype=np.int64)
+            if not len(ends) or int(ends[-1]) != plan.n_examples * n_tokens:
+                starts = {}
+            else:
+                starts = {b: int(e) - b.n_rows for b, e in zip(blocks, ends.tolist())}
+            self.__dict__["_block_starts"][block.site] = starts
+        first = starts.get(block)
+        if first is None:
+            return None
+        return np.arange((-first) % n_tokens, block.n_rows, n_tokens, dtype=np.int64)
 
     def aligned_on(self, sites: Sequence[SiteLike]) -> bool:
         """Whether block ``i`` of every one of ``sites`` holds the same tokens."""
@@ -415,7 +541,7 @@ class ReaderBase(abc.ABC):
             "verified": self.checks.manifest is not None,
         }
         out.update(own)
-        tokens = self.tokens
+        tokens = self.tokens if "token_ids[0][:16]" not in out else None
         if tokens is not None and len(tokens):
             out["token_ids[0][:16]"] = np.asarray(tokens[0][:16]).tolist()
         if self.classes is not None:

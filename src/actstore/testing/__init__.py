@@ -27,21 +27,27 @@ straight to ``s3://`` reads back. A failing rule names what broke.
 
 from .case import FormatCase
 from .data import (
+    CLASSES,
     D_MODEL,
+    FEATURES,
     N_EXAMPLES,
     N_TOKENS,
     SITES,
     make_acts,
     make_batches,
+    make_labels,
     make_plan,
     make_tokens,
     resign,
+    rich_overrides,
 )
 from .suite import DESCRIBE_KEYS, ConformanceSuite
 
 __all__ = [
+    "CLASSES",
     "DESCRIBE_KEYS",
     "D_MODEL",
+    "FEATURES",
     "N_EXAMPLES",
     "N_TOKENS",
     "SITES",
@@ -49,7 +55,9 @@ __all__ = [
     "FormatCase",
     "make_acts",
     "make_batches",
+    "make_labels",
     "make_plan",
     "make_tokens",
     "resign",
+    "rich_overrides",
 ]

@@ -17,6 +17,17 @@ from ..sites import Site
 N_EXAMPLES, N_TOKENS, D_MODEL = 23, 6, 8
 SITES = (Site("resid", 1), Site("resid", 3))
 
+#: What the kit's second capture adds to :func:`make_plan`'s (besides bfloat16 input, which
+#: every format takes): feature -> what it is. A :class:`~actstore.testing.FormatCase`
+#: declares the ones its format cannot hold (``cannot_hold``), with the reason.
+FEATURES = {
+    "attn_out": "an attention sub-layer's output site (attn_out.2)",
+    "mlp_out": "an MLP sub-layer's output site (mlp_out.3)",
+    "cls": "a CLS token at position 0 of every example (has_cls)",
+    "labels": "a class label per example, with class names (has_labels, classes)",
+}
+CLASSES = ["cat", "dog", "eel"]
+
 
 def make_plan(**overrides: Any) -> CapturePlan:
     """A text capture of :data:`N_EXAMPLES` examples of :data:`N_TOKENS` tokens at
@@ -47,14 +58,52 @@ def make_plan(**overrides: Any) -> CapturePlan:
     return CapturePlan(**values)
 
 
-def make_acts(plan: CapturePlan, seed: int = 0) -> dict[str, np.ndarray]:
-    """Activations per site name, ``[N, T, D]`` float32, a different magnitude per site."""
+def rich_overrides(features: Any = tuple(FEATURES)) -> dict[str, Any]:
+    """The :class:`CapturePlan` fields that add ``features`` (keys of :data:`FEATURES`) to
+    :func:`make_plan`'s capture: attention and MLP sites beside ``resid.1``, a CLS token,
+    labels of :data:`CLASSES`.
+
+    Example:
+        >>> plan = make_plan(**rich_overrides())
+        >>> [str(s) for s in plan.sites], plan.has_cls, plan.classes
+        (['resid.1', 'attn_out.2', 'mlp_out.3'], True, ['cat', 'dog', 'eel'])
+    """
+    unknown = set(features) - set(FEATURES)
+    if unknown:
+        raise ValueError(f"unknown features {sorted(unknown)}; choose from {list(FEATURES)}")
+    sites = [Site("resid", 1)]
+    if "attn_out" in features:
+        sites.append(Site("attn_out", 2))
+    if "mlp_out" in features:
+        sites.append(Site("mlp_out", 3))
+    return {
+        "sites": tuple(sites),
+        "has_cls": "cls" in features,
+        "has_labels": "labels" in features,
+        "classes": list(CLASSES) if "labels" in features else None,
+    }
+
+
+def make_acts(plan: CapturePlan, seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Activations per site name, ``[N, T, D]`` float32, a different magnitude per site;
+    with ``dtype="bfloat16"`` every value is one bfloat16 holds exactly (what a bfloat16
+    capture gives, widened)."""
     rng = np.random.default_rng(seed)
     shape = (plan.n_examples, plan.tokens_per_example, plan.d_model)
-    return {
+    out = {
         str(s): (rng.standard_normal(shape) * (1 + i)).astype(np.float32)
         for i, s in enumerate(plan.sites)
     }
+    if dtype != "float32":
+        wide = getattr(torch, dtype)
+        out = {k: torch.from_numpy(v).to(wide).to(torch.float32).numpy() for k, v in out.items()}
+    return out
+
+
+def make_labels(plan: CapturePlan) -> np.ndarray:
+    """The class labels ``[N]`` int64 :func:`make_batches` gives each example (when the plan
+    keeps labels)."""
+    return np.arange(plan.n_examples, dtype=np.int64) % max(1, len(plan.classes or [1]))
 
 
 def make_tokens(plan: CapturePlan) -> np.ndarray:
@@ -63,18 +112,25 @@ def make_tokens(plan: CapturePlan) -> np.ndarray:
     return ((np.arange(n * t, dtype=np.int64).reshape(n, t) % 250) + 4).astype(np.int32)
 
 
-def make_batches(plan: CapturePlan, acts: dict[str, np.ndarray]) -> list[Batch]:
-    """``acts`` cut into the plan's batches, with token ids and texts."""
+def make_batches(
+    plan: CapturePlan, acts: dict[str, np.ndarray], dtype: str = "float32"
+) -> list[Batch]:
+    """``acts`` cut into the plan's batches, as tensors of ``dtype`` (the capture dtype:
+    ``"bfloat16"`` as a bfloat16 capture hands them over), with token ids, texts, and
+    labels when the plan keeps them."""
     tokens = make_tokens(plan)
+    labels = make_labels(plan) if plan.has_labels else None
+    wide = getattr(torch, dtype)
     out = []
     for lo in range(0, plan.n_examples, plan.batch_size):
         hi = min(lo + plan.batch_size, plan.n_examples)
         out.append(
             Batch(
-                acts={k: torch.from_numpy(v[lo:hi].copy()) for k, v in acts.items()},
+                acts={k: torch.from_numpy(v[lo:hi].copy()).to(wide) for k, v in acts.items()},
                 example_ids=np.arange(lo, hi, dtype=np.int64),
                 token_ids=tokens[lo:hi],
                 texts=[f"example {i}" for i in range(lo, hi)],
+                labels=None if labels is None else labels[lo:hi],
             )
         )
     return out

@@ -1,20 +1,18 @@
-"""A real S3-compatible server on 127.0.0.1 for tests and benchmarks, with fault injection.
+"""A real S3-compatible server on 127.0.0.1 for tests and benchmarks, with fault injection
+(needs ``moto[server]`` and ``boto3``, the ``test`` extra).
 
 * :class:`S3Server` is moto's ``ThreadedMotoServer`` (bound to 127.0.0.1, port 0) whose WSGI
   app is wrapped in :class:`FaultInjector`, which can answer chosen requests with server-side
   errors (``500 InternalError``, ``503 SlowDown``...) instead of passing them to moto.
 * :class:`FaultyProxy` is a loopback TCP proxy in front of it that can reset connections
   mid-response, stall responses (client read timeouts) or refuse connections.
+* :class:`S3Env` is what a test gets: the endpoint, a fresh bucket, a boto3 client, the
+  fault knobs.
 
-Fixtures (registered for every test module by ``conftest.py``):
-
-* ``s3_server``: one server per test session.
-* ``s3``: a fresh bucket per test, with the AWS variables and ``S3_ENDPOINT_URL`` set
-  to the server (so ``open_store("s3://...")`` just works); faults are cleared.
-* ``s3_proxy``: like ``s3`` but the endpoint is a :class:`FaultyProxy`.
-
-Run as a script (``python tests/s3_server.py``) it serves until killed and prints the
-endpoint, for benchmarks that want the server in another process.
+The pytest fixtures over them (``s3_server``, ``s3``, ``s3_proxy``, ``conformance_s3_url``)
+are in :mod:`actstore.testing.plugin`. Run as a script (``python -m actstore.testing.s3``)
+it serves until killed and prints the endpoint, for benchmarks that want the server in
+another process.
 """
 
 from __future__ import annotations
@@ -28,8 +26,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import pytest
 
 HOST = "127.0.0.1"
 logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
@@ -289,7 +285,7 @@ def _reset(sock: socket.socket) -> None:
     sock.close()
 
 
-# ---------------------------------------------------------------------------- fixtures
+# ---------------------------------------------------------------------------- test environments
 
 
 @dataclass
@@ -334,7 +330,7 @@ class S3Env:
         return out
 
 
-def _aws_env(endpoint: str) -> dict[str, str]:
+def aws_env(endpoint: str) -> dict[str, str]:
     return {
         "AWS_ACCESS_KEY_ID": ACCESS_KEY,
         "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
@@ -343,52 +339,19 @@ def _aws_env(endpoint: str) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    """One moto S3 server on 127.0.0.1 for the whole session."""
-    server = start_server()
-    yield server
-    server.stop()
-
-
-def _new_env(s3_server, monkeypatch, endpoint: str, proxy: FaultyProxy | None = None) -> S3Env:
+def new_env(s3_server, monkeypatch, endpoint: str, proxy: FaultyProxy | None = None) -> S3Env:
+    """A fresh bucket on ``s3_server`` reached through ``endpoint``; the AWS variables set
+    with ``monkeypatch`` (a pytest ``MonkeyPatch``)."""
     s3_server.faults.clear()
     for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(key, raising=False)
-    for key, value in _aws_env(endpoint).items():
+    for key, value in aws_env(endpoint).items():
         monkeypatch.setenv(key, value)
     env = S3Env(
         endpoint=endpoint, bucket=f"test-bucket-{next(_bucket_ids)}", server=s3_server, proxy=proxy
     )
     env.client().create_bucket(Bucket=env.bucket)
     return env
-
-
-@pytest.fixture
-def s3(s3_server, monkeypatch) -> S3Env:
-    """A fresh bucket; the AWS variables and S3_ENDPOINT_URL point at the server."""
-    env = _new_env(s3_server, monkeypatch, s3_server.endpoint)
-    yield env
-    s3_server.faults.clear()
-
-
-@pytest.fixture
-def conformance_s3_url(s3, tmp_path, monkeypatch):
-    """``name -> s3://...`` on the loopback server: what actstore.testing's S3 rule needs
-    (staging goes under the test's tmp directory)."""
-    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))
-    return lambda name: s3.url(name.replace("[", "-").replace("]", ""))
-
-
-@pytest.fixture
-def s3_proxy(s3_server, monkeypatch) -> S3Env:
-    """Like ``s3``, but the endpoint is a :class:`FaultyProxy` in front of the server."""
-    _, port = s3_server.get_host_and_port()
-    proxy = FaultyProxy(port)
-    env = _new_env(s3_server, monkeypatch, proxy.endpoint, proxy)
-    yield env
-    proxy.close()
-    s3_server.faults.clear()
 
 
 if __name__ == "__main__":

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from ..errors import ActstoreError, CorruptStoreError
 from ..sites import Site
 from .case import FormatCase
-from .data import make_acts
+from .data import make_acts, make_labels, rich_overrides
 
 #: The keys of ``describe()`` that ``actstore inspect``, ``ls`` and the S3 listing read.
 DESCRIBE_KEYS = {"path", "format", "model", "sites", "shape", "dtype", "d_model", "bytes", "files"}
@@ -92,6 +95,40 @@ class ConformanceSuite:
                 assert reader.blocks(spelling) == want, spelling
         with pytest.raises(ActstoreError):
             reader.blocks("resid.2")  # not stored: one clear error naming what is
+
+    def test_reads_by_example_site_and_token(self, store):
+        """The README's read example, written once in ``ReaderBase`` over the format's
+        block reads: ``shape``, ``len``, ``reader[example, site, token]`` with ints,
+        negative ints, slices and int arrays, ``tokens[example]``, ``statistics(site)``."""
+        from ..errors import IndexOutOfRangeError
+
+        plan, acts, location = store
+        reader = self.case.open(location)
+        want = {s: self.case.expected_examples(plan, acts, s) for s in plan.sites}
+        site, n = plan.sites[-1], plan.n_examples
+        t = want[site].shape[1]
+        assert reader.shape == (n, len(plan.sites), t, plan.d_model)
+        assert len(reader) == n
+        e = n // 2
+        np.testing.assert_array_equal(reader[e, site, 0], want[site][e, 0])
+        np.testing.assert_array_equal(reader[e, str(site), -1], want[site][e, -1])
+        np.testing.assert_array_equal(reader[0:8, site], want[site][0:8])
+        np.testing.assert_array_equal(reader[[3, 1], site, 1:3], want[site][[3, 1], 1:3])
+        np.testing.assert_array_equal(reader[-1, site, [2, 0]], want[site][-1, [2, 0]])
+        np.testing.assert_array_equal(reader[e], np.stack([want[s][e] for s in plan.sites]))
+        assert reader[0:8, site].dtype == np.dtype(reader.dtype)
+        if reader.tokens is not None:
+            np.testing.assert_array_equal(
+                np.asarray(reader.tokens[e]), self.case.expected_tokens(plan)[e]
+            )
+        stats = reader.statistics(site)
+        assert stats is not None
+        rows = self.case.expected_rows(plan, acts, site).astype(np.float64)
+        np.testing.assert_allclose(stats.mean, rows.mean(0), rtol=1e-6, atol=1e-9)
+        with pytest.raises(IndexOutOfRangeError):
+            reader[n, site]
+        with pytest.raises(ActstoreError):
+            reader[0, "resid.2"]  # not stored
 
     def test_tokens_follow_has_tokens(self, store):
         """``capture_plan().has_tokens`` says whether ``tokens`` holds the ids captured."""
@@ -194,6 +231,80 @@ class ConformanceSuite:
         missing = DESCRIBE_KEYS - set(summary)
         assert not missing, f"describe() lacks {sorted(missing)}"
 
+    # ------------------------------------------------------------------ what it holds
+
+    def _rich_store(self, tmp_path: Any, features: Any) -> tuple[Any, dict[str, np.ndarray], str]:
+        """A bfloat16 capture with ``features`` (:data:`~actstore.testing.data.FEATURES`)."""
+        plan = self.case.plan(**rich_overrides(features))
+        acts = make_acts(plan, dtype="bfloat16")
+        batches = [
+            dataclasses.replace(b, acts={k: v.to(torch.bfloat16) for k, v in b.acts.items()})
+            for b in self.case.batches(plan, acts)
+        ]
+        return plan, acts, self.case.write(tmp_path / "rich", plan, batches)
+
+    def test_bf16_attention_mlp_cls_and_labels_round_trip(self, tmp_path):
+        """A bfloat16 capture of attention and MLP sites beside the residual stream, with a
+        CLS token and class labels (less what the case's ``cannot_hold`` declares): every
+        site's rows come back as stored, CLS rows are marked, labels and class names come
+        back, and ``capture_plan()`` says so."""
+        plan, acts, location = self._rich_store(tmp_path, self.case.holds)
+        reader = self.case.open(location)
+        assert reader.sites == plan.sites
+        got = reader.capture_plan()
+        assert (got.has_cls, got.has_labels) == (plan.has_cls, plan.has_labels), (
+            "capture_plan() gives back has_cls and has_labels"
+        )
+        for site in plan.sites:
+            np.testing.assert_array_equal(
+                self._rows(reader, site), self._expected(plan, acts, site), err_msg=str(site)
+            )
+        t = plan.tokens_per_example
+        for site in plan.sites:
+            marked, first = [], 0
+            for block in reader.blocks(site):
+                rows = reader.cls_rows(block)
+                if rows is not None:
+                    marked.extend((first + rows).tolist())
+                first += block.n_rows
+            want = list(range(0, plan.n_examples * t, t)) if plan.has_cls else []
+            assert sorted(marked) == want, f"cls_rows of {site} mark token 0 of every example"
+        if plan.has_labels:
+            assert reader.labels is not None, "the plan keeps labels: reader.labels"
+            labels = np.asarray(reader.labels)
+            if labels.ndim == 2:  # per token (saev's labels.bin): the same along each row
+                assert (labels == labels[:, :1]).all()
+                labels = labels[:, 0]
+            np.testing.assert_array_equal(labels, make_labels(plan))
+            assert list(reader.classes or []) == plan.classes
+        else:
+            assert reader.labels is None
+
+    def test_what_the_format_cannot_hold_is_refused_or_not_claimed(self, tmp_path):
+        """Each feature the case declares it cannot hold (``FormatCase.cannot_hold``) is
+        refused with one ActstoreError when written, or left out of the published store
+        without a claim: the site is not served, no CLS row is marked, no labels."""
+        for feature, why in self.case.cannot_hold.items():
+            try:
+                plan, _, location = self._rich_store(tmp_path / feature, [feature])
+            except ActstoreError:
+                continue  # refused, naming the problem
+            reader = self.case.open(location)
+            got = reader.capture_plan()
+            claim = f"{self.case!r} cannot hold {feature} ({why}) but"
+            if feature in ("attn_out", "mlp_out"):
+                (site,) = [s for s in plan.sites if s.kind == feature]
+                with pytest.raises(ActstoreError):
+                    reader.site(site)
+                assert site not in got.sites, f"{claim} its capture_plan() lists {site}"
+            elif feature == "cls":
+                assert not got.has_cls, f"{claim} its capture_plan() says has_cls"
+                for block in reader.blocks(plan.sites[0]):
+                    rows = reader.cls_rows(block)
+                    assert rows is None or not len(rows), f"{claim} marks CLS rows"
+            else:
+                assert not got.has_labels and reader.labels is None, f"{claim} serves labels"
+
     # ------------------------------------------------------------------ integrity
 
     def test_unpublished_store_is_not_readable(self, tmp_path):
@@ -250,6 +361,44 @@ class ConformanceSuite:
             assert sa is not None and sb is not None and sa.count == sb.count
             np.testing.assert_array_equal(sa.mean, sb.mean)
             np.testing.assert_array_equal(sa.var, sb.var)
+
+    def test_resume_after_a_crash_at_each_fault_point_is_byte_identical(self, tmp_path):
+        """Killed at each fault point its writer reaches (:mod:`actstore.faults`), and
+        between two batches, then rerun: every file's name and bytes equal those of the
+        store written in one go (both with ``SOURCE_DATE_EPOCH`` set), and nothing is left
+        beside it (no partial directory, no lock). See :mod:`actstore.testing.crash`."""
+        from ..faults import CRASH_EXIT
+        from ..storage.location import Location
+        from .crash import crash_and_resume, differences, store_bytes
+
+        if self.case.check_crashes is not True:
+            pytest.skip(f"{self.case!r}: {self.case.check_crashes or 'check_crashes=False'}")
+        outcome = crash_and_resume(self.case, tmp_path / "crashes")
+        want = store_bytes(outcome.reference)
+        assert want, f"the reference store at {outcome.reference} holds no files"
+        beside = _tree(Path(outcome.reference_out).parent)
+        problems = []
+        for run in outcome.runs:
+            if run.crash_code != CRASH_EXIT:
+                problems.append(
+                    f"{run.crash}: the writer did not die there (exit {run.crash_code}): "
+                    f"{run.crash_stderr[-2000:]}"
+                )
+            elif run.rerun_code != 0:
+                problems.append(
+                    f"{run.crash}: the rerun failed (exit {run.rerun_code}): "
+                    f"{run.rerun_stderr[-2000:]}"
+                )
+            else:
+                diffs = differences(store_bytes(run.location), want)
+                if diffs:
+                    problems.append(f"{run.crash}: {'; '.join(diffs[:6])}")
+                if Location.parse(run.location).is_local:
+                    left = _tree(Path(run.out).parent)
+                    if left != beside:
+                        extra = sorted(set(left) - set(beside))[:6]
+                        problems.append(f"{run.crash}: left beside the store: {extra}")
+        assert not problems, "\n".join(problems)
 
     def test_a_second_writer_is_refused_until_the_first_stops(self, tmp_path):
         """Two captures into one store: the second is refused with one line naming the
@@ -338,3 +487,8 @@ class ConformanceSuite:
                 self._rows(reader, site), self._expected(plan, acts, site)
             )
         assert reader.verify().ok
+
+
+def _tree(root: Path) -> list[str]:
+    """Every file and folder under ``root``, relative."""
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))

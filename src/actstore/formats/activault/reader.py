@@ -49,7 +49,8 @@ from ...stats import RunningStats
 from ...storage.integrity import Integrity
 from ...storage.location import Location
 from ...storage.manifest import MANIFEST
-from ...storage.object import MiB, S3Config, base_name, join_key, open_location, parent_key
+from ...storage.object import MiB, base_name, join_key, open_location, parent_key
+from ..arrays import LazyRows
 from ..base import Block, ReaderBase, VerifyReport, summary_of
 from .layout import (
     CFG,
@@ -137,19 +138,20 @@ class ActivaultReader(ReaderBase):
         self,
         location: str | os.PathLike | Location,
         *,
-        verify_reads: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        cache_bytes: int | str | None = None,
-        s3: S3Config | None = None,
         allow_incomplete: bool = False,
         chunk_size: int | None = None,
         concurrency: int = 8,
+        **kwargs: Any,
     ) -> None:
-        self._open_location(
-            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
-        )
+        """``kwargs``: every reader's (``verify_reads``, ``cache_dir``, ``cache_bytes``,
+        ``s3``)."""
+        self.allow_incomplete = allow_incomplete
         self.chunk_size, self.concurrency = chunk_size, concurrency
-        self.store, prefix = open_location(self.location.url, s3)
+        super().__init__(location, **kwargs)
+
+    def open_index(self) -> None:
+        """cfg.json (its commit record), each hook's metadata.json and listing, checked."""
+        self.store, prefix = open_location(self.location.url, self.s3)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._pid = os.getpid()
@@ -158,7 +160,7 @@ class ActivaultReader(ReaderBase):
         self.hook_folder: str | None = None
         if self.store.size(join_key(prefix, METADATA)) is not None:
             self.run_prefix, self.hook_folder = parent_key(prefix), base_name(prefix)
-            self.files = self.location.parent.files(cache_dir=cache_dir, cache_bytes=cache_bytes)
+            self.files = self.location.parent.files(**self.cache_options)
         else:
             self.run_prefix = prefix
         whole_run = self.hook_folder is None
@@ -192,7 +194,7 @@ class ActivaultReader(ReaderBase):
                     f"{clash[0]!r}"
                 )
         if self.record is not None and not self.record.complete and not self.files.exists(MANIFEST):
-            if not allow_incomplete:
+            if not self.allow_incomplete:
                 raise CorruptStoreError(
                     f"{self.store.url(self.run_prefix)} is an unfinished capture "
                     f"({self.record.groups} files per hook committed so far): rerun the same "
@@ -215,7 +217,7 @@ class ActivaultReader(ReaderBase):
                     f"record version {version}, before root manifests), so its files cannot be "
                     "checked; re-capture it, or open it with verify_reads=False"
                 )
-            self._open_checks(ours=self.record is not None)
+            self.open_checks(ours=self.record is not None)
             if self.checks.enabled:  # cfg.json as published, before anything is trusted
                 doc = self.checks.read_json(CFG)
                 self.cfg = doc if isinstance(doc, dict) else {}
@@ -235,7 +237,7 @@ class ActivaultReader(ReaderBase):
         self._site_hooks = {self._hook_site(h): h for h in hook_names}
         self.notes: list[str] = []
         self._check_alignment()
-        self._check_summary()
+        self._ids: dict[int, np.ndarray] = {}  # input_ids of the last files decoded
 
     def trusted_summary(self) -> dict[str, Any]:
         """What the run's root manifest records; a reader of one hook folder of a run checks
@@ -389,10 +391,47 @@ class ActivaultReader(ReaderBase):
         return max(s.layer for s in self.sites) + 1
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """``(files, rows per file, tokens per row, d)`` of each hook."""
-        md = next(iter(self.listings.values())).metadata
-        return (len(self), md.batch_size, md.sequence_length, md.d_in)
+    def n_files(self) -> int:
+        """Megabatch files per hook."""
+        return len(next(iter(self.listings.values())).files)
+
+    def example_axis_error(self, site: Site, rows: int) -> str:
+        plan = self.capture_plan()
+        return (
+            f"{self.url} holds {rows} tokens per hook, not {plan.n_examples} examples x "
+            f"{plan.tokens_per_example}: token cleaning dropped some (or the last file was "
+            "partial), so token positions are lost and reader[example, site, token] cannot "
+            "place them; read blocks(site), or capture with --no-clean and a rows_per_file "
+            "that divides the examples"
+        )
+
+    @property
+    def tokens(self) -> _InputIds | None:
+        """Token ids ``[n_examples, T]`` (int64), from the ``input_ids`` of the first hook's
+        files (each file read, checked and decoded when a row of it is indexed), for runs
+        of whole examples; None when the capture kept no token ids or token positions were
+        lost (token cleaning)."""
+        if not self.capture_plan().has_tokens:
+            return None
+        return _InputIds(self)
+
+    def file_input_ids(self, index: int) -> np.ndarray:
+        """The ``input_ids`` of file ``index`` of the first hook, flat (the last two files
+        decoded are kept)."""
+        ids = self._ids.get(index)
+        if ids is None:
+            first = self.hooks[0]
+            got = self.megabatch(first, index)["input_ids"]
+            if got is None:
+                raise CorruptStoreError(
+                    f"{self.store.url(self.listings[first].files[index].key)} holds no "
+                    "input_ids (a very old Activault file): its token ids are not stored"
+                )
+            ids = got.reshape(-1).numpy()
+            while len(self._ids) >= 2:
+                self._ids.pop(next(iter(self._ids)))
+            self._ids[index] = ids
+        return ids
 
     def capture_plan(self) -> CapturePlan:
         """The capture this run came from: actstore's record of it in ``cfg.json`` (as
@@ -403,8 +442,9 @@ class ActivaultReader(ReaderBase):
         rows = len(first.files) * first.metadata.tokens_per_file
         if self.record is not None:
             plan = CapturePlan.from_json_dict(self.record.plan)
-            # token ids stay inside the megabatch files; blocks do not carry them
-            return dataclasses.replace(plan, has_tokens=False, has_labels=False)
+            # token ids are the files' input_ids, placed by example only in whole examples
+            whole = rows == plan.n_examples * plan.tokens_per_example
+            return dataclasses.replace(plan, has_tokens=plan.has_tokens and whole, has_labels=False)
         md = first.metadata
         sites = self.sites
         return CapturePlan(
@@ -421,7 +461,7 @@ class ActivaultReader(ReaderBase):
             data={},
             classes=None,
             has_labels=False,
-            has_tokens=False,
+            has_tokens=True,  # Activault keeps each row's input_ids
             batch_size=md.batch_size,
         )
 
@@ -462,13 +502,10 @@ class ActivaultReader(ReaderBase):
     def data_files(self, site: Any) -> tuple[StoredFile, ...]:
         return self.listings[self.hook_of(site)].files
 
-    def __len__(self) -> int:
-        return len(next(iter(self.listings.values())).files)
-
     def __repr__(self) -> str:
         md = next(iter(self.listings.values())).metadata
         return (
-            f"ActivaultReader({self.url!r}, hooks={self.hooks}, files={len(self)}, "
+            f"ActivaultReader({self.url!r}, hooks={self.hooks}, files={self.n_files}, "
             f"shape={list(md.shape)}, dtype={md.dtype})"
         )
 
@@ -572,6 +609,12 @@ class ActivaultReader(ReaderBase):
         text = self.sample_text()
         if text:
             out["text"] = text
+        if self.tokens is not None:  # a file is downloaded for them: only a small one
+            out["token_ids[0][:16]"] = (
+                self.tokens[0][:16].tolist()
+                if md.file_bytes <= 64 * MiB
+                else f"(in the files' input_ids; files of {md.file_bytes} bytes not downloaded)"
+            )
         if self.notes:
             out["notes"] = list(self.notes)
         return out
@@ -705,7 +748,7 @@ class ActivaultReader(ReaderBase):
         self.files.close()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {**self.__dict__, "_pool": None}
+        state = {**self.__dict__, "_pool": None, "_ids": {}}
         del state["_pool_lock"]
         return state
 
@@ -716,6 +759,27 @@ class ActivaultReader(ReaderBase):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
+
+
+class _InputIds(LazyRows):
+    """``reader.tokens`` of an Activault run of whole examples: row ``i`` is example ``i``'s
+    ``T`` token ids, from the files holding them."""
+
+    def __init__(self, reader: ActivaultReader) -> None:
+        plan = reader.capture_plan()
+        super().__init__(np.int64, (plan.n_examples, plan.tokens_per_example))
+        self.reader = reader
+        self.per_file = next(iter(reader.listings.values())).metadata.tokens_per_file
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        t = self.row_shape[0]
+        flat = index[:, None] * t + np.arange(t)[None, :]
+        out = np.empty(flat.shape, dtype=self.dtype)
+        which = flat // self.per_file
+        for k in np.unique(which).tolist():
+            mine = which == k
+            out[mine] = self.reader.file_input_ids(k)[flat[mine] - k * self.per_file]
+        return out
 
 
 def auto_chunk(size: int, concurrency: int) -> int:

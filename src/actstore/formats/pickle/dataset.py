@@ -59,7 +59,7 @@ class ActivationDataset(IterableDataset):
             raise ConfigError(f"pool_shards must be >= 1, not {pool_shards}")
         self.reader = PickleReader(output_dir, cache_shards=pool_shards)
         self.layer_idx = int(layer_idx)
-        self.layer_key = layer_key(self.reader._layer(layer_idx))
+        self.layer_key = layer_key(self.reader.site(layer_idx).layer)
         self.shards = [i for i, s in enumerate(self.reader.shards) if self.layer_idx in s.layers]
         self.shuffle, self.seed, self.pool_shards = shuffle, seed, pool_shards
         self.epoch = epoch

@@ -50,7 +50,6 @@ from ...errors import (
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
-from ...storage.object import S3Config
 from ..arrays import LazyRows
 from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
@@ -93,18 +92,15 @@ class PickleReader(ReaderBase):
     format_name = "pickle"
 
     def __init__(
-        self,
-        location: str | os.PathLike | Location,
-        *,
-        cache_shards: int = 1,
-        verify_reads: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        cache_bytes: int | str | None = None,
-        s3: S3Config | None = None,
+        self, location: str | os.PathLike | Location, *, cache_shards: int = 1, **kwargs: Any
     ) -> None:
-        self._open_location(
-            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
-        )
+        """``cache_shards``: decoded shards kept in memory; ``kwargs``: every reader's
+        (``verify_reads``, ``cache_dir``, ``cache_bytes``, ``s3``)."""
+        self._cache_size = max(1, cache_shards)
+        super().__init__(location, **kwargs)
+
+    def open_index(self) -> None:
+        """metadata.json read and checked against the shards' sizes."""
         if not self.files.exists(METADATA):
             raise StoreNotFoundError(
                 f"{self.files.url_of(METADATA)} does not exist; is {self.url} a pkl.gz store?"
@@ -112,7 +108,7 @@ class PickleReader(ReaderBase):
         raw = self.files.read_json(METADATA)
         config = raw.get("extraction_config") if isinstance(raw, dict) else None
         ours = isinstance(config, dict) and bool(config.get("actstore"))
-        self._open_checks(ours=ours)
+        self.open_checks(ours=ours)
         self.metadata = PickleMetadata.from_json_dict(
             self.checks.read_json(METADATA), source=self.files.url_of(METADATA)
         )
@@ -129,10 +125,8 @@ class PickleReader(ReaderBase):
                     f"{info.size_bytes}: it is truncated or was replaced; restore it"
                 )
         self._firsts = [s.sample_id_range[0] for s in self.shards]
-        self._cache_size = max(1, cache_shards)
         self._cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._rows: dict[int, int] = {}
-        self._check_summary()
 
     def _check_declared(self) -> None:
         """Cheap consistency checks, so tampered metadata fails instead of serving less."""
@@ -191,10 +185,11 @@ class PickleReader(ReaderBase):
         return layer_key(site.layer)
 
     @property
-    def shape(self) -> tuple[int, int, int | None, int]:
-        """``(n_samples, n_layers, tokens per sample or None when they differ, d)``."""
+    def tokens_per_example(self) -> int | None:
+        """Tokens per sample (None when samples differ in length: a store another tool
+        wrote, whose ``reader[...]`` is refused; read blocks or :meth:`items`)."""
         own = self.metadata.actstore.get("tokens_per_example")
-        return (self.n_examples, len(self.layers), own, self.d_model)
+        return own if isinstance(own, int) else None
 
     def n_rows(self, site: Any) -> int:
         layer = self.site(site).layer
@@ -209,6 +204,19 @@ class PickleReader(ReaderBase):
             return None
         width = int(self.metadata.actstore.get("tokens_per_example") or 0)
         return _ItemTokens(self, width)
+
+    @property
+    def labels(self) -> LazyRows | None:
+        """Class labels ``[n_samples]`` (int64) from each item's ``metadata.label``, read
+        as they are indexed; None when the capture kept none."""
+        if not self.metadata.actstore.get("has_labels"):
+            return None
+        return _ItemLabels(self)
+
+    @property
+    def classes(self) -> list[str] | None:
+        classes = self.metadata.actstore.get("classes")
+        return list(classes) if classes is not None else None
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -230,9 +238,6 @@ class PickleReader(ReaderBase):
 
     @property
     def n_examples(self) -> int:
-        return self.metadata.n_samples
-
-    def __len__(self) -> int:
         return self.metadata.n_samples
 
     def __repr__(self) -> str:
@@ -364,9 +369,6 @@ class PickleReader(ReaderBase):
 
     # ------------------------------------------------------------------ blocks
 
-    def _layer(self, site: Any) -> int:
-        return self.site(site).layer
-
     def site_blocks(self, site: Site) -> list[Block]:
         """One block per shard holding ``site``: its samples' rows, in sample id order."""
         return [
@@ -401,41 +403,18 @@ class PickleReader(ReaderBase):
         )
         return None if record is None else RunningStats.from_dict(record)
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        """``reader[sample, site, token]`` of fixed-length stores (samples in sample id
-        order): each shard holding a sample asked for is read and checked whole."""
-        t = self.metadata.actstore.get("tokens_per_example")
-        if not isinstance(t, int):
-            raise ConfigError(f"{self.url}: samples have no fixed length; use item() or items()")
-        examples, site, token, scalar = self.split_key(key, self.n_examples, t)
-        layers = self.layers if site is None else (site.layer,)
-        out = np.empty((len(examples), len(layers), t, self.d_model), dtype=np.float32)
-        counts = np.cumsum([0] + [s.num_samples for s in self.shards])
-        shard_of = np.searchsorted(counts, examples, side="right") - 1
-        for index in np.unique(shard_of).tolist():
-            mine = np.flatnonzero(shard_of == index)
-            data = self.load_shard(index)
-            for j, layer in enumerate(layers):
-                items = data[layer_key(layer)]
-                for i in mine:
-                    out[i, j] = items[int(examples[i] - counts[index])]["activation"]
-        data_out = out[:, :, token]
-        if site is not None:
-            data_out = data_out[:, 0]
-        return data_out[0] if scalar else data_out
-
     # ------------------------------------------------------------------ spec-level access
 
     def items(self, layer: int) -> Iterator[dict[str, Any]]:
         """Every item of ``layer`` in sample id order: the spec's ``iter_activations``."""
-        key = layer_key(self._layer(layer))
+        key = layer_key(self.site(layer).layer)
         for i, info in enumerate(self.shards):
             if int(layer) in info.layers:
                 yield from self.load_shard(i)[key]
 
     def item(self, sample_idx: int, layer: int) -> dict[str, Any]:
         """The item of global sample id ``sample_idx`` at ``layer``."""
-        key = layer_key(self._layer(layer))
+        key = layer_key(self.site(layer).layer)
         index = bisect.bisect_right(self._firsts, sample_idx) - 1
         if index >= 0 and sample_idx <= self.shards[index].sample_id_range[1]:
             for item in self.load_shard(index)[key]:
@@ -603,6 +582,34 @@ class PickleReader(ReaderBase):
             report.faults.append(f"statistics of layer {layer} have vectors of the wrong length")
             return False
         return stats is not None
+
+
+class _ItemLabels(LazyRows):
+    """``reader.labels`` of a pkl.gz store: sample ``i``'s class label (sample id order)."""
+
+    def __init__(self, reader: PickleReader) -> None:
+        counts = [s.num_samples for s in reader.shards]
+        super().__init__(np.int64, (sum(counts),))
+        self.reader = reader
+        self.starts = np.cumsum([0, *counts])
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        out = np.empty(len(index), dtype=self.dtype)
+        key = layer_key(self.reader.layers[0])
+        shard_of = np.searchsorted(self.starts, index, side="right") - 1
+        for shard in np.unique(shard_of):
+            items = self.reader.load_shard(int(shard))[key]
+            for j in np.flatnonzero(shard_of == shard):
+                label = (items[int(index[j] - self.starts[shard])].get("metadata") or {}).get(
+                    "label"
+                )
+                if not isinstance(label, (int, np.integer)):
+                    raise CorruptStoreError(
+                        f"{self.reader.url}: sample row {int(index[j])} lacks its label; the "
+                        "store is damaged, re-capture it"
+                    )
+                out[j] = int(label)
+        return out
 
 
 class _ItemTokens(LazyRows):

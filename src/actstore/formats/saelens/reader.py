@@ -29,7 +29,9 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -38,8 +40,6 @@ from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ...sites import Site
 from ...stats import RunningStats
-from ...storage.location import Location
-from ...storage.object import S3Config
 from ..arrays import LazyRows
 from ..base import Block, ReaderBase, VerifyReport, scratch
 from .layout import (
@@ -86,27 +86,17 @@ class SaelensReader(ReaderBase):
 
     format_name = "saelens"
 
-    def __init__(
-        self,
-        location: str | os.PathLike | Location,
-        *,
-        verify_reads: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        cache_bytes: int | str | None = None,
-        s3: S3Config | None = None,
-    ) -> None:
+    def open_index(self) -> None:
+        """state.json, dataset_info.json and (in actstore's caches) the sidecar, checked."""
         from datasets import Array2D, Features
 
-        self._open_location(
-            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
-        )
         if not self.files.exists(STATE):
             raise StoreNotFoundError(
                 f"{self.url} holds no saelens store (no {STATE}): a wrong path, a directory not "
                 "written by Dataset.save_to_disk, or an unfinished copy (finish it with actstore cp)"
             )
         ours = self.files.exists(SIDECAR)
-        self._open_checks(ours=ours)
+        self.open_checks(ours=ours)
         state = self.checks.read_json(STATE)
         try:
             self.arrow_files = tuple(str(e["filename"]) for e in state["_data_files"])
@@ -148,7 +138,6 @@ class SaelensReader(ReaderBase):
         self._batch_rows: list[list[int]] | None = None
         self._starts: np.ndarray | None = None
         self._statistics: dict[str, Any] | None = None
-        self._check_summary()
 
     def _open_own(self) -> SaelensLayout:
         record = self.checks.read_json(SIDECAR)
@@ -222,17 +211,9 @@ class SaelensReader(ReaderBase):
 
     tokens_per_example = property(lambda self: self.context_size)
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """``(n_examples, n_sites, context_size, d_in)``."""
-        return (self.n_examples, len(self.columns), self.context_size, self.d_model)
-
     def n_rows(self, site: Any) -> int:
         self.site(site)
         return self.n_examples * self.context_size
-
-    def __len__(self) -> int:
-        return self.n_examples
 
     def __repr__(self) -> str:
         return (
@@ -358,16 +339,12 @@ class SaelensReader(ReaderBase):
 
     # ------------------------------------------------------------------ random access
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        """``reader[example, site, token]``: example and token take ints, slices or int
-        arrays; site is any spelling or ``:`` for all. Each record batch holding an example
-        asked for is read (and checked) whole."""
-        examples, site, token, scalar = self.split_key(key, self.n_examples, self.context_size)
-        columns = (
-            list(range(len(self.columns)))
-            if site is None
-            else [self.columns.index(self.column(site))]
-        )
+    def read_examples(
+        self, examples: np.ndarray, sites: Sequence[Site], tokens: slice | np.ndarray
+    ) -> np.ndarray:
+        """Each record batch holding an example asked for is read (and checked) whole, every
+        site of it in one ranged read."""
+        columns = [self.columns.index(self.column(site)) for site in sites]
         t, d = self.context_size, self.d_model
         buf = np.empty((len(examples), len(columns), t, d), dtype=self.dtype)
         files, batches, rows = self._locate(examples)
@@ -375,10 +352,7 @@ class SaelensReader(ReaderBase):
             mine = np.flatnonzero((files == fb[0]) & (batches == fb[1]))
             for j, values in enumerate(self._batch_columns(fb[0], fb[1], columns)):
                 buf[mine, j] = values.reshape(-1, t, d)[rows[mine]]
-        out = buf[:, :, token]
-        if site is not None:
-            out = out[:, 0]
-        return out[0] if scalar else out
+        return buf[:, :, tokens]
 
     def _batch_columns(self, f: int, b: int, columns: list[int]) -> list[np.ndarray]:
         """The values of ``columns`` of record batch ``b`` of file ``f``: in an actstore
@@ -444,7 +418,9 @@ class SaelensReader(ReaderBase):
         :class:`ConfigError` when a column names no actstore site, see :class:`ColumnSite`)."""
         if self.record is not None:
             try:
-                return CapturePlan.from_json_dict(dict(self.record["plan"]))
+                plan = CapturePlan.from_json_dict(dict(self.record["plan"]))
+                # a cache keeps activations and token ids, not class labels
+                return dataclasses.replace(plan, has_labels=False, classes=None)
             except (KeyError, TypeError, ValueError) as err:
                 raise CorruptStoreError(
                     f"{self.files.url_of(SIDECAR)}: bad plan record ({err})"

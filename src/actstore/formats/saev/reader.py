@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import re
 import threading
@@ -40,8 +39,6 @@ from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError, UnsafeDataError
 from ...sites import Site
 from ...stats import RunningStats
-from ...storage.location import Location
-from ...storage.object import S3Config
 from ..arrays import RowFile
 from ..base import Block, ReaderBase, VerifyReport, as_indices, place, scratch
 from .layout import SaevMetadata, shard_name
@@ -82,18 +79,8 @@ class SaevReader(ReaderBase):
 
     format_name = "saev"
 
-    def __init__(
-        self,
-        location: str | os.PathLike | Location,
-        *,
-        verify_reads: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        cache_bytes: int | str | None = None,
-        s3: S3Config | None = None,
-    ) -> None:
-        self._open_location(
-            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
-        )
+    def open_index(self) -> None:
+        """metadata.json and shards.json read and checked, every shard's size too."""
         if not self.files.exists("metadata.json"):
             raise StoreNotFoundError(
                 f"{self.url} holds no saev store (no metadata.json): a wrong path, or an "
@@ -108,14 +95,13 @@ class SaevReader(ReaderBase):
                 f"{self.url} was written by an older actstore (it has {OLD_CHECKSUMS}, not a "
                 "root manifest): re-capture it, or open it with verify_reads=False"
             )
-        self._open_checks(ours=any(self.files.exists(n) for n in OWN_MARKERS))
+        self.open_checks(ours=any(self.files.exists(n) for n in OWN_MARKERS))
         self.metadata = SaevMetadata.from_json_dict(
             self.checks.read_json("metadata.json"), source=self.files.url_of("metadata.json")
         )
         self.shard_counts = self._read_shards_json()
         self._check_sizes()
         self._statistics: dict[str, Any] | None = None
-        self._check_summary()
 
     # ------------------------------------------------------------------ validation
 
@@ -218,17 +204,12 @@ class SaevReader(ReaderBase):
         return self.metadata.tokens_per_ex
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """The logical tensor ``(n_examples, L, T, D)``."""
-        md = self.metadata
-        return (md.n_examples, len(md.layers), md.tokens_per_ex, md.d_model)
+    def tokens_per_example(self) -> int:
+        return self.metadata.tokens_per_ex
 
     def n_rows(self, site: Any) -> int:
         self.site(site)
         return self.metadata.n_examples * self.metadata.tokens_per_ex
-
-    def __len__(self) -> int:
-        return self.metadata.n_examples
 
     def __repr__(self) -> str:
         n, _layers, t, d = self.shape
@@ -264,24 +245,22 @@ class SaevReader(ReaderBase):
                 self._read_checked(name, offset, out[i, j])
         return out
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        """``reader[example, site, token]``: example and token take ints, slices or int
-        arrays; site takes any spelling (``6``, ``"resid.6"``, ``-1``) or ``:`` for all."""
-        md = self.metadata
-        examples, site, token, scalar = self.split_key(key, md.n_examples, md.tokens_per_ex)
-        layer_ids = range(len(md.layers)) if site is None else [self._layer_index(site)]
+    def read_examples(
+        self, examples: np.ndarray, sites: Sequence[Site], tokens: slice | np.ndarray
+    ) -> np.ndarray:
+        """Checked: whole (example, layer) slabs (the manifest's blocks), then the tokens
+        asked for; unchecked: only the token rows asked for, each straight into place."""
+        layer_ids = [self._layer_index(site) for site in sites]
         if self.checks.enabled:
-            data = self._slabs(examples, list(layer_ids))[:, :, token]
-        else:
-            data = self._rows_unchecked(examples, list(layer_ids), token)
-        if site is not None:
-            data = data[:, 0]
-        return data[0] if scalar else data
+            return self._slabs(examples, layer_ids)[:, :, tokens]
+        return self._rows_unchecked(examples, layer_ids, tokens)
 
-    def _rows_unchecked(self, examples: np.ndarray, layer_ids: list[int], token: Any) -> np.ndarray:
+    def _rows_unchecked(
+        self, examples: np.ndarray, layer_ids: list[int], tokens: slice | np.ndarray
+    ) -> np.ndarray:
         """Only the token rows asked for, each straight into place (no whole-slab reads)."""
         md = self.metadata
-        picked = np.atleast_1d(np.arange(md.tokens_per_ex)[token])
+        picked = np.atleast_1d(np.arange(md.tokens_per_ex)[tokens])
         out = np.empty((len(examples), len(layer_ids), len(picked), md.d_model), "<f4")
         flat = out.reshape(-1, md.d_model)
         row_bytes = md.d_model * 4
@@ -303,8 +282,6 @@ class SaevReader(ReaderBase):
             if not unique.all():  # the same row asked for twice: copy the slot read
                 src = slots[np.maximum.accumulate(np.where(unique, np.arange(len(slots)), 0))]
                 flat[slots[~unique]] = flat[src[~unique]]
-        if isinstance(token, (int, np.integer)):
-            return out[:, :, 0]
         return out
 
     def vector(self, example: int, layer: Any, token: int) -> np.ndarray:

@@ -26,7 +26,6 @@ Example:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +36,6 @@ from ...errors import ConfigError, CorruptStoreError, IndexOutOfRangeError, Stor
 from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ...storage.integrity import Integrity
-from ...storage.location import Location
-from ...storage.object import S3Config
 from ..base import Block, ReaderBase, VerifyReport, summary_of
 from .layout import (
     ACT_DTYPE,
@@ -93,19 +90,8 @@ class ZarrReader(ReaderBase):
 
     format_name = "zarr"
 
-    def __init__(
-        self,
-        location: str | os.PathLike | Location,
-        *,
-        verify_reads: bool = True,
-        cache_dir: str | os.PathLike | None = None,
-        cache_bytes: int | str | None = None,
-        s3: S3Config | None = None,
-    ) -> None:
-        self._open_location(
-            location, verify_reads=verify_reads, cache_dir=cache_dir, cache_bytes=cache_bytes, s3=s3
-        )
-        self._cache: dict[str, Any] = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
+    def open_index(self) -> None:
+        """The store's (or each store of a run's) metadata, digests and lengths, checked."""
         self.manifest: dict[str, Any] | None = None
         if self.files.exists(MANIFEST):
             self.stores = self._open_run()
@@ -116,7 +102,7 @@ class ZarrReader(ReaderBase):
             ):
                 root = root.child(STORE_NAME)
                 self.location = root
-                self.files = root.files(**self._cache)
+                self.files = root.files(**self.cache_options)
             elif not self.files.exists(".zmetadata") and any(
                 n.startswith("shards/") for n in self.files.list()
             ):
@@ -124,7 +110,7 @@ class ZarrReader(ReaderBase):
                     f"{self.url} has shards but no {MANIFEST} (written last): an unfinished "
                     "run or copy; write it with write_manifest, or rerun the copy"
                 )
-            self.stores = [StoreMeta.open(root, verify_reads=verify_reads, files=self.files)]
+            self.stores = [StoreMeta.open(root, verify_reads=self.verify_reads, files=self.files)]
             self.checks = self.stores[0].checks
         first = self.stores[0]
         self.layout = first.layout.with_samples(sum(s.n_samples for s in self.stores))
@@ -133,9 +119,8 @@ class ZarrReader(ReaderBase):
         self.response_len = np.concatenate([s.lengths["response"] for s in self.stores])
         self._stats: dict[Site, RunningStats] = {}
         self._text_index: dict[tuple[int, str], np.ndarray] = {}
-        self._check_summary()
 
-    def _check_summary(self) -> None:
+    def check_summary(self) -> None:
         """Each store against what its writer published (a run's own manifest lists only
         ``manifest.json``)."""
         for store in self.stores:
@@ -167,7 +152,7 @@ class ZarrReader(ReaderBase):
                 self.location.child(str(entry["path"])),
                 offset=start,
                 verify_reads=self.verify_reads,
-                cache=self._cache,
+                cache=self.cache_options,
             )
             if int(entry["start"]) != start or int(entry["n_samples"]) != store.n_samples:
                 raise CorruptStoreError(
@@ -231,17 +216,18 @@ class ZarrReader(ReaderBase):
         return self.layout.n_samples
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        """``(n_samples, L, P_max + R_max, H)``: the padded prompt and response tokens."""
-        lay = self.layout
-        return (lay.n_samples, lay.n_layers, lay.p_max + lay.r_max, lay.hidden_size)
+    def n_examples(self) -> int:
+        return self.layout.n_samples
+
+    @property
+    def tokens_per_example(self) -> int:
+        """``P_max + R_max``: ``reader[...]``'s token axis is the padded prompt, then the
+        padded response."""
+        return self.layout.p_max + self.layout.r_max
 
     def n_rows(self, site: Any) -> int:
         self.site(site)
         return int(self.prompt_len.sum()) + int(self.response_len.sum())
-
-    def __len__(self) -> int:
-        return self.layout.n_samples
 
     def lengths(self, part: str) -> np.ndarray:
         """Stored (capped) lengths of ``part`` for every sample."""
@@ -336,12 +322,13 @@ class ZarrReader(ReaderBase):
         out[n_real:] = 0  # padding is zeros (the writer stores it so; verify checks it)
         return out
 
-    def __getitem__(self, key: Any) -> np.ndarray:
-        """``reader[sample, site, token]`` over the padded ``P_max + R_max`` tokens (prompt
-        then response, float16; token may be a slice or an int array), checked."""
+    def read_examples(
+        self, examples: np.ndarray, sites: Sequence[Site], tokens: slice | np.ndarray
+    ) -> np.ndarray:
+        """Over the padded ``P_max + R_max`` tokens (prompt then response, float16; zeros
+        past each part's length), checked."""
         lay = self.layout
-        examples, site, token, scalar = self.split_key(key, lay.n_samples, lay.p_max + lay.r_max)
-        layer_ids = range(lay.n_layers) if site is None else [self._layer_index(site)]
+        layer_ids = [self._layer_index(site) for site in sites]
         out = np.zeros(
             (len(examples), len(layer_ids), lay.p_max + lay.r_max, lay.hidden_size), ACT_DTYPE
         )
@@ -349,10 +336,7 @@ class ZarrReader(ReaderBase):
             for m, li in enumerate(layer_ids):
                 out[j, m, : lay.p_max] = self.read_index(i, li, "prompt", trim=False)
                 out[j, m, lay.p_max :] = self.read_index(i, li, "response", trim=False)
-        data = out[:, :, token]
-        if site is not None:
-            data = data[:, 0]
-        return data[0] if scalar else data
+        return out[:, :, tokens]
 
     def read_batch(
         self,

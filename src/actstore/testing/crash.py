@@ -1,0 +1,209 @@
+"""Crash a format's writer at each of its fault points, rerun it, and keep the bytes: what
+:meth:`~actstore.testing.ConformanceSuite.test_resume_after_a_crash_at_each_fault_point_is_byte_identical`
+runs, for any format a :class:`~actstore.testing.FormatCase` drives.
+
+:func:`crash_and_resume` starts one helper process (``python -m actstore.testing.crash``,
+with ``SOURCE_DATE_EPOCH`` set) that imports actstore once and forks a child per write, so
+each crash costs a fork, not an interpreter start:
+
+1. the reference: the store written in one go, with ``ACTSTORE_FAULT_TRACE`` recording
+   every fault point (:mod:`actstore.faults`) the writer reaches;
+2. for each point reached (at its middle hit when it is reached more than once), and once
+   more for a process killed between two batches: a child dies there with
+   ``os._exit(137)``, like a ``kill -9``; a second child reruns the same write, resuming
+   as capture does (from the batch holding ``writer.resume_from``).
+
+Each run's files are then read back through the store's own files layer (local or
+``s3://``) and compared with the reference's, name by name and byte by byte. The case is
+sent to the helper pickled, so its class must be importable there (a module on
+``sys.path``, which the helper inherits) and its format must be found by name there: a
+built-in format, an installed plugin (entry point), or one registered when the module
+defining the case is imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..faults import CRASH_EXIT, ENV, TRACE_ENV
+
+#: ``SOURCE_DATE_EPOCH`` of every write (a format that stamps a time must take it from there).
+EPOCH = "1700000000"
+#: Environment variable of a child that dies after writing this many batches.
+DIE_AFTER = "ACTSTORE_KIT_DIE_AFTER"
+
+
+@dataclass
+class Run:
+    """One crash and its rerun."""
+
+    crash: str
+    """``ACTSTORE_CRASH_AT`` (``name:hit``), or ``after batch k`` for a kill between batches."""
+    out: str
+    crash_code: int
+    crash_stderr: str
+    rerun_code: int = -1
+    rerun_stderr: str = ""
+    location: str = ""
+
+
+@dataclass
+class Outcome:
+    """What :func:`crash_and_resume` found: the reference store and each run."""
+
+    reference: str
+    reference_out: str
+    points: list[str]
+    runs: list[Run] = field(default_factory=list)
+
+
+def crash_and_resume(case: Any, root: Path, *, timeout: float = 240) -> Outcome:
+    """Run the crashes of ``case`` (a :class:`~actstore.testing.FormatCase`) under ``root``
+    in one helper process; raise ``AssertionError`` with its output if it fails."""
+    root.mkdir(parents=True, exist_ok=True)
+    job = root / "job.pkl"
+    with open(job, "wb") as f:
+        pickle.dump({"case": case, "root": str(root)}, f)
+    env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for name in (ENV, TRACE_ENV, DIE_AFTER):
+        env.pop(name, None)
+    done = subprocess.run(
+        [sys.executable, "-m", "actstore.testing.crash", str(job)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    result = root / "result.json"
+    if done.returncode != 0 or not result.exists():
+        raise AssertionError(
+            f"the crash helper failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+        )
+    doc = json.loads(result.read_text())
+    return Outcome(
+        reference=doc["reference"],
+        reference_out=doc["reference_out"],
+        points=doc["points"],
+        runs=[Run(**r) for r in doc["runs"]],
+    )
+
+
+def store_bytes(location: str) -> dict[str, bytes]:
+    """Every file of the store at ``location`` (local or ``s3://``): name -> bytes."""
+    from ..storage.location import Location
+
+    files = Location.parse(location).files(cache=False)
+    try:
+        return {name: bytes(files.read_bytes(name)) for name in sorted(files.list())}
+    finally:
+        files.close()
+
+
+def differences(got: dict[str, bytes], want: dict[str, bytes]) -> list[str]:
+    """What differs between two stores' files, one line each."""
+    out = [f"{n} only in the resumed store" for n in sorted(set(got) - set(want))]
+    out += [f"{n} missing from the resumed store" for n in sorted(set(want) - set(got))]
+    out += [f"{n} differs" for n in sorted(set(got) & set(want)) if got[n] != want[n]]
+    return out
+
+
+# ---------------------------------------------------------------------------- the helper
+
+
+def _child(case: Any, plan: Any, batches: list, out: str, env: dict[str, str], log: Path) -> int:
+    """Fork a child that writes ``batches`` to ``out`` (resuming), with ``env`` set;
+    return its exit code. The store's location goes to ``<log>.where``."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 2)
+            os.environ.update(env)
+            import torch
+
+            torch.set_num_threads(1)  # no OpenMP pool inherited across fork
+            die = int(env.get(DIE_AFTER, -1))
+            writer, given = case.open_writer(out, plan, batches)
+            if not writer.complete:
+                start = writer.resume_from
+                written = 0
+                for batch in given:
+                    if batch.example_ids[-1] < start:
+                        continue  # as capture does: from the batch holding resume_from
+                    if written == die:
+                        os._exit(CRASH_EXIT)
+                    writer.write(batch)
+                    written += 1
+            location = str(writer.close())
+            Path(f"{log}.where").write_text(location)
+            code = 0
+        except BaseException:  # noqa: BLE001 - reported through the log, then exit
+            traceback.print_exc()
+            sys.stderr.flush()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _host(job_path: str) -> None:
+    from .data import make_acts
+
+    with open(job_path, "rb") as f:
+        job = pickle.load(f)
+    case, root = job["case"], Path(job["root"])
+    plan = case.plan()
+    batches = case.batches(plan, make_acts(plan))
+
+    def run(tag: str, env: dict[str, str], log_name: str = "") -> tuple[int, str, str]:
+        """Write into ``root/tag/store`` in a child with ``env``: (exit code, its stderr,
+        the location it published)."""
+        log = root / f"{log_name or tag}.log"
+        (root / tag).mkdir(exist_ok=True)
+        code = _child(case, plan, batches, str(root / tag / "store"), env, log)
+        where = Path(f"{log}.where")
+        return code, log.read_text(), where.read_text() if where.exists() else ""
+
+    trace = root / "trace.txt"
+    code, err, reference = run("reference", {TRACE_ENV: str(trace)})
+    if code != 0:
+        raise SystemExit(f"the uninterrupted write failed (exit {code}):\n{err}")
+    reached = trace.read_text().split() if trace.exists() else []
+    counts: dict[str, int] = {}
+    for name in reached:
+        counts[name] = counts.get(name, 0) + 1
+    crashes = [
+        (f"{name}:{(n + 1) // 2}", {ENV: f"{name}:{(n + 1) // 2}"}) for name, n in counts.items()
+    ]
+    crashes.append((f"after batch {len(batches) // 2}", {DIE_AFTER: str(len(batches) // 2)}))
+    runs = []
+    for i, (what, env) in enumerate(crashes):
+        tag = f"crash-{i}"
+        code, err, _ = run(tag, env)
+        done = Run(crash=what, out=str(root / tag / "store"), crash_code=code, crash_stderr=err)
+        if code == CRASH_EXIT:
+            done.rerun_code, done.rerun_stderr, done.location = run(tag, {}, f"{tag}-rerun")
+        runs.append(done)
+    (root / "result.json").write_text(
+        json.dumps(
+            {
+                "reference": reference,
+                "reference_out": str(root / "reference" / "store"),
+                "points": list(counts),
+                "runs": [r.__dict__ for r in runs],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    _host(sys.argv[1])

@@ -1,0 +1,58 @@
+"""The conformance kit's pytest plugin: a real S3 server on 127.0.0.1 (moto, with fault
+injection; :mod:`actstore.testing.s3`) and the fixtures every rule of
+:class:`~actstore.testing.ConformanceSuite` needs, so another project's format suite runs
+every rule, the S3 round trip included. Enable it in that project's ``conftest.py``::
+
+    pytest_plugins = ["actstore.testing.plugin"]
+
+Fixtures:
+
+* ``s3_server``: one server per test session.
+* ``s3``: a fresh bucket per test (an :class:`~actstore.testing.s3.S3Env`), with the AWS
+  variables and ``S3_ENDPOINT_URL`` set to the server (so ``open_store("s3://...")`` just
+  works); injected faults are cleared.
+* ``s3_proxy``: like ``s3`` but the endpoint is a :class:`~actstore.testing.s3.FaultyProxy`.
+* ``conformance_s3_url``: ``name -> s3://...`` in the test's bucket, what the kit's S3 rule
+  writes to (staging goes under the test's tmp directory).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .s3 import FaultyProxy, S3Env, new_env, start_server
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server on 127.0.0.1 for the whole session."""
+    server = start_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch) -> S3Env:
+    """A fresh bucket; the AWS variables and S3_ENDPOINT_URL point at the server."""
+    env = new_env(s3_server, monkeypatch, s3_server.endpoint)
+    yield env
+    s3_server.faults.clear()
+
+
+@pytest.fixture
+def conformance_s3_url(s3, tmp_path, monkeypatch):
+    """``name -> s3://...`` on the loopback server: what actstore.testing's S3 rule needs
+    (staging goes under the test's tmp directory)."""
+    monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))
+    return lambda name: s3.url(name.replace("[", "-").replace("]", ""))
+
+
+@pytest.fixture
+def s3_proxy(s3_server, monkeypatch) -> S3Env:
+    """Like ``s3``, but the endpoint is a :class:`FaultyProxy` in front of the server."""
+    _, port = s3_server.get_host_and_port()
+    proxy = FaultyProxy(port)
+    env = new_env(s3_server, monkeypatch, proxy.endpoint, proxy)
+    yield env
+    proxy.close()
+    s3_server.faults.clear()

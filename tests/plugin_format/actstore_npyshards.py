@@ -1,0 +1,200 @@
+"""npyshards: a sixth actstore storage format, packaged on its own as a third-party project
+would (docs/design.md, "Adding a format"): one ``.npy`` file per site per shard, token ids
+in ``tokens.bin``, a JSON index. Installing this package makes the format known to every
+actstore command through its entry point (``pyproject.toml``); nothing in actstore names
+it. ``tests/test_new_format.py`` installs it with pip and runs its own conformance suite
+(``test_npyshards.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from actstore.batch import Batch, CapturePlan
+from actstore.errors import StoreNotFoundError
+from actstore.formats.base import Block, ReaderBase
+from actstore.formats.parts import sharded_part_format
+from actstore.formats.registry import FormatSpec
+from actstore.formats.shard import ShardSink, WrittenFile, as_float32
+from actstore.formats.writer import ShardedWriter
+from actstore.sites import Site
+from actstore.stats import RunningStats
+from actstore.storage import atomic_write_json
+from actstore.storage.location import Location
+from actstore.storage.manifest import hash_file_blocks
+
+INDEX = "index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class NpyOptions:
+    examples_per_shard: int = dataclasses.field(
+        default=8, metadata={"help": "Examples per shard file."}
+    )
+
+
+def _name(shard: int, site: Site) -> str:
+    return f"shard-{shard:05d}.{site}.npy"
+
+
+class _NpySink(ShardSink):
+    def __init__(self, writer: NpyWriter, index: int, directory: Path) -> None:
+        self.writer, self.index, self.directory = writer, index, directory
+        self.rows: dict[Site, list[np.ndarray]] = {s: [] for s in writer.sites}
+
+    def append(self, batch: Batch) -> None:
+        for site in self.rows:
+            rows = as_float32(batch.acts[str(site)]).reshape(-1, self.writer.plan.d_model)
+            self.rows[site].append(rows.copy())
+
+    def finish(self) -> list[WrittenFile]:
+        out = []
+        for site, parts in self.rows.items():
+            name = _name(self.index, site)
+            with open(self.directory / name, "wb") as f:
+                np.save(f, np.concatenate(parts), allow_pickle=False)
+                f.flush()
+                os.fsync(f.fileno())
+            entry, digests = hash_file_blocks(self.writer.store_id, self.directory / name, name)
+            out.append(WrittenFile(name, entry, digests))
+        return out
+
+
+class NpyWriter(ShardedWriter):
+    format_name = "npyshards"
+    options_type = NpyOptions
+
+    def __init__(
+        self,
+        plan: CapturePlan,
+        output: Location,
+        options: NpyOptions | None = None,
+        *,
+        example_range: tuple[int, int] | None = None,
+        store: Location | None = None,
+    ) -> None:
+        options = options or NpyOptions()
+        super().__init__(
+            plan=plan,
+            store=store or self.store_location(plan, output, options),
+            output=output,
+            options=options,
+            record={"plan": plan.to_json_dict(), "per_shard": options.examples_per_shard},
+            examples_per_shard=options.examples_per_shard,
+            example_range=example_range,
+        )
+
+    @classmethod
+    def shard_examples(cls, plan: CapturePlan, options: Any) -> int:
+        return (options or NpyOptions()).examples_per_shard
+
+    def open_shard(self, index: int, directory: Path) -> ShardSink:
+        return _NpySink(self, index, directory)
+
+    def side_rows(self, batch: Batch) -> dict[str, bytes]:
+        out = {}
+        if self.plan.has_tokens and batch.token_ids is not None:
+            out["tokens.bin"] = np.ascontiguousarray(batch.token_ids, dtype="<i4").tobytes()
+        if self.plan.has_labels and batch.labels is not None:
+            out["labels.bin"] = np.ascontiguousarray(batch.labels, dtype="<i8").tobytes()
+        return out
+
+    def write_index(
+        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+    ) -> None:
+        atomic_write_json(
+            directory / INDEX,
+            {
+                "format": "npyshards",
+                "plan": self.plan.to_json_dict(),
+                "shards": [e["n_examples"] for e in shards],
+                "statistics": {str(s): st.to_dict() for s, st in stats.items()},
+            },
+        )
+
+
+class NpyReader(ReaderBase):
+    format_name = "npyshards"
+
+    def open_index(self) -> None:
+        if not self.files.exists(INDEX):
+            raise StoreNotFoundError(f"{self.url} holds no npyshards store (no {INDEX})")
+        self.open_checks(ours=True)
+        self.index = self.checks.read_json(INDEX)
+        self.plan = CapturePlan.from_json_dict(self.index["plan"])
+
+    @property
+    def sites(self) -> tuple[Site, ...]:
+        return tuple(self.plan.sites)
+
+    @property
+    def d_model(self) -> int:
+        return self.plan.d_model
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype("float32")
+
+    def n_rows(self, site: Any) -> int:
+        self.site(site)
+        return sum(self.index["shards"]) * self.plan.tokens_per_example
+
+    def site_blocks(self, site: Site) -> list[Block]:
+        t = self.plan.tokens_per_example
+        return [Block(site, n * t, (k,)) for k, n in enumerate(self.index["shards"])]
+
+    def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
+        data = self.checks.read_bytes(_name(block.loc[0], block.site))  # checked whole
+        rows = np.load(io.BytesIO(data), allow_pickle=False)
+        if out is None:
+            return rows
+        out[: len(rows)] = rows
+        return out[: len(rows)]
+
+    def site_statistics(self, site: Site) -> RunningStats | None:
+        return RunningStats.from_dict(self.index["statistics"][str(site)])
+
+    def describe_format(self) -> dict[str, Any]:
+        return {"format": "npy shards", "shape": f"{sum(self.index['shards'])} examples"}
+
+    def capture_plan(self) -> CapturePlan:
+        return self.plan
+
+    @property
+    def tokens(self) -> np.ndarray | None:  # type: ignore[override]
+        if not self.plan.has_tokens:
+            return None
+        data = self.checks.read_bytes("tokens.bin")
+        return np.frombuffer(data, "<i4").reshape(self.plan.n_examples, -1)
+
+    @property
+    def labels(self) -> np.ndarray | None:  # type: ignore[override]
+        if not self.plan.has_labels:
+            return None
+        return np.frombuffer(self.checks.read_bytes("labels.bin"), "<i8")
+
+    @property
+    def classes(self) -> list[str] | None:
+        return self.plan.classes
+
+
+def _detect(files: Any) -> bool:
+    return files.exists(INDEX) and b'"npyshards"' in files.read_bytes(INDEX)
+
+
+FORMAT = FormatSpec(
+    name="npyshards",
+    summary="one .npy per site per shard, plus a JSON index (a test's throwaway format)",
+    options=NpyOptions,
+    detect=_detect,
+    reader=NpyReader,
+    writer=NpyWriter,
+    parts=lambda: sharded_part_format("npyshards", NpyWriter),
+    manifests=(INDEX,),
+)
