@@ -158,7 +158,17 @@ def verify(
     """
     from tqdm.auto import tqdm
 
-    from ..errors import ActstoreError, CorruptStoreError, StoreNotFoundError
+    from ..errors import (
+        ActstoreError,
+        CorruptStoreError,
+        IndexOutOfRangeError,
+        InvalidIndexError,
+        LayerNotStoredError,
+        MissingDependencyError,
+        StorageError,
+        StoreNotFoundError,
+        UnsafeDataError,
+    )
     from ..formats import open_store
     from ..formats.base import VerifyReport
     from ..progress import bar_switch
@@ -171,7 +181,14 @@ def verify(
     faults: list[str] = []
     # the store's faults are listed (exit 1); any other error (a missing dependency, a bad
     # option) is the user's to fix: one error line, exit 2
-    store_faults = (CorruptStoreError, StoreNotFoundError)
+    store_faults = (
+        CorruptStoreError,
+        StoreNotFoundError,
+        UnsafeDataError,
+        LayerNotStoredError,
+        IndexOutOfRangeError,
+        InvalidIndexError,
+    )
     try:
         reader = open_store(location)
     except store_faults as err:
@@ -191,7 +208,9 @@ def verify(
     with tqdm(total=total, unit="B", unit_scale=True, desc="verify", **bar_switch(progress)) as bar:
         try:
             report = reader.verify(progress=bar.update)
-        except store_faults as err:  # a fault a format's check raised: listed like the rest
+        except ActstoreError as err:  # what the store's content raised: a fault, listed
+            if isinstance(err, (MissingDependencyError, StorageError)):
+                raise  # the user's to fix (an extra to install, this machine's I/O): exit 2
             report = VerifyReport(location, faults=[str(err)])
     for note in report.notes:
         typer.echo(f"note: {note}")
