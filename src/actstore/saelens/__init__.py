@@ -174,6 +174,8 @@ def open_cache(path: str | os.PathLike, hook: Any = None) -> SaelensCache:
                     "choose one with hook="
                 )
             column = reader.columns[0]
+        elif str(hook) in reader.columns:  # the column's own name, whatever it parses to
+            column = str(hook)
         else:
             column = reader.column(hook)
         record = reader.record
@@ -181,7 +183,7 @@ def open_cache(path: str | os.PathLike, hook: Any = None) -> SaelensCache:
         return SaelensCache(
             path=path,
             hook_name=column,
-            site=reader.site(column),
+            site=reader.native_site(column) or reader.site(column),
             d_in=reader.d_model,
             context_size=reader.context_size,
             n_examples=reader.n_examples,
