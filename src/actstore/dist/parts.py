@@ -37,7 +37,6 @@ Example:
 
 from __future__ import annotations
 
-import fcntl
 import logging
 from pathlib import Path
 
@@ -45,6 +44,7 @@ from ..errors import ActstoreError, CaptureError, ConfigError
 from ..formats.parts import PartFormat, PartInfo, part_dir, parts_root
 from ..formats.registry import available_formats, get_format
 from ..storage.location import Location
+from ..storage.lock import FileLock
 
 __all__ = [
     "MissingPartsError",
@@ -158,12 +158,12 @@ def merge_store(final: Path | str, fmt: str | PartFormat) -> Path | str:
             raise
     lock_path = final.parent / f".{final.name}.merge.lock"
     final.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = FileLock(lock_path)
+    with lock:
         if is_published(final, layout):
             return final
         location = _merge(final, layout)
-        lock_path.unlink(missing_ok=True)
+        lock.release(remove=True)
     return location
 
 

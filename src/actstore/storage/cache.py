@@ -3,10 +3,12 @@
 Each cached range is one file ``<dir>/<2 hex>/<40 hex>.blk`` holding the bytes followed by
 their 16-byte xxh3-128 digest, which is checked on every hit (a damaged entry is dropped
 and fetched again). Entries are written to a temporary name and renamed into place, so a
-reader in another process sees a whole entry or none. The least recently used entries
-(by file mtime, refreshed on each hit) are evicted under an exclusive ``flock`` on
-``<dir>/.lock`` whenever this process has added an eighth of the cap since its last sweep:
-several processes on one machine share one cache directory safely.
+reader in another process sees a whole entry or none (:func:`~.local.atomic_write`, without
+fsyncs: an entry need not survive a crash, its digest catches a damaged one). The least
+recently used entries (by file mtime, refreshed on each hit) are evicted under an exclusive
+``flock`` on ``<dir>/.lock`` (:class:`~.lock.FileLock`) whenever this process has added an
+eighth of the cap since its last sweep: several processes on one machine share one cache
+directory safely.
 
 Example:
     >>> import tempfile
@@ -19,13 +21,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import mmap
 import os
 import re
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +34,8 @@ from pathlib import Path
 import xxhash
 
 from ..errors import ConfigError
+from .local import atomic_write
+from .lock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,18 @@ class BlockCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._added = self.max_bytes  # sweep after the first store
+
+    @classmethod
+    def open(
+        cls, directory: str | os.PathLike | None = None, max_bytes: int | str | None = None
+    ) -> BlockCache | None:
+        """The cache in ``directory``, capped at ``max_bytes`` (bytes, or a size such as
+        ``"20G"``; default 10 GiB); without a directory, the one ``$ACTSTORE_CACHE`` names
+        (:meth:`from_env`), or None."""
+        if directory is None:
+            return cls.from_env()
+        cap = parse_size(max_bytes) if isinstance(max_bytes, str) else max_bytes
+        return cls(directory, cap or DEFAULT_MAX_BYTES)
 
     @classmethod
     def from_env(cls) -> BlockCache | None:
@@ -161,16 +175,10 @@ class BlockCache:
         path = self.path(key)
         try:
             path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(view)
-                    f.write(xxhash.xxh3_128(view).digest())
-                os.replace(tmp, path)
-                _touch(path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            with atomic_write(path, durable=False) as f:  # a damaged entry is found by its digest
+                f.write(view)
+                f.write(xxhash.xxh3_128(view).digest())
+            _touch(path)
         except OSError as err:  # a full or read-only cache disk must not stop training
             log.warning("cannot write cache entry %s: %s", path, err)
             return
@@ -192,8 +200,7 @@ class BlockCache:
         """Remove least recently used entries until at most ``max_bytes`` (default: the cap)
         remain; returns how many were removed. Holds the cache's ``flock`` meanwhile."""
         cap = self.max_bytes if max_bytes is None else max_bytes
-        with open(self.directory / ".lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with FileLock(self.directory / ".lock"):
             entries = self._entries()
             total = sum(size for _, size, _ in entries)
             removed = 0

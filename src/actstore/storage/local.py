@@ -52,10 +52,78 @@ def _umask() -> int:
 _FILE_MODE = 0o666 & ~_umask()
 
 
+class AtomicFile:
+    """A new file published whole or not at all: a temporary file beside ``path`` (named
+    ``.<name>.<random>.tmp``, with the permissions ``open`` would give), written through
+    :attr:`fd` (or :attr:`file`), then :meth:`commit` (flushed, fsynced, renamed over
+    ``path``, the directory fsynced) or :meth:`discard` (removed). ``durable=False`` skips
+    the fsyncs (a cache entry: the rename alone keeps readers from seeing half a file).
+    The one temp-file-and-rename of actstore: :func:`atomic_write` is built on it.
+
+    Example:
+        >>> import tempfile, pathlib, os
+        >>> target = pathlib.Path(tempfile.mkdtemp()) / "x.bin"
+        >>> out = AtomicFile(target); _ = os.write(out.fd, b"abc"); out.commit()
+        >>> target.read_bytes()
+        b'abc'
+    """
+
+    def __init__(self, path: str | os.PathLike, *, durable: bool = True) -> None:
+        self.path = Path(path)
+        self.durable = durable
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+        )
+        self.fd, self.tmp = fd, Path(tmp)
+        self._file: BinaryIO | None = None
+        try:
+            os.fchmod(fd, _FILE_MODE)
+        except BaseException:
+            self.discard()
+            raise
+
+    @property
+    def file(self) -> BinaryIO:
+        """A buffered binary file object on :attr:`fd` (closed by commit or discard)."""
+        if self._file is None:
+            self._file = os.fdopen(self.fd, "wb", closefd=False)
+        return self._file
+
+    def commit(self) -> None:
+        """Publish: the bytes reach the disk (``durable``), then the name."""
+        try:
+            if self._file is not None:
+                self._file.flush()
+            if self.durable:
+                os.fsync(self.fd)
+            self._close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        if self.durable:
+            fsync_dir(self.path.parent)
+
+    def discard(self) -> None:
+        """Remove the temporary file (idempotent); ``path`` is left as it was."""
+        with contextlib.suppress(OSError):
+            self._close()
+        self.tmp.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.close()
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
+def atomic_write(path: str | os.PathLike, *, durable: bool = True) -> Iterator[BinaryIO]:
     """Open a temporary file beside ``path`` for writing; on success it is flushed, fsynced
-    and renamed over ``path`` (then the directory is fsynced); on error it is removed.
+    and renamed over ``path`` (then the directory is fsynced); on error it is removed
+    (an :class:`AtomicFile`; ``durable=False``: no fsyncs).
 
     Example:
         >>> import tempfile, pathlib
@@ -65,19 +133,13 @@ def atomic_write(path: str | os.PathLike) -> Iterator[BinaryIO]:
         >>> target.read_bytes()
         b'abc'
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    out = AtomicFile(path, durable=durable)
     try:
-        os.fchmod(fd, _FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        yield out.file
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        out.discard()
         raise
-    fsync_dir(path.parent)
+    out.commit()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:

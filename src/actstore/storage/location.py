@@ -21,14 +21,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
 from ..errors import ConfigError, CorruptStoreError
-
-if TYPE_CHECKING:
-    from .files import StoreFiles
-    from .object import ObjectStore, S3Config
+from .cache import BlockCache
+from .localfiles import LocalFiles
+from .object import ObjectStore, S3Config, S3Store, open_location, split_location
+from .s3files import S3Files
+from .storefiles import StoreFiles
 
 #: Suffix of the directory a store is written in before it is published.
 PARTIAL_SUFFIX = ".partial"
@@ -46,27 +45,13 @@ class Location:
     def parse(
         cls, location: str | os.PathLike | Location, *, s3: S3Config | None = None
     ) -> Location:
-        """The location a user wrote: a path, ``file:///path`` or ``s3://bucket/prefix``."""
+        """The location a user wrote: a path, ``file:///path`` or ``s3://bucket/prefix``
+        (parsed by :func:`~actstore.storage.object.split_location`, as
+        :func:`~actstore.storage.object.open_location` parses it)."""
         if isinstance(location, Location):
             return location if s3 is None else cls(location.url, s3)
-        text = os.fspath(location)
-        if text.startswith("s3://"):
-            parsed = urlparse(text)
-            if not parsed.netloc:
-                raise ConfigError(f"{text!r} names no bucket; write s3://BUCKET/prefix")
-            prefix = parsed.path.strip("/")
-            return cls(f"s3://{parsed.netloc}/{prefix}".rstrip("/"), s3)
-        if "://" in text:
-            parsed = urlparse(text)
-            if parsed.scheme != "file":
-                raise ConfigError(
-                    f"unsupported URL scheme {parsed.scheme!r} in {text!r}; use "
-                    "s3://bucket/prefix, file:///path or a plain path"
-                )
-            text = parsed.path
-        if not text:
-            raise ConfigError("an empty location; give a directory or an s3:// URL")
-        return cls(os.path.abspath(os.path.expanduser(text)), s3)
+        bucket, rest = split_location(location)
+        return cls(f"s3://{bucket}/{rest}".rstrip("/") if bucket is not None else rest, s3)
 
     # ------------------------------------------------------------------ parts
 
@@ -115,8 +100,6 @@ class Location:
 
     def object_store(self) -> tuple[ObjectStore, str]:
         """The object store holding this location and its key prefix inside it."""
-        from .object import open_location
-
         return open_location(self.url, self.s3)
 
     def files(
@@ -127,18 +110,17 @@ class Location:
         cache: bool = True,
         threads: int = 16,
     ) -> StoreFiles:
-        """The files below this location, read by byte range (see
-        :func:`actstore.storage.files.open_files`)."""
-        from .files import open_files
-
-        return open_files(
-            self,
-            cache_dir=cache_dir,
-            cache_bytes=cache_bytes,
-            s3=self.s3,
-            threads=threads,
-            cache=cache,
-        )
+        """The files below this location, read by byte range: :class:`LocalFiles` or
+        :class:`S3Files`. ``cache_dir`` (default ``$ACTSTORE_CACHE``) turns on the local
+        cache tier for remote stores, capped at ``cache_bytes`` (default
+        ``$ACTSTORE_CACHE_MAX`` or 10 GiB); ``cache=False``: no cache tier whatever the
+        environment says."""
+        if self.is_local:
+            return LocalFiles(self.url)
+        store, prefix = self.object_store()
+        assert isinstance(store, S3Store)
+        tier = BlockCache.open(cache_dir, cache_bytes) if cache else None
+        return S3Files(store, prefix, cache=tier, threads=threads)
 
     def exists(self) -> bool:
         """Whether anything is stored here (a directory, or any object under the prefix)."""

@@ -61,12 +61,88 @@ def pid_alive(pid: int) -> bool:
 BREAK_LOCK_ENV = "ACTSTORE_BREAK_LOCK"
 
 
+class FileLock:
+    """An exclusive ``flock``: the one flock mechanism of actstore (store write locks, the
+    cache's eviction lock, dist's merge lock, the loader server's ring lock).
+
+    ``target`` is an open descriptor (the caller keeps it; the lock is dropped, not
+    closed) or a path: the file is created if missing (its folder too) and opened for the
+    time the lock is held. A lock on a path is held on the file that is at the path when
+    :meth:`acquire` returns: a holder that removed the file (``release(remove=True)``)
+    while this one waited makes it retry on the new file, so two processes never both
+    hold "the" lock of a path.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / ".lock"
+        >>> with FileLock(path):
+        ...     FileLock(path).acquire(blocking=False)
+        False
+    """
+
+    def __init__(self, target: int | str | os.PathLike) -> None:
+        self.path: Path | None = None if isinstance(target, int) else Path(target)
+        self.fd: int | None = target if isinstance(target, int) else None
+
+    def acquire(self, *, blocking: bool = True) -> bool:
+        """Take the lock (waiting for it unless ``blocking=False``); False if another
+        holds it and ``blocking`` is False."""
+        flags = fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB)
+        if self.path is None:
+            assert self.fd is not None
+            try:
+                fcntl.flock(self.fd, flags)
+            except BlockingIOError:
+                return False
+            return True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, flags)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            if _same_file(fd, self.path):
+                self.fd = fd
+                return True
+            os.close(fd)  # removed by its holder while we waited: lock the new file
+
+    def release(self, *, remove: bool = False) -> None:
+        """Drop the lock (idempotent); a path's file is closed, and with ``remove`` deleted
+        first (if it is still the one locked)."""
+        if self.fd is None:
+            return
+        if self.path is None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            return
+        if remove and _same_file(self.fd, self.path):
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = None
+
+    def __enter__(self) -> Self:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` still names the file open as ``fd``."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
 class StoreLock:
     """A held write lock; :meth:`release` (or process death) frees it."""
 
-    def __init__(self, store: Path, path: Path, fd: int) -> None:
-        self.store, self.path = store, path
-        self._fd: int | None = fd
+    def __init__(self, store: Path, lock: FileLock) -> None:
+        self.store, self._lock = store, lock
+        self.path = lock_path(store)
 
     @classmethod
     def acquire(cls, store: str | os.PathLike, *, break_lock: bool = False) -> StoreLock:
@@ -76,38 +152,26 @@ class StoreLock:
         store = Path(store)
         break_lock = break_lock or os.environ.get(BREAK_LOCK_ENV) == "1"
         path = lock_path(store)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = _read(fd)
-                os.close(fd)
-                if not break_lock:
-                    raise StoreLockedError(
-                        f"another capture ({_who(holder)}) is writing {store}; wait for it "
-                        "or, if it is dead, rerun with --break-lock"
-                    ) from None
-                log.warning("breaking the lock of %s held by %s", store, _who(holder))
-                path.unlink(missing_ok=True)
-                break_lock = False
-                continue
-            try:  # the file may have been removed by its last holder in the meantime
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            break
+        lock = FileLock(path)
+        while not lock.acquire(blocking=False):
+            holder = _read_path(path)
+            if not break_lock:
+                raise StoreLockedError(
+                    f"another capture ({describe_holder(holder)}) is writing {store}; wait for "
+                    "it or, if it is dead, rerun with --break-lock"
+                )
+            log.warning("breaking the lock of %s held by %s", store, describe_holder(holder))
+            path.unlink(missing_ok=True)
+            break_lock = False
+        fd = lock.fd
+        assert fd is not None
         old = _read(fd)
         if old.get("pid") and old.get("pid") != os.getpid():
             dead = old.get("host") == socket.gethostname() and not pid_alive(int(old["pid"]))
             log.warning(
                 "taking over the write lock of %s from %s%s",
                 store,
-                _who(old),
+                describe_holder(old),
                 " (that process is dead)" if dead else " (it no longer holds it)",
             )
         record = {
@@ -118,19 +182,11 @@ class StoreLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
         os.fsync(fd)
-        return cls(store, path, fd)
+        return cls(store, lock)
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent)."""
-        if self._fd is None:
-            return
-        try:
-            if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
-        os.close(self._fd)
-        self._fd = None
+        self._lock.release(remove=True)
 
     def __enter__(self) -> Self:
         return self
@@ -147,7 +203,19 @@ def _read(fd: int) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
-def _who(holder: dict) -> str:
+def _read_path(path: Path) -> dict:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    try:
+        return _read(fd)
+    finally:
+        os.close(fd)
+
+
+def describe_holder(holder: dict) -> str:
+    """``pid P on host H, started T`` of a lock record (``?`` for what it lacks)."""
     return (
         f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, "
         f"started {holder.get('start', '?')}"

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from urllib.parse import urlparse
 
-from ...errors import ConfigError
 from .base import (
     LOCK_NAME,
     ObjectInfo,
@@ -44,6 +42,7 @@ from .base import (
     is_remote,
     join_key,
     parent_key,
+    split_location,
 )
 from .config import MiB, S3Config
 from .local_store import LocalStore
@@ -65,6 +64,7 @@ __all__ = [
     "join_key",
     "open_location",
     "parent_key",
+    "split_location",
 ]
 
 
@@ -81,21 +81,8 @@ def open_location(
         >>> store.root_url, prefix
         ('/tmp/x', 'run')
     """
-    text = str(location)
-    if text.startswith("s3://"):
-        parsed = urlparse(text)
-        if not parsed.netloc:
-            raise ConfigError(f"{text!r} names no bucket; write s3://BUCKET/run/hook")
-        return S3Store(parsed.netloc, s3 or S3Config()), parsed.path.strip("/")
-    if "://" in text:
-        parsed = urlparse(text)
-        if parsed.scheme != "file":
-            raise ConfigError(
-                f"unsupported URL scheme {parsed.scheme!r} in {text!r}; use s3://bucket/key, "
-                "file:///path or a plain path"
-            )
-        text = parsed.path
-    path = Path(text).expanduser().resolve()
-    if path.parent == path:
-        raise ConfigError(f"{text!r} is the file system root; give a directory under it")
+    bucket, rest = split_location(str(location))
+    if bucket is not None:
+        return S3Store(bucket, s3 or S3Config()), rest
+    path = Path(rest)
     return LocalStore(path.parent), path.name

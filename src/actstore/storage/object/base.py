@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import abc
 import builtins
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
+from ...errors import ConfigError
 from .config import MiB
 
 
@@ -158,7 +161,7 @@ def base_name(key: str) -> str:
 
 
 #: Base name of the write lock object a capture keeps in the prefix of the store it writes
-#: (:mod:`actstore.storage.s3lock`): never part of the store.
+#: (:mod:`actstore.storage.object.s3lock`): never part of the store.
 LOCK_NAME = ".actstore-lock.json"
 
 
@@ -176,3 +179,39 @@ def is_internal(name: str) -> bool:
 def is_remote(location: str) -> bool:
     """True for ``s3://`` URLs."""
     return str(location).startswith("s3://")
+
+
+def split_location(location: str | os.PathLike) -> tuple[str | None, str]:
+    """The one parser of a location as a user writes it (:meth:`Location.parse
+    <actstore.storage.location.Location.parse>` and :func:`open_location
+    <actstore.storage.object.open_location>` both call it): ``(bucket, prefix)`` for
+    ``s3://bucket/prefix`` (the prefix without surrounding ``/``), ``(None, path)`` for a
+    plain path or ``file:///path``: ``~`` expanded, made absolute and normalised, but not
+    resolved (a symlinked directory keeps the name it was given). A
+    :class:`~actstore.errors.ConfigError` for a URL without a bucket, another scheme, an
+    empty location or the file system root (a store lives in a directory under it).
+
+    Example:
+        >>> split_location("s3://bucket/runs/a/"), split_location("file:///tmp/x/../acts")
+        (('bucket', 'runs/a'), (None, '/tmp/acts'))
+    """
+    text = os.fspath(location)
+    if text.startswith("s3://"):
+        parsed = urlparse(text)
+        if not parsed.netloc:
+            raise ConfigError(f"{text!r} names no bucket; write s3://BUCKET/prefix")
+        return parsed.netloc, parsed.path.strip("/")
+    if "://" in text:
+        parsed = urlparse(text)
+        if parsed.scheme != "file":
+            raise ConfigError(
+                f"unsupported URL scheme {parsed.scheme!r} in {text!r}; use "
+                "s3://bucket/prefix, file:///path or a plain path"
+            )
+        text = parsed.path
+    if not text:
+        raise ConfigError("an empty location; give a directory or an s3:// URL")
+    path = os.path.abspath(os.path.expanduser(text))
+    if os.path.dirname(path) == path:
+        raise ConfigError(f"{text!r} is the file system root; give a directory under it")
+    return None, path

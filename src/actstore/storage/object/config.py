@@ -10,7 +10,8 @@ from ...errors import ConfigError
 MiB = 1 << 20
 
 
-def _env(*names: str) -> str | None:
+def env(*names: str) -> str | None:
+    """The first of the environment variables ``names`` that is set and not empty."""
     for name in names:
         value = os.environ.get(name)
         if value:
@@ -60,7 +61,7 @@ class S3Config:
             raise ConfigError("multipart_threshold must be >= part_size")
 
     def resolved_endpoint(self) -> str | None:
-        return self.endpoint_url or _env(*_ENDPOINT_VARS)
+        return self.endpoint_url or env(*_ENDPOINT_VARS)
 
     def endpoint_setting(self) -> str:
         """Where the endpoint comes from, for error messages (what the user should fix).

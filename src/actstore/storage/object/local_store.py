@@ -12,6 +12,7 @@ from typing import Any
 
 from ...errors import ConfigError, StorageError, StoreNotFoundError
 from ..local import atomic_write
+from ..lock import StoreLock
 from .base import ObjectInfo, ObjectStore, base_name, parent_key
 from .config import MiB
 
@@ -52,8 +53,6 @@ class LocalStore(ObjectStore):
         shutil.rmtree(self._path(prefix.strip("/")), ignore_errors=True)
 
     def acquire_lock(self, prefix: str, *, break_lock: bool = False) -> Any:
-        from ..lock import StoreLock
-
         return StoreLock.acquire(self._path(prefix), break_lock=break_lock)
 
     def _path(self, key: str) -> Path:

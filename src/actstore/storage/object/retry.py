@@ -32,7 +32,8 @@ _RETRY_CODES = frozenset(
         "IncompleteBody",
     }
 )
-_AUTH_CODES = frozenset(
+#: Error codes of rejected credentials (no retry: a one-line error naming the variables).
+AUTH_CODES = frozenset(
     {
         "InvalidAccessKeyId",
         "SignatureDoesNotMatch",
@@ -44,7 +45,8 @@ _AUTH_CODES = frozenset(
         "403",
     }
 )
-_MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+#: Error codes of a missing object or bucket.
+MISSING_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 
 
 def _transient(err: BaseException) -> bool:
@@ -81,7 +83,8 @@ def _unreachable(err: BaseException) -> bool:
     )
 
 
-def _describe_error(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
+    """One line of what ``err`` (a botocore error or any other) says: code and message."""
     botocore_exc = require("botocore.exceptions", "s3")
     if isinstance(err, botocore_exc.ClientError):
         e = err.response.get("Error", {})
@@ -112,17 +115,17 @@ class Retrier:
                 if mapped is not None:
                     raise mapped from err
                 if not _transient(err):
-                    raise StorageError(f"{what} failed: {_describe_error(err)}") from err
+                    raise StorageError(f"{what} failed: {describe_error(err)}") from err
                 if attempt == cfg.max_attempts:
                     if _unreachable(err):
                         endpoint = cfg.resolved_endpoint() or "AWS S3 (no endpoint set)"
                         raise StorageError(
                             f"{what} failed after {attempt} attempts: cannot reach {endpoint} "
-                            f"({_describe_error(err)}); check {cfg.endpoint_setting()} and that "
+                            f"({describe_error(err)}); check {cfg.endpoint_setting()} and that "
                             "the service is up, or raise max_attempts"
                         ) from err
                     raise StorageError(
-                        f"{what} failed after {attempt} attempts ({_describe_error(err)}); the "
+                        f"{what} failed after {attempt} attempts ({describe_error(err)}); the "
                         "endpoint keeps failing: check the network and the S3 service, or raise "
                         "max_attempts"
                     ) from err
@@ -134,7 +137,7 @@ class Retrier:
                 log.warning(
                     "%s: %s; retry %d/%d in %.2fs",
                     what,
-                    _describe_error(err),
+                    describe_error(err),
                     attempt,
                     cfg.max_attempts - 1,
                     delay,

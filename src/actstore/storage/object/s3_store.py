@@ -14,8 +14,9 @@ from urllib.parse import urlparse
 
 from ...errors import ConfigError, StorageError, StoreNotFoundError, UnsupportedError, require
 from .base import ObjectInfo, ObjectStore
-from .config import MiB, S3Config, _env
-from .retry import _AUTH_CODES, _MISSING_CODES, Retrier, _describe_error
+from .config import MiB, S3Config, env
+from .retry import AUTH_CODES, MISSING_CODES, Retrier, describe_error
+from .s3lock import S3Lock
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ class S3Store(ObjectStore):
         )
 
     def acquire_lock(self, prefix: str, *, break_lock: bool = False) -> Any:
-        from ..s3lock import S3Lock
-
         return S3Lock.acquire(self, prefix, break_lock=break_lock)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -111,14 +110,14 @@ class S3Store(ObjectStore):
                 f"S3 endpoint {endpoint!r} (from {cfg.endpoint_setting()}) is not an http:// or "
                 f"https:// URL; set it to e.g. https://{endpoint.partition('://')[2] or endpoint}"
             )
-        key_id = cfg.access_key_id or _env("AWS_ACCESS_KEY_ID")
-        secret = cfg.secret_access_key or _env("AWS_SECRET_ACCESS_KEY")
+        key_id = cfg.access_key_id or env("AWS_ACCESS_KEY_ID")
+        secret = cfg.secret_access_key or env("AWS_SECRET_ACCESS_KEY")
         kwargs: dict[str, Any] = {}
         if key_id and secret:
             kwargs.update(
                 aws_access_key_id=key_id,
                 aws_secret_access_key=secret,
-                aws_session_token=_env("AWS_SESSION_TOKEN"),
+                aws_session_token=env("AWS_SESSION_TOKEN"),
             )
         botocore_config = Config(
             signature_version="s3v4",
@@ -137,7 +136,7 @@ class S3Store(ObjectStore):
             return _session(boto3).client(
                 "s3",
                 endpoint_url=endpoint,
-                region_name=cfg.region or _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1",
+                region_name=cfg.region or env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1",
                 config=botocore_config,
                 **kwargs,
             )
@@ -168,11 +167,11 @@ class S3Store(ObjectStore):
                     f"bucket {self.bucket!r} does not exist at {endpoint}; create it or fix the "
                     f"URL ({where})"
                 )
-            if code in _MISSING_CODES or (status == 404 and code != "NoSuchUpload"):
+            if code in MISSING_CODES or (status == 404 and code != "NoSuchUpload"):
                 return StoreNotFoundError(f"{where} does not exist")
-            if code in _AUTH_CODES or status == 403:
+            if code in AUTH_CODES or status == 403:
                 return StorageError(
-                    f"{endpoint} refused access to {where} ({_describe_error(err)}): check "
+                    f"{endpoint} refused access to {where} ({describe_error(err)}): check "
                     "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY and the bucket's permissions"
                 )
             if code == "InvalidRange" or status == 416:

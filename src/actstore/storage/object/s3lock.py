@@ -20,7 +20,7 @@ Services without conditional writes (HTTP 501 / ``NotImplemented``) get a weaker
 logged once: read, PUT, read back the token. Two writers starting within the same moment
 may then both pass; a lock they find later is still honoured.
 
-Listings of a store leave the lock object out (:func:`~.object.is_internal`).
+Listings of a store leave the lock object out (:func:`~.base.is_internal`).
 
 Example:
     >>> lock = S3Lock.acquire(store, "acts/3f1c")  # doctest: +SKIP
@@ -36,17 +36,37 @@ import os
 import socket
 import threading
 import uuid
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
-from ..errors import StoreLockedError, UnsupportedError
-from .lock import BREAK_LOCK_ENV, _who, pid_alive
-from .object import LOCK_NAME, S3Store, join_key
+from ...errors import StoreLockedError, UnsupportedError
+from ..lock import BREAK_LOCK_ENV, describe_holder, pid_alive
+from .base import LOCK_NAME, join_key
 
-log = logging.getLogger(__name__)
+#: Logged under its historical name (``actstore.storage.s3lock``, where it was defined).
+log = logging.getLogger("actstore.storage.s3lock")
 
 #: Seconds a holder's lock stays valid without a refresh (it refreshes every quarter).
 DEFAULT_LEASE_S = 60.0
 _TRIES = 8
+
+
+class ConditionalStore(Protocol):
+    """What the lock needs of a store: conditional writes and deletes, and reads that give
+    the object's age by the server's clock (:class:`~.s3_store.S3Store` has them)."""
+
+    root_url: str
+
+    def url(self, key: str) -> str: ...
+
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> None: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None: ...
+
+    def get_with_age(self, key: str) -> tuple[bytes, str, float] | None: ...
+
+    def delete_if(self, key: str, etag: str) -> bool: ...
 
 
 def _now() -> str:
@@ -66,7 +86,12 @@ class S3Lock:
     refreshes it until then; :meth:`check` raises if another writer took it over."""
 
     def __init__(
-        self, store: S3Store, key: str, record: dict[str, Any], etag: str, conditional: bool
+        self,
+        store: ConditionalStore,
+        key: str,
+        record: dict[str, Any],
+        etag: str,
+        conditional: bool,
     ) -> None:
         self.store, self.key, self.record = store, key, record
         self.url = store.url(key)
@@ -83,7 +108,7 @@ class S3Lock:
     @classmethod
     def acquire(
         cls,
-        store: S3Store,
+        store: ConditionalStore,
         prefix: str,
         *,
         break_lock: bool = False,
@@ -118,7 +143,10 @@ class S3Lock:
                 return cls(store, key, record, old, True)
             reason = _takeover_reason(holder, age, break_lock, where)
             log.warning(
-                "taking over the write lock of %s from %s (%s)", where, _who(holder), reason
+                "taking over the write lock of %s from %s (%s)",
+                where,
+                describe_holder(holder),
+                reason,
             )
             break_lock = False
             etag = store.put_if(key, data, etag=old)
@@ -132,7 +160,7 @@ class S3Lock:
     @classmethod
     def _acquire_unconditionally(
         cls,
-        store: S3Store,
+        store: ConditionalStore,
         key: str,
         where: str,
         record: dict[str, Any],
@@ -149,14 +177,17 @@ class S3Lock:
             holder = _parse(found[0])
             reason = _takeover_reason(holder, found[2], break_lock, where)
             log.warning(
-                "taking over the write lock of %s from %s (%s)", where, _who(holder), reason
+                "taking over the write lock of %s from %s (%s)",
+                where,
+                describe_holder(holder),
+                reason,
             )
         store.put(key, json.dumps(record).encode())
         back = store.get_with_age(key)
         if back is None or _parse(back[0]).get("token") != record["token"]:
             holder = _parse(back[0]) if back is not None else {}
             raise StoreLockedError(
-                f"another capture ({_who(holder)}) is writing {where}; wait for it or, if it "
+                f"another capture ({describe_holder(holder)}) is writing {where}; wait for it or, if it "
                 "is dead, rerun with --break-lock"
             )
         return cls(store, key, record, back[1], False)
@@ -193,7 +224,7 @@ class S3Lock:
             holder = _parse(found[0]) if found is not None else {}
             self._lost = (
                 f"this capture lost the write lock of {self.url} to another capture "
-                f"({_who(holder)}); stop one of them and rerun the other to resume"
+                f"({describe_holder(holder)}); stop one of them and rerun the other to resume"
                 if found is not None
                 else f"the write lock {self.url} was removed by someone else; rerun the "
                 "capture to resume"
@@ -262,7 +293,7 @@ def _takeover_reason(holder: dict[str, Any], age: float, break_lock: bool, where
     if break_lock:
         return "--break-lock"
     raise StoreLockedError(
-        f"another capture ({_who(holder)}, lock refreshed {age:.0f}s ago) is writing {where}; "
+        f"another capture ({describe_holder(holder)}, lock refreshed {age:.0f}s ago) is writing {where}; "
         "wait for it or, if it is dead, rerun with --break-lock (or after its "
         f"{lease:.0f}s lease runs out)"
     )
