@@ -163,8 +163,9 @@ def test_every_command_takes_the_installed_format(site_dir, tmp_path, model_dir,
         app, ["convert", str(out), str(as_saev), "--to", "saev", "--no-progress"]
     )
     assert result.exit_code == 0, result.output
+    (saev_store,) = [p for p in as_saev.iterdir() if not p.name.startswith(".")]  # <hash>/
     result = runner.invoke(
-        app, ["convert", str(as_saev), str(back), "--to", "npyshards", "--no-progress"]
+        app, ["convert", str(saev_store), str(back), "--to", "npyshards", "--no-progress"]
     )
     assert result.exit_code == 0, result.output
     again = open_store(back)

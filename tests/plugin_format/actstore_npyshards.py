@@ -9,25 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from actstore.batch import Batch, CapturePlan
 from actstore.errors import StoreNotFoundError
 from actstore.formats.base import Block, ReaderBase
 from actstore.formats.parts import sharded_part_format
+from actstore.formats.pipeline import ShardOutput
 from actstore.formats.registry import FormatSpec
-from actstore.formats.shard import ShardSink, WrittenFile, as_float32
+from actstore.formats.shard import ShardSink
 from actstore.formats.writer import ShardedWriter
 from actstore.sites import Site
 from actstore.stats import RunningStats
 from actstore.storage import atomic_write_json
 from actstore.storage.location import Location
-from actstore.storage.manifest import hash_file_blocks
 
 INDEX = "index.json"
 
@@ -44,26 +44,26 @@ def _name(shard: int, site: Site) -> str:
 
 
 class _NpySink(ShardSink):
-    def __init__(self, writer: NpyWriter, index: int, directory: Path) -> None:
-        self.writer, self.index, self.directory = writer, index, directory
+    """One shard: each site's rows gathered (copied: a sink keeps no reference to a batch
+    after ``append``), written as one ``.npy`` file per site when the shard ends."""
+
+    def __init__(self, writer: NpyWriter, index: int) -> None:
+        self.writer, self.index = writer, index
         self.rows: dict[Site, list[np.ndarray]] = {s: [] for s in writer.sites}
 
-    def append(self, batch: Batch) -> None:
+    def open(self, out: ShardOutput) -> None:
         for site in self.rows:
-            rows = as_float32(batch.acts[str(site)]).reshape(-1, self.writer.plan.d_model)
-            self.rows[site].append(rows.copy())
+            out.declare(_name(self.index, site))
 
-    def finish(self) -> list[WrittenFile]:
-        out = []
+    def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
         for site, parts in self.rows.items():
-            name = _name(self.index, site)
-            with open(self.directory / name, "wb") as f:
-                np.save(f, np.concatenate(parts), allow_pickle=False)
-                f.flush()
-                os.fsync(f.fileno())
-            entry, digests = hash_file_blocks(self.writer.store_id, self.directory / name, name)
-            out.append(WrittenFile(name, entry, digests))
-        return out
+            parts.append(acts[site].numpy().reshape(-1, self.writer.plan.d_model).copy())
+
+    def finish(self, out: ShardOutput) -> None:
+        for site, parts in self.rows.items():
+            buf = io.BytesIO()
+            np.save(buf, np.concatenate(parts), allow_pickle=False)
+            out.write(_name(self.index, site), buf.getvalue())
 
 
 class NpyWriter(ShardedWriter):
@@ -95,7 +95,7 @@ class NpyWriter(ShardedWriter):
         return (options or NpyOptions()).examples_per_shard
 
     def open_shard(self, index: int, directory: Path) -> ShardSink:
-        return _NpySink(self, index, directory)
+        return _NpySink(self, index)
 
     def side_rows(self, batch: Batch) -> dict[str, bytes]:
         out = {}

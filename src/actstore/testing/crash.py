@@ -11,7 +11,9 @@ each crash costs a fork, not an interpreter start:
 2. for each point reached (at its middle hit when it is reached more than once), and once
    more for a process killed between two batches: a child dies there with
    ``os._exit(137)``, like a ``kill -9``; a second child reruns the same write, resuming
-   as capture does (from the batch holding ``writer.resume_from``).
+   as capture does (from the batch holding ``writer.resume_from``);
+3. a crash while resuming: killed at the most-reached point, then the rerun killed at
+   that point's first hit, then a last rerun.
 
 Each run's files are then read back through the store's own files layer (local or
 ``s3://``) and compared with the reference's, name by name and byte by byte. The case is
@@ -192,6 +194,24 @@ def _host(job_path: str) -> None:
         done = Run(crash=what, out=str(root / tag / "store"), crash_code=code, crash_stderr=err)
         if code == CRASH_EXIT:
             done.rerun_code, done.rerun_stderr, done.location = run(tag, {}, f"{tag}-rerun")
+        runs.append(done)
+    if counts:  # killed again while resuming: at the first hit of the most-reached point
+        busiest = max(counts, key=lambda n: (counts[n], n))
+        first = f"{busiest}:{(counts[busiest] + 1) // 2}"
+        tag = "crash-resuming"
+        code, err, _ = run(tag, {ENV: first})
+        done = Run(
+            crash=f"{first}, then {busiest}:1 of the rerun",
+            out=str(root / tag / "store"),
+            crash_code=code,
+            crash_stderr=err,
+        )
+        if code == CRASH_EXIT:
+            again, err2, _ = run(tag, {ENV: f"{busiest}:1"}, f"{tag}-second")
+            if again not in (0, CRASH_EXIT):  # 0: the rerun never reached it, and finished
+                done.rerun_code, done.rerun_stderr = again, err2
+            else:
+                done.rerun_code, done.rerun_stderr, done.location = run(tag, {}, f"{tag}-rerun")
         runs.append(done)
     (root / "result.json").write_text(
         json.dumps(

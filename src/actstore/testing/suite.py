@@ -400,6 +400,56 @@ class ConformanceSuite:
                         problems.append(f"{run.crash}: left beside the store: {extra}")
         assert not problems, "\n".join(problems)
 
+    def test_a_writer_keeps_no_reference_to_a_batch_after_write(self, tmp_path):
+        """Once ``write(batch)`` returns, the batch is the caller's again (capture reuses its
+        buffers): overwriting every tensor and array of each batch right after writing it
+        changes nothing in the store."""
+        plan = self.case.plan()
+        acts = make_acts(plan)
+        writer, given = self.case.open_writer(
+            tmp_path / "store", plan, self.case.batches(plan, acts)
+        )
+        for batch in given:
+            writer.write(batch)
+            for tensor in batch.acts.values():
+                tensor.fill_(float("nan"))
+            for array in (batch.token_ids, batch.labels):
+                if isinstance(array, np.ndarray) and array.flags.writeable:
+                    array.fill(0)
+        reader = self.case.open(str(writer.close()))
+        for site in plan.sites:
+            np.testing.assert_array_equal(
+                self._rows(reader, site), self._expected(plan, acts, site), err_msg=str(site)
+            )
+        if reader.tokens is not None:
+            np.testing.assert_array_equal(
+                np.asarray(reader.tokens), self.case.expected_tokens(plan)
+            )
+
+    def test_detect_claims_a_damaged_index(self, store):
+        """A store whose index files (``FormatSpec.manifests``) are damaged is still claimed
+        by its format's ``detect``, so opening it names the fault instead of "not a store"."""
+        from ..formats import detect_format
+        from ..storage.location import Location
+
+        _, _, location = store
+        root = Path(location)
+        names = [n for n in self.case.spec.manifests if (root / n).is_file()]
+        assert names, f"the store holds none of its index files {self.case.spec.manifests}"
+        for name in names:
+            path = root / name
+            original = path.read_bytes()
+            path.chmod(0o644)
+            path.write_bytes(b'{"damaged": ')
+            try:
+                files = Location.parse(location).files(cache=False)
+                assert self.case.spec.detect(files), f"detect does not claim a damaged {name}"
+                assert detect_format(location).name == self.case.format
+                with pytest.raises(ActstoreError):
+                    self.case.open(location)
+            finally:
+                path.write_bytes(original)
+
     def test_a_second_writer_is_refused_until_the_first_stops(self, tmp_path):
         """Two captures into one store: the second is refused with one line naming the
         first; once the first stops (abort, or its process dies), the store is free."""

@@ -258,7 +258,7 @@ class _PickleShard(ShardSink):
                 "machine_id": w.machine_id,
             }
             if batch.token_ids is not None:
-                meta["token_ids"] = np.ascontiguousarray(batch.token_ids[i], dtype=np.int32)
+                meta["token_ids"] = np.array(batch.token_ids[i], dtype=np.int32)  # a copy
             if batch.labels is not None:
                 meta["label"] = int(batch.labels[i])
             text = batch.texts[i][:TEXT_PREVIEW_CHARS] if batch.texts is not None else ""
