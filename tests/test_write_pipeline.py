@@ -1,0 +1,213 @@
+"""The shared write pipeline (formats/pipeline.py, ShardedWriter): statistics identical for
+any thread count and batch split, sparse padding, the append-only journal, commit errors,
+and the rule that no format module does its own file I/O."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from actstore.batch import Batch
+from actstore.formats import open_store
+from actstore.formats.saev import SaevOptions, SaevWriter
+from actstore.formats.writer import PROGRESS, read_journal, recorded_shards
+from actstore.stats import RunningStats, chunk_moments
+from actstore.storage.location import Location
+from actstore.testing import make_plan
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _acts(plan, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (plan.n_examples, plan.tokens_per_example, plan.d_model)
+    return {str(s): torch.randn(shape, generator=gen) * 3 + 1 for s in plan.sites}
+
+
+def _batches(plan, acts, sizes):
+    start = 0
+    for n in sizes:
+        if start >= plan.n_examples:
+            break
+        n = min(n, plan.n_examples - start)
+        ids = np.arange(start, start + n)
+        yield Batch(
+            acts={k: v[start : start + n] for k, v in acts.items()},
+            example_ids=ids,
+            token_ids=np.zeros((n, plan.tokens_per_example), np.int64) if plan.has_tokens else None,
+        )
+        start += n
+
+
+def _write(tmp, plan, acts, sizes, monkeypatch, threads):
+    monkeypatch.setenv("ACTSTORE_WRITER_THREADS", str(threads))
+    writer = SaevWriter.from_plan(plan, Location.parse(tmp), SaevOptions())
+    for batch in _batches(plan, acts, sizes):
+        writer.write(batch)
+    return writer.close()
+
+
+def test_chunk_moments_are_exact_sums():
+    rows = np.array([[1.0, -2.0], [3.0, 4.0], [0.5, 0.25]], np.float32)
+    n, total, sumsq, norms = chunk_moments(rows)
+    assert n == 3
+    assert total.tolist() == [4.5, 2.25]
+    assert sumsq.tolist() == [10.25, 20.0625]
+    assert norms == pytest.approx(np.sqrt(5) + 5 + np.sqrt(0.3125), rel=1e-15)
+
+
+def test_statistics_do_not_depend_on_threads_or_batch_sizes(tmp_path, monkeypatch):
+    plan = make_plan()
+    acts = _acts(plan)
+    a = _write(tmp_path / "a", plan, acts, [5] * 100, monkeypatch, threads=1)
+    b = _write(tmp_path / "b", plan, acts, [1, 7, 3, 11, 2] * 20, monkeypatch, threads=4)
+    assert (a / "statistics.json").read_bytes() == (b / "statistics.json").read_bytes()
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    for f in a.iterdir():
+        assert f.read_bytes() == (b / f.name).read_bytes(), f.name
+    # and they are the statistics of the stored values (float64, up to summation order)
+    reader = open_store(a)
+    for site in plan.sites:
+        want = RunningStats.of(acts[str(site)].numpy().astype(np.float64).reshape(-1, plan.d_model))
+        got = reader.statistics(site)
+        assert got.count == want.count
+        np.testing.assert_allclose(got.mean, want.mean, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got.var, want.var, rtol=1e-10)
+        assert got.norm_mean == pytest.approx(want.norm_mean, rel=1e-12)
+
+
+def test_saev_dialect_padding_is_sparse_and_reads_as_zeros(tmp_path):
+    plan = make_plan(family="clip", modality="image")
+    acts = _acts(plan)
+    options = SaevOptions(dialect="saev")
+    writer = SaevWriter.from_plan(plan, Location.parse(tmp_path), options)
+    for batch in _batches(plan, acts, [4] * 100):
+        writer.write(batch)
+    store = writer.close()
+    shard = store / "acts000000.bin"
+    md = writer.metadata
+    written = plan.n_examples * md.example_nbytes
+    assert shard.stat().st_size == md.shard_nbytes(0) > written
+    allocated = shard.stat().st_blocks * 512
+    assert allocated < written + (1 << 20)  # the zero tail takes no disk
+    data = np.fromfile(shard, dtype="<f4")
+    assert not data[written // 4 :].any()
+    assert open_store(store).verify().ok
+
+
+def test_the_journal_gets_one_line_per_shard(tmp_path):
+    plan = make_plan()
+    acts = _acts(plan)
+    writer = SaevWriter.from_plan(
+        plan, Location.parse(tmp_path), SaevOptions(patches_per_shard=5 * 12)
+    )
+    sizes = []
+    for batch in _batches(plan, acts, [5] * 4):
+        writer.write(batch)
+        writer._drain_commits()  # let the commit stage record what is finished
+        sizes.append((writer.partial / PROGRESS).stat().st_size)
+    head, shards = read_journal(writer.partial)
+    assert head["store_id"] == writer.store_id
+    assert (
+        [s["index"] for s in shards] == [0, 1, 2, 3] == list(range(recorded_shards(writer.partial)))
+    )
+    growth = np.diff(sizes)
+    assert (growth > 0).all() and growth.max() - growth.min() < 64  # one line each, same size
+    writer.abort()
+
+
+RUN = textwrap.dedent(
+    """
+    import sys
+    import numpy as np, torch
+    from actstore.batch import Batch
+    from actstore.formats.saev import SaevOptions, SaevWriter
+    from actstore.storage.location import Location
+    from actstore.testing import make_plan
+    plan = make_plan()
+    gen = torch.Generator().manual_seed(0)
+    shape = (plan.n_examples, plan.tokens_per_example, plan.d_model)
+    acts = {str(s): torch.randn(shape, generator=gen) for s in plan.sites}
+    w = SaevWriter.from_plan(plan, Location.parse(sys.argv[1]), SaevOptions(patches_per_shard=40))
+    for start in range(w.resume_from, plan.n_examples, 3):
+        n = min(3, plan.n_examples - start)
+        w.write(Batch(acts={k: v[start:start + n] for k, v in acts.items()},
+                      example_ids=np.arange(start, start + n),
+                      token_ids=np.zeros((n, plan.tokens_per_example), np.int64)))
+    print(w.close())
+    """
+)
+
+
+def _run(root, crash_at=None):
+    env = {**os.environ, "PYTHONPATH": str(SRC), "SOURCE_DATE_EPOCH": "0"}
+    env.pop("ACTSTORE_CRASH_AT", None)
+    if crash_at:
+        env["ACTSTORE_CRASH_AT"] = crash_at
+    return subprocess.run(
+        [sys.executable, "-c", RUN, str(root)], env=env, capture_output=True, text=True, check=False
+    )
+
+
+def test_a_torn_journal_line_is_a_shard_not_recorded(tmp_path):
+    ref = _run(tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr
+    crashed = _run(tmp_path / "out", "saev.shard_recorded:3")
+    assert crashed.returncode == 137, crashed.stderr
+    partial = next((tmp_path / "out").glob(".*.partial"))
+    assert recorded_shards(partial) == 3
+    with open(partial / PROGRESS, "ab") as f:  # a crash in the middle of the 4th append
+        f.write(b'{"index":3,"n_examples":5,"fil')
+    assert recorded_shards(partial) == 3
+    rerun = _run(tmp_path / "out")
+    assert rerun.returncode == 0, rerun.stderr
+    a, b = Path(ref.stdout.strip()), Path(rerun.stdout.strip())
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == {
+        p.name: p.read_bytes() for p in b.iterdir()
+    }
+
+
+def test_a_failed_commit_stops_the_capture_and_publishes_nothing(tmp_path):
+    plan = make_plan()
+    acts = _acts(plan)
+    writer = SaevWriter.from_plan(plan, Location.parse(tmp_path), SaevOptions(patches_per_shard=40))
+    batches = list(_batches(plan, acts, [5] * 5))
+    writer.write(batches[0])
+    writer._drain_commits()
+    journal = writer.partial / PROGRESS
+    journal.unlink()
+    journal.mkdir()  # the next journal append fails (even for root)
+    writer.write(batches[1])
+    with pytest.raises(IsADirectoryError):
+        writer.close()
+    assert not any(p.name != writer.partial.name for p in tmp_path.iterdir() if p.is_dir())
+
+
+#: calls a format module must leave to the pipeline (formats/pipeline.py, storage/)
+IO_CALLS = {"fsync", "fdatasync", "writev", "pwritev", "sync_file_range", "syncfs", "sync"}
+
+
+def test_no_format_module_does_its_own_durable_io():
+    formats = SRC / "actstore" / "formats"
+    found = []
+    for path in formats.rglob("*.py"):
+        if path.parent == formats:
+            continue  # the contracts and the pipeline themselves
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                name = node.value
+            if name in IO_CALLS:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno} {name}")
+    assert found == []
