@@ -207,10 +207,10 @@ CASES = {
         + ["--out", "{out}"],
         "--device cuda:64: ",
     ),
-    "a site the model family lacks": (
+    "BERT's TransformerLens resid_post into saev": (  # the sum before BERT's closing norm
         ["capture", "--model", "{bert}", "--dataset", "{data}"]
         + ["--sites", "blocks.3.hook_resid_post", "--out", "{out}"],
-        "blocks.3.hook_resid_post has no equivalent in bert",
+        "stores the residual stream only",
     ),
     "a site the format cannot store": (
         ["capture", "--model", "{model}", "--dataset", "{data}", "--sites", "mlp_out.1"]

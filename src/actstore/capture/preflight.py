@@ -254,8 +254,9 @@ def _vocab_size(config: Any) -> int | None:
 
 
 def check_sites(sites: tuple[str, ...], facts: ModelFacts) -> tuple[Site, ...]:
-    """Absolute sites, each in range for the model's blocks and one its family has (BERT's
-    post-norm blocks have no ``hook_resid_post``), none twice."""
+    """Absolute sites as the model's family means them (a TransformerLens name means what it
+    means there: BERT's ``hook_resid_post`` is ``resid_post``), each in range for the model's
+    blocks and one its family has, none twice."""
     from .sitemap import check_sites as check_family
 
     resolved = check_family(facts.family, (Site.parse(s).resolve(facts.n_layers) for s in sites))
