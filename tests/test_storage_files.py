@@ -1,9 +1,12 @@
 """The local file layer on its own: rows read straight into place (rows wider than the gap
 buffer, skipped rows, repeated or unordered offsets), errors opening a file said as ours,
-the listing of a writer's sealed files, and deleting trees."""
+the listing of a writer's sealed files, and deleting trees. Then what storage writes once:
+one location parser (``Location.parse`` and ``open_location`` agree), one temp-and-rename
+(``AtomicFile``: cache entries too), and no private name shared between its modules."""
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -13,9 +16,11 @@ import numpy as np
 import pytest
 
 from actstore.errors import ConfigError, CorruptStoreError, StorageError
+from actstore.storage.cache import BlockCache
 from actstore.storage.files import GAP_BYTES, LocalFiles, PathFiles
-from actstore.storage.local import make_tree_read_only, remove_tree
-from actstore.storage.object import LocalStore
+from actstore.storage.local import AtomicFile, atomic_write, make_tree_read_only, remove_tree
+from actstore.storage.location import Location
+from actstore.storage.object import LocalStore, S3Store, open_location
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 #: float32 rows of d_model 17,000: 68,000 bytes, wider than the 64 KiB gap buffer
@@ -167,3 +172,101 @@ def test_remove_tree_removes_a_read_only_store(tmp_path):
     (store / "sub").chmod(0o555)
     remove_tree(store)
     assert not store.exists()
+
+
+# ---------------------------------------------------------------- one location parser
+
+
+def test_location_and_open_location_name_the_same_place(tmp_path, monkeypatch):
+    """A symlinked directory, ``..``, ``~`` and ``file://``: the object store's key is where
+    the ``Location`` says (one parser: abspath, symlinks kept)."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for text in (
+        str(tmp_path / "link" / "store"),
+        f"{tmp_path}/real/../link/store",
+        "~/link/store",
+        f"file://{tmp_path}/link/store",
+    ):
+        loc = Location.parse(text)
+        store, prefix = open_location(text)
+        assert isinstance(store, LocalStore)
+        assert store.url(prefix) == loc.url == str(tmp_path / "link" / "store"), text
+        assert (store.root_url, prefix) == (str(loc.parent), loc.name)
+    for text in ("s3://bucket/runs/a/", "s3://bucket//runs/a"):
+        store, prefix = open_location(text)
+        assert isinstance(store, S3Store)
+        assert store.url(prefix) == Location.parse(text).url == "s3://bucket/runs/a"
+
+
+@pytest.mark.parametrize("text", ["/", "file:///", "/..", "", "s3://", "http://host/x"])
+def test_location_and_open_location_refuse_the_same_things_alike(text):
+    with pytest.raises(ConfigError) as parsed:
+        Location.parse(text)
+    with pytest.raises(ConfigError) as opened:
+        open_location(text)
+    assert str(parsed.value) == str(opened.value)
+
+
+# ---------------------------------------------------------------- one temp-and-rename
+
+
+def test_an_atomic_file_is_published_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "x.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError), atomic_write(target) as f:
+        f.write(b"half")
+        raise RuntimeError("killed")
+    assert target.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["x.bin"]
+    out = AtomicFile(target, durable=False)
+    os.write(out.fd, b"new")
+    assert target.read_bytes() == b"old"
+    out.commit()
+    assert target.read_bytes() == b"new" and sorted(os.listdir(tmp_path)) == ["x.bin"]
+    out = AtomicFile(target)
+    out.discard()
+    assert sorted(os.listdir(tmp_path)) == ["x.bin"]
+
+
+def test_cache_entries_are_written_like_every_other_file(tmp_path):
+    """Through the one temp-and-rename: the permissions ``open`` gives (mkstemp's own
+    0600 kept a cache shared by a group unreadable to the others), no temporary left."""
+    cache = BlockCache(tmp_path / "cache", max_bytes=1 << 20)
+    cache.put("s3://b/run/a.bin@0+4", b"abcd")
+    path = cache.path("s3://b/run/a.bin@0+4")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    out = bytearray(4)
+    assert cache.get_into("s3://b/run/a.bin@0+4", out) and out == b"abcd"
+
+
+# ---------------------------------------------------------------- seams
+
+
+def test_no_storage_module_imports_a_private_name_of_another():
+    """Names shared between modules are public (``env``, ``describe_error``,
+    ``describe_holder``...): a leading underscore means "this module only"."""
+    root = SRC / "actstore" / "storage"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (
+                node.level or "actstore" in (node.module or "")
+            ):
+                found += [
+                    f"{path.relative_to(root)}: {a.name} from {'.' * node.level}{node.module or ''}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+    assert found == []
+
+
+def test_the_files_layer_keeps_its_public_names():
+    from actstore.storage import files
+
+    for name in ("StoreFiles", "LocalFiles", "PathFiles", "S3Files", "open_files", "GAP_BYTES"):
+        assert getattr(files, name) is not None
+    assert files.open_files(SRC).local_path == SRC
