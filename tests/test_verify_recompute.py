@@ -328,3 +328,27 @@ def test_a_whitespace_only_change_to_the_manifest_fails_verify(copy_of, capsys, 
     assert path.read_bytes() != before and json.loads(path.read_bytes()) == json.loads(before)
     faults = verify_faults(store, capsys)
     assert any(MANIFEST in f for f in faults), faults
+
+
+# ---------------------------------------------------------------------------- the record
+
+#: An edit of what the metadata says the store was captured from (model, dataset...), in
+#: the file that holds each format's capture record.
+RECORD_EDITS: dict[str, Callable[[Path], None]] = {
+    "saev": lambda s: _rewrite_json(s / "metadata.json", lambda d: d.update(ckpt="other-model")),
+    "saelens": lambda s: _rewrite_json(
+        s / "actstore.json", lambda d: d["plan"].update(ckpt="other-model")
+    ),
+    "pickle": lambda s: _rewrite_json(
+        s / "metadata.json", lambda d: d["extraction_config"].update(model_name="other-model")
+    ),
+    "activault": lambda s: _edit_cfg(s, lambda c: c["actstore"]["plan"].update(ckpt="other")),
+}
+
+
+@pytest.mark.parametrize("fmt", list(RECORD_EDITS))
+def test_the_capture_record_the_metadata_holds_is_the_published_one(copy_of, capsys, fmt):
+    store = copy_of(fmt)
+    RECORD_EDITS[fmt](store)
+    resign(store)
+    verify_faults(store, capsys)

@@ -560,6 +560,7 @@ class ReaderBase(abc.ABC):
         report.files_checked, report.bytes_checked = n_files, n_bytes
         self.verify_content(report)
         self.verify_statistics(report)
+        self.verify_record(report)
         return report
 
     def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
@@ -568,6 +569,36 @@ class ReaderBase(abc.ABC):
     def verify_content(self, report: VerifyReport) -> None:
         """The format's checks beyond the bytes (statistics consistent with shapes, padding,
         non-finite values seen by :meth:`scan_chunk`); add faults and notes to ``report``."""
+
+    def stored_record(self) -> tuple[str, Any] | None:
+        """``(file, record)``: the capture record the store's metadata holds (what the
+        writer named the store by: its id is the record's digest), to check against the
+        root manifest's store id; None (the default): the format keeps none to check."""
+        return None
+
+    def verify_record(self, report: VerifyReport) -> None:
+        """The capture record the metadata holds gives the store id the root manifest
+        records: metadata edited (model, dataset, layout) is a fault even when the manifest
+        was rewritten over it."""
+        from ..errors import CorruptStoreError, StoreNotFoundError
+        from ..storage.manifest import store_id_of
+
+        manifest = self.checks.manifest
+        if manifest is None:
+            return
+        try:
+            found = self.stored_record()
+        except (CorruptStoreError, StoreNotFoundError) as err:
+            if str(err) not in report.faults:
+                report.faults.append(str(err))
+            return
+        if found is not None and store_id_of(found[1]) != manifest.store_id:
+            report.faults.append(
+                f"{found[0]}: the capture record it holds (model, dataset, layout) is not the "
+                f"one the store was published with (its id is {store_id_of(found[1])}, the "
+                f"manifest's {manifest.store_id}): the metadata was edited; restore it or "
+                "re-create the store"
+            )
 
     def statistics_shards(self) -> list[int] | None:
         """Rows of each writer shard, in storage order, when the stored statistics were

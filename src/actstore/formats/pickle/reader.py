@@ -389,6 +389,20 @@ class PickleReader(ReaderBase):
     #: Where :meth:`verify_statistics` finds the statistics.
     statistics_file = f"{METADATA} (statistics.activation_statistics)"
 
+    def stored_record(self) -> tuple[str, Any] | None:
+        """The writer's capture record: ``metadata.json``'s ``extraction_config`` and
+        whether the shards are compressed."""
+        raw = self.files.read_json(METADATA)
+        if not isinstance(raw, dict) or not self.shards:
+            return None
+        compress = {bool(s.compressed) for s in self.shards}
+        if len(compress) != 1:
+            return None
+        return METADATA, {
+            "extraction_config": raw.get("extraction_config"),
+            "compress": compress.pop(),
+        }
+
     def statistics_shards(self) -> list[int] | None:
         """Rows of each shard (one writer shard each); None for a store without actstore's
         manifest (the spec's own tools fold statistics their own way)."""
@@ -570,6 +584,7 @@ class PickleReader(ReaderBase):
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
         self.verify_statistics(report)
+        self.verify_record(report)
         return report
 
     def _has_stats(self, layer: int, report: VerifyReport) -> bool:

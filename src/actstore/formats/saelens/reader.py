@@ -381,6 +381,15 @@ class SaelensReader(ReaderBase):
 
     # ------------------------------------------------------------------ statistics, tokens
 
+    def stored_record(self) -> tuple[str, Any] | None:
+        """``actstore.json`` less its file list: the writer's capture record."""
+        if self.layout is None or not self.files.exists(SIDECAR):
+            return None
+        doc = self.files.read_json(SIDECAR)
+        if not isinstance(doc, dict):
+            return None
+        return SIDECAR, {k: v for k, v in doc.items() if k != "files"}
+
     def statistics_shards(self) -> list[int] | None:
         """Rows of each Arrow file (one writer shard each); None for a cache without
         actstore's statistics and manifest."""
