@@ -11,8 +11,8 @@ import time
 import pytest
 
 from actstore.errors import CorruptStoreError
+from actstore.formats.journal import recorded_shards
 from actstore.formats.saev import SaevReader
-from actstore.formats.writer import recorded_shards
 
 ARGS = [
     "--layers",

@@ -22,9 +22,9 @@ from store_compare import assert_same_store
 from actstore.capture import CaptureConfig, capture
 from actstore.dist import MissingPartsError, capture_on_ray, init_local_ray
 from actstore.formats import get_format
+from actstore.formats.journal import recorded_shards
 from actstore.formats.pickle import PickleOptions, PickleReader
 from actstore.formats.saev import SaevOptions
-from actstore.formats.writer import recorded_shards
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")  # ray[default] ships it

@@ -23,10 +23,10 @@ from typer.testing import CliRunner
 from actstore.cli import app
 from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.formats import open_store, verify_store
+from actstore.formats.journal import recorded_shards
 from actstore.formats.registry import get_format
 from actstore.formats.s3_staged import StagedS3Writer
 from actstore.formats.saelens import SaelensOptions, SaelensReader, SaelensWriter
-from actstore.formats.writer import recorded_shards
 from actstore.loader import ActivationLoader
 from actstore.sites import Site
 from actstore.storage.copy import copy_store

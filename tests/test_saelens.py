@@ -23,6 +23,7 @@ from actstore.convert import convert
 from actstore.dist import capture_distributed
 from actstore.errors import ConfigError, StoreExistsError
 from actstore.formats import open_store
+from actstore.formats.journal import recorded_shards
 from actstore.formats.saelens import (
     ColumnSite,
     SaelensOptions,
@@ -30,7 +31,6 @@ from actstore.formats.saelens import (
     SaelensWriter,
     hook_name,
 )
-from actstore.formats.writer import recorded_shards
 from actstore.sites import Site
 from actstore.testing import ConformanceSuite, FormatCase, make_acts, make_batches, make_plan
 

@@ -17,8 +17,8 @@ import torch
 
 from actstore.batch import Batch
 from actstore.formats import open_store
+from actstore.formats.journal import PROGRESS, read_journal, recorded_shards
 from actstore.formats.saev import SaevOptions, SaevWriter
-from actstore.formats.writer import PROGRESS, read_journal, recorded_shards
 from actstore.stats import RunningStats, chunk_moments
 from actstore.storage.location import Location
 from actstore.testing import make_plan

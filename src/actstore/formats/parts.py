@@ -175,7 +175,7 @@ def sharded_part_format(name: str, writer: type[ShardedWriter]) -> PartFormat:
     import shutil
 
     from ..storage.location import Location
-    from .writer import PART, read_part
+    from .journal import PART, read_part
 
     def final_location(plan: CapturePlan, out: str, options: Any) -> Path:
         return writer.store_location(plan, Location.parse(out), options).path()

@@ -70,7 +70,6 @@ from ..faults import point
 from ..sites import Site
 from ..stats import RunningStats, merge_all
 from ..storage import (
-    atomic_write_bytes,
     atomic_write_json,
     fsync_dir,
     link_or_copy,
@@ -89,6 +88,18 @@ from ..storage.manifest import (
     store_id_of,
 )
 from .base import FormatWriter, summary_of
+from .journal import (
+    BOOKKEEPING,
+    PART,
+    PROGRESS,
+    append_journal,
+    part_checks,
+    read_journal,
+    read_part,
+    recorded_shards,
+    stats_doc,
+    write_journal,
+)
 from .pipeline import Pools, ShardOutput, StageClock
 from .shard import ShardSink, ShardStats, WrittenFile
 
@@ -100,11 +111,6 @@ else:
     from .._lazy import torch
 
 log = logging.getLogger(__name__)
-
-PROGRESS = "progress.jsonl"
-PART = "part.json"
-#: Files of the partial directory that are bookkeeping, never published.
-BOOKKEEPING = (PROGRESS,)
 
 
 class ShardedWriter(FormatWriter):
@@ -479,17 +485,12 @@ class ShardedWriter(FormatWriter):
 
     def _save_progress(self, directory: Path | None = None) -> None:
         """Write the whole journal anew (atomically): its head and every kept shard."""
-        lines = [self._journal_head(), *({**e, "elapsed": self.elapsed()} for e in self._shards)]
-        text = "".join(json.dumps(doc, default=str, separators=(",", ":")) + "\n" for doc in lines)
-        atomic_write_bytes((directory or self.partial) / PROGRESS, text.encode())
+        entries = [{**e, "elapsed": self.elapsed()} for e in self._shards]
+        write_journal(directory or self.partial, self._journal_head(), entries)
 
     def _append_journal(self, entry: dict[str, Any]) -> None:
         """Record one durable shard: one line appended to the journal, fsynced (O(1))."""
-        line = json.dumps({**entry, "elapsed": self.elapsed()}, separators=(",", ":")) + "\n"
-        with open(self.partial / PROGRESS, "ab") as f:
-            f.write(line.encode())
-            f.flush()
-            os.fsync(f.fileno())
+        append_journal(self.partial, {**entry, "elapsed": self.elapsed()})
 
     # ------------------------------------------------------------------ writing
 
@@ -635,7 +636,7 @@ class ShardedWriter(FormatWriter):
             "chunks": chunks,
             "info": {f.name: f.info for f in files},
             "sides": sides,
-            "stats": {str(s): _stats_doc(st) for s, st in stats.items()},
+            "stats": {str(s): stats_doc(st) for s, st in stats.items()},
         }
         self._append_journal(entry)
         self._shards.append(entry)
@@ -837,7 +838,7 @@ class ShardedWriter(FormatWriter):
         shards: list[dict[str, Any]] = []
         at = 0
         record = json.loads(json.dumps(self.record, default=str))
-        checks = {part: _part_checks(part) for part in parts}
+        checks = {part: part_checks(part) for part in parts}
         for part in parts:
             doc = read_part(part, checks[part])
             if doc["record"] != record:
@@ -894,46 +895,6 @@ class ShardedWriter(FormatWriter):
         self._finish_publication()
 
 
-def read_journal(partial: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The journal of an unfinished store: its head, and the shards recorded in order (a
-    last line cut short by a crash is a shard not recorded)."""
-    with open(Path(partial) / PROGRESS, "rb") as f:
-        lines = f.read().split(b"\n")
-    head = json.loads(lines[0])
-    shards = []
-    for i, line in enumerate(lines[1:], 1):
-        if not line.strip():
-            continue
-        try:
-            shards.append(json.loads(line))
-        except ValueError:
-            if i < len(lines) - 2:  # only the last line can be torn
-                raise
-            log.warning("the journal's last line is incomplete: that shard is not recorded")
-    if not isinstance(head, dict):
-        raise CorruptStoreError(f"{partial}: the journal's head is not an object")
-    return head, shards
-
-
-def recorded_shards(partial: str | os.PathLike) -> int:
-    """How many shards an unfinished store's journal records (0 when it has none)."""
-    try:
-        return len(read_journal(partial)[1])
-    except (OSError, ValueError):
-        return 0
-
-
-def _stats_doc(stats: RunningStats) -> dict[str, Any]:
-    """A shard's statistics in the journal (``var`` is derived, so left out)."""
-    return {
-        "count": stats.count,
-        "d": stats.d,
-        "mean": stats.mean.tolist(),
-        "m2": stats.m2.tolist(),
-        "norm_mean": stats.norm_mean,
-    }
-
-
 def _files_below(directory: Path, exclude: Sequence[str] = ()) -> list[str]:
     """Every file below ``directory`` as a ``/``-separated relative name, leaving out the
     top-level entries named in ``exclude``."""
@@ -961,31 +922,4 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-# ---------------------------------------------------------------------- parts
-
-
-def read_part(part_dir: str | os.PathLike, checks: Integrity | None = None) -> dict[str, Any]:
-    """``part.json`` of a published part, checked against the part's root manifest and to
-    tile its example range."""
-    part_dir = Path(part_dir)
-    doc = (checks or _part_checks(part_dir)).read_json(PART)
-    try:
-        start, stop = (int(x) for x in doc["example_range"])
-        held = sum(int(e["n_examples"]) for e in doc["shards"])
-        doc["record"], doc["plan"], doc["options"]
-    except (KeyError, TypeError, ValueError) as err:
-        raise CorruptStoreError(
-            f"{part_dir / PART} is malformed ({err!r}); re-capture this part"
-        ) from err
-    if held != stop - start:
-        raise CorruptStoreError(
-            f"{part_dir / PART} lists {held} examples for [{start}, {stop}); re-capture this part"
-        )
-    return doc
-
-
-def _part_checks(part: Path) -> Integrity:
-    from ..storage.files import LocalFiles
-    from ..storage.integrity import Integrity
-
-    return Integrity.open(LocalFiles(part))
+__all__ = ["PART", "PROGRESS", "ShardedWriter", "read_part", "recorded_shards"]

@@ -344,7 +344,7 @@ def merge_stores(stores: Sequence[str | os.PathLike], out: str | os.PathLike) ->
     Example:
         >>> merge_stores(["run/machine_0", "run/machine_1"], "run/merged")  # doctest: +SKIP
     """
-    from ..writer import read_part
+    from ..journal import read_part
 
     docs = sorted(((read_part(s), Path(s)) for s in stores), key=lambda d: d[0]["example_range"])
     if not docs:
