@@ -33,8 +33,10 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,6 +52,8 @@ FORMAT_TAG = "actstore-zarr-logger"
 RUN_FORMAT_TAG = "actstore-zarr-run"
 #: Default directory name of a store.
 STORE_NAME = "activations.zarr"
+#: Where a sharded run keeps its stores (``run/shards/shard-XXXX.zarr``).
+SHARDS_DIR = "shards"
 
 PARTS = ("prompt", "response")
 ACTIVATIONS = {"prompt": "arrays/prompt_activations", "response": "arrays/response_activations"}
@@ -399,3 +403,21 @@ def _part(part: str) -> str:
     if part not in PARTS:
         raise ConfigError(f"part must be 'prompt' or 'response', not {part!r}")
     return part
+
+
+def shard_ranges(n_samples: int, n_shards: int) -> list[tuple[int, int]]:
+    """Split ``0..n_samples`` into ``n_shards`` contiguous ranges differing by at most one."""
+    if n_shards < 1 or n_samples < n_shards:
+        raise ConfigError(f"cannot split {n_samples} samples into {n_shards} non-empty shards")
+    base, extra = divmod(n_samples, n_shards)
+    out, start = [], 0
+    for k in range(n_shards):
+        stop = start + base + (1 if k < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def shard_path(run_dir: str | os.PathLike, index: int) -> Path:
+    """``run_dir/shards/shard-XXXX.zarr``."""
+    return Path(run_dir) / SHARDS_DIR / f"shard-{index:04d}.zarr"

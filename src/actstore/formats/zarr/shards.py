@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import multiprocessing
 import os
@@ -40,12 +39,19 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from ...batch import Batch, CapturePlan
-from ...errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
+from ...errors import CaptureError, ConfigError, CorruptStoreError
 from ...progress import bar_switch
 from ...storage import atomic_write_json
 from ...storage.location import Location
 from ...storage.manifest import ManifestBuilder
-from .layout import RUN_FORMAT_TAG, SCHEMA_VERSION, STORE_NAME
+from .layout import (  # noqa: F401 - SHARDS_DIR, shard_ranges, shard_path re-exported
+    RUN_FORMAT_TAG,
+    SCHEMA_VERSION,
+    SHARDS_DIR,
+    STORE_NAME,
+    shard_path,
+    shard_ranges,
+)
 from .options import ZarrOptions
 from .writer import ZarrWriter
 
@@ -56,45 +62,11 @@ else:
 
 log = logging.getLogger(__name__)
 
-SHARDS_DIR = "shards"
 MERGED_DIR = "merged"
 MANIFEST = "manifest.json"
 
 #: ``producer(start, stop)`` yields the batches of global samples ``start..stop-1`` in order.
 Producer = Callable[[int, int], Iterable[Batch]]
-
-
-def shard_ranges(n_samples: int, n_shards: int) -> list[tuple[int, int]]:
-    """Split ``0..n_samples`` into ``n_shards`` contiguous ranges differing by at most one."""
-    if n_shards < 1 or n_samples < n_shards:
-        raise ConfigError(f"cannot split {n_samples} samples into {n_shards} non-empty shards")
-    base, extra = divmod(n_samples, n_shards)
-    out, start = [], 0
-    for k in range(n_shards):
-        stop = start + base + (1 if k < extra else 0)
-        out.append((start, stop))
-        start = stop
-    return out
-
-
-def shard_path(run_dir: str | os.PathLike, index: int) -> Path:
-    """``run_dir/shards/shard-XXXX.zarr``."""
-    return Path(run_dir) / SHARDS_DIR / f"shard-{index:04d}.zarr"
-
-
-def new_run_dir(root: str | os.PathLike) -> Path:
-    """A new ``root/run_YYYYmmdd_HHMMSS`` directory (suffixed if that second is taken)."""
-    root = Path(root).expanduser()
-    root.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("run_%Y%m%d_%H%M%S")
-    for n in range(1000):
-        path = root / (stamp if n == 0 else f"{stamp}_{n}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
-            continue
-    raise StoreExistsError(f"could not create a fresh run directory under {root}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -83,6 +83,8 @@ from .layout import (
     chunk_key,
     chunksums_name,
     parse_chunk_key,
+    shard_path,
+    shard_ranges,
 )
 from .options import ZarrOptions
 from .store import (
@@ -331,8 +333,6 @@ class ZarrWriter(ShardedWriter):
         """The writer of shard ``index`` of ``n_shards`` of a sharded run of ``plan``: the
         layout is chosen from the whole plan, so every shard agrees; the writer takes the
         examples of its :attr:`example_range` (capture feeds it only those)."""
-        from .shards import shard_path, shard_ranges
-
         start, stop = shard_ranges(plan.n_examples, n_shards)[index]
         store = Location.parse(shard_path(run_dir, index))
         return cls(
