@@ -7,7 +7,7 @@ A run is a prefix holding ``cfg.json`` and one folder per hook::
     {run}/{hook}/statistics.json
     {run}/{hook}/{group uuid}--{n}.pt
 
-A megabatch file is ``torch.save`` (to an in-memory buffer, so records sit under
+A megabatch file is ``torch.save`` (to a stream, not a path, so records sit under
 ``archive/``) of ``{"states": [rows, seq, d], "input_ids": int64 [rows, seq],
 "tensor_bytes": int}``. Equal shapes and dtypes give files of exactly equal size, which
 Activault's reader requires (it downloads exactly ``bytes_per_file`` bytes of every file).
@@ -210,6 +210,15 @@ def serialize_megabatch(states: torch.Tensor, input_ids: torch.Tensor) -> io.Byt
     Both tensors are made contiguous CPU tensors owning exactly their storage, because
     ``torch.save`` writes whole storages: a view of a larger tensor would change the size.
     """
+    buffer = io.BytesIO()
+    write_megabatch(states, input_ids, buffer)
+    return buffer
+
+
+def write_megabatch(states: torch.Tensor, input_ids: torch.Tensor, file: Any) -> None:
+    """``torch.save`` of the megabatch dict into ``file``, a writable binary stream (the
+    bytes :func:`serialize_megabatch` holds, written straight from the tensors' storage:
+    ``torch.save`` hands the stream views of it, no copy in between)."""
     states = _owning(states.detach().to("cpu"))
     input_ids = _owning(input_ids.detach().to("cpu", torch.int64))
     if states.dim() != 3 or input_ids.shape != states.shape[:2]:
@@ -217,12 +226,10 @@ def serialize_megabatch(states: torch.Tensor, input_ids: torch.Tensor) -> io.Byt
             f"a megabatch is states [rows, seq, d] with input_ids [rows, seq]; got "
             f"{tuple(states.shape)} and {tuple(input_ids.shape)}"
         )
-    buffer = io.BytesIO()
     torch.save(
         {"states": states, "input_ids": input_ids, "tensor_bytes": tensor_bytes(states, input_ids)},
-        buffer,
+        file,
     )
-    return buffer
 
 
 def _owning(t: torch.Tensor) -> torch.Tensor:

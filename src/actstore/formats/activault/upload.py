@@ -1,31 +1,40 @@
 """The moving parts of :class:`~actstore.formats.activault.writer.ActivaultWriter`: one
-background uploader per hook, the packer that fills megabatch files, and the position
-(example, tokens to skip) a resume starts from."""
+background uploader per hook (``torch.save`` straight into the file or the upload buffer,
+statistics folded on a thread pool meanwhile), the packer that fills megabatch files (the
+one cast to the stored dtype), and the position (example, tokens to skip) a resume starts
+from."""
 
 from __future__ import annotations
 
+import io
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
 from ...errors import CaptureError
-from ...stats import RunningStats
-from ...storage.manifest import block_keys
+from ...stats import Moments, RunningStats, chunk_moments
+from ...storage.local import AtomicFile
+from ...storage.manifest import BlockHasher, block_keys
 from ...storage.object import (
     ObjectStore,
     join_key,
 )
+from ...storage.writeback import pwrite_all, start_writeback
+from ..pipeline import StageClock
 from .layout import (
     data_file_name,
-    serialize_megabatch,
+    tensor_bytes,
+    write_megabatch,
 )
 
 if TYPE_CHECKING:
@@ -50,11 +59,31 @@ class UploadJob:
     input_ids: torch.Tensor
 
 
-class HookUploader:
-    """Serialises and uploads one hook's megabatches on its own threads and client.
+@dataclass
+class Stored:
+    """One hook's file of a group, written (not yet committed): its size, keyed digest,
+    statistics, and on a local disk the temporary file the commit makes durable and renames
+    (None on object storage: the upload itself published it whole)."""
 
-    ``submit`` blocks only while ``queue_files`` megabatches already wait. Errors are
-    reported through ``on_error`` and stop further uploads of this hook.
+    group: int
+    hook: str
+    nbytes: int
+    stats: RunningStats
+    digest: str
+    staged: AtomicFile | None = None
+
+
+class HookUploader:
+    """Serialises and stores one hook's megabatches on its own threads and client.
+
+    ``submit`` blocks only while ``queue_files`` megabatches already wait. Per file: the
+    statistics are folded on ``pool`` (chunks of the file in a fixed order) while
+    ``torch.save`` writes the file, straight from the megabatch's storage, either
+    positionally into a temporary file beside its final name (``directory`` given: a
+    local run; digested as written, with rolling writeback; made durable and renamed by
+    the writer's commit stage) or into one buffer that is uploaded (object storage).
+    Results go to ``on_done`` as :class:`Stored`; errors through ``on_error``, and stop
+    further uploads of this hook.
     """
 
     def __init__(
@@ -66,13 +95,18 @@ class HookUploader:
         threads: int,
         queue_files: int,
         expected_bytes: int | None,
-        on_done: Callable[[int, str, int, RunningStats, str], None],
+        on_done: Callable[[Stored], None],
         on_error: Callable[[BaseException], None],
         store_id: str,
+        directory: Path | None = None,
+        pool: Executor | None = None,
+        clock: StageClock | None = None,
     ) -> None:
         self.hook, self.prefix, self.store, self.store_id = hook, prefix, store, store_id
         self.expected_bytes = expected_bytes
         self.on_done, self.on_error = on_done, on_error
+        self.directory, self.pool = directory, pool
+        self.clock = clock or StageClock()
         self.files = 0
         self.bytes = 0
         self.busy_s = 0.0
@@ -109,31 +143,70 @@ class HookUploader:
                 self._stop.set()
                 self.on_error(err)
 
-    def _upload(self, job: UploadJob) -> None:
-        start = time.perf_counter()
-        stats = group_statistics(job.states)  # here: in parallel across hooks, off the capture
-        buffer = serialize_megabatch(job.states, job.input_ids)
-        data = buffer.getbuffer()
-        key = join_key(self.prefix, data_file_name(job.uuid, job.group + 1))
+    def _check_size(self, key: str, size: int) -> int:
         with self._lock:
             if self.expected_bytes is None:
-                self.expected_bytes = len(data)
+                self.expected_bytes = size
             expected = self.expected_bytes
-        if len(data) != expected:
+        if size != expected:
             raise CaptureError(
-                f"torch.save produced {len(data)} bytes for {key}, but this hook's files are "
+                f"torch.save produced {size} bytes for {key}, but this hook's files are "
                 f"{expected} bytes (bytes_per_file); Activault's reader needs every file of a "
                 "hook to be exactly the same size"
             )
-        name = f"{self.hook}/{data_file_name(job.uuid, job.group + 1)}"
-        digest = f"{keyed_digest(self.store_id, name, data):016x}"
-        self.store.put(key, data)
-        del data
+        return expected
+
+    def _upload(self, job: UploadJob) -> None:
+        start = time.perf_counter()
+        # folded on the pool while the file is written: in parallel across hooks and chunks
+        stats = fold_statistics(job.states, self.pool, self.clock)
+        file = data_file_name(job.uuid, job.group + 1)
+        key = join_key(self.prefix, file)
+        name = f"{self.hook}/{file}"
+        staged = None
+        if self.directory is not None:
+            staged, digest, size = self._write_local(job, file, name)
+        else:
+            digest, size = self._put(job, key, name)
+        try:
+            expected = self._check_size(key, size)
+            result = Stored(job.group, self.hook, expected, stats(), digest, staged)
+        except BaseException:
+            if staged is not None:
+                staged.discard()
+            raise
+        del job
         with self._lock:
             self.files += 1
             self.bytes += expected
             self.busy_s += time.perf_counter() - start
-        self.on_done(job.group, self.hook, expected, stats, digest)
+        self.on_done(result)
+
+    def _write_local(self, job: UploadJob, file: str, name: str) -> tuple[AtomicFile, str, int]:
+        """torch.save into a temporary file beside ``file`` (committed later)."""
+        assert self.directory is not None
+        self.directory.mkdir(parents=True, exist_ok=True)
+        staged = AtomicFile(self.directory / file, durable=False)
+        try:
+            stream = _FileStream(staged.fd, BlockHasher(self.store_id, name, 0), self.clock)
+            self.clock.timed("encode", write_megabatch, job.states, job.input_ids, stream)
+            return staged, f"{stream.digest():016x}", stream.size
+        except BaseException:
+            staged.discard()
+            raise
+
+    def _put(self, job: UploadJob, key: str, name: str) -> tuple[str, int]:
+        """torch.save into one buffer (no copy beyond the tensors'), then one upload."""
+        with self._lock:
+            guess = self.expected_bytes
+        if guess is None:
+            guess = tensor_bytes(job.states, job.input_ids) + (1 << 20)
+        buffer = _MemoryStream(guess)
+        self.clock.timed("encode", write_megabatch, job.states, job.input_ids, buffer)
+        data = buffer.view()
+        digest = self.clock.timed("hash", keyed_digest, self.store_id, name, data)
+        self.store.put(key, data)
+        return f"{digest:016x}", len(data)
 
     def close(self, *, abort: bool = False) -> None:
         """Finish queued uploads (or skip them with ``abort``) and stop the threads.
@@ -150,6 +223,75 @@ class HookUploader:
             self._stops_sent += 1
         for t in self._threads:
             t.join()
+
+
+class _FileStream(io.RawIOBase):
+    """What ``torch.save`` writes a local megabatch file through: positional writes with
+    rolling writeback (:mod:`~actstore.storage.writeback`), digested in order as written.
+    Writes are synchronous (``torch.save`` hands views of short-lived buffers too)."""
+
+    def __init__(self, fd: int, hasher: BlockHasher, clock: StageClock) -> None:
+        self._fd, self._hasher, self._clock = fd, hasher, clock
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        n = len(view)
+        t0 = time.thread_time()
+        pwrite_all(self._fd, [view], self.size)
+        start_writeback(self._fd, self.size, n)
+        t1 = time.thread_time()
+        self._hasher.update(view)
+        t2 = time.thread_time()
+        self._clock.add("write", t1 - t0)
+        self._clock.add("hash", t2 - t1)
+        self.size += n
+        return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def digest(self) -> int:
+        return int(self._hasher.digests()[0])
+
+
+class _MemoryStream(io.RawIOBase):
+    """An in-memory file of one preallocated, uninitialised buffer (grown only if
+    ``capacity`` was too small): ``torch.save`` copies each record into it once."""
+
+    def __init__(self, capacity: int) -> None:
+        self._buf = np.empty(max(capacity, 1 << 16), np.uint8)
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        end = self.size + len(view)
+        if end > len(self._buf):
+            grown = np.empty(max(end, 2 * len(self._buf)), np.uint8)
+            grown[: self.size] = self._buf[: self.size]
+            self._buf = grown
+        self._buf[self.size : end] = view
+        self.size = end
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def view(self) -> memoryview:
+        # numpy's stubs declare ndarray.__buffer__ (PEP 688) only for Python >= 3.12
+        return memoryview(self._buf[: self.size]).cast("B")  # type: ignore[arg-type]
 
 
 class Position:
@@ -223,4 +365,54 @@ class Packer:
 def group_statistics(states: torch.Tensor) -> RunningStats:
     """Statistics of one megabatch's stored values (exactly what a reader sees). A run's
     statistics are these merged in group order, so a resumed run's are bit-identical."""
-    return RunningStats.of(states.reshape(-1, states.shape[-1]).to(torch.float32).numpy())
+    return fold_statistics(states, None)()
+
+
+def fold_statistics(
+    states: torch.Tensor, pool: Executor | None, clock: StageClock | None = None
+) -> Callable[[], RunningStats]:
+    """Start folding the statistics of ``states`` (``[..., d]``, stored dtype): runs of
+    :attr:`~actstore.stats.RunningStats.rows_per_chunk` rows from the first, each run's
+    :func:`~actstore.stats.chunk_moments` on ``pool`` (GIL-free; inline when None),
+    merged in run order by the returned function. Equal to ``RunningStats.of`` of the
+    values widened to float32, bit for bit, whatever the pool."""
+    rows = states.reshape(-1, states.shape[-1])
+    d = rows.shape[1]
+    per = RunningStats(d).rows_per_chunk
+    parts: list[Future | Moments] = []
+    for lo in range(0, rows.shape[0], per):
+        chunk = rows[lo : lo + per]
+        if pool is None:
+            parts.append(_moments(chunk))
+        elif clock is not None:
+            parts.append(pool.submit(clock.timed, "statistics", _moments, chunk))
+        else:
+            parts.append(pool.submit(_moments, chunk))
+
+    def finish() -> RunningStats:
+        stats = RunningStats(d)
+        for p in parts:
+            stats.add(p.result() if isinstance(p, Future) else p)
+        return stats
+
+    return finish
+
+
+_scratch = threading.local()
+
+
+def _moments(chunk: torch.Tensor) -> Moments:
+    """:func:`chunk_moments` of a chunk of stored rows, with per-thread scratch buffers
+    (bfloat16 widened to float32 by a shift: exact, and numpy releases the GIL)."""
+    n, d = chunk.shape
+    buf = getattr(_scratch, "f64", None)
+    if buf is None or buf.shape[0] < n or buf.shape[1] != d:
+        buf = _scratch.f64 = np.empty((n, d), np.float64)
+    if chunk.dtype == torch.bfloat16:
+        wide = getattr(_scratch, "f32", None)
+        if wide is None or wide.shape[0] < n or wide.shape[1] != d:
+            wide = _scratch.f32 = np.empty((n, d), np.float32)
+        bits = chunk.contiguous().view(torch.int16).numpy().view(np.uint16)
+        np.left_shift(bits, 16, out=wide[:n].view(np.uint32), dtype=np.uint32)
+        return chunk_moments(wide[:n], buf)
+    return chunk_moments(chunk.detach().numpy(), buf)

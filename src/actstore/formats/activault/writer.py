@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid as uuid_lib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,7 @@ from ...errors import ActstoreError, CaptureError, CorruptStoreError, StoreExist
 from ...faults import point
 from ...sites import Site
 from ...stats import RunningStats
+from ...storage.local import fsync_dir
 from ...storage.location import Location
 from ...storage.manifest import (
     BLOCKS,
@@ -59,6 +61,7 @@ from ...storage.manifest import (
     store_id_of,
 )
 from ...storage.object import (
+    LocalStore,
     ObjectStore,
     S3Config,
     base_name,
@@ -66,7 +69,9 @@ from ...storage.object import (
     join_key,
     open_location,
 )
+from ...storage.writeback import pool_size, sync_files
 from ..base import FormatWriter, summary_of
+from ..pipeline import StageClock
 from .layout import (
     CFG,
     METADATA,
@@ -93,6 +98,7 @@ from .upload import (
     HookUploader,
     Packer,
     Position,
+    Stored,
     UploadJob,
     group_statistics,
     keyed_digest,
@@ -137,10 +143,16 @@ class ActivaultWriter(FormatWriter):
         #: Seconds ``write`` waited for room in an uploader queue (back-pressure).
         self.blocked_s = 0.0
         self._error: BaseException | None = None
-        self._lock = threading.Lock()  # guards commits and the run record
+        self._lock = threading.Lock()  # guards the pending groups and the run record
         self._committed = threading.Condition(self._lock)
+        self._cfg_lock = threading.Lock()  # one cfg.json write at a time
         self._uploaders: dict[str, HookUploader] = {}
         self._pending: dict[int, dict[str, Any]] = {}
+        #: CPU seconds per stage (cast, encode, statistics, write, hash, commit)
+        self.clock = StageClock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._committer: threading.Thread | None = None
+        self._stopping = False
         self._metadata_bytes: dict[str, int] = {}
         self._packer = Packer(list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype)
         self._stats: dict[str, RunningStats] = {}  # set here or by _resume
@@ -346,12 +358,19 @@ class ActivaultWriter(FormatWriter):
     def _make_store(self) -> ObjectStore:
         return self.store.clone()  # its own client and connection pool
 
+    def stage_seconds(self) -> dict[str, float]:
+        """CPU seconds spent so far per stage, summed over threads."""
+        return dict(self.clock.seconds)
+
     def _start_uploaders(self) -> None:
         opts = self.options
+        self._pool = ThreadPoolExecutor(pool_size(), thread_name_prefix="actstore-cpu")
+        local = isinstance(self.store, LocalStore)
         for hook in self.hooks:
+            prefix = self._hook_prefix(hook)
             self._uploaders[hook] = HookUploader(
                 hook,
-                self._hook_prefix(hook),
+                prefix,
                 self._make_store(),
                 threads=opts.upload_threads,
                 queue_files=opts.queue_files,
@@ -359,7 +378,14 @@ class ActivaultWriter(FormatWriter):
                 on_done=self._uploaded,
                 on_error=self._fail,
                 store_id=self.store_id,
+                directory=Path(self.store.url(prefix)) if local else None,
+                pool=self._pool,
+                clock=self.clock,
             )
+        self._committer = threading.Thread(
+            target=self._commit_loop, name="actstore-activault-commit", daemon=True
+        )
+        self._committer.start()
 
     def write(self, batch: Batch) -> None:
         """Append the kept tokens of ``batch``'s examples not already stored."""
@@ -415,8 +441,11 @@ class ActivaultWriter(FormatWriter):
             token_ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).reshape(-1)
         else:
             token_ids = torch.full((b * t,), -1, dtype=torch.int64)
-        full = self._packer.add(
-            rows, token_ids if index is None else token_ids.index_select(0, index)
+        full = self.clock.timed(
+            "cast",
+            self._packer.add,
+            rows,
+            token_ids if index is None else token_ids.index_select(0, index),
         )
         self._next_example += b
         for states, group_ids in full:
@@ -426,8 +455,7 @@ class ActivaultWriter(FormatWriter):
     def _emit_group(self, states: dict[str, torch.Tensor], ids: torch.Tensor) -> None:
         """Hand one full group (a megabatch per hook) to the uploaders."""
         if not self._cfg_written:
-            with self._lock:
-                self._write_cfg()
+            self._write_cfg()
             self._cfg_written = True
         if not self._uploaders:
             self._start_uploaders()
@@ -439,36 +467,56 @@ class ActivaultWriter(FormatWriter):
             self._pending[group] = {
                 "left": set(self.hooks),
                 "position": position,
-                "stats": {},
-                "digests": {},
+                "stored": {},
             }
         ids = ids.view(self.rows, self.seq)
         for hook in self.hooks:
             job = UploadJob(group, name, states[hook].view(self.rows, self.seq, -1), ids)
             self.blocked_s += self._uploaders[hook].submit(job)
 
-    def _uploaded(
-        self, group: int, hook: str, nbytes: int, stats: RunningStats, digest: str
-    ) -> None:
-        """Called on an uploader thread when ``hook``'s file of ``group`` is stored."""
-        try:
+    def _uploaded(self, stored: Stored) -> None:
+        """Called on an uploader thread when a hook's file of a group is written."""
+        with self._lock:
+            pending = self._pending[stored.group]
+            pending["left"].discard(stored.hook)
+            pending["stored"][stored.hook] = stored
+            self._committed.notify_all()  # the commit stage may take the group
+
+    def _commit_loop(self) -> None:
+        """The commit stage: commits groups in order, each once every hook's file of it is
+        written, on its own thread (group k is made durable while k+1 is written)."""
+        while True:
             with self._lock:
-                self._metadata_bytes.setdefault(hook, nbytes)
-                self._pending[group]["left"].discard(hook)
-                self._pending[group]["stats"][hook] = stats
-                self._pending[group]["digests"][hook] = digest
-                while True:  # commit finished groups in order
-                    head = self._pending.get(self.record.groups)
-                    if head is None or head["left"]:
-                        break
-                    self._commit(self._pending.pop(self.record.groups))
-                self._committed.notify_all()
-        except BaseException as err:  # noqa: BLE001 - reported to the writer
-            self._fail(err)
+                self._committed.wait_for(self._head_ready)
+                if self._error is not None:
+                    return
+                pending = self._pending.get(self.record.groups)
+                if pending is None or pending["left"]:
+                    return  # stopping, nothing complete left
+            try:
+                self.clock.timed("commit", self._commit, pending)
+            except BaseException as err:  # noqa: BLE001 - reported to the writer
+                self._fail(err)
+                return
+
+    def _head_ready(self) -> bool:
+        head = self._pending.get(self.record.groups)
+        return self._error is not None or self._stopping or (head is not None and not head["left"])
 
     def _commit(self, pending: dict[str, Any]) -> None:
-        """Publish one finished group: metadata (first time), cfg.json, statistics."""
+        """Publish one finished group: its files (durable, then renamed into place on a
+        local disk), metadata (first time), cfg.json, statistics."""
+        stored: dict[str, Stored] = pending["stored"]
+        staged = [s.staged for s in stored.values() if s.staged is not None]
+        if staged:
+            sync_files([f.fd for f in staged])
+            for f in staged:
+                f.commit()  # durable=False: the rename alone, the bytes are synced above
+            for directory in sorted({f.path.parent for f in staged}):
+                fsync_dir(directory)
         group = self.record.groups
+        for hook, s in stored.items():
+            self._metadata_bytes.setdefault(hook, s.nbytes)
         if group == 0:
             for hook in self.hooks:
                 md = HookMetadata.for_shape(
@@ -480,27 +528,35 @@ class ActivaultWriter(FormatWriter):
                 ).with_bytes(self._metadata_bytes[hook])
                 self.store.put_json(join_key(self._hook_prefix(hook), METADATA), md.to_dict())
         example, skip = pending["position"]
-        digests = {h: [*self.record.digests.get(h, []), pending["digests"][h]] for h in self.hooks}
-        self.record = replace(
-            self.record, groups=group + 1, next_example=example, next_skip=skip, digests=digests
-        )
-        self._write_cfg()
-        for hook, stats in pending["stats"].items():  # merged in group order: deterministic
-            self._stats[hook] = self._stats[hook].merge(stats)
+        digests = {h: [*self.record.digests.get(h, []), stored[h].digest] for h in self.hooks}
+        with self._lock:
+            record = replace(
+                self.record, groups=group + 1, next_example=example, next_skip=skip, digests=digests
+            )
+        self._write_cfg(record)
+        for hook in self.hooks:  # merged in group order: deterministic
+            self._stats[hook] = self._stats[hook].merge(stored[hook].stats)
             self.store.put_json(
                 join_key(self._hook_prefix(hook), STATISTICS), statistics_to_dict(self._stats[hook])
             )
+        with self._lock:
+            self._pending.pop(group)
+            self.record = replace(
+                self.record, groups=group + 1, next_example=example, next_skip=skip, digests=digests
+            )
+            self._committed.notify_all()
 
-    def _write_cfg(self) -> None:
+    def _write_cfg(self, record: RunRecord | None = None) -> None:
         bucket = self.store.bucket_name
         doc = run_cfg(
-            self.record,
+            record or self.record,
             run_name=base_name(self.run_prefix),
             bucket=bucket,
             batch_size=self.plan.batch_size,
             batches_per_file=self.batches_per_file,
         )
-        self.store.put_json(self._key(CFG), doc, indent=2)
+        with self._cfg_lock:
+            self.store.put_json(self._key(CFG), doc, indent=2)
 
     # ------------------------------------------------------------------ finish
 
@@ -532,6 +588,8 @@ class ActivaultWriter(FormatWriter):
         for uploader in self._uploaders.values():
             uploader.close()
         self._raise_if_failed()
+        self.flush()
+        self._stop_committer()
         if self.record.groups == 0:
             raise CaptureError(
                 f"the capture kept {dropped} tokens, fewer than one file of "
@@ -564,7 +622,26 @@ class ActivaultWriter(FormatWriter):
         """Stop without marking the run complete; committed files stay for a resume."""
         for uploader in self._uploaders.values():
             uploader.close(abort=True)
+        self._stop_committer()
+        with self._lock:  # written, never committed: the temporary files go
+            pending, self._pending = self._pending, {}
+        for group in pending.values():
+            for stored in group["stored"].values():
+                if stored.staged is not None:
+                    stored.staged.discard()
         self._write_lock.release()
+
+    def _stop_committer(self) -> None:
+        """Stop the commit stage once it has committed every complete group."""
+        with self._lock:
+            self._stopping = True
+            self._committed.notify_all()
+        if self._committer is not None:
+            self._committer.join()
+            self._committer = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def _published(location: str) -> Path | str:
