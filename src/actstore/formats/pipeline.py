@@ -271,10 +271,10 @@ class ShardOutput:
             f.fd = -1
         out = {}
         for name in self._order:
-            f = self.files.get(name)
-            if f is not None and f.listed:
-                out[name] = self.pools.clock.timed("hash", self._entry, f)
-            elif f is None and self._adopted[name][1]:
+            declared = self.files.get(name)
+            if declared is not None and declared.listed:
+                out[name] = self.pools.clock.timed("hash", self._entry, declared)
+            elif declared is None and self._adopted[name][1]:
                 unit, path = self._adopted[name][0], self.directory / name
                 out[name] = self.pools.clock.timed(
                     "hash", hash_file_blocks, self.store_id, path, name, unit
