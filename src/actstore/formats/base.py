@@ -44,8 +44,6 @@ from ..storage.location import Location, refuse_partial
 if TYPE_CHECKING:
     import os
 
-    import torch
-
     from ..batch import Batch, CapturePlan
     from ..stats import RunningStats
     from ..storage.files import StoreFiles
@@ -329,7 +327,7 @@ class ReaderBase(abc.ABC):
                 f"{self.url}: examples differ in length, so reader[example, site, token] has "
                 "no token axis; read them through blocks(site) and read_block"
             )
-        examples, site, token, scalar = self.split_key(key, self.n_examples, n_tokens)
+        examples, site, token, scalar = self._split_key(key, self.n_examples, n_tokens)
         sites = list(self.sites) if site is None else [site]
         picked = np.array([token], dtype=np.int64) if isinstance(token, int) else token
         data = self.read_examples(examples, sites, picked)
@@ -339,7 +337,7 @@ class ReaderBase(abc.ABC):
             data = data[:, 0]
         return data[0] if scalar else data
 
-    def split_key(
+    def _split_key(
         self, key: Any, n_examples: int, n_tokens: int
     ) -> tuple[np.ndarray, Site | None, int | slice | np.ndarray, bool]:
         """``reader[example, site, token]`` parsed: ``(examples, site or None for all,
@@ -423,15 +421,10 @@ class ReaderBase(abc.ABC):
         """Class names for ``labels``."""
         return None
 
-    @property
-    def torch_dtype(self) -> torch.dtype | None:
-        """The stored torch dtype when :attr:`dtype` widens it (bfloat16 read as float32)."""
-        return None
-
     def stored_dtype(self) -> str:
-        """The dtype the values are stored in, e.g. ``"bfloat16"`` or ``"float32"``."""
-        if self.torch_dtype is not None:
-            return str(self.torch_dtype).removeprefix("torch.")
+        """The dtype the values are stored in, e.g. ``"bfloat16"`` or ``"float32"``
+        (default: :attr:`dtype`'s; a format that widens what it stores, as Activault reads
+        bfloat16 as float32, says what it stores)."""
         return np.dtype(self.dtype).name
 
     def trusted_summary(self) -> dict[str, Any]:

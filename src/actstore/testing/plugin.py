@@ -18,6 +18,8 @@ Fixtures:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from .s3 import FaultyProxy, S3Env, new_env, start_server
@@ -32,7 +34,7 @@ def s3_server():
 
 
 @pytest.fixture
-def s3(s3_server, monkeypatch) -> S3Env:
+def s3(s3_server, monkeypatch) -> Iterator[S3Env]:
     """A fresh bucket; the AWS variables and S3_ENDPOINT_URL point at the server."""
     env = new_env(s3_server, monkeypatch, s3_server.endpoint)
     yield env
@@ -48,7 +50,7 @@ def conformance_s3_url(s3, tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def s3_proxy(s3_server, monkeypatch) -> S3Env:
+def s3_proxy(s3_server, monkeypatch) -> Iterator[S3Env]:
     """Like ``s3``, but the endpoint is a :class:`FaultyProxy` in front of the server."""
     _, port = s3_server.get_host_and_port()
     proxy = FaultyProxy(port)

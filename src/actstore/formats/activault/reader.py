@@ -495,6 +495,9 @@ class ActivaultReader(ReaderBase):
         """numpy dtype of rows from :meth:`read_block` (bfloat16 widens exactly to float32)."""
         return numpy_dtype(self.torch_dtype)
 
+    def stored_dtype(self) -> str:
+        return str(self.torch_dtype).removeprefix("torch.")
+
     @property
     def model_name(self) -> str | None:
         return (self.cfg.get("transformer_config") or {}).get("model_name")
