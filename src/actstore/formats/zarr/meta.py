@@ -114,7 +114,7 @@ class StoreMeta:
                 )
             store.lengths[part] = lengths.astype(np.int32)
         if checks.enabled:
-            store.chunksums = store._load_chunksums()
+            store.chunksums = store.load_chunksums()
         return store
 
     @property
@@ -194,7 +194,7 @@ class StoreMeta:
             out[k * rows : k * rows + n] = values.reshape((n, *shape[1:]))
         return out
 
-    def _load_chunksums(self) -> dict[str, np.ndarray]:
+    def load_chunksums(self) -> dict[str, np.ndarray]:
         """The keyed chunk digests of every writer shard, concatenated per part."""
         lay, rows = self.layout, self.sample_rows
         out = {}

@@ -67,7 +67,7 @@ def _load_chunk_digests(store: StoreMeta, report: VerifyReport) -> None:
     ``actstore verify`` does to list every fault)."""
     if store.chunksums is None and store.checks.manifest is not None:
         try:
-            store.chunksums = store._load_chunksums()
+            store.chunksums = store.load_chunksums()
         except CorruptStoreError as err:
             report.faults.append(str(err))
     if store.chunksums is None and store.checks.manifest is None:
