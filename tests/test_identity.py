@@ -207,25 +207,42 @@ def test_an_edited_image_is_captured_anew(world, model_dir, image_folder):
 # ---------------------------------------------------------------------- 2. conversions
 
 
-def test_a_conversion_never_takes_the_name_of_a_capture(world):
+SOURCES = {
+    # format: (capture options, the store to convert, the precision it stores)
+    "zarr": (("--format", "zarr"), "activations.zarr", "float16"),
+    "activault": (("--format", "activault"), "", "bfloat16"),
+    "saelens": (("--format", "saelens", "--opt", "dtype=float16"), "", "float16"),
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+def test_a_conversion_never_takes_the_name_of_a_capture(world, source):
+    opts, inner, precision = SOURCES[source]
     data, root = world["tmp"] / "tokens.npy", world["tmp"] / "root"
-    zarr_out = world["tmp"] / "acts-zarr"
-    made = capture(world, data, zarr_out, "--format", "zarr")
+    made_at = world["tmp"] / f"acts-{source}"
+    made = capture(world, data, made_at, *opts)
     assert made.returncode == 0, made.stderr
-    conv = run_cli("convert", zarr_out / "activations.zarr", root, "--to", "saev", "--no-progress")
+    store = made_at / inner if inner else made_at
+    conv = run_cli("convert", store, root, "--to", "saev", "--no-progress")
     assert conv.returncode == 0, conv.stderr
     (converted,) = saev_stores(root)
     shown = run_cli("inspect", root / converted)
     assert shown.returncode == 0, shown.stderr
-    assert "converted from" in shown.stdout and "zarr" in shown.stdout
-    assert "float16" in shown.stdout  # the precision the values were stored at
-    fresh = capture(world, data, root)
+    lines = shown.stdout.splitlines()
+    origin = next(line for line in lines if line.strip().startswith("converted from"))
+    assert source in origin and precision in origin
+    assert any(line.strip().startswith("precision") and precision in line for line in lines)
+    fresh = capture(world, data, root)  # float32, same model, dataset and layers
     assert fresh.returncode == 0, fresh.stderr
     assert "Already captured" not in fresh.stdout
     stores = saev_stores(root)
     assert len(stores) == 2 and converted in stores
     shown = run_cli("inspect", root / next(s for s in stores if s != converted))
     assert "converted from" not in shown.stdout and "token_digest" in shown.stdout
+    # converting again is the same conversion (answered), not a third store
+    again = run_cli("convert", store, root, "--to", "saev", "--no-progress")
+    assert again.returncode == 0 and "Already converted" in again.stdout, again.stderr
+    assert saev_stores(root) == stores
 
 
 # ---------------------------------------------------------------------- 3. --out
@@ -235,8 +252,8 @@ def test_out_holding_a_store_of_another_format_is_refused_before_anything_is_cre
     data = world["tmp"] / "tokens.npy"
     pkl = world["tmp"] / "acts-pkl"
     assert capture(world, data, pkl, "--format", "pickle").returncode == 0
-    zarr_root = world["tmp"] / "acts-zarr"
-    assert capture(world, data, zarr_root, "--format", "zarr").returncode == 0
+    lens = world["tmp"] / "acts-saelens"
+    assert capture(world, data, lens, "--format", "saelens").returncode == 0
     saev_root = world["tmp"] / "acts-saev"
     assert capture(world, data, saev_root).returncode == 0
     (saev_store,) = saev_stores(saev_root)
@@ -245,12 +262,15 @@ def test_out_holding_a_store_of_another_format_is_refused_before_anything_is_cre
     (foreign / "paper.tex").write_text("\\begin{document}")
     cases = [
         (pkl, ()),  # saev into a pkl.gz store
-        (zarr_root / "activations.zarr", ()),  # saev into a zarr store
+        (lens, ()),  # saev into a SAELens store
         (saev_root / saev_store, ()),  # saev into a saev store
         (pkl / "deeper", ()),  # anything inside a store
+        (saev_root / saev_store / "x", ("--format", "pickle")),
         (saev_root, ("--format", "pickle")),  # pkl.gz over an output root of stores
         (foreign, ("--format", "pickle")),  # pkl.gz over foreign files
+        (foreign, ("--format", "saelens")),
         (pkl, ("--format", "saelens")),
+        (lens, ("--format", "activault")),
         (saev_root / saev_store, ("--format", "zarr")),
     ]
     for out, extra in cases:
@@ -258,11 +278,13 @@ def test_out_holding_a_store_of_another_format_is_refused_before_anything_is_cre
         proc = capture(world, data, out, *extra)
         line = assert_one_line_error(proc, str(out))
         assert "--out" in line
-        assert "packed" not in proc.stderr  # refused before the dataset was read
+        assert "contexts of" not in proc.stderr  # refused before the dataset was read
         assert snapshot(world["tmp"]) == before, (out, extra)
-    # the stores are intact
-    for store in (pkl, zarr_root / "activations.zarr", saev_root / saev_store):
+    # the stores are intact, and each format still answers for its own store
+    for store in (pkl, lens, saev_root / saev_store):
         assert run_cli("verify", store, "--no-progress").returncode == 0
+    again = capture(world, data, pkl, "--format", "pickle")
+    assert again.returncode == 0 and "Already captured" in again.stdout
 
 
 def test_a_conversion_into_a_store_of_another_format_is_refused(world):
@@ -283,13 +305,29 @@ def test_a_conversion_into_a_store_of_another_format_is_refused(world):
 def test_ls_of_an_output_root_lists_its_stores(world):
     data, root = world["tmp"] / "tokens.npy", world["tmp"] / "actstore-data"
     assert capture(world, data, root).returncode == 0
-    assert capture(world, data, root, "--format", "zarr").returncode == 0
-    (store,) = saev_stores(root)
+    assert capture(world, data, root, "--max-examples", "4").returncode == 0
+    first, second = saev_stores(root)
+    crashed = capture(
+        world,
+        data,
+        root,
+        "--max-examples",
+        "5",
+        "--patches-per-shard",
+        "32",
+        env={"ACTSTORE_CRASH_AT": "saev.shard_recorded:2"},
+    )
+    assert crashed.returncode == 137, crashed.stderr
     proc = run_cli("ls", root)
     assert proc.returncode == 0, proc.stderr
-    assert "Activault run" not in proc.stdout and "model None" not in proc.stdout
-    assert store in proc.stdout and "saev" in proc.stdout
-    assert "activations.zarr" in proc.stdout and "zarr" in proc.stdout
+    assert "Activault" not in proc.stdout and "model None" not in proc.stdout
+    listed = proc.stdout.splitlines()
+    for name in (first, second):
+        line = next(line for line in listed if name in line and ".partial" not in line)
+        assert "saev" in line
+    assert any(".partial" in line and "unfinished" in line for line in listed)
+    as_json = json.loads(run_cli("ls", root, "--json").stdout)
+    assert sorted(Path(s["store"]).name for s in as_json["stores"]) == [first, second]
     # an empty root, and a root with only an unfinished store, are said to be so
     empty = world["tmp"] / "empty"
     empty.mkdir()
@@ -312,11 +350,11 @@ def weightless(world, tmp_path) -> str:
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (("--dtype", "float64"), "--dtype"),
-        (("--dtype", "half"), "--dtype"),
+        (("--dtype", "float64"), "dtype must be one of"),
+        (("--dtype", "half"), "dtype must be one of"),
         (("--mode", "prompt-response"), "prompt"),  # a .npy is no prompt/response dataset
         (("--mode", "prompt-response", "--format", "saev"), "prompt"),
-        (("--mode", "bogus"), "--mode"),
+        (("--mode", "bogus"), "mode must be"),
         (("--sites", "mlp_out.1", "--format", "pickle"), "residual stream only"),
         (("--sites", "mlp_out.1", "--num-machines", "2", "--machine-id", "0"), "residual"),
     ],
@@ -328,7 +366,7 @@ def test_checks_without_weights_come_before_anything_is_created(world, weightles
     argv += ["--context-length", "16", "--out", out, "--no-progress", *extra]
     proc = run_cli(*argv)
     assert_one_line_error(proc, needle)
-    assert "packed" not in proc.stderr  # before the dataset was packed
+    assert "contexts of" not in proc.stderr  # before the dataset was packed
     assert not out.exists()
     assert snapshot(world["tmp"]) == before
 

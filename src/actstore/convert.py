@@ -271,13 +271,14 @@ def convert(
     ``--out``: a directory, or a URL for object storage). ``sites`` picks the sites to
     convert (default: all). Rerunning an interrupted conversion resumes it; a finished one
     is only verified."""
-    from .capture.preflight import check_output
+    from .capture.preflight import check_not_inside_a_store, check_output
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
     t0 = time.perf_counter()
     src_spec = detect_format(str(source))
     dst_spec = get_format(to)
+    check_not_inside_a_store(str(target), what="the target")
     check_output(str(target), what="the target")
     reader = src_spec.open_reader(str(source))
     try:
@@ -303,6 +304,9 @@ def _convert(
     source, to = reader.url, dst_spec.name
     plan = select_sites(converted_plan(reader, src_spec.name), sites, reader)
     options = options if options is not None else dst_spec.options()
+    from .capture.preflight import check_out_target
+
+    check_out_target(str(target), dst_spec, options, plan, what="the target")
     writer = open_target(dst_spec, plan, str(target), options, source, src_spec.name)
     already = writer.complete
     if already:

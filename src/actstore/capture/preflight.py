@@ -1,9 +1,12 @@
 """Checks that run before a capture loads model weights, cheapest first.
 
-In order: the output location is a writable directory (not a file); the ``--device`` exists
-here (a CUDA device needs a CUDA build of torch and a visible GPU); the dataset exists and is
-readable; the model's config.json is on this machine (or the hub answers) and every site
-fits it (its layer, and a sub-layer the model family has); then the store's plan is worked
+In order: the output location is not inside a store and is a writable directory (not a
+file); the ``--device`` exists here (a CUDA device needs a CUDA build of torch and a visible
+GPU); the dataset exists and is readable; the model's config.json is on this machine (or the
+hub answers) and every site fits it (its layer, and a sub-layer the model family has); a
+prompt/response capture is of a language model over prompt/response records (read); the
+format stores every site; ``--out`` holds nothing the format would write into (a store of
+another format, foreign files; see :func:`check_out_target`); then the store's plan is worked
 out from config.json, the tokenizer or image processor, and the dataset alone (read and
 tokenised only as far as the budget needs, and kept for the capture, which does not read it
 again), which gives the store's location and size: a store that is already complete is
@@ -102,6 +105,175 @@ def check_output(out: str, what: str = "--out") -> None:
             f"{what} {out} is not writable ({base}: {err.strerror or err}); "
             "choose a directory you can write to"
         ) from None
+
+
+#: The file every store actstore publishes holds (``actstore.storage.manifest``).
+_ROOT_MANIFEST = "actstore-manifest.json"
+#: Names whose presence at the top of a directory makes it worth asking every format
+#: whether it is a store (asking lists the whole tree): index files of the formats and
+#: of the stores other tools write (saev, SAELens's datasets cache, zarr, Activault).
+_STORE_MARKERS = frozenset(
+    {
+        _ROOT_MANIFEST,
+        "metadata.json",
+        "shards.json",
+        "cfg.json",
+        "dataset_info.json",
+        "state.json",
+        ".zgroup",
+        ".zattrs",
+        "zarr.json",
+    }
+)
+
+
+def _store_at(path: Path) -> str | None:
+    """The format of the store at ``path`` ("unfinished" for a writer's partial
+    directory), or None; only a directory with a store's index files is asked."""
+    from ..storage.location import final_of_partial
+
+    if final_of_partial(path.name) is not None:
+        return "unfinished"
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return None
+    if not names & _STORE_MARKERS:
+        return None
+    from ..formats.registry import format_of
+
+    spec = format_of(path)
+    if spec is not None:
+        return spec.name
+    return "actstore" if _ROOT_MANIFEST in names else None
+
+
+def check_not_inside_a_store(out: str, what: str = "--out") -> None:
+    """``out`` (named ``what``) is not inside a store or an unfinished one: whatever is
+    written there would change a store it does not belong to."""
+    if is_url(out):
+        return
+    path = Path(out).expanduser().absolute()
+    for parent in path.parents:
+        kind = _store_at(parent)
+        if kind is None:
+            continue
+        if kind == "unfinished":
+            raise ConfigError(
+                f"{what} {out} is inside {parent}, an unfinished capture's directory; "
+                "give a directory outside it"
+            )
+        raise ConfigError(
+            f"{what} {out} is inside the {kind} store {parent}; writing there would change "
+            "that store: give a directory outside it"
+        )
+
+
+def probe_plan(facts: ModelFacts, sites: tuple[Site, ...]) -> CapturePlan:
+    """A one-example plan of ``facts`` and ``sites``, to ask a format's writer what it
+    would do (store nothing with it)."""
+    return CapturePlan(
+        ckpt=facts.ckpt,
+        family=facts.family,
+        modality="image" if facts.is_vision else "text",
+        sites=sites,
+        n_model_layers=facts.n_layers,
+        d_model=facts.d_model,
+        tokens_per_example=2,
+        has_cls=False,
+        n_examples=1,
+        dataset_root="",
+        data={},
+        classes=None,
+        has_labels=False,
+        has_tokens=False,
+        batch_size=1,
+    )
+
+
+def _writer_refusal(spec: Any, plan: CapturePlan, options: Any) -> ConfigError | None:
+    """What format ``spec``'s writer says of ``plan``, opened in a scratch directory and
+    aborted (None: it takes it)."""
+    from ..errors import ActstoreError
+
+    quiet = logging.root.manager.disable
+    logging.disable(logging.INFO)  # a probe is not news
+    try:
+        with tempfile.TemporaryDirectory(prefix="actstore-preflight-") as scratch:
+            try:
+                writer = spec.open_writer(plan, os.path.join(scratch, "out"), options)
+            except ConfigError as err:
+                return err
+            except ActstoreError:
+                return None  # not about the sites: the real writer says it in its turn
+            writer.abort()
+            return None
+    finally:
+        logging.disable(quiet)
+
+
+def check_format_takes_sites(
+    spec: Any, options: Any, facts: ModelFacts, sites: tuple[Site, ...]
+) -> None:
+    """Format ``spec`` stores every site (saev and pkl.gz: the residual stream only), or
+    its writer's one-line refusal, before the dataset is read or the model loads."""
+    if all(site.kind == "resid" for site in sites):
+        return
+    refusal = _writer_refusal(spec, probe_plan(facts, sites), options)
+    if refusal is None:
+        return
+    resid = tuple(site for site in sites if site.kind == "resid")
+    if resid and _writer_refusal(spec, probe_plan(facts, resid), options) is not None:
+        return  # refused for another reason, which the probe plan may not show
+    raise refusal
+
+
+def check_out_target(
+    out: str, spec: Any, options: Any, plan: CapturePlan, what: str = "--out"
+) -> None:
+    """What ``out`` (named ``what``) holds fits what format ``spec`` does with it, or one
+    line: a format whose store is the output itself (pkl.gz, SAELens, Activault, zarr's
+    ``*.zarr``) takes a new or empty directory, or its own store there (finished:
+    reported; unfinished: resumed; another capture's: refused by the writer); a format that
+    writes its store under the output as a root (saev's ``<hash>``, zarr's
+    ``activations.zarr``) takes any directory that is not itself a store. A store of
+    another format, or foreign files, are never written into. ``plan`` is the capture's
+    (or :func:`probe_plan`'s: where the store goes depends on the format, not the data)."""
+    if is_url(out):
+        return
+    path = Path(out).expanduser().absolute()
+    if not path.is_dir():
+        return
+    from ..storage.location import Location
+
+    try:
+        store = Location.parse(spec.writer.store_location(plan, Location.parse(path), options))
+        at_out = store.path() == path
+    except ConfigError:
+        store, at_out = None, True
+    kind = _store_at(path)
+    if at_out:
+        if kind == spec.name:
+            return  # its own store: finished (reported), unfinished or another capture
+        if kind is None and not any(path.iterdir()):
+            return
+        held = f"the {kind} store" if kind else "files that are not a store"
+        raise ConfigError(
+            f"{what} {out} holds {held}; a {spec.name} store is written at {what} itself, "
+            "never into other files: give a new or empty directory"
+        )
+    if kind is not None:
+        raise ConfigError(
+            f"{what} {out} is a {kind} store, not an output root; a {spec.name} store is "
+            f"written inside {what}: give the store's parent or a new directory"
+        )
+    store_path = store.path() if store is not None else path
+    inner = _store_at(store_path) if store_path.is_dir() else None
+    if inner is not None and inner != spec.name:
+        raise ConfigError(
+            f"{what} {out}: {store_path}, where the {spec.name} store goes, is a {inner} "
+            "store; give another directory"
+        )
 
 
 def check_device(device: str) -> None:
@@ -265,6 +437,37 @@ def check_sites(sites: tuple[str, ...], facts: ModelFacts) -> tuple[Site, ...]:
     return resolved
 
 
+def check_prompt_response(config: CaptureConfig, facts: ModelFacts) -> None:
+    """A prompt/response capture is of a language model over prompt/response records: a
+    ``.jsonl`` file or a ``save_to_disk`` directory whose records have the prompt field
+    (and the response field, unless responses are generated). Read without the model."""
+    if facts.is_vision:
+        raise ConfigError(
+            f"--mode prompt-response needs a language model; {config.model} is a "
+            f"{facts.family} vision model"
+        )
+    path = Path(config.dataset).expanduser()
+    saved = path.is_dir() and any(
+        (path / name).exists() for name in ("dataset_info.json", "dataset_dict.json")
+    )
+    if not saved and not (path.is_file() and path.suffix == ".jsonl"):
+        raise ConfigError(
+            "--mode prompt-response: prompt/response datasets are .jsonl files or directories "
+            f"saved by datasets' save_to_disk; {config.dataset} is neither"
+        )
+    from .prompts import read_records
+
+    read_records(
+        config.dataset,
+        prompt_field=config.prompt_field,
+        response_field=None
+        if config.generate_max_new_tokens is not None
+        else config.response_field,
+        split=config.split,
+        max_examples=config.max_examples,
+    )
+
+
 def _stand_in(facts: ModelFacts, tokenizer: Any = None, image_processor: Any = None):
     """What the dataset code needs of a model (modality, name, tokenizer or image
     processor), with no weights: an empty module in place of the network."""
@@ -418,11 +621,16 @@ def preflight(
     the device map's. ``local_devices=False`` (Ray: workers run elsewhere) leaves out the
     check that the devices it names exist here.
     """
+    check_not_inside_a_store(out)
     check_output(out)
     check_device(config.device)
     check_dataset(config.dataset)
     facts = read_model_config(config.model)
     sites = check_sites(config.sites, facts)
+    if config.mode == "prompt_response":
+        check_prompt_response(config, facts)
+    check_format_takes_sites(spec, options, facts, sites)
+    check_out_target(out, spec, options, probe_plan(facts, sites))
     if config.placement.spread:
         from .models import check_placement
 

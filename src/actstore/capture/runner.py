@@ -28,7 +28,7 @@ from .background import BackgroundWriter
 from .copyout import CopyOut, Sink, device_failure, open_copyout
 from .data import ExampleSource, open_source
 from .hooks import ActivationRecorder
-from .models import LoadedModel, load_model
+from .models import DTYPES, LoadedModel, load_model
 from .placement import Placement, parse_placement
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,13 @@ class CaptureConfig:
         for site in self.sites:
             Site.parse(site)
         if self.mode not in ("packed", "prompt_response"):
-            raise ConfigError(f"mode must be 'packed' or 'prompt_response', not {self.mode!r}")
+            raise ConfigError(
+                f"mode must be 'packed' or 'prompt-response' (prompt_response), not {self.mode!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"dtype must be one of {', '.join(DTYPES)} (the compute dtype), not {self.dtype!r}"
+            )
         if self.generate_max_new_tokens is not None and self.generate_max_new_tokens < 1:
             raise ConfigError("generate_max_new_tokens must be >= 1")
         if self.copy_slots < 0:

@@ -56,8 +56,9 @@ def ls(
         None, help="S3 endpoint (default: $S3_ENDPOINT_URL, $AWS_ENDPOINT_URL, else AWS)."
     ),
 ) -> None:
-    """List a store of any format (its shape, sites and size), the runs, hooks and
-    megabatch files of an unfinished or foreign Activault layout, or any prefix.
+    """List a store of any format (its shape, sites and size), the stores under an output
+    root (what capture's --out named), the runs, hooks and megabatch files of an
+    unfinished or foreign Activault layout, or any prefix.
 
     \b
     Examples:
@@ -65,6 +66,7 @@ def ls(
       actstore ls s3://bucket/run                # hooks: files, sizes, shapes, progress
       actstore ls s3://bucket/run/models.layers.6.post --all
       actstore ls s3://bucket/acts/3f1c0e        # a store of any format
+      actstore ls actstore-data                  # the stores under an output root
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
@@ -95,9 +97,13 @@ def ls(
     hooks = {
         d: _hook_summary(store, join_key(prefix, d))
         for d in dirs
-        if store.size(join_key(prefix, d, METADATA)) is not None
+        if _is_hook(store, join_key(prefix, d, METADATA))
     }
     if cfg is None and not hooks:
+        root = _output_root(location, store, prefix, dirs)
+        if root is not None:
+            _print_root(root, as_json)
+            return
         listed = store.list(prefix.rstrip("/") + "/" if prefix else "")
         objects = [o for o in listed if not is_internal(o.key)][:1000]
         out: dict[str, Any] = {
@@ -117,6 +123,69 @@ def ls(
             typer.echo(f"  {d}/")
         return
     _print_run(store.url(prefix), cfg, hooks, as_json)
+
+
+def _is_hook(store, key: str) -> bool:
+    """Whether ``key`` is the metadata.json of an Activault hook folder (its keys), not
+    another format's (a saev store's metadata.json under an output root)."""
+    if store.size(key) is None:
+        return False
+    try:
+        doc = store.get_json(key)
+    except Exception:  # noqa: BLE001 - unreadable: not a hook's
+        return False
+    return isinstance(doc, dict) and {"shape", "dtype", "bytes_per_file"} <= set(doc)
+
+
+def _output_root(location: str, store, prefix: str, dirs: list[str]) -> dict[str, Any] | None:
+    """The stores under an output root (what capture's --out named): every published store
+    of any format, with its shape and size, and every unfinished one (local roots: as
+    ``actstore status`` finds them; object storage: the folders just below). None when
+    there is none."""
+    from ..storage.location import final_of_partial
+    from ..storage.object import LocalStore, join_key
+
+    stores: list[dict[str, Any]] = []
+    unfinished: list[dict[str, Any]] = []
+    if isinstance(store, LocalStore):
+        from .status_cmd import find_stores
+
+        for entry in find_stores(store.root / prefix):
+            if entry.finished:
+                found = _store_summary(str(entry.path), str(entry.path)) or {}
+                stores.append({"store": str(entry.path), "format": entry.fmt, **found})
+                stores[-1]["bytes"] = entry.n_bytes
+            else:
+                unfinished.append({"store": str(entry.path), "bytes": entry.n_bytes})
+    else:
+        for d in dirs:
+            url = store.url(join_key(prefix, d))
+            if final_of_partial(d) is not None:
+                unfinished.append({"store": url})
+                continue
+            found = _store_summary(url, url)
+            if found is not None:
+                stores.append(found)
+    if not stores and not unfinished:
+        return None
+    return {"root": store.url(prefix), "stores": stores, "unfinished": unfinished}
+
+
+def _print_root(root: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(root, indent=2, default=str))
+        return
+    stores, unfinished = root["stores"], root["unfinished"]
+    typer.echo(f"{root['root']}: output root, {len(stores)} finished, {len(unfinished)} unfinished")
+    for s in stores:
+        typer.echo(
+            f"  {s.get('format', '?'):<9} {human_bytes(s.get('bytes', 0)):>10}  {s['store']}"
+        )
+        if s.get("shape"):
+            typer.echo(f"  {'':<9} {'':>10}  {s['shape']}")
+    for s in unfinished:
+        size = human_bytes(s["bytes"]) if "bytes" in s else "?"
+        typer.echo(f"  {'unfinished':<9} {size:>10}  {s['store']}")
 
 
 def _store_summary(location: str, url: str) -> dict[str, Any] | None:
