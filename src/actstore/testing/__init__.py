@@ -1,28 +1,31 @@
 """A reusable test kit for storage formats: the rules every format keeps, as pytest tests.
 
-A format (built in this package or outside it, registered with
-:func:`actstore.formats.registry.register_format`) runs them with two lines in a test
-module::
+A format (built in, or a package of its own declaring the ``actstore.formats`` entry point)
+runs them with a test module::
 
     from actstore.testing import ConformanceSuite, FormatCase
 
     class TestMyFormat(ConformanceSuite):
-        case = FormatCase("myformat", MyOptions(rows_per_shard=5))
+        case = FormatCase("myformat", {"rows_per_shard": 5}, cannot_hold={"labels": "why"})
 
-The rules (:class:`ConformanceSuite`): exact round trip through blocks; ``read_block``
-into a caller's buffer; blocks cover every row once and align across sites; every spelling
-of a site (name, layer, negative layer, TransformerLens hook) reads the same blocks;
-``tokens`` follows ``capture_plan().has_tokens``; statistics match numpy; readers pickle
-(DataLoader workers) and are thread-safe; scatter reads equal ``read_block``; the capture
-plan comes back; detection finds the format and ``describe()`` has the keys the CLI reads;
-an unpublished store is not readable, a damaged one is refused, a good one verifies; a
-writer aborted and reopened resumes to the same store; parts merge into the one-process
-store; conversion to another format and back is exact; and the same store written
-straight to ``s3://`` reads back. A failing rule names what broke.
+and, in its ``conftest.py``, the kit's pytest plugin (the loopback S3 server its S3 rule
+writes to; needs moto): ``pytest_plugins = ["actstore.testing.plugin"]``.
 
-:mod:`.data` builds the synthetic capture (:func:`make_plan`, :func:`make_acts`,
-:func:`make_batches`) and :func:`resign` rewrites a store's root manifest over edited files
-(for tests of what the manifest can and cannot catch). Needs pytest.
+The rules (:class:`ConformanceSuite`, listed in docs/design.md): exact round trips through
+blocks and the README's read example (``shape``, ``reader[example, site, token]``,
+``tokens``, ``statistics``); site spellings, tokens, statistics against numpy, pickling,
+thread safety, scatter reads, CLS rows, the capture plan, detection (a damaged index
+included) and ``describe()``; a bfloat16 capture of attention and MLP sites with CLS and
+labels, less what the case declares it cannot hold (each of those refused or not
+claimed); an unpublished store refused, damage refused, a good store verified; a writer
+that keeps no reference to a batch, resumes to the same store, and, killed at each of its
+fault points (:mod:`.crash`), reruns to the same bytes; one writer at a time; parts merged;
+conversion both ways; a round trip through ``s3://``. A failing rule names what broke.
+
+:mod:`.data` builds the synthetic captures (:func:`make_plan`, :func:`rich_overrides`,
+:func:`make_acts`, :func:`make_batches`) and :func:`resign` rewrites a store's root
+manifest over edited files (for tests of what the manifest can and cannot catch). Needs
+pytest.
 """
 
 from .case import FormatCase
