@@ -217,3 +217,85 @@ def test_a_complete_run_of_an_older_actstore_is_named_as_such_on_open(tmp_path):
     np.testing.assert_array_equal(
         rows.numpy(), acts[str(plan.sites[0])].reshape(-1, plan.d_model)[: len(rows)]
     )
+
+
+# ---------------------------------------------------------------- the write pipeline (issue 28)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_statistics_folded_on_a_pool_equal_the_sequential_fold_bit_for_bit(dtype):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from actstore.formats.activault.upload import fold_statistics, group_statistics
+    from actstore.stats import RunningStats
+
+    d = 2048  # 512 rows per chunk: this megabatch folds in 3 chunks, the last short
+    states = torch.randn(3, 400, d, generator=torch.Generator().manual_seed(1))
+    states = states.to(getattr(torch, dtype))
+    expected = RunningStats.of(states.reshape(-1, d).to(torch.float32).numpy())
+    with ThreadPoolExecutor(3) as pool:
+        pooled = fold_statistics(states, pool)()
+    for got in (pooled, group_statistics(states)):
+        assert got.count == expected.count == 1200
+        assert got.mean.tobytes() == expected.mean.tobytes()
+        assert got.m2.tobytes() == expected.m2.tobytes()
+        assert got.norm_mean == expected.norm_mean
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_megabatch_streams_write_exactly_what_serialize_megabatch_holds(tmp_path, dtype):
+    """torch.save straight into the file (positional writes, digested as written) or into
+    the upload buffer gives the bytes and keyed digest of the in-memory serialization."""
+    import torch
+
+    from actstore.formats.activault.layout import serialize_megabatch, write_megabatch
+    from actstore.formats.activault.upload import (
+        _FileStream,
+        _MemoryStream,
+        keyed_digest,
+    )
+    from actstore.formats.pipeline import StageClock
+    from actstore.storage.manifest import BlockHasher
+
+    states = torch.randn(4, 16, 96).to(getattr(torch, dtype))
+    ids = torch.arange(64).reshape(4, 16)
+    expected = serialize_megabatch(states, ids).getvalue()
+    digest = keyed_digest("f" * 16, "h/x.pt", expected)
+    fd = os.open(tmp_path / "x.pt", os.O_WRONLY | os.O_CREAT, 0o644)
+    stream = _FileStream(fd, BlockHasher("f" * 16, "h/x.pt", 0), StageClock())
+    write_megabatch(states, ids, stream)
+    os.close(fd)
+    assert (tmp_path / "x.pt").read_bytes() == expected and stream.digest() == digest
+    small = _MemoryStream(100)  # grown as needed
+    write_megabatch(states, ids, small)
+    assert bytes(small.view()) == expected
+
+
+def test_a_local_run_leaves_no_temporary_file_and_abort_removes_uncommitted_ones(tmp_path):
+    plan, acts = plan_and_acts(n_examples=24)
+    run = tmp_path / "run"
+    writer = ActivaultWriter(plan, str(run), ActivaultOptions(rows_per_file=4, dtype="float32"))
+    for batch in make_batches(plan, acts):
+        writer.write(batch)
+    writer.close()
+    assert not [p for p in files_below(run) if Path(p).name.startswith(".")]
+    assert {"cast", "encode", "statistics", "write", "hash", "commit"} <= set(
+        writer.stage_seconds()
+    )
+    assert open_store(run).verify().ok
+    other = tmp_path / "other"
+    writer = ActivaultWriter(plan, str(other), ActivaultOptions(rows_per_file=4, dtype="float32"))
+    batches = list(make_batches(plan, acts))
+    for batch in batches[:3]:
+        writer.write(batch)
+    writer.abort()
+    assert not [p for p in files_below(other) if Path(p).name.startswith(".")]
+    resumed = ActivaultWriter(plan, str(other), ActivaultOptions(rows_per_file=4, dtype="float32"))
+    for batch in batches:
+        resumed.write(batch)
+    resumed.close()
+    for name in files_below(run):
+        if (run / name).is_file() and name != "cfg.json" and "manifest" not in name:
+            assert (run / name).read_bytes() == (other / name).read_bytes(), name
