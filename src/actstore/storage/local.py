@@ -215,14 +215,28 @@ class FileHasher:
         return self._h.hexdigest()
 
 
-def hash_file(path: str | os.PathLike, algorithm: str = "sha256") -> str:
-    """Hex digest of a file's bytes, read in large sequential chunks."""
-    hasher = FileHasher(algorithm)
-    buf = bytearray(IO_CHUNK)
+def read_chunks(path: str | os.PathLike, chunk: int = IO_CHUNK) -> Iterator[memoryview]:
+    """The bytes of the file at ``path`` in order, up to ``chunk`` bytes at a time, into
+    one reused buffer (each view is valid until the next is asked for).
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> p = pathlib.Path(tempfile.mkdtemp()) / "x"; _ = p.write_bytes(b"abcde")
+        >>> [bytes(v) for v in read_chunks(p, 2)]
+        [b'ab', b'cd', b'e']
+    """
+    buf = bytearray(chunk)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            hasher.update(view[:n])
+            yield view[:n]
+
+
+def hash_file(path: str | os.PathLike, algorithm: str = "sha256") -> str:
+    """Hex digest of a file's bytes, read in large sequential chunks."""
+    hasher = FileHasher(algorithm)
+    for data in read_chunks(path):
+        hasher.update(data)
     return hasher.hexdigest()
 
 

@@ -57,7 +57,6 @@ class ObjectStore(abc.ABC):
         view = memoryview(out).cast("B")
         view[:] = self.get_range(key, start, start + len(view))
 
-    @abc.abstractmethod
     def get_into(
         self,
         key: str,
@@ -69,6 +68,21 @@ class ObjectStore(abc.ABC):
         """Fill ``out`` with the first ``len(out)`` bytes of the object, in chunks fetched
         concurrently on ``pool`` (sequentially without one). The object must be exactly
         ``len(out)`` bytes long, else :class:`~actstore.errors.CorruptStoreError`."""
+        view = memoryview(out).cast("B")
+        total = len(view)
+        starts = range(0, total, chunk_size)
+        if pool is None or len(starts) <= 1:
+            for s in starts:
+                self.get_range_into(key, view[s : s + chunk_size], s, total=total)
+            return
+        futures = [
+            pool.submit(self.get_range_into, key, view[s : s + chunk_size], s, total=total)
+            for s in starts
+        ]
+        errors = [f.exception() for f in futures]  # every chunk done before raising
+        for err in errors:
+            if err is not None:
+                raise err
 
     @abc.abstractmethod
     def size(self, key: str) -> int | None:

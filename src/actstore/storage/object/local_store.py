@@ -6,7 +6,6 @@ import builtins
 import os
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ from ...errors import ConfigError, StorageError, StoreNotFoundError
 from ..local import atomic_write
 from ..lock import StoreLock
 from .base import ObjectInfo, ObjectStore, base_name, parent_key
-from .config import MiB
 
 
 class LocalStore(ObjectStore):
@@ -91,36 +89,17 @@ class LocalStore(ObjectStore):
 
         view = memoryview(out).cast("B")
         with self._open(key) as f:
+            size = os.fstat(f.fileno()).st_size
+            if total is not None and size != total:
+                raise CorruptStoreError(
+                    f"{self._path(key)} is {size} bytes, expected {total}: the file was "
+                    "truncated or replaced; re-create it"
+                )
             done = 0
             while done < len(view):
                 n = os.preadv(f.fileno(), [view[done:]], start + done)
                 if n == 0:
                     raise CorruptStoreError(f"{self._path(key)} ended at byte {start + done}")
-                done += n
-
-    def get_into(
-        self,
-        key: str,
-        out: bytearray | memoryview,
-        *,
-        chunk_size: int = 8 * MiB,
-        pool: ThreadPoolExecutor | None = None,
-    ) -> None:
-        from ...errors import CorruptStoreError
-
-        view = memoryview(out).cast("B")
-        with self._open(key) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != len(view):
-                raise CorruptStoreError(
-                    f"{self._path(key)} is {size} bytes, expected {len(view)}: the file was "
-                    "truncated or replaced; re-create it"
-                )
-            done = 0
-            while done < len(view):
-                n = os.preadv(f.fileno(), [view[done : done + chunk_size]], done)
-                if n == 0:
-                    raise CorruptStoreError(f"{self._path(key)} ended at byte {done}")
                 done += n
 
     def size(self, key: str) -> int | None:

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from ...errors import ConfigError, StorageError, StoreNotFoundError, UnsupportedError, require
 from .base import ObjectInfo, ObjectStore
-from .config import MiB, S3Config, env
+from .config import S3Config, env
 from .retry import AUTH_CODES, MISSING_CODES, Retrier, describe_error
 from .s3lock import S3Lock
 
@@ -251,32 +251,6 @@ class S3Store(ObjectStore):
 
         self._call("GET range", key, attempt)
 
-    def get_into(
-        self,
-        key: str,
-        out: bytearray | memoryview,
-        *,
-        chunk_size: int = 8 * MiB,
-        pool: ThreadPoolExecutor | None = None,
-    ) -> None:
-        view = memoryview(out).cast("B")
-        total = len(view)
-        starts = list(range(0, total, chunk_size)) or [0]
-        if total == 0:
-            return
-        if pool is None or len(starts) == 1:
-            for s in starts:
-                self._get_range_into(key, view[s : s + chunk_size], s, total)
-            return
-        futures = [
-            pool.submit(self._get_range_into, key, view[s : s + chunk_size], s, total)
-            for s in starts
-        ]
-        errors = [f.exception() for f in futures]
-        for err in errors:
-            if err is not None:
-                raise err
-
     def size(self, key: str) -> int | None:
         botocore_exc = require("botocore.exceptions", "s3")
 
@@ -497,30 +471,36 @@ class S3Store(ObjectStore):
         caller falls back)."""
         condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
 
+        def put() -> str:
+            response = self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=data, ContentType="application/json", **condition
+            )
+            return str(response["ETag"]).strip('"')
+
+        done = self._conditional("conditional PUT", key, put)
+        if done is _UNSUPPORTED:
+            raise UnsupportedError(f"{self.root_url} does not support conditional writes")
+        return done
+
+    def _conditional(self, what: str, key: str, request: Callable[[], Any]) -> Any:
+        """Run a conditional ``request`` (with retries): its result, None when its condition
+        does not hold (or the key is gone), ``_UNSUPPORTED`` when the service has no
+        conditional requests."""
+
         def attempt() -> Any:
             try:
-                response = self.client.put_object(
-                    Bucket=self.bucket,
-                    Key=key,
-                    Body=data,
-                    ContentType="application/json",
-                    **condition,
-                )
+                return request()
             except Exception as err:
                 if self._precondition_failed(err):
                     return None
                 if self._unsupported(err):
                     return _UNSUPPORTED
                 raise
-            return str(response["ETag"]).strip('"')
 
         try:
-            done = self._call("conditional PUT", key, attempt)
+            return self._call(what, key, attempt)
         except StoreNotFoundError:
             return None  # If-Match on a key that is gone
-        if done is _UNSUPPORTED:
-            raise UnsupportedError(f"{self.root_url} does not support conditional writes")
-        return done
 
     def get_with_age(self, key: str) -> tuple[bytes, str, float] | None:
         """``(body, ETag, age_s)`` of ``key``, or None if it does not exist. ``age_s`` is the
@@ -548,23 +528,13 @@ class S3Store(ObjectStore):
         """Delete ``key`` only if its ETag is still ``etag``; False if it changed or is
         gone. Services without conditional deletes get a plain DELETE after a check."""
 
-        def attempt() -> Any:
-            try:
-                self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
-            except Exception as err:
-                if self._precondition_failed(err):
-                    return False
-                if self._unsupported(err):
-                    return _UNSUPPORTED
-                raise
+        def delete() -> bool:
+            self.client.delete_object(Bucket=self.bucket, Key=key, IfMatch=etag)
             return True
 
-        try:
-            done = self._call("conditional DELETE", key, attempt)
-        except StoreNotFoundError:
-            return False
+        done = self._conditional("conditional DELETE", key, delete)
         if done is not _UNSUPPORTED:
-            return done
+            return bool(done)
         found = self.get_with_age(key)
         if found is None or found[1] != etag:
             return False
