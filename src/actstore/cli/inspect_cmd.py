@@ -98,12 +98,12 @@ def inspect(
     from .status_cmd import refuse_output_root
 
     refuse_output_root(location, "inspect")
-    reader = open_store(location)
-    summary = reader.describe()
-    summary["per_site"] = {
-        _site_label(reader, s): _site_summary(reader, s, values) for s in reader.sites
-    }
-    origin = provenance(reader)
+    with open_store(location) as reader:  # everything read here, then closed
+        summary = reader.describe()
+        summary["per_site"] = {
+            _site_label(reader, s): _site_summary(reader, s, values) for s in reader.sites
+        }
+        origin = provenance(reader)
     if as_json:
         summary["provenance"] = origin
         typer.echo(json.dumps(summary, indent=2, default=str))
@@ -201,17 +201,19 @@ def verify(
             for fault in faults:
                 typer.secho(f"FAULT: {fault}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from None
-    try:  # describe() may read data (pkl.gz token ids): a fault there is verify's to list
-        total = reader.describe().get("bytes")
-    except ActstoreError:
-        total = None
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verify", **bar_switch(progress)) as bar:
-        try:
-            report = reader.verify(progress=bar.update)
-        except ActstoreError as err:  # what the store's content raised: a fault, listed
-            if isinstance(err, (MissingDependencyError, StorageError)):
-                raise  # the user's to fix (an extra to install, this machine's I/O): exit 2
-            report = VerifyReport(location, faults=[str(err)])
+    with reader:  # closed when done: its descriptors and threads
+        try:  # describe() may read data (pkl.gz token ids): a fault there is verify's to list
+            total = reader.describe().get("bytes")
+        except ActstoreError:
+            total = None
+        bar_options = bar_switch(progress)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="verify", **bar_options) as bar:
+            try:
+                report = reader.verify(progress=bar.update)
+            except ActstoreError as err:  # what the store's content raised: a fault, listed
+                if isinstance(err, (MissingDependencyError, StorageError)):
+                    raise  # the user's to fix (an extra to install, this machine's I/O): exit 2
+                report = VerifyReport(location, faults=[str(err)])
     for note in report.notes:
         typer.echo(f"note: {note}")
     faults += [f for f in report.faults if f not in faults]
