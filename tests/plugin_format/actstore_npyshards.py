@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from actstore.batch import Batch, CapturePlan
-from actstore.errors import StoreNotFoundError
+from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.formats.base import Block, ReaderBase
 from actstore.formats.parts import sharded_part_format
 from actstore.formats.pipeline import ShardOutput
@@ -185,7 +185,15 @@ class NpyReader(ReaderBase):
 
 
 def _detect(files: Any) -> bool:
-    return files.exists(INDEX) and b'"npyshards"' in files.read_bytes(INDEX)
+    """An index.json of this format, or a damaged one (claimed, so the reader names the
+    fault: a kit rule)."""
+    if not files.exists(INDEX):
+        return False
+    try:
+        doc = files.read_json(INDEX)
+    except CorruptStoreError:
+        return True
+    return isinstance(doc, dict) and doc.get("format") == "npyshards"
 
 
 FORMAT = FormatSpec(
