@@ -183,3 +183,22 @@ def test_a_descriptor_in_use_is_not_closed_under_its_reader(tmp_path):
     assert seen == [b"\x00" * 4]
     assert len(fds) == 1
     fds.close()
+
+
+def test_a_forked_child_reads_through_its_own_descriptors(tmp_path):
+    """A DataLoader worker forked while the parent reads: the child starts with no
+    descriptor of the parent's (its copies closed) and reads the same bytes."""
+    (tmp_path / "a").write_bytes(b"abcdef")
+    files = LocalFiles(tmp_path)
+    assert bytes(files.read_range("a", 1, 3)) == b"bcd"
+    inherited = set(os.listdir("/proc/self/fd"))
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if every check holds
+        ok = bytes(files.read_range("a", 2, 3)) == b"cde"
+        ok = ok and len(set(os.listdir("/proc/self/fd")) - inherited) <= 1
+        files.close()
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bytes(files.read_range("a", 0, 2)) == b"ab"
+    files.close()

@@ -55,7 +55,8 @@ class Descriptors:
     """Open read-only descriptors by file name, shared by the threads of one process, at
     most ``limit`` kept open: the least recently used one is closed when another is opened
     (one in use is closed when its last user is done with it, so a descriptor number is
-    never closed under a read). After a fork the child closes its copies and opens its own.
+    never closed under a read). In a forked child every set starts empty (its copies of
+    the parent's descriptors closed, a fresh lock: a parent's thread may have held it).
 
     Example:
         >>> import tempfile, os
@@ -72,7 +73,7 @@ class Descriptors:
         self.limit = default_max_open() if limit is None else max(1, int(limit))
         self._open: OrderedDict[str, _Open] = OrderedDict()
         self._lock = threading.Lock()
-        self._pid = os.getpid()
+        _ALL.add(self)
 
     @classmethod
     def for_owner(cls, owner: object, limit: int | None = None) -> Descriptors:
@@ -100,7 +101,6 @@ class Descriptors:
 
     def _take(self, name: str, opener: Callable[[str], int]) -> _Open:
         with self._lock:
-            self._after_fork()
             entry = self._open.get(name)
             if entry is not None:
                 self._open.move_to_end(name)
@@ -134,20 +134,17 @@ class Descriptors:
                 closing.append(old.fd)
         return closing
 
-    def _after_fork(self) -> None:
-        if self._pid != os.getpid():  # the parent's entries: our copies, closed
-            for entry in self._open.values():
-                with contextlib.suppress(OSError):
-                    os.close(entry.fd)
-            self._open.clear()
-            self._pid = os.getpid()
+    def _forked(self) -> None:
+        """In a forked child (one thread): close the copies, start empty."""
+        self._lock = threading.Lock()
+        for entry in self._open.values():
+            with contextlib.suppress(OSError):
+                os.close(entry.fd)
+        self._open.clear()
 
     def close(self) -> None:
         """Close every descriptor (those in use when their last user is done)."""
         with self._lock:
-            if self._pid != os.getpid():
-                self._after_fork()
-                return
             entries = list(self._open.values())
             self._open.clear()
             closing = []
@@ -157,6 +154,18 @@ class Descriptors:
                     closing.append(entry.fd)
         for fd in closing:
             os.close(fd)
+
+
+#: Every live :class:`Descriptors`, reset in a forked child (``os.register_at_fork``).
+_ALL: weakref.WeakSet[Descriptors] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for fds in list(_ALL):
+        fds._forked()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 #: Gaps up to this many bytes between rows read together are read and discarded.
