@@ -230,8 +230,9 @@ def merge_run(
 ) -> Path:
     """Merge the shards of a run into one store (default ``run_dir/merged/activations.zarr``),
     written as one capture of every sample would be: each sample re-encoded through a
-    :class:`ZarrWriter` (float16 values exact), the statistics those the shards recorded
-    (of the values as stored), merged. The manifest then names the merged store.
+    :class:`ZarrWriter` (float16 values exact), its statistics folded by that writer from
+    the same rows, so they are bit-identical to a one-process capture's (and ``verify``
+    recomputes them exactly). The manifest then names the merged store.
 
     A merge cut short is finished by running it again: a merged store already published
     for this run is kept (its writer recognises its own capture record) and only the
@@ -247,10 +248,6 @@ def merge_run(
     options = ZarrOptions(**reader.config.get("options", {}))
     store = Location.parse(dest)
     writer = ZarrWriter(plan, store.parent, options, store=store)
-    stored = {s: reader.statistics(s) for s in reader.sites}
-    known = {s: st for s, st in stored.items() if st is not None}
-    if len(known) == len(stored):  # else the writer's own statistics of the merged rows
-        writer.statistics_override = known
     n = reader.n_samples
     if writer.complete:  # published by an earlier merge cut short before the manifest
         log.info("%s is already merged; updating %s", dest, run_dir / MANIFEST)
