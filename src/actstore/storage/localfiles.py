@@ -31,17 +31,17 @@ import numpy as np
 from ..errors import ConfigError, CorruptStoreError, StorageError, StoreNotFoundError
 from .storefiles import StoreFiles, bytes_view, new_buffer
 
-#: Open descriptors one :class:`LocalFiles` keeps at most by default: 64, or an eighth of
+#: Open descriptors one :class:`LocalFiles` keeps at most by default: 64, or a sixteenth of
 #: the process's descriptor limit where that is lower (at least 4).
 DEFAULT_MAX_OPEN = 64
 
 
 def default_max_open() -> int:
-    """:data:`DEFAULT_MAX_OPEN`, bounded by an eighth of ``RLIMIT_NOFILE`` (soft)."""
+    """:data:`DEFAULT_MAX_OPEN`, bounded by a sixteenth of ``RLIMIT_NOFILE`` (soft)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft == resource.RLIM_INFINITY:
         return DEFAULT_MAX_OPEN
-    return max(4, min(DEFAULT_MAX_OPEN, soft // 8))
+    return max(4, min(DEFAULT_MAX_OPEN, soft // 16))
 
 
 @dataclass
