@@ -41,7 +41,7 @@ def token_digest(token_ids: np.ndarray) -> str:
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
     h = xxhash.xxh3_128()
     h.update(np.asarray(ids.shape, dtype="<i8").tobytes())
-    h.update(memoryview(ids).cast("B"))
+    h.update(ids.data.cast("B"))
     return h.hexdigest()
 
 
@@ -51,7 +51,7 @@ def sequences_digest(sequences: Iterable[Sequence[int] | np.ndarray]) -> str:
     for seq in sequences:
         ids = np.ascontiguousarray(seq, dtype="<i8").reshape(-1)
         h.update(np.int64(len(ids)).tobytes())
-        h.update(memoryview(ids).cast("B"))
+        h.update(ids.data.cast("B"))
     return h.hexdigest()
 
 
