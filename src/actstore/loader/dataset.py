@@ -624,6 +624,11 @@ class ActivationLoader(IterableDataset):
         consumer = self._primed_consumer(key)
         if consumer is None:
             consumer = self._consumer(plan, buffers, finish)
+        # once this epoch's last windows are read, read the next epoch's first one (into
+        # a pool that comes free), so the next epoch starts without waiting for a read
+        consumer.on_read_all = lambda: self._prime_next_epoch(
+            epoch + 1, num_workers, buffers, finish
+        )
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
         )
@@ -639,7 +644,7 @@ class ActivationLoader(IterableDataset):
                 del batch
             if count:
                 self.end_iteration(epoch)
-            self._prime_next_epoch(epoch + 1, num_workers, buffers, finish)
+            self._prime_next_epoch(epoch + 1, num_workers, buffers, finish)  # if not yet
         finally:
             batches.close()
             consumer.close()
@@ -677,22 +682,34 @@ class ActivationLoader(IterableDataset):
 
     def _prime_next_epoch(
         self, epoch: int, num_workers: int, buffers: BufferSet, finish: Finish
-    ) -> None:
-        """An epoch ended in full: start reading the next epoch's first window now (into a
-        free pool), so the trainer's next epoch starts without waiting for a read."""
+    ) -> bool:
+        """Start reading ``epoch``'s first window now (into a free pool: no memory is
+        added), so the trainer's next epoch starts without waiting for a read. True once
+        it is being read (or reading ahead is off); False while no pool is free."""
         if os.environ.get("ACTSTORE_READ_AHEAD", "1") == "0":  # to measure without it
-            return
+            return True
         info = get_worker_info()
         worker = 0 if info is None else info.id  # a new epoch starts at the DataLoader's worker 0
         span = worker_span(
             self._rank_span(), worker=worker, num_workers=num_workers, batch_size=self.batch_size
         )
+        key = (epoch, worker, num_workers, span.start, span.stop, id(buffers), _moves(finish))
+        if self._next is not None and self._next[0] == os.getpid() and self._next[1] == key:
+            return True  # already being read
+        if span.start >= span.stop:
+            return True  # nothing to read
+        free = buffers.pools.acquire(allocate=False, wait=False)
+        if free is None:
+            return False  # every pool still in use: again after the next batch
+        buffers.pools.release(free)  # prime() takes it
         consumer = self._consumer(self.plan(epoch), buffers, finish)
         if not consumer.prime(span.start, span.stop):
             consumer.close()
-            return
-        key = (epoch, worker, num_workers, span.start, span.stop, id(buffers), _moves(finish))
+            return True  # no window with rows
+        if self._next is not None and self._next[0] == os.getpid():
+            self._next[2].close()
         self._next = (os.getpid(), key, consumer)
+        return True
 
 
 def _moves(finish: Finish) -> tuple[bool, str | None]:

@@ -154,6 +154,10 @@ class Buffers:
         self._busy.append(True)
         return len(self._arrays) - 1
 
+    def can_grow(self) -> bool:
+        """Whether one more array may be made without waiting (below ``limit``)."""
+        return self._limit is None or len(self._arrays) < self._limit
+
     def take(self) -> int:
         """:meth:`acquire` on buffers without a ``limit``: a free array's index, allocating
         one when none is free (so never None)."""
@@ -402,6 +406,9 @@ class Consumer:
         #: the first window of ``batches(start, stop)``, read ahead by :meth:`prime`:
         #: (start, stop, window, pool, permutation, read futures)
         self._primed: tuple[int, int, int, int, np.ndarray, list[Future]] | None = None
+        #: called by :meth:`batches` once every window it serves is read or being read and
+        #: a pool may be free, until it returns True (the loader primes the next epoch)
+        self.on_read_all: Callable[[], bool] | None = None
 
     def close(self) -> None:
         if not sys.is_finalizing():  # at interpreter exit the threads are gone already
@@ -561,18 +568,31 @@ class Consumer:
             else:
                 self._drop_primed()
 
+        ahead = [self.on_read_all]  # the next epoch's read, started once a pool is free
+        starved = [0]  # batches served while the next window waited for a free pool
+
         def prefetch() -> None:
             # Keep the window being served and the next one in pools. Two pools are made;
             # a third only if nothing is left to serve while the user still holds a batch
-            # from both (it would otherwise be overwritten).
+            # from both (it would otherwise be overwritten), or once the next window has
+            # waited two batches for a pool the user still holds a batch of (e.g. the
+            # last batch of the previous epoch, still bound to the loop's variable):
+            # reading it only when this window is done would stall every window.
+            if not todo:
+                if ahead[0] is not None and len(loaded) < 2 and ahead[0]():
+                    ahead[0] = None
+                return
             while todo and len(loaded) < 2:
                 # the first window waits for its pool; the next is read once its pool,
                 # made in the background meanwhile, is ready
+                grow = starved[0] >= 2 and self._pools.can_grow()  # never waits for one
                 pool = self._pools.acquire(
-                    allocate=not loaded or len(self._pools) < 2, wait=not loaded
+                    allocate=not loaded or len(self._pools) < 2 or grow, wait=not loaded
                 )
                 if pool is None:
+                    starved[0] += 1
                     return
+                starved[0] = 0
                 w = todo.popleft()
                 perm = plan.window_permutation(w)
                 loaded.append((w, pool, perm, self._submit(w, pool, perm)))
