@@ -372,7 +372,7 @@ def part_disk(args, pool: Pool, root: Path, results: dict) -> None:
             rows.append(row)
             print(
                 f"  {fmt:9} fed {feed:8} -> {row['stored']:8} {row['GB']:5.2f} GB: raw "
-                f"{row['raw_GBps']:.2f} GB/s, writer {row['writer_GBps']:.2f} GB/s, ratio "
+                f"{row['raw_GBps'] * 1e3:.0f} MB/s, writer {row['writer_GBps'] * 1e3:.0f} MB/s, ratio "
                 f"{row['ratio']:.2f} (reps {', '.join(f'{r:.2f}' for r in row['ratios'])}; "
                 f"load {row['load_median']:.1f}, max {row['load_max']:.1f})",
                 flush=True,
@@ -388,8 +388,8 @@ def part_disk(args, pool: Pool, root: Path, results: dict) -> None:
                     "stored",
                     "GB",
                     "shards",
-                    "raw GB/s",
-                    "writer GB/s",
+                    "raw MB/s",
+                    "writer MB/s",
                     "ratio",
                     "reps",
                     "load",
@@ -401,8 +401,8 @@ def part_disk(args, pool: Pool, root: Path, results: dict) -> None:
                         r["stored"],
                         r["GB"],
                         r["shards"],
-                        r["raw_GBps"],
-                        r["writer_GBps"],
+                        r["raw_GBps"] * 1e3,
+                        r["writer_GBps"] * 1e3,
                         r["ratio"],
                         " ".join(f"{x:.2f}" for x in r["ratios"]),
                         f"{r['load_median']:.1f} (max {r['load_max']:.1f})",
@@ -435,9 +435,9 @@ def part_stages(args, pool: Pool, root: Path, results: dict) -> None:
             if row is None:
                 continue
             rows.append(row)
-            rates = ", ".join(f"{t}: {row['GBps'][t]:.2f}" for t in counts)
+            rates = ", ".join(f"{t}: {row['GBps'][t] * 1e3:.0f}" for t in counts)
             print(
-                f"  {fmt:9} fed {feed:8}: GB/s by threads {rates}; CPU s/GB "
+                f"  {fmt:9} fed {feed:8}: MB/s by threads {rates}; CPU s/GB "
                 + " ".join(f"{s} {stage_cell(row, s)}" for s in STAGES)
                 + f", process {row['cpu_per_GB']:.2f} (load {row['load_median']:.1f})",
                 flush=True,
@@ -464,12 +464,12 @@ def part_stages(args, pool: Pool, root: Path, results: dict) -> None:
     print()
     print(
         table(
-            ["writer", "fed", *[f"{t} thr GB/s" for t in counts], f"{counts[-1]} / 1", "load"],
+            ["writer", "fed", *[f"{t} thr MB/s" for t in counts], f"{counts[-1]} / 1", "load"],
             [
                 [
                     r["format"],
                     r["feed"],
-                    *[r["GBps"][t] for t in counts],
+                    *[r["GBps"][t] * 1e3 for t in counts],
                     r["GBps"][counts[-1]] / r["GBps"][1],
                     f"{r['load_median']:.1f}",
                 ]
@@ -572,7 +572,7 @@ def part_sites24(args, pool: Pool, root: Path, results: dict) -> None:
         j = row["journal"]
         print(
             f"  fed {feed:8}: {row['GB']:.2f} GB, {j['shards']} shards: raw "
-            f"{row['raw_GBps']:.2f} GB/s, writer {row['writer_GBps']:.2f} GB/s, ratio "
+            f"{row['raw_GBps'] * 1e3:.0f} MB/s, writer {row['writer_GBps'] * 1e3:.0f} MB/s, ratio "
             f"{row['ratio']:.2f} (reps {', '.join(f'{r:.2f}' for r in row['ratios'])}; load "
             f"{row['load_median']:.1f}, max {row['load_max']:.1f})\n"
             f"    journal append (one line of {j['line_bytes'] / 1e3:.0f} kB, fsynced), median "
