@@ -214,3 +214,59 @@ def test_the_bare_runner_still_needs_what_the_helper_supplies(cache, tmp_path):
         LanguageModelSAETrainingRunner(cfg)
     with pytest.raises(ValueError, match="save_to_disk"):
         LanguageModelSAETrainingRunner(cfg, override_model=found.model())
+
+
+def test_a_cache_saelens_wrote_trains_the_same_way(model_dir, tmp_path, monkeypatch):
+    """A cache SAELens's own CacheActivationsRunner wrote (its column named after a Hugging
+    Face module, no record of the model): the same call, given model_name; the proxy hooks
+    that module as HookedProxyLM would."""
+    import warnings
+
+    import datasets
+    from sae_lens.cache_activations_runner import CacheActivationsRunner
+    from sae_lens.config import CacheActivationsRunnerConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    model, column, n, t = str(model_dir("gpt2")), "transformer.h.1", 8, 8
+    tokens = np.random.default_rng(0).integers(4, 300, (n, t))
+    out = tmp_path / "theirs"
+    cfg = CacheActivationsRunnerConfig(
+        dataset_path="local",
+        model_name=model,
+        model_class_name="AutoModelForCausalLM",
+        model_batch_size=2,
+        hook_name=column,
+        d_in=D_MODEL,
+        training_tokens=n * t,
+        context_size=t,
+        new_cached_activations_path=str(out),
+        device="cpu",
+        buffer_size_gb=2 * 2 * t * D_MODEL * 4 / 1e9,  # 2 model batches per file
+        prepend_bos=False,
+        streaming=False,
+        shuffle=False,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        CacheActivationsRunner(
+            cfg, override_dataset=datasets.Dataset.from_dict({"tokens": tokens})
+        ).run()
+    with pytest.raises(ConfigError, match="records no model .*; pass model_name="):
+        training_runner(out, d_sae=16)
+    runner = training_runner(
+        out,
+        d_sae=16,
+        model_name=model,
+        training_tokens=n * t,
+        train_batch_size_tokens=16,
+        store_batch_size_prompts=2,
+        n_batches_in_buffer=2,
+        output_path=str(tmp_path / "sae"),
+    )
+    sae = runner.run()
+    assert torch.isfinite(sae.W_enc).all() and not runner.model.loaded
+    with torch.inference_mode():
+        _, cache_ = runner.model.run_with_cache(torch.as_tensor(tokens[:2]), names_filter=[column])
+    stored = np.asarray(datasets.load_from_disk(str(out)).with_format("numpy")[column][:2])
+    torch.testing.assert_close(cache_[column], torch.as_tensor(stored), rtol=1e-5, atol=1e-5)

@@ -113,15 +113,21 @@ class SaelensCache:
             raise ConfigError(f"{self.path} keeps no token_ids; SAELens's runner needs them")
         return table.select_columns(["token_ids"]).rename_column("token_ids", "input_ids")
 
-    def model(self, device: str = "cpu", **from_pretrained_kwargs: Any) -> Any:
+    def model(
+        self, device: str = "cpu", model_name: str | None = None, **from_pretrained_kwargs: Any
+    ) -> Any:
         """A ``HookedRootModule`` whose hook points are the store's column names; the
-        checkpoint is loaded (``AutoModelForCausalLM``) only when it is first run."""
+        checkpoint (``model_name``, else the one captured) is loaded with
+        ``AutoModelForCausalLM`` only when the model is first run."""
         from .proxy import StoreModel
 
-        if self.model_name is None:
-            raise ConfigError(f"{self.path} records no model (a cache SAELens wrote)")
+        model_name = model_name or self.model_name
+        if model_name is None:
+            raise ConfigError(
+                f"{self.path} records no model (a cache SAELens wrote); pass model_name="
+            )
         return StoreModel(
-            self.model_name,
+            model_name,
             self.hooks,
             family=self.family,
             n_layers=self.n_model_layers,
@@ -148,7 +154,9 @@ class SaelensCache:
     def runner(self, sae: Any = None, *, d_sae: int | None = None, **changes: Any) -> Any:
         """SAELens's ``LanguageModelSAETrainingRunner`` over this store, ready to ``run()``."""
         cfg = self.runner_config(sae, d_sae=d_sae, **changes)
-        model = self.model(cfg.llm_device, **(cfg.model_from_pretrained_kwargs or {}))
+        model = self.model(
+            cfg.llm_device, cfg.model_name, **(cfg.model_from_pretrained_kwargs or {})
+        )
         return _sae_lens().LanguageModelSAETrainingRunner(
             cfg, override_dataset=self.dataset(), override_model=model
         )

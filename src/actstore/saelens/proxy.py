@@ -24,14 +24,17 @@ from sae_lens.load_model import HookedProxyLM, get_hook_fn
 from transformer_lens.hook_points import HookPoint
 
 from ..capture.models import _find_blocks
-from ..capture.sitemap import tap_for
+from ..capture.sitemap import Tap, tap_for
+from ..formats.saelens import ColumnSite
 from ..sites import Site
 
 
 class StoreModel(HookedProxyLM):
     """``HookedProxyLM`` over ``model_name`` (loaded lazily) with hook points ``hooks``
     (TransformerLens hook name -> the actstore site it holds, blocks of a ``family`` model
-    with ``n_layers`` blocks)."""
+    with ``n_layers`` blocks, 0: as its config says). A column a SAELens-written cache named
+    after a Hugging Face module (a :class:`ColumnSite`) hooks that module's output, as
+    ``HookedProxyLM`` does."""
 
     def __init__(
         self,
@@ -48,8 +51,6 @@ class StoreModel(HookedProxyLM):
         self.family = family
         self.n_layers = n_layers
         self.sites = dict(hooks)
-        for site in self.sites.values():
-            tap_for(family, site)  # a site the family cannot tap fails here, in one line
         self.cfg = SimpleNamespace(device=torch.device(device))
         self._from_pretrained = dict(from_pretrained_kwargs or {})
         self._tokenizer: Any = None
@@ -89,12 +90,18 @@ class StoreModel(HookedProxyLM):
         if self._from_pretrained.get("device_map") is None:
             hf = hf.to(self.cfg.device)
         hf.eval()
-        blocks: Any = hf.get_submodule(_find_blocks(hf, self.n_layers))
+        n_layers = self.n_layers or hf.config.get_text_config().num_hidden_layers
+        blocks: Any = None
         for name, site in self.sites.items():
-            tap = tap_for(self.family, site)
-            module = blocks[site.layer]
-            if tap.path:
-                module = module.get_submodule(tap.path)
+            if isinstance(site, ColumnSite):
+                tap, module = Tap(name, "out"), hf.get_submodule(name)
+            else:
+                if blocks is None:
+                    blocks = hf.get_submodule(_find_blocks(hf, n_layers))
+                tap = tap_for(self.family, site)
+                module = blocks[site.layer]
+                if tap.path:
+                    module = module.get_submodule(tap.path)
             point = self.hook_dict[name]
             if tap.io == "out":
                 module.register_forward_hook(get_hook_fn(point))
