@@ -66,3 +66,19 @@ def test_a_dangling_symlink_means_no_memo_not_a_traceback(world, where, tmp_path
     remember(params, world["store"], "summary", MANIFESTS)
     assert recall(params) is None
     assert not world["memo"].exists()  # nothing was written
+
+
+def test_a_dataset_edited_to_the_same_size_and_mtime_is_not_answered(world):
+    """An edit that puts the old size and mtime back (``cp -p``, ``rsync -t`` of a
+    re-made corpus) still moves the file's ctime: the memo is not answered (issue 30)."""
+    import time
+
+    params, store, data = world["params"], world["store"], world["data"] / "a.txt"
+    remember(params, store, "summary", MANIFESTS)
+    assert recall(params) == Memo(str(store), "summary")
+    st = data.stat()
+    time.sleep(0.01)  # the ctime clock ticks at least this often
+    data.write_text("one lime\n")  # same size
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    assert recall(params) is None
