@@ -129,6 +129,24 @@ def test_a_same_size_edit_of_one_statistics_value_fails_verify(copy_of, capsys, 
     assert any("statistics" in f and "do not match the data" in f for f in faults), faults
 
 
+#: A value the statistics files keep beside the exact ones, derived from them (the variance;
+#: Activault's standard deviation): edited alone, it must fail too.
+DERIVED = {
+    fmt: (name, '"std": [' if fmt == "activault" else '"var": [')
+    for fmt, (name, _) in STATISTICS.items()
+}
+
+
+@pytest.mark.parametrize("fmt", list(DERIVED))
+def test_a_same_size_edit_of_a_derived_statistics_value_fails_verify(copy_of, capsys, fmt):
+    store = copy_of(fmt)
+    name, anchor = DERIVED[fmt]
+    _edit_one_digit(store / name, anchor, late=False)
+    resign(store)
+    faults = verify_faults(store, capsys)
+    assert any("statistics" in f and "do not match the data" in f for f in faults), faults
+
+
 def _swap_sites(doc: dict) -> None:
     sites = doc["sites"]
     a, b = list(sites)[:2]

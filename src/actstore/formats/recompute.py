@@ -24,13 +24,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import CorruptStoreError, StoreNotFoundError
 from ..stats import RunningStats, merge_all
+from ..storage.manifest import jsonable
 from .shard import ShardStats
 
 if TYPE_CHECKING:
@@ -154,14 +156,33 @@ def compare_statistics(
     recomputed: RunningStats,
     *,
     exact: bool = True,
+    record: Any = None,
+    to_record: Callable[[RunningStats], Any] = RunningStats.to_dict,
 ) -> None:
     """Append a fault unless ``stored`` (the statistics file ``where`` holds for ``site``)
     equals ``recomputed`` from the data: bit for bit, or with ``exact=False`` up to
-    :data:`MERGE_ORDER_RTOL`. ``stored`` None: nothing to compare."""
+    :data:`MERGE_ORDER_RTOL`. ``stored`` None: nothing to compare. ``record``, given, is
+    the site's record as the file holds it, values derived from the exact ones included
+    (a variance, a standard deviation): compared (when ``exact``) with
+    ``to_record(recomputed)``, as the writer would write it."""
     if stored is None:
         return
     ok = same_statistics if exact else close_statistics
     if ok(stored, recomputed):
+        if exact and record is not None:
+            want, got = jsonable(to_record(recomputed)), jsonable(record)
+            if _text(want) != _text(got):  # as JSON text: a NaN equals a NaN
+                if isinstance(want, dict) and isinstance(got, dict):
+                    keys = sorted(
+                        k for k in {*want, *got} if _text(want.get(k)) != _text(got.get(k))
+                    )
+                else:
+                    keys = ["the record"]
+                faults.append(
+                    f"{where}: the statistics of {site} do not match the data ({', '.join(keys)} "
+                    "differ from what the stored values give): the statistics were edited; "
+                    "re-create the store"
+                )
         return
     if stored.count != recomputed.count or stored.d != recomputed.d:
         detail = (
@@ -185,21 +206,28 @@ def compare_statistics(
     )
 
 
+def _text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
 def recompute_into(
     faults: list[str],
     reader: ReaderBase,
     shard_rows: Sequence[int] | None,
     where: str,
-    stored_of: object,
+    stored_of: Callable[[Site], RunningStats | None],
+    record_of: Callable[[Site], Any] | None = None,
 ) -> None:
     """:func:`sharded_statistics` of every site compared with ``stored_of(site)`` (the
-    stored statistics, or None); what cannot be read is a fault (listed once)."""
+    stored statistics, or None) and ``record_of(site)`` (the site's record as stored);
+    what cannot be read is a fault (unless the data's faults are already listed)."""
     if shard_rows is None:
         return
     try:
         got = sharded_statistics(reader, shard_rows)
         for site, stats in got.items():
-            compare_statistics(faults, where, site, stored_of(site), stats)  # type: ignore[operator]
+            record = None if record_of is None else record_of(site)
+            compare_statistics(faults, where, site, stored_of(site), stats, record=record)
     except (CorruptStoreError, StoreNotFoundError) as err:
         # data that cannot be read back is already listed (verify read every byte first);
         # only a store that failed nothing else gets this fault of its own

@@ -735,7 +735,13 @@ class ActivaultReader(ReaderBase):
             recomputed = merged_statistics(scan["stats"], len(listing.files))
             if recomputed is not None:
                 check_statistics(
-                    report.faults, f"{hook}/{STATISTICS}", hook, stored, recomputed, merged=merged
+                    report.faults,
+                    f"{hook}/{STATISTICS}",
+                    hook,
+                    stored,
+                    recomputed,
+                    merged=merged,
+                    record=self._json(f"{hook}/{STATISTICS}"),
                 )
         if self.record is not None and self.checks.manifest is not None:
             for fault in record_faults(self.cfg, self.record, self.checks.manifest, self.hooks):

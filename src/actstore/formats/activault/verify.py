@@ -24,7 +24,7 @@ from ...stats import RunningStats, merge_all
 from ...storage.manifest import store_id_of
 from ..recompute import compare_statistics
 from .layout import data_file_name, group_uuid, hook_site
-from .metadata import RUN_RECORD_VERSION, RunRecord, run_cfg
+from .metadata import RUN_RECORD_VERSION, RunRecord, run_cfg, statistics_to_dict
 from .upload import group_statistics
 
 if TYPE_CHECKING:
@@ -60,11 +60,22 @@ def check_statistics(
     recomputed: RunningStats,
     *,
     merged: bool,
+    record: Any = None,
 ) -> None:
-    """Bit for bit for a run captured in one process; a run merged from parts merged its
+    """Bit for bit for a run captured in one process (the whole ``statistics.json``
+    ``record``, its ``std`` and ``norm`` included); a run merged from parts merged its
     parts' totals, whose bounds it does not keep: compared up to
     :data:`~actstore.formats.recompute.MERGE_ORDER_RTOL`."""
-    compare_statistics(faults, where, hook, stored, recomputed, exact=not merged)
+    compare_statistics(
+        faults,
+        where,
+        hook,
+        stored,
+        recomputed,
+        exact=not merged,
+        record=record,
+        to_record=statistics_to_dict,
+    )
 
 
 def record_faults(

@@ -403,6 +403,11 @@ class PickleReader(ReaderBase):
             "compress": compress.pop(),
         }
 
+    def statistics_record(self, site: Site) -> Any:
+        return (self.metadata.statistics.get("activation_statistics") or {}).get(
+            layer_key(site.layer)
+        )
+
     def statistics_shards(self) -> list[int] | None:
         """Rows of each shard (one writer shard each); None for a store without actstore's
         manifest (the spec's own tools fold statistics their own way)."""

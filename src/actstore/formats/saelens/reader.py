@@ -390,6 +390,11 @@ class SaelensReader(ReaderBase):
             return None
         return SIDECAR, {k: v for k, v in doc.items() if k != "files"}
 
+    def statistics_record(self, site: Site) -> Any:
+        if self.site_statistics(site) is None:
+            return None
+        return self._statistics["sites"][str(site)]  # type: ignore[index]
+
     def statistics_shards(self) -> list[int] | None:
         """Rows of each Arrow file (one writer shard each); None for a cache without
         actstore's statistics and manifest."""

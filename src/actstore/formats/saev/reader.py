@@ -321,6 +321,11 @@ class SaevReader(ReaderBase):
             return None
         return [count * self.metadata.tokens_per_ex for count in self.shard_counts]
 
+    def statistics_record(self, site: Site) -> Any:
+        if self.site_statistics(site) is None:
+            return None
+        return self._statistics["sites"][str(site.layer)]  # type: ignore[index]
+
     def site_statistics(self, site: Site) -> RunningStats | None:
         """Running statistics of stored ``site`` (None if the file is absent)."""
         if not self.files.exists(STATISTICS):

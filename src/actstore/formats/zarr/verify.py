@@ -53,9 +53,15 @@ def _verify_store(store: StoreMeta, report: VerifyReport, progress: Any) -> int:
     non_finite = _verify_samples(store, report, progress, fold)
     if fold is not None and stored is not None and fold.complete:
         recomputed = fold.finish()
+        records = store.files.read_json(STATISTICS_FILE)["sites"]
         for site in store.layout.sites:
             compare_statistics(
-                report.faults, store.url_of(STATISTICS_FILE), site, stored[site], recomputed[site]
+                report.faults,
+                store.url_of(STATISTICS_FILE),
+                site,
+                stored[site],
+                recomputed[site],
+                record=records[site],
             )
     _verify_texts(store, report)
     _verify_optional_arrays(store, report)
