@@ -50,6 +50,13 @@ class S3Case(ActivaultCase):
         root = Path(out)
         return super().write_unpublished(self.env.url(root.parent.name, root.name), plan, batches)
 
+    def overwrite(self, location, name, data):
+        key = f"{location.split('/', 3)[3]}/{name}"
+        client = self.env.client()
+        original = client.get_object(Bucket=self.env.bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=self.env.bucket, Key=key, Body=data)
+        return original
+
     def damage(self, location):
         keys = sorted(
             k

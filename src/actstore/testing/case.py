@@ -144,6 +144,16 @@ class FormatCase:
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
 
+    def overwrite(self, location: str, name: str, data: bytes) -> bytes:
+        """Replace file ``name`` of the store at ``location`` with ``data`` (as damage
+        would); return what it held. Default: a local store; a case whose stores live
+        elsewhere (S3) overrides it."""
+        path = Path(location) / name
+        original = path.read_bytes()
+        path.chmod(0o644)
+        path.write_bytes(data)
+        return original
+
     def open(self, location: str) -> ReaderBase:
         from ..formats import open_store
 

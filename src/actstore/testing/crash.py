@@ -67,7 +67,7 @@ class Outcome:
     runs: list[Run] = field(default_factory=list)
 
 
-def crash_and_resume(case: Any, root: Path, *, timeout: float = 240) -> Outcome:
+def crash_and_resume(case: Any, root: Path, *, timeout: float = 1100) -> Outcome:
     """Run the crashes of ``case`` (a :class:`~actstore.testing.FormatCase`) under ``root``
     in one helper process; raise ``AssertionError`` with its output if it fails."""
     root.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,12 @@ import pytest
 from .s3 import FaultyProxy, S3Env, new_env, start_server
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The kit marks its slowest rule ``timeout`` (pytest-timeout's marker; declared here
+    too, so a project without that plugin runs the kit under ``--strict-markers``)."""
+    config.addinivalue_line("markers", "timeout(seconds): a time limit (pytest-timeout)")
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """One moto S3 server on 127.0.0.1 for the whole session."""
