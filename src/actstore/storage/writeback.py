@@ -14,7 +14,7 @@ Example:
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as d:
     ...     fd = os.open(os.path.join(d, "f"), os.O_WRONLY | os.O_CREAT, 0o644)
-    ...     pwrite_all(fd, [memoryview(b"abc"), memoryview(b"def")], 2)
+    ...     n = pwrite_all(fd, [memoryview(b"abc"), memoryview(b"def")], 2)
     ...     start_writeback(fd, 2, 6); sync_files([fd]); os.close(fd)
     ...     open(os.path.join(d, "f"), "rb").read()
     b'\\x00\\x00abcdef'
