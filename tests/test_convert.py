@@ -7,6 +7,7 @@ shards).
 
 from __future__ import annotations
 
+import json
 import logging
 
 import numpy as np
@@ -18,6 +19,7 @@ from actstore.convert import (
     as_stored,
     compare_stores,
     convert,
+    converted_plan,
     example_batches,
     source_plan,
 )
@@ -104,9 +106,19 @@ def test_lossless_round_trip_keeps_tokens_and_metadata(tmp_path):
         pkl.location, tmp_path / "back", to="saev", options=options("saev"), progress=False
     )
     a, b = open_store(src), open_store(back.location)
-    assert back.location.name == a.path.name  # same saev content hash: same metadata
+    # a conversion is never named as a capture (issue 30): the metadata differs in `data`
+    # only, which says which store the values came from and at what precision
+    assert back.location.name != a.path.name
+    ma, mb = (json.loads((p / "metadata.json").read_text()) for p in (a.path, back.location))
+    assert {k: v for k, v in ma.items() if k != "data"} == {
+        k: v for k, v in mb.items() if k != "data"
+    }
+    origin = b.capture_plan().data["converted_from"]
+    assert (origin["format"], origin["dtype"]) == ("pickle", "float32")
+    assert origin["store_id"] == open_store(pkl.location).checks.manifest.store_id
+    assert b.capture_plan().data["converted_from"] != a.capture_plan().data.get("converted_from")
     np.testing.assert_array_equal(b.tokens, a.tokens)
-    for name in ("metadata.json", "shards.json", "tokens.bin", "acts000000.bin", "acts000004.bin"):
+    for name in ("shards.json", "tokens.bin", "acts000000.bin", "acts000004.bin"):
         assert (back.location / name).read_bytes() == (a.path / name).read_bytes(), name
     for layer in a.layers:  # statistics agree to float64 rounding (folded in other chunks)
         np.testing.assert_allclose(b.statistics(layer).mean, a.statistics(layer).mean, rtol=1e-12)
@@ -160,10 +172,9 @@ def test_interrupted_conversion_resumes(tmp_path):
     plan = make_plan()
     acts = make_acts(plan)
     src = write_store("saev", tmp_path / "src", plan, acts)
-    writer = get_format("pickle").open_writer(
-        source_plan(open_store(src)), str(tmp_path / "pkl"), options("pickle")
-    )
-    for batch in example_batches(open_store(src), source_plan(open_store(src)), 4):
+    plan = converted_plan(open_store(src), "saev")  # what convert writes: the source named
+    writer = get_format("pickle").open_writer(plan, str(tmp_path / "pkl"), options("pickle"))
+    for batch in example_batches(open_store(src), plan, 4):
         if batch.example_ids[0] >= 12:
             break
         writer.write(batch)

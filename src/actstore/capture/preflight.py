@@ -127,9 +127,9 @@ _STORE_MARKERS = frozenset(
 )
 
 
-def _store_at(path: Path) -> str | None:
+def _store_at(path: Path, markers: frozenset[str] = _STORE_MARKERS) -> str | None:
     """The format of the store at ``path`` ("unfinished" for a writer's partial
-    directory), or None; only a directory with a store's index files is asked."""
+    directory), or None; only a directory holding one of ``markers`` is asked."""
     from ..storage.location import final_of_partial
 
     if final_of_partial(path.name) is not None:
@@ -138,7 +138,7 @@ def _store_at(path: Path) -> str | None:
         names = set(os.listdir(path))
     except OSError:
         return None
-    if not names & _STORE_MARKERS:
+    if not names & markers:
         return None
     from ..formats.registry import format_of
 
@@ -154,8 +154,8 @@ def check_not_inside_a_store(out: str, what: str = "--out") -> None:
     if is_url(out):
         return
     path = Path(out).expanduser().absolute()
-    for parent in path.parents:
-        kind = _store_at(parent)
+    for parent in path.parents:  # a store actstore published (asking lists the whole tree)
+        kind = _store_at(parent, frozenset({_ROOT_MANIFEST}))
         if kind is None:
             continue
         if kind == "unfinished":

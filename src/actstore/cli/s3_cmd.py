@@ -163,9 +163,9 @@ def _output_root(location: str, store, prefix: str, dirs: list[str]) -> dict[str
             if final_of_partial(d) is not None:
                 unfinished.append({"store": url})
                 continue
-            found = _store_summary(url, url)
-            if found is not None:
-                stores.append(found)
+            below = _store_summary(url, url)
+            if below is not None:
+                stores.append(below)
     if not stores and not unfinished:
         return None
     return {"root": store.url(prefix), "stores": stores, "unfinished": unfinished}
