@@ -395,8 +395,8 @@ ATTN_IN = (
     ],
 )
 def test_every_documented_transformerlens_name_through_the_cli(kind, model_dir):
-    """``actstore capture --sites blocks.1.<hook> --dry-run`` (preflight, then the plan) for
-    every documented name: the site each captures, or one line and exit 2."""
+    """``actstore capture --sites blocks.1.<hook> --format zarr --dry-run`` (preflight, then
+    the plan) for every documented name: the site each captures, or one line and exit 2."""
     from typer.testing import CliRunner
 
     from actstore.cli import app
@@ -405,8 +405,10 @@ def test_every_documented_transformerlens_name_through_the_cli(kind, model_dir):
     names = BERT_NAMES if kind == "bert" else PRE_NORM_NAMES
     runner = CliRunner()
     for hook, site in names.items():
-        result = runner.invoke(
-            app, ["capture", "--model", model, "--sites", f"blocks.1.{hook}", "--dry-run"]
+        result = runner.invoke(  # zarr stores every kind (saev only resid)
+            app,
+            ["capture", "--model", model, "--sites", f"blocks.1.{hook}"]
+            + ["--format", "zarr", "--dry-run"],
         )
         assert result.exit_code == 0, (hook, result.output)
         assert f"of 4 loaded for {site}; d_model 32" in result.output, (hook, result.output)
