@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -37,7 +37,22 @@ from .shard import ShardStats
 
 if TYPE_CHECKING:
     from ..sites import Site
-    from .base import ReaderBase
+
+
+class ReaderBase(Protocol):
+    """What recomputing needs of a reader (every
+    :class:`~actstore.formats.base.ReaderBase` has it; named here, not imported, so base.py
+    and this module form no import cycle)."""
+
+    @property
+    def sites(self) -> tuple[Site, ...]: ...
+
+    @property
+    def d_model(self) -> int: ...
+
+    def blocks(self, site: Any) -> list[Any]: ...
+
+    def read_block(self, block: Any, out: np.ndarray | None = None) -> np.ndarray: ...
 
 
 def sharded_statistics(
