@@ -5,8 +5,6 @@ which ``conftest.py`` enables)."""
 
 from __future__ import annotations
 
-import runpy
-
 from actstore.testing.s3 import (  # noqa: F401 - re-exported
     ACCESS_KEY,
     HOST,
@@ -15,8 +13,9 @@ from actstore.testing.s3 import (  # noqa: F401 - re-exported
     FaultyProxy,
     S3Env,
     new_env,
+    serve,
     start_server,
 )
 
 if __name__ == "__main__":
-    runpy.run_module("actstore.testing.s3", run_name="__main__")
+    serve()

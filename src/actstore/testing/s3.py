@@ -354,7 +354,9 @@ def new_env(s3_server, monkeypatch, endpoint: str, proxy: FaultyProxy | None = N
     return env
 
 
-if __name__ == "__main__":
+def serve() -> None:
+    """Serve until killed (or until the process that started this one exits), after
+    printing the endpoint: ``python -m actstore.testing.s3`` (benchmarks)."""
     parent = os.getppid()
     server = start_server()
     print(server.endpoint, flush=True)
@@ -364,3 +366,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         pass
     server.stop()
+
+
+if __name__ == "__main__":
+    serve()
