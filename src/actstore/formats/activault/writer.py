@@ -6,7 +6,13 @@ one stream per hook. Every ``rows_per_file x sequence_length`` tokens form a *gr
 megabatch per hook, all named with the same group uuid (so crosscoders can match tokens
 across layers). Each hook's megabatches go through a bounded queue to that hook's
 :class:`HookUploader`, which serialises (``torch.save``) and uploads them on its own
-threads with its own client; the caller waits only when a queue is full.
+threads with its own client; the caller waits only when a queue is full. The caller's
+thread only packs (the one cast to the stored dtype); ``torch.save`` writes straight from
+the packed megabatch into the file (local: positional writes with rolling writeback,
+digested as written, into a temporary file beside the final name) or into one upload
+buffer (object storage), while the statistics are folded on a thread pool. A commit
+thread makes group k durable (fsync, rename, directory fsync) and records it while group
+k+1 is written.
 
 Commit protocol (what makes resume exact). ``cfg.json`` is first written when the first
 group is handed to the uploaders, before any data file exists (opening a writer creates
@@ -15,7 +21,8 @@ the first commit writes each hook's ``metadata.json`` (with ``bytes_per_file``),
 ``cfg.json`` records ``groups`` and the stream position where the next group starts
 (example, kept tokens already stored of that example), then each hook's
 ``statistics.json`` is updated. Files are whole or absent (single PUT, or a
-multipart upload completed only when every part is in). A rerun of the same capture finds
+multipart upload completed only when every part is in; on a local disk a temporary file
+renamed into place by the commit). A rerun of the same capture finds
 ``cfg.json``, deletes files of uncommitted groups and unfinished uploads, folds any
 statistics that lag the commit record back in from the committed files, and resumes at
 the recorded position: no token is stored twice or missed.
