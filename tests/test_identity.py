@@ -187,21 +187,40 @@ def test_an_unfinished_capture_of_other_data_is_not_resumed(world):
     assert snapshot(world["tmp"] / ".acts-pkl.partial") == before
 
 
-def test_an_edited_image_is_captured_anew(world, model_dir, image_folder):
-    images = shutil.copytree(image_folder, world["tmp"] / "images")
+def test_an_edited_image_is_captured_anew(world, model_dir):
+    """Uncompressed images, so one pixel byte can change with the file's size (and here its
+    mtime) kept: the store is named by the images' bytes, not their listing."""
+    from PIL import Image
+
+    images = world["tmp"] / "images"
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        folder = images / ("cat", "dog")[i % 2]
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 255, size=(32, 32, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"{i}.bmp")
     out = world["tmp"] / "out"
     argv = ["capture", "--model", model_dir("clip"), "--dataset", images, "--layers", "1"]
     argv += ["--batch-size", "8", "--out", out, "--no-progress"]
-    assert run_cli(*argv).returncode == 0
+    first = run_cli(*argv)
+    assert first.returncode == 0, first.stderr
     (old,) = saev_stores(out)
-    picture = images / "dog" / "dog_001.png"
+    picture = images / "dog" / "1.bmp"
     raw = bytearray(picture.read_bytes())
-    raw[-20] ^= 0xFF  # one byte of the image data, same size, same mtime
+    raw[-20] ^= 0xFF  # one pixel byte
     rewrite_keeping_times(picture, bytes(raw))
     rerun = run_cli(*argv)
     assert rerun.returncode == 0, rerun.stderr
     assert "Already captured" not in rerun.stdout
     assert len(saev_stores(out)) == 2 and old in saev_stores(out)
+    dialect = [*argv, "--dialect", "saev"]  # saev's own layout: its ImgFolder data too
+    assert run_cli(*dialect).returncode == 0
+    (h8,) = list((out / "saev" / "shards").iterdir())
+    raw[-30] ^= 0xFF
+    rewrite_keeping_times(picture, bytes(raw))
+    again = run_cli(*dialect)
+    assert again.returncode == 0 and "Already captured" not in again.stdout, again.stderr
+    assert len(list((out / "saev" / "shards").iterdir())) == 2 and h8.exists()
 
 
 # ---------------------------------------------------------------------- 2. conversions
