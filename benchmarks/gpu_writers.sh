@@ -5,21 +5,22 @@
 #   bash benchmarks/gpu_writers.sh
 #
 # In order of priority, each step under its own timeout (seconds, overridable):
-#   1. bench_writers.py, parts disk + sites24: every writer (saev, activault, saelens, zarr,
-#      pickle) fed bfloat16 and float32 batches (the Qwen2-0.5B shape of issue 28's table:
-#      d=896, 1024 tokens, sites 6 and 12) vs raw write + fsync of the same bytes on /tmp
-#      (the disk), medians of 2 interleaved pairs; then all 24 sites (journal per shard)
-#      WRITERS_TIMEOUT=150
-#   2. bench_gpu.py, every format: capture >= 0.95 of max(forward, raw write), every layer
-#      >= 0.9 of the raw write (its last row; a timeout cuts it first) GPU_TIMEOUT=190
-#   3. bench_large_model.py: the 70B shape, to activault (>= 0.95 of the forward pass) and
-#      saev (>= 0.95 of the disk)                                     LARGE_TIMEOUT=100
-#   4. bench_writers.py, part stages: CPU seconds per GB per pipeline stage into tmpfs, and
+#   1. bench_writers.py, part sites24: all 24 sites of a 24-layer model to saev (d=512,
+#      ~85 shards) vs raw write + fsync, and the journal's cost per shard  SITES24_TIMEOUT=30
+#   2. bench_writers.py, part disk: every writer (saev, activault, saelens, pickle, zarr:
+#      zarr last, the slowest) fed bfloat16 and float32 batches (the Qwen2-0.5B shape of
+#      issue 28's table: d=896, 1024 tokens, sites 6 and 12) vs raw write + fsync of the
+#      same bytes on /tmp (the disk), medians of 2 interleaved pairs   WRITERS_TIMEOUT=140
+#   3. bench_gpu.py, every format: capture >= 0.95 of max(forward, raw write), every layer
+#      >= 0.9 of the raw write (its last row; a timeout cuts it first) GPU_TIMEOUT=180
+#   4. bench_large_model.py: the 70B shape, to activault (>= 0.95 of the forward pass) and
+#      saev (>= 0.95 of the disk)                                     LARGE_TIMEOUT=90
+#   5. bench_writers.py, part stages: CPU seconds per GB per pipeline stage into tmpfs, and
 #      throughput at 1, 4 and 16 writer threads                       STAGES_TIMEOUT=40
 #
 # Timeouts sum to 480 s; give the device call timeout_s=560 (startup, pool building).
 #
-# Logs and JSON go to $OUT (the device tool's folder; 8 files) or /tmp/actstore-gpu-writers.
+# Logs and JSON go to $OUT (the device tool's folder; 8 files, its limit) or /tmp/actstore-gpu-writers.
 # zarr and datasets were not installed on the last GPU machine: without them the zarr and
 # saelens rows print "SKIPPED". To measure them, carry wheels as benchmarks/gpu_session.sh's
 # header says and pass WHEELS=.whl (with .whl in the call's carry list).
@@ -45,25 +46,29 @@ stamp() { echo "[t+$(($(date +%s) - start))s] $*" | tee -a "$out/env.txt"; }
 status=0
 shape=(--d 896 --tokens 1024 --batch-size 8 --sites 6,12)
 
-stamp "bench_writers disk + sites24 start"
-timeout "${WRITERS_TIMEOUT:-150}" python3 benchmarks/bench_writers.py --parts disk,sites24 \
-    "${shape[@]}" --gib "${WRITERS_GIB:-1.5}" --pickle-gib 0.5 --repeats 2 \
-    --sites24-d 512 --sites24-gib 2 --sites24-tokens 128 --sites24-shard-mib 24 \
-    --dir /tmp --json "$out/writers_disk.json" 2>&1 | tee "$out/writers_disk.log" || status=1
+stamp "bench_writers sites24 start"
+timeout "${SITES24_TIMEOUT:-30}" python3 benchmarks/bench_writers.py --parts sites24 \
+    --sites24-d 512 --sites24-gib 2 --sites24-tokens 128 --sites24-shard-mib 24 --repeats 2 \
+    --dir /tmp --json "$out/writers_sites24.json" 2>&1 | tee "$out/writers_disk.log" || status=1
+
+stamp "bench_writers disk start"
+timeout "${WRITERS_TIMEOUT:-140}" python3 benchmarks/bench_writers.py --parts disk \
+    --formats saev,activault,saelens,pickle,zarr "${shape[@]}" --gib "${WRITERS_GIB:-1.5}" \
+    --pickle-gib 0.5 --repeats 2 --dir /tmp --json "$out/writers_disk.json" 2>&1 \
+    | tee -a "$out/writers_disk.log" || status=1
 
 stamp "bench_gpu start"
-timeout "${GPU_TIMEOUT:-190}" python3 benchmarks/bench_gpu.py --repeats 1 --dir /tmp \
+timeout "${GPU_TIMEOUT:-180}" python3 benchmarks/bench_gpu.py --repeats 1 --dir /tmp \
     --formats saev,activault,zarr,pickle,saelens ${GPU_ARGS:-} --json "$out/bench_gpu.json" \
     2>&1 | tee "$out/bench_gpu.log" || status=1
 
 stamp "bench_large_model start"
-timeout "${LARGE_TIMEOUT:-100}" python3 benchmarks/bench_large_model.py --tokens 65536 \
-    --budget-s "${LARGE_BUDGET:-85}" --out /tmp 2>&1 | tee "$out/large.log" || status=1
+timeout "${LARGE_TIMEOUT:-90}" python3 benchmarks/bench_large_model.py --tokens 65536 \
+    --budget-s "${LARGE_BUDGET:-75}" --out /tmp 2>&1 | tee "$out/large.log" || status=1
 
 stamp "bench_writers stages start"
 timeout "${STAGES_TIMEOUT:-40}" python3 benchmarks/bench_writers.py --parts stages \
     "${shape[@]}" --stage-gib 0.25 --pickle-gib 0.125 --stage-repeats 1 --threads 1,4,16 \
-    --tmpfs /dev/shm --json "$out/writers_stages.json" 2>&1 | tee "$out/writers_stages.log" \
-    || status=1
+    --tmpfs /dev/shm 2>&1 | tee "$out/writers_stages.log" || status=1
 stamp "done (status $status)"
 exit $status
