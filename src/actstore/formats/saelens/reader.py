@@ -101,7 +101,7 @@ class SaelensReader(ReaderBase):
         try:
             self.arrow_files = tuple(str(e["filename"]) for e in state["_data_files"])
             features = Features.from_dict(self.checks.read_json(INFO)["features"])
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise CorruptStoreError(
                 f"{self.url}: state.json or dataset_info.json is malformed ({err!r})"
             ) from err
