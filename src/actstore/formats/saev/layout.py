@@ -372,7 +372,8 @@ def _trailing(raw: bytes) -> Any:
     from ... import safe_pickle
 
     try:
-        end = next(pos for op, _, pos in pickletools.genops(raw) if op.name == "STOP") + 1
+        stop = next(pos for op, _, pos in pickletools.genops(raw) if op.name == "STOP")
+        end = (stop or 0) + 1
         return safe_pickle.loads(raw[end:]) if end < len(raw) else None
     except (UnsafeDataError, CorruptStoreError, ValueError, StopIteration):
         return None
