@@ -176,6 +176,7 @@ def test_second_writer_is_refused_and_a_dead_writers_partial_is_resumed(tmp_path
         make_writer(final)
     for batch in list(SyntheticBatches()(0, N))[:2]:  # 6 samples: one shard of 4 finished
         first.write(batch)
+    first.sync()  # the finished shard is durable and recorded
     first._lock.release()  # as if its process died: the kernel drops a dead holder's flock
     first._lock = None
     second = make_writer(final)

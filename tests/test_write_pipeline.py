@@ -112,7 +112,7 @@ def test_the_journal_gets_one_line_per_shard(tmp_path):
     sizes = []
     for batch in _batches(plan, acts, [5] * 4):
         writer.write(batch)
-        writer._drain_commits()  # let the commit stage record what is finished
+        writer.sync()  # let the commit stage record what is finished
         sizes.append((writer.partial / PROGRESS).stat().st_size)
     head, shards = read_journal(writer.partial)
     assert head["store_id"] == writer.store_id
@@ -181,7 +181,7 @@ def test_a_failed_commit_stops_the_capture_and_publishes_nothing(tmp_path):
     writer = SaevWriter.from_plan(plan, Location.parse(tmp_path), SaevOptions(patches_per_shard=40))
     batches = list(_batches(plan, acts, [5] * 5))
     writer.write(batches[0])
-    writer._drain_commits()
+    writer.sync()
     journal = writer.partial / PROGRESS
     journal.unlink()
     journal.mkdir()  # the next journal append fails (even for root)

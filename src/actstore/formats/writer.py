@@ -642,6 +642,11 @@ class ShardedWriter(FormatWriter):
         self._shards.append(entry)
         point(f"{self.format_name}.shard_recorded")
 
+    def sync(self) -> None:
+        """Wait until every finished shard is durable and recorded in the journal (the
+        commit stage otherwise records them in the background)."""
+        self._drain_commits()
+
     def stage_seconds(self) -> dict[str, float]:
         """CPU seconds each pipeline stage took so far, summed over its threads."""
         return dict(self.clock.seconds)

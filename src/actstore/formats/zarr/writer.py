@@ -265,9 +265,6 @@ class ZarrWriter(ShardedWriter):
     options_type = ZarrOptions
     ragged_tokens = True
     stored_dtype = "float16"
-    #: Statistics to publish instead of those folded from the rows written (a merged run
-    #: keeps its shards' statistics, merged).
-    statistics_override: dict[Site, RunningStats] | None = None
 
     def __init__(
         self,
@@ -463,7 +460,6 @@ class ZarrWriter(ShardedWriter):
         """``meta/statistics.json``, ``meta/config.json``, the group's attributes, then the
         consolidated metadata (``.zmetadata``)."""
         lay = self.layout
-        stats = self.statistics_override or stats
         (directory / "meta").mkdir(exist_ok=True)
         atomic_write_json(
             directory / STATISTICS_FILE,
