@@ -138,34 +138,25 @@ def _is_hook(store, key: str) -> bool:
 
 
 def _output_root(location: str, store, prefix: str, dirs: list[str]) -> dict[str, Any] | None:
-    """The stores under an output root (what capture's --out named): every published store
-    of any format, with its shape and size, and every unfinished one (local roots: as
-    ``actstore status`` finds them; object storage: the folders just below). None when
-    there is none."""
-    from ..storage.location import final_of_partial
-    from ..storage.object import LocalStore, join_key
+    """The stores under a local output root (what capture's --out named), as ``actstore
+    status`` finds them: every published store of any format, with its shape and size, and
+    every unfinished one. None when there is none, or on object storage (where the folder
+    listing names them)."""
+    from ..storage.object import LocalStore
 
     stores: list[dict[str, Any]] = []
     unfinished: list[dict[str, Any]] = []
-    if isinstance(store, LocalStore):
-        from .status_cmd import find_stores
+    if not isinstance(store, LocalStore):
+        return None  # object storage: the folder listing below names them
+    from .status_cmd import find_stores
 
-        for entry in find_stores(store.root / prefix):
-            if entry.finished:
-                found = _store_summary(str(entry.path), str(entry.path)) or {}
-                stores.append({"store": str(entry.path), "format": entry.fmt, **found})
-                stores[-1]["bytes"] = entry.n_bytes
-            else:
-                unfinished.append({"store": str(entry.path), "bytes": entry.n_bytes})
-    else:
-        for d in dirs:
-            url = store.url(join_key(prefix, d))
-            if final_of_partial(d) is not None:
-                unfinished.append({"store": url})
-                continue
-            below = _store_summary(url, url)
-            if below is not None:
-                stores.append(below)
+    for entry in find_stores(store.root / prefix):
+        if entry.finished:
+            found = _store_summary(str(entry.path), str(entry.path)) or {}
+            stores.append({"store": str(entry.path), "format": entry.fmt, **found})
+            stores[-1]["bytes"] = entry.n_bytes
+        else:
+            unfinished.append({"store": str(entry.path), "bytes": entry.n_bytes})
     if not stores and not unfinished:
         return None
     return {"root": store.url(prefix), "stores": stores, "unfinished": unfinished}
