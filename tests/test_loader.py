@@ -221,8 +221,15 @@ def test_readers_without_optional_hooks(store):
     loader = ActivationLoader(plain, site=5, batch_size=11, pool_blocks=2, return_index=True)
     for x, r in loader:
         np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 1))
-    with pytest.raises(ConfigError, match="drop_cls needs"):
-        ActivationLoader(plain, site=5, drop_cls=True)
+    # ReaderBase places CLS rows itself: drop_cls works on the generic path too
+    plan = plain.capture_plan()
+    assert plan.has_cls
+    kept = ActivationLoader(
+        plain, site=5, batch_size=11, pool_blocks=2, return_index=True, drop_cls=True
+    )
+    served = np.concatenate([r.numpy() for _, r in kept])
+    t = plan.tokens_per_example
+    assert sorted(served.tolist()) == [i for i in range(plan.n_examples * t) if i % t]
 
 
 # ---------------------------------------------------------------------- determinism

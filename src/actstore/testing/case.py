@@ -146,8 +146,16 @@ class FormatCase:
 
     def overwrite(self, location: str, name: str, data: bytes) -> bytes:
         """Replace file ``name`` of the store at ``location`` with ``data`` (as damage
-        would); return what it held. Default: a local store; a case whose stores live
-        elsewhere (S3) overrides it."""
+        would); return what it held: a local store, or one on object storage (``s3://``,
+        with the environment's credentials)."""
+        if "://" in str(location) and not str(location).startswith("file://"):
+            from ..storage.object import open_location
+
+            store, prefix = open_location(location)
+            key = f"{prefix}/{name}" if prefix else name
+            original = store.get(key)
+            store.put(key, data)
+            return original
         path = Path(location) / name
         original = path.read_bytes()
         path.chmod(0o644)
