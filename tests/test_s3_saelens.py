@@ -337,6 +337,7 @@ def test_sealed_files_are_the_finished_arrow_files(tmp_path):
     assert writer.sealed_files() == []
     for batch in batches[:3]:  # 12 examples: file 0 done, file 1 open
         writer.write(batch)
+    writer.sync()  # file 0 is sealed once its commit (fsync + journal line) is done
     partial = tmp_path / ".s.partial"
     assert writer.sealed_files() == [
         ("data-00000-of-00003.arrow", partial / "data-00000-of-00003.arrow")
@@ -368,6 +369,7 @@ writer = get_format("saelens").open_writer(plan, sys.argv[1], OPTIONS)
 for i, batch in enumerate(make_batches(plan, make_acts(plan))):
     writer.write(batch)
     if i == 3:  # 16 examples: file 0 finished, file 1 half written
+        writer.sync()  # file 0 committed (the commit stage would record it a moment later)
         os.kill(os.getpid(), signal.SIGKILL)
 """
 

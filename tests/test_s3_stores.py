@@ -303,6 +303,7 @@ writer = get_format("saev").open_writer(plan, sys.argv[1], options)
 for i, batch in enumerate(batches(make_acts())):
     writer.write(batch)
     if i == 3:  # 16 examples: shards 0-2 finished (and queued for upload), 1 in the open one
+        writer.sync()  # shards 0-2 committed (the commit stage would record them a moment later)
         os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -330,6 +331,7 @@ def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatc
     assert resumed.resume_from == 15
     for batch in batches(acts, start=12):
         resumed.write(batch)
+    resumed.sync()  # the finished shards committed and queued for upload
     reference = write_store(tmp_path / "ref", acts)
     shard3 = f"captures/{reference.name}/acts000003.bin"
     for _ in range(300):  # the finished shard goes up in the background, before close()

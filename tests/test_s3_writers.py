@@ -86,6 +86,7 @@ def test_pickle_shards_are_on_s3_before_close_and_sent_once(s3, tmp_path):
     assert f"pk/{LOCK_NAME}" in s3.keys("pk/")  # the destination is locked while writing
     for batch in make_batches(plan, make_plan_acts(plan)):
         writer.write(batch)
+    writer.sync()  # every finished shard committed, and queued for upload
     sealed = [f"pk/{name}" for name, _ in writer.inner.sealed_files()]
     assert len(sealed) >= 3
     assert _wait_for(lambda: set(sealed) <= set(s3.keys("pk/")))
@@ -113,6 +114,7 @@ def test_saev_shards_are_on_s3_before_close_and_sent_once(s3, tmp_path, monkeypa
     assert writer.url == f"{url}/{md.content_hash()}"
     for batch in batches(acts):
         writer.write(batch)
+    writer.sync()  # every finished shard committed, and queued for upload
     prefix = f"sv/{md.content_hash()}"
     sealed = [f"sv/{name}" for name, _ in writer.inner.sealed_files()]
     assert f"{prefix}/acts000000.bin" in sealed and f"{prefix}/tokens.bin" not in sealed
@@ -169,6 +171,7 @@ writer = StagedS3Writer(
 )
 for batch in make_batches(plan, make_acts(plan))[:4]:
     writer.write(batch)
+writer.sync()  # the finished shards committed and queued for upload
 for _ in range(600):  # let the background upload send the finished shards
     if len([n for n in open_files(sys.argv[1]).list() if n.startswith("shard_")]) >= 2:
         break

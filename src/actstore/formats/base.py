@@ -710,6 +710,10 @@ class WriterBase(abc.ABC):
     def abort(self) -> None:
         """Stop without publishing; durable progress is kept for a later resume."""
 
+    def sync(self) -> None:
+        """Wait until everything written so far that the writer makes durable before
+        publishing is durable (and :meth:`sealed_files` lists it). Default: nothing waits."""
+
     def sealed_files(self) -> list[tuple[str, os.PathLike]]:
         """Files that are durable and will never change again, for an uploader to send while
         the capture goes on: ``(name, path)`` pairs, ``name`` relative to the output

@@ -118,6 +118,12 @@ class StagedS3Writer(WriterBase):
         self.inner.write(batch)
         self._offer()
 
+    def sync(self) -> None:
+        """Wait for the staged writer's finished shards, then queue them for upload."""
+        if self.inner is not None:
+            self.inner.sync()
+        self._offer()
+
     def close(self) -> str:
         """Wait for the background uploads, publish locally, send the rest (the manifest
         last, verified), drop the staged copy and the lock."""
