@@ -389,6 +389,8 @@ def test_dry_run_prints_each_devices_memory_and_loads_nothing(
             *args,
             "--sites",
             "resid.0,mlp_out.1",
+            "--format",
+            "zarr",  # saev stores the residual stream only
             "--batch-size",
             "4",
             "--context-length",

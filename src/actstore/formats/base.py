@@ -608,7 +608,7 @@ class ReaderBase(abc.ABC):
         writer's own code (:mod:`actstore.formats.recompute`), bit for bit: an edited
         value, or two sites' statistics swapped, is a fault even when the manifest was
         rewritten over the edit."""
-        from ..errors import CorruptStoreError, StoreNotFoundError
+        from ..errors import ActstoreError, CorruptStoreError, StoreNotFoundError
         from .recompute import recompute_into
 
         try:
@@ -618,14 +618,19 @@ class ReaderBase(abc.ABC):
                 f"{self.statistics_file}: cannot be checked against the data: {err}"
             )
             return
-        recompute_into(
-            report.faults,
-            self,
-            shards,
-            self.statistics_file,
-            self.site_statistics,
-            self.statistics_record,
-        )
+        try:
+            recompute_into(
+                report.faults,
+                self,
+                shards,
+                self.statistics_file,
+                self.site_statistics,
+                self.statistics_record,
+            )
+        except ActstoreError as err:  # data that cannot be read: a fault, not a crash
+            report.faults.append(
+                f"{self.statistics_file}: cannot be recomputed from the data: {err}"
+            )
 
     def statistics_record(self, site: Site) -> Any:
         """Stored ``site``'s statistics record as the file holds it (values derived from

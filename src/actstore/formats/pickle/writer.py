@@ -243,7 +243,7 @@ class _PickleShard(ShardSink):
         self._info: dict[str, dict[str, Any]] = {}
 
     def open(self, out: ShardOutput) -> None:
-        self.stream = out.stream(self.name)
+        """The shard's file is created only when it is full (:meth:`finish`)."""
 
     def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
         w = self.w
@@ -276,6 +276,7 @@ class _PickleShard(ShardSink):
         self.n += batch.n_examples
 
     def finish(self, out: ShardOutput) -> None:
+        self.stream = out.stream(self.name)
         out.submit(self._encode)
 
     def _encode(self) -> None:
