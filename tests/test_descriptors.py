@@ -64,22 +64,24 @@ def test_every_format_opened_and_closed_1000_times_keeps_no_descriptor(stores, n
     location, spec = stores[name], get_format(name)
     with open_store(location) as reader:  # first use: imports, lazy module state
         read_some(reader)
+    gc.collect()  # what earlier tests dropped is released now, not during the count
     before = open_fds()
     for _ in range(1000):
         reader = spec.open_reader(location)
         read_some(reader)
         reader.close()
-    assert open_fds() == before
+    # never more than before (fewer only if something else of this process closed one)
+    assert open_fds() <= before
     for _ in range(10):  # format detection opens the store's files too
         with open_store(location) as reader:
             read_some(reader)
-    assert open_fds() == before
+    assert open_fds() <= before
     for _ in range(100):  # dropped without close(): released when collected
         reader = spec.open_reader(location)
         read_some(reader)
         del reader
     gc.collect()
-    assert open_fds() == before
+    assert open_fds() <= before
 
 
 def test_verify_and_cp_keep_no_descriptor(stores, tmp_path):
