@@ -188,7 +188,8 @@ def test_processes_share_one_cache(s3, saev_local, tmp_path):
     url = s3.url("acts", local.name)
     upload(local, url)
     cache_dir = str(tmp_path / "shared")
-    with multiprocessing.get_context("fork").Pool(2) as pool:
+    # spawned, not forked: a fork copies locks other threads of this test process hold
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
         stores = pool.starmap(_read_all, [(url, cache_dir)] * 2)
     n_blocks = len(SaevReader(local).blocks(2))
     assert n_blocks <= sum(stores) <= 2 * n_blocks
