@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from actstore.batch import Batch
+from actstore.errors import ConfigError
 from actstore.formats import open_store
 from actstore.formats.journal import PROGRESS, read_journal, recorded_shards
 from actstore.formats.saev import SaevOptions, SaevWriter
@@ -211,3 +212,11 @@ def test_no_format_module_does_its_own_durable_io():
             if name in IO_CALLS:
                 found.append(f"{path.relative_to(SRC)}:{node.lineno} {name}")
     assert found == []
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_a_bad_thread_count_is_one_line_before_anything_is_written(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("ACTSTORE_WRITER_THREADS", value)
+    with pytest.raises(ConfigError, match="ACTSTORE_WRITER_THREADS must be a whole number"):
+        SaevWriter.from_plan(make_plan(), Location.parse(tmp_path), SaevOptions())
+    assert list(tmp_path.iterdir()) == []

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CaptureError
+from ..errors import CaptureError, ConfigError
 from ..storage.manifest import (
     BlockHasher,
     FileEntry,
@@ -76,6 +76,24 @@ class StageClock:
             self.add(stage, time.thread_time() - t0)
 
 
+THREADS_ENV, STREAMS_ENV = "ACTSTORE_WRITER_THREADS", "ACTSTORE_WRITER_STREAMS"
+
+
+def env_count(name: str) -> int | None:
+    """A thread count set in environment variable ``name`` (None when unset).
+
+    Example:
+        >>> env_count("ACTSTORE_NOT_SET") is None
+        True
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"{name} must be a whole number of threads, at least 1, not {text!r}")
+    return int(text)
+
+
 class Pools:
     """The writer's threads: ``cpu`` (statistics, hashing, encoding) and ``io`` (writes).
 
@@ -92,10 +110,8 @@ class Pools:
         clock: StageClock | None = None,
     ) -> None:
         self.clock = clock or StageClock()
-        self.threads = int(threads or os.environ.get("ACTSTORE_WRITER_THREADS") or pool_size())
-        self.streams = int(
-            streams or os.environ.get("ACTSTORE_WRITER_STREAMS") or max(2, min(4, self.threads))
-        )
+        self.threads = int(threads or env_count(THREADS_ENV) or pool_size())
+        self.streams = int(streams or env_count(STREAMS_ENV) or max(2, min(4, self.threads)))
         self.cpu = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-cpu")
         self.io = ThreadPoolExecutor(self.streams, thread_name_prefix="actstore-io")
 

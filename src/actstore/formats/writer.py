@@ -100,7 +100,7 @@ from .journal import (
     stats_doc,
     write_journal,
 )
-from .pipeline import Pools, ShardOutput, StageClock
+from .pipeline import STREAMS_ENV, THREADS_ENV, Pools, ShardOutput, StageClock, env_count
 from .shard import ShardSink, ShardStats, WrittenFile
 
 if TYPE_CHECKING:
@@ -152,6 +152,7 @@ class ShardedWriter(FormatWriter):
         self.partial = partial_of(store).path()
         self.record = record
         self.store_id = store_id_of(record)
+        env_count(THREADS_ENV), env_count(STREAMS_ENV)  # a bad setting, before anything is made
         self.examples_per_shard = int(examples_per_shard)
         if self.examples_per_shard < 1:
             raise ConfigError(f"a shard must hold at least one example, not {examples_per_shard}")
