@@ -180,8 +180,3 @@ def _float_rows(rows: np.ndarray | torch.Tensor) -> np.ndarray:
     if rows.dtype == torch.bfloat16:
         rows = rows.to(torch.float32)
     return rows.detach().numpy()
-
-
-def as_float32(tensor: torch.Tensor) -> np.ndarray:
-    """A captured tensor as a C-order float32 array (a view when it already is one)."""
-    return np.ascontiguousarray(tensor.detach().to(torch.float32).numpy(), dtype="<f4")
