@@ -3,7 +3,8 @@ encodes, this module writes.
 
 A sink hands :class:`ShardOutput` named byte buffers at known offsets of named files
 (:meth:`ShardOutput.write`), or a file-like stream for encoders that write through one
-(:meth:`ShardOutput.stream`: gzip, Arrow). The pipeline owns everything else, once for
+(:meth:`ShardOutput.stream`: gzip, Arrow), or small files whole (:meth:`ShardOutput.put`:
+zarr's chunks). The pipeline owns everything else, once for
 every format:
 
 * **threads**: a pool of CPU workers (:func:`~actstore.storage.writeback.pool_size`: this
@@ -231,6 +232,19 @@ class ShardOutput:
         self._adopted[name] = (unit, listed)
         self._order.append(name)
 
+    def put(self, name: str, data: Buffer) -> None:
+        """Write file ``name`` whole, in one go, on an I/O thread (created, written with
+        writeback started, closed: no descriptor is held for the thousands of small files
+        of a zarr shard). Made durable at commit with the shard's other files; not listed
+        in the manifest (the format checks it through digests of its own). ``data`` must
+        stay unchanged until the writer returns from the batch."""
+        if name in self.files or name in self._adopted:
+            raise CaptureError(f"shard file {name} declared twice")
+        self._adopted[name] = (0, False)  # durable at commit like an adopted file
+        self._order.append(name)
+        view = _bytes_view(data)
+        self._batch.append(self.pools.io.submit(self._put, self.directory / name, view))
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the CPU pool (a format's encoding work); the shard is
         committed only after it finishes (its writes included)."""
@@ -265,6 +279,20 @@ class ShardOutput:
             with self._lock:
                 f.blocks.update(found)
         clock.add("hash", time.thread_time() - t1)
+
+    def _put(self, path: Path, view: memoryview) -> None:
+        t0 = time.thread_time()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:  # a chunk key with "/" separators: nested directories
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            pwrite_all(fd, [view], 0)
+            start_writeback(fd, 0, len(view))
+        finally:
+            os.close(fd)
+        self.pools.clock.add("write", time.thread_time() - t0)
 
     def settle(self) -> None:
         """Wait for the writes of the current batch (re-raising the first failure)."""
