@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,9 @@ from actstore.batch import Batch
 from actstore.errors import ConfigError
 from actstore.formats import open_store
 from actstore.formats.journal import PROGRESS, read_journal, recorded_shards
+from actstore.formats.pipeline import cpu_pool
 from actstore.formats.saev import SaevOptions, SaevWriter
-from actstore.stats import RunningStats, chunk_moments
+from actstore.stats import BLOCK_BYTES, RunningStats, chunk_moments
 from actstore.storage.location import Location
 from actstore.testing import make_plan
 
@@ -63,6 +65,34 @@ def test_chunk_moments_are_exact_sums():
     assert total.tolist() == [4.5, 2.25]
     assert sumsq.tolist() == [10.25, 20.0625]
     assert norms == pytest.approx(np.sqrt(5) + 5 + np.sqrt(0.3125), rel=1e-15)
+
+
+def test_bfloat16_moments_equal_the_widened_values_across_blocks():
+    # 3 blocks of BLOCK_BYTES and a partial one: the tensor path widens block by block
+    d = 64
+    n = 3 * (BLOCK_BYTES // (8 * d)) + 5
+    values = torch.randn(n, d, generator=torch.Generator().manual_seed(3)).bfloat16()
+    got = chunk_moments(values)
+    want = chunk_moments(values.float().numpy())
+    assert got[0] == want[0] == n
+    assert got[1].tolist() == want[1].tolist() and got[2].tolist() == want[2].tolist()
+    assert got[3] == want[3]
+    exact = values.double().numpy()
+    np.testing.assert_allclose(got[1], exact.sum(0), rtol=1e-12, atol=1e-9)
+
+
+def test_pool_threads_run_torch_alone_and_leave_the_callers_count():
+    before = torch.get_num_threads()
+    pool = cpu_pool(2)
+    try:
+        assert pool.submit(torch.get_num_threads).result() == 1
+    finally:
+        pool.shutdown()
+    seen: list[int] = []
+    fresh = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    fresh.start()
+    fresh.join()
+    assert torch.get_num_threads() == before and seen == [before]
 
 
 def test_statistics_do_not_depend_on_threads_or_batch_sizes(tmp_path, monkeypatch):

@@ -27,16 +27,17 @@ No format module opens, writes, fsyncs or hashes a shard file itself.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +52,11 @@ from ..storage.manifest import (
 )
 from ..storage.writeback import pool_size, pwrite_all, start_writeback, sync_files, sync_paths
 
+if TYPE_CHECKING:
+    import torch
+else:
+    from .._lazy import torch
+
 #: Buffers the sinks hand over: anything exposing the buffer protocol.
 Buffer = Any
 
@@ -58,23 +64,35 @@ Buffer = Any
 class StageClock:
     """CPU seconds spent per pipeline stage (``cast``, ``encode``, ``statistics``,
     ``write``, ``hash``, ``commit``), summed over threads: where a writer's time goes
-    (``benchmarks/bench_writers.py`` prints it)."""
+    (``benchmarks/bench_writers.py`` prints it). Stages nest: time a thread spends in a
+    stage inside another (a stream's writes inside ``torch.save``'s encoding) counts once,
+    for the inner stage."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._inner = threading.local()  # per thread: seconds of nested stages so far
 
     def add(self, stage: str, seconds: float) -> None:
         with self._lock:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+        inner = getattr(self._inner, "seconds", None)
+        if inner is not None:
+            self._inner.seconds = inner + seconds
 
     def timed(self, stage: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, its thread's CPU time added to ``stage``."""
+        """``fn(*args)``, its thread's CPU time (less nested stages) added to ``stage``."""
+        outer = getattr(self._inner, "seconds", None)
+        self._inner.seconds = 0.0
         t0 = time.thread_time()
         try:
             return fn(*args)
         finally:
-            self.add(stage, time.thread_time() - t0)
+            spent = time.thread_time() - t0
+            nested = self._inner.seconds
+            self._inner.seconds = None
+            self.add(stage, spent - nested)
+            self._inner.seconds = None if outer is None else outer + spent
 
 
 THREADS_ENV, STREAMS_ENV = "ACTSTORE_WRITER_THREADS", "ACTSTORE_WRITER_STREAMS"
@@ -95,6 +113,88 @@ def env_count(name: str) -> int | None:
     return int(text)
 
 
+def _one_torch_thread() -> None:
+    """A pool thread's torch ops run on that thread alone: the pool is the parallelism.
+    (OpenMP's workers otherwise spin after each op: on 2 cores a bfloat16 copy cost 0.97
+    CPU s/GB with torch's 2 threads against 0.17 with one.) Under OpenMP a thread's count
+    is its own once set; ``torch.set_num_threads`` also sets the default threads not yet
+    started take, which is put back at once, so the caller's model keeps its threads."""
+    with _THREADS_LOCK:
+        if not _thread_count_is_per_thread():
+            return
+        before = torch.get_num_threads()  # the process-wide default (this thread is new)
+        torch.set_num_threads(1)
+        _on_new_thread(torch.set_num_threads, before)
+
+
+_THREADS_LOCK = threading.Lock()
+
+
+def _on_new_thread(fn: Callable[..., Any], *args: Any) -> None:
+    thread = threading.Thread(target=fn, args=args)
+    thread.start()
+    thread.join()
+
+
+@functools.cache
+def _thread_count_is_per_thread() -> bool:
+    """Whether ``torch.set_num_threads`` on one thread leaves a running thread's count
+    alone (OpenMP builds); else pool threads keep torch's count."""
+    before = torch.get_num_threads()
+    if before == 1:
+        return False
+    _on_new_thread(torch.set_num_threads, 1)
+    own = torch.get_num_threads() == before
+    _on_new_thread(torch.set_num_threads, before)
+    torch.set_num_threads(before)
+    return own
+
+
+def cpu_pool(threads: int, name: str = "actstore-cpu") -> ThreadPoolExecutor:
+    """A writer's pool of CPU workers, each running torch ops single-threaded."""
+    return ThreadPoolExecutor(threads, thread_name_prefix=name, initializer=_one_torch_thread)
+
+
+#: Bytes of one task of :func:`copy_rows`: enough to amortise a task, small enough to
+#: spread a batch over the pool.
+COPY_BYTES = 8 << 20
+
+
+def copy_rows(
+    pool: Executor,
+    copies: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    clock: StageClock,
+    stage: str = "cast",
+) -> None:
+    """Run ``dest.copy_(src)`` (``src.index_select(0, index)`` when an index is given,
+    casting to ``dest``'s dtype) for every ``(dest, src, index)`` on ``pool``, in blocks
+    of rows of about :data:`COPY_BYTES`, and wait for all of them (CPU time on ``clock``'s
+    ``stage``)."""
+    futures = []
+    for dest, src, index in copies:
+        n = dest.shape[0]
+        row = max(1, dest[:1].numel() * max(dest.element_size(), src.element_size()))
+        step = max(1, COPY_BYTES // row)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            part = None if index is None else index[lo:hi]
+            futures.append(
+                pool.submit(clock.timed, stage, _copy_block, dest[lo:hi], src, part, lo, hi)
+            )
+    _wait(futures)
+
+
+def _copy_block(
+    dest: torch.Tensor, src: torch.Tensor, index: torch.Tensor | None, lo: int, hi: int
+) -> None:
+    if index is None:
+        dest.copy_(src[lo:hi])
+    elif dest.dtype == src.dtype:
+        torch.index_select(src, 0, index, out=dest)
+    else:
+        dest.copy_(src.index_select(0, index))
+
+
 class Pools:
     """The writer's threads: ``cpu`` (statistics, hashing, encoding) and ``io`` (writes).
 
@@ -113,7 +213,7 @@ class Pools:
         self.clock = clock or StageClock()
         self.threads = int(threads or env_count(THREADS_ENV) or pool_size())
         self.streams = int(streams or env_count(STREAMS_ENV) or max(2, min(4, self.threads)))
-        self.cpu = ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-cpu")
+        self.cpu = cpu_pool(self.threads)
         self.io = ThreadPoolExecutor(self.streams, thread_name_prefix="actstore-io")
 
     def shutdown(self) -> None:

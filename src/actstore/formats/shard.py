@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import numpy as np
 
 from ..batch import Batch
 from ..sites import Site
-from ..stats import Moments, RunningStats, chunk_moments
+from ..stats import Moments, RunningStats, moments
 from ..storage.manifest import FileEntry
 
 if TYPE_CHECKING:
@@ -81,6 +80,10 @@ class ShardSink(abc.ABC):
         return []
 
 
+#: Rows the statistics fold: numpy arrays, or tensors of a dtype numpy lacks (bfloat16).
+Rows = Any
+
+
 class ShardStats:
     """Per-site statistics of one shard, folded in runs of ``rows_per_chunk`` rows counted
     from the shard's start: the result does not depend on how batches split the shard, nor
@@ -97,9 +100,10 @@ class ShardStats:
         self.sites, self.d, self.pool, self.clock = tuple(sites), d, pool, clock
         self.per = RunningStats(d).rows_per_chunk
         self._parts: dict[Site, list[Future | Moments]] = {s: [] for s in self.sites}
-        # two staging buffers per site for runs that straddle batches: one may still be
-        # folded (submitted during this batch) while the other takes the batch's tail
-        self._stage = [{s: np.empty((self.per, d), "<f4") for s in self.sites} for _ in range(2)]
+        # two staging buffers per site for runs that straddle batches (made on first use,
+        # of the rows' type): one may still be folded (submitted during this batch) while
+        # the other takes the batch's tail
+        self._stage: list[dict[Site, Rows]] = [{}, {}]
         self._cur = 0
         self._fill = 0
 
@@ -110,7 +114,7 @@ class ShardStats:
         n = len(next(iter(arrays.values()))) if arrays else 0
         i = 0
         if self._fill or n < self.per:
-            stage = self._stage[self._cur]
+            stage = self._staging(self._cur, arrays)
             take = min(self.per - self._fill, n)
             for site, part in arrays.items():
                 stage[site][self._fill : self._fill + take] = part[:take]
@@ -123,10 +127,22 @@ class ShardStats:
             self._fold({s: part[i : i + self.per] for s, part in arrays.items()})
             i += self.per
         if i < n:
-            stage = self._stage[self._cur]
+            stage = self._staging(self._cur, arrays)
             for site, part in arrays.items():
                 stage[site][: n - i] = part[i:]
             self._fill = n - i
+
+    def _staging(self, k: int, like: Mapping[Site, Rows]) -> dict[Site, Rows]:
+        stage = self._stage[k]
+        for site, rows in like.items():
+            held = stage.get(site)
+            if held is None or held.dtype != rows.dtype or type(held) is not type(rows):
+                stage[site] = (
+                    np.empty((self.per, self.d), rows.dtype)
+                    if isinstance(rows, np.ndarray)
+                    else torch.empty((self.per, self.d), dtype=rows.dtype)
+                )
+        return stage
 
     def settle(self) -> None:
         """Wait until no run still reads the rows given to :meth:`update`."""
@@ -149,34 +165,23 @@ class ShardStats:
             out[site] = stats
         return out
 
-    def _fold(self, chunks: Mapping[Site, np.ndarray]) -> None:
+    def _fold(self, chunks: Mapping[Site, Rows]) -> None:
         for site, chunk in chunks.items():
             if self.pool is None:
-                self._parts[site].append(chunk_moments(chunk))
+                self._parts[site].append(moments(chunk))
             elif self.clock is not None:
                 self._parts[site].append(
-                    self.pool.submit(self.clock.timed, "statistics", _moments, chunk)
+                    self.pool.submit(self.clock.timed, "statistics", moments, chunk)
                 )
             else:
-                self._parts[site].append(self.pool.submit(_moments, chunk))
+                self._parts[site].append(self.pool.submit(moments, chunk))
 
 
-_scratch = threading.local()
-
-
-def _moments(rows: np.ndarray) -> Moments:
-    """:func:`chunk_moments` with a per-thread float64 scratch buffer."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.shape[0] < len(rows) or buf.shape[1] != rows.shape[1]:
-        buf = _scratch.buf = np.empty(rows.shape, np.float64)
-    return chunk_moments(rows, buf)
-
-
-def _float_rows(rows: np.ndarray | torch.Tensor) -> np.ndarray:
-    """Rows numpy can fold: numpy arrays as they are, tensors as a view when numpy has
-    their dtype (bfloat16 is cast to float32, exactly)."""
+def _float_rows(rows: np.ndarray | torch.Tensor) -> Rows:
+    """Rows :func:`~actstore.stats.chunk_moments` folds without a copy: numpy arrays as
+    they are, tensors as a numpy view when numpy has their dtype, else the tensor itself
+    (bfloat16: widened straight to float64 block by block on the pool, exactly)."""
     if isinstance(rows, np.ndarray):
         return rows
-    if rows.dtype == torch.bfloat16:
-        rows = rows.to(torch.float32)
-    return rows.detach().numpy()
+    rows = rows.detach()
+    return rows if rows.dtype == torch.bfloat16 else rows.numpy()

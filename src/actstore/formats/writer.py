@@ -58,7 +58,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -100,7 +100,15 @@ from .journal import (
     stats_doc,
     write_journal,
 )
-from .pipeline import STREAMS_ENV, THREADS_ENV, Pools, ShardOutput, StageClock, env_count
+from .pipeline import (
+    STREAMS_ENV,
+    THREADS_ENV,
+    Pools,
+    ShardOutput,
+    StageClock,
+    copy_rows,
+    env_count,
+)
 from .shard import ShardSink, ShardStats, WrittenFile
 
 if TYPE_CHECKING:
@@ -258,17 +266,23 @@ class ShardedWriter(FormatWriter):
         so the statistics describe what readers serve."""
         return {s: acts[s].reshape(-1, self.plan.d_model) for s in self.sites}
 
-    def cast(self, batch: Batch) -> dict[Site, torch.Tensor]:
+    def cast(self, batch: Batch, pool: Executor) -> dict[Site, torch.Tensor]:
         """Each site of ``batch`` in the :attr:`stored_dtype`, C-contiguous on the CPU: the
-        one cast of the pipeline (a view when the capture already hands that dtype, as a
-        capture that casts on the GPU does)."""
+        one cast of the pipeline, on the writer's ``pool`` (a view when the capture already
+        hands that dtype, as a capture that casts on the GPU does)."""
         dtype = getattr(torch, self.stored_dtype)
-        out = {}
+        out, copies = {}, []
         for site in self.sites:
             t = batch.acts[str(site)].detach()
-            if t.dtype != dtype or t.device.type != "cpu":
+            if t.device.type != "cpu":
                 t = t.to(device="cpu", dtype=dtype)
-            out[site] = t.contiguous()
+            if t.dtype != dtype or not t.is_contiguous():
+                dest = torch.empty(t.shape, dtype=dtype)
+                copies.append((dest, t, None))
+                t = dest
+            out[site] = t
+        if copies:
+            copy_rows(pool, copies, self.clock)
         return out
 
     def summary(self, rows: int) -> dict[str, Any]:
@@ -565,7 +579,8 @@ class ShardedWriter(FormatWriter):
             stats = self._stats = ShardStats(self.sites, self.plan.d_model, pools.cpu, self.clock)
             sink.open(out)
             self._in_shard, self._shard_index = 0, index
-        acts = self.clock.timed("cast", self.cast, batch)
+        assert self._pools is not None
+        acts = self.cast(batch, self._pools.cpu)
         try:
             self.clock.timed(
                 "encode", sink.append, batch, acts, out

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from ...errors import CaptureError
-from ...stats import Moments, RunningStats, chunk_moments
+from ...stats import Moments, RunningStats, moments
 from ...storage.local import AtomicFile
 from ...storage.manifest import BlockHasher, block_keys
 from ...storage.object import (
@@ -30,7 +30,7 @@ from ...storage.object import (
     join_key,
 )
 from ...storage.writeback import pwrite_all, start_writeback
-from ..pipeline import StageClock
+from ..pipeline import StageClock, copy_rows
 from .layout import (
     data_file_name,
     tensor_bytes,
@@ -327,12 +327,16 @@ class Position:
 class Packer:
     """Packs kept token rows of every hook into preallocated megabatch buffers.
 
-    Rows are cast to the stored dtype as they are copied in (one pass, no concatenation);
-    a full buffer is handed out as is (it owns exactly its storage, as torch.save needs).
+    Rows are cast to the stored dtype as they are copied in (one pass, no concatenation;
+    token cleaning's gather included), on ``pool``'s threads
+    (:func:`~actstore.formats.pipeline.copy_rows`); a full buffer is handed out as is (it
+    owns exactly its storage, as torch.save needs).
     """
 
-    def __init__(self, hooks: list[str], n: int, d: int, dtype: torch.dtype) -> None:
-        self.hooks, self.n, self.d, self.dtype = hooks, n, d, dtype
+    def __init__(
+        self, hooks: list[str], n: int, d: int, dtype: torch.dtype, clock: StageClock
+    ) -> None:
+        self.hooks, self.n, self.d, self.dtype, self.clock = hooks, n, d, dtype, clock
         self.fill = 0
         self._states: dict[str, torch.Tensor] = {}
         self._ids = torch.empty(0, dtype=torch.int64)
@@ -343,17 +347,30 @@ class Packer:
         self.fill = 0
 
     def add(
-        self, rows: dict[str, torch.Tensor], ids: torch.Tensor
+        self,
+        rows: dict[str, torch.Tensor],
+        ids: torch.Tensor,
+        index: torch.Tensor | None,
+        pool: Executor,
     ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        """Append ``rows[hook]`` ([k, d]) and ``ids`` ([k]); return the groups filled."""
+        """Append ``rows[hook]`` ([k, d], or its rows ``index`` when given) and ``ids``
+        (already selected); return the groups filled. Returns once every copy is done."""
         full, pos, k = [], 0, ids.shape[0]
         while pos < k:
             if self.fill == 0:
                 self._new()
             take = min(self.n - self.fill, k - pos)
-            for hook in self.hooks:
-                self._states[hook][self.fill : self.fill + take].copy_(rows[hook][pos : pos + take])
-            self._ids[self.fill : self.fill + take].copy_(ids[pos : pos + take])
+            at = slice(self.fill, self.fill + take)
+            copies = [
+                (
+                    self._states[hook][at],
+                    rows[hook] if index is not None else rows[hook][pos : pos + take],
+                    None if index is None else index[pos : pos + take],
+                )
+                for hook in self.hooks
+            ]
+            copy_rows(pool, copies, self.clock)
+            self._ids[at].copy_(ids[pos : pos + take])
             self.fill += take
             pos += take
             if self.fill == self.n:
@@ -383,11 +400,11 @@ def fold_statistics(
     for lo in range(0, rows.shape[0], per):
         chunk = rows[lo : lo + per]
         if pool is None:
-            parts.append(_moments(chunk))
+            parts.append(moments(chunk))
         elif clock is not None:
-            parts.append(pool.submit(clock.timed, "statistics", _moments, chunk))
+            parts.append(pool.submit(clock.timed, "statistics", moments, chunk))
         else:
-            parts.append(pool.submit(_moments, chunk))
+            parts.append(pool.submit(moments, chunk))
 
     def finish() -> RunningStats:
         stats = RunningStats(d)
@@ -396,23 +413,3 @@ def fold_statistics(
         return stats
 
     return finish
-
-
-_scratch = threading.local()
-
-
-def _moments(chunk: torch.Tensor) -> Moments:
-    """:func:`chunk_moments` of a chunk of stored rows, with per-thread scratch buffers
-    (bfloat16 widened to float32 by a shift: exact, and numpy releases the GIL)."""
-    n, d = chunk.shape
-    buf = getattr(_scratch, "f64", None)
-    if buf is None or buf.shape[0] < n or buf.shape[1] != d:
-        buf = _scratch.f64 = np.empty((n, d), np.float64)
-    if chunk.dtype == torch.bfloat16:
-        wide = getattr(_scratch, "f32", None)
-        if wide is None or wide.shape[0] < n or wide.shape[1] != d:
-            wide = _scratch.f32 = np.empty((n, d), np.float32)
-        bits = chunk.contiguous().view(torch.int16).numpy().view(np.uint16)
-        np.left_shift(bits, 16, out=wide[:n].view(np.uint32), dtype=np.uint32)
-        return chunk_moments(wide[:n], buf)
-    return chunk_moments(chunk.detach().numpy(), buf)

@@ -78,7 +78,7 @@ from ...storage.object import (
 )
 from ...storage.writeback import pool_size, sync_files
 from ..base import FormatWriter, summary_of
-from ..pipeline import StageClock
+from ..pipeline import StageClock, cpu_pool
 from .layout import (
     CFG,
     METADATA,
@@ -161,7 +161,9 @@ class ActivaultWriter(FormatWriter):
         self._committer: threading.Thread | None = None
         self._stopping = False
         self._metadata_bytes: dict[str, int] = {}
-        self._packer = Packer(list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype)
+        self._packer = Packer(
+            list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype, self.clock
+        )
         self._stats: dict[str, RunningStats] = {}  # set here or by _resume
         self._cfg_written = True  # a new run writes it with its first group
         self.identity = {
@@ -371,7 +373,8 @@ class ActivaultWriter(FormatWriter):
 
     def _start_uploaders(self) -> None:
         opts = self.options
-        self._pool = ThreadPoolExecutor(pool_size(), thread_name_prefix="actstore-cpu")
+        if self._pool is None:
+            self._pool = cpu_pool(pool_size())
         local = isinstance(self.store, LocalStore)
         for hook in self.hooks:
             prefix = self._hook_prefix(hook)
@@ -440,19 +443,22 @@ class ActivaultWriter(FormatWriter):
         self._position.add(ids, kept)
         flat = np.flatnonzero(mask.reshape(-1))
         index = None if flat.size == b * t else torch.from_numpy(flat)
-        rows = {}
-        for hook, site in self.hooks.items():
-            acts = batch.acts[site].reshape(b * t, -1)  # cast to the stored dtype when packed
-            rows[hook] = acts if index is None else acts.index_select(0, index)
+        # gathered and cast to the stored dtype as they are packed, on the CPU pool
+        rows = {
+            hook: _cpu_rows(batch.acts[site], b * t, self.dtype)
+            for hook, site in self.hooks.items()
+        }
         if batch.token_ids is not None:
             token_ids = torch.from_numpy(np.asarray(batch.token_ids, dtype=np.int64)).reshape(-1)
         else:
             token_ids = torch.full((b * t,), -1, dtype=torch.int64)
-        full = self.clock.timed(
-            "cast",
-            self._packer.add,
+        if self._pool is None:
+            self._pool = cpu_pool(pool_size())
+        full = self._packer.add(
             rows,
             token_ids if index is None else token_ids.index_select(0, index),
+            index,
+            self._pool,
         )
         self._next_example += b
         for states, group_ids in full:
@@ -649,6 +655,15 @@ class ActivaultWriter(FormatWriter):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _cpu_rows(acts: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """A site's activations as ``[rows, d]`` on the CPU: a view when they are there, else
+    cast to the stored ``dtype`` on their device and copied over."""
+    acts = acts.detach()
+    if acts.device.type != "cpu":
+        acts = acts.to(dtype=dtype).to("cpu")
+    return acts.reshape(rows, -1)
 
 
 def _published(location: str) -> Path | str:
