@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import uuid as uuid_lib
@@ -484,7 +485,13 @@ class ActivaultWriter(FormatWriter):
             }
         ids = ids.view(self.rows, self.seq)
         for hook in self.hooks:
-            job = UploadJob(group, name, states[hook].view(self.rows, self.seq, -1), ids)
+            job = UploadJob(
+                group,
+                name,
+                states[hook].view(self.rows, self.seq, -1),
+                ids,
+                functools.partial(self._packer.recycle, hook, states[hook]),
+            )
             self.blocked_s += self._uploaders[hook].submit(job)
 
     def _uploaded(self, stored: Stored) -> None:
