@@ -84,14 +84,9 @@ def recorded_shards(partial: str | os.PathLike) -> int:
 
 
 def stats_doc(stats: RunningStats) -> dict[str, Any]:
-    """A shard's statistics in the journal (``var`` is derived, so left out)."""
-    return {
-        "count": stats.count,
-        "d": stats.d,
-        "mean": stats.mean.tolist(),
-        "m2": stats.m2.tolist(),
-        "norm_mean": stats.norm_mean,
-    }
+    """A shard's statistics in the journal: :meth:`RunningStats.to_packed` (``var`` is
+    derived, so left out; exact float64 in base64, cheap to encode for many sites)."""
+    return stats.to_packed()
 
 
 # ---------------------------------------------------------------------- parts
