@@ -50,7 +50,14 @@ from ..storage.manifest import (
     hash_file_blocks,
     hash_ranges,
 )
-from ..storage.writeback import pool_size, pwrite_all, start_writeback, sync_files, sync_paths
+from ..storage.writeback import (
+    SYNCFS_ABOVE,
+    pool_size,
+    pwrite_all,
+    start_writeback,
+    sync_files,
+    sync_paths,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -399,15 +406,23 @@ class ShardOutput:
         pending, self._batch = self._batch, []
         _wait(pending)
 
-    def close_files(self) -> dict[str, tuple[FileEntry, np.ndarray]]:
-        """After every write finished: make the files durable and close them; returns
-        the manifest entry and block digests of every listed file."""
+    def close_files(self, also: Sequence[int] = ()) -> dict[str, tuple[FileEntry, np.ndarray]]:
+        """After every write finished: make the files durable (with the descriptors
+        ``also``: the writer's side files), each ``fsync`` on its own I/O stream so the file
+        system can commit them together, and close them; returns the manifest entry and
+        block digests of every listed file."""
         self.settle()
         with self._lock:
             later, self._later = self._later, []
         _wait(later)
         self.settle()  # writes the submitted work made
-        self.pools.clock.timed("commit", sync_files, [f.fd for f in self.files.values()])
+        fds = [f.fd for f in self.files.values()] + list(also)
+        if len(fds) > 1 and len(fds) <= SYNCFS_ABOVE:
+            _wait(
+                [self.pools.io.submit(self.pools.clock.timed, "commit", os.fsync, fd) for fd in fds]
+            )
+        else:
+            self.pools.clock.timed("commit", sync_files, fds)
         adopted = [self.directory / n for n in self._adopted]
         self.pools.clock.timed("commit", sync_paths, adopted, self.directory)
         for f in self.files.values():

@@ -632,15 +632,13 @@ class ShardedWriter(FormatWriter):
         side_fds: list[int],
     ) -> None:
         try:
-            entries = out.close_files()
+            entries = out.close_files(also=side_fds)
         except BaseException:
             out.abort()
             raise
         info = sink.info()
         files = [WrittenFile(n, e, d, info.get(n, {})) for n, (e, d) in entries.items()]
         chunks = sink.chunk_files()
-        for fd in side_fds:
-            self.clock.timed("commit", os.fsync, fd)
         point(f"{self.format_name}.shard_synced")
         for f in files:
             self._digests[f.name] = f.digests
