@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ...errors import ConfigError
+from ...errors import ConfigError, CorruptStoreError
 from .base import ExampleSource, SourceBatch
 from .digest import blobs_digest, files_digest
 from .hf import HFDataset
@@ -40,10 +40,23 @@ class _ImageDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.load.n
 
-    def __getitem__(self, index: int):
-        image = self.load(index).convert("RGB")
+    def __getitem__(self, index: int) -> tuple[int, torch.Tensor, str]:
+        """``(index, pixels, "")``, or ``(index, empty, why)`` for an image that does not
+        decode (said in one line by :func:`_collate`'s caller, not a worker's traceback)."""
+        try:
+            image = self.load(index).convert("RGB")
+        except (OSError, ValueError, SyntaxError) as err:  # what PIL raises for bad bytes
+            return index, torch.empty(0), f"{self.load.name(index)} ({type(err).__name__}: {err})"
         pixels = self.processor(images=image, return_tensors="pt")["pixel_values"][0]
-        return index, pixels
+        return index, pixels, ""
+
+
+def _collate(items: list[tuple[int, torch.Tensor, str]]) -> tuple[torch.Tensor, Any]:
+    """Stack a batch; a batch with images that did not decode gives ``(None, reasons)``."""
+    bad = [why for _, _, why in items if why]
+    if bad:
+        return None, bad  # type: ignore[return-value]
+    return torch.tensor([i for i, _, _ in items]), torch.stack([p for _, p, _ in items])
 
 
 class _Loader:
@@ -73,6 +86,12 @@ class _Loader:
 
     def __getstate__(self):
         return {**self.__dict__, "_ds": None}
+
+    def name(self, index: int) -> str:
+        """Where example ``index``'s image comes from, for messages."""
+        if self.files is not None:
+            return self.files[index]
+        return f"image {index} of the dataset"
 
     def __call__(self, index: int):
         from PIL import Image
@@ -142,8 +161,15 @@ class ImageSource(ExampleSource):
             num_workers=num_workers,
             pin_memory=self.model.device.type == "cuda",
             persistent_workers=False,
+            collate_fn=_collate,
         )
         for indices, pixels in loader:
+            if indices is None:
+                raise CorruptStoreError(
+                    f"{pixels[0]} is not an image that can be decoded"
+                    + (f" (and {len(pixels) - 1} more in its batch)" if len(pixels) > 1 else "")
+                    + "; replace or remove it, or give another --dataset"
+                )
             ids = indices.numpy().astype(np.int64)
             yield SourceBatch(
                 example_ids=ids,
