@@ -9,7 +9,12 @@ so load from other work on the machine hits a measurement and its baseline alike
    both), and ``reader.gather`` of the same rows in one call;
 3. second epoch with the cache tier vs a loader over the same store on local disk (>= 0.8);
 4. ``cp`` upload and download vs raw parallel PUT (multipart) / ranged GET into files of the
-   same part size and concurrency (>= 0.8).
+   same part size and concurrency (>= 0.8);
+5. a capture whose ``--out`` is ``s3://`` (the saev writer staged locally, its shards
+   uploaded as they are sealed, the index and manifest at close) vs raw parallel PUT /
+   multipart of the same files, with the staged writer's part size and thread count
+   (>= 0.9); client and server CPU seconds per GiB beside each. ``--only-capture`` runs
+   just this one.
 
     python benchmarks/bench_s3.py                  # ~64 MiB store, a minute or two
     python benchmarks/bench_s3.py --examples 1024 --threads 16
@@ -21,14 +26,15 @@ import argparse
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
-from _common import SAEV_SHARDS, Timer, saev_writer, table
-from bench_activault import start_server
+from _common import SAEV_SHARDS, Timer, saev_plan, saev_writer, table
+from bench_activault import cpu_seconds, start_server
 
 from actstore.batch import Batch
 from actstore.formats.saev import SaevMetadata, SaevReader
@@ -39,8 +45,8 @@ from actstore.storage.copy import copy_store
 MiB = 1 << 20
 
 
-def write_saev(root: Path, n: int, t: int, d: int, per_shard: int) -> Path:
-    md = SaevMetadata(
+def saev_metadata(n: int, t: int, d: int, per_shard: int) -> SaevMetadata:
+    return SaevMetadata(
         family="gpt2",
         ckpt="bench",
         layers=(6,),
@@ -53,16 +59,95 @@ def write_saev(root: Path, n: int, t: int, d: int, per_shard: int) -> Path:
         dataset="/bench",
         dialect="protocol",
     )
-    writer = saev_writer(md, root)
+
+
+def saev_batches(n: int, t: int, d: int) -> list[Batch]:
     rng = np.random.default_rng(0)
+    out = []
     for lo in range(0, n, 32):
         part = rng.standard_normal((min(32, n - lo), t, d), dtype=np.float32)
-        writer.write(
+        out.append(
             Batch(
                 acts={"resid.6": torch.from_numpy(part)}, example_ids=np.arange(lo, lo + len(part))
             )
         )
+    return out
+
+
+def write_saev(root: Path, n: int, t: int, d: int, per_shard: int) -> Path:
+    writer = saev_writer(saev_metadata(n, t, d, per_shard), root)
+    for batch in saev_batches(n, t, d):
+        writer.write(batch)
     return Path(writer.close())
+
+
+def bench_capture(c, bucket: str, server_pid: int, tmp: Path, args) -> None:
+    """5. The saev writer to ``s3://`` (staged, uploading as it goes) vs raw parallel
+    PUT/multipart of the files it publishes, with its part size and threads; medians of
+    interleaved repetitions, with client and server CPU."""
+    from actstore.formats.registry import get_format
+    from actstore.formats.s3_staged import StagedS3Writer
+    from actstore.storage.upload import DEFAULT_PART_BYTES
+
+    n = args.capture_examples
+    md = saev_metadata(n, args.tokens, args.d, args.per_shard)
+    plan, options = saev_plan(md)
+    batches = saev_batches(n, args.tokens, args.d)  # made before any timing
+    spec = get_format("saev")
+    assert "ACTSTORE_CACHE" not in os.environ, "the S3 rows would read through a cache"
+    os.environ["ACTSTORE_CACHE"] = str(tmp / "staging")  # where the staged store lives
+    local = saev_writer(md, tmp / "capture-local")
+    for batch in batches:
+        local.write(batch)
+    local_dir = Path(local.close())
+    nbytes = sum(f.stat().st_size for f in local_dir.iterdir())
+    threads = StagedS3Writer.__init__.__kwdefaults__["threads"]
+    part = DEFAULT_PART_BYTES
+
+    def raw(i: int) -> None:
+        raw_upload(c, bucket, local_dir, f"capture-raw{i}", part, threads)
+
+    def ours(i: int) -> None:
+        writer = spec.open_writer(plan, f"s3://{bucket}/capture{i}", options)
+        for batch in batches:
+            writer.write(batch)
+        writer.close()
+
+    results: list[list[tuple[float, float, float]]] = [[], []]
+    try:
+        ours(-1)  # warm: imports, the session's service model
+        for i in range(args.repeats):
+            for k in (0, 1) if i % 2 == 0 else (1, 0):  # raw first, then ours first
+                cpu0, server0 = time.process_time(), cpu_seconds(server_pid)
+                with Timer() as t:
+                    (raw, ours)[k](i)
+                results[k].append(
+                    (t.seconds, time.process_time() - cpu0, cpu_seconds(server_pid) - server0)
+                )
+    finally:  # the other rows read S3 without the cache tier unless they ask for it
+        os.environ.pop("ACTSTORE_CACHE", None)
+    gib = nbytes / (1 << 30)
+    med = [sorted(r)[len(r) // 2] for r in results]
+    ratios = sorted(r[0] / o[0] for r, o in zip(results[0], results[1]))
+    print(
+        f"5. capture -> s3:// (saev, staged): {n} examples x {args.tokens} tokens x {args.d} "
+        f"dims, {nbytes / MiB:.0f} MiB in {len(list(local_dir.glob(SAEV_SHARDS)))} shards; "
+        f"{threads} threads, {part // MiB} MiB parts; medians of {args.repeats} interleaved "
+        f"repetitions; load average {os.getloadavg()[0]:.1f}"
+    )
+    rows = [
+        [
+            "capture -> s3:// (saev writer + uploads)",
+            nbytes / MiB / med[1][0],
+            med[0][0] / med[1][0],
+            med[1][1] / gib,
+            med[1][2] / gib,
+        ],
+        ["  raw parallel PUT/multipart, same files", nbytes / MiB / med[0][0], 1.0]
+        + [med[0][1] / gib, med[0][2] / gib],
+        ["  ratio in each repetition: " + ", ".join(f"{x:.2f}" for x in ratios), "", "", "", ""],
+    ]
+    print(table(["what", "MiB/s", "ratio", "client CPU s/GiB", "server CPU s/GiB"], rows))
 
 
 def client():
@@ -202,6 +287,11 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=200, help="random rows read one by one")
     p.add_argument("--part-mb", type=int, default=8)
     p.add_argument("--batch", type=int, default=4096)
+    p.add_argument(
+        "--capture-examples", type=int, default=2048, help="examples of the capture row (0: none)"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="repetitions of the capture row")
+    p.add_argument("--only-capture", action="store_true", help="run only the capture row")
     args = p.parse_args()
 
     server, _endpoint = start_server()
@@ -210,6 +300,10 @@ def main() -> None:
         c = client()
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         c.create_bucket(Bucket=bucket)
+        if args.capture_examples:
+            bench_capture(c, bucket, server.pid, tmp, args)
+        if args.only_capture:
+            return
         local = write_saev(tmp / "acts", args.examples, args.tokens, args.d, args.per_shard)
         nbytes = sum(f.stat().st_size for f in local.iterdir())
         part = args.part_mb * MiB

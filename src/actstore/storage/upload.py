@@ -2,12 +2,14 @@
 
 :class:`BackgroundUploader` takes ``(name, path)`` pairs (a writer's sealed files, see
 ``WriterBase.sealed_files``) through :meth:`~BackgroundUploader.offer`, which only queues
-them: the caller never waits on the network. One thread sends them in order, each as a
-multipart upload on the uploader's own part pool (:class:`~actstore.storage.copy.FileCopier`,
-so an interrupted upload of a large file resumes part by part). A file already at the
-destination with the same size and the ETag of the local bytes is not sent again (a rerun
-after ``kill -9``). Errors are kept for :meth:`~BackgroundUploader.finish` to report; the
-uploader stops sending after the first.
+them: the caller never waits on the network. Files are started in the order offered,
+several at once (up to ``threads``), each as a multipart upload whose parts share the
+uploader's own part pool of ``threads`` (:class:`~actstore.storage.copy.FileCopier`, so an
+interrupted upload of a large file resumes part by part): files smaller than
+``threads`` parts still keep every connection busy, as raw parallel puts would. A file
+already at the destination with the same size and the ETag of the local bytes is not sent
+again (a rerun after ``kill -9``). Errors are kept for :meth:`~BackgroundUploader.finish`
+to report; the uploader starts no file after the first.
 
 Example:
     >>> up = BackgroundUploader(store, "acts/3f1c")  # doctest: +SKIP
@@ -73,7 +75,12 @@ class BackgroundUploader:
     def _run(self) -> None:
         copier = FileCopier(self._files, self.store, self.prefix, self.part_bytes, None)
         present: dict[str, tuple[int, str]] | None = None
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-upload-part") as pool:
+        # parts of every file share one pool; up to ``threads`` files are in flight, so
+        # the parts of the next file are queued while the last parts of one are sent
+        with (
+            ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-upload-part") as pool,
+            ThreadPoolExecutor(self.threads, thread_name_prefix="actstore-upload-file") as files,
+        ):
             while (item := self._queue.get()) is not None:
                 if self.errors or self._stopping.is_set():
                     continue
@@ -84,20 +91,36 @@ class BackgroundUploader:
                         present = {
                             o.key[len(base) :]: (o.size, o.version) for o in self.store.list(base)
                         }
-                    size = path.stat().st_size
-                    have = present.get(name)
-                    etag = have[1] if have is not None and have[0] == size else ""
-                    if etag and multipart_etag(path, etag) == etag:
-                        self.etags[name] = etag
-                        self.found.append(name)
-                        continue
-                    self._files.add(name, path)
-                    copier.run(pool, [name], {name: size})
-                    self.etags[name] = copier.etags[name]
-                    self.sent.append(name)
-                    log.debug("uploaded %s", self.store.url(f"{self.prefix}/{name}"))
                 except BaseException as err:  # noqa: BLE001 - reported by finish()
                     self.errors.append((name, err))
+                    continue
+                files.submit(self._send, copier, pool, name, path, present.get(name))
+
+    def _send(
+        self,
+        copier: FileCopier,
+        pool: ThreadPoolExecutor,
+        name: str,
+        path: Path,
+        have: tuple[int, str] | None,
+    ) -> None:
+        """Send one file (on a file thread; its parts on ``pool``), unless it is there."""
+        if self.errors or self._stopping.is_set():
+            return
+        try:
+            size = path.stat().st_size
+            etag = have[1] if have is not None and have[0] == size else ""
+            if etag and multipart_etag(path, etag) == etag:
+                self.etags[name] = etag
+                self.found.append(name)
+                return
+            self._files.add(name, path)
+            copier.run(pool, [name], {name: size})
+            self.etags[name] = copier.etags[name]
+            self.sent.append(name)
+            log.debug("uploaded %s", self.store.url(f"{self.prefix}/{name}"))
+        except BaseException as err:  # noqa: BLE001 - reported by finish()
+            self.errors.append((name, err))
 
     def _join(self) -> None:
         if self._thread is not None:
@@ -111,6 +134,6 @@ class BackgroundUploader:
         return self.etags
 
     def stop(self) -> None:
-        """Send nothing more; wait for the file being sent (its parts stay resumable)."""
+        """Start no more files; wait for those being sent (their parts stay resumable)."""
         self._stopping.set()
         self._join()

@@ -38,6 +38,51 @@ def _session(boto3: Any) -> Any:
     return _SESSION[1]
 
 
+class ViewBody:
+    """A request body read straight from a buffer: ``read`` hands out ``memoryview`` slices
+    of it, so neither botocore's payload hash nor the socket send copies the bytes (a
+    ``bytes`` body is wrapped in a ``BytesIO`` whose reads copy each chunk, and making one
+    from a ``memoryview`` copied the whole object first). Seekable, so botocore can hash
+    the payload, learn its length and rewind it to send again.
+
+    Example:
+        >>> body = ViewBody(b"abcdef")
+        >>> bytes(body.read(4)), bytes(body.read()), body.seek(0, 2), bytes(body.read())
+        (b'abcd', b'ef', 6, b'')
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def __len__(self) -> int:
+        """Bytes left from the current position (what botocore sends as Content-Length)."""
+        return len(self._view) - self._pos
+
+    def __bool__(self) -> bool:
+        return True  # an empty body is still a body (botocore tests ``not body``)
+
+    def read(self, size: int | None = -1) -> memoryview:
+        start = self._pos
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), start + size)
+        self._pos = max(start, end)
+        return self._view[start : self._pos]
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+
 class S3Store(ObjectStore):
     """One bucket of an S3-compatible service, through boto3.
 
@@ -310,6 +355,8 @@ class S3Store(ObjectStore):
         self._call("HEAD bucket", None, lambda: self.client.head_bucket(Bucket=self.bucket))
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Publish ``data`` at ``key``; it is sent from the caller's buffer (no copy), which
+        must not change until this returns."""
         view = memoryview(data).cast("B")
         if len(view) <= self.config.multipart_threshold:
             self._call(
@@ -318,7 +365,7 @@ class S3Store(ObjectStore):
                 lambda: self.client.put_object(
                     Bucket=self.bucket,
                     Key=key,
-                    Body=bytes(view),
+                    Body=ViewBody(view),  # a fresh stream per attempt
                     ContentType="application/octet-stream",
                 ),
             )
@@ -362,13 +409,18 @@ class S3Store(ObjectStore):
     def upload_part(
         self, key: str, upload_id: str, number: int, data: Any, *, of: int | None = None
     ) -> str:
-        """Send part ``number`` (1-based) of an upload; returns its ETag."""
-        body = bytes(data)
+        """Send part ``number`` (1-based) of an upload from ``data`` (any buffer, not copied,
+        unchanged until this returns); returns its ETag."""
+        view = memoryview(data).cast("B")
         part = self._call(
             f"PUT part {number}{f'/{of}' if of else ''} of",
             key,
             lambda: self.client.upload_part(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=ViewBody(view),
             ),
         )
         return part["ETag"]
