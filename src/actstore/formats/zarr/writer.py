@@ -6,10 +6,13 @@ partial directory, progress record, verified resume, statistics, root manifest a
 publication). Each batch holds ``B`` samples laid out as prompt tokens then response tokens
 (then padding) along the token axis, with ``Batch.extras["prompt_len"]`` and
 ``["response_len"]`` giving the full lengths; a batch without them is stored as prompts only.
-The writer truncates to ``P_max``/``R_max``, casts to float16 and writes ``(B, L, P_max,
-H)`` and ``(B, L, R_max, H)`` slabs through zarr-python: whole chunks, since chunks are
-``(1, 1, T_chunk, H)``. Chunks that would hold only padding are not stored (zarr's default;
-readers return the fill value 0 for them, bit-exactly).
+The writer truncates to ``P_max``/``R_max``, casts to float16 and writes each chunk
+``(1, 1, T_chunk, H)`` of the ``(N, L, P_max, H)`` and ``(N, L, R_max, H)`` arrays as its
+own file through the write pipeline, byte for byte what zarr-python would write (the arrays
+have no compressor and no filters: a chunk file is the chunk's raw bytes); zarr-python
+creates the arrays and writes the small per-sample ones. Chunks that would hold only +0.0
+(padding) are not stored (zarr's default; readers return the fill value 0 for them,
+bit-exactly).
 
 A writer shard is ``S`` consecutive samples, and the per-sample arrays (lengths, token ids,
 keys, content digests, optional labels) are chunked ``S`` rows at a time, so a shard writes
@@ -89,7 +92,6 @@ from .layout import (
 from .options import ZarrOptions
 from .store import (
     OPTIONAL_ARRAYS,
-    byte_view,
     consolidate,
     create_arrays,
     sample_arrays,
@@ -418,13 +420,25 @@ class ZarrWriter(ShardedWriter):
         return _ZarrShard(self, index, directory)
 
     def stat_rows(self, batch: Batch, acts: Mapping[Site, torch.Tensor]) -> dict[Site, np.ndarray]:
-        """Every stored (unpadded) prompt and response token, as stored (float16): the
-        statistics describe the values a reader serves, as in every format."""
+        """Every stored (unpadded) prompt and response token, as stored (float16), sample by
+        sample: the statistics describe the values a reader serves, as in every format.
+        When every sample keeps the same token positions with its response right after its
+        prompt (no prompt cut with ``prompt_keep="first"``), they are one slice of each site:
+        a view when it is all the batch's tokens, else one copy."""
         p_full, r_full = _batch_lengths(batch)
         kept = [self.layout.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
+        spans = {(p0, r0 + rk) for p0, _, r0, rk in kept}
+        contiguous = all(p0 + pk == r0 for p0, pk, r0, _ in kept)
+        one = spans.pop() if contiguous and len(spans) == 1 else None
         out = {}
         for site in self.sites:
             exact = acts[site].numpy()
+            if one is not None:
+                start, stop = one
+                out[site] = (
+                    exact if (start, stop) == (0, exact.shape[1]) else exact[:, start:stop]
+                ).reshape(-1, self.plan.d_model)
+                continue
             rows = []
             for b, (p0, pk, r0, rk) in enumerate(kept):
                 rows.append(exact[b, p0 : p0 + pk])
@@ -488,45 +502,49 @@ def _shard_marker(entry: dict[str, Any]) -> str:
 
 
 class _ZarrShard(ShardSink):
-    """One writer shard: activation chunks through zarr-python as batches come, the shard's
-    chunk of every per-sample array and its chunk digests when it is full."""
+    """One writer shard: each activation chunk file written whole through the pipeline
+    (:meth:`ShardOutput.put`) as batches come, the shard's chunk of every per-sample array
+    (through zarr-python) and its chunk digests when it is full.
+
+    The activation arrays have no compressor and no filters, dtype ``<f2``, C order and
+    chunks ``(1, 1, T_chunk, H)``: a chunk file is the chunk's raw bytes, tokens past the
+    sample's kept ones (and past ``P_max``/``R_max`` in an edge chunk) zero. A chunk
+    whose bits are all zero (the fill value) is not stored, as zarr-python does not store
+    it (``write_empty_chunks=False``); a chunk of -0.0 is. A whole chunk of kept tokens is
+    written from the batch's memory as it lies (a view), only a chunk the sample's tokens
+    end in is copied, into a zeroed buffer."""
 
     def __init__(self, writer: ZarrWriter, index: int, directory: Path) -> None:
         self.w, self.index, self.directory = writer, index, directory
-        self._names: list[str] = []
         lo, hi = writer.shard_bounds(index)
         self.lo, self.n_rows = lo - writer.id_offset, hi - lo
         self.root = zarr_module().open_group(str(directory), mode="r+", zarr_format=2)
         arrays = self.root["arrays"]
-        self.acts = {p: arrays[ACTIVATIONS[p].split("/", 1)[1]] for p in PARTS}
         lay = writer.layout
+        self.separator = {
+            p: arrays[ACTIVATIONS[p].split("/", 1)[1]].metadata.dimension_separator for p in PARTS
+        }
         self.sums = {
             p: np.zeros((self.n_rows, lay.n_layers, lay.n_chunks(p)), dtype="<u8") for p in PARTS
         }
+        #: digest of a chunk of zeros: a chunk hashing to it is checked for zero bits
+        self.zero_digest = {p: xxhash.xxh3_64_intdigest(bytes(lay.chunk_nbytes(p))) for p in PARTS}
+        self._zeros = bytes(max(lay.p_max, lay.r_max) * lay.hidden_size * ACT_DTYPE.itemsize)
+        self._chunks: dict[str, list[str]] = {p: [] for p in PARTS}
         self.rows: dict[str, list[np.ndarray]] = {}
         self.filled = 0
         self.truncated = {p: 0 for p in PARTS}
 
     def open(self, out: ShardOutput) -> None:
-        """zarr-python writes the chunk files through its own store as batches come; the
-        pipeline adopts them at :meth:`finish`."""
+        """Chunk files are put whole as batches come (:meth:`append`)."""
 
     def append(self, batch: Batch, acts: Mapping[Site, torch.Tensor], out: ShardOutput) -> None:
-        w, lay = self.w, self.w.layout
+        lay = self.w.layout
         n = batch.n_examples
-        lo = self.lo + self.filled
         p_full, r_full = _batch_lengths(batch)
         kept = [lay.kept(int(p), int(r)) for p, r in zip(p_full, r_full)]
-        # padded to whole chunks, as zarr stores edge chunks (the chunk digests need it)
-        padded = {
-            p: np.zeros(
-                (n, lay.n_layers, lay.n_chunks(p) * lay.t_chunk(p), lay.hidden_size), ACT_DTYPE
-            )
-            for p in PARTS
-        }
-        prompt = padded["prompt"][:, :, : lay.p_max]
-        response = padded["response"][:, :, : lay.r_max]
-        for layer_idx, site in enumerate(lay.sites):
+        halves = []  # [n, T, H] float16 of each position of the L axis
+        for site in lay.sites:
             tensor = acts.get(Site.parse(site))
             if tensor is None:
                 raise CaptureError(f"batch lacks site {site}; it has {sorted(batch.acts)}")
@@ -536,25 +554,85 @@ class _ZarrShard(ShardSink):
                     f"({n}, {batch.n_tokens}, {lay.hidden_size})"
                 )
             half = tensor.numpy()
-            for b, (p0, pk, r0, rk) in enumerate(kept):
-                prompt[b, layer_idx, :pk] = half[b, p0 : p0 + pk]
-                response[b, layer_idx, :rk] = half[b, r0 : r0 + rk]
-        self.acts["prompt"][lo : lo + n] = prompt
-        self.acts["response"][lo : lo + n] = response
-        for part, data in padded.items():
-            self.sums[part][self.filled : self.filled + n] = chunk_digests(
-                data, lay.n_chunks(part), w.store_id, part, lo
-            )
+            if half.dtype != ACT_DTYPE or not half.flags.c_contiguous:
+                half = np.ascontiguousarray(half, dtype=ACT_DTYPE)
+            halves.append(half)
+        spans = {
+            "prompt": [(p0, pk) for p0, pk, _, _ in kept],
+            "response": [(r0, rk) for _, _, r0, rk in kept],
+        }
+        for part in PARTS:
+            self._put_chunks(part, halves, spans[part], out)
+        digests = [self._content_digest(halves, b, spans) for b in range(n)]
         p_full, r_full = _full_lengths(batch, p_full, r_full)
-        self._sample_rows(batch, p_full, r_full, kept, prompt, response)
+        self._sample_rows(batch, p_full, r_full, kept, digests)
         self.truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
         self.truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
         self.filled += n
 
+    def _put_chunks(
+        self,
+        part: str,
+        halves: list[np.ndarray],
+        spans: list[tuple[int, int]],
+        out: ShardOutput,
+    ) -> None:
+        """Put every stored chunk of ``part`` of the batch's samples and record its keyed
+        digest (0 for a chunk not stored)."""
+        w, lay = self.w, self.w.layout
+        t_chunk, n_chunks = lay.t_chunk(part), lay.n_chunks(part)
+        if n_chunks == 0:
+            return
+        folder, separator = ACTIVATIONS[part], self.separator[part]
+        zero_digest, sums, names = self.zero_digest[part], self.sums[part], self._chunks[part]
+        tails: np.ndarray | None = None  # zero-padded copies of chunks a sample ends in
+        first = self.lo + self.filled
+        for b, (start, count) in enumerate(spans):
+            i = first + b
+            for layer, half in enumerate(halves):
+                tokens = half[b, start : start + count]
+                for c in range(-(-count // t_chunk)):  # chunks past the kept tokens: zeros
+                    t0 = c * t_chunk
+                    if t0 + t_chunk <= count:
+                        data = tokens[t0 : t0 + t_chunk]
+                    else:
+                        if tails is None:
+                            tails = np.zeros(
+                                (len(spans), len(halves), t_chunk, lay.hidden_size), ACT_DTYPE
+                            )
+                        data = tails[b, layer]
+                        data[: count - t0] = tokens[t0:]
+                    digest = xxhash.xxh3_64_intdigest(data.data)
+                    if digest == zero_digest and not data.view(np.uint16).any():
+                        continue  # only +0.0: zarr leaves it to the fill value
+                    cid = chunk_id(part, i, layer, c)
+                    key = int(block_keys(w.store_id, cid, 0, 1)[0])
+                    sums[i - self.lo, layer, c] = (digest ^ key) or 1
+                    name = f"{folder}/{chunk_key((i, layer, c, 0), separator)}"
+                    out.put(name, data)
+                    names.append(name)
+
+    def _content_digest(
+        self, halves: list[np.ndarray], b: int, spans: dict[str, list[tuple[int, int]]]
+    ) -> bytes:
+        """xxh3-128 of sample ``b``'s stored ``[L, P_max, H]`` prompt then ``[L, R_max, H]``
+        response values (padding zeros included), fed piece by piece."""
+        lay, h = self.w.layout, xxhash.xxh3_128()
+        zeros = memoryview(self._zeros)
+        row = lay.hidden_size * ACT_DTYPE.itemsize
+        for part in PARTS:
+            start, count = spans[part][b]
+            pad = (lay.max_len(part) - count) * row
+            for half in halves:
+                h.update(half[b, start : start + count].data)
+                if pad:
+                    h.update(zeros[:pad])
+        return h.hexdigest().encode("ascii")
+
     def _add(self, path: str, values: np.ndarray) -> None:
         self.rows.setdefault(path, []).append(values)
 
-    def _sample_rows(self, batch, p_full, r_full, kept, prompt, response) -> None:
+    def _sample_rows(self, batch, p_full, r_full, kept, digests) -> None:
         w, lay, n = self.w, self.w.layout, batch.n_examples
         self._add(LENGTHS["prompt"], np.array([k[1] for k in kept], dtype=np.int32))
         self._add(LENGTHS["response"], np.array([k[3] for k in kept], dtype=np.int32))
@@ -570,9 +648,7 @@ class _ZarrShard(ShardSink):
                     ids[b, :count] = batch.token_ids[b, start : start + count]
                 self._add(TOKEN_IDS[part], ids)
         self._add(SAMPLE_KEY, np.array(_sample_keys(batch), dtype="|S64"))
-        self._add(
-            DIGEST, np.array([_digest(prompt[b], response[b]) for b in range(n)], dtype="|S32")
-        )
+        self._add(DIGEST, np.array(digests, dtype="|S32"))
         for name in w.optional:
             values = batch.extras.get(name)
             if values is None:
@@ -598,24 +674,14 @@ class _ZarrShard(ShardSink):
             name = chunksums_name(part, self.index)
             out.declare(name)
             out.write(name, buf.getbuffer())
-        for name in self.chunk_files():
-            out.adopt(name, listed=False)  # checked through the chunk digests above
 
     def info(self) -> dict[str, dict[str, Any]]:
         return {chunksums_name(part, self.index): {"truncated": self.truncated} for part in PARTS}
 
     def chunk_files(self) -> list[str]:
-        lay, names = self.w.layout, []
-        for part in PARTS:
-            array = self.acts[part]
-            separator = array.metadata.dimension_separator
-            for i in range(self.lo, self.lo + self.n_rows):
-                for layer in range(lay.n_layers):
-                    for c in range(lay.n_chunks(part)):
-                        name = f"{ACTIVATIONS[part]}/{chunk_key((i, layer, c, 0), separator)}"
-                        if (self.directory / name).is_file():  # zarr skips all-fill chunks
-                            names.append(name)
-        return names
+        """The activation chunk files this shard put (checked through its chunk digests),
+        in part, sample, layer, chunk order."""
+        return [name for part in PARTS for name in self._chunks[part]]
 
 
 def _sample_keys(batch: Batch) -> list[bytes]:
@@ -636,35 +702,6 @@ def _sample_keys(batch: Batch) -> list[bytes]:
             for b in range(batch.n_examples)
         ]
     return [k if isinstance(k, bytes) else str(k).encode("ascii") for k in keys]
-
-
-def chunk_digests(
-    data: np.ndarray, n_chunks: int, store_id: str, part: str, first: int
-) -> np.ndarray:
-    """Keyed xxh3-64 of each activation chunk of ``data`` (``[n, L, n_chunks * T_chunk, H]``
-    float16 of samples ``first, first + 1, ...``, zero-padded to whole chunks): uint64
-    ``[n, L, n_chunks]``, 0 where the chunk holds only +0.0 (zarr does not store it).
-
-    A chunk is stored when any value differs from the fill value 0 *by its bits*, as zarr
-    decides: a chunk of -0.0 compares equal to 0 but is written, so it has a digest.
-    """
-    n, n_layers = data.shape[:2]
-    if n_chunks == 0:
-        return np.zeros((n, n_layers, 0), dtype="<u8")
-    chunks = np.ascontiguousarray(data).reshape(n, n_layers, n_chunks, -1)
-    stored = (chunks.view(np.dtype(f"u{chunks.dtype.itemsize}")) != 0).any(axis=3)
-    out = np.zeros((n, n_layers, n_chunks), dtype="<u8")
-    for i, layer, c in zip(*np.nonzero(stored)):
-        key = int(block_keys(store_id, chunk_id(part, first + int(i), int(layer), int(c)), 0, 1)[0])
-        out[i, layer, c] = (xxhash.xxh3_64_intdigest(byte_view(chunks[i, layer, c])) ^ key) or 1
-    return out
-
-
-def _digest(prompt: np.ndarray, response: np.ndarray) -> bytes:
-    h = xxhash.xxh3_128()
-    h.update(byte_view(np.ascontiguousarray(prompt)))
-    h.update(byte_view(np.ascontiguousarray(response)))
-    return h.hexdigest().encode("ascii")
 
 
 def _batch_lengths(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
