@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from forked import run_actstore
 from test_activault_s3 import stored_stream
 from typer.testing import CliRunner
 
@@ -221,14 +222,11 @@ def test_sigkill_mid_capture_then_resume_gives_the_uninterrupted_tokens(s3, mode
         "--no-progress",
     ]
 
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+
     def start(run: str) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "actstore", "capture", "--out", s3.url(run), *args]
-        return subprocess.Popen(
-            cmd,
-            env={**os.environ, "TQDM_DISABLE": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     proc = start("crashed")
     deadline = time.monotonic() + 120
@@ -244,12 +242,14 @@ def test_sigkill_mid_capture_then_resume_gives_the_uninterrupted_tokens(s3, mode
     with pytest.raises(CorruptStoreError, match="unfinished capture"):
         open_store(s3.url("crashed"))
 
-    resumed = start("crashed")
-    log = resumed.communicate(timeout=300)[0].decode()
+    # the killed run above is started as the console script is; the reruns are processes
+    # of their own, forked from a helper that imported torch once (tests/forked.py)
+    resumed = run_actstore("capture", "--out", s3.url("crashed"), *args, env=env, timeout=300)
+    log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log
     assert "resuming" in log
-    reference = start("clean")
-    assert reference.communicate(timeout=300)[0] is not None and reference.returncode == 0
+    reference = run_actstore("capture", "--out", s3.url("clean"), *args, env=env, timeout=300)
+    assert reference.returncode == 0, reference.stderr
 
     a, b = open_store(s3.url("crashed")), open_store(s3.url("clean"))
     assert a.n_files == b.n_files > killed_at

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked import run_actstore
 from test_activault_s3 import make_run_data
 
 from actstore.errors import StoreLockedError
@@ -65,13 +64,12 @@ def test_second_capture_command_exits_2_with_one_error_line(tmp_path, model_dir,
     argv = ["capture", "--model", str(model_dir("gpt2")), "--dataset", str(text_file)]
     argv += ["--layers", "1", "--context-length", "8", "--max-examples", "8"]
     argv += ["--format", "activault", "--opt", "rows_per_file=2", "--out", str(run)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "actstore", *argv, "--no-progress"],
-        capture_output=True,
-        text=True,
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    proc = run_actstore(
+        *argv,
+        "--no-progress",
         env={**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1"},
         timeout=300,
-        check=False,
     )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr

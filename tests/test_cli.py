@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked import run_actstore
 from typer.testing import CliRunner
 
 from actstore.cli import app
@@ -177,14 +178,8 @@ def test_verify_fails_on_a_damaged_store(small_store, tmp_path):
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "actstore", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
+    # a process per run, forked from a helper that imported torch once (tests/forked.py)
+    return run_actstore(*args, cwd=cwd, timeout=300)
 
 
 def test_bad_input_gives_one_clear_error(tmp_path, model_dir):

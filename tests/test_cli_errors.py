@@ -18,26 +18,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_actstore
 
 from actstore.capture.preflight import check_space
 from actstore.errors import StorageError
 
-pytestmark = pytest.mark.slow  # each case starts the real command (about 2 s of imports)
+pytestmark = pytest.mark.slow  # each case runs the real command (a process of its own)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None):
     environ = {**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "actstore", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=environ,
-        timeout=300,
-        check=False,
-    )
+    # a process per run, forked from a helper that imported torch once (tests/forked.py);
+    # what must be seen from a fresh interpreter (imports, signals) runs one below
+    return run_actstore(*args, cwd=cwd, env=environ, timeout=300)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

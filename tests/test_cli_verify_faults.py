@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from forked import run_actstore
 from test_fault_property import BUILDERS, writable_copy
 
 from actstore.testing import resign
@@ -22,13 +22,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def run_verify(location: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "actstore", "verify", location, "--no-progress"],
-        capture_output=True,
-        text=True,
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_actstore(
+        "verify",
+        location,
+        "--no-progress",
         env={**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1"},
         timeout=300,
-        check=False,
     )
 
 

@@ -10,12 +10,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_python
 
 from actstore.errors import ConfigError
 from actstore.formats import verify_store
@@ -41,13 +41,12 @@ def _names(root: Path) -> list[str]:
 def _run(*args: str, preamble: str = "") -> subprocess.CompletedProcess:
     code = f"{preamble}\nimport sys\nsys.argv = ['actstore', *{list(args)!r}]\n"
     code += "from actstore.cli import main\nmain()\n"
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_python(
+        "-c",
+        code,
         env={**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1"},
         timeout=300,
-        check=False,
     )
 
 

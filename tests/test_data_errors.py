@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_actstore
 
 from actstore.capture import load_model, open_source
 from actstore.capture.data import HFDataset
@@ -56,14 +55,12 @@ WHY = {
 def test_a_data_file_that_does_not_parse_is_one_line_from_the_cli(name, bad, model_dir, tmp_path):
     path, out = bad / name, tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "actstore", "capture", "--model", str(model_dir("gpt2"))]
-        + ["--dataset", str(path), "--context-length", "8", "--out", str(out), "--no-progress"],
-        capture_output=True,
-        text=True,
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    run = run_actstore(
+        *["capture", "--model", str(model_dir("gpt2")), "--dataset", str(path)],
+        *["--context-length", "8", "--out", str(out), "--no-progress"],
         env=env,
         timeout=300,
-        check=False,
     )
     assert run.returncode == 2, run.stderr
     assert run.stderr.splitlines() == [

@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_actstore
 
-# each case starts the real command, several times: minutes on a loaded 2-core machine
+# each case runs the real command several times (each a process of its own)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -39,15 +38,8 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None):
         "HF_HUB_OFFLINE": "1",
         **(env or {}),
     }
-    return subprocess.run(
-        [sys.executable, "-m", "actstore", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=environ,
-        cwd=cwd,
-        timeout=300,
-        check=False,
-    )
+    # a process per run, forked from a helper that imported torch once (tests/forked.py)
+    return run_actstore(*args, env=environ, cwd=cwd, timeout=300)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:

@@ -9,11 +9,11 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_actstore
 
 from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.formats import open_store
@@ -43,13 +43,13 @@ def store(built, tmp_path) -> Path:
 
 
 def _verify(location: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "actstore", "verify", str(location), "--no-progress"],
-        capture_output=True,
-        text=True,
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_actstore(
+        "verify",
+        location,
+        "--no-progress",
         env={**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1"},
         timeout=300,
-        check=False,
     )
 
 

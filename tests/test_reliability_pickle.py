@@ -9,12 +9,12 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_python
 from test_pickle_store import PER_SHARD, _replace_shard, _rewrite_metadata, spec_load_shard, write
 
 from actstore import safe_pickle
@@ -58,13 +58,8 @@ def _run(out: Path, crash_at: str | None) -> subprocess.CompletedProcess:
     env.pop("ACTSTORE_CRASH_AT", None)
     if crash_at:
         env["ACTSTORE_CRASH_AT"] = crash_at
-    return subprocess.run(
-        [sys.executable, "-c", WRITE, str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_python("-c", WRITE, out, env=env)
 
 
 def _content(store: Path) -> tuple[dict[str, bytes], dict]:
