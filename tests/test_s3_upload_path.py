@@ -6,6 +6,7 @@ reports a failed file."""
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from pathlib import Path
@@ -123,3 +124,16 @@ def test_background_uploader_reports_the_failed_file_and_starts_no_more(s3, tmp_
     up.offer(files[1:])  # after a failure nothing more is sent
     up.finish()
     assert up.sent == [] and "bad/shard1.bin" not in s3.keys("bad/")
+
+
+def test_unchanged_leaves_out_a_file_rewritten_after_it_was_sent(s3, tmp_path):
+    files = _files(tmp_path, 2)
+    up = BackgroundUploader(S3Store(s3.bucket), "chg", threads=2)
+    up.offer(files)
+    etags = up.finish()
+    assert up.unchanged() == etags
+    path = files[1][1]
+    stat = path.stat()
+    path.write_bytes(bytes(reversed(path.read_bytes())))  # same size, other bytes
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert up.unchanged() == {files[0][0]: etags[files[0][0]]}

@@ -132,8 +132,12 @@ class StagedS3Writer(WriterBase):
         try:
             if self.lock is not None:
                 self.lock.check()
-            sent = self._uploader.finish() if self._uploader is not None else {}
+            if self._uploader is not None:
+                self.sync()  # every shard sealed so far goes up with the others (errors: below)
+                self._uploader.finish()
             local = Path(str(self.inner.close()))
+            # the ETags of files sent that are still the bytes sent (unchanged since)
+            sent = self._uploader.unchanged() if self._uploader is not None else {}
             failed = self._uploader.errors if self._uploader is not None else []
             if failed:
                 name, err = failed[0]

@@ -53,6 +53,8 @@ class BackgroundUploader:
         self.found: list[str] = []
         """Files found already uploaded (by an earlier, interrupted run)."""
         self.errors: list[tuple[str, BaseException]] = []
+        self._stat: dict[str, tuple[Path, tuple[int, int, int]]] = {}
+        """Name -> its path and (size, mtime_ns, inode) when it was read to be sent."""
         self._files = PathFiles(f"files queued for {store.url(prefix)}")
         self._queue: queue.Queue[tuple[str, Path] | None] = queue.Queue()
         self._offered: set[str] = set()
@@ -91,10 +93,10 @@ class BackgroundUploader:
                         present = {
                             o.key[len(base) :]: (o.size, o.version) for o in self.store.list(base)
                         }
+                    # (raises once the interpreter is shutting down: the file stays unsent)
+                    files.submit(self._send, copier, pool, name, path, present.get(name))
                 except BaseException as err:  # noqa: BLE001 - reported by finish()
                     self.errors.append((name, err))
-                    continue
-                files.submit(self._send, copier, pool, name, path, present.get(name))
 
     def _send(
         self,
@@ -108,15 +110,18 @@ class BackgroundUploader:
         if self.errors or self._stopping.is_set():
             return
         try:
-            size = path.stat().st_size
+            st = path.stat()
+            size = st.st_size
             etag = have[1] if have is not None and have[0] == size else ""
             if etag and multipart_etag(path, etag) == etag:
                 self.etags[name] = etag
+                self._stat[name] = (path, _signature(st))
                 self.found.append(name)
                 return
             self._files.add(name, path)
             copier.run(pool, [name], {name: size})
             self.etags[name] = copier.etags[name]
+            self._stat[name] = (path, _signature(st))
             self.sent.append(name)
             log.debug("uploaded %s", self.store.url(f"{self.prefix}/{name}"))
         except BaseException as err:  # noqa: BLE001 - reported by finish()
@@ -133,7 +138,25 @@ class BackgroundUploader:
         self._join()
         return self.etags
 
+    def unchanged(self) -> dict[str, str]:
+        """:attr:`etags` of the files whose size, modification time and inode are still
+        those they had when they were read to be sent (or checked): the ETag of the bytes
+        now on disk. Call after :meth:`finish`."""
+        out = {}
+        for name, etag in self.etags.items():
+            path, then = self._stat[name]
+            try:
+                if _signature(path.stat()) == then:
+                    out[name] = etag
+            except OSError:
+                continue
+        return out
+
     def stop(self) -> None:
         """Start no more files; wait for those being sent (their parts stay resumable)."""
         self._stopping.set()
         self._join()
+
+
+def _signature(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino
