@@ -566,18 +566,25 @@ class ManifestBuilder:
         for folder in skip:
             self.skip.setdefault(folder.strip("/") + "/", (0, 0))
         excluded = set(exclude)
-        for dirpath, dirnames, names in os.walk(root):
-            dirnames.sort()
-            if Path(dirpath) == root:
-                dirnames[:] = [d for d in dirnames if d not in excluded]
-            for n in sorted(names):
-                rel = (Path(dirpath) / n).relative_to(root).as_posix()
+        folders = [""]  # relative, "" or ending in "/"; walked in sorted order
+        while folders:
+            prefix = folders.pop()
+            with os.scandir(root / prefix if prefix else root) as found:
+                entries = sorted(found, key=lambda e: e.name)
+            below = []
+            for entry in entries:
+                rel = prefix + entry.name
+                if entry.is_dir():  # a link to a folder is not walked (as os.walk)
+                    if not entry.is_symlink() and (prefix or entry.name not in excluded):
+                        below.append(rel + "/")
+                    continue
                 folder = skipped(rel, self.skip)
-                if folder:
+                if folder:  # a chunk file: counted (its size from the directory scan)
                     count, size = self.skip[folder]
-                    self.skip[folder] = (count + 1, size + os.path.getsize(Path(dirpath) / n))
+                    self.skip[folder] = (count + 1, size + entry.stat().st_size)
                 elif rel not in self.files and rel not in OWN_FILES and rel not in excluded:
                     self.add_file(root, rel)
+            folders.extend(reversed(below))
 
     def build(self, *, summary: dict[str, Any]) -> tuple[bytes, bytes | None]:
         """The manifest's bytes and the blocks file's (None when every file is one block),
