@@ -222,9 +222,13 @@ def copy_store(
     trusted = ""
     if verify:  # a file already there with the right size is kept only if its bytes match
         kept = [n for n in listing if n not in todo]
-        versions = {n: landed[n].version for n in kept}
+        # a file the caller just sent (its ETag taken from the bytes it read, and the file
+        # unchanged since) that landed with that ETag is not read and hashed again
+        just_sent = {n for n in kept if sent and sent.get(n) == landed[n].version.strip('"')}
+        check = [n for n in kept if n not in just_sent]
+        versions = {n: landed[n].version for n in check}
         dest = open_files(dst, s3=s3, cache=False)
-        stale, trusted = _stale(source, dest, kept, versions, part_bytes)
+        stale, trusted = _stale(source, dest, check, versions, part_bytes)
         todo += stale
     resumable = {n for n in todo if listing[n] > part_bytes}  # copied part by part
     _remove_leftovers(store, prefix, temps, resumable)

@@ -114,6 +114,7 @@ class HookUploader:
         self.bytes = 0
         self.busy_s = 0.0
         self._lock = threading.Lock()
+        self._buffers = threading.local()
         self._queue: queue.Queue[UploadJob | None] = queue.Queue(maxsize=queue_files)
         self._stop = threading.Event()
         self._closed = False
@@ -206,7 +207,12 @@ class HookUploader:
             guess = self.expected_bytes
         if guess is None:
             guess = tensor_bytes(job.states, job.input_ids) + (1 << 20)
-        buffer = _MemoryStream(guess)
+        # one buffer per upload thread, reused (fresh memory costs a page fault per 4 KiB);
+        # the put below has sent it before the thread's next file
+        buffer = getattr(self._buffers, "stream", None)
+        if buffer is None or buffer.capacity < guess:
+            buffer = self._buffers.stream = _MemoryStream(guess)
+        buffer.size = 0
         self.clock.timed("encode", write_megabatch, job.states, job.input_ids, buffer)
         data = buffer.view()
         digest = self.clock.timed("hash", keyed_digest, self.store_id, name, data)
@@ -287,6 +293,10 @@ class _MemoryStream(io.RawIOBase):
         self._buf[self.size : end] = view
         self.size = end
         return len(view)
+
+    @property
+    def capacity(self) -> int:
+        return len(self._buf)
 
     def tell(self) -> int:
         return self.size
