@@ -297,9 +297,12 @@ def _exit_as_python_does(main: Any, *args: Any) -> None:
         except BaseException:  # noqa: BLE001 - printed, as the interpreter prints it
             sys.excepthook(*sys.exc_info())
             code = 1
-        threading._shutdown()  # type: ignore[attr-defined]
-        atexit._run_exitfuncs()
-        gc.collect()
+        for step in (threading._shutdown, atexit._run_exitfuncs, gc.collect):  # type: ignore[attr-defined]
+            try:
+                step()
+            except BaseException:  # noqa: BLE001 - printed, as the interpreter prints it
+                print(f"Exception ignored in {step.__qualname__}:", file=sys.stderr)
+                sys.excepthook(*sys.exc_info())
     finally:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

@@ -8,12 +8,12 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_python
 from saev_fixtures import saev_writer
 from test_saev_store import batches, make_acts, make_metadata, write_store
 
@@ -62,13 +62,8 @@ def _run(root: Path, crash_at: str | None) -> subprocess.CompletedProcess:
     env.pop("ACTSTORE_CRASH_AT", None)
     if crash_at:
         env["ACTSTORE_CRASH_AT"] = crash_at
-    return subprocess.run(
-        [sys.executable, "-c", WRITE, str(root)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_python("-c", WRITE, root, env=env)
 
 
 def _files(store: Path) -> dict[str, bytes]:

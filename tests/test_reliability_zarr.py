@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_python
 from test_zarr_store import N, SyntheticBatches, expected, layout, make_writer, write_store
 
 from actstore.errors import CorruptStoreError, StoreLockedError, StoreNotFoundError
@@ -212,8 +213,6 @@ print(w.close())
 
 def _run_writer(final: Path, crash_at: str | None):
     import os
-    import subprocess
-    import sys
 
     env = {
         **os.environ,
@@ -223,13 +222,8 @@ def _run_writer(final: Path, crash_at: str | None):
     env["SOURCE_DATE_EPOCH"] = "1700000000"  # fixed times: the stores are byte-identical
     if crash_at:
         env["ACTSTORE_CRASH_AT"] = crash_at
-    return subprocess.run(
-        [sys.executable, "-c", WRITE, str(final)],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_python("-c", WRITE, final, env=env)
 
 
 def _zarr_files(store: Path) -> dict[str, bytes]:

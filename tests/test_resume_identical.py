@@ -14,12 +14,11 @@ in flight.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from forked import run_python
 
 from actstore.faults import CRASH_EXIT
 from actstore.formats import open_store
@@ -60,8 +59,8 @@ WRITE = textwrap.dedent(
 def write(out: Path, die: str | None = None):
     env = {**os.environ, "PYTHONPATH": f"{SRC}:{TESTS}", "SOURCE_DATE_EPOCH": EPOCH}
     env.pop("ACTSTORE_CRASH_AT", None)
-    argv = [sys.executable, "-c", WRITE, str(out)] + ([die] if die else [])
-    return subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_python("-c", WRITE, out, *([die] if die else []), env=env)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from forked import run_actstore
 from saev_fixtures import saev_writer
 from typer.testing import CliRunner
 
@@ -169,13 +168,9 @@ def test_new_run_command_and_cli_error_exit(stores, tmp_path):
     assert f"actstore train --run {run_dir}" in result.output
     assert Run(run_dir).shards("val") == val
     # the real console entry point turns a missing checkpoint into one clear line, exit 2
-    proc = subprocess.run(
-        [sys.executable, "-m", "actstore", "inference", "--run", str(run_dir)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "TQDM_DISABLE": "1"},
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    proc = run_actstore(
+        "inference", "--run", run_dir, timeout=120, env={**os.environ, "TQDM_DISABLE": "1"}
     )
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "no checkpoint/sae.pt" in proc.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked import run_actstore, run_python
 from test_saelens import files, rows, sae_lens_store, unverified_warnings
 from typer.testing import CliRunner
 
@@ -379,12 +380,8 @@ def test_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatch):
     plan = make_plan()
     url = s3.url("captures")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, url],
-        env=env,
-        capture_output=True,
-        check=False,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    done = run_python("-c", _KILLED_WRITER, url, env=env, text=False)
     assert done.returncode == -9, done.stderr.decode()[-2000:]
     keys = s3.keys("captures/")
     assert not any(k.endswith(("state.json", MANIFEST)) for k in keys)  # not published
@@ -465,8 +462,10 @@ def test_cli_capture_to_s3_killed_with_sigkill_resumes_exactly(s3, model_dir, te
     assert not any(k.endswith("state.json") for k in s3.keys("killed/"))
     with pytest.raises(StoreNotFoundError):
         SaelensReader(url)
-    resumed = run()
-    log = resumed.communicate(timeout=300)[0].decode()
+    # the killed run above is started as the console script is; the reruns are processes
+    # of their own, forked from a helper that imported torch once (tests/forked.py)
+    resumed = run_actstore(*args, env=env, timeout=300)
+    log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0 and "resuming at example" in log, log
     result = CliRunner().invoke(
         app, capture_args(model_dir("gpt2"), text_file, 60, str(tmp_path / "clean"))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_actstore, run_python
 from test_pickle_store import write as write_pickle
 from test_saev_store import T, make_acts, write_store
 from typer.testing import CliRunner
@@ -310,7 +311,6 @@ for i, batch in enumerate(batches(make_acts())):
 
 
 def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatch):
-    import subprocess
     import sys
 
     from saev_fixtures import saev_plan
@@ -323,9 +323,8 @@ def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatc
     acts = make_acts()
     url = s3.url("captures")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, url], env=env, capture_output=True, check=False
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    done = run_python("-c", _KILLED_WRITER, url, env=env, text=False)
     assert done.returncode == -9, done.stderr.decode()[-2000:]
     assert not any(k.endswith((MANIFEST, "metadata.json")) for k in s3.keys("captures/"))
     resumed = get_format("saev").open_writer(plan, url, options)
@@ -404,20 +403,14 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
 
 
 def test_cp_mistakes_give_one_line_and_exit_2(s3, saev_local, tmp_path):
-    import subprocess
     import sys
 
     local, _ = saev_local
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TQDM_DISABLE": "1"}
 
     def cp(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "actstore", "cp", *map(str, args)],
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+        return run_actstore("cp", *args, env=env, timeout=None)
 
     for args, message in (
         ((tmp_path / "nothing", s3.url("x")), "holds no files; check the source location"),

@@ -9,13 +9,13 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked import run_actstore, run_python
 from saev_fixtures import saev_plan
 from test_pickle_store import PER_SHARD
 from test_pickle_store import write as write_pickle
@@ -183,12 +183,8 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_kill_9_resumes_exactly_and_sends_no_shard_twice(s3, tmp_path, caplog):
     plan = make_plan()
     url, staging = s3.url("k9"), tmp_path / "staging"
-    done = subprocess.run(
-        [sys.executable, "-c", _KILLED_PICKLE, url, str(staging)],
-        env=_env(),
-        capture_output=True,
-        check=False,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    done = run_python("-c", _KILLED_PICKLE, url, staging, env=_env(), text=False)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
     left = s3.keys("k9/")
     assert {"k9/shard_0001.pkl.gz", "k9/shard_0002.pkl.gz"} <= set(left)
@@ -251,13 +247,8 @@ def _cli_capture(model_dir, text_file, out, *extra):
     args = ["capture", "--model", str(model_dir("gpt2")), "--dataset", str(text_file)]
     args += ["--layers", "0", "--context-length", "8", "--max-examples", "6"]
     args += ["--format", "pickle", "--out", out, "--no-progress", *extra]
-    return subprocess.run(
-        [sys.executable, "-m", "actstore", *args],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    return run_actstore(*args, env=_env(), timeout=None)
 
 
 def test_cli_refuses_a_destination_another_machine_writes_and_break_lock_takes_it(
@@ -379,13 +370,8 @@ def test_cp_resumes_an_interrupted_download_from_the_bytes_on_disk(s3, tmp_path)
     dst = tmp_path / "dst"
     env = {**_env(), "ACTSTORE_CRASH_AT": "copy.part_sent:3"}
     args = ["cp", url, str(dst), "--part-mb", "5", "--threads", "1", "--no-progress"]
-    killed = subprocess.run(
-        [sys.executable, "-m", "actstore", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    killed = run_actstore(*args, env=env, timeout=None)
     assert killed.returncode == 137, killed.stderr
     assert not (dst / "big.bin").exists() and (dst / ".big.bin.partial.tmp").exists()
     journal = (dst / ".big.bin.parts.tmp").read_text().splitlines()

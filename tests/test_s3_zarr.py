@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from forked import run_actstore, run_python
 from test_zarr_store import (
     SITES,
     H,
@@ -285,13 +286,8 @@ def test_writer_to_s3_resumes_exactly_after_kill_9(s3, local, tmp_path, monkeypa
         "PYTHONPATH": os.pathsep.join(sys.path),
         "ACTSTORE_CRASH_AT": "zarr.shard_recorded:2",
     }
-    done = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, url],
-        env=env,
-        capture_output=True,
-        check=False,
-        timeout=300,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    done = run_python("-c", _KILLED_WRITER, url, env=env, timeout=300, text=False)
     assert done.returncode == CRASH_EXIT, done.stderr.decode()[-2000:]
     # sealed shards may be up already (background upload), the store is not published
     assert not any(k.endswith(".zmetadata") for k in s3.keys("captures/"))
@@ -401,14 +397,8 @@ def test_cli_capture_straight_to_s3_resumes_after_kill_9(s3, model_dir, tmp_path
 
     def cli(*extra: str, crash: str | None = None) -> subprocess.CompletedProcess:
         run_env = {**env, "ACTSTORE_CRASH_AT": crash} if crash else env
-        return subprocess.run(
-            [sys.executable, "-m", "actstore", *args, *extra],
-            env=run_env,
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=300,
-        )
+        # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+        return run_actstore(*args, *extra, env=run_env, timeout=300)
 
     killed = cli("--out", url, crash="zarr.published")  # whole store staged, not published
     assert killed.returncode == CRASH_EXIT, killed.stderr[-2000:]

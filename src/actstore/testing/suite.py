@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ActstoreError, CorruptStoreError
 from ..sites import Site
+from ..storage.location import Location
 from .case import FormatCase
 from .data import make_acts, make_labels, rich_overrides
 
@@ -32,10 +33,31 @@ class ConformanceSuite:
     case: FormatCase
 
     @pytest.fixture
-    def store(self, tmp_path: Any) -> tuple[Any, dict[str, np.ndarray], str]:
+    def store(self, request: Any, tmp_path_factory: Any) -> tuple[Any, dict[str, np.ndarray], str]:
+        """The suite's plain capture, ``(plan, acts, location)``, for the rules that only read
+        it: written once per test class when it is a local directory (a published store's
+        files are read-only), else (object storage) once per test. A rule that damages a
+        store writes its own (:meth:`fresh_store`)."""
+        shared = _SHARED_STORES.get(request.cls)
+        if shared is None:
+            plan, acts, location = self._write_store(
+                tmp_path_factory.mktemp(f"store-{request.cls.__name__}")
+            )
+            if Location.parse(location).is_local:
+                _SHARED_STORES[request.cls] = plan, acts, location
+        else:
+            plan, acts, location = shared
+        return plan, {k: v.copy() for k, v in acts.items()}, location
+
+    @pytest.fixture
+    def fresh_store(self, tmp_path: Any) -> tuple[Any, dict[str, np.ndarray], str]:
+        """The suite's plain capture, written for this test alone."""
+        return self._write_store(tmp_path)
+
+    def _write_store(self, root: Any) -> tuple[Any, dict[str, np.ndarray], str]:
         plan = self.case.plan()
         acts = make_acts(plan)
-        location = self.case.write(tmp_path / "store", plan, self.case.batches(plan, acts))
+        location = self.case.write(root / "store", plan, self.case.batches(plan, acts))
         return plan, acts, location
 
     def _expected(self, plan: Any, acts: dict[str, np.ndarray], site: Site) -> np.ndarray:
@@ -314,10 +336,10 @@ class ConformanceSuite:
         with pytest.raises(ActstoreError):
             self.case.open(location)
 
-    def test_damaged_store_is_rejected(self, store):
+    def test_damaged_store_is_rejected(self, fresh_store):
         """A flipped byte is refused both ways: ``verify()`` reports it, and reading the
         blocks raises :class:`CorruptStoreError` (unless the store is refused at open)."""
-        plan, _, location = store
+        plan, _, location = fresh_store
         self.case.damage(location)
         try:
             reader = self.case.open(location)
@@ -369,7 +391,6 @@ class ConformanceSuite:
         store written in one go (both with ``SOURCE_DATE_EPOCH`` set), and nothing is left
         beside it (no partial directory, no lock). See :mod:`actstore.testing.crash`."""
         from ..faults import CRASH_EXIT
-        from ..storage.location import Location
         from .crash import crash_and_resume, differences, store_bytes
 
         if self.case.check_crashes is not True:
@@ -427,13 +448,12 @@ class ConformanceSuite:
                 np.asarray(reader.tokens), self.case.expected_tokens(plan)
             )
 
-    def test_detect_claims_a_damaged_index(self, store):
+    def test_detect_claims_a_damaged_index(self, fresh_store):
         """A store whose index files (``FormatSpec.manifests``) are damaged is still claimed
         by its format's ``detect``, so opening it names the fault instead of "not a store"."""
         from ..formats import detect_format
-        from ..storage.location import Location
 
-        _, _, location = store
+        _, _, location = fresh_store
         listed = Location.parse(location).files(cache=False).list()
         names = [n for n in self.case.spec.manifests if n in listed]
         assert names, f"the store holds none of its index files {self.case.spec.manifests}"
@@ -535,6 +555,10 @@ class ConformanceSuite:
                 self._rows(reader, site), self._expected(plan, acts, site)
             )
         assert reader.verify().ok
+
+
+#: Test class -> its shared local store (:meth:`ConformanceSuite.store`).
+_SHARED_STORES: dict[type, tuple[Any, dict[str, np.ndarray], str]] = {}
 
 
 def _tree(root: Path) -> list[str]:
