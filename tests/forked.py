@@ -14,11 +14,12 @@ it: an uncaught exception printed, ``SystemExit``'s code, non-daemon threads joi
 helper never runs a torch operation, so no OpenMP pool is forked half-made (as
 :mod:`actstore.testing.crash` does for the conformance kit).
 
-A run falls back to a fresh interpreter (``subprocess.run``) where the helper could not
-stand in for one: an environment that differs from the helper's in what is read at import
-time (:data:`IMPORT_TIME_PREFIXES`), a ``PYTHONPATH`` entry that would shadow a module the
-helper has imported, interpreter options (``-X importtime``: pass them and they are
-honoured by a fresh interpreter), or ``ACTSTORE_FORKED=0`` in this process's environment.
+What the helper imported saw its own environment: runs whose environments differ in what
+is read at import time (:data:`IMPORT_TIME_PREFIXES`) are forked from different helpers
+(:data:`MAX_HELPERS` kept). A run gets a fresh interpreter (``subprocess.run``) where no
+helper could stand in for one: a ``PYTHONPATH`` entry that would shadow a module the helper
+has imported, interpreter options (``-X importtime``: pass them and a fresh interpreter
+honours them), or ``ACTSTORE_FORKED=0`` in this process's environment.
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ IMPORT_TIME_PREFIXES = (
 )
 
 _lock = threading.Lock()
-_helper: subprocess.Popen | None = None
-#: The helper's environment: this process's as it was when this module was imported
-#: (before any test changed it).
-_helper_env: dict[str, str] = dict(os.environ)
+#: The helpers, by the import-time part of their environment (most recently used last):
+#: a run is forked from the helper whose imports saw what a fresh interpreter of the
+#: run's environment would see.
+_helpers: dict[frozenset[tuple[str, str]], subprocess.Popen] = {}
+#: Helpers kept at once (a run with an environment of its own starts one; the least
+#: recently used goes).
+MAX_HELPERS = 3
 _NOT_FORKABLE = -(2**62) + 1
 _TIMED_OUT = -(2**62)
 
@@ -128,32 +132,43 @@ def run_python(
 
 
 def _forkable(environ: dict[str, str]) -> bool:
-    if os.environ.get("ACTSTORE_FORKED") == "0" or not hasattr(os, "fork"):
-        return False
-    base = _helper_env
-    keys = {k for k in (*environ, *base) if k.startswith(IMPORT_TIME_PREFIXES)}
-    keys.discard("PYTHONPATH")
-    return all(environ.get(k) == base.get(k) for k in keys)
+    return os.environ.get("ACTSTORE_FORKED") != "0" and hasattr(os, "fork")
+
+
+def _import_time(environ: dict[str, str]) -> frozenset[tuple[str, str]]:
+    """The part of ``environ`` read when Python starts or the helper imports (``PYTHONPATH``
+    apart: see :func:`_shadowed`)."""
+    return frozenset(
+        (k, v)
+        for k, v in environ.items()
+        if k.startswith(IMPORT_TIME_PREFIXES) and k != "PYTHONPATH"
+    )
 
 
 def _ask(request: dict) -> int:
-    global _helper
-    if _helper is None or _helper.poll() is not None:
-        _helper = subprocess.Popen(
+    key = _import_time(request["env"])
+    helper = _helpers.pop(key, None)
+    if helper is None or helper.poll() is not None:
+        while len(_helpers) >= MAX_HELPERS:
+            _stop(_helpers.pop(next(iter(_helpers))))
+        env = {k: v for k, v in request["env"].items() if k != "PYTHONPATH"}
+        helper = subprocess.Popen(
             [sys.executable, __file__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            env=_helper_env,
+            env=env,
         )
-        atexit.register(_stop, _helper)
-    assert _helper.stdin is not None and _helper.stdout is not None
+        atexit.register(_stop, helper)
+    _helpers[key] = helper
+    assert helper.stdin is not None and helper.stdout is not None
     data = pickle.dumps(request)
-    _helper.stdin.write(struct.pack("<Q", len(data)) + data)
-    _helper.stdin.flush()
-    reply = _helper.stdout.read(8)
+    helper.stdin.write(struct.pack("<Q", len(data)) + data)
+    helper.stdin.flush()
+    reply = helper.stdout.read(8)
     if len(reply) != 8:
-        raise RuntimeError(f"the forking helper died (exit {_helper.wait()})")
+        del _helpers[key]
+        raise RuntimeError(f"the forking helper died (exit {helper.wait()})")
     (code,) = struct.unpack("<q", reply)
     return code
 
