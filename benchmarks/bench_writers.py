@@ -21,7 +21,7 @@ Parts (``--parts``, default all), each against a baseline measured in the same r
    read by :class:`actstore.formats.pipeline.Pools`), thread counts interleaved.
 3. ``sites24``: every site of a 24-layer model (saev, ``--sites24-d``), small shards so
    there are many: the same ratio to the raw write, and the wall time of each shard's
-   journal append (``.partial/progress.jsonl``, one fsynced line per shard, on the commit
+   journal append (``.partial/progress.jsonl``, one line per shard, appended, on the commit
    thread) against the shard's index: flat if the journal is O(1) per shard.
 
 The CPU capture path (capture to saev vs a discarding writer, <= 1.05) is
@@ -575,7 +575,7 @@ def part_sites24(args, pool: Pool, root: Path, results: dict) -> None:
             f"{row['raw_GBps'] * 1e3:.0f} MB/s, writer {row['writer_GBps'] * 1e3:.0f} MB/s, ratio "
             f"{row['ratio']:.2f} (reps {', '.join(f'{r:.2f}' for r in row['ratios'])}; load "
             f"{row['load_median']:.1f}, max {row['load_max']:.1f})\n"
-            f"    journal append (one line of {j['line_bytes'] / 1e3:.0f} kB, fsynced), median "
+            f"    journal append (one line of {j['line_bytes'] / 1e3:.0f} kB, appended), median "
             f"over reps per shard: first quarter {j['first_quarter_ms']:.2f} ms, last quarter "
             f"{j['last_quarter_ms']:.2f} ms, slope {j['slope_us_per_shard']:+.1f} us/shard",
             flush=True,
