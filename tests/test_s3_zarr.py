@@ -268,7 +268,10 @@ from test_zarr_store import SyntheticBatches, zarr_options, zarr_plan
 from actstore.formats.registry import get_format
 writer = get_format("zarr").open_writer(zarr_plan(), sys.argv[1], zarr_options())
 for batch in SyntheticBatches()(0, 11):
-    writer.write(batch)  # dies once its second shard is recorded (ACTSTORE_CRASH_AT)
+    writer.write(batch)
+# dies once its second shard is recorded (ACTSTORE_CRASH_AT), on the commit stage: wait for
+# it (the script's end would not: a shard still queued there was left unrecorded)
+writer.sync()
 """
 
 
