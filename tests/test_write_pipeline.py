@@ -188,6 +188,16 @@ def _run(root, crash_at=None):
     )
 
 
+def _assert_resumes_to(ref: subprocess.CompletedProcess, out: Path) -> None:
+    """A rerun into ``out`` publishes a store with the files of ``ref``'s, byte for byte."""
+    rerun = _run(out)
+    assert rerun.returncode == 0, rerun.stderr
+    a, b = Path(ref.stdout.strip()), Path(rerun.stdout.strip())
+    assert {p.name: p.read_bytes() for p in a.iterdir()} == {
+        p.name: p.read_bytes() for p in b.iterdir()
+    }
+
+
 def test_a_torn_journal_line_is_a_shard_not_recorded(tmp_path):
     ref = _run(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr
@@ -198,12 +208,7 @@ def test_a_torn_journal_line_is_a_shard_not_recorded(tmp_path):
     with open(partial / PROGRESS, "ab") as f:  # a crash in the middle of the 4th append
         f.write(b'{"index":3,"n_examples":5,"fil')
     assert recorded_shards(partial) == 3
-    rerun = _run(tmp_path / "out")
-    assert rerun.returncode == 0, rerun.stderr
-    a, b = Path(ref.stdout.strip()), Path(rerun.stdout.strip())
-    assert {p.name: p.read_bytes() for p in a.iterdir()} == {
-        p.name: p.read_bytes() for p in b.iterdir()
-    }
+    _assert_resumes_to(ref, tmp_path / "out")
 
 
 def test_a_lost_journal_line_is_where_the_recorded_shards_end(tmp_path):
@@ -217,12 +222,7 @@ def test_a_lost_journal_line_is_where_the_recorded_shards_end(tmp_path):
     lines[2] = bytes(len(lines[2]))  # the second shard's line: zeros
     (partial / PROGRESS).write_bytes(b"\n".join(lines))
     assert recorded_shards(partial) == 1
-    rerun = _run(tmp_path / "out")
-    assert rerun.returncode == 0, rerun.stderr
-    a, b = Path(ref.stdout.strip()), Path(rerun.stdout.strip())
-    assert {p.name: p.read_bytes() for p in a.iterdir()} == {
-        p.name: p.read_bytes() for p in b.iterdir()
-    }
+    _assert_resumes_to(ref, tmp_path / "out")
 
 
 def test_a_failed_commit_stops_the_capture_and_publishes_nothing(tmp_path):

@@ -36,8 +36,7 @@ else:
 SCRATCH_BYTES = 8 << 20
 
 #: Bytes of float64 :func:`chunk_moments` widens and reduces at a time: small enough to
-#: stay in a core's L2 cache (~1.3x faster per value than 8 MiB blocks on the 2-core
-#: machine, see docs/performance.md).
+#: stay in a core's L2 cache.
 BLOCK_BYTES = 1 << 20
 
 
