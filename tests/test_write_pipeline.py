@@ -81,6 +81,19 @@ def test_bfloat16_moments_equal_the_widened_values_across_blocks():
     np.testing.assert_allclose(got[1], exact.sum(0), rtol=1e-12, atol=1e-9)
 
 
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "torch"])
+def test_float16_moments_equal_the_widened_values_across_blocks(as_tensor):
+    # zarr stores float16: widened through float32 (exact), block by block
+    d = 64
+    n = 3 * (BLOCK_BYTES // (8 * d)) + 5
+    values = torch.randn(n, d, generator=torch.Generator().manual_seed(4)).half()
+    got = chunk_moments(values if as_tensor else values.numpy())
+    want = chunk_moments(values.numpy().astype(np.float64))
+    assert got[0] == want[0] == n
+    assert got[1].tolist() == want[1].tolist() and got[2].tolist() == want[2].tolist()
+    assert got[3] == want[3]
+
+
 def test_pool_threads_run_torch_alone_and_leave_the_callers_count():
     before = torch.get_num_threads()
     pool = cpu_pool(2)

@@ -345,12 +345,22 @@ class ShardOutput:
         of a zarr shard). Made durable at commit with the shard's other files; not listed
         in the manifest (the format checks it through digests of its own). ``data`` must
         stay unchanged until the writer returns from the batch."""
-        if name in self.files or name in self._adopted:
-            raise CaptureError(f"shard file {name} declared twice")
-        self._adopted[name] = (0, False)  # durable at commit like an adopted file
-        self._order.append(name)
         view = _bytes_view(data)
-        self._batch.append(self.pools.io.submit(self._put, self.directory / name, view))
+        with self._lock:  # sinks put from the CPU pool too (:meth:`map`)
+            if name in self.files or name in self._adopted:
+                raise CaptureError(f"shard file {name} declared twice")
+            self._adopted[name] = (0, False)  # durable at commit like an adopted file
+            self._order.append(name)
+            self._batch.append(self.pools.io.submit(self._put, self.directory / name, view))
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(item) for item in items]``, run on the CPU pool (a format's per-sample
+        encoding, which may :meth:`put` files): the caller's thread hands the batch over
+        in a few tasks instead of thousands of small calls, each of which would wait for
+        the GIL and a core again on a busy machine."""
+        futures = [self.pools.cpu.submit(self.pools.clock.timed, "encode", fn, i) for i in items]
+        _wait(futures)
+        return [f.result() for f in futures]
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run ``fn(*args)`` on the CPU pool (a format's encoding work); the shard is
@@ -403,7 +413,8 @@ class ShardOutput:
 
     def settle(self) -> None:
         """Wait for the writes of the current batch (re-raising the first failure)."""
-        pending, self._batch = self._batch, []
+        with self._lock:
+            pending, self._batch = self._batch, []
         _wait(pending)
 
     def close_files(self, also: Sequence[int] = ()) -> dict[str, tuple[FileEntry, np.ndarray]]:

@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import io
 import json
@@ -561,56 +562,72 @@ class _ZarrShard(ShardSink):
             "prompt": [(p0, pk) for p0, pk, _, _ in kept],
             "response": [(r0, rk) for _, _, r0, rk in kept],
         }
+        first = self.lo + self.filled
+        done = out.map(
+            functools.partial(self._put_sample, halves, spans, first, out), range(n)
+        )  # per sample on the CPU pool: its chunks hashed and put, its content digest
         for part in PARTS:
-            self._put_chunks(part, halves, spans[part], out)
-        digests = [self._content_digest(halves, b, spans) for b in range(n)]
+            for names, _ in done:
+                self._chunks[part].extend(names[part])
+        digests = [digest for _, digest in done]
         p_full, r_full = _full_lengths(batch, p_full, r_full)
         self._sample_rows(batch, p_full, r_full, kept, digests)
         self.truncated["prompt"] += int(np.count_nonzero(p_full > lay.p_max))
         self.truncated["response"] += int(np.count_nonzero(r_full > lay.r_max))
         self.filled += n
 
+    def _put_sample(
+        self,
+        halves: list[np.ndarray],
+        spans: dict[str, list[tuple[int, int]]],
+        first: int,
+        out: ShardOutput,
+        b: int,
+    ) -> tuple[dict[str, list[str]], bytes]:
+        """Put every stored chunk of sample ``b`` of the batch (both parts, every layer),
+        recording each chunk's keyed digest (0 for a chunk not stored); returns the chunk
+        files put, per part, and the sample's content digest."""
+        names = {
+            part: self._put_chunks(part, halves, b, spans[part][b], first, out) for part in PARTS
+        }
+        return names, self._content_digest(halves, b, spans)
+
     def _put_chunks(
         self,
         part: str,
         halves: list[np.ndarray],
-        spans: list[tuple[int, int]],
+        b: int,
+        span: tuple[int, int],
+        first: int,
         out: ShardOutput,
-    ) -> None:
-        """Put every stored chunk of ``part`` of the batch's samples and record its keyed
-        digest (0 for a chunk not stored)."""
+    ) -> list[str]:
         w, lay = self.w, self.w.layout
         t_chunk, n_chunks = lay.t_chunk(part), lay.n_chunks(part)
         if n_chunks == 0:
-            return
+            return []
         folder, separator = ACTIVATIONS[part], self.separator[part]
-        zero_digest, sums, names = self.zero_digest[part], self.sums[part], self._chunks[part]
-        tails: np.ndarray | None = None  # zero-padded copies of chunks a sample ends in
-        first = self.lo + self.filled
-        for b, (start, count) in enumerate(spans):
-            i = first + b
-            for layer, half in enumerate(halves):
-                tokens = half[b, start : start + count]
-                for c in range(-(-count // t_chunk)):  # chunks past the kept tokens: zeros
-                    t0 = c * t_chunk
-                    if t0 + t_chunk <= count:
-                        data = tokens[t0 : t0 + t_chunk]
-                    else:
-                        if tails is None:
-                            tails = np.zeros(
-                                (len(spans), len(halves), t_chunk, lay.hidden_size), ACT_DTYPE
-                            )
-                        data = tails[b, layer]
-                        data[: count - t0] = tokens[t0:]
-                    digest = xxhash.xxh3_64_intdigest(data.data)
-                    if digest == zero_digest and not data.view(np.uint16).any():
-                        continue  # only +0.0: zarr leaves it to the fill value
-                    cid = chunk_id(part, i, layer, c)
-                    key = int(block_keys(w.store_id, cid, 0, 1)[0])
-                    sums[i - self.lo, layer, c] = (digest ^ key) or 1
-                    name = f"{folder}/{chunk_key((i, layer, c, 0), separator)}"
-                    out.put(name, data)
-                    names.append(name)
+        zero_digest, sums = self.zero_digest[part], self.sums[part]
+        start, count = span
+        i, names = first + b, []
+        for layer, half in enumerate(halves):
+            tokens = half[b, start : start + count]
+            for c in range(-(-count // t_chunk)):  # chunks past the kept tokens: zeros
+                t0 = c * t_chunk
+                if t0 + t_chunk <= count:
+                    data = tokens[t0 : t0 + t_chunk]
+                else:  # the chunk the sample's tokens end in: a zero-padded copy
+                    data = np.zeros((t_chunk, lay.hidden_size), ACT_DTYPE)
+                    data[: count - t0] = tokens[t0:]
+                digest = xxhash.xxh3_64_intdigest(data.data)
+                if digest == zero_digest and not data.view(np.uint16).any():
+                    continue  # only +0.0: zarr leaves it to the fill value
+                cid = chunk_id(part, i, layer, c)
+                key = int(block_keys(w.store_id, cid, 0, 1)[0])
+                sums[i - self.lo, layer, c] = (digest ^ key) or 1
+                name = f"{folder}/{chunk_key((i, layer, c, 0), separator)}"
+                out.put(name, data)
+                names.append(name)
+        return names
 
     def _content_digest(
         self, halves: list[np.ndarray], b: int, spans: dict[str, list[tuple[int, int]]]
