@@ -5,6 +5,7 @@ and the rule that no format module does its own file I/O."""
 from __future__ import annotations
 
 import ast
+import io
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from actstore.batch import Batch
 from actstore.errors import ConfigError
 from actstore.formats import open_store
 from actstore.formats.journal import PROGRESS, read_journal, recorded_shards
-from actstore.formats.pipeline import cpu_pool
+from actstore.formats.pipeline import cpu_pool, empty_tensor
 from actstore.formats.saev import SaevOptions, SaevWriter
 from actstore.stats import BLOCK_BYTES, RunningStats, chunk_moments
 from actstore.storage.location import Location
@@ -92,6 +93,20 @@ def test_float16_moments_equal_the_widened_values_across_blocks(as_tensor):
     assert got[0] == want[0] == n
     assert got[1].tolist() == want[1].tolist() and got[2].tolist() == want[2].tolist()
     assert got[3] == want[3]
+
+
+@pytest.mark.parametrize("rows", [3, 4096], ids=["small", "mapped"])
+def test_fresh_writer_buffers_save_like_torch_empty(rows):
+    # from HUGE_FROM bytes the buffer is a huge-page mapping; torch.save must not notice
+    values = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
+    buf = empty_tensor(values.shape, torch.bfloat16)
+    assert buf.is_contiguous() and buf.shape == values.shape and buf.dtype == torch.bfloat16
+    assert buf.untyped_storage().nbytes() == values.numel() * 2
+    buf.copy_(values)
+    saved, want = io.BytesIO(), io.BytesIO()
+    torch.save({"states": buf}, saved)
+    torch.save({"states": values.clone()}, want)
+    assert saved.getvalue() == want.getvalue()
 
 
 def test_pool_threads_run_torch_alone_and_leave_the_callers_count():

@@ -68,6 +68,36 @@ else:
 Buffer = Any
 
 
+#: Fresh buffers of at least this many bytes come from :func:`empty_bytes`' mapping.
+HUGE_FROM = 4 << 20
+
+
+def empty_bytes(nbytes: int) -> np.ndarray:
+    """A fresh, uninitialised ``uint8`` buffer of ``nbytes`` for the writer's own large
+    buffers (cast output, Activault's megabatches and upload buffers). From
+    :data:`HUGE_FROM` bytes it is an anonymous mapping advised to use transparent huge
+    pages where the system offers them: the first write to fresh memory then faults once
+    per 2 MiB instead of once per 4 KiB (a first copy into it ran at 4.3 GB/s instead of
+    1.3 on the 2-core machine); the system may still back it with small pages."""
+    if nbytes < HUGE_FROM or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(nbytes, np.uint8)
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # advice only: a kernel without THP says no
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(mapped, np.uint8)  # keeps the mapping alive while it is used
+
+
+def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty_bytes` as a C-contiguous CPU tensor of ``shape`` and ``dtype``; it
+    owns exactly its storage (as ``torch.save`` needs)."""
+    count = 1
+    for n in shape:
+        count *= int(n)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    flat = torch.from_numpy(empty_bytes(count * itemsize))
+    return flat.view(dtype).view(tuple(int(n) for n in shape))
+
+
 class StageClock:
     """CPU seconds spent per pipeline stage (``cast``, ``encode``, ``statistics``,
     ``write``, ``hash``, ``commit``), summed over threads: where a writer's time goes

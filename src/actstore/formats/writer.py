@@ -107,6 +107,7 @@ from .pipeline import (
     ShardOutput,
     StageClock,
     copy_rows,
+    empty_tensor,
     env_count,
 )
 from .shard import ShardSink, ShardStats, WrittenFile
@@ -282,7 +283,7 @@ class ShardedWriter(FormatWriter):
                 # memory would cost a page fault per 4 KiB, ~0.7 CPU s/GB)
                 dest = self._cast_buffers.get(site)
                 if dest is None or dest.shape != t.shape or dest.dtype != dtype:
-                    dest = self._cast_buffers[site] = torch.empty(t.shape, dtype=dtype)
+                    dest = self._cast_buffers[site] = empty_tensor(t.shape, dtype)
                 copies.append((dest, t, None))
                 t = dest
             out[site] = t

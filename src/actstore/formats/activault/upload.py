@@ -30,7 +30,7 @@ from ...storage.object import (
     join_key,
 )
 from ...storage.writeback import pwrite_all, start_writeback
-from ..pipeline import StageClock, copy_rows
+from ..pipeline import StageClock, copy_rows, empty_bytes, empty_tensor
 from .layout import (
     data_file_name,
     tensor_bytes,
@@ -277,7 +277,7 @@ class _MemoryStream(io.RawIOBase):
     ``capacity`` was too small): ``torch.save`` copies each record into it once."""
 
     def __init__(self, capacity: int) -> None:
-        self._buf = np.empty(max(capacity, 1 << 16), np.uint8)
+        self._buf = empty_bytes(max(capacity, 1 << 16))
         self.size = 0
 
     def writable(self) -> bool:
@@ -287,7 +287,7 @@ class _MemoryStream(io.RawIOBase):
         view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
         end = self.size + len(view)
         if end > len(self._buf):
-            grown = np.empty(max(end, 2 * len(self._buf)), np.uint8)
+            grown = empty_bytes(max(end, 2 * len(self._buf)))
             grown[: self.size] = self._buf[: self.size]
             self._buf = grown
         self._buf[self.size : end] = view
@@ -339,10 +339,6 @@ class Position:
         return self.example, self.skip
 
 
-#: Megabatch buffers kept per hook for reuse.
-RECYCLED = 2
-
-
 class Packer:
     """Packs kept token rows of every hook into preallocated megabatch buffers.
 
@@ -353,9 +349,16 @@ class Packer:
     """
 
     def __init__(
-        self, hooks: list[str], n: int, d: int, dtype: torch.dtype, clock: StageClock
+        self,
+        hooks: list[str],
+        n: int,
+        d: int,
+        dtype: torch.dtype,
+        clock: StageClock,
+        keep: int = 2,
     ) -> None:
         self.hooks, self.n, self.d, self.dtype, self.clock = hooks, n, d, dtype, clock
+        self.keep = keep  # buffers kept per hook for reuse: as many as can be in flight
         self.fill = 0
         self._states: dict[str, torch.Tensor] = {}
         self._ids = torch.empty(0, dtype=torch.int64)
@@ -367,7 +370,7 @@ class Packer:
             self._states = {
                 h: self._free[h].pop()
                 if self._free[h]
-                else torch.empty(self.n, self.d, dtype=self.dtype)
+                else empty_tensor((self.n, self.d), self.dtype)
                 for h in self.hooks
             }
         self._ids = torch.empty(self.n, dtype=torch.int64)
@@ -377,7 +380,7 @@ class Packer:
         """Take back ``hook``'s megabatch buffer once its file is stored: the next group
         fills it again (fresh memory would cost a page fault per 4 KiB, ~0.7 CPU s/GB)."""
         with self._lock:
-            if len(self._free[hook]) < RECYCLED:
+            if len(self._free[hook]) < self.keep:
                 self._free[hook].append(states)
 
     def add(

@@ -163,7 +163,12 @@ class ActivaultWriter(FormatWriter):
         self._stopping = False
         self._metadata_bytes: dict[str, int] = {}
         self._packer = Packer(
-            list(self.hooks), self.tokens_per_file, plan.d_model, self.dtype, self.clock
+            list(self.hooks),
+            self.tokens_per_file,
+            plan.d_model,
+            self.dtype,
+            self.clock,
+            keep=options.queue_files + options.upload_threads,
         )
         self._stats: dict[str, RunningStats] = {}  # set here or by _resume
         self._cfg_written = True  # a new run writes it with its first group
