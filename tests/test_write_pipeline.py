@@ -23,6 +23,7 @@ from actstore.formats import open_store
 from actstore.formats.journal import PROGRESS, read_journal, recorded_shards
 from actstore.formats.pipeline import cpu_pool, empty_tensor
 from actstore.formats.saev import SaevOptions, SaevWriter
+from actstore.formats.shard import ShardStats
 from actstore.stats import BLOCK_BYTES, RunningStats, chunk_moments
 from actstore.storage.location import Location
 from actstore.testing import make_plan
@@ -121,6 +122,45 @@ def test_pool_threads_run_torch_alone_and_leave_the_callers_count():
     fresh.start()
     fresh.join()
     assert torch.get_num_threads() == before and seen == [before]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shard_statistics_are_the_runs_folded_whole_however_batches_cut_them(dtype):
+    # runs of rows_per_chunk rows: some whole in a batch, some spanning batches (then
+    # accumulated piece by piece), the last one partial; every cut and thread count gives
+    # the bits of chunk_moments over each whole run, merged in order
+    d = 64
+    per = RunningStats(d).rows_per_chunk
+    values = torch.randn(2 * per + per // 2 + 3, d, generator=torch.Generator().manual_seed(6))
+    values = values.to(dtype)
+    rows = values if dtype == torch.bfloat16 else values.numpy()
+    want = RunningStats(d)
+    for lo in range(0, len(values), per):
+        want.add(chunk_moments(rows[lo : lo + per]))
+    site = make_plan().sites[0]
+    cuts = [
+        [len(values)],
+        [1, per - 1, per, 7, 5000, per, per],
+        [3000] * 20,
+        [per + 1, per - 2, per + 1],
+    ]
+    pool = cpu_pool(3)
+    try:
+        for sizes in cuts:
+            for executor in (None, pool):
+                stats, at = ShardStats([site], d, executor), 0
+                for size in sizes:
+                    if at < len(values):
+                        stats.update({site: rows[at : at + size]})
+                        stats.settle()
+                        at += size
+                got = stats.finish()[site]
+                assert got.count == want.count == len(values), sizes
+                assert got.mean.tobytes() == want.mean.tobytes(), sizes
+                assert got.m2.tobytes() == want.m2.tobytes(), sizes
+                assert got.norm_mean == want.norm_mean, sizes
+    finally:
+        pool.shutdown()
 
 
 def test_statistics_do_not_depend_on_threads_or_batch_sizes(tmp_path, monkeypatch):

@@ -65,45 +65,61 @@ def chunk_moments(rows: np.ndarray | torch.Tensor, scratch: np.ndarray | None = 
     total, sumsq = np.zeros(d), np.zeros(d)
     if n == 0:
         return 0, total, sumsq, 0.0
-    k = max(1, min(n, BLOCK_BYTES // (8 * d)))
-    if scratch is None or scratch.shape[0] < k or scratch.shape[1] != d:
-        scratch = np.empty((k, d), np.float64)
+    k = block_rows(d)
+    if scratch is None or scratch.shape[0] < min(n, k) or scratch.shape[1] != d:
+        scratch = np.empty((min(n, k), d), np.float64)
+    rows = _widenable(rows)
     norms = np.empty(n)
-    if isinstance(rows, np.ndarray) and rows.dtype == np.float16:
-        rows = torch.from_numpy(rows)  # numpy widens float16 at a third of torch's speed
-    # float16 goes through float32 (exact): torch's float16 -> float64 is 3x slower
-    half = _half_scratch(scratch.shape) if _is_float16(rows) else None
     for lo in range(0, n, k):
         hi = min(n, lo + k)
         x = scratch[: hi - lo]
-        if isinstance(rows, np.ndarray):
-            np.copyto(x, rows[lo:hi])
-        elif half is not None:
-            torch.from_numpy(half[: hi - lo]).copy_(rows[lo:hi])
-            np.copyto(x, half[: hi - lo])
-        else:  # torch widens bfloat16 (which numpy lacks) straight to float64
-            torch.from_numpy(x).copy_(rows[lo:hi])
-        np.add(total, np.add.reduce(x, axis=0), out=total)
-        np.multiply(x, x, out=x)
-        np.add(sumsq, np.add.reduce(x, axis=0), out=sumsq)
-        np.add.reduce(x, axis=1, out=norms[lo:hi])
+        _widen(x, rows[lo:hi])
+        _fold_block(x, total, sumsq, norms[lo:hi])
     np.sqrt(norms, out=norms)
     return n, total, sumsq, float(np.add.reduce(norms))
 
 
-def _is_float16(rows: np.ndarray | torch.Tensor) -> bool:
-    return not isinstance(rows, np.ndarray) and rows.dtype == torch.float16
+def block_rows(d: int) -> int:
+    """Rows of width ``d`` that :func:`chunk_moments` widens and reduces at a time."""
+    return max(1, BLOCK_BYTES // (8 * d))
+
+
+def _fold_block(x: np.ndarray, total: np.ndarray, sumsq: np.ndarray, norms: np.ndarray) -> None:
+    """Fold one widened block ``x`` (float64, overwritten) into ``total`` and ``sumsq``;
+    each row's squared L2 norm goes to ``norms``."""
+    np.add(total, np.add.reduce(x, axis=0), out=total)
+    np.multiply(x, x, out=x)
+    np.add(sumsq, np.add.reduce(x, axis=0), out=sumsq)
+    np.add.reduce(x, axis=1, out=norms)
+
+
+def _widenable(rows: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    if isinstance(rows, np.ndarray) and rows.dtype == np.float16:
+        return torch.from_numpy(rows)  # numpy widens float16 at a third of torch's speed
+    return rows
+
+
+def _widen(x: np.ndarray, rows: np.ndarray | torch.Tensor) -> None:
+    """Copy ``rows`` (as :func:`_widenable` hands them) into the float64 block ``x``."""
+    if isinstance(rows, np.ndarray):
+        np.copyto(x, rows)
+    elif rows.dtype == torch.float16:  # through float32 (exact): torch's float16 ->
+        half = _half_scratch(x.shape)  # float64 is 3x slower
+        torch.from_numpy(half).copy_(rows)
+        np.copyto(x, half)
+    else:  # torch widens bfloat16 (which numpy lacks) straight to float64
+        torch.from_numpy(x).copy_(rows)
+
+
+_scratch = threading.local()
 
 
 def _half_scratch(shape: tuple[int, ...]) -> np.ndarray:
     """This thread's float32 buffer of ``shape`` (kept: no page faults on fresh memory)."""
     buf = getattr(_scratch, "half", None)
-    if buf is None or buf.shape != shape:
-        buf = _scratch.half = np.empty(shape, np.float32)
-    return buf
-
-
-_scratch = threading.local()
+    if buf is None or buf.shape[1] != shape[1] or buf.shape[0] < shape[0]:
+        buf = _scratch.half = np.empty((block_rows(shape[1]), shape[1]), np.float32)
+    return buf[: shape[0]]
 
 
 def moments(rows: np.ndarray | torch.Tensor) -> Moments:
@@ -117,8 +133,88 @@ def moments(rows: np.ndarray | torch.Tensor) -> Moments:
     d = rows.shape[1]
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.shape[1] != d:
-        buf = _scratch.buf = np.empty((max(1, BLOCK_BYTES // (8 * d)), d), np.float64)
+        buf = _scratch.buf = np.empty((block_rows(d), d), np.float64)
     return chunk_moments(rows, buf)
+
+
+class RunMoments:
+    """The :data:`Moments` of one run of rows handed over in pieces (a statistics run that
+    spans several batches). Each piece is widened straight into a float64 block of
+    :func:`chunk_moments`' height and every full block is reduced, so :meth:`result`
+    equals ``chunk_moments`` of the whole run, bit for bit, and no copy of the rows is
+    kept. Its block comes from a shared free list (taken on the first rows, given back by
+    :meth:`result`). Not thread-safe: one piece at a time.
+
+    Example:
+        >>> rows = np.arange(12.0).reshape(6, 2)
+        >>> run = RunMoments(2)
+        >>> run.add(rows[:1]); run.add(rows[1:])
+        >>> [np.array_equal(a, b) for a, b in zip(run.result(), chunk_moments(rows))]
+        [True, True, True, True]
+    """
+
+    def __init__(self, d: int) -> None:
+        self.d, self.k = d, block_rows(d)
+        self._block: np.ndarray | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.n, self._fill = 0, 0
+        self._total, self._sumsq = np.zeros(self.d), np.zeros(self.d)
+        self._norms: list[np.ndarray] = []
+
+    def add(self, rows: np.ndarray | torch.Tensor) -> None:
+        """Fold the run's next ``rows`` (``[m, d]``)."""
+        rows, m, i = _widenable(rows), rows.shape[0], 0
+        while i < m:
+            if self._block is None:
+                self._block = _take_block(self.k, self.d)
+            take = min(self.k - self._fill, m - i)
+            _widen(self._block[self._fill : self._fill + take], rows[i : i + take])
+            self._fill += take
+            i += take
+            if self._fill == self.k:
+                self._reduce()
+        self.n += m
+
+    def _reduce(self) -> None:
+        assert self._block is not None
+        norms = np.empty(self._fill)
+        _fold_block(self._block[: self._fill], self._total, self._sumsq, norms)
+        self._norms.append(norms)
+        self._fill = 0
+
+    def result(self) -> Moments:
+        """The run's moments; the run is then empty again."""
+        if self._fill:
+            self._reduce()
+        if self._block is not None:
+            _give_block(self._block)
+            self._block = None
+        norms = np.concatenate(self._norms) if self._norms else np.zeros(0)
+        np.sqrt(norms, out=norms)
+        out = (self.n, self._total, self._sumsq, float(np.add.reduce(norms)))
+        self._reset()
+        return out
+
+
+_blocks: dict[tuple[int, int], list[np.ndarray]] = {}
+_blocks_lock = threading.Lock()
+
+
+def _take_block(k: int, d: int) -> np.ndarray:
+    with _blocks_lock:
+        free = _blocks.get((k, d))
+        if free:
+            return free.pop()
+    return np.empty((k, d), np.float64)
+
+
+def _give_block(block: np.ndarray) -> None:
+    with _blocks_lock:
+        free = _blocks.setdefault(block.shape, [])  # type: ignore[arg-type]
+        if len(free) < 64:  # about the sites of a model in flight at once
+            free.append(block)
 
 
 @dataclass

@@ -46,6 +46,7 @@ from ..storage.manifest import (
     BlockHasher,
     FileEntry,
     block_digests,
+    digest_blocks,
     file_entry,
     hash_file_blocks,
     hash_ranges,
@@ -410,21 +411,17 @@ class ShardOutput:
         t1 = time.thread_time()
         clock.add("write", t1 - t0)
         if f.listed and f.hasher is None and f.unit:
-            found: dict[int, np.ndarray] = {}
-            pos = at
-            if all(len(v) % f.unit == 0 for v in views[:-1]):
-                for v in views:  # each view starts on a block: digest it where it lies
-                    found[pos // f.unit] = block_digests(
-                        self.store_id, f.name, v, f.unit, pos // f.unit
-                    )
-                    pos += len(v)
+            unit = f.unit
+            if all(len(v) % unit == 0 for v in views[:-1]):
+                # each view starts on a block: digest its blocks where they lie, all of
+                # the write's blocks keyed in one call (a saev slab is often one block)
+                blocks = [v[o : o + unit] for v in views for o in range(0, len(v), unit)]
+                found = digest_blocks(self.store_id, f.name, blocks, at // unit)
             else:
                 joined = memoryview(b"".join(views))
-                found[at // f.unit] = block_digests(
-                    self.store_id, f.name, joined, f.unit, at // f.unit
-                )
+                found = block_digests(self.store_id, f.name, joined, unit, at // unit)
             with self._lock:
-                f.blocks.update(found)
+                f.blocks[at // unit] = found
         clock.add("hash", time.thread_time() - t1)
 
     def _put(self, path: Path, view: memoryview) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..batch import Batch
 from ..sites import Site
-from ..stats import Moments, RunningStats, moments
+from ..stats import Moments, RunMoments, RunningStats, moments
 from ..storage.manifest import FileEntry
 
 if TYPE_CHECKING:
@@ -87,8 +87,11 @@ Rows = Any
 class ShardStats:
     """Per-site statistics of one shard, folded in runs of ``rows_per_chunk`` rows counted
     from the shard's start: the result does not depend on how batches split the shard, nor
-    on how many threads fold the runs (each run's :func:`~actstore.stats.chunk_moments` is
-    computed on ``pool`` and merged in run order at :meth:`finish`)."""
+    on how many threads fold the runs. A run that lies whole in a batch is folded by
+    :func:`~actstore.stats.chunk_moments` on ``pool``; a run that spans batches is
+    accumulated piece by piece (:class:`~actstore.stats.RunMoments`, one task per site
+    and batch, bit-identical, no copy of the rows); runs are merged in order at
+    :meth:`finish`."""
 
     def __init__(
         self,
@@ -100,81 +103,66 @@ class ShardStats:
         self.sites, self.d, self.pool, self.clock = tuple(sites), d, pool, clock
         self.per = RunningStats(d).rows_per_chunk
         self._parts: dict[Site, list[Future | Moments]] = {s: [] for s in self.sites}
-        # two staging buffers per site for runs that straddle batches (made on first use,
-        # of the rows' type): one may still be folded (submitted during this batch) while
-        # the other takes the batch's tail
-        self._stage: list[dict[Site, Rows]] = [{}, {}]
-        self._cur = 0
-        self._fill = 0
+        self._runs = {s: RunMoments(d) for s in self.sites}  # the run spanning batches
+        self._pending: list[Any] = []  # accumulating tasks that end no run
+        self._fill = 0  # rows of the current run so far
 
     def update(self, rows: Mapping[Site, np.ndarray | torch.Tensor]) -> None:
         """Fold the shard's next rows (``[n, D]`` per site, the same ``n`` for every site).
-        Runs are folded on the pool; the rows must stay unchanged until :meth:`settle`."""
+        Runs are folded on the pool; the rows must stay unchanged until :meth:`settle`,
+        which must come before the next call."""
         arrays = {s: _float_rows(r) for s, r in rows.items()}
         n = len(next(iter(arrays.values()))) if arrays else 0
-        i = 0
-        if self._fill or n < self.per:
-            stage = self._staging(self._cur, arrays)
-            take = min(self.per - self._fill, n)
-            for site, part in arrays.items():
-                stage[site][self._fill : self._fill + take] = part[:take]
-            self._fill += take
-            i = take
-            if self._fill == self.per:
-                self._fold(stage)
-                self._cur, self._fill = 1 - self._cur, 0
-        while n - i >= self.per:
-            self._fold({s: part[i : i + self.per] for s, part in arrays.items()})
-            i += self.per
-        if i < n:
-            stage = self._staging(self._cur, arrays)
-            for site, part in arrays.items():
-                stage[site][: n - i] = part[i:]
-            self._fill = n - i
+        head = min(self.per - self._fill, n) if self._fill or n < self.per else 0
+        ends = head > 0 and self._fill + head == self.per
+        full = (n - head) // self.per * self.per
+        tail = n - head - full
+        for site, part in arrays.items():
+            pieces = [p for p in (part[:head], part[n - tail :]) if len(p)]
+            if pieces:  # head then tail, in order, on one task: they share the run
+                task = self._submit(self._accumulate, self._runs[site], pieces, ends)
+                (self._parts[site] if ends else self._pending).append(task)
+            for lo in range(head, head + full, self.per):
+                self._parts[site].append(self._submit(moments, part[lo : lo + self.per]))
+        self._fill = tail if ends or not head else self._fill + head
 
-    def _staging(self, k: int, like: Mapping[Site, Rows]) -> dict[Site, Rows]:
-        stage = self._stage[k]
-        for site, rows in like.items():
-            held = stage.get(site)
-            if held is None or held.dtype != rows.dtype or type(held) is not type(rows):
-                stage[site] = (
-                    np.empty((self.per, self.d), rows.dtype)
-                    if isinstance(rows, np.ndarray)
-                    else torch.empty((self.per, self.d), dtype=rows.dtype)
-                )
-        return stage
+    @staticmethod
+    def _accumulate(run: RunMoments, pieces: list[Rows], ends: bool) -> Moments | None:
+        """Add the head piece (ending the run when ``ends``: its moments are returned),
+        then the tail piece, which starts the next run."""
+        run.add(pieces[0])
+        out = run.result() if ends else None
+        for piece in pieces[1:]:
+            run.add(piece)
+        return out
+
+    def _submit(self, fn: Any, *args: Any) -> Any:  # a Future, or the result inline
+        if self.pool is None:
+            return fn(*args)
+        if self.clock is not None:
+            return self.pool.submit(self.clock.timed, "statistics", fn, *args)
+        return self.pool.submit(fn, *args)
 
     def settle(self) -> None:
         """Wait until no run still reads the rows given to :meth:`update`."""
-        for parts in self._parts.values():
-            for p in parts:
-                if isinstance(p, Future):
-                    p.result()
+        pending, self._pending = self._pending, []
+        for p in [*pending, *(p for parts in self._parts.values() for p in parts)]:
+            if isinstance(p, Future):
+                p.result()
 
     def finish(self) -> dict[Site, RunningStats]:
         """The shard's statistics (the runs merged in order)."""
-        if self._fill:
-            stage = self._stage[self._cur]
-            self._fold({s: b[: self._fill] for s, b in stage.items()})
-            self._fill = 0
+        self.settle()
         out = {}
         for site, parts in self._parts.items():
             stats = RunningStats(self.d)
             for p in parts:
-                stats.add(p.result() if isinstance(p, Future) else p)
+                stats.add(p.result() if isinstance(p, Future) else p)  # type: ignore[arg-type]
+            if self._fill:
+                stats.add(self._runs[site].result())
             out[site] = stats
+        self._fill = 0
         return out
-
-    def _fold(self, chunks: Mapping[Site, Rows]) -> None:
-        for site, chunk in chunks.items():
-            if self.pool is None:
-                self._parts[site].append(moments(chunk))
-            elif self.clock is not None:
-                self._parts[site].append(
-                    self.pool.submit(self.clock.timed, "statistics", moments, chunk)
-                )
-            else:
-                self._parts[site].append(self.pool.submit(moments, chunk))
 
 
 def _float_rows(rows: np.ndarray | torch.Tensor) -> Rows:

@@ -99,6 +99,15 @@ def digest_ranges(
     return plain ^ keys
 
 
+def digest_blocks(store_id: str, name: str, blocks: Sequence[memoryview], first: int) -> np.ndarray:
+    """Keyed digests of consecutive blocks of file ``name`` held in separate buffers, the
+    first being block ``first`` (one call for all of a write's blocks)."""
+    plain = np.fromiter(
+        (xxhash.xxh3_64_intdigest(b) for b in blocks), dtype="<u8", count=len(blocks)
+    )
+    return plain ^ block_keys(store_id, name, first, len(blocks))
+
+
 def rekey(digests: np.ndarray, old: tuple[str, str], new: tuple[str, str]) -> np.ndarray:
     """Digests of a file's blocks keyed for ``old = (store_id, name)`` re-keyed for ``new``
     (the same bytes published elsewhere, e.g. by a merge)."""
