@@ -96,7 +96,7 @@ def test_float16_moments_equal_the_widened_values_across_blocks(as_tensor):
     assert got[3] == want[3]
 
 
-@pytest.mark.parametrize("rows", [3, 4096], ids=["small", "mapped"])
+@pytest.mark.parametrize("rows", [0, 3, 4096], ids=["empty", "small", "mapped"])
 def test_fresh_writer_buffers_save_like_torch_empty(rows):
     # from HUGE_FROM bytes the buffer is a huge-page mapping; torch.save must not notice
     values = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(5)).bfloat16()
@@ -143,6 +143,7 @@ def test_shard_statistics_are_the_runs_folded_whole_however_batches_cut_them(dty
         [1, per - 1, per, 7, 5000, per, per],
         [3000] * 20,
         [per + 1, per - 2, per + 1],
+        [5, 0, 7, 0, per, 0, 9000, 0, per + per // 2, 0],  # empty batches mid-run too
     ]
     pool = cpu_pool(3)
     try:
@@ -150,7 +151,7 @@ def test_shard_statistics_are_the_runs_folded_whole_however_batches_cut_them(dty
             for executor in (None, pool):
                 stats, at = ShardStats([site], d, executor), 0
                 for size in sizes:
-                    if at < len(values):
+                    if at < len(values) or not size:
                         stats.update({site: rows[at : at + size]})
                         stats.settle()
                         at += size

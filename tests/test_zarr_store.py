@@ -462,6 +462,28 @@ def test_blocks_and_statistics(store):
         np.testing.assert_allclose(stats.var, exact.var(0), rtol=1e-10)
 
 
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_a_sample_without_tokens_is_stored_and_the_statistics_count_the_rest(
+    tmp_path, monkeypatch, batch_size
+):
+    # sample 3 (the last of shard 0) has neither prompt nor response: a batch of its own
+    # holds no token (batch_size 1), or it ends a batch (2); verify recomputes statistics
+    lengths = {"P_FULL": P_FULL.copy(), "R_FULL": R_FULL.copy()}
+    for name, values in lengths.items():
+        values[3] = 0
+        monkeypatch.setattr(sys.modules[__name__], name, values)
+    writer = make_writer(tmp_path / "a.zarr")
+    for batch in SyntheticBatches(batch_size)(0, N):
+        writer.write(batch)
+    reader = ZarrReader(writer.close())
+    assert reader.verify().ok
+    lay = layout()
+    kept = sum(sum(lay.kept(int(P_FULL[i]), int(R_FULL[i]))[1::2]) for i in range(N))
+    for site in SITES:
+        assert reader.statistics(site).count == kept
+        assert sum(b.n_rows for b in reader.blocks(site)) == kept
+
+
 # ---------------------------------------------------------------------------- publication
 
 

@@ -94,8 +94,13 @@ def _fold_block(x: np.ndarray, total: np.ndarray, sumsq: np.ndarray, norms: np.n
 
 
 def _widenable(rows: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-    if isinstance(rows, np.ndarray) and rows.dtype == np.float16:
-        return torch.from_numpy(rows)  # numpy widens float16 at a third of torch's speed
+    if (
+        isinstance(rows, np.ndarray)
+        and rows.dtype == np.float16
+        and rows.flags.writeable
+        and all(st >= 0 for st in rows.strides)
+    ):  # numpy widens float16 at a third of torch's speed (torch takes these arrays only)
+        return torch.from_numpy(rows)
     return rows
 
 

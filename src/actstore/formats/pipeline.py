@@ -95,6 +95,8 @@ def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     for n in shape:
         count *= int(n)
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    if count * itemsize < HUGE_FROM:
+        return torch.empty(tuple(int(n) for n in shape), dtype=dtype)
     flat = torch.from_numpy(empty_bytes(count * itemsize))
     return flat.view(dtype).view(tuple(int(n) for n in shape))
 

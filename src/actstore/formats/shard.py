@@ -113,6 +113,8 @@ class ShardStats:
         which must come before the next call."""
         arrays = {s: _float_rows(r) for s, r in rows.items()}
         n = len(next(iter(arrays.values()))) if arrays else 0
+        if n == 0:
+            return
         head = min(self.per - self._fill, n) if self._fill or n < self.per else 0
         ends = head > 0 and self._fill + head == self.per
         full = (n - head) // self.per * self.per

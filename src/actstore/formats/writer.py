@@ -599,8 +599,10 @@ class ShardedWriter(FormatWriter):
                     f = self._sides[name] = open(self.partial / name, "ab")  # noqa: SIM115
                 f.write(data)
         finally:
-            out.settle()  # the batch's memory is the caller's again once write() returns
-            stats.settle()
+            try:
+                out.settle()  # the batch's memory is the caller's again once write() returns
+            finally:
+                stats.settle()
         self._in_shard += batch.n_examples
         self._written += batch.n_examples
         point(f"{self.format_name}.written")
