@@ -414,7 +414,7 @@ class ShardOutput:
         clock.add("write", t1 - t0)
         if f.listed and f.hasher is None and f.unit:
             unit = f.unit
-            if all(len(v) % unit == 0 for v in views[:-1]):
+            if nbytes and all(len(v) % unit == 0 for v in views[:-1]):
                 # each view starts on a block: digest its blocks where they lie, all of
                 # the write's blocks keyed in one call (a saev slab is often one block)
                 blocks = [v[o : o + unit] for v in views for o in range(0, len(v), unit)]
@@ -508,10 +508,14 @@ class ShardOutput:
 
     def abort(self) -> None:
         """Wait for writes in flight (their errors are the caller's), close the files."""
-        for fut in [*self._batch, *self._later]:
+        with self._lock:
+            pending, self._later = [*self._batch, *self._later], []
+            self._batch = []
+        for fut in pending:
             with contextlib.suppress(Exception):  # the caller is already failing
                 fut.result()
-        self._batch, self._later = [], []
+        with contextlib.suppress(Exception):
+            self.settle()  # writes that work still in flight made meanwhile
         for f in self.files.values():
             if f.fd >= 0:
                 os.close(f.fd)
