@@ -279,11 +279,13 @@ class ShardedWriter(FormatWriter):
             if t.device.type != "cpu":
                 t = t.to(device="cpu", dtype=dtype)
             if t.dtype != dtype or not t.is_contiguous():
-                # the same buffer every batch (free again once write() returns: fresh
-                # memory would cost a page fault per 4 KiB, ~0.7 CPU s/GB)
-                dest = self._cast_buffers.get(site)
-                if dest is None or dest.shape != t.shape or dest.dtype != dtype:
-                    dest = self._cast_buffers[site] = empty_tensor(t.shape, dtype)
+                # the same buffer every batch, grown to the largest batch (free again once
+                # write() returns: fresh memory would cost a page fault per 4 KiB, ~0.7 CPU
+                # s/GB, and batches of a prompt/response capture vary in length)
+                held = self._cast_buffers.get(site)
+                if held is None or held.numel() < t.numel() or held.dtype != dtype:
+                    held = self._cast_buffers[site] = empty_tensor((t.numel(),), dtype)
+                dest = held[: t.numel()].view(t.shape)
                 copies.append((dest, t, None))
                 t = dest
             out[site] = t
