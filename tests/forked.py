@@ -69,6 +69,20 @@ _NOT_FORKABLE = -(2**62) + 1
 _TIMED_OUT = -(2**62)
 
 
+def pythonpath() -> str:
+    """``os.pathsep.join(sys.path)`` for a run's ``PYTHONPATH`` (the run imports what this
+    process would), less the folders a package put on ``sys.path`` when it was imported:
+    Ray's ``thirdparty_files`` (its own psutil and colorama), which a run that imports ray
+    puts there itself. On ``PYTHONPATH`` that folder would shadow the psutil the helper
+    imported, and every such run would need a fresh interpreter."""
+    return os.pathsep.join(p for p in sys.path if not _added_on_import(p))
+
+
+def _added_on_import(folder: str) -> bool:
+    parts = Path(folder).parts
+    return parts[-2:] == ("ray", "thirdparty_files")
+
+
 def run_actstore(
     *args: Any,
     env: dict[str, str] | None = None,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from forked import run_actstore, run_python
+from forked import pythonpath, run_actstore, run_python
 from test_saelens import files, rows, sae_lens_store, unverified_warnings
 from typer.testing import CliRunner
 
@@ -379,7 +379,7 @@ def test_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatch):
     monkeypatch.setenv("ACTSTORE_CACHE", str(tmp_path / "cache"))  # staging goes under it
     plan = make_plan()
     url = s3.url("captures")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     # a process of its own, forked from a helper that imported torch once (tests/forked.py)
     done = run_python("-c", _KILLED_WRITER, url, env=env, text=False)
     assert done.returncode == -9, done.stderr.decode()[-2000:]
@@ -435,7 +435,7 @@ def test_cli_capture_to_s3_killed_with_sigkill_resumes_exactly(s3, model_dir, te
         **os.environ,
         "TQDM_DISABLE": "1",
         "ACTSTORE_CACHE": str(tmp_path / "cache"),
-        "PYTHONPATH": os.pathsep.join(sys.path),
+        "PYTHONPATH": pythonpath(),
     }
     args = capture_args(model_dir("gpt2"), text_file, 60, url)
 

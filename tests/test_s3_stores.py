@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from forked import run_actstore, run_python
+from forked import pythonpath, run_actstore, run_python
 from test_pickle_store import write as write_pickle
 from test_saev_store import T, make_acts, write_store
 from typer.testing import CliRunner
@@ -311,8 +311,6 @@ for i, batch in enumerate(batches(make_acts())):
 
 
 def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatch):
-    import sys
-
     from saev_fixtures import saev_plan
     from test_saev_store import batches, make_metadata
 
@@ -322,7 +320,7 @@ def test_saev_writer_to_s3_resumes_exactly_after_kill_9(s3, tmp_path, monkeypatc
     plan, options = saev_plan(make_metadata(), has_tokens=True)
     acts = make_acts()
     url = s3.url("captures")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
     # a process of its own, forked from a helper that imported torch once (tests/forked.py)
     done = run_python("-c", _KILLED_WRITER, url, env=env, text=False)
     assert done.returncode == -9, done.stderr.decode()[-2000:]
@@ -403,10 +401,8 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
 
 
 def test_cp_mistakes_give_one_line_and_exit_2(s3, saev_local, tmp_path):
-    import sys
-
     local, _ = saev_local
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "TQDM_DISABLE": "1"}
 
     def cp(*args):
         # a process of its own, forked from a helper that imported torch once (tests/forked.py)

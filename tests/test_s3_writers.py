@@ -9,13 +9,12 @@ import logging
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from forked import run_actstore, run_python
+from forked import pythonpath, run_actstore, run_python
 from saev_fixtures import saev_plan
 from test_pickle_store import PER_SHARD
 from test_pickle_store import write as write_pickle
@@ -40,7 +39,7 @@ MiB = 1 << 20
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "TQDM_DISABLE": "1"}
+    return {**os.environ, "PYTHONPATH": pythonpath(), "TQDM_DISABLE": "1"}
 
 
 def _puts(s3, key: str, start: int = 0) -> int:

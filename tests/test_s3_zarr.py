@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from forked import run_actstore, run_python
+from forked import pythonpath, run_actstore, run_python
 from test_zarr_store import (
     SITES,
     H,
@@ -286,7 +285,7 @@ def test_writer_to_s3_resumes_exactly_after_kill_9(s3, local, tmp_path, monkeypa
     url = s3.url("captures")
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(sys.path),
+        "PYTHONPATH": pythonpath(),
         "ACTSTORE_CRASH_AT": "zarr.shard_recorded:2",
     }
     # a process of its own, forked from a helper that imported torch once (tests/forked.py)
@@ -393,7 +392,7 @@ def test_cli_capture_straight_to_s3_resumes_after_kill_9(s3, model_dir, tmp_path
     url = s3.url("cap")
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(sys.path),
+        "PYTHONPATH": pythonpath(),
         "TQDM_DISABLE": "1",
         "ACTSTORE_CACHE": str(tmp_path / "cache"),  # staging goes under it
     }
