@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from forked import run_actstore
+from forked import run_actstore, run_python
 from typer.testing import CliRunner
 
 from actstore.cli import app
@@ -38,14 +36,8 @@ def test_readme_main_job_runs_end_to_end(tmp_path):
     command = readme_command("main-job").split("&&")[-1].strip()
     argv = shlex.split(command)
     assert argv[0] == "actstore"
-    proc = subprocess.run(
-        [sys.executable, "-m", "actstore", *argv[1:]],
-        check=False,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # a process of its own, forked from a helper that imported torch once (tests/forked.py)
+    proc = run_actstore(*argv[1:], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr
     (store,) = (tmp_path / "actstore-data").iterdir()
     reader = SaevReader(store)
@@ -54,9 +46,7 @@ def test_readme_main_job_runs_end_to_end(tmp_path):
     assert reader.verify().ok
     # the printed Python one-liner works as written
     one_liner = re.search(r'python -c "(.+)"', proc.stdout).group(1)
-    check = subprocess.run(
-        [sys.executable, "-c", one_liner], capture_output=True, text=True, check=False
-    )
+    check = run_python("-c", one_liner)
     assert check.returncode == 0 and check.stdout.strip().startswith("["), check.stderr
 
 
