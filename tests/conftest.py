@@ -27,6 +27,19 @@ TEXT_KINDS = ("gpt2", "llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "
 VISION_KINDS = ("clip", "siglip", "dinov2")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_memo_dir(tmp_path_factory):
+    """``actstore capture`` memoises finished captures in ``$ACTSTORE_MEMO_DIR`` (else
+    ``~/.cache/actstore/captures``): the suite's own go to a directory of this session, never
+    the user's cache (tests that check the memo set a directory of their own)."""
+    if os.environ.get("ACTSTORE_MEMO_DIR"):
+        yield
+        return
+    os.environ["ACTSTORE_MEMO_DIR"] = str(tmp_path_factory.mktemp("memo"))
+    yield
+    os.environ.pop("ACTSTORE_MEMO_DIR", None)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     """``model_dir(kind)`` -> path of a saved tiny model of that architecture."""
