@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("TQDM_DISABLE", "1")
+# A shell without job control starts background commands with SIGINT ignored, and every
+# child inherits that: the Ctrl-C tests' captures would never see their interrupt.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 import actstore  # noqa: F401 - sets reproducible MKL/OpenMP defaults before torch loads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
