@@ -601,6 +601,8 @@ class _ZarrShard(ShardSink):
         first: int,
         out: ShardOutput,
     ) -> list[str]:
+        """Put sample ``b``'s stored chunks of ``part`` (every layer), recording each
+        chunk's keyed digest (0 for a chunk not stored); returns the names put."""
         w, lay = self.w, self.w.layout
         t_chunk, n_chunks = lay.t_chunk(part), lay.n_chunks(part)
         if n_chunks == 0:
