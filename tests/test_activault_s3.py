@@ -61,8 +61,12 @@ def write_run(out, plan, acts, *, batches=None, close=True, **options):
     crash after the last commit would (returns the writer)."""
     options.setdefault("dtype", "float32")
     writer = ActivaultWriter.from_plan(plan, out, ActivaultOptions(**options))
-    for batch in batches if batches is not None else make_batches(plan, acts):
-        writer.write(batch)
+    try:
+        for batch in batches if batches is not None else make_batches(plan, acts):
+            writer.write(batch)
+    except BaseException:
+        writer.abort()  # as a capture does: its lock lease stops being refreshed
+        raise
     if close:
         return writer.close()
     writer.flush()
