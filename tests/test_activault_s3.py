@@ -64,11 +64,11 @@ def write_run(out, plan, acts, *, batches=None, close=True, **options):
     try:
         for batch in batches if batches is not None else make_batches(plan, acts):
             writer.write(batch)
+        if close:
+            return writer.close()
     except BaseException:
         writer.abort()  # as a capture does: its lock lease stops being refreshed
         raise
-    if close:
-        return writer.close()
     writer.flush()
     writer.abort()
     return writer
