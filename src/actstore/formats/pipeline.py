@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import math
 import mmap
 import os
 import threading
@@ -97,14 +98,11 @@ def empty_bytes(nbytes: int) -> np.ndarray:
 def empty_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """:func:`empty_bytes` as a C-contiguous CPU tensor of ``shape`` and ``dtype``; it
     owns exactly its storage (as ``torch.save`` needs)."""
-    count = 1
-    for n in shape:
-        count *= int(n)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    if count * itemsize < HUGE_FROM:
-        return torch.empty(tuple(int(n) for n in shape), dtype=dtype)
-    flat = torch.from_numpy(empty_bytes(count * itemsize))
-    return flat.view(dtype).view(tuple(int(n) for n in shape))
+    dims = tuple(int(n) for n in shape)
+    nbytes = math.prod(dims) * dtype.itemsize
+    if nbytes < HUGE_FROM:
+        return torch.empty(dims, dtype=dtype)
+    return torch.from_numpy(empty_bytes(nbytes)).view(dtype).view(dims)
 
 
 class StageClock:
