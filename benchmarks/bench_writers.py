@@ -8,12 +8,14 @@ Parts (``--parts``, default all), each against a baseline measured in the same r
    through ``get_format(name).open_writer(plan, out, options)``) fed batches of each
    ``--feeds`` dtype (float32: what a capture that casts on the GPU hands a float32 store;
    bfloat16: what a bf16 model hands), against a raw sequential ``write`` + ``fsync`` of as
-   many bytes as the published store holds, into the same directory (``--dir``). Pairs are
-   interleaved (raw, writer, raw, writer...), ``--repeats`` of them after one untimed
+   many bytes as the published store holds, into the same directory (``--dir``), taken
+   both ways a file can be written: through the page cache, and with ``O_DIRECT`` where the
+   file system offers it; the baseline of each repetition is the faster of the two. Runs
+   are interleaved (raw, raw direct, writer, ...), ``--repeats`` of them after one untimed
    warm-up write (which also gives the store's size); every repetition writes fresh files,
    ``os.sync()`` first, and deletes them afterwards, so no repetition finds the previous
    one's pages. ratio = raw seconds / writer seconds (>= 0.9 is the goal), median of the
-   per-pair ratios.
+   per-repetition ratios.
 2. ``stages``: the same writers into tmpfs (``--tmpfs``; no disk): CPU seconds per GB of
    stored bytes per pipeline stage (``ShardedWriter.stage_seconds()``: cast, encode,
    statistics, write, hash, commit, summed over threads) next to the process's whole CPU,
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -60,7 +63,7 @@ from _common import table
 from actstore.batch import Batch, CapturePlan
 from actstore.formats import get_format
 from actstore.sites import Site
-from actstore.storage.writeback import pool_size
+from actstore.storage.writeback import direct_alignment, pool_size
 from actstore.testing import make_plan
 
 FORMATS = ("saev", "activault", "saelens", "zarr", "pickle")
@@ -264,28 +267,52 @@ def journal_size(writer: Any) -> int:
         return 0
 
 
-def raw_write(root: Path, nbytes: int, source: memoryview, chunk: int = 8 << 20) -> dict:
+def raw_write(
+    root: Path, nbytes: int, source: memoryview, chunk: int = 8 << 20, *, direct: bool = False
+) -> dict:
     """A sequential ``write`` of ``nbytes`` (from ``source``, cycled, in ``chunk``-byte
-    calls) into a fresh file under ``root``, then ``fsync``: the disk's limit."""
+    calls) into a fresh file under ``root``, then ``fsync``: the disk's limit. ``direct``:
+    through ``O_DIRECT`` from one aligned buffer (the tail that is not a whole block
+    through the page cache), the other way to write a file at the disk's speed."""
     path = root / f"raw-{uuid.uuid4().hex[:8]}.bin"
+    align = direct_align(root) if direct else 0
+    if direct and not align:
+        return {"seconds": float("nan"), "load": load()}
+    aligned = None
+    if direct:
+        aligned = memoryview(mmap.mmap(-1, chunk))
+        aligned[:] = source[:chunk]
     os.sync()
     t_load = load()
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    dfd = os.open(path, os.O_WRONLY | os.O_DIRECT) if direct else -1
     try:
         done, at = 0, 0
         while done < nbytes:
-            if at + chunk > len(source):
-                at = 0
-            n = os.write(fd, source[at : at + min(chunk, nbytes - done)])
+            want = min(chunk, nbytes - done)
+            if aligned is not None and want >= align:
+                n = os.pwrite(dfd, aligned[: want - want % align], done)
+            else:
+                if at + chunk > len(source):
+                    at = 0
+                n = os.pwrite(fd, source[at : at + want], done)
             done += n
             at += n
         os.fsync(fd)
     finally:
         os.close(fd)
+        if dfd >= 0:
+            os.close(dfd)
     seconds = time.perf_counter() - t0
     path.unlink()
     return {"seconds": seconds, "load": t_load}
+
+
+def direct_align(root: Path) -> int:
+    """The alignment direct I/O needs for a new file under ``root`` (0: none offered)."""
+    with tempfile.NamedTemporaryFile(dir=root) as probe:
+        return direct_alignment(probe.name)
 
 
 # ---------------------------------------------------------------------- the parts
@@ -307,21 +334,29 @@ def disk_pairs(case: Case, root: Path, source: memoryview, repeats: int, **kw: A
     """Warm-up write (its size is the raw write's), then ``repeats`` interleaved pairs."""
     warm = run_writer(case, root)
     case.store_bytes = warm["bytes"]
-    pairs = []
+    pairs, direct = [], bool(direct_align(root))
     for _ in range(repeats):
         raw = raw_write(root, case.store_bytes, source)
+        if direct:  # the baseline is the better of the two ways to write, in each pair
+            other = raw_write(root, case.store_bytes, source, direct=True)
+            raw = {**raw, "buffered_s": raw["seconds"], "direct_s": other["seconds"]}
+            raw["seconds"] = min(raw["buffered_s"], raw["direct_s"])
         ours = run_writer(case, root, **kw)
         pairs.append((raw, ours))
     ratios = [r["seconds"] / w["seconds"] for r, w in pairs]
     loads = [x["load"] for p in pairs for x in p]
     raw_s = statistics.median(r["seconds"] for r, _ in pairs)
     ours_s = statistics.median(w["seconds"] for _, w in pairs)
+    buffered_s = statistics.median(r.get("buffered_s", r["seconds"]) for r, _ in pairs)
+    direct_s = statistics.median(r.get("direct_s", float("nan")) for r, _ in pairs)
     return {
         "format": case.fmt,
         "feed": case.feed,
         "stored": STORED_DTYPE[case.fmt],
         "GB": case.store_bytes / GB,
         "raw_GBps": case.store_bytes / raw_s / GB,
+        "raw_buffered_GBps": case.store_bytes / buffered_s / GB,
+        "raw_direct_GBps": case.store_bytes / direct_s / GB,
         "writer_GBps": case.store_bytes / ours_s / GB,
         "ratio": statistics.median(ratios),
         "ratios": sorted(ratios),
@@ -330,7 +365,13 @@ def disk_pairs(case: Case, root: Path, source: memoryview, repeats: int, **kw: A
         "reps": repeats,
         "shards": -(-case.plan.n_examples // max(1, shard_examples(case))),
         "pairs": [
-            {"raw_s": r["seconds"], "writer_s": w["seconds"], "writer_cpu": w["cpu"]}
+            {
+                "raw_s": r["seconds"],
+                "raw_buffered_s": r.get("buffered_s", r["seconds"]),
+                "raw_direct_s": r.get("direct_s"),
+                "writer_s": w["seconds"],
+                "writer_cpu": w["cpu"],
+            }
             for r, w in pairs
         ],
     }
@@ -372,7 +413,8 @@ def part_disk(args, pool: Pool, root: Path, results: dict) -> None:
             rows.append(row)
             print(
                 f"  {fmt:9} fed {feed:8} -> {row['stored']:8} {row['GB']:5.2f} GB: raw "
-                f"{row['raw_GBps'] * 1e3:.0f} MB/s, writer {row['writer_GBps'] * 1e3:.0f} MB/s, ratio "
+                f"{row['raw_GBps'] * 1e3:.0f} MB/s (page cache {row['raw_buffered_GBps'] * 1e3:.0f}, "
+                f"direct {row['raw_direct_GBps'] * 1e3:.0f}), writer {row['writer_GBps'] * 1e3:.0f} MB/s, ratio "
                 f"{row['ratio']:.2f} (reps {', '.join(f'{r:.2f}' for r in row['ratios'])}; "
                 f"load {row['load_median']:.1f}, max {row['load_max']:.1f})",
                 flush=True,
@@ -389,6 +431,7 @@ def part_disk(args, pool: Pool, root: Path, results: dict) -> None:
                     "GB",
                     "shards",
                     "raw MB/s",
+                    "page cache / direct",
                     "writer MB/s",
                     "ratio",
                     "reps",
@@ -402,6 +445,7 @@ def part_disk(args, pool: Pool, root: Path, results: dict) -> None:
                         r["GB"],
                         r["shards"],
                         r["raw_GBps"] * 1e3,
+                        f"{r['raw_buffered_GBps'] * 1e3:.0f} / {r['raw_direct_GBps'] * 1e3:.0f}",
                         r["writer_GBps"] * 1e3,
                         r["ratio"],
                         " ".join(f"{x:.2f}" for x in r["ratios"]),

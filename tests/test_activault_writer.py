@@ -246,8 +246,8 @@ def test_statistics_folded_on_a_pool_equal_the_sequential_fold_bit_for_bit(dtype
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_megabatch_streams_write_exactly_what_serialize_megabatch_holds(tmp_path, dtype):
-    """torch.save straight into the file (positional writes, digested as written) or into
-    the upload buffer gives the bytes and keyed digest of the in-memory serialization."""
+    """torch.save straight into the file (around the page cache, digested as written) or
+    into the upload buffer gives the bytes and keyed digest of the in-memory serialization."""
     import torch
 
     from actstore.formats.activault.layout import serialize_megabatch, write_megabatch
@@ -258,15 +258,22 @@ def test_megabatch_streams_write_exactly_what_serialize_megabatch_holds(tmp_path
     )
     from actstore.formats.pipeline import StageClock
     from actstore.storage.manifest import BlockHasher
+    from actstore.storage.writeback import DirectFile
 
-    states = torch.randn(4, 16, 96).to(getattr(torch, dtype))
-    ids = torch.arange(64).reshape(4, 16)
+    # 12 or 6 MiB of states: around the page cache in staged buffers of 8 MiB, the tail not
+    states = torch.randn(24, 128, 1024).to(getattr(torch, dtype))
+    ids = torch.arange(24 * 128).reshape(24, 128)
     expected = serialize_megabatch(states, ids).getvalue()
     digest = keyed_digest("f" * 16, "h/x.pt", expected)
     fd = os.open(tmp_path / "x.pt", os.O_WRONLY | os.O_CREAT, 0o644)
-    stream = _FileStream(fd, BlockHasher("f" * 16, "h/x.pt", 0), StageClock())
+    file = DirectFile(tmp_path / "x.pt", fd)
+    stream = _FileStream(file, BlockHasher("f" * 16, "h/x.pt", 0), StageClock())
     write_megabatch(states, ids, stream)
+    stream.finish()
+    file.close()
     os.close(fd)
+    if file.align:
+        assert file.direct_bytes == len(expected) - len(expected) % file.align
     assert (tmp_path / "x.pt").read_bytes() == expected and stream.digest() == digest
     small = _MemoryStream(100)  # grown as needed
     write_megabatch(states, ids, small)

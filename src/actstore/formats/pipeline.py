@@ -14,9 +14,13 @@ every format:
 * **hashing**: block-aligned writes are digested on the I/O thread that writes them, in
   parallel (a block's keyed digest depends only on its bytes and its place); streams are
   digested in order as they are written;
-* **rolling writeback**: every range written is handed to the kernel's writeback at once
-  (:func:`~actstore.storage.writeback.start_writeback`), so a shard's ``fsync`` waits only
-  for its tail;
+* **direct I/O**: where the file system offers it, aligned writes go around the page
+  cache (:class:`~actstore.storage.writeback.DirectFile`): the disk reads the writer's
+  buffers, no CPU copies them into the kernel; streams are staged and written a whole
+  buffer at a time (:class:`~actstore.storage.writeback.Appender`);
+* **rolling writeback**: every other range written is handed to the kernel's writeback at
+  once (:func:`~actstore.storage.writeback.start_writeback`), so a shard's ``fsync`` waits
+  only for its tail;
 * **commit**: :class:`CommitStage` runs on its own thread: it waits for the shard's writes,
   makes its files durable, and records it (the writer's journal), in shard order, while
   the next shard is being written.
@@ -54,6 +58,9 @@ from ..storage.manifest import (
 )
 from ..storage.writeback import (
     SYNCFS_ABOVE,
+    Appender,
+    DirectFile,
+    direct_io_enabled,
     pool_size,
     pwrite_all,
     start_writeback,
@@ -75,6 +82,11 @@ Buffer = Any
 #: file had zarr's writer at 0.71 of the raw write on the 2-core machine's disk, 0.83
 #: without.
 PUT_WRITEBACK_FROM = 1 << 20
+
+#: Bytes of one positional write task: a large write is split into tasks of about this
+#: size, so the I/O streams write it at once (with direct I/O, each waits for the disk).
+WRITE_BYTES = 8 << 20
+PAGE = mmap.PAGESIZE
 
 #: Fresh buffers of at least this many bytes come from :func:`empty_bytes`' mapping.
 HUGE_FROM = 4 << 20
@@ -140,6 +152,15 @@ class StageClock:
 
 
 THREADS_ENV, STREAMS_ENV = "ACTSTORE_WRITER_THREADS", "ACTSTORE_WRITER_STREAMS"
+
+
+def check_settings() -> None:
+    """Refuse a bad ``ACTSTORE_WRITER_THREADS``, ``ACTSTORE_WRITER_STREAMS`` or
+    ``ACTSTORE_DIRECT_IO`` (one line, a :class:`~actstore.errors.ConfigError`): what a
+    writer calls when it opens, before anything is written."""
+    env_count(THREADS_ENV)
+    env_count(STREAMS_ENV)
+    direct_io_enabled()
 
 
 def env_count(name: str) -> int | None:
@@ -282,6 +303,10 @@ class _File:
     zero_from: int = -1  # size before a sparse extension (zero blocks hashed at commit)
     #: blocks known only once the file is whole: hashed at commit from its bytes
     ranges: Callable[[memoryview], Sequence[tuple[int, int]]] | None = None
+    #: where its writes go (around the page cache where they can)
+    io: DirectFile | None = None
+    #: a stream's writes, staged for direct I/O (finished at commit)
+    appender: Appender | None = None
 
 
 class ShardOutput:
@@ -311,7 +336,7 @@ class ShardOutput:
         path = self.directory / name
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        f = _File(name, path, fd, unit, listed)
+        f = _File(name, path, fd, unit, listed, io=DirectFile(path, fd))
         self._order.append(name)
         if listed and not unit:
             f.hasher = BlockHasher(self.store_id, name, 0)
@@ -332,7 +357,12 @@ class ShardOutput:
                 f.hasher.update(v)
         elif f.listed and f.unit and (at % f.unit or (nbytes % f.unit and at + nbytes < f.size)):
             raise CaptureError(f"{name}: writes must cover whole blocks of {f.unit} bytes")
-        self._batch.append(self.pools.io.submit(self._write, f, views, at, nbytes))
+        for part, start, size in _split(views, at, f.unit):
+            released: Future = Future()  # the views are no longer needed (copied or written)
+            task = self.pools.io.submit(self._write, f, part, start, size, released)
+            with self._lock:
+                self._batch.append(released)
+                self._later.append(task)
 
     def stream(
         self,
@@ -349,10 +379,13 @@ class ShardOutput:
         cache."""
         self.declare(name, unit=unit)
         f = self.files[name]
-        if ranges is not None:
+        assert f.io is not None
+        if ranges is not None:  # hashed from the page cache at commit: kept there
             f.ranges, f.hasher = ranges, None
+            f.io.close()
         elif f.unit:
             f.hasher = BlockHasher(self.store_id, name, f.unit)
+        f.appender = Appender(f.io)
         return _Stream(self, f)
 
     def extend(self, name: str, size: int) -> None:
@@ -410,13 +443,27 @@ class ShardOutput:
 
     # ------------------------------------------------------------------ for the writer
 
-    def _write(self, f: _File, views: list[memoryview], at: int, nbytes: int) -> None:
+    def _write(
+        self, f: _File, views: list[memoryview], at: int, nbytes: int, released: Future
+    ) -> None:
+        """Digest and write one task's views; ``released`` is set once they are no longer
+        read (copied for a direct write, else written), or to the error."""
+        try:
+            self._digest(f, views, at, nbytes)
+            t0 = time.thread_time()
+            assert f.io is not None
+            f.io.write(views, at, released=lambda: released.set_result(None))
+            self.pools.clock.add("write", time.thread_time() - t0)
+        except BaseException as err:
+            if not released.done():
+                released.set_exception(err)
+            raise
+        if not released.done():
+            released.set_result(None)
+
+    def _digest(self, f: _File, views: list[memoryview], at: int, nbytes: int) -> None:
         clock = self.pools.clock
-        t0 = time.thread_time()
-        pwrite_all(f.fd, list(views), at)
-        start_writeback(f.fd, at, nbytes)
         t1 = time.thread_time()
-        clock.add("write", t1 - t0)
         if f.listed and f.hasher is None and f.unit:
             unit = f.unit
             if nbytes and all(len(v) % unit == 0 for v in views[:-1]):
@@ -457,11 +504,10 @@ class ShardOutput:
         ``also``: the writer's side files), each ``fsync`` on its own I/O stream so the file
         system can commit them together, and close them; returns the manifest entry and
         block digests of every listed file."""
-        self.settle()
-        with self._lock:
-            later, self._later = self._later, []
-        _wait(later)
-        self.settle()  # writes the submitted work made
+        self._drain()
+        for f in self.files.values():
+            if f.appender is not None:
+                self.pools.clock.timed("write", f.appender.finish)
         fds = [f.fd for f in self.files.values()] + list(also)
         if len(fds) > 1 and len(fds) <= SYNCFS_ABOVE:
             _wait(
@@ -472,8 +518,7 @@ class ShardOutput:
         adopted = [self.directory / n for n in self._adopted]
         self.pools.clock.timed("commit", sync_paths, adopted, self.directory)
         for f in self.files.values():
-            os.close(f.fd)
-            f.fd = -1
+            self._close(f)
         out = {}
         for name in self._order:
             declared = self.files.get(name)
@@ -514,18 +559,34 @@ class ShardOutput:
 
     def abort(self) -> None:
         """Wait for writes in flight (their errors are the caller's), close the files."""
-        with self._lock:
-            pending, self._later = [*self._batch, *self._later], []
-            self._batch = []
-        for fut in pending:
-            with contextlib.suppress(Exception):  # the caller is already failing
-                fut.result()
-        with contextlib.suppress(Exception):
-            self.settle()  # writes that work still in flight made meanwhile
+        with contextlib.suppress(Exception):  # the caller is already failing
+            self._drain()
         for f in self.files.values():
-            if f.fd >= 0:
-                os.close(f.fd)
-                f.fd = -1
+            self._close(f)
+
+    def _drain(self) -> None:
+        """Wait for every write and piece of submitted work, and the writes that work
+        made meanwhile (re-raising the first failure once all are done)."""
+        error: BaseException | None = None
+        while True:
+            with self._lock:
+                pending, self._batch, self._later = [*self._batch, *self._later], [], []
+            if not pending:
+                break
+            try:
+                _wait(pending)
+            except BaseException as err:  # noqa: BLE001 - wait for the rest, raise the first
+                error = error or err
+        if error is not None:
+            raise error
+
+    @staticmethod
+    def _close(f: _File) -> None:
+        if f.io is not None:
+            f.io.close()
+        if f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
 
 
 class _Stream(io.RawIOBase):
@@ -540,8 +601,8 @@ class _Stream(io.RawIOBase):
     def write(self, data: Buffer) -> int:  # type: ignore[override]
         view = _bytes_view(data)
         f = self._f
-        pwrite_all(f.fd, [view], f.size)
-        start_writeback(f.fd, f.size, len(view))
+        assert f.appender is not None
+        f.appender.write(view)
         if f.hasher is not None:
             f.hasher.update(view)
         f.size += len(view)
@@ -555,6 +616,22 @@ class _Stream(io.RawIOBase):
 
     def close(self) -> None:  # the pipeline closes the descriptor at commit
         super().close()
+
+
+def _split(views: list[memoryview], at: int, unit: int) -> list[tuple[list[memoryview], int, int]]:
+    """``views`` written from ``at`` as tasks of about :data:`WRITE_BYTES` each (split
+    between views only, where the offset is a multiple of ``unit`` and of a page), so
+    several I/O streams write one large write at once: ``(views, offset, bytes)``."""
+    step = math.lcm(unit or 1, PAGE)
+    parts, start, size, group = [], at, 0, []
+    for v in views:
+        if size >= WRITE_BYTES and not (start + size) % step:
+            parts.append((group, start, size))
+            start, size, group = start + size, 0, []
+        group.append(v)
+        size += len(v)
+    parts.append((group, start, size))
+    return parts
 
 
 def _bytes_view(data: Buffer) -> memoryview:

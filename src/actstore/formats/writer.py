@@ -101,14 +101,12 @@ from .journal import (
     write_journal,
 )
 from .pipeline import (
-    STREAMS_ENV,
-    THREADS_ENV,
     Pools,
     ShardOutput,
     StageClock,
+    check_settings,
     copy_rows,
     empty_tensor,
-    env_count,
 )
 from .shard import ShardSink, ShardStats, WrittenFile
 
@@ -161,7 +159,7 @@ class ShardedWriter(FormatWriter):
         self.partial = partial_of(store).path()
         self.record = record
         self.store_id = store_id_of(record)
-        env_count(THREADS_ENV), env_count(STREAMS_ENV)  # a bad setting, before anything is made
+        check_settings()  # a bad setting, before anything is made
         self.examples_per_shard = int(examples_per_shard)
         if self.examples_per_shard < 1:
             raise ConfigError(f"a shard must hold at least one example, not {examples_per_shard}")

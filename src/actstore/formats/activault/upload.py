@@ -29,7 +29,7 @@ from ...storage.object import (
     ObjectStore,
     join_key,
 )
-from ...storage.writeback import pwrite_all, start_writeback
+from ...storage.writeback import Appender, DirectFile
 from ..pipeline import StageClock, copy_rows, empty_bytes, empty_tensor
 from .layout import (
     data_file_name,
@@ -194,8 +194,14 @@ class HookUploader:
         self.directory.mkdir(parents=True, exist_ok=True)
         staged = AtomicFile(self.directory / file, durable=False)
         try:
-            stream = _FileStream(staged.fd, BlockHasher(self.store_id, name, 0), self.clock)
-            self.clock.timed("encode", write_megabatch, job.states, job.input_ids, stream)
+            stream = _FileStream(
+                DirectFile(staged.tmp, staged.fd), BlockHasher(self.store_id, name, 0), self.clock
+            )
+            try:
+                self.clock.timed("encode", write_megabatch, job.states, job.input_ids, stream)
+                stream.finish()
+            finally:
+                stream.file.close()
             return staged, f"{stream.digest():016x}", stream.size
         except BaseException:
             staged.discard()
@@ -237,12 +243,15 @@ class HookUploader:
 
 
 class _FileStream(io.RawIOBase):
-    """What ``torch.save`` writes a local megabatch file through: positional writes with
-    rolling writeback (:mod:`~actstore.storage.writeback`), digested in order as written.
-    Writes are synchronous (``torch.save`` hands views of short-lived buffers too)."""
+    """What ``torch.save`` writes a local megabatch file through: appended around the page
+    cache where the file system allows (:class:`~actstore.storage.writeback.Appender`),
+    digested in order as written. The caller may reuse a buffer once a write returns
+    (``torch.save`` hands views of short-lived buffers too); :meth:`finish` writes what
+    is staged."""
 
-    def __init__(self, fd: int, hasher: BlockHasher, clock: StageClock) -> None:
-        self._fd, self._hasher, self._clock = fd, hasher, clock
+    def __init__(self, file: DirectFile, hasher: BlockHasher, clock: StageClock) -> None:
+        self.file, self._hasher, self._clock = file, hasher, clock
+        self._appender = Appender(file)
         self.size = 0
 
     def writable(self) -> bool:
@@ -252,8 +261,7 @@ class _FileStream(io.RawIOBase):
         view = memoryview(data).cast("B")
         n = len(view)
         t0 = time.thread_time()
-        pwrite_all(self._fd, [view], self.size)
-        start_writeback(self._fd, self.size, n)
+        self._appender.write(view)
         t1 = time.thread_time()
         self._hasher.update(view)
         t2 = time.thread_time()
@@ -267,6 +275,12 @@ class _FileStream(io.RawIOBase):
 
     def flush(self) -> None:
         pass
+
+    def finish(self) -> None:
+        """Write what is staged (before the file is made durable)."""
+        t0 = time.thread_time()
+        self._appender.finish()
+        self._clock.add("write", time.thread_time() - t0)
 
     def digest(self) -> int:
         return int(self._hasher.digests()[0])

@@ -79,7 +79,7 @@ from ...storage.object import (
 )
 from ...storage.writeback import pool_size, sync_files
 from ..base import FormatWriter, summary_of
-from ..pipeline import StageClock, cpu_pool
+from ..pipeline import StageClock, check_settings, cpu_pool
 from .layout import (
     CFG,
     METADATA,
@@ -136,6 +136,7 @@ class ActivaultWriter(FormatWriter):
         s3: S3Config | None = None,
     ) -> None:
         options = options or ActivaultOptions()
+        check_settings()  # a bad setting, before anything is made
         self.plan, self.options = plan, options
         self._s3 = options.s3_config(s3)
         self.store, self.run_prefix = open_location(str(out), self._s3)

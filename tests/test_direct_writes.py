@@ -1,0 +1,206 @@
+"""Writes around the page cache (storage/writeback.py: DirectFile, Appender): the bytes on
+disk are exactly the bytes handed over, however buffers, offsets and lengths line up; the
+page cache holds none of what went direct; a file system without direct I/O, or
+ACTSTORE_DIRECT_IO=0, gets the same bytes through the page cache; and every writer's store
+is byte-identical either way."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import filecmp
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from actstore.formats import get_format
+from actstore.storage.writeback import (
+    BOUNCE_BYTES,
+    DIRECT_ENV,
+    Appender,
+    DirectFile,
+    direct_alignment,
+)
+from actstore.testing import make_acts, make_batches, make_plan
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+
+def _resident_pages(path: Path) -> int:
+    """How many of ``path``'s pages are in the page cache (``mincore`` of a mapping)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        m = mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ)
+    try:
+        addr = np.frombuffer(m, np.uint8).ctypes.data
+        vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+        assert _libc.mincore(ctypes.c_void_p(addr), size, vec) == 0, ctypes.get_errno()
+        return sum(b & 1 for b in vec.raw)
+    finally:
+        m.close()
+
+
+def _new_file(tmp_path: Path, name: str = "f") -> tuple[Path, int]:
+    path = tmp_path / name
+    return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+
+@pytest.fixture
+def align(tmp_path):
+    path, fd = _new_file(tmp_path, "probe")
+    os.close(fd)
+    a = direct_alignment(path)
+    if not a:
+        pytest.skip("this file system offers no direct I/O")
+    return a
+
+
+def _aligned(nbytes: int, seed: int) -> memoryview:
+    buf = mmap.mmap(-1, nbytes)
+    buf[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    return memoryview(buf)
+
+
+def test_aligned_writes_go_around_the_page_cache_and_read_back_exactly(tmp_path, align):
+    path, fd = _new_file(tmp_path)
+    f = DirectFile(path, fd)
+    src = _aligned(4 * align * 64, 1)
+    f.write([src[: 2 * align * 64], src[2 * align * 64 :]], 0)  # aligned buffers: no copy
+    assert f.direct_bytes == len(src)
+    f.close()
+    os.fsync(fd)
+    os.close(fd)
+    assert _resident_pages(path) == 0  # none of it went through the page cache
+    assert path.read_bytes() == bytes(src)
+
+
+def test_unaligned_buffers_are_copied_and_unaligned_ranges_use_the_page_cache(tmp_path, align):
+    path, fd = _new_file(tmp_path)
+    f = DirectFile(path, fd)
+    raw = _aligned(BOUNCE_BYTES + 8 * align, 2)
+    odd = raw[1 : 1 + BOUNCE_BYTES + 4 * align]  # memory off by one byte, more than a bounce
+    released = []
+    f.write([odd], 0, released=lambda: released.append(1))
+    assert f.direct_bytes == len(odd) and released == [1]
+    tail = bytes(range(7)) * 5  # 35 bytes at an aligned offset: not a whole block
+    f.write([memoryview(tail)], len(odd), released=lambda: released.append(2))
+    assert f.direct_bytes == len(odd) and released == [1, 2]
+    f.close()
+    os.close(fd)
+    assert path.read_bytes() == bytes(odd) + tail
+
+
+def test_a_refused_direct_write_is_written_through_the_page_cache(tmp_path, align):
+    path, fd = _new_file(tmp_path)
+    f = DirectFile(path, fd)
+    f.align = 1  # claims byte alignment: the kernel refuses an odd offset
+    data = _aligned(2 * align, 3)
+    f.write([data[: align - 1]], 1)
+    f.write([data], align)
+    assert f.refused and f.direct_bytes == 0
+    f.close()
+    os.close(fd)
+    assert path.read_bytes() == b"\0" + bytes(data[: align - 1]) + bytes(data)
+
+
+@pytest.mark.parametrize("sizes", [[1, 7, 4096, 3], [BOUNCE_BYTES - 5, 10, 2 * BOUNCE_BYTES + 1]])
+def test_an_appender_writes_what_it_was_handed_in_order(tmp_path, align, sizes):
+    path, fd = _new_file(tmp_path)
+    f = DirectFile(path, fd)
+    appender = Appender(f)
+    rng = np.random.default_rng(4)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    for p in parts:
+        buf = bytearray(p)
+        appender.write(memoryview(buf))
+        buf[:] = bytes(len(buf))  # the caller reuses its buffer once write returns
+    appender.finish()
+    f.close()
+    os.close(fd)
+    total = sum(sizes)
+    assert f.direct_bytes == total - total % align
+    assert path.read_bytes() == b"".join(parts)
+
+
+def test_without_direct_io_the_same_bytes_go_through_the_page_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIRECT_ENV, "0")
+    path, fd = _new_file(tmp_path)
+    assert direct_alignment(path) == 0
+    f = DirectFile(path, fd)
+    appender = Appender(f)
+    data = _aligned(3 * 4096, 5)
+    appender.write(data)
+    appender.finish()
+    assert f.direct_bytes == 0 and not f.direct
+    f.close()
+    os.close(fd)
+    assert path.read_bytes() == bytes(data)
+
+
+def test_tmpfs_offers_no_direct_io():
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm here")
+    probe = shm / f"actstore-probe-{os.getpid()}"
+    probe.write_bytes(b"")
+    try:
+        assert direct_alignment(probe) == 0
+    finally:
+        probe.unlink()
+
+
+def _store(fmt: str, out: Path, dtype: str):
+    plan = make_plan(n_examples=24, d_model=256, tokens_per_example=32)
+    spec = get_format(fmt)
+    options = spec.options()
+    if fmt == "activault":  # files of 8 x 32 tokens: 128 KiB of bfloat16
+        options = dataclasses.replace(options, rows_per_file=8)
+    writer = spec.open_writer(plan, out, options)
+    for batch in make_batches(plan, make_acts(plan, dtype=dtype), dtype=dtype):
+        writer.write(batch)
+    return writer.close()
+
+
+#: the files written front to back are hashed as written, so they may go around the
+#: page cache; saelens's Arrow files are hashed at commit from the page cache, so they stay
+DATA = {"saev": "acts*.bin", "activault": "*/*.pt", "pickle": "*.pkl.gz", "saelens": None}
+
+
+@pytest.mark.parametrize("fmt", sorted(DATA))
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_store_is_byte_identical_with_and_without_direct_io(
+    tmp_path, monkeypatch, align, fmt, dtype
+):
+    direct = Path(_store(fmt, tmp_path / "direct", dtype))
+    if DATA[fmt] is not None:
+        data = sorted(direct.glob(DATA[fmt]))
+        assert data
+        for path in data:  # at most the last page, not a whole block, is in the page cache
+            assert _resident_pages(path) <= 1, path
+    monkeypatch.setenv(DIRECT_ENV, "0")
+    cached = Path(_store(fmt, tmp_path / "cached", dtype))
+    files = sorted(str(p.relative_to(direct)) for p in direct.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(cached)) for p in cached.rglob("*") if p.is_file())
+    _, mismatch, errors = filecmp.cmpfiles(direct, cached, files, shallow=False)
+    # the run records differ (a run id, a time); every data file is the same bytes
+    assert [m for m in mismatch if not m.endswith(".json")] == [] and errors == []
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "off"])
+def test_a_bad_direct_io_setting_is_one_line_before_anything_is_written(
+    tmp_path, monkeypatch, value
+):
+    from actstore.errors import ConfigError
+    from actstore.formats.saev import SaevOptions, SaevWriter
+    from actstore.storage.location import Location
+
+    monkeypatch.setenv(DIRECT_ENV, value)
+    with pytest.raises(ConfigError, match="ACTSTORE_DIRECT_IO must be 0 or 1"):
+        SaevWriter.from_plan(make_plan(), Location.parse(tmp_path), SaevOptions())
+    with pytest.raises(ConfigError, match="ACTSTORE_DIRECT_IO must be 0 or 1"):
+        get_format("activault").open_writer(make_plan(), tmp_path / "run", None)
+    assert list(tmp_path.iterdir()) == []
