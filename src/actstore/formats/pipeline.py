@@ -623,7 +623,9 @@ def _split(views: list[memoryview], at: int, unit: int) -> list[tuple[list[memor
     between views only, where the offset is a multiple of ``unit`` and of a page), so
     several I/O streams write one large write at once: ``(views, offset, bytes)``."""
     step = math.lcm(unit or 1, PAGE)
-    parts, start, size, group = [], at, 0, []
+    parts: list[tuple[list[memoryview], int, int]] = []
+    group: list[memoryview] = []
+    start, size = at, 0
     for v in views:
         if size >= WRITE_BYTES and not (start + size) % step:
             parts.append((group, start, size))

@@ -263,7 +263,7 @@ class DirectFile:
                         if not left and released is not None:
                             released()  # the last bytes are in the bounce buffer
                             released = None
-                        pwrite_all(self.direct_fd, [memoryview(bounce[:fill])], offset)
+                        pwrite_all(self.direct_fd, [bounce[:fill].data], offset)
                         offset, fill = offset + fill, 0
         with self._lock:
             self.direct_bytes += nbytes
@@ -312,7 +312,7 @@ class Appender:
     def _drain(self) -> None:
         if self._fill:
             assert self._stage is not None
-            self.file.write([memoryview(self._stage[: self._fill])], self._flushed)
+            self.file.write([self._stage[: self._fill].data], self._flushed)
             self._flushed += self._fill
             self._fill = 0
 
@@ -322,7 +322,7 @@ class Appender:
         if self._fill:
             assert self._stage is not None
             head = self._fill - self._fill % self.file.align if self.file.direct else 0
-            stage = memoryview(self._stage)
+            stage = self._stage.data
             if head:
                 self.file.write([stage[:head]], self._flushed)
             if self._fill > head:
