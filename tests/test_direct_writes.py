@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from actstore.formats import get_format
 from actstore.storage.writeback import (
@@ -204,3 +205,34 @@ def test_a_bad_direct_io_setting_is_one_line_before_anything_is_written(
     with pytest.raises(ConfigError, match="ACTSTORE_DIRECT_IO must be 0 or 1"):
         get_format("activault").open_writer(make_plan(), tmp_path / "run", None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_large_unaligned_batch_is_copied_into_the_aligned_cast_buffer(tmp_path, align):
+    """A float32 batch needs no cast, but a tensor that direct writes cannot read where it
+    lies (not aligned) is copied on the CPU pool into the page-aligned cast buffer; the
+    store holds exactly its values and none of them went through the page cache."""
+    from actstore.batch import Batch
+    from actstore.formats.saev import SaevOptions, SaevWriter
+    from actstore.storage.location import Location
+
+    plan = make_plan(n_examples=8, d_model=1024, tokens_per_example=256, batch_size=4)
+    acts = make_acts(plan)
+    writer = SaevWriter.from_plan(plan, Location.parse(tmp_path / "out"), SaevOptions())
+    for lo in (0, 4):
+        batch_acts = {}
+        for site, values in acts.items():
+            flat = torch.empty(values[lo : lo + 4].size + 1)  # 4 MiB, 4 bytes off alignment
+            tensor = flat[1:].view(values[lo : lo + 4].shape)
+            tensor.copy_(torch.from_numpy(values[lo : lo + 4]))
+            assert tensor.data_ptr() % align
+            batch_acts[site] = tensor
+        ids = np.arange(lo, lo + 4)
+        tokens = np.zeros((4, plan.tokens_per_example), np.int64)
+        writer.write(Batch(acts=batch_acts, example_ids=ids, token_ids=tokens))
+    store = Path(writer.close())
+    assert writer.stage_seconds().get("cast", 0) > 0  # copied, though already float32
+    (shard,) = store.glob("acts*.bin")
+    assert _resident_pages(shard) <= 1
+    stored = np.fromfile(shard, np.float32).reshape(8, -1, plan.tokens_per_example, 1024)
+    for j, site in enumerate(acts):
+        np.testing.assert_array_equal(stored[:8, j], acts[site])

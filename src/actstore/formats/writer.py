@@ -87,6 +87,7 @@ from ..storage.manifest import (
     hash_ranges,
     store_id_of,
 )
+from ..storage.writeback import direct_alignment_in
 from .base import FormatWriter, summary_of
 from .journal import (
     BOOKKEEPING,
@@ -101,6 +102,7 @@ from .journal import (
     write_journal,
 )
 from .pipeline import (
+    HUGE_FROM,
     Pools,
     ShardOutput,
     StageClock,
@@ -184,6 +186,7 @@ class ShardedWriter(FormatWriter):
         self._committing: list[Future] = []
         self._shard_index = -1
         self._cast_buffers: dict[Site, torch.Tensor] = {}
+        self._direct_align: int | None = None  # of the store's directory, found at the first shard
         self._in_shard = 0
         self._written = 0
         self._sides: dict[str, Any] = {}
@@ -276,10 +279,11 @@ class ShardedWriter(FormatWriter):
             t = batch.acts[str(site)].detach()
             if t.device.type != "cpu":
                 t = t.to(device="cpu", dtype=dtype)
-            if t.dtype != dtype or not t.is_contiguous():
+            if t.dtype != dtype or not t.is_contiguous() or self._unaligned(t):
                 # the same buffer every batch, grown to the largest batch (free again once
                 # write() returns: fresh memory would cost a page fault per 4 KiB, ~0.7 CPU
-                # s/GB, and batches of a prompt/response capture vary in length)
+                # s/GB, and batches of a prompt/response capture vary in length); large
+                # ones are page-aligned, so direct writes read them where they are
                 held = self._cast_buffers.get(site)
                 if held is None or held.numel() < t.numel() or held.dtype != dtype:
                     held = self._cast_buffers[site] = empty_tensor((t.numel(),), dtype)
@@ -290,6 +294,18 @@ class ShardedWriter(FormatWriter):
         if copies:
             copy_rows(pool, copies, self.clock)
         return out
+
+    def _unaligned(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is large but not aligned for the store's direct writes: copied
+        into the (page-aligned) cast buffer on the CPU pool, in parallel, rather than into
+        a bounce buffer by the I/O thread that then waits for the disk."""
+        align = self._direct_align or 0
+        return (
+            self.writes_batch_memory
+            and align > 0
+            and t.nbytes >= HUGE_FROM
+            and t.data_ptr() % align != 0
+        )
 
     def summary(self, rows: int) -> dict[str, Any]:
         """What the root manifest records of the metadata (checked by readers on open)."""
@@ -574,12 +590,18 @@ class ShardedWriter(FormatWriter):
     #: A part is a store of its slice too (its index is written beside ``part.json``): the
     #: pkl.gz spec's machines each write a readable store.
     parts_are_stores: ClassVar[bool] = False
+    #: The shard sink writes the cast tensors' own memory (saev's slabs), so a large batch
+    #: that direct writes cannot read where it lies is first copied into the aligned cast
+    #: buffer (formats that encode or stage every byte anyway leave it where it is).
+    writes_batch_memory: ClassVar[bool] = False
 
     def _append(self, index: int, batch: Batch) -> None:
         sink, out, stats = self._sink, self._out, self._stats
         if sink is None or out is None or stats is None:  # a new shard (all are set together)
             self._raise_failed_commit()
             pools = self._pools = self._pools or Pools(clock=self.clock)
+            if self._direct_align is None:
+                self._direct_align = direct_alignment_in(self.partial)
             sink = self._sink = self.open_shard(index, self.partial)
             out = self._out = ShardOutput(self.partial, self.store_id, pools)
             stats = self._stats = ShardStats(self.sites, self.plan.d_model, pools.cpu, self.clock)

@@ -32,6 +32,7 @@ import errno
 import mmap
 import os
 import struct
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -155,6 +156,16 @@ def direct_alignment(path: str | os.PathLike) -> int:
     if not mem or not offset:
         return 0
     return max(mem, offset)
+
+
+def direct_alignment_in(directory: str | os.PathLike) -> int:
+    """:func:`direct_alignment` of a new file in ``directory`` (made and removed)."""
+    fd, probe = tempfile.mkstemp(prefix=".actstore-probe-", dir=directory)
+    try:
+        return direct_alignment(probe)
+    finally:
+        os.close(fd)
+        os.unlink(probe)
 
 
 _bounce = threading.local()

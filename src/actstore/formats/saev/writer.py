@@ -146,6 +146,7 @@ class SaevWriter(ShardedWriter):
 
     format_name = "saev"
     options_type = SaevOptions
+    writes_batch_memory = True  # each slab is written from the batch where it lies
 
     def __init__(
         self,
