@@ -10,13 +10,15 @@
 #   2. bench_writers.py, part disk: every writer (saev, activault, saelens, pickle, zarr:
 #      zarr last, the slowest) fed bfloat16 and float32 batches (the Qwen2-0.5B shape of
 #      issue 28's table: d=896, 1024 tokens, sites 6 and 12) vs raw write + fsync of the
-#      same bytes on /tmp (the disk), medians of 2 interleaved pairs   WRITERS_TIMEOUT=140
+#      same bytes on /tmp (the disk), through the page cache and direct (the faster is the
+#      baseline), medians of 2 interleaved repetitions                  WRITERS_TIMEOUT=160
 #   3. bench_gpu.py, every format: capture >= 0.95 of max(forward, raw write), every layer
 #      >= 0.9 of the raw write (its last row; a timeout cuts it first) GPU_TIMEOUT=180
 #   4. bench_large_model.py: the 70B shape, to activault (>= 0.95 of the forward pass) and
 #      saev (>= 0.95 of the disk)                                     LARGE_TIMEOUT=90
 #   5. bench_writers.py, part stages: CPU seconds per GB per pipeline stage into tmpfs, and
-#      throughput at 1, 4 and 16 writer threads                       STAGES_TIMEOUT=40
+#      throughput at 1, 4 and 16 writer threads (saev, activault, saelens fed bfloat16)
+#                                                                     STAGES_TIMEOUT=20
 #
 # Timeouts sum to 480 s; give the device call timeout_s=560 (startup, pool building).
 #
@@ -52,7 +54,7 @@ timeout "${SITES24_TIMEOUT:-30}" python3 benchmarks/bench_writers.py --parts sit
     --dir /tmp --json "$out/writers_sites24.json" 2>&1 | tee "$out/writers_disk.log" || status=1
 
 stamp "bench_writers disk start"
-timeout "${WRITERS_TIMEOUT:-140}" python3 benchmarks/bench_writers.py --parts disk \
+timeout "${WRITERS_TIMEOUT:-160}" python3 benchmarks/bench_writers.py --parts disk \
     --formats saev,activault,saelens,pickle,zarr "${shape[@]}" --gib "${WRITERS_GIB:-1.5}" \
     --pickle-gib 0.5 --repeats 2 --dir /tmp --json "$out/writers_disk.json" 2>&1 \
     | tee -a "$out/writers_disk.log" || status=1
@@ -67,8 +69,9 @@ timeout "${LARGE_TIMEOUT:-90}" python3 benchmarks/bench_large_model.py --tokens 
     --budget-s "${LARGE_BUDGET:-75}" --out /tmp 2>&1 | tee "$out/large.log" || status=1
 
 stamp "bench_writers stages start"
-timeout "${STAGES_TIMEOUT:-40}" python3 benchmarks/bench_writers.py --parts stages \
-    "${shape[@]}" --stage-gib 0.25 --pickle-gib 0.125 --stage-repeats 1 --threads 1,4,16 \
+timeout "${STAGES_TIMEOUT:-20}" python3 benchmarks/bench_writers.py --parts stages \
+    "${shape[@]}" --formats saev,activault,saelens --feeds bfloat16 \
+    --stage-gib 0.25 --stage-repeats 1 --threads 1,4,16 \
     --tmpfs /dev/shm 2>&1 | tee "$out/writers_stages.log" || status=1
 stamp "done (status $status)"
 exit $status
