@@ -236,3 +236,59 @@ def test_a_large_unaligned_batch_is_copied_into_the_aligned_cast_buffer(tmp_path
     stored = np.fromfile(shard, np.float32).reshape(8, -1, plan.tokens_per_example, 1024)
     for j, site in enumerate(acts):
         np.testing.assert_array_equal(stored[:8, j], acts[site])
+
+
+_FAILING_WRITE = """
+import errno, resource, signal, sys
+from pathlib import Path
+import numpy as np, torch
+from actstore.batch import Batch
+from actstore.formats.saev import SaevOptions, SaevWriter
+from actstore.storage.location import Location
+from actstore.testing import make_acts, make_plan
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+plan = make_plan(n_examples=16, d_model=1024, tokens_per_example=256, batch_size=4)
+acts = make_acts(plan)
+writer = SaevWriter.from_plan(plan, Location.parse(sys.argv[1]), SaevOptions())
+resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 20, resource.RLIM_INFINITY))
+try:
+    for lo in range(0, 16, 2):  # 2 MiB per site, 4 bytes off alignment: bounced
+        ids = np.arange(lo, lo + 2)
+        batch_acts = {}
+        for k, v in acts.items():
+            flat = torch.empty(v[lo : lo + 2].size + 1)
+            batch_acts[k] = flat[1:].view(v[lo : lo + 2].shape)
+            batch_acts[k].copy_(torch.from_numpy(v[lo : lo + 2]))
+        tokens = np.zeros((2, plan.tokens_per_example), np.int64)
+        writer.write(Batch(acts=batch_acts, example_ids=ids, token_ids=tokens))
+    writer.close()
+except OSError as err:
+    writer.abort()
+    print("failed", errno.errorcode[err.errno])
+else:
+    print("published")
+"""
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_write_that_fails_after_its_buffers_were_released_fails_the_capture(tmp_path, direct):
+    """The disk refuses a write (a file-size limit: the kernel's own EFBIG) after the
+    batch's buffers were handed back to the caller (copied into the bounce buffer): the
+    error still stops the capture, and no store is published."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {**os.environ, DIRECT_ENV: direct}
+    run = subprocess.run(
+        [sys.executable, "-c", _FAILING_WRITE, str(out)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["failed", "EFBIG"]
+    assert not out.exists() or list(out.rglob("actstore-manifest.json")) == []
