@@ -108,6 +108,23 @@ def test_a_refused_direct_write_is_written_through_the_page_cache(tmp_path, alig
     assert path.read_bytes() == b"\0" + bytes(data[: align - 1]) + bytes(data)
 
 
+def test_a_refused_bounced_write_is_written_from_the_bounce_buffer(tmp_path, align):
+    """The caller reuses its buffer once released (here: zeroes it); a direct write the
+    kernel then refuses is written through the page cache from the copy, not the
+    buffer."""
+    path, fd = _new_file(tmp_path)
+    f = DirectFile(path, fd)
+    f.align = 2  # claims 2-byte alignment: odd memory is bounced, the offset is refused
+    raw = bytearray(np.random.default_rng(6).integers(0, 256, 3 * align + 1, np.uint8).tobytes())
+    view = memoryview(raw)[1:]  # odd address (a bytearray's is even)
+    expected = bytes(view)
+    f.write([view], 2, released=lambda: view.__setitem__(slice(None), bytes(len(view))))
+    assert f.refused and bytes(view) == bytes(len(view))
+    f.close()
+    os.close(fd)
+    assert path.read_bytes() == b"\0\0" + expected
+
+
 @pytest.mark.parametrize("sizes", [[1, 7, 4096, 3], [BOUNCE_BYTES - 5, 10, 2 * BOUNCE_BYTES + 1]])
 def test_an_appender_writes_what_it_was_handed_in_order(tmp_path, align, sizes):
     path, fd = _new_file(tmp_path)

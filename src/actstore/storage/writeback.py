@@ -274,12 +274,26 @@ class DirectFile:
                         if not left and released is not None:
                             released()  # the last bytes are in the bounce buffer
                             released = None
-                        pwrite_all(self.direct_fd, [bounce[:fill].data], offset)
+                        self._bounced(bounce[:fill].data, offset)
                         offset, fill = offset + fill, 0
         with self._lock:
-            self.direct_bytes += nbytes
+            self.direct_bytes += 0 if self.refused else nbytes
         if released is not None:
             released()
+
+    def _bounced(self, data: memoryview, offset: int) -> None:
+        """Write one bounce buffer's bytes; if the kernel refuses them direct, through the
+        page cache from the same buffer (the caller's views may be reused already)."""
+        if not self.refused:
+            try:
+                pwrite_all(self.direct_fd, [data], offset)
+                return
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                self.refused = True
+        pwrite_all(self.fd, [data], offset)
+        start_writeback(self.fd, offset, len(data))
 
     def close(self) -> None:
         """Close the direct descriptor once every write returned (``fd`` stays the
