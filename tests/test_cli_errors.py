@@ -227,6 +227,18 @@ def test_mistake_gives_one_line_and_changes_nothing(world, case):
     assert not (world["tmp"] / "actstore-data").exists()
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("ACTSTORE_DIRECT_IO", "yes"), ("ACTSTORE_WRITER_THREADS", "many")],
+)
+def test_a_bad_writer_setting_is_one_line_before_anything_is_read(world, name, value):
+    before = snapshot(world["tmp"])
+    argv = ["capture", "--model", world["model"], "--dataset", world["data"], "--out", world["out"]]
+    proc = run_cli(*argv, cwd=world["tmp"], env={"HF_HUB_OFFLINE": "1", name: value})
+    assert_one_line_error(proc, name)
+    assert snapshot(world["tmp"]) == before
+
+
 def test_absent_model_fails_at_once_when_the_hub_is_unreachable(world):
     """No HF_HUB_OFFLINE: the hub endpoint is unreachable here (no network), so the model
     fails without retries; on a machine with network the hub answers 404 just as fast."""

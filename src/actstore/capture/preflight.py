@@ -1,6 +1,8 @@
 """Checks that run before a capture loads model weights, cheapest first.
 
-In order: the output location is not inside a store and is a writable directory (not a
+In order: the writer's settings from the environment (``ACTSTORE_WRITER_THREADS``,
+``ACTSTORE_WRITER_STREAMS``, ``ACTSTORE_DIRECT_IO``) are well formed; the output location
+is not inside a store and is a writable directory (not a
 file); the ``--device`` exists here (a CUDA device needs a CUDA build of torch and a visible
 GPU); the dataset exists and is readable; the model's config.json is on this machine (or the
 hub answers) and every site fits it (its layer, and a sub-layer the model family has); a
@@ -40,6 +42,7 @@ from urllib.parse import urlparse
 from ..batch import CapturePlan
 from ..errors import ConfigError, StorageError, StoreNotFoundError
 from ..formats.base import WriterBase
+from ..formats.pipeline import check_settings
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 from ..sites import Site
 from .data import ExampleSource
@@ -621,6 +624,7 @@ def preflight(
     the device map's. ``local_devices=False`` (Ray: workers run elsewhere) leaves out the
     check that the devices it names exist here.
     """
+    check_settings()
     check_not_inside_a_store(out)
     check_output(out)
     check_device(config.device)
