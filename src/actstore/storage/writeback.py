@@ -168,34 +168,23 @@ def direct_alignment_in(directory: str | os.PathLike) -> int:
         os.unlink(probe)
 
 
-_bounce = threading.local()
+_buffers: list[np.ndarray] = []
+_buffers_lock = threading.Lock()
 
 
-def _bounce_buffer() -> np.ndarray:
-    """This thread's page-aligned buffer of :data:`BOUNCE_BYTES` (kept, so warm)."""
-    buf = getattr(_bounce, "buf", None)
-    if buf is None:
-        buf = _bounce.buf = np.frombuffer(mmap.mmap(-1, BOUNCE_BYTES), np.uint8)
-    return buf
-
-
-_stages: list[np.ndarray] = []
-_stages_lock = threading.Lock()
-
-
-def _take_stage() -> np.ndarray:
-    """A page-aligned buffer of :data:`BOUNCE_BYTES` for an :class:`Appender` (reused:
-    fresh memory costs a page fault per 4 KiB)."""
-    with _stages_lock:
-        if _stages:
-            return _stages.pop()
+def _take_buffer() -> np.ndarray:
+    """A page-aligned buffer of :data:`BOUNCE_BYTES` (a bounce buffer, an
+    :class:`Appender`'s stage), reused: fresh memory costs a page fault per 4 KiB."""
+    with _buffers_lock:
+        if _buffers:
+            return _buffers.pop()
     return np.frombuffer(mmap.mmap(-1, BOUNCE_BYTES), np.uint8)
 
 
-def _give_stage(stage: np.ndarray) -> None:
-    with _stages_lock:
-        if len(_stages) < 8:
-            _stages.append(stage)
+def _give_buffer(buf: np.ndarray) -> None:
+    with _buffers_lock:
+        if len(_buffers) < 8:
+            _buffers.append(buf)
 
 
 def _address(view: memoryview) -> int:
@@ -209,7 +198,7 @@ class DirectFile:
     closes it). Where the file system offers direct I/O a second descriptor is opened
     with ``O_DIRECT``: a write whose offset and length are multiples of the alignment
     goes there, straight from the caller's buffers when they are aligned, else through
-    this thread's bounce buffer. Every other write goes through the page cache with
+    a bounce buffer. Every other write goes through the page cache with
     rolling writeback. Reads see the same bytes either way; ``fsync`` of ``fd`` makes
     both durable. Safe to use from several threads for different ranges.
     """
@@ -263,19 +252,22 @@ class DirectFile:
         if all(not len(v) % a and not _address(v) % a for v in views):
             pwrite_all(self.direct_fd, views, offset)
         else:
-            bounce, fill, left = _bounce_buffer(), 0, nbytes
-            for v in views:
-                src = np.frombuffer(v, np.uint8)
-                while len(src):
-                    take = min(len(src), BOUNCE_BYTES - fill)
-                    np.copyto(bounce[fill : fill + take], src[:take])
-                    fill, src, left = fill + take, src[take:], left - take
-                    if fill == BOUNCE_BYTES or not left:
-                        if not left and released is not None:
-                            released()  # the last bytes are in the bounce buffer
-                            released = None
-                        self._bounced(bounce[:fill].data, offset)
-                        offset, fill = offset + fill, 0
+            bounce, fill, left = _take_buffer(), 0, nbytes
+            try:
+                for v in views:
+                    src = np.frombuffer(v, np.uint8)
+                    while len(src):
+                        take = min(len(src), BOUNCE_BYTES - fill)
+                        np.copyto(bounce[fill : fill + take], src[:take])
+                        fill, src, left = fill + take, src[take:], left - take
+                        if fill == BOUNCE_BYTES or not left:
+                            if not left and released is not None:
+                                released()  # the last bytes are in the bounce buffer
+                                released = None
+                            self._bounced(bounce[:fill].data, offset)
+                            offset, fill = offset + fill, 0
+            finally:
+                _give_buffer(bounce)
         with self._lock:
             self.direct_bytes += 0 if self.refused else nbytes
         if released is not None:
@@ -324,7 +316,7 @@ class Appender:
             self._flushed = self.size
             return
         if self._stage is None:
-            self._stage = _take_stage()
+            self._stage = _take_buffer()
         src = np.frombuffer(view, np.uint8)
         while len(src):
             take = min(len(src), BOUNCE_BYTES - self._fill)
@@ -355,7 +347,7 @@ class Appender:
             self._flushed += self._fill
             self._fill = 0
         if self._stage is not None:
-            _give_stage(self._stage)
+            _give_buffer(self._stage)
             self._stage = None
 
 
