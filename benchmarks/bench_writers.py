@@ -2,7 +2,8 @@
 same bytes, where its CPU goes per pipeline stage, how it scales with the writer's threads,
 and what 24 sites of a 24-layer model cost, journal included.
 
-Parts (``--parts``, default all), each against a baseline measured in the same run:
+Parts (``--parts``, default disk, stages, sites24), each against a baseline measured in
+the same run:
 
 1. ``disk``: each writer (``--formats``: saev, activault, saelens, zarr, pickle, opened
    through ``get_format(name).open_writer(plan, out, options)``) fed batches of each
@@ -25,6 +26,9 @@ Parts (``--parts``, default all), each against a baseline measured in the same r
    there are many: the same ratio to the raw write, and the wall time of each shard's
    journal append (``.partial/progress.jsonl``, one line per shard, appended, on the commit
    thread) against the shard's index: flat if the journal is O(1) per shard.
+4. ``direct``: each writer of ``--formats`` fed each ``--feeds`` dtype on ``--dir`` with
+   direct writes and through the page cache (``ACTSTORE_DIRECT_IO=1`` / ``0``),
+   interleaved: GB/s, the process's CPU s/GB and the ``write`` stage's, medians.
 
 The CPU capture path (capture to saev vs a discarding writer, <= 1.05) is
 ``bench_capture.py --only capture``. Batches are built in memory before any timing: views
@@ -63,7 +67,7 @@ from _common import table
 from actstore.batch import Batch, CapturePlan
 from actstore.formats import get_format
 from actstore.sites import Site
-from actstore.storage.writeback import direct_alignment, pool_size
+from actstore.storage.writeback import DIRECT_ENV, direct_alignment, pool_size
 from actstore.testing import make_plan
 
 FORMATS = ("saev", "activault", "saelens", "zarr", "pickle")
@@ -633,6 +637,61 @@ def part_sites24(args, pool: Pool, root: Path, results: dict) -> None:
     results["sites24"] = rows
 
 
+def part_direct(args, pool: Pool, root: Path, results: dict) -> None:
+    print(
+        f"\n== 4. each writer with direct writes and through the page cache "
+        f"(ACTSTORE_DIRECT_IO=1 / 0), {root} (median of {args.repeats}, interleaved)",
+        flush=True,
+    )
+    rows = []
+    for fmt in args.formats:
+        for feed in args.feeds:
+            case = make_case(
+                fmt, feed, pool, gib=args.gib, sites=args.sites, n_layers=args.layers,
+                tokens=args.tokens, d=args.d, batch_size=args.batch_size,
+                shard_mib=args.shard_mib,
+            )  # fmt: skip
+            runs: dict[str, list[dict]] = {"1": [], "0": []}
+            with_direct("1", lambda case=case: run_writer(case, root))  # warm-up
+            for _ in range(args.repeats):
+                for mode, got in runs.items():
+                    got.append(with_direct(mode, lambda case=case: run_writer(case, root)))
+            gb = runs["1"][0]["bytes"] / GB
+            row: dict[str, Any] = {"format": fmt, "feed": feed, "GB": gb}
+            for mode, name in (("1", "direct"), ("0", "cached")):
+                got = runs[mode]
+                row[f"GBps_{name}"] = gb / statistics.median(r["seconds"] for r in got)
+                row[f"cpu_per_GB_{name}"] = statistics.median(r["cpu"] for r in got) / gb
+                row[f"write_per_GB_{name}"] = (
+                    statistics.median(r["stages"].get("write", 0.0) for r in got) / gb
+                )
+                row[f"seconds_{name}"] = [r["seconds"] for r in got]
+            rows.append(row)
+            print(
+                f"  {fmt:9} fed {feed:8}: direct {row['GBps_direct']:.2f} GB/s "
+                f"(CPU {row['cpu_per_GB_direct']:.2f} s/GB, write {row['write_per_GB_direct']:.2f}), "
+                f"page cache {row['GBps_cached']:.2f} GB/s (CPU {row['cpu_per_GB_cached']:.2f}, "
+                f"write {row['write_per_GB_cached']:.2f}); seconds direct "
+                f"{', '.join(f'{x:.2f}' for x in row['seconds_direct'])}, page cache "
+                f"{', '.join(f'{x:.2f}' for x in row['seconds_cached'])}",
+                flush=True,
+            )
+    results["direct"] = rows
+
+
+def with_direct(mode: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``ACTSTORE_DIRECT_IO`` set to ``mode``."""
+    old = os.environ.get(DIRECT_ENV)
+    os.environ[DIRECT_ENV] = mode
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[DIRECT_ENV]
+        else:
+            os.environ[DIRECT_ENV] = old
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
 
@@ -688,6 +747,8 @@ def main() -> None:
             part_stages(args, pool, shm, results)
         if "sites24" in args.parts:
             part_sites24(args, pool, disk, results)
+        if "direct" in args.parts:
+            part_direct(args, pool, disk, results)
     finally:
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
