@@ -66,8 +66,9 @@ from _common import table
 
 from actstore.batch import Batch, CapturePlan
 from actstore.formats import get_format
+from actstore.formats.pipeline import THREADS_ENV
 from actstore.sites import Site
-from actstore.storage.writeback import DIRECT_ENV, direct_alignment, pool_size
+from actstore.storage.writeback import DIRECT_ENV, direct_alignment_in, pool_size
 from actstore.testing import make_plan
 
 FORMATS = ("saev", "activault", "saelens", "zarr", "pickle")
@@ -279,7 +280,7 @@ def raw_write(
     through ``O_DIRECT`` from one aligned buffer (the tail that is not a whole block
     through the page cache), the other way to write a file at the disk's speed."""
     path = root / f"raw-{uuid.uuid4().hex[:8]}.bin"
-    align = direct_align(root) if direct else 0
+    align = direct_alignment_in(root) if direct else 0
     if direct and not align:
         return {"seconds": float("nan"), "load": load()}
     aligned = None
@@ -313,12 +314,6 @@ def raw_write(
     return {"seconds": seconds, "load": t_load}
 
 
-def direct_align(root: Path) -> int:
-    """The alignment direct I/O needs for a new file under ``root`` (0: none offered)."""
-    with tempfile.NamedTemporaryFile(dir=root) as probe:
-        return direct_alignment(probe.name)
-
-
 # ---------------------------------------------------------------------- the parts
 
 
@@ -338,7 +333,7 @@ def disk_pairs(case: Case, root: Path, source: memoryview, repeats: int, **kw: A
     """Warm-up write (its size is the raw write's), then ``repeats`` interleaved pairs."""
     warm = run_writer(case, root)
     case.store_bytes = warm["bytes"]
-    pairs, direct = [], bool(direct_align(root))
+    pairs, direct = [], bool(direct_alignment_in(root))
     for _ in range(repeats):
         raw = raw_write(root, case.store_bytes, source)
         if direct:  # the baseline is the better of the two ways to write, in each pair
@@ -534,11 +529,11 @@ def stage_cell(row: dict, stage: str) -> str:
 
 
 def stage_runs(case: Case, root: Path, counts: list[int], args) -> dict:
-    with_threads(counts[-1], lambda: run_writer(case, root))  # warm-up, gives the size
+    with_env(THREADS_ENV, counts[-1], lambda: run_writer(case, root))  # warm-up, gives the size
     runs: dict[int, list[dict]] = {t: [] for t in counts}
     for _ in range(args.stage_repeats):
         for t in counts:
-            runs[t].append(with_threads(t, lambda: run_writer(case, root)))
+            runs[t].append(with_env(THREADS_ENV, t, lambda: run_writer(case, root)))
     nbytes = runs[counts[-1]][0]["bytes"]
     top = runs[counts[-1]]
     per_gb = {
@@ -563,17 +558,18 @@ def stage_runs(case: Case, root: Path, counts: list[int], args) -> dict:
     }
 
 
-def with_threads(n: int, fn: Callable[[], Any]) -> Any:
-    """``fn()`` with the writer's pools at ``n`` CPU threads (``ACTSTORE_WRITER_THREADS``)."""
-    old = os.environ.get("ACTSTORE_WRITER_THREADS")
-    os.environ["ACTSTORE_WRITER_THREADS"] = str(n)
+def with_env(name: str, value: object, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with environment variable ``name`` set to ``value`` (the writer's pools
+    read ``ACTSTORE_WRITER_THREADS``, its files ``ACTSTORE_DIRECT_IO``)."""
+    old = os.environ.get(name)
+    os.environ[name] = str(value)
     try:
         return fn()
     finally:
         if old is None:
-            del os.environ["ACTSTORE_WRITER_THREADS"]
+            del os.environ[name]
         else:
-            os.environ["ACTSTORE_WRITER_THREADS"] = old
+            os.environ[name] = old
 
 
 def part_sites24(args, pool: Pool, root: Path, results: dict) -> None:
@@ -652,10 +648,10 @@ def part_direct(args, pool: Pool, root: Path, results: dict) -> None:
                 shard_mib=args.shard_mib,
             )  # fmt: skip
             runs: dict[str, list[dict]] = {"1": [], "0": []}
-            with_direct("1", lambda case=case: run_writer(case, root))  # warm-up
+            with_env(DIRECT_ENV, 1, lambda case=case: run_writer(case, root))  # warm-up
             for _ in range(args.repeats):
                 for mode, got in runs.items():
-                    got.append(with_direct(mode, lambda case=case: run_writer(case, root)))
+                    got.append(with_env(DIRECT_ENV, mode, lambda case=case: run_writer(case, root)))
             gb = runs["1"][0]["bytes"] / GB
             row: dict[str, Any] = {"format": fmt, "feed": feed, "GB": gb}
             for mode, name in (("1", "direct"), ("0", "cached")):
@@ -677,19 +673,6 @@ def part_direct(args, pool: Pool, root: Path, results: dict) -> None:
                 flush=True,
             )
     results["direct"] = rows
-
-
-def with_direct(mode: str, fn: Callable[[], Any]) -> Any:
-    """``fn()`` with ``ACTSTORE_DIRECT_IO`` set to ``mode``."""
-    old = os.environ.get(DIRECT_ENV)
-    os.environ[DIRECT_ENV] = mode
-    try:
-        return fn()
-    finally:
-        if old is None:
-            del os.environ[DIRECT_ENV]
-        else:
-            os.environ[DIRECT_ENV] = old
 
 
 def main() -> None:
