@@ -24,10 +24,30 @@ if TYPE_CHECKING:
 
 #: Split ids a prompt/response example carries (``Batch.extras["split"]``).
 SPLITS = {"train": 0, "val": 1, "test": 2}
-#: Keys of ``CapturePlan.data`` that identify the data itself, not where it was found:
-#: digests of the examples consumed (``actstore.capture.data.digest``) and, for a store
-#: converted from another, that store's identity and the precision its values were kept at.
-DATA_IDENTITY = ("token_digest", "image_digest", "sample_digest", "converted_from")
+#: Keys of ``CapturePlan.data`` that identify what made the values, not where it was
+#: found: digests of the examples consumed (``actstore.capture.data.digest``), the
+#: identity of the model's weights (``actstore.capture.identity``: a digest of their bytes,
+#: or the Hub revision), the compute dtype, token cleaning and, for a store converted from
+#: another, that store's identity and the precision its values were kept at.
+DATA_IDENTITY = (
+    "token_digest",
+    "image_digest",
+    "sample_digest",
+    "weights",
+    "compute_dtype",
+    "clean_tokens",
+    "converted_from",
+)
+#: How :func:`plan_differences` names each key of ``CapturePlan.data`` it compares.
+_DATA_WORDS = {
+    "token_digest": "the data changed (the digest of its token ids",
+    "image_digest": "the data changed (the digest of its images",
+    "sample_digest": "the data changed (the digest of its samples",
+    "weights": "the model's weights changed (their identity",
+    "compute_dtype": "another compute dtype (--dtype",
+    "clean_tokens": "token cleaning differs (--clean",
+    "converted_from": "another source store (converted from",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,3 +175,52 @@ def sample_key(
         record["id"] = fallback
     text = json.dumps(record, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def plan_differences(stored: CapturePlan, wanted: CapturePlan) -> list[str]:
+    """What differs between the capture a store holds (``stored``, as its reader gives it
+    back) and the one asked for (``wanted``), in words, most telling first; empty when
+    the plans agree on everything a reader gives back (the format's options then differ).
+
+    Example:
+        >>> from actstore.testing import make_plan
+        >>> import dataclasses
+        >>> a = make_plan()
+        >>> b = dataclasses.replace(a, data={**a.data, "token_digest": "ff00"})
+        >>> plan_differences(a, b)[0][:16]
+        'the data changed'
+    """
+    out: list[str] = []
+    if stored.ckpt != wanted.ckpt:
+        out.append(f"another model ({stored.ckpt} there, {wanted.ckpt} now)")
+    old = stored.data if isinstance(stored.data, dict) else {}
+    new = wanted.data if isinstance(wanted.data, dict) else {}
+    for key, words in _DATA_WORDS.items():
+        there, now = old.get(key), new.get(key)
+        if there != now:
+            if key == "clean_tokens":
+                there, now = ("on" if v else "off" for v in (there, now))
+            out.append(f"{words}: {_short(there)} there, {_short(now)} now)")
+    if [str(s) for s in stored.sites] != [str(s) for s in wanted.sites]:
+        there, now = (", ".join(str(s) for s in p.sites) for p in (stored, wanted))
+        out.append(f"other sites ({there} there, {now} now)")
+    if stored.dataset_root != wanted.dataset_root:
+        out.append(f"another dataset ({stored.dataset_root} there, {wanted.dataset_root} now)")
+    for name, what in (("n_examples", "examples"), ("tokens_per_example", "tokens per example")):
+        a, b = getattr(stored, name), getattr(wanted, name)
+        if a != b:
+            out.append(f"{a} {what} there, {b} now")
+    if not out and old != new:
+        keys = sorted(k for k in {*old, *new} if old.get(k) != new.get(k))
+        out.append(f"another dataset description ({', '.join(keys)})")
+    return out
+
+
+def _short(value: Any) -> str:
+    """A value as a difference shows it: digests cut to 12 hex, dicts as their values."""
+    if value is None:
+        return "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_short(v)}" for k, v in sorted(value.items()))
+    text = str(value)
+    return text[:12] if len(text) > 16 and all(c in "0123456789abcdef" for c in text) else text

@@ -44,12 +44,20 @@ import torch
 from tqdm.auto import tqdm
 
 from .batch import Batch, CapturePlan
-from .errors import ActstoreError, ConfigError, CorruptStoreError, LayerNotStoredError
+from .errors import (
+    ActstoreError,
+    ConfigError,
+    CorruptStoreError,
+    LayerNotStoredError,
+    OtherCaptureError,
+)
 from .formats import open_store
 from .formats.base import ReaderBase, WriterBase
+from .formats.identity import explain_other_capture
 from .formats.registry import FormatSpec, available_formats, detect_format, get_format
 from .progress import bar_switch
 from .sites import Site
+from .storage.location import Location
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +240,8 @@ def open_target(
     other formats take them all."""
     try:
         return spec.open_writer(plan, target, options)
+    except OtherCaptureError as err:  # says what differs
+        raise explain_other_capture(err, plan) from None
     except ConfigError as err:
         kept = tuple(s for s in plan.sites if s.kind == "resid")
         if len(kept) == len(plan.sites) or not _accepts(spec, _only(plan, kept), options):
@@ -304,6 +314,8 @@ def _convert(
     source, to = reader.url, dst_spec.name
     plan = select_sites(converted_plan(reader, src_spec.name), sites, reader)
     options = options if options is not None else dst_spec.options()
+    # every row or none: a format of fixed-size files picks one that holds them all
+    options = dst_spec.writer.convert_options(plan, options)
     from .capture.preflight import check_out_target
 
     check_out_target(str(target), dst_spec, options, plan, what="the target")
@@ -346,6 +358,14 @@ def _convert(
             )
         dropped = dropped_fields(plan, target_reader.capture_plan(), dst_spec.name)
         stored_dtype = target_reader.stored_dtype()
+    except CorruptStoreError as err:
+        target_reader.close()
+        if already:  # published before this command: not this command's to remove
+            raise
+        withdraw(location)  # a conversion that fails publishes nothing
+        raise CorruptStoreError(
+            f"{err}; the store written at {location} was removed (nothing is published)"
+        ) from err
     finally:
         target_reader.close()
     for name, why in dropped.items():
@@ -372,6 +392,24 @@ def _convert(
         result.seconds,
     )
     return result
+
+
+def withdraw(location: Any) -> None:
+    """Remove the store this conversion just published at ``location`` (local or object
+    storage): its root manifest first, so no reader takes what is left if removal stops
+    half way."""
+    from .storage.manifest import MANIFEST
+    from .storage.object import join_key, open_location
+
+    store, prefix = open_location(str(location))
+    store.delete(join_key(prefix, MANIFEST))
+    store.delete_tree(prefix)
+    if Location.parse(location).is_local:
+        from .storage import remove_tree
+
+        path = Location.parse(location).path()
+        if path.exists():
+            remove_tree(path)
 
 
 #: What a capture plan records beyond the values, as conversion reports it.

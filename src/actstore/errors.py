@@ -64,6 +64,16 @@ class StoreExistsError(ActstoreError, FileExistsError):
     """The destination already holds a published store (nothing was overwritten)."""
 
 
+class OtherCaptureError(StoreExistsError):
+    """The destination holds a published store of another capture (another record: model,
+    weights, data, dtype, sites or options); ``location`` is where it is, so a caller that
+    can read it says what differs (nothing was overwritten)."""
+
+    def __init__(self, message: str, location: str = "") -> None:
+        super().__init__(message)
+        self.location = str(location)
+
+
 class UnsafeDataError(ActstoreError, ValueError):
     """Loading would execute untrusted code (pickle) and the caller did not opt in."""
 

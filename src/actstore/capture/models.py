@@ -43,6 +43,7 @@ from torch import nn
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 from ..sites import Site
+from .identity import weights_identity
 from .placement import (
     STRATEGIES,
     DeviceMemory,
@@ -97,6 +98,9 @@ class LoadedModel:
     image_processor: Any = None
     device_map: dict[str, int | str] | None = None
     """Module -> device when a device map spread the model."""
+    weights: dict[str, str] | None = None
+    """The identity of the weights loaded (:mod:`actstore.capture.identity`): a digest of
+    the checkpoint files read, or the Hub revision; None for a model built in place."""
 
 
 def _vision_family(model_type: str) -> str | None:
@@ -362,6 +366,8 @@ def load_model(
             f"placement=parse_placement({device!r}) (--device-map {device})"
         )
     plan = plan_model(name, dtype=dtype, sites=sites)
+    # read before loading (which then finds the files in the page cache)
+    weights = weights_identity(name, last_block=plan.last_block)
     if placement is not None and placement.spread and check_placement_devices:
         check_devices(placement)
     device_map = plan.device_map(placement)
@@ -400,6 +406,7 @@ def load_model(
         "device": torch.device(main_device(device_map, device)),
         "dtype": plan.dtype,
         "device_map": device_map,
+        "weights": weights,
     }
     log.info(
         "loaded %s (%s, blocks 0..%d of %d, d_model %d)",

@@ -40,12 +40,14 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..batch import CapturePlan
-from ..errors import ConfigError, StorageError, StoreNotFoundError
+from ..errors import ConfigError, OtherCaptureError, StorageError, StoreNotFoundError
 from ..formats.base import WriterBase
+from ..formats.identity import explain_other_capture
 from ..formats.pipeline import check_settings
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 from ..sites import Site
 from .data import ExampleSource
+from .identity import weights_identity
 from .runner import CaptureConfig
 
 log = logging.getLogger(__name__)
@@ -435,8 +437,10 @@ def check_sites(sites: tuple[str, ...], facts: ModelFacts) -> tuple[Site, ...]:
     from .sitemap import check_sites as check_family
 
     resolved = check_family(facts.family, (Site.parse(s).resolve(facts.n_layers) for s in sites))
-    if len(set(resolved)) != len(resolved):
-        raise ConfigError(f"sites {list(sites)} name the same site twice")
+    for i, site in enumerate(resolved):
+        if site in resolved[:i]:
+            first = sites[resolved.index(site)]
+            raise ConfigError(f"sites {first} and {sites[i]} both name {site}; give it once")
     return resolved
 
 
@@ -532,9 +536,11 @@ def weightless_plan(
         tokens = _image_tokens(source, facts)
     else:
         raise ConfigError(f"--model {config.model}: config.json gives no patch size")
+    weights = weights_identity(config.model, last_block=max(site.layer for site in sites))
     plan = source_plan(
         config,
         source,
+        weights=weights,
         ckpt=facts.ckpt,
         family=facts.family,
         modality=model.modality,
@@ -644,7 +650,10 @@ def preflight(
         return result
     result.plan, result.source = weightless_plan(config, facts, sites)
     plan = result.plan
-    writer = spec.open_writer(plan, out, options)
+    try:
+        writer = spec.open_writer(plan, out, options)
+    except OtherCaptureError as err:  # says what differs: the data, weights, dtype...
+        raise explain_other_capture(err, plan) from None
     result.writer = writer
     if writer.complete:
         return result

@@ -28,6 +28,7 @@ from .background import BackgroundWriter
 from .copyout import CopyOut, Sink, device_failure, open_copyout
 from .data import ExampleSource, open_source
 from .hooks import ActivationRecorder
+from .identity import module_identity
 from .models import DTYPES, LoadedModel, load_model
 from .placement import Placement, parse_placement
 
@@ -247,6 +248,7 @@ def plan_capture(
         d_model=model.d_model,
         tokens=_probe_tokens(model, source, sites),
         has_cls=model.has_cls,
+        weights=model.weights if model.weights is not None else module_identity(model.module),
     )
     return model, source, plan
 
@@ -263,9 +265,18 @@ def source_plan(
     d_model: int,
     tokens: int,
     has_cls: bool,
+    weights: dict[str, str],
 ) -> CapturePlan:
     """The plan of a capture of ``source`` by a model with these facts (capture and the
-    weightless preflight build it here, so they agree)."""
+    weightless preflight build it here, so they agree).
+
+    Its ``data`` (every format's record holds it) is the source's description plus what
+    else decides the values: the identity of the model's ``weights``
+    (:mod:`~actstore.capture.identity`), the compute dtype, and token cleaning when it is
+    on (text models)."""
+    data = {**source.describe(), "weights": dict(weights), "compute_dtype": config.dtype}
+    if config.clean_tokens and modality == "text":
+        data["clean_tokens"] = True
     return CapturePlan(
         ckpt=ckpt,
         family=family,
@@ -277,7 +288,7 @@ def source_plan(
         has_cls=has_cls,
         n_examples=source.n_examples,
         dataset_root=source.root,
-        data=source.describe(),
+        data=data,
         classes=source.classes,
         has_labels=source.labels is not None,
         has_tokens=source.has_tokens,

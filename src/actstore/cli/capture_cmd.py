@@ -238,124 +238,155 @@ def capture(
         typer.echo(f"Already captured (same config, same content hash): {memo.location}")
         typer.echo(memo.summary)
         return
-    from ..capture import CaptureConfig
-    from ..capture import capture as run_capture
-    from ..formats import open_store
-    from ..formats.registry import get_format, parse_options
+    created = _missing_dirs(out)  # removed again if a failed capture leaves them empty
+    try:
+        from ..capture import CaptureConfig
+        from ..capture import capture as run_capture
+        from ..formats import open_store
+        from ..formats.registry import get_format, parse_options
 
-    spec = get_format(fmt)
-    options = parse_options(spec, opt, dialect=dialect, patches_per_shard=patches_per_shard)
-    if sites:
-        site_list = tuple(s.strip() for s in sites.split(",") if s.strip())
-    else:
-        site_list = tuple(f"resid.{layer}" for layer in parse_int_list(layers, "--layers"))
-    config = CaptureConfig(
-        model=model,
-        dataset=dataset,
-        sites=site_list,
-        batch_size=batch_size,
-        device=device,
-        dtype=dtype,
-        context_length=context_length,
-        max_examples=max_examples,
-        max_tokens=max_tokens,
-        dataset_config=dataset_config,
-        streaming=streaming,
-        num_workers=num_workers,
-        split=split,
-        text_field=text_field,
-        token_field=token_field,
-        progress=progress,
-        mode=mode.replace("-", "_"),
-        prompt_field=prompt_field,
-        response_field=response_field,
-        generate_max_new_tokens=generate_max_new_tokens,
-        chat_template=chat_template,
-        clean_tokens=spec.clean_tokens if clean is None else clean,
-        device_map=device_map,
-        max_memory=max_memory,
-        offload_folder=offload_folder,
-    )
-    from ..capture.preflight import preflight
-    from ..dist import slurm_machine
-
-    sliced = machine_id is not None or num_machines is not None or (slurm and slurm_machine())
-    # Every check that needs no weights, before the model loads (one line each, exit 2).
-    distributed = ray is not None or bool(sliced)
-    if break_lock:
-        import os
-
-        from ..storage.lock import BREAK_LOCK_ENV
-
-        os.environ[BREAK_LOCK_ENV] = "1"
-    if dry_run:
-        from ..capture.models import memory_report
-
-        preflight(config, spec, out, options, open_store=False)
-        typer.echo(
-            memory_report(
-                config.model,
-                sites=config.sites,
-                dtype=config.dtype,
-                device=config.device,
-                placement=config.placement,
-                batch_size=config.batch_size,
-                context_length=config.context_length,
-                queue_size=config.queue_size,
-            )
+        spec = get_format(fmt)
+        options = parse_options(spec, opt, dialect=dialect, patches_per_shard=patches_per_shard)
+        if sites:
+            site_list = tuple(s.strip() for s in sites.split(",") if s.strip())
+        else:
+            site_list = tuple(f"resid.{layer}" for layer in parse_int_list(layers, "--layers"))
+        config = CaptureConfig(
+            model=model,
+            dataset=dataset,
+            sites=site_list,
+            batch_size=batch_size,
+            device=device,
+            dtype=dtype,
+            context_length=context_length,
+            max_examples=max_examples,
+            max_tokens=max_tokens,
+            dataset_config=dataset_config,
+            streaming=streaming,
+            num_workers=num_workers,
+            split=split,
+            text_field=text_field,
+            token_field=token_field,
+            progress=progress,
+            mode=mode.replace("-", "_"),
+            prompt_field=prompt_field,
+            response_field=response_field,
+            generate_max_new_tokens=generate_max_new_tokens,
+            chat_template=chat_template,
+            clean_tokens=spec.clean_tokens if clean is None else clean,
+            device_map=device_map,
+            max_memory=max_memory,
+            offload_folder=offload_folder,
         )
-        return
-    pre = preflight(
-        config,
-        spec,
-        out,
-        options,
-        space_check=space_check,
-        open_store=not distributed,
-        local_devices=ray is None,
-    )
-    if distributed:
-        from .dist_cmd import run_distributed_capture
+        from ..capture.preflight import preflight
+        from ..dist import slurm_machine
 
-        run_distributed_capture(
+        sliced = machine_id is not None or num_machines is not None or (slurm and slurm_machine())
+        # Every check that needs no weights, before the model loads (one line each, exit 2).
+        distributed = ray is not None or bool(sliced)
+        if break_lock:
+            import os
+
+            from ..storage.lock import BREAK_LOCK_ENV
+
+            os.environ[BREAK_LOCK_ENV] = "1"
+        if dry_run:
+            from ..capture.models import memory_report
+
+            preflight(config, spec, out, options, open_store=False)
+            typer.echo(
+                memory_report(
+                    config.model,
+                    sites=config.sites,
+                    dtype=config.dtype,
+                    device=config.device,
+                    placement=config.placement,
+                    batch_size=config.batch_size,
+                    context_length=config.context_length,
+                    queue_size=config.queue_size,
+                )
+            )
+            return
+        pre = preflight(
             config,
-            fmt,
+            spec,
             out,
             options,
-            ray=ray,
-            workers=workers,
-            retries=retries,
-            machine_id=machine_id,
-            num_machines=num_machines,
+            space_check=space_check,
+            open_store=not distributed,
+            local_devices=ray is None,
         )
-        return
-    if pre.writer is not None and pre.writer.complete:
-        location = pre.writer.close()
-        already = True
-    else:
-        result = _run_interruptible(config, spec, out, options, pre, run_capture)
-        location, already = result.output, result.already_complete
-    reader = open_store(location)
-    summary = reader.describe()
-    if already:
-        typer.echo(f"Already captured (same config, same content hash): {location}")
-    else:
-        rate = result.n_examples_run / max(result.seconds, 1e-9)
-        typer.echo(
-            f"Captured {result.n_examples_run} examples in {result.seconds:.1f}s "
-            f"({rate:.1f} examples/s)"
-            + (f", resumed at example {result.resumed_from}" if result.resumed_from else "")
+        if distributed:
+            from .dist_cmd import run_distributed_capture
+
+            run_distributed_capture(
+                config,
+                fmt,
+                out,
+                options,
+                ray=ray,
+                workers=workers,
+                retries=retries,
+                machine_id=machine_id,
+                num_machines=num_machines,
+            )
+            return
+        if pre.writer is not None and pre.writer.complete:
+            location = pre.writer.close()
+            already = True
+        else:
+            result = _run_interruptible(config, spec, out, options, pre, run_capture)
+            location, already = result.output, result.already_complete
+        reader = open_store(location)
+        summary = reader.describe()
+        if already:
+            typer.echo(f"Already captured (same config, same content hash): {location}")
+        else:
+            rate = result.n_examples_run / max(result.seconds, 1e-9)
+            typer.echo(
+                f"Captured {result.n_examples_run} examples in {result.seconds:.1f}s "
+                f"({rate:.1f} examples/s)"
+                + (f", resumed at example {result.resumed_from}" if result.resumed_from else "")
+            )
+        site = reader.sites[-1]
+        text = (
+            f"Stored {summary.get('shape', '')} ({human_bytes(summary.get('bytes', 0))}) in\n"
+            f"  {location}\n\nRead it back:\n"
+            f"  actstore inspect {location}\n  actstore verify {location}\n"
+            f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
+            f"print(r.read_block(r.blocks('{site}')[0])[0, :8])\""
         )
-    site = reader.sites[-1]
-    text = (
-        f"Stored {summary.get('shape', '')} ({human_bytes(summary.get('bytes', 0))}) in\n"
-        f"  {location}\n\nRead it back:\n"
-        f"  actstore inspect {location}\n  actstore verify {location}\n"
-        f"  python -c \"import actstore; r = actstore.open_store('{location}'); "
-        f"print(r.read_block(r.blocks('{site}')[0])[0, :8])\""
-    )
-    typer.echo(text)
-    remember(params, location, text, spec.manifests)
+        typer.echo(text)
+        remember(params, location, text, spec.manifests)
+    except BaseException:
+        _remove_empty(created)
+        raise
+
+
+def _missing_dirs(out: str) -> list[str]:
+    """The directories of a local ``out`` that do not exist yet, deepest first."""
+    import os
+
+    if "://" in out:
+        return []
+    path = os.path.abspath(os.path.expanduser(out))
+    missing = []
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_empty(created: list[str]) -> None:
+    """Remove the directories of ``created`` (deepest first) that are empty: a capture
+    that failed before anything durable was written leaves no empty ``--out`` behind."""
+    import os
+
+    for path in created:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return  # not empty (durable progress, another capture's files) or not there
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -11,8 +11,9 @@ or reinstalled (not each of their source files). Only captures into a local dire
 a local model directory (or the embedded model) over a local dataset (or the embedded
 corpus), on one machine, are memoised; the rest, and any whose files cannot all be
 listed (a dangling symlink, an unreadable file), always take the full path (preflight). A
-memo names the store and the size, mtime and inode of its index files and its root
-manifest (``actstore-manifest.json`` and ``actstore-blocks.xxh3``) at publication; it
+memo names the store and the size, mtime and inode of its root manifest
+(``actstore-manifest.json`` and ``actstore-blocks.xxh3``) and of its index files at the top
+of the store at publication (every format, zarr and Activault included); it
 answers only while those are unchanged, so a removed, rewritten or damaged-and-recaptured
 store is never reported from the memo.
 
@@ -113,15 +114,16 @@ def remember(
     params: dict[str, Any], location: Any, summary: str, manifests: tuple[str, ...]
 ) -> None:
     """Record a finished capture (nothing when it is not memoised or cannot be written):
-    the stats of its format's index files ``manifests`` (each must exist) and of its root
-    manifest files (those it has)."""
+    the stats of its root manifest files (the manifest must exist: every publication
+    writes it anew) and of those of its format's index files ``manifests`` that are at the
+    top of the store (a zarr store's ``.zmetadata``; an Activault run's ``cfg.json``, its
+    per-hook ``metadata.json`` being in the hook folders)."""
     key = capture_key(params)
     if key is None or not Path(str(location)).is_dir():
         return
-    stats = _stats(str(location), list(manifests))
-    if not stats or len(stats) != len(manifests):
+    stats = _stats(str(location), list(dict.fromkeys([*manifests, *ROOT_FILES])))
+    if ROOT_FILES[0] not in stats:
         return
-    stats.update(_stats(str(location), [n for n in ROOT_FILES if n not in stats]))
     doc = {"location": str(location), "summary": summary, "manifests": stats}
     directory = memo_dir()
     try:

@@ -49,7 +49,8 @@ _NARROWER = {"float16", "bfloat16"}
 
 def provenance(reader) -> dict[str, str]:
     """Where the store's data came from and at what precision: the dataset and the digest
-    of the examples consumed, the store it was converted from (its format, id and stored
+    of the examples consumed, the identity of the model's weights (digest or Hub revision)
+    and the compute dtype, the store it was converted from (its format, id and stored
     dtype), and the precision of its values (a float32 store of float16 values says so)."""
     from ..errors import ActstoreError
 
@@ -66,6 +67,12 @@ def provenance(reader) -> dict[str, str]:
     out["data"] = f"{data.get('kind', 'dataset')} {where}; " + (
         ", ".join(digests) if digests else "no digest of its examples recorded"
     )
+    weights = data.get("weights")
+    if isinstance(weights, dict) and weights:
+        out["weights"] = ", ".join(f"{k} {v}" for k, v in sorted(weights.items()))
+    out["compute dtype"] = str(data.get("compute_dtype") or "not recorded")
+    if data.get("clean_tokens"):
+        out["token cleaning"] = "on (special and chat-template tokens not stored)"
     stored = reader.stored_dtype()
     source = data.get("converted_from")
     if isinstance(source, dict):

@@ -766,3 +766,12 @@ class FormatWriter(WriterBase):
     def store_location(cls, plan: CapturePlan, location: Location, options: Any) -> Location:
         """Where the published store will be for output ``location`` (default: there)."""
         return location
+
+    @classmethod
+    def convert_options(cls, plan: CapturePlan, options: Any) -> Any:
+        """The options a conversion into this format uses for ``plan`` (whole examples of
+        ``tokens_per_example`` rows, no token cleaning), so the target keeps every row of
+        the source: a format that stores fixed-size files (Activault) picks a size that
+        divides the rows, or refuses in one line, before anything is written. Default:
+        ``options`` unchanged (every row is kept)."""
+        return options

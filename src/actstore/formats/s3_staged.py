@@ -30,11 +30,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..batch import Batch
-from ..errors import CaptureError, ConfigError
+from ..errors import (
+    CaptureError,
+    ConfigError,
+    CorruptStoreError,
+    OtherCaptureError,
+    StoreExistsError,
+)
 from ..storage import remove_tree
 from ..storage.cache import CACHE_ENV
 from ..storage.copy import copy_store
-from ..storage.manifest import MANIFEST
+from ..storage.manifest import MANIFEST, RootManifest
 from ..storage.object import S3Config, S3Store, join_key, open_location
 from ..storage.s3lock import DEFAULT_LEASE_S, S3Lock
 from ..storage.upload import BackgroundUploader
@@ -80,9 +86,11 @@ class StagedS3Writer(WriterBase):
         self.inner: WriterBase | None = None
         self.lock: S3Lock | None = None
         self._uploader: BackgroundUploader | None = None
-        self._published = store.size(join_key(self._prefix, self.subdir, MANIFEST)) is not None
+        manifest_key = join_key(self._prefix, self.subdir, MANIFEST)
+        self._published = store.size(manifest_key) is not None
         self.complete: bool = self._published
         if self._published:
+            self._check_published(manifest_key, make_local)
             log.info("%s is already published; nothing to write", self.url)
             return
         self.lock = S3Lock.acquire(
@@ -100,6 +108,25 @@ class StagedS3Writer(WriterBase):
         self.resume_from = self.inner.resume_from
         self._uploader = BackgroundUploader(store, self._prefix, threads=threads)
         self._offer()
+
+    def _check_published(self, key: str, make_local: Callable[[Path], WriterBase]) -> None:
+        """The store published at :attr:`url` is this capture (its root manifest names this
+        capture's record, as the local writer compares it), else refuse: another model,
+        dataset, dtype, sites or options at the same URL is never "already captured"."""
+        wanted = _record_id(make_local)
+        try:
+            found = RootManifest.from_bytes(self.store.get(key), self.store.url(key)).record
+        except (CorruptStoreError, OSError) as err:
+            raise StoreExistsError(
+                f"{self.url} holds a store whose root manifest cannot be read ({err}); "
+                "choose another output or remove it"
+            ) from None
+        if wanted is not None and found != wanted:
+            raise OtherCaptureError(
+                f"{self.url} holds another capture (its record is not this one's); choose "
+                "another output or remove it",
+                location=self.url,
+            )
 
     @property
     def url(self) -> str:
@@ -177,3 +204,17 @@ class StagedS3Writer(WriterBase):
         finally:
             if self.lock is not None:
                 self.lock.release()
+
+
+def _record_id(make_local: Callable[[Path], WriterBase]) -> str | None:
+    """The record id (what a root manifest's ``record`` holds) of the writer
+    ``make_local`` builds, opened in a scratch directory and aborted (it creates nothing
+    before its first write); None when the writer keeps no record id."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="actstore-record-") as scratch:
+        writer = make_local(Path(scratch))
+        try:
+            return getattr(writer, "store_id", None)
+        finally:
+            writer.abort()

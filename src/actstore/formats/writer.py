@@ -65,7 +65,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..batch import Batch, CapturePlan
-from ..errors import CaptureError, ConfigError, CorruptStoreError, StoreExistsError
+from ..errors import (
+    CaptureError,
+    ConfigError,
+    CorruptStoreError,
+    OtherCaptureError,
+    StoreExistsError,
+)
 from ..faults import point
 from ..sites import Site
 from ..stats import RunningStats, merge_all
@@ -385,7 +391,13 @@ class ShardedWriter(FormatWriter):
                 f"{self.final} holds this capture, damaged ({damaged[0]}); run actstore verify "
                 "on it, then move it away or restore it"
             )
-        if manifest is None or manifest.record != store_id_of(self.record):
+        if manifest is not None and manifest.record != store_id_of(self.record):
+            raise OtherCaptureError(
+                f"{self.final} holds another capture (its record is not this one's); "
+                "choose another output or move it away",
+                location=str(self.final),
+            )
+        if manifest is None:
             raise StoreExistsError(
                 f"{self.final} already holds something else (another capture, a damaged store "
                 "or files not written by actstore); choose another output or move it away"

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,9 @@ from ..errors import ConfigError, MissingDependencyError
 from ..sites import Site
 
 __all__ = ["SaelensCache", "open_cache", "training_runner"]
+
+#: The start of SAELens's warning that compares samples with tokens (see ``runner``).
+_FEWER_SAMPLES = r"The training dataset contains fewer samples"
 
 
 def _sae_lens() -> Any:
@@ -157,9 +161,23 @@ class SaelensCache:
         model = self.model(
             cfg.llm_device, cfg.model_name, **(cfg.model_from_pretrained_kwargs or {})
         )
-        return _sae_lens().LanguageModelSAETrainingRunner(
-            cfg, override_dataset=self.dataset(), override_model=model
-        )
+        with warnings.catch_warnings():
+            # SAELens compares the dataset's samples (contexts) with the training tokens,
+            # so it warns of too few samples whenever training_tokens exceeds the number of
+            # contexts; the comparison in tokens is made below instead
+            warnings.filterwarnings("ignore", message=_FEWER_SAMPLES)
+            runner = _sae_lens().LanguageModelSAETrainingRunner(
+                cfg, override_dataset=self.dataset(), override_model=model
+            )
+        held = self.n_examples * self.context_size
+        if held < cfg.training_tokens:
+            warnings.warn(
+                f"{self.path} holds {held:,} tokens ({self.n_examples:,} contexts of "
+                f"{self.context_size}), fewer than training_tokens={cfg.training_tokens:,}: "
+                "training goes over them more than once",
+                stacklevel=2,
+            )
+        return runner
 
 
 def open_cache(path: str | os.PathLike, hook: Any = None) -> SaelensCache:

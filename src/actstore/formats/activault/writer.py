@@ -54,7 +54,14 @@ import numpy as np
 import xxhash
 
 from ...batch import Batch, CapturePlan
-from ...errors import ActstoreError, CaptureError, CorruptStoreError, StoreExistsError
+from ...errors import (
+    ActstoreError,
+    CaptureError,
+    ConfigError,
+    CorruptStoreError,
+    OtherCaptureError,
+    StoreExistsError,
+)
 from ...faults import point
 from ...sites import Site
 from ...stats import RunningStats
@@ -199,6 +206,32 @@ class ActivaultWriter(FormatWriter):
         location = Location.parse(location)
         return cls(plan, location.url, options or ActivaultOptions(), s3=location.s3)
 
+    @classmethod
+    def convert_options(cls, plan: CapturePlan, options: Any) -> ActivaultOptions:
+        """Files of whole examples that hold every converted row: every Activault file is
+        the same size and the writer drops a tail under one file, so a conversion picks
+        ``rows_per_file`` dividing the examples (the largest at most the default) and
+        refuses, in one line, a ``rows_per_file`` or ``sequence_length`` given that would
+        drop rows (a conversion is of every row or of none)."""
+        options = options or ActivaultOptions()
+        rows, seq = file_shape(plan, options)
+        tokens, n = plan.tokens_per_example, plan.n_examples
+        if (n * tokens) % (rows * seq) == 0:
+            return options
+        fits = max(k for k in range(1, min(rows, n) + 1) if n % k == 0)
+        if not options.rows_per_file and seq == tokens:
+            return replace(options, rows_per_file=fits)
+        hint = (
+            f"give --opt rows_per_file={fits} (it divides the {n} examples)"
+            if seq == tokens
+            else f"leave sequence_length at the store's {tokens} tokens per example"
+        )
+        raise ConfigError(
+            f"Activault files of {rows} rows x {seq} tokens would leave the last "
+            f"{(n * tokens) % (rows * seq)} of the store's {n * tokens} rows out (every file "
+            f"is the same size); a conversion keeps every row: {hint}"
+        )
+
     # ------------------------------------------------------------------ open / resume
 
     def _hook_prefix(self, hook: str) -> str:
@@ -266,14 +299,22 @@ class ActivaultWriter(FormatWriter):
             if getattr(record, name) != getattr(expected, name)
         ]
         if differ:
-            detail = ""
+            words = [f"another {name} (--opt)" for name in differ if name != "plan"]
             if "plan" in differ:
-                keys = [k for k in expected.plan if record.plan.get(k) != expected.plan.get(k)]
-                detail = f" (plan fields: {', '.join(keys)})"
-            raise StoreExistsError(
-                f"{self.location} holds a capture with a different {', '.join(differ)}{detail}; "
-                "rerun with the same model, dataset, sites and options to resume it, or choose "
-                "a new run name"
+                words += _plan_words(record.plan, expected.plan)
+            if record.complete:
+                then = (
+                    "it is finished and left as it is: choose a new run name, or move it "
+                    "away to capture anew"
+                )
+            else:
+                then = (
+                    "it is unfinished: rerun that capture (same model, weights, dataset, "
+                    "dtype, sites and options) to resume it, or choose a new run name"
+                )
+            raise OtherCaptureError(
+                f"{self.location} holds another capture: {'; '.join(words)}; {then}",
+                location=str(self.location),
             )
         self.record = record
         if record.complete:
@@ -730,6 +771,22 @@ def write_run_manifest(
 #: Largest default megabatch file (Activault's 70B configs write 4 GiB files; smaller files
 #: keep the reader's prefetch memory and the dropped tail small).
 DEFAULT_FILE_BYTES = 256 << 20
+
+
+def _plan_words(held: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """What differs between two capture plans kept in run records, in words."""
+    from ...batch import plan_differences
+
+    try:
+        words = plan_differences(
+            CapturePlan.from_json_dict(held), CapturePlan.from_json_dict(wanted)
+        )
+    except (KeyError, TypeError, ValueError, ActstoreError):
+        words = []
+    if words:
+        return words
+    keys = [k for k in wanted if held.get(k) != wanted.get(k)]
+    return [f"another capture plan ({', '.join(keys)})"]
 
 
 def file_shape(plan: CapturePlan, options: ActivaultOptions) -> tuple[int, int]:
