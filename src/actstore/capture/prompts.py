@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import gc
-import json
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -47,10 +46,11 @@ import torch
 from tqdm.auto import tqdm
 
 from ..batch import SPLITS, sample_key
-from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
+from ..errors import ConfigError, StoreNotFoundError
 from ..progress import bar_switch
 from .data import ExampleSource, SourceBatch, load_saved
 from .data.digest import sequences_digest
+from .data.text_files import json_record
 from .models import LoadedModel, quiet_transformers, resolve_checkpoint
 
 log = logging.getLogger(__name__)
@@ -151,14 +151,11 @@ def read_records(
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CorruptStoreError(f"{path}:{lineno} is not valid JSON: {err.msg}") from err
+            record = json_record(line, f"{path}:{lineno}")
             if not isinstance(record, dict):
                 raise ConfigError(f"{path}:{lineno} is not a JSON object")
             rows.append(record)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptStoreError
 from ..stats import RunningStats
 from ..storage import atomic_write_bytes
+from ..storage.local import load_json
 
 if TYPE_CHECKING:
     from ..storage.integrity import Integrity
@@ -61,13 +62,13 @@ def read_journal(partial: str | os.PathLike) -> tuple[dict[str, Any], list[dict[
     last line cut short by a crash is a shard not recorded)."""
     with open(Path(partial) / PROGRESS, "rb") as f:
         lines = f.read().split(b"\n")
-    head = json.loads(lines[0])
+    head = load_json(lines[0])
     shards: list[dict[str, Any]] = []
     for i, line in enumerate(lines[1:], 1):
         if not line.strip():
             continue
         try:
-            entry = json.loads(line)
+            entry = load_json(line)
         except ValueError:
             entry = None
         follows = not shards or entry_index(entry) == entry_index(shards[-1]) + 1

@@ -55,6 +55,7 @@ from ..storage.manifest import (
     file_entry,
     hash_file_blocks,
     hash_ranges,
+    manifest_key,
 )
 from ..storage.writeback import (
     SYNCFS_ABOVE,
@@ -155,12 +156,14 @@ THREADS_ENV, STREAMS_ENV = "ACTSTORE_WRITER_THREADS", "ACTSTORE_WRITER_STREAMS"
 
 
 def check_settings() -> None:
-    """Refuse a bad ``ACTSTORE_WRITER_THREADS``, ``ACTSTORE_WRITER_STREAMS`` or
-    ``ACTSTORE_DIRECT_IO`` (one line, a :class:`~actstore.errors.ConfigError`): what a
-    writer calls when it opens, before anything is written."""
+    """Refuse a bad ``ACTSTORE_WRITER_THREADS``, ``ACTSTORE_WRITER_STREAMS``,
+    ``ACTSTORE_DIRECT_IO`` or an empty ``ACTSTORE_MANIFEST_KEY`` (one line, a
+    :class:`~actstore.errors.ConfigError`): what a writer calls when it opens, before
+    anything is written."""
     env_count(THREADS_ENV)
     env_count(STREAMS_ENV)
     direct_io_enabled()
+    manifest_key()
 
 
 def env_count(name: str) -> int | None:

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -154,12 +155,87 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int | None =
     atomic_write_bytes(path, (text + "\n").encode("utf-8"))
 
 
-def parse_json(data: bytes | memoryview, source: object) -> Any:
-    """``data`` (a store file's bytes, from ``source``) parsed as UTF-8 JSON; bad bytes
-    are :class:`CorruptStoreError` naming the file and what to do."""
+#: The bounds of every JSON document actstore parses from a store, a journal, a lock or an
+#: input file (:func:`load_json`, the one parser): many times what actstore's own files need,
+#: far below what would exhaust memory or the interpreter's stack.
+JSON_MAX_BYTES = 256 << 20
+JSON_MAX_DEPTH = 64
+JSON_MAX_DIGITS = 64
+
+#: A JSON string literal (to leave out of the bracket and digit counts).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_LONG_NUMBER = re.compile(rb"[0-9]{%d}" % (JSON_MAX_DIGITS + 1))
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def load_json(data: bytes | memoryview | str) -> Any:
+    """``data`` parsed as UTF-8 JSON within :data:`JSON_MAX_BYTES`, :data:`JSON_MAX_DEPTH`
+    levels of nesting and numbers of :data:`JSON_MAX_DIGITS` digits: every JSON actstore
+    parses from a file goes through here, so hostile nesting or a 5,000-digit number is a
+    ``ValueError`` saying which bound, never a ``RecursionError`` or a number too large to
+    convert. Callers turn the ``ValueError`` into their own one-line error.
+
+    Example:
+        >>> load_json(b'{"a": [1, 2.5]}')
+        {'a': [1, 2.5]}
+        >>> load_json(b"[" * 100 + b"]" * 100)
+        Traceback (most recent call last):
+        ...
+        ValueError: nested more than 64 levels deep (actstore's limit)
+        >>> load_json(b"1" * 5000)
+        Traceback (most recent call last):
+        ...
+        ValueError: holds a number of more than 64 digits (actstore's limit)
+    """
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if len(raw) > JSON_MAX_BYTES:
+        raise ValueError(
+            f"is {len(raw)} bytes, more than the {JSON_MAX_BYTES} a JSON file actstore reads "
+            "may hold"
+        )
+    text = raw.decode("utf-8") if not isinstance(data, str) else data
+    opens = raw.count(b"[") + raw.count(b"{")
+    long_number = _JSON_LONG_NUMBER.search(raw) is not None
+    if opens > JSON_MAX_DEPTH or long_number:
+        bare = _JSON_STRING.sub(b'""', raw)  # brackets and digits inside strings are text
+        if long_number and _JSON_LONG_NUMBER.search(bare):
+            raise ValueError(
+                f"holds a number of more than {JSON_MAX_DIGITS} digits (actstore's limit)"
+            )
+        if (
+            opens > JSON_MAX_DEPTH
+            and _json_depth(bare.translate(None, _NOT_BRACKETS)) > JSON_MAX_DEPTH
+        ):
+            raise ValueError(f"nested more than {JSON_MAX_DEPTH} levels deep (actstore's limit)")
     try:
-        return json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        return json.loads(text)
+    except RecursionError as err:  # not reached within the depth bound; kept as a fault
+        raise ValueError("nested too deeply to parse") from err
+
+
+def _json_depth(brackets: bytes) -> int:
+    """The deepest nesting of a run of JSON brackets (``[{]}`` only), in pieces, stopping
+    once it passes :data:`JSON_MAX_DEPTH`."""
+    import numpy as np
+
+    depth, deepest, piece = 0, 0, 1 << 20
+    for start in range(0, len(brackets), piece):
+        b = np.frombuffer(brackets, np.uint8, count=min(piece, len(brackets) - start), offset=start)
+        steps = np.where((b == ord("[")) | (b == ord("{")), 1, -1).cumsum() + depth
+        deepest = max(deepest, int(steps.max()))
+        depth = int(steps[-1])
+        if deepest > JSON_MAX_DEPTH:
+            break
+    return deepest
+
+
+def parse_json(data: bytes | memoryview, source: object) -> Any:
+    """``data`` (a store file's bytes, from ``source``) parsed by :func:`load_json`; bad
+    bytes, or JSON past its bounds, are :class:`CorruptStoreError` naming the file and what
+    to do."""
+    try:
+        return load_json(data)
+    except ValueError as err:
         raise CorruptStoreError(
             f"{source} is not valid JSON ({err}); the store is damaged: restore this file "
             "or re-create the store"
@@ -167,18 +243,19 @@ def parse_json(data: bytes | memoryview, source: object) -> Any:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    """Read a JSON file, turning a missing file or bad JSON into actstore errors."""
+    """Read a JSON file (through :func:`load_json`), turning a missing file or bad JSON into
+    actstore errors."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError as err:
         raise StoreNotFoundError(f"{path} does not exist") from err
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
+        return load_json(data)
+    except ValueError as err:
         raise CorruptStoreError(
-            f"{path} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); "
-            "the store is damaged: re-create it or restore this file"
+            f"{path} is not valid JSON ({err}); the store is damaged: re-create it or restore "
+            "this file"
         ) from err
 
 

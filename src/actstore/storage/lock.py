@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Self
 
 from ..errors import StoreLockedError
+from .local import load_json
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class StoreLock:
 
 def _read(fd: int) -> dict:
     try:
-        doc = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        doc = load_json(os.pread(fd, 4096, 0) or b"{}")
     except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}

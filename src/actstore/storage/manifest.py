@@ -44,8 +44,8 @@ import numpy as np
 import xxhash
 
 from .._version import __version__
-from ..errors import CorruptStoreError
-from .local import IO_CHUNK, atomic_write_bytes
+from ..errors import ConfigError, CorruptStoreError
+from .local import IO_CHUNK, atomic_write_bytes, load_json
 
 MANIFEST = "actstore-manifest.json"
 BLOCKS = "actstore-blocks.xxh3"
@@ -251,8 +251,8 @@ class RootManifest:
         value, and the digest, as they were; ``verify`` still reports it, since the store's
         content changed."""
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
+            doc = load_json(data)
+        except ValueError:
             return ""  # not JSON: the manifest's own check says so
         if _layout(doc) == data:
             return ""
@@ -265,8 +265,8 @@ class RootManifest:
     @classmethod
     def from_bytes(cls, data: bytes, source: str) -> RootManifest:
         try:
-            doc = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            doc = load_json(data)
+        except ValueError as err:
             raise CorruptStoreError(
                 f"{source} is not valid JSON ({err}); the store's root manifest is damaged: "
                 "restore it or re-create the store"
@@ -284,7 +284,9 @@ class RootManifest:
         if key is not None:
             signed = {**doc, "self": own}
             want = hmac.new(key, _canonical(signed), hashlib.sha256).hexdigest()
-            if signature is None or not hmac.compare_digest(str(signature), want):
+            if not isinstance(signature, str) or not hmac.compare_digest(
+                signature.encode("utf-8", "surrogatepass"), want.encode()
+            ):
                 raise CorruptStoreError(
                     f"{source} is not signed with the key in ${KEY_ENV}: the store was not "
                     "written with that key, or its manifest was rewritten; do not trust it"
@@ -351,9 +353,28 @@ def _not_hex(m: RootManifest) -> str:
 
 
 def manifest_key() -> bytes | None:
-    """The signing key from ``$ACTSTORE_MANIFEST_KEY`` (None when unset)."""
+    """The signing key from ``$ACTSTORE_MANIFEST_KEY`` (None when unset). Set but empty is
+    refused (:class:`ConfigError`): an empty key would sign nothing, and reading it as unset
+    would turn the signature checks off without a word.
+
+    Example:
+        >>> import os
+        >>> os.environ[KEY_ENV] = ""
+        >>> manifest_key()
+        Traceback (most recent call last):
+        ...
+        actstore.errors.ConfigError: ACTSTORE_MANIFEST_KEY is set but empty, which would turn manifest signatures off; set it to your key, or unset it (unset ACTSTORE_MANIFEST_KEY) to read and write without signatures
+        >>> del os.environ[KEY_ENV]
+    """
     text = os.environ.get(KEY_ENV)
-    return text.encode() if text else None
+    if text is None:
+        return None
+    if not text:
+        raise ConfigError(
+            f"{KEY_ENV} is set but empty, which would turn manifest signatures off; set it to "
+            f"your key, or unset it (unset {KEY_ENV}) to read and write without signatures"
+        )
+    return text.encode("utf-8", "surrogateescape")
 
 
 # ---------------------------------------------------------------------- writing

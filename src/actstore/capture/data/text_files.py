@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, CorruptStoreError
+from ...storage.local import load_json
 from .columns import DEFAULT_TEXT_FIELD, pick_field, value_kind
 from .packing import Rows
 
@@ -128,10 +129,32 @@ def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
 
 def _records(lines: _Lines) -> Iterator[tuple[int, Any]]:
     for lineno, line in lines:
-        try:
-            yield lineno, json.loads(line)
-        except json.JSONDecodeError as err:
-            raise CorruptStoreError(f"{lines.path}:{lineno} is not valid JSON: {err.msg}") from err
+        yield lineno, json_record(line, f"{lines.path}:{lineno}")
+
+
+def json_record(line: bytes, where: str) -> Any:
+    """One line of a JSONL file, parsed by actstore's bounded parser
+    (:func:`~actstore.storage.local.load_json`): bytes that are not UTF-8, not JSON, or JSON
+    past its bounds are one :class:`CorruptStoreError` line naming the file and line (the
+    same as a .txt line that is not UTF-8).
+
+    Example:
+        >>> json_record(b'{"text": "hi"}', "c.jsonl:1")
+        {'text': 'hi'}
+        >>> json_record(bytes([34, 255, 34]), "c.jsonl:2")
+        Traceback (most recent call last):
+        ...
+        actstore.errors.CorruptStoreError: c.jsonl:2 is not UTF-8 text (invalid start byte); fix or remove the line
+    """
+    try:
+        return load_json(line)
+    except UnicodeDecodeError as err:
+        raise CorruptStoreError(
+            f"{where} is not UTF-8 text ({err.reason}); fix or remove the line"
+        ) from None
+    except ValueError as err:
+        msg = err.msg if isinstance(err, json.JSONDecodeError) else str(err)
+        raise CorruptStoreError(f"{where} is not valid JSON: {msg}") from None
 
 
 def _values(records: Iterator[tuple[int, Any]], path: Path, name: str, kind: str) -> Iterator[Any]:

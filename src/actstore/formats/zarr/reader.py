@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from ...errors import ConfigError, CorruptStoreError, IndexOutOfRangeError, Stor
 from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ...storage.integrity import Integrity
+from ...storage.local import load_json
 from ..base import Block, ReaderBase, VerifyReport, summary_of
 from .layout import (
     ACT_DTYPE,
@@ -472,7 +472,20 @@ class ZarrReader(ReaderBase):
             )
             self.__dict__.setdefault("_texts", {})[(k, part)] = data
         start = int(offsets[local])
-        return json.loads(bytes(data[start:]).split(b"\n", 1)[0])[part]
+        line = bytes(data[start:]).split(b"\n", 1)[0]
+        try:
+            text = load_json(line)[part]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CorruptStoreError(
+                f"{store.url_of(name)}: the record of sample {local} is malformed ({err!r}); "
+                "restore the file or re-create the store"
+            ) from None
+        if not isinstance(text, str):
+            raise CorruptStoreError(
+                f"{store.url_of(name)}: the {part} of sample {local} is not a string; restore "
+                "the file or re-create the store"
+            )
+        return text
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_texts": {}}

@@ -4,7 +4,6 @@ text files, statistics and non-finite values."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import xxhash
 from ...batch import sample_key
 from ...errors import CorruptStoreError
 from ...stats import RunningStats, merge_all
+from ...storage.local import load_json
 from ..base import VerifyReport
 from ..recompute import compare_statistics
 from ..shard import ShardStats
@@ -220,7 +220,7 @@ def _verify_texts(store: StoreMeta, report: VerifyReport) -> None:
         # json.dumps(ensure_ascii=False) leaves raw inside a record
         try:
             text = store.checks.read_bytes(TEXT_FILES[part]).decode("utf-8")
-            lines = [json.loads(x) for x in text.split("\n") if x.strip()]
+            lines = [load_json(x) for x in text.split("\n") if x.strip()]
             ids = [x.get("i") for x in lines]
         except (CorruptStoreError, UnicodeDecodeError, ValueError, AttributeError) as err:
             report.faults.append(f"{where} is unreadable: {err}")

@@ -61,6 +61,7 @@ from ...errors import CaptureError
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage import atomic_write_json
+from ...storage.local import load_json
 from ...storage.location import Location
 from ...storage.manifest import block_keys
 from ..pipeline import ShardOutput
@@ -379,7 +380,7 @@ class ZarrWriter(ShardedWriter):
         folder = self.partial / ACTIVATIONS[part]
         try:
             sums = np.load(self.partial / chunksums_name(part, index), allow_pickle=False)
-            separator = json.loads((folder / ".zarray").read_text()).get("dimension_separator", ".")
+            separator = load_json((folder / ".zarray").read_bytes()).get("dimension_separator", ".")
         except (OSError, ValueError, AttributeError):
             return False
         if sums.shape != (hi - lo, lay.n_layers, lay.n_chunks(part)) or sums.dtype != "<u8":

@@ -130,15 +130,14 @@ class ObjectStore(abc.ABC):
     def get_json(self, key: str) -> Any:
         """Parse the object as UTF-8 JSON (:class:`CorruptStoreError` if it is not, read
         twice: a body mangled in transit, seen under injected resets, is fetched again)."""
-        import json
-
         from ...errors import CorruptStoreError
+        from ..local import load_json
 
         for attempt in range(2):
             data = self.get(key)
             try:
-                return json.loads(data.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                return load_json(data)
+            except ValueError as err:
                 if attempt == 0:
                     continue
                 raise CorruptStoreError(

@@ -39,6 +39,7 @@ import uuid
 from typing import Any, Protocol, Self
 
 from ...errors import StoreLockedError, UnsupportedError
+from ..local import load_json
 from ..lock import BREAK_LOCK_ENV, describe_holder, pid_alive
 from .base import LOCK_NAME, join_key
 
@@ -75,8 +76,8 @@ def _now() -> str:
 
 def _parse(body: bytes) -> dict[str, Any]:
     try:
-        doc = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        doc = load_json(body)
+    except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
 

@@ -1,0 +1,184 @@
+"""Hostile or damaged metadata in every format (issue 38, items 5-8): a FAULT line, never a
+traceback.
+
+Every JSON and metadata file of a store is parsed by one bounded parser
+(:func:`actstore.storage.local.load_json`: depth, number size, length), and every field of
+metadata that describes the data is checked against the data or against what the root
+manifest publishes. So deep nesting, a 5,000-digit number, a non-ASCII signature, or a
+metadata field edited with the manifest rewritten over it (:func:`resign`, what a tool or an
+attacker without ``ACTSTORE_MANIFEST_KEY`` can do) end as ``FAULT:`` lines of ``actstore
+verify`` (exit 1), one ``error:`` line of ``actstore inspect`` (exit 2) and an
+:class:`ActstoreError` from :func:`open_store`.
+
+The fuzz test at the end edits every JSON and metadata file of every format (the whole file,
+and each field, with hostile values, nesting, sizes and types), with and without a rewritten
+manifest, and reads the store back every way; it lists, in :data:`GETS_PAST`, exactly the
+fields a rewrite without a key can still change unnoticed (docs/reliability.md lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from test_fault_property import BUILDERS, writable_copy
+
+from actstore.errors import ActstoreError
+from actstore.formats import open_store
+from actstore.storage.manifest import KEY_ENV, MANIFEST
+from actstore.testing import resign
+
+
+def actstore(*args: str, capsys) -> tuple[int, str]:
+    """The real command (``actstore.cli.main``) in this process: exit code and stderr. An
+    exception escaping ``main`` (a traceback) fails the test."""
+    from actstore.cli import main
+
+    capsys.readouterr()
+    argv, sys.argv = sys.argv, ["actstore", *args]
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        sys.argv = argv
+    return code, capsys.readouterr().err
+
+
+def verify_faults(store: Path, capsys) -> list[str]:
+    code, err = actstore("verify", str(store), "--no-progress", capsys=capsys)
+    assert "Traceback" not in err, err
+    assert code == 1, f"verify exit {code}, expected 1 (a fault):\n{err}"
+    faults = [line for line in err.splitlines() if line.startswith("FAULT: ")]
+    assert faults, err
+    return faults
+
+
+def inspect_error(store: Path, capsys) -> str:
+    code, err = actstore("inspect", str(store), capsys=capsys)
+    assert "Traceback" not in err, err
+    assert code == 2, f"inspect exit {code}, expected 2:\n{err}"
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def refused_at_open(store: Path) -> None:
+    with pytest.raises(ActstoreError):
+        open_store(store).close()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Callable[[str], Path]:
+    """Each format's store, written once (when a case first asks for it)."""
+    stores: dict[str, Path] = {}
+
+    def get(fmt: str) -> Path:
+        if fmt not in stores:
+            stores[fmt] = BUILDERS[fmt](tmp_path_factory.mktemp(f"h-{fmt}"), 0)
+        return stores[fmt]
+
+    return get
+
+
+@pytest.fixture
+def copy_of(built, tmp_path) -> Callable[[str], Path]:
+    def copy(fmt: str) -> Path:
+        return writable_copy(built(fmt), tmp_path / built(fmt).name)
+
+    return copy
+
+
+#: Each format's index: the metadata file its reader parses first.
+INDEX = {
+    "saev": "metadata.json",
+    "zarr": ".zmetadata",
+    "pickle": "metadata.json",
+    "activault": "cfg.json",
+    "saelens": "state.json",
+}
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+BIG_NUMBER = b'{"n": ' + b"7" * 5000 + b"}"
+
+
+# ---------------------------------------------------------------------------- item 5
+
+
+@pytest.mark.parametrize("hostile", ["deep", "5000-digit"])
+@pytest.mark.parametrize(
+    ("what", "rewritten"),
+    [("manifest", False), ("index", False), ("index", True)],
+    ids=["manifest", "index", "index-manifest-rewritten"],
+)
+@pytest.mark.parametrize("fmt", list(BUILDERS))
+def test_deep_nesting_or_a_huge_number_is_a_fault_not_a_traceback(
+    copy_of, capsys, fmt, what, rewritten, hostile
+):
+    """100k brackets or a 5,000-digit integer in the root manifest or the format's index
+    (as it is, or with the manifest rewritten over it): verify lists a FAULT (exit 1),
+    inspect says one line (exit 2), open_store raises an actstore error (was: a
+    RecursionError or "ValueError: Exceeds the limit (4300 digits)" traceback)."""
+    store = copy_of(fmt)
+    name = MANIFEST if what == "manifest" else INDEX[fmt]
+    (store / name).write_bytes(DEEP if hostile == "deep" else BIG_NUMBER)
+    if rewritten:
+        resign(store)
+    faults = verify_faults(store, capsys)
+    assert any(name in f for f in faults), faults
+    assert name in inspect_error(store, capsys)
+    refused_at_open(store)
+
+
+def test_the_bounded_parser_names_each_bound(monkeypatch):
+    """Depth, digits and length each have their own message; brackets and digits inside
+    strings are text (a prompt may hold them)."""
+    from actstore.storage import local
+
+    text = json.dumps({"prompt": "[" * 500 + "9" * 500})
+    assert local.load_json(text)["prompt"].startswith("[[[")
+    with pytest.raises(ValueError, match="nested more than 64 levels"):
+        local.load_json(b"[" * 65 + b"]" * 65)
+    assert local.load_json(b"[" * 64 + b"]" * 64) is not None  # at the bound: parsed
+    with pytest.raises(ValueError, match="more than 64 digits"):
+        local.load_json(b"[1.0, -" + b"1" * 65 + b"]")
+    monkeypatch.setattr(local, "JSON_MAX_BYTES", 100)
+    with pytest.raises(ValueError, match="more than the 100"):
+        local.load_json(b" " * 101 + b"{}")
+
+
+# ---------------------------------------------------------------------------- item 6
+
+
+@pytest.mark.parametrize("fmt", ["saev", "saelens"])
+def test_a_non_ascii_signature_is_refused_in_one_line(copy_of, capsys, monkeypatch, fmt):
+    """With ACTSTORE_MANIFEST_KEY set, a manifest whose "hmac" is a non-ASCII string (or not
+    a string) is refused as unsigned (was: TypeError from hmac.compare_digest)."""
+    store = copy_of(fmt)
+    path = store / MANIFEST
+    doc = json.loads(path.read_text())
+    monkeypatch.setenv(KEY_ENV, "our key")
+    for signature in ["\u00e9" * 64, 12345, ["x"]]:
+        doc["hmac"] = signature
+        path.write_text(json.dumps(doc, indent=1))
+        faults = verify_faults(store, capsys)
+        assert any("is not signed with the key" in f for f in faults), faults
+        assert "is not signed with the key" in inspect_error(store, capsys)
+        refused_at_open(store)
+
+
+def test_an_empty_manifest_key_is_refused_not_read_as_no_key(copy_of, capsys, monkeypatch):
+    """ACTSTORE_MANIFEST_KEY="" used to turn signature checks off without a word: now every
+    command refuses it in one line (exit 2), before reading or writing anything."""
+    store = copy_of("saev")
+    monkeypatch.setenv(KEY_ENV, "")
+    for command in (["verify", str(store), "--no-progress"], ["inspect", str(store)]):
+        code, err = actstore(*command, capsys=capsys)
+        assert code == 2 and "Traceback" not in err, err
+        assert err.strip().splitlines() == [err.strip()] and "set but empty" in err, err
+    with pytest.raises(ActstoreError, match="set but empty"):
+        open_store(store)
