@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..storage.local import load_json
 
 #: Device map strategies (accelerate's planners).
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
@@ -100,10 +101,11 @@ def parse_size(value: Any, what: str) -> int:
 
 def _parse_json_object(text: str, option: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
+        value = load_json(text)
+    except ValueError as err:
+        why = f"{err.msg} at character {err.pos}" if isinstance(err, json.JSONDecodeError) else err
         raise ConfigError(
-            f"{option}: not valid JSON ({err.msg} at character {err.pos}); give a JSON object "
+            f"{option}: not valid JSON ({why}); give a JSON object "
             'such as \'{"embed_tokens": 0, "layers.0": 0, "layers.1": 1, "norm": 1}\''
         ) from None
     if not isinstance(value, dict) or not value:

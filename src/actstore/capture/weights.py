@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptStoreError, StoreNotFoundError
+from ..storage.local import load_json
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -85,7 +85,7 @@ class Checkpoint:
         index = _fetch(source, INDEX, required=False)
         if index is not None:
             try:
-                data = json.loads(Path(index).read_text())
+                data = load_json(Path(index).read_bytes())
                 weight_map = dict(data["weight_map"])
                 total = (data.get("metadata") or {}).get("total_size")
             except (ValueError, KeyError, TypeError, AttributeError) as err:
@@ -189,16 +189,22 @@ def _header_sizes(path: str) -> dict[str, int]:
                 "download the model again"
             )
         try:
-            header = json.loads(f.read(length))
+            header = load_json(f.read(length))
         except ValueError as err:
             raise CorruptStoreError(
                 f"{path} is not a readable safetensors file ({err}); download the model again"
             ) from None
-    header.pop("__metadata__", None)
-    return {
-        name: int(info["data_offsets"][1] - info["data_offsets"][0])
-        for name, info in header.items()
-    }
+    try:
+        header.pop("__metadata__", None)
+        return {
+            name: int(info["data_offsets"][1] - info["data_offsets"][0])
+            for name, info in header.items()
+        }
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError) as err:
+        raise CorruptStoreError(
+            f"{path} is not a readable safetensors file (its header: {err!r}); download the "
+            "model again"
+        ) from None
 
 
 def _hub_header_sizes(repo_id: str) -> dict[str, int] | None:

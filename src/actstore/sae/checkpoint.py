@@ -34,6 +34,7 @@ import torch
 
 from ..errors import CorruptStoreError, StoreNotFoundError
 from ..storage import atomic_write_bytes
+from ..storage.local import load_json
 from .model import SAEConfig, SparseAutoencoder
 
 #: safetensors header metadata key holding the architecture JSON.
@@ -71,7 +72,7 @@ def load_sae(path: str | os.PathLike, *, device: str | torch.device = "cpu") -> 
             "was not written by actstore; its architecture is unknown"
         )
     try:
-        config = SAEConfig.from_dict(json.loads(config_text))
+        config = SAEConfig.from_dict(load_json(config_text))
         tensors = load(data)
     except (ValueError, TypeError, SafetensorError) as err:
         raise CorruptStoreError(f"{path} is damaged: {err}") from err
@@ -97,8 +98,8 @@ def _header(data: bytes, path: Path) -> dict:
         (n,) = struct.unpack("<Q", data[:8])
         if n <= len(data) - 8:
             try:
-                header = json.loads(data[8 : 8 + n])
-            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                header = load_json(data[8 : 8 + n])
+            except ValueError as err:
                 damage = f"a damaged safetensors header: {err}"
             else:
                 damage = "a damaged safetensors header"
