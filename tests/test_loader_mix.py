@@ -19,6 +19,7 @@ from actstore.errors import ConfigError, CorruptStoreError
 from actstore.formats.base import ReaderBase
 from actstore.formats.saev import SaevReader
 from actstore.loader import ActivationDataLoader, ActivationLoader
+from actstore.loader.pipeline import window_shape
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +111,13 @@ def test_multi_example_blocks_and_runs(single, batch, pool, mix, run):
     rows = np.concatenate(r)
     assert sorted(rows.tolist()) == list(range(45 * T))
     np.testing.assert_array_equal(np.concatenate(x), expected(acts, rows, 0))
-    # the pools are what mix=1 uses (slabs of uneven size: at most ceil(T/mix)*mix/T more)
+    # windows read into buffers are what mix=1 uses (slabs of uneven size: at most
+    # ceil(T/mix)*mix/T more); mapped stores hold none
     plain = ActivationLoader(reader, batch_size=batch, pool_blocks=pool)
     largest = -(-T // mix)
-    assert loader.memory_bytes * T == plain.memory_bytes * largest * mix
+    rows = window_shape(loader.layout, pool)[1]
+    assert rows * T == window_shape(plain.layout, pool)[1] * largest * mix
+    assert loader.memory_bytes == plain.memory_bytes == 3 * batch * 8 * 4
     plan = loader.plan(0)
     assert max(plan.window_rows(w) for w in range(plan.n_windows)) <= pool * mix * largest * 7
 
@@ -206,7 +210,7 @@ def test_pair_rate_drops_with_mix(wide):
         loader = ActivationLoader(
             wide, site=2, batch_size=12, pool_blocks=4, mix=mix, return_index=True
         )
-        assert loader.memory_bytes == 2 * 4 * T * 8 * 4  # the same for every mix
+        assert window_shape(loader.layout, 4) == (1, 4 * T, 8)  # the same for every mix
         rates[mix] = np.mean([pair_rate(b.rows.numpy()) for b in loader])
     window = 4 * T  # rows of a window; about (T/mix - 1) / (window - 1) of pairs share one
     assert rates[1] == pytest.approx((T - 1) / (window - 1), rel=0.05)
@@ -264,7 +268,9 @@ def test_bad_mix_is_one_clear_error(store):
 
 def test_verified_slab_reads_read_whole_blocks_and_catch_damage(store, tmp_path, caplog):
     """Checksums cover whole examples: with verify_reads a slab is served only from a
-    checked block (one warning says so), and a damaged byte stops the epoch."""
+    checked block, and a damaged byte stops the epoch. Read into buffers, each slab reads
+    and checks its whole block (one warning says so); mapped, each block is checked once
+    per epoch where it lies and its slabs gathered from it (no warning: no extra reads)."""
     reader, acts = store
     copy = tmp_path / "copy"
     shutil.copytree(reader.path, copy)
@@ -275,9 +281,8 @@ def test_verified_slab_reads_read_whole_blocks_and_catch_damage(store, tmp_path,
     saev_reader._SLAB_WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="actstore.formats.saev.reader"):
         x, r = zip(*collect(ActivationLoader(verified, **options)))
-    assert (
-        sum("slab reads (mix > 1) are checked per whole block" in m for m in caplog.messages) == 1
-    )
+    warned = sum("slab reads (mix > 1) are checked per whole block" in m for m in caplog.messages)
+    assert warned == (0 if ActivationLoader(verified, **options).mapped else 1)
     rows = np.concatenate(r)
     np.testing.assert_array_equal(np.concatenate(x), expected(acts, rows, 1))
     # flip a byte of example 0's token 5 at layer 5: every slab of that block is refused,

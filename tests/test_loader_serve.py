@@ -10,6 +10,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -221,22 +222,24 @@ def test_consumer_errors(store, tmp_path):
         server.join(30)
 
 
-def test_batches_are_slices_of_shared_windows_and_held_ones_stay_intact(store, tmp_path):
-    """Batches travel as places in the server's shared windows (no copy); a window is
-    rewritten only once every consumer has let go of its batches."""
+def test_batches_are_ring_slots_and_held_ones_stay_intact(store, tmp_path):
+    """The server gathers each batch straight into its ring slot and consumers get views
+    of the slot (no copy on either side); a slot is rewritten only once every consumer has
+    let go of its batch."""
     reader, acts = store
     server = start_server(
         reader, name="zc", consumers=1, epochs=3, directory=tmp_path, context="fork", **OPTIONS
     )
     loader = ServedLoader("zc", 0, directory=tmp_path, return_index=True)
-    pools = [(p.ctypes.data, p.ctypes.data + p.nbytes) for p in loader.shared.pools]
-    assert len(pools) == 3
-    held, in_windows, rows = [], 0, []
+    ring = (
+        loader.shared.ring.ctypes.data,
+        loader.shared.ring.ctypes.data + loader.shared.ring.nbytes,
+    )
+    held, in_ring, rows = [], 0, []
     try:
         for _ in range(3):
             for batch in loader:
-                ptr = batch.acts.data_ptr()
-                in_windows += any(lo <= ptr < hi for lo, hi in pools)
+                in_ring += ring[0] <= batch.acts.data_ptr() < ring[1]
                 held = [*held[-2:], batch]  # the last three batches stay referenced
                 for x, r in held:  # ... and unchanged while the server moves on
                     np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 1))
@@ -246,7 +249,7 @@ def test_batches_are_slices_of_shared_windows_and_held_ones_stay_intact(store, t
         server.join(30)
     assert server.exitcode == 0
     assert rows == stream(reader, 3)
-    assert in_windows > len(rows) // 2  # most batches were never copied
+    assert in_ring == len(rows)  # every batch a view of the ring
 
 
 def test_a_directory_too_small_for_the_ring_is_one_clear_error(store, tmp_path, monkeypatch):
@@ -366,3 +369,92 @@ def test_a_consumer_that_cannot_pin_the_ring_stages_every_batch_exactly(store, t
     assert rows == stream(reader, 2)
     with pytest.raises(ConfigError, match="staging=True copies batches on their way to a device"):
         ServedLoader("st2", 0, directory=tmp_path, staging=True, timeout_s=0)
+
+
+def paced(name, consumer, directory, allow, counts):
+    """A trainer that takes batch ``b`` only once ``b < allow.value`` (the test sets how far
+    it may run ahead), counting what it received in ``counts[consumer]``."""
+    loader = ServedLoader(name, consumer, directory=directory)
+    while True:
+        try:
+            for _ in loader:
+                counts[consumer] += 1
+                while counts[consumer] >= allow.value:
+                    time.sleep(0.001)
+        except ServeError:
+            break  # the server finished its epochs
+    loader.close()
+
+
+def rejoiner(name, directory, saved, out, die_after):
+    """Consumer 2, restarted from its saved state each time: saves each batch's rows and
+    values and its state after every batch, and dies (kill -9) after ``die_after``."""
+    loader = ServedLoader(name, 2, directory=directory, return_index=True)
+    if saved.exists():
+        loader.load_state_dict(pickle.loads(saved.read_bytes()))
+    got = []
+    try:
+        while True:
+            for batch in loader:
+                got.append((batch.rows.numpy().copy(), batch.acts.numpy().copy()))
+                out.write_bytes(pickle.dumps(got))
+                saved.write_bytes(pickle.dumps(loader.state_dict()))
+                if len(got) == die_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
+    except ServeError as err:
+        out.write_bytes(pickle.dumps([*got, str(err)]))
+
+
+def test_a_consumer_killed_and_rejoined_at_many_points_gets_exactly_its_rows(store, tmp_path):
+    """Broadcast: consumer 2 is killed (kill -9) at many points and restarted from its saved
+    state while the other two run ahead of it by 0 to 24 batches. Every batch it gets after
+    a rejoin holds exactly the values of its rows; a position the server no longer holds is
+    refused in one line (the trial that found this got other batches' values)."""
+    reader, acts = store
+    options = {**OPTIONS, "batch_size": 3, "pool_blocks": 2}
+    server = start_server(
+        reader,
+        name="rj",
+        consumers=3,
+        slots=40,
+        epochs=3,
+        directory=tmp_path,
+        context="fork",
+        **options,
+    )
+    allow, counts = FORK.Value("q", 2, lock=False), FORK.Array("q", 2, lock=False)
+    others = [FORK.Process(target=paced, args=("rj", c, tmp_path, allow, counts)) for c in (0, 1)]
+    for p in others:
+        p.start()
+    saved, position, results = tmp_path / "state.pkl", 0, []
+    try:
+        for i, (die_after, lead) in enumerate(
+            [(2, 0), (3, 1), (4, 0), (2, 3), (5, 6), (3, 9), (4, 14), (3, 20), (2, 24)]
+        ):
+            allow.value = position + die_after + lead + 1
+            out = tmp_path / f"rejoin-{i}.pkl"
+            proc = FORK.Process(target=rejoiner, args=("rj", tmp_path, saved, out, die_after))
+            proc.start()
+            proc.join(60)
+            got = pickle.loads(out.read_bytes())
+            results += [g for g in got if not isinstance(g, str)]
+            if isinstance(got[-1], str):  # refused: the position left the ring
+                assert "no longer held" in got[-1] and "restart the server" in got[-1], got[-1]
+                assert lead > 1, f"a rejoin {lead} batches behind was refused: {got[-1]}"
+                break
+            assert proc.exitcode == -signal.SIGKILL
+            position += die_after
+            deadline = time.monotonic() + 30
+            while min(counts) < allow.value - 1 and time.monotonic() < deadline:
+                time.sleep(0.001)  # the others run ahead while consumer 2 is dead
+        assert len(results) >= 2 + 3 + 4 + 2  # the rejoins 0 and 1 batches behind worked
+        rows = [r.tolist() for r, _ in results]
+        assert rows == stream(reader, 3, **options)[: len(rows)]
+        for r, x in results:  # every value is its row's
+            np.testing.assert_array_equal(x, expected(acts, r, 1))
+    finally:
+        allow.value = 1 << 40
+        server.kill()
+        for p in others:
+            p.kill()
+        server.join(30)

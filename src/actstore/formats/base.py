@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from ..errors import ConfigError, IndexOutOfRangeError, InvalidIndexError, LayerNotStoredError
 from ..sites import Site
@@ -60,6 +61,17 @@ class Block:
     site: Site
     n_rows: int
     loc: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where a block's rows lie raw in one of the store's files: ``n_rows`` contiguous rows
+    of ``d_model`` little-endian values of ``dtype`` from byte ``offset`` of file ``name``,
+    covering whole blocks of the store's manifest (so they are checked where they lie)."""
+
+    name: str
+    offset: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -444,6 +456,13 @@ class ReaderBase(abc.ABC):
         block into a per-thread scratch buffer (checked there, while hot) and copies;
         formats that can read straight into place override it."""
         place(out, rows, self._read_into_scratch(block))
+
+    def block_extent(self, block: Block) -> Extent | None:
+        """Where ``block``'s rows lie raw in the store's files, so the loader can map them
+        and gather rows from the page cache with no read (checked in place against the
+        manifest); None (the default) when they do not lie raw (compressed, encoded,
+        widened on the way): the loader then reads blocks with :meth:`read_block`."""
+        return None
 
     def read_rows_scatter(
         self, block: Block, rows: np.ndarray, out: np.ndarray, dest: np.ndarray

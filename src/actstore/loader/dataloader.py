@@ -34,8 +34,9 @@ from .pipeline import LoaderBatch, RingBatch, WorkerLink
 MAX_SLOTS = 1024
 #: Where torch keeps shared memory (its ``file_descriptor`` strategy).
 SHM = "/dev/shm"
-#: Window pools one worker may have (two in turn, more only while you hold batches).
-MAX_POOLS = 64
+#: Batch slots a worker fills in turn while you hold none: the one you use, the one
+#: being sent, the one being gathered, and the DataLoader's prefetch.
+WORKER_SLOTS = 4
 
 _FIXED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
 
@@ -44,17 +45,19 @@ class ActivationDataLoader(DataLoader):
     """Runs an :class:`ActivationLoader` in ``num_workers`` worker processes.
 
     Each worker reads its own contiguous run of the rank's batches (with its own
-    ``io_threads``); the DataLoader interleaves them round-robin, which this class counts
-    to give an exact :meth:`state_dict`. Pinning and the move to ``device`` happen in the
-    main process: the workers' shared windows are registered with CUDA once (no pinning
-    copy) and each batch is copied to the device on a side stream while the previous one
-    is in use; windows that cannot be pinned are copied through a pinned staging buffer.
+    ``io_threads``) and gathers each batch straight into one of its shared-memory slots;
+    this process hands the slot out as a zero-copy view. The DataLoader interleaves the
+    workers round-robin, which this class counts to give an exact :meth:`state_dict`.
+    Pinning and the move to ``device`` happen in the main process: the workers' slots are
+    registered with CUDA once (no pinning copy) and each batch is copied to the device on
+    a side stream while the previous one is in use; slots that cannot be pinned are copied
+    through a pinned staging buffer.
     Batching, shuffling and ``drop_last`` belong to the ActivationLoader.
     With ``persistent_workers=True`` the workers (and their filled pools) outlive an
     epoch; each new iteration tells them the current position through shared memory.
-    It is the default where batches are pinned or go to CUDA: each pool is then registered
-    once for the DataLoader's life (fresh workers would bring fresh pools every epoch, each
-    registered and released again: measured 0.75 of the CPU loader's rate on an H200).
+    It is the default where batches are pinned or go to CUDA: each slot is then registered
+    once for the DataLoader's life (fresh workers would bring fresh memory every epoch,
+    each registered and released again: measured 0.75 of the CPU loader's rate on an H200).
     """
 
     def __init__(self, dataset: ActivationLoader, *, num_workers: int = 0, **kwargs: Any) -> None:
@@ -72,7 +75,7 @@ class ActivationDataLoader(DataLoader):
         pinned = kwargs.pop("pin_memory", False)
         if num_workers > 0:  # workers never pin or move: this process does
             pinned = pinned or finish.pin_memory
-            if pinned or finish.device is not None:  # pools registered once, not per epoch
+            if pinned or finish.device is not None:  # slots registered once, not per epoch
                 kwargs.setdefault("persistent_workers", True)
         elif finish.pin_memory or finish.device is not None:  # the loader already does
             pinned = False
@@ -93,10 +96,6 @@ class ActivationDataLoader(DataLoader):
         # slot as a numpy array, its reference count when no batch refers to it)
         self._slots: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
         self._delivered: list[tuple[int, int]] = []
-        # batches delivered from workers' window pools: (worker, pool) -> the pool, and
-        # one (worker, pool, view, references when dropped) per batch still referenced
-        self._pools: dict[tuple[int, int], np.ndarray] = {}
-        self._pool_batches: list[tuple[int, int, np.ndarray, int]] = []
         if num_workers > 0:
             _check_shared_memory(dataset, num_workers)
             self._new_ring(dataset)
@@ -104,17 +103,13 @@ class ActivationDataLoader(DataLoader):
             dataset.attach_workers(None)
 
     def _new_ring(self, loader: ActivationLoader) -> None:
-        """Fresh slot flags and pool counters for a new set of worker processes (batches
-        still held keep their memory)."""
+        """Fresh slot flags for a new set of worker processes (batches still held keep
+        their memory)."""
         self._link = WorkerLink.create(
-            self.num_workers,
-            slots=MAX_SLOTS,
-            pools=MAX_POOLS,
-            persistent=bool(self.persistent_workers),
+            self.num_workers, slots=MAX_SLOTS, persistent=bool(self.persistent_workers)
         )
         loader.attach_workers(self._link)
         self._slots, self._delivered = {}, []
-        self._pools, self._pool_batches = {}, []
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         loader: ActivationLoader = self.dataset  # type: ignore[assignment]
@@ -123,13 +118,13 @@ class ActivationDataLoader(DataLoader):
             return
         if not self.persistent_workers or self._iterator is None:
             self._new_ring(loader)  # new worker processes
-        else:  # persistent workers start the epoch with the windows you no longer hold
+        else:  # persistent workers start the epoch with the slots you no longer hold
             self._hand_back()
         loader.begin(self.num_workers)  # persistent workers read the position it publishes
         epoch = loader.epoch
         batches = self._received(super().__iter__())
         if self._device is not None:  # the next batch's copy runs while this one is used
-            staging = Staging(self._device)  # for pools that could not be pinned
+            staging = Staging(self._device)  # for slots that could not be pinned
             batches = to_device(batches, copies_for(self._device), staging)
         try:
             for batch in batches:
@@ -148,23 +143,15 @@ class ActivationDataLoader(DataLoader):
             del batch
 
     def _receive(self, message: RingBatch) -> Any:
-        """The batch in a worker's slot or window, as a zero-copy view; slots and windows
-        whose batches are no longer referenced are handed back to their workers first."""
+        """The batch in a worker's slot, as a zero-copy view; slots whose batches are no
+        longer referenced are handed back to their workers first."""
         self._hand_back()
-        if message.pool >= 0:
-            key = (message.worker, message.pool)
-            if message.storage is not None:
-                self._pools[key] = self._pinned(message.storage.numpy())
-            view = self._pools[key][message.offset : message.offset + message.nbytes]
-            idle = sys.getrefcount(view)  # one name + the argument, as the tuple above
-            self._pool_batches.append((message.worker, message.pool, view, idle))
-        else:
-            key = (message.worker, message.slot)
-            if message.storage is not None:
-                root = self._pinned(message.storage.numpy())
-                self._slots[key] = (root, sys.getrefcount(root))
-            self._delivered.append(key)
-            view = self._slots[key][0][: message.nbytes]
+        key = (message.worker, message.slot)
+        if message.storage is not None:
+            root = self._pinned(message.storage.numpy())
+            self._slots[key] = (root, sys.getrefcount(root))
+        self._delivered.append(key)
+        view = self._slots[key][0][: message.nbytes]
         acts = torch.from_numpy(view).view(getattr(torch, message.dtype))
         acts = acts.view(message.shape)
         del view
@@ -173,12 +160,12 @@ class ActivationDataLoader(DataLoader):
         return LoaderBatch(acts, torch.as_tensor(message.rows))
 
     def _pinned(self, root: np.ndarray) -> np.ndarray:
-        """A worker's shared pool or slot, registered with CUDA when batches are pinned or
-        go to a CUDA device (once: it serves many batches)."""
+        """A worker's shared slot, registered with CUDA when batches are pinned or go to a
+        CUDA device (once: it serves many batches)."""
         return try_pin(root) if self._pin else root
 
     def _hand_back(self) -> None:
-        """Give workers back the slots and windows of batches nobody refers to any more."""
+        """Give workers back the slots of batches nobody refers to any more."""
         link = self._link
         assert link is not None, "batches arrive from workers only"
         flags = link.slot_flags
@@ -190,20 +177,11 @@ class ActivationDataLoader(DataLoader):
             else:
                 kept.append(key)
         self._delivered = kept
-        released = link.pool_released
-        still = []
-        for entry in self._pool_batches:
-            if sys.getrefcount(entry[2]) == entry[3]:
-                released[entry[0], entry[1]] += 1
-            else:
-                still.append(entry)
-        self._pool_batches = still
 
     def host_bytes(self) -> int:
-        """Bytes of the workers' pools and batch slots this process maps now (each
-        registered with CUDA once when batches are pinned or go to CUDA)."""
-        pools = sum(int(a.nbytes) for a in self._pools.values())
-        return pools + sum(int(root.nbytes) for root, _ in self._slots.values())
+        """Bytes of the workers' batch slots this process maps now (each registered with
+        CUDA once when batches are pinned or go to CUDA)."""
+        return sum(int(root.nbytes) for root, _ in self._slots.values())
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's position counted in batches delivered by this DataLoader."""
@@ -215,9 +193,9 @@ class ActivationDataLoader(DataLoader):
 
 
 def _check_shared_memory(loader: ActivationLoader, num_workers: int) -> None:
-    """Workers keep their windows in shared memory (``/dev/shm``): refuse at once, not with a
-    bus error mid-epoch, when it cannot hold them."""
-    need = num_workers * loader.memory_bytes * 3 // 2  # two windows, a third while you hold one
+    """Workers gather batches into slots in shared memory (``/dev/shm``): refuse at once,
+    not with a bus error mid-epoch, when it cannot hold the slots they fill in turn."""
+    need = num_workers * WORKER_SLOTS * loader.batch_bytes
     try:
         vfs = os.statvfs(SHM)
     except OSError:
@@ -225,7 +203,7 @@ def _check_shared_memory(loader: ActivationLoader, num_workers: int) -> None:
     free = vfs.f_bavail * vfs.f_frsize
     if need > free:
         raise ConfigError(
-            f"{num_workers} DataLoader workers keep their shuffle windows in {SHM}: they need "
+            f"{num_workers} DataLoader workers hand batches over in {SHM}: they need "
             f"{need / 2**20:.0f} MiB but {free / 2**20:.0f} MiB is free; enlarge it (docker: "
-            "--shm-size), use fewer workers or a smaller pool_blocks"
+            "--shm-size), use fewer workers or a smaller batch_size"
         )

@@ -14,11 +14,11 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import os
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -29,12 +29,13 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..devicecopy import Staging, copies_for
 from ..errors import ConfigError
 from ..formats import open_store
-from ..formats.base import SiteLike
+from ..formats.base import Extent, SiteLike
 from ..order import EpochPlan, batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
+from ..storage.mapped import available as can_map
+from .buffers import NUMPY_STORAGE, SharedSlots
 from .device import to_device
 from .pipeline import (
-    Buffers,
     BufferSet,
     Consumer,
     Finish,
@@ -45,6 +46,7 @@ from .pipeline import (
     first_rows,
     kept_rows,
     unit_rows,
+    window_shape,
 )
 
 log = logging.getLogger(__name__)
@@ -173,6 +175,12 @@ class ActivationLoader(IterableDataset):
         elif options:
             raise ConfigError("pass a LoaderConfig or keyword options, not both")
         self.config = config
+        if isinstance(source, (list, tuple)):
+            raise ConfigError(
+                f"ActivationLoader reads one store, not a {type(source).__name__} of "
+                f"{len(source)}; convert the stores into one (actstore convert), or make "
+                "one loader per store and alternate their batches"
+            )
         self.reader = open_store(source) if isinstance(source, (str, os.PathLike)) else source
         reader = self.reader
         if config.sites is not None:
@@ -223,6 +231,7 @@ class ActivationLoader(IterableDataset):
             mix=mix,
             period=period,
             unit_rows=unit_rows(blocks[0], period, mix, cls) if mix > 1 else None,
+            extents=_extents(reader, blocks),
         )
         if config.pool_blocks is not None:
             pool_blocks = config.pool_blocks
@@ -238,6 +247,12 @@ class ActivationLoader(IterableDataset):
             run_blocks = max(1, DEFAULT_RUN_BYTES // max(block_bytes, 1))
         self.run_blocks = min(run_blocks, self.pool_blocks)
         self.rank, self.world_size = _rank_and_world(config)
+        if config.drop_last and self.n_rows and not len(self):
+            raise ConfigError(
+                f"drop_last=True serves no batch: {self.n_rows} rows over {self.world_size} "
+                f"rank(s) is less than one batch of {config.batch_size} per rank; use a "
+                "smaller batch_size or drop_last=False"
+            )
         self._finish = self._make_finish()
         self.epoch = config.epoch
         self._batches_done = 0
@@ -246,8 +261,9 @@ class ActivationLoader(IterableDataset):
         # set by ActivationDataLoader (attach_workers): its workers send batches through
         # shared memory (see _fill_ring), and pinning and the device act in its process
         self._link: WorkerLink | None = None
-        self._ring_slots: tuple[int, list[torch.Tensor], set[int]] | None = None  # (pid,
-        # this worker's batch slots, pools it has sent)
+        self._slots: tuple[int, SharedSlots] | None = None  # (pid, this worker's batch slots)
+        # where batches are gathered when the caller owns that memory (``actstore serve``)
+        self._destination: Callable[[], np.ndarray] | None = None
         # the next epoch's consumer, its first window already being read: (pid, what it
         # serves: epoch, worker, consumers, rows, buffers; the consumer); never pickled
         self._next: tuple[int, tuple[Any, ...], Consumer] | None = None
@@ -272,12 +288,29 @@ class ActivationLoader(IterableDataset):
         return self._rank_span().n_batches
 
     @property
+    def mapped(self) -> bool:
+        """Whether batches are gathered straight from the store's mapped files (local
+        stores whose format stores rows raw), rather than from windows read into buffers."""
+        return self.layout.extents is not None
+
+    @property
+    def batch_bytes(self) -> int:
+        """Bytes of one batch buffer (``[batch_size, n_sites, D]`` of the output dtype)."""
+        item = torch.empty(0, dtype=self._finish.out_dtype).element_size()
+        return self.batch_size * len(self.sites) * self.d_model * item
+
+    @property
     def memory_bytes(self) -> int:
-        """Upper bound of the pool memory one consumer holds: 2 windows of the largest
-        blocks (``pool_blocks * mix`` of the largest slabs)."""
-        largest = self.layout.mix * self.layout.max_unit_rows
-        row_bytes = len(self.sites) * self.d_model * self.layout.dtype.itemsize
-        return 2 * self.pool_blocks * largest * row_bytes
+        """Private memory one consumer holds, about: three batch buffers (the batch you
+        hold, the next one, one more while the loop variable still holds the last), plus,
+        where windows are read into buffers (not :attr:`mapped`), two windows of the
+        largest blocks (``pool_blocks * mix`` of the largest slabs). Batches you keep
+        add one buffer each."""
+        windows = 0
+        if not self.mapped:
+            shape = window_shape(self.layout, self.pool_blocks)
+            windows = 2 * int(np.prod(shape)) * self.layout.dtype.itemsize
+        return windows + 3 * self.batch_bytes
 
     def plan(self, epoch: int):
         """The order of epoch ``epoch`` (see :mod:`actstore.order`)."""
@@ -384,8 +417,9 @@ class ActivationLoader(IterableDataset):
                 f"{STATE_VERSION}: another actstore version saved it"
             )
         # states saved before runs and slabs existed: single whole blocks
-        state = {"run_blocks": 1, "mix": 1, **state}
         mine = self.fingerprint()
+        # states saved before the store was part of it belong to this one
+        state = {"run_blocks": 1, "mix": 1, "store": mine["store"], **state}
         wrong = [
             f"{k}={state.get(k)!r} (this loader: {v!r})"
             for k, v in mine.items()
@@ -418,6 +452,7 @@ class ActivationLoader(IterableDataset):
             "drop_cls": cfg.drop_cls,
             "sites": [str(s) for s in self.sites],
             "blocks": hashlib.sha256(sizes).hexdigest()[:16],
+            "store": _store_key(self.reader),
         }
 
     def __repr__(self) -> str:
@@ -434,36 +469,28 @@ class ActivationLoader(IterableDataset):
     def _buffer_set(self) -> BufferSet:
         """This process's buffers, made on first use and kept across epochs."""
         if self._buffers is None or self._buffers[0] != os.getpid():
-            info = get_worker_info()
-            released = None
-            if info is not None and self._link is not None:
-                released = self._link.pool_released[info.id].numpy()
-            self._buffers = (os.getpid(), self._new_buffers(released=released))
+            self._buffers = (os.getpid(), self._new_buffers())
         return self._buffers[1]
 
-    def use_pools(self, pools: Buffers) -> None:
-        """Read windows into ``pools`` (memory the caller owns and shares, e.g. ``actstore
-        serve``'s ring) in this process, from the next iteration on."""
-        self._buffers = (os.getpid(), self._new_buffers(pools=pools))
+    def deliver_into(self, take: Callable[[], np.ndarray] | None) -> None:
+        """Gather each batch into the array ``take()`` returns (``[batch_size, n_sites,
+        D]`` of the output dtype's storage; memory the caller owns and shares, e.g.
+        ``actstore serve``'s ring slots) in this process; None: into its own buffers."""
+        self._destination = take
 
-    def _new_buffers(
-        self, *, released: np.ndarray | None = None, pools: Buffers | None = None
-    ) -> BufferSet:
+    def _new_buffers(self) -> BufferSet:
         # pinned where batches are pinned or moved to CUDA in this process: never in a
-        # DataLoader worker (the main process pins what workers send) nor for serve
-        own = released is None and pools is None and get_worker_info() is None
+        # DataLoader worker (the main process pins what workers send)
         return BufferSet(
             self.layout,
             batch_size=self.batch_size,
             pool_blocks=self.pool_blocks,
             out_dtype=self._finish.out_dtype,
-            released=released,
-            pools=pools,
-            pinned=self._finish.pin_memory and own,
+            pinned=self._finish.pin_memory and get_worker_info() is None,
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_buffers": None, "_ring_slots": None, "_next": None}
+        return {**self.__dict__, "_buffers": None, "_slots": None, "_next": None}
 
     # ------------------------------------------------------------------ the seam used by
     # ActivationDataLoader (main process) and serve
@@ -522,70 +549,40 @@ class ActivationLoader(IterableDataset):
     def _fill_ring(
         self, batches: Iterator[Any], link: WorkerLink, worker: int
     ) -> Iterator[RingBatch]:
-        """Worker process: send each batch through shared memory the main process owns.
-        A batch that is a slice of a window pool (the common case: no carry across windows,
-        no dtype change or normalisation) is sent as its place in the pool, with no copy;
-        any other is copied into a batch slot. Either way only numbers travel (and a slot
-        or pool itself the first time), never a per-batch pickle of the data.
-        ``link.slot_flags[worker, s]`` is 1 while slot ``s`` is in use; pools are reused
-        once the main process has dropped every batch sent from them (``BufferSet.held``)."""
-        flags = link.slot_flags[worker].numpy()
-        if self._ring_slots is None or self._ring_slots[0] != os.getpid():
-            self._ring_slots = (os.getpid(), [], set())
-        _, slots, pools_sent = self._ring_slots
-        buffers = self._buffer_set()
+        """Worker process: each batch was gathered into one of this worker's shared slots
+        (:meth:`_worker_slots`); send where it lies (the slot's memory itself only with its
+        first batch), never the data. The main process clears ``link.slot_flags[worker,
+        s]`` once it has dropped the batch, and the slot is filled again only then."""
+        slots = self._worker_slots(link, worker)
         for batch in batches:
             acts, rows = (
                 (batch.acts, batch.rows) if isinstance(batch, LoaderBatch) else (batch, None)
             )
             del batch
-            nbytes = acts.numel() * acts.element_size()
-            row_ids = None if rows is None else rows.numpy().copy()
-            del rows
-            shape, dtype = tuple(acts.shape), str(acts.dtype).removeprefix("torch.")
-            place = buffers.pool_of(acts)
-            if place is not None:
-                pool, offset = place
-                buffers.pool_sent[pool] += 1
-                fresh = pool not in pools_sent
-                pools_sent.add(pool)
-                del acts  # the pool is free again once the main process drops the batch
-                yield RingBatch(
-                    worker=worker,
-                    slot=-1,
-                    nbytes=nbytes,
-                    shape=shape,
-                    dtype=dtype,
-                    storage=buffers.pool_storage[pool] if fresh else None,
-                    rows=row_ids,
-                    pool=pool,
-                    offset=offset,
-                )
-                continue
-            while True:
-                free = np.flatnonzero(flags[: len(slots)] == 0)
-                if len(free) or len(slots) < len(flags):
-                    break
-                time.sleep(0.001)  # every slot held by the main process: wait for one
-            fresh = not len(free)
-            if fresh:
-                full = self.batch_size * nbytes // max(len(acts), 1)
-                slots.append(torch.empty(max(full, nbytes), dtype=torch.uint8).share_memory_())
-                s = len(slots) - 1
-            else:
-                s = int(free[0])
-            flags[s] = 1
-            slots[s][:nbytes].view(acts.dtype).view(acts.shape).copy_(acts)
-            del acts
-            yield RingBatch(
+            s = slots.locate(acts)
+            assert s is not None, "worker batches are gathered into shared slots"
+            fresh = s not in slots.sent
+            slots.sent.add(s)
+            message = RingBatch(
                 worker=worker,
                 slot=s,
-                nbytes=nbytes,
-                shape=shape,
-                dtype=dtype,
-                storage=slots[s] if fresh else None,
-                rows=row_ids,
+                nbytes=acts.numel() * acts.element_size(),
+                shape=tuple(acts.shape),
+                dtype=str(acts.dtype).removeprefix("torch."),
+                storage=slots.storage[s] if fresh else None,
+                rows=None if rows is None else rows.numpy().copy(),
             )
+            del acts, rows
+            yield message
+
+    def _worker_slots(self, link: WorkerLink, worker: int) -> SharedSlots:
+        """This worker process's batch slots (made on first use, kept across epochs)."""
+        if self._slots is None or self._slots[0] != os.getpid():
+            shape = (self.batch_size, len(self.sites), self.d_model)
+            storage = NUMPY_STORAGE[self._finish.out_dtype]
+            flags = link.slot_flags[worker].numpy()
+            self._slots = (os.getpid(), SharedSlots(flags, shape, storage))
+        return self._slots[1]
 
     def _iterate(self, *, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         """This consumer's batches from the current position (``count``: advance it)."""
@@ -620,6 +617,10 @@ class ActivationLoader(IterableDataset):
                 )
             finish = replace(finish, pin_memory=False, device=None)
         buffers = self._buffer_set()
+        take = self._destination or buffers.take
+        info = get_worker_info()
+        if info is not None and self._link is not None:
+            take = self._worker_slots(self._link, info.id).take
         key = (epoch, worker, num_workers, start, span.stop, id(buffers), _moves(finish))
         consumer = self._primed_consumer(key)
         if consumer is None:
@@ -632,7 +633,7 @@ class ActivationLoader(IterableDataset):
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
         )
-        batches = consumer.batches(start, span.stop)
+        batches = consumer.batches(start, span.stop, take)
         if finish.device is not None:  # the next batch's copy runs while this one is used
             # batches from memory that could not be pinned go through a staging buffer
             batches = to_device(batches, copies_for(finish.device), Staging(finish.device))
@@ -698,18 +699,45 @@ class ActivationLoader(IterableDataset):
             return True  # already being read
         if span.start >= span.stop:
             return True  # nothing to read
-        free = buffers.pools.acquire(allocate=False, wait=False)
-        if free is None:
-            return False  # every pool still in use: again after the next batch
-        buffers.pools.release(free)  # prime() takes it
+        if buffers.pools is not None and not any(
+            buffers.pools.free(i) for i in range(len(buffers.pools))
+        ):
+            return False  # every window buffer still in use: again after the next batch
         consumer = self._consumer(self.plan(epoch), buffers, finish)
         if not consumer.prime(span.start, span.stop):
             consumer.close()
-            return True  # no window with rows
+            return buffers.pools is None  # no window with rows, or no buffer after all
         if self._next is not None and self._next[0] == os.getpid():
             self._next[2].close()
         self._next = (os.getpid(), key, consumer)
         return True
+
+
+def _extents(reader: Any, blocks: tuple[list[Any], ...]) -> tuple[list[Extent], ...] | None:
+    """Where every block lies raw, when the store's files can be mapped here and its
+    format says (``block_extent``); None: windows are read into buffers."""
+    if not can_map(reader.files):
+        return None
+    out = []
+    for site_blocks in blocks:
+        found = [reader.block_extent(b) for b in site_blocks]
+        if any(e is None for e in found):
+            return None
+        items = [torch.empty(0, dtype=e.dtype).element_size() for e in found]
+        if len({e.dtype for e in found}) > 1 or any(e.offset % n for e, n in zip(found, items)):
+            return None  # rows of several dtypes, or not aligned to their values
+        out.append(found)
+    return tuple(out)
+
+
+def _store_key(reader: Any) -> str:
+    """Which store a position belongs to: its manifest's store id (the same for a copy of
+    it), else a digest of its file names and sizes (stores other tools wrote)."""
+    manifest = reader.checks.manifest
+    if manifest is not None:
+        return str(manifest.store_id)
+    listing = json.dumps(reader.files.list(), sort_keys=True).encode()
+    return hashlib.sha256(listing).hexdigest()[:16]
 
 
 def _moves(finish: Finish) -> tuple[bool, str | None]:

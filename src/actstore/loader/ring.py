@@ -1,7 +1,7 @@
 """The shared-memory protocol of ``actstore serve`` (used by :mod:`.server` and
 :mod:`.served`): the control file's layout (header words, one row per consumer and per
-slot, the settings as JSON), the ring of batch slots and shared window pools, the lock
-that orders registrations, and the backoff of processes polling the counters.
+slot, the settings as JSON), the ring of batch slots the server gathers batches into,
+the lock that orders registrations, and the backoff of processes polling the counters.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..storage.lock import FileLock
+from .buffers import NUMPY_STORAGE
 from .dataset import OUT_DTYPES, ActivationLoader
-from .pipeline import _NUMPY_STORAGE, pool_shape
 
 log = logging.getLogger(__name__)
 
 MODES = ("broadcast", "partition")
 STATE_VERSION = 1
-_MAGIC = 0x6163747365727632  # "actserv2"
+_MAGIC = 0x6163747365727633  # "actserv3"
 # header fields of the control file (int64 each)
 (
     _H_MAGIC,
@@ -42,12 +42,10 @@ _MAGIC = 0x6163747365727632  # "actserv2"
     _H_STATUS,
     _H_START,
     _H_TEXT,
-    _H_POOL_WAIT,
-) = range(14)
+) = range(13)
 _HEADER = 16
 _PER_CONSUMER = 3  # pid, cursor (oldest global batch still needed), next batch it asks for
-_PER_SLOT = 4  # global batch held, its rows, its window pool (-1: the slot), byte offset
-_POOLS = 3  # window pools shared with consumers: served, being read, one more for lag
+_PER_SLOT = 2  # global batch held (-1: none, or being written), its rows
 _TEXT_BYTES = 16384  # settings (JSON), then the failure message
 _STARTING, _RUNNING, _FINISHED, _FAILED = range(4)
 _POLL_S = 0.0002  # first wait between polls; it doubles up to _POLL_MAX_S
@@ -145,7 +143,7 @@ class _Shared:
         size = int(self.words[_H_TEXT])
         self.settings = settings or json.loads(bytes(self.text[:size]).decode())
         self.batch, self.row = int(self.words[_H_BATCH]), int(self.words[_H_ROW])
-        storage = np.dtype(_NUMPY_STORAGE[OUT_DTYPES[self.settings["dtype"]]])
+        storage = np.dtype(NUMPY_STORAGE[OUT_DTYPES[self.settings["dtype"]]])
         ring_fd = os.open(ring, os.O_RDWR)
         try:
             self.ring_map = mmap.mmap(ring_fd, 0)
@@ -165,17 +163,6 @@ class _Shared:
         self.ids = np.frombuffer(
             self.ring_map, dtype=np.int64, count=r * self.batch, offset=r * acts_bytes
         ).reshape(r, self.batch)
-        # the server's window pools, when batches are sent as slices of them (zero copy)
-        pool_bytes, at = int(self.settings["pool_bytes"]), _pools_at(r, self.batch, acts_bytes)
-        self.pools = [
-            np.frombuffer(
-                self.ring_map,
-                dtype=storage,
-                count=pool_bytes // storage.itemsize,
-                offset=at + i * pool_bytes,
-            )
-            for i in range(int(self.settings["pools"]))
-        ]
 
     def lock(self) -> FileLock:
         """The lock that orders consumer registrations (an flock on the control file)."""
@@ -188,28 +175,7 @@ class _Shared:
 
 
 def ring_bytes(loader: ActivationLoader, slots: int) -> int:
-    """Shared memory of a ring of ``slots`` batches of ``loader`` (activations + row ids),
-    plus the window pools it shares when its batches need no conversion."""
-    storage = np.dtype(_NUMPY_STORAGE[loader.finish.out_dtype])
+    """Shared memory of a ring of ``slots`` batches of ``loader`` (activations + row ids)."""
+    storage = np.dtype(NUMPY_STORAGE[loader.finish.out_dtype])
     acts_bytes = loader.batch_size * len(loader.sites) * loader.d_model * storage.itemsize
-    at = _pools_at(slots, loader.batch_size, acts_bytes)
-    return at + _POOLS * _pool_bytes(loader) if _zero_copy(loader) else at
-
-
-def _pools_at(slots: int, batch: int, acts_bytes: int) -> int:
-    """Byte offset of the window pools in the ring file (page-aligned)."""
-    end = slots * (acts_bytes + batch * 8)
-    return -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-def _zero_copy(loader: ActivationLoader) -> bool:
-    """Whether the loader's batches are its windows' rows as stored (no dtype change or
-    normalisation), so the server can share its windows instead of copying batches."""
-    finish = loader.finish
-    same = np.dtype(_NUMPY_STORAGE[finish.out_dtype]) == loader.layout.dtype
-    return same and finish.shift is None and finish.scale is None
-
-
-def _pool_bytes(loader: ActivationLoader) -> int:
-    shape = pool_shape(loader.layout, loader.pool_blocks)
-    return int(np.prod(shape)) * loader.layout.dtype.itemsize
+    return slots * (acts_bytes + loader.batch_size * 8)

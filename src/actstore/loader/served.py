@@ -27,7 +27,6 @@ from .ring import (
     _H_MAGIC,
     _H_PER_EPOCH,
     _H_PID,
-    _H_POOL_WAIT,
     _H_PRODUCED,
     _H_START,
     _H_STATUS,
@@ -237,12 +236,8 @@ class ServedLoader:
         for b in range(start, len(self)):
             g = self._global(epoch, b)
             s = self._wait(g)
-            n, pool = int(shared.slot[s, 1]), int(shared.slot[s, 2])
-            if pool >= 0:  # rows of a server window, in place
-                at = int(shared.slot[s, 3]) // shared.pools[pool].itemsize
-                view = shared.pools[pool][at : at + n * shared.row]
-            else:
-                view = shared.acts[s][: n * shared.row]
+            n = int(shared.slot[s, 1])
+            view = shared.acts[s][: n * shared.row]
             idle = sys.getrefcount(view)  # one name + the argument, as in _release
             acts = torch.from_numpy(view).view(n, *self._shape)
             if self._bf16:
@@ -278,12 +273,11 @@ class ServedLoader:
                 raise ServeError(f"server {self.name!r} finished before batch {g}")
             if backoff.check() and not pid_alive(int(words[_H_PID])):
                 raise ServeError(f"server {self.name!r} (pid {int(words[_H_PID])}) is gone")
-            need = int(words[_H_POOL_WAIT])  # the server waits for its windows to be let go
-            if self._held and (self._held[0][0] <= g - shared.r or self._held[0][0] <= need):
+            if self._held and self._held[0][0] <= g - shared.r:
                 raise ServeError(
                     f"this consumer holds {len(self._held)} batches: the server cannot write "
-                    f"the next one (its ring has {shared.r} slots, {len(shared.pools)} shared "
-                    "windows); clone() batches you keep, or start the server with more slots"
+                    f"the next one (its ring has {shared.r} slots); clone() batches you keep, "
+                    "or start the server with more slots"
                 )
             self._release(g)
             backoff.sleep()

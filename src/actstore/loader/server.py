@@ -16,12 +16,11 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..errors import ConfigError, ServeError
 from ..storage.lock import pid_alive
 from .dataset import ActivationLoader, LoaderConfig
-from .pipeline import Buffers, LoaderBatch, pool_shape
+from .pipeline import LoaderBatch
 from .ring import (
     _FAILED,
     _FINISHED,
@@ -32,7 +31,6 @@ from .ring import (
     _H_MODE,
     _H_PER_EPOCH,
     _H_PID,
-    _H_POOL_WAIT,
     _H_PRODUCED,
     _H_ROW,
     _H_SLOTS,
@@ -43,16 +41,13 @@ from .ring import (
     _MAGIC,
     _PER_CONSUMER,
     _PER_SLOT,
-    _POOLS,
     _RUNNING,
     _TEXT_BYTES,
     MODES,
     ServeConfig,
     _Backoff,
     _paths,
-    _pool_bytes,
     _Shared,
-    _zero_copy,
     ring_bytes,
 )
 
@@ -104,8 +99,6 @@ class Server:
             "d_model": loader.d_model,
             "n_rows": loader.n_rows,
             "fingerprint": loader.fingerprint(),
-            "pools": _POOLS if _zero_copy(loader) else 0,
-            "pool_bytes": _pool_bytes(loader),
         }
 
     def _create(self) -> _Shared:
@@ -163,7 +156,6 @@ class Server:
         words[_H_END] = -1 if cfg.epochs is None else cfg.epochs * len(loader)
         words[_H_PID] = os.getpid()
         words[_H_TEXT] = len(text)
-        words[_H_POOL_WAIT] = -1
         os.rename(tmp_ring, self.ring_path)
         shared = _Shared(tmp_ctl, self.ring_path, settings=self._settings())
         shared.text[: len(text)] = np.frombuffer(text, dtype=np.uint8)
@@ -174,10 +166,8 @@ class Server:
     def run(self) -> None:
         """Create the ring, wait for the K consumers, serve, and clean up when done."""
         shared = self.shared = self._create()
-        self._pool_last = np.full(len(shared.pools), -1, dtype=np.int64)
-        self._pools: Buffers | None = None
-        if shared.pools:
-            self._share_windows(shared)
+        self._g = 0  # the batch being gathered into its ring slot
+        self.loader.deliver_into(lambda: self._slot(shared, self._g))
         log.info(
             "serving %s as %r to %d consumers (%s), ring of %d batches (%s)",
             self.loader.reader,
@@ -199,36 +189,6 @@ class Server:
         finally:
             for path in (self.ctl_path, self.ring_path):
                 path.unlink(missing_ok=True)
-
-    def _share_windows(self, shared: _Shared) -> None:
-        """Make the loader read its windows into the ring's pools, so ``_put`` sends a
-        batch as (pool, offset) with no copy. A pool is reused once every live consumer
-        has moved past the last batch sent from it."""
-        loader = self.loader
-        made = iter(shared.pools)
-        backoff = _Backoff()
-
-        def pause() -> None:  # every pool still read by a consumer: wait for one
-            # consumers holding a batch this old are what the server waits for
-            shared.words[_H_POOL_WAIT] = int(self._pool_last.min())
-            if backoff.check():
-                self._live(shared)
-            backoff.sleep()
-
-        self._pools = Buffers(
-            pool_shape(loader.layout, loader.pool_blocks),
-            loader.layout.dtype,
-            allocate=lambda count, dtype: next(made)[:count],
-            held=lambda i: self._pool_held(shared, i),
-            limit=len(shared.pools),
-            pause=pause,
-        )
-        loader.use_pools(self._pools)
-
-    def _pool_held(self, shared: _Shared, i: int) -> bool:
-        last = int(self._pool_last[i])
-        pids, cursors = shared.consumer[:, 0], shared.consumer[:, 1]
-        return last >= 0 and bool(((pids != 0) & (cursors <= last)).any())
 
     def _live(self, shared: _Shared) -> np.ndarray:
         """Consumers whose process is registered and alive (gone ones are deregistered;
@@ -263,16 +223,16 @@ class Server:
         words[_H_START] = words[_H_PRODUCED] = start
         words[_H_STATUS] = _RUNNING
         log.info("%d consumers attached; serving from batch %d", k, start)
-        g = start
+        g = self._g = start
         loader = self.loader
         if per_epoch and (end < 0 or g < end):
             state = loader.state_dict()
             state.update(epoch=g // per_epoch, batches=g % per_epoch)
             loader.load_state_dict(state)
             while end < 0 or g < end:
-                for batch in loader:
+                for batch in loader:  # gathered into slot g % slots (see _slot)
                     self._put(shared, g, batch)
-                    g += 1
+                    g = self._g = g + 1
                     if g == end:
                         break
         words[_H_STATUS] = _FINISHED
@@ -282,34 +242,32 @@ class Server:
                 return
             time.sleep(0.01)
 
-    def _put(self, shared: _Shared, g: int, batch: LoaderBatch) -> None:
+    def _slot(self, shared: _Shared, g: int) -> np.ndarray:
+        """Ring slot ``g % slots``, once no live consumer needs the batch it holds (and one
+        consumer is there), marked as being written: where batch ``g`` is gathered."""
         r, s = shared.r, g % shared.r
         backoff = _Backoff()
-        while True:  # wait until no live consumer needs the slot's batch (and one exists)
+        while True:
             pids, cursors = shared.consumer[:, 0], shared.consumer[:, 1]
             if pids.any() and not ((pids != 0) & (cursors <= g - r)).any():
                 with shared.lock():  # again under the lock: a consumer may be registering
                     holders = (pids != 0) & (cursors <= g - r)
                     if pids.any() and not holders.any():
-                        shared.slot[s, 0] = -1  # being written: registering consumers see it
+                        shared.slot[s, 0] = -1  # being written: a rejoining consumer sees it
                         break
             if backoff.check():
                 self._live(shared)
             backoff.sleep()
+        return shared.acts[s].reshape(shared.batch, -1, int(self.loader.d_model))
+
+    def _put(self, shared: _Shared, g: int, batch: LoaderBatch) -> None:
+        """Publish batch ``g``, gathered into its ring slot (:meth:`_slot`)."""
         acts, rows = batch
-        n = len(rows)
-        place = None if self._pools is None else self._pools.locate(acts)
-        if place is not None:  # a slice of a shared window: send where it lies
-            self._pool_last[place[0]] = g
-            shared.slot[s, 2], shared.slot[s, 3] = place
-        else:
-            data = acts.view(torch.uint16) if acts.dtype == torch.bfloat16 else acts
-            shared.acts[s][: n * shared.row] = data.reshape(-1).numpy()
-            shared.slot[s, 2] = -1
+        s, n = g % shared.r, len(rows)
+        assert acts.data_ptr() == shared.acts[s].ctypes.data, "batches are gathered in place"
         shared.ids[s, :n] = rows.numpy()
         shared.slot[s, 1] = n
         shared.slot[s, 0] = g
-        shared.words[_H_POOL_WAIT] = -1
         shared.words[_H_PRODUCED] = g + 1
 
 

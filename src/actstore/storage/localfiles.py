@@ -258,6 +258,8 @@ class LocalFiles(StoreFiles):
     recently used closed first (:class:`Descriptors`); :meth:`close`, or dropping the
     object, closes them all."""
 
+    mappable = True
+
     def __init__(self, path: str | os.PathLike, *, max_open: int | None = None) -> None:
         self.root = Path(path).expanduser()
         """The directory (``local_path`` too, except for :class:`PathFiles`)."""
@@ -343,6 +345,9 @@ class LocalFiles(StoreFiles):
             raise StoreNotFoundError(f"{self.url_of(name)} does not exist") from err
         except OSError as err:
             raise _open_error(self.url_of(name), err) from err
+
+    def open_read(self, name: str) -> int:
+        return self._open(name)
 
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
         view = new_buffer(length) if out is None else bytes_view(out)

@@ -15,7 +15,7 @@ from typing import Any, Self
 
 import numpy as np
 
-from ..errors import CorruptStoreError, StoreNotFoundError
+from ..errors import CorruptStoreError, StorageError, StoreNotFoundError
 from .local import IO_CHUNK, parse_json
 
 
@@ -26,6 +26,8 @@ class StoreFiles(abc.ABC):
     url: str
     #: The directory on local disk, or None for remote stores.
     local_path: Path | None = None
+    #: Whether :meth:`open_read` gives descriptors that can be memory-mapped (local files).
+    mappable: bool = False
 
     @abc.abstractmethod
     def list(self) -> dict[str, int]:
@@ -74,6 +76,11 @@ class StoreFiles(abc.ABC):
         """The whole of ``name`` as a read-only buffer: a memory map on local disk (pages
         read as they are touched), the fetched bytes on object storage."""
         return memoryview(self.read_bytes(name))
+
+    def open_read(self, name: str) -> int:
+        """A new read-only descriptor of ``name`` (the caller closes it), for a memory map
+        (:mod:`actstore.storage.mapped`); only where :attr:`mappable`."""
+        raise StorageError(f"{self.url_of(name)} cannot be memory-mapped (not a local file)")
 
     def read_exact(self, name: str, out: Any) -> bool:
         """Read the whole of ``name`` into ``out`` (a writable buffer of exactly its size),

@@ -34,13 +34,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError, UnsafeDataError
 from ...sites import Site
 from ...stats import RunningStats
 from ..arrays import RowFile
-from ..base import Block, ReaderBase, VerifyReport, as_indices, place, scratch
+from ..base import Block, Extent, ReaderBase, VerifyReport, as_indices, place, scratch
 from .layout import SaevMetadata, shard_name
 from .writer import STATISTICS
 
@@ -391,6 +392,11 @@ class SaevReader(ReaderBase):
             out = np.empty((block.n_rows, self.metadata.d_model), dtype="<f4")
         name, offset = self._block_offset(block)
         return self._read_checked(name, offset, out)
+
+    def block_extent(self, block: Block) -> Extent:
+        """Every block is raw little-endian float32 rows of one shard file."""
+        name, offset = self._block_offset(block)
+        return Extent(name=name, offset=offset, dtype=torch.float32)
 
     def _check_out(self, out: np.ndarray, n_dest: int, dest_max: int) -> None:
         d = self.metadata.d_model

@@ -1,0 +1,223 @@
+"""A store's files mapped read-only into one stretch of address space: :class:`MappedFiles`.
+
+The training loader gathers rows straight from the page cache into its batches: every
+file it reads is mapped (``mmap``, read-only, shared) at a page-aligned place of one
+reserved region, so a row of any file is a run of elements of one tensor
+(:meth:`MappedFiles.elements`) and a batch is one ``torch.index_select`` from it, with no
+read into a buffer first. Files are mapped when first used; :meth:`MappedFiles.populate`
+faults a range in ahead of use (and turns a file shrunk under the mapping into an error,
+where touching it would kill the process with ``SIGBUS``); :meth:`MappedFiles.let_go`
+drops this process's page-table entries of a range it is done with (the data stays in
+the page cache), so a long epoch does not leave the whole store in the process's
+resident set.
+
+Linux only (``MAP_FIXED`` placement, ``MADV_POPULATE_READ``); :func:`available` says
+whether a store's files can be mapped here (local files on Linux).
+
+Example:
+    >>> import tempfile, pathlib, numpy as np, torch
+    >>> from actstore.storage.localfiles import LocalFiles
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> np.arange(12, dtype="<f4").tofile(d / "a.bin")
+    >>> region = MappedFiles(LocalFiles(d), {"a.bin": 48})
+    >>> rows = region.elements(torch.float32, 4)  # element-granular rows of 4 values
+    >>> at = region.offset("a.bin") // 4          # the file's first element
+    >>> rows[at + 4].tolist()                     # 4 values from element 4 of a.bin
+    [4.0, 5.0, 6.0, 7.0]
+    >>> region.close()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ..errors import CorruptStoreError, StorageError
+from .storefiles import StoreFiles
+
+PAGE = mmap.PAGESIZE
+_LINUX = sys.platform.startswith("linux")
+_PROT_NONE = 0
+_MAP_FIXED = 0x10  # Linux
+_MAP_NORESERVE = 0x4000  # Linux
+_MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22  # POPULATE_READ: Linux 5.14+
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not _LINUX:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+_LIBC = _libc()
+_FAILED = ctypes.c_void_p(-1).value
+#: Whether ``MADV_POPULATE_READ`` works here (found on first use; older kernels: EINVAL).
+_POPULATE = [True]
+
+
+def available(files: StoreFiles) -> bool:
+    """Whether ``files`` can be mapped here: local files, on Linux, unless
+    ``ACTSTORE_MAP=0`` (then the loader reads windows into buffers instead)."""
+    if _LIBC is None or os.environ.get("ACTSTORE_MAP", "1").strip() in ("0", "off", "no"):
+        return False
+    return files.mappable
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def _unmap(base: int, size: int) -> None:
+    if _LIBC is not None and size:
+        _LIBC.munmap(base, size)
+
+
+class MappedFiles:
+    """Files of one store (``sizes``: name -> the size each must have) mapped read-only, on
+    first use, each at a page-aligned byte offset of one reserved region of address space.
+    Thread-safe; belongs to the process that made it (a forked child makes its own)."""
+
+    def __init__(self, files: StoreFiles, sizes: Mapping[str, int]) -> None:
+        if _LIBC is None:
+            raise StorageError("memory-mapped reads need Linux")
+        self.files = files
+        self._sizes = dict(sizes)
+        self._at: dict[str, int] = {}
+        at = 0
+        for name, size in self._sizes.items():
+            self._at[name] = at
+            at += _round_up(max(size, 0), PAGE)
+        self.nbytes = max(at, PAGE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        base = _LIBC.mmap(None, self.nbytes, _PROT_NONE, flags, -1, 0)
+        if base in (None, _FAILED):
+            err = ctypes.get_errno()
+            raise StorageError(
+                f"cannot reserve {self.nbytes / 2**30:.1f} GiB of address space to map "
+                f"{files.url}: {os.strerror(err)}; set ACTSTORE_MAP=0 to read into buffers"
+            )
+        self.base: int = base
+        self._mapped: set[str] = set()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _unmap, base, self.nbytes)
+        self._memory = memoryview((ctypes.c_char * self.nbytes).from_address(base)).cast("B")
+        self._bytes = np.frombuffer(self._memory, dtype=np.uint8)
+        self._elements: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+
+    def offset(self, name: str) -> int:
+        """Byte offset of ``name``'s first byte in the region (mapping it on first use)."""
+        if name not in self._mapped:
+            self._map(name)
+        return self._at[name]
+
+    def _map(self, name: str) -> None:
+        assert _LIBC is not None
+        with self._lock:
+            if name in self._mapped:
+                return
+            size = self._sizes[name]
+            fd = self.files.open_read(name)
+            try:
+                found = os.fstat(fd).st_size
+                if found != size:
+                    raise CorruptStoreError(
+                        f"{self.files.url_of(name)} has {found} bytes, not the {size} its "
+                        "store lists: restore it or re-create the store"
+                    )
+                if size:
+                    flags = mmap.MAP_SHARED | _MAP_FIXED
+                    got = _LIBC.mmap(self.base + self._at[name], size, mmap.PROT_READ, flags, fd, 0)
+                    if got != self.base + self._at[name]:
+                        err = ctypes.get_errno()
+                        raise StorageError(
+                            f"cannot map {self.files.url_of(name)}: {os.strerror(err)}; set "
+                            "ACTSTORE_MAP=0 to read into buffers"
+                        )
+            finally:
+                os.close(fd)
+            self._mapped.add(name)
+
+    def elements(self, dtype: torch.dtype, width: int) -> torch.Tensor:
+        """The whole region as overlapping rows of ``width`` elements of ``dtype``: row
+        ``e`` holds elements ``e .. e + width - 1``, so the row that starts at byte ``b``
+        of the region is row ``b // itemsize`` (``index_select`` gathers rows that start
+        anywhere). Only rows inside mapped files may be read."""
+        key = (dtype, width)
+        found = self._elements.get(key)
+        if found is None:
+            item = torch.empty(0, dtype=dtype).element_size()
+            flat = torch.from_numpy(self._bytes).view(dtype)
+            n = self.nbytes // item
+            found = self._elements[key] = flat.as_strided((max(n - width + 1, 1), width), (1, 1))
+        return found
+
+    def view(self, start: int, nbytes: int) -> memoryview:
+        """Bytes ``[start, start + nbytes)`` of the region (inside one mapped file)."""
+        return self._memory[start : start + nbytes]
+
+    def populate(self, name: str, start: int, nbytes: int) -> None:
+        """Fault in ``[start, start + nbytes)`` of the region now (reading what is not in
+        the page cache), so gathers from it do not stop on page faults. A range beyond
+        the end of a file that shrank since it was mapped is a :class:`CorruptStoreError`
+        here, instead of a ``SIGBUS`` at the first touch."""
+        if not _POPULATE[0] or nbytes <= 0:
+            return
+        assert _LIBC is not None
+        lo = start - start % PAGE
+        if _LIBC.madvise(self.base + lo, start + nbytes - lo, _MADV_POPULATE_READ) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EFAULT:
+            raise CorruptStoreError(
+                f"{self.files.url_of(name)} is shorter than when it was opened (changed "
+                "in place while being read): restore it or re-create the store"
+            )
+        if err in (errno.EINVAL, errno.ENOSYS):
+            _POPULATE[0] = False  # a kernel before 5.14: pages fault in as they are read
+            return
+        raise StorageError(f"cannot read {self.files.url_of(name)}: {os.strerror(err)}")
+
+    def will_need(self, start: int, nbytes: int) -> None:
+        """Ask the kernel to start reading ``[start, start + nbytes)`` into the page cache
+        (readahead; returns at once)."""
+        self._advise(start, nbytes, _MADV_WILLNEED)
+
+    def let_go(self, start: int, nbytes: int) -> None:
+        """Drop this process's page-table entries of ``[start, start + nbytes)`` (the data
+        stays in the page cache; a later touch maps it again)."""
+        self._advise(start, nbytes, _MADV_DONTNEED)
+
+    def _advise(self, start: int, nbytes: int, advice: int) -> None:
+        if nbytes > 0 and _LIBC is not None:
+            lo = start - start % PAGE
+            _LIBC.madvise(self.base + lo, start + nbytes - lo, advice)
+
+    def close(self) -> None:
+        """Unmap everything (no tensor from :meth:`elements` may be used after this)."""
+        self._elements.clear()
+        self._finalizer()
