@@ -10,6 +10,10 @@
   before anything is created, and a store never nests inside another;
 - ``actstore ls`` of an output root lists its stores;
 - every check that needs no weights runs before anything is created or loaded.
+
+Issue 38: the identity also covers the model's weights (their bytes, edited in place to the
+same size and mtime), the compute dtype, and token cleaning; an output that holds another
+capture is refused in one line saying what differs (the data, the weights, the dtype).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -88,11 +93,11 @@ def world(tmp_path, model_dir, monkeypatch):
     return {"tmp": tmp_path, "gpt2": str(model_dir("gpt2")), "memo": tmp_path / "memo"}
 
 
-def capture(world, dataset, out, *extra, env: dict | None = None):
+def capture(world, dataset, out, *extra, env: dict | None = None, model: str | None = None):
     return run_cli(
         "capture",
         "--model",
-        world["gpt2"],
+        model or world["gpt2"],
         "--dataset",
         dataset,
         "--layers",
@@ -404,3 +409,135 @@ def test_prompt_response_dataset_checks_come_before_the_model_loads(world, weigh
         )
         assert_one_line_error(proc, needle)
         assert not (world["tmp"] / "pr").exists()
+
+
+# ---------------------------------------------------------------------- 6. weights, dtype (issue 38)
+
+
+def rescale_tensor(path: Path, name: str, factor: float = 2.0) -> None:
+    """Multiply tensor ``name`` of the safetensors file ``path`` by ``factor`` in place,
+    its size and mtime put back: only the bytes of one tensor differ."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        start, stop = json.loads(f.read(length))[name]["data_offsets"]
+        f.seek(8 + length + start)
+        values = np.frombuffer(f.read(stop - start), dtype="<f4") * factor
+        f.seek(8 + length + start)
+        f.write(values.astype("<f4").tobytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+
+
+#: format -> capture options; saev names its store by its record, the others write theirs
+#: at --out (zarr: OUT/activations.zarr)
+FORMATS = {
+    "saev": (),
+    "pickle": ("--format", "pickle"),
+    "saelens": ("--format", "saelens"),
+    "activault": ("--format", "activault"),
+    "zarr": ("--format", "zarr"),
+}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_weights_edited_in_place_are_never_already_captured(world, fmt):
+    """One tensor rescaled, the file's size and mtime kept: saev captures anew (another
+    name, other values); a format whose store is --out refuses in one line saying the
+    weights changed, and leaves its store as it was."""
+    model = Path(shutil.copytree(world["gpt2"], world["tmp"] / "gpt2-edited"))
+    data, out = world["tmp"] / "tokens.npy", world["tmp"] / f"acts-{fmt}"
+    first = capture(world, data, out, *FORMATS[fmt], model=str(model))
+    assert first.returncode == 0, first.stderr
+    before = snapshot(out)
+    rescale_tensor(model / "model.safetensors", "transformer.h.0.mlp.c_fc.weight")
+    rerun = capture(world, data, out, *FORMATS[fmt], model=str(model))
+    assert "Already captured" not in rerun.stdout, rerun.stdout
+    if fmt != "saev":
+        line = assert_one_line_error(rerun, "the model's weights changed")
+        assert str(out) in line
+        assert snapshot(out) == before
+        return
+    assert rerun.returncode == 0 and "Captured" in rerun.stdout, rerun.stderr
+    import actstore
+
+    old, new = (actstore.open_store(out / name) for name in saev_stores(out))
+    assert old.capture_plan().data["weights"] != new.capture_plan().data["weights"]
+    assert not np.array_equal(old[:, "resid.1"], new[:, "resid.1"])
+
+
+def test_weights_identity_reads_only_what_loading_reads(tmp_path, model_dir):
+    """The digest covers the bytes loading reads: a tensor of a block the capture needs
+    changes it, even with size and mtime put back; a shard holding only later blocks is
+    never read (deleted: the same identity), nor a weight file loading ignores."""
+    import torch
+    import transformers as tf
+
+    from actstore.capture.identity import weights_identity
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
+    folder = tmp_path / "llama"
+    tf.LlamaModel(config).save_pretrained(folder, max_shard_size="40KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    first = weights_identity(str(folder), last_block=1)
+    assert set(first) == {"digest"}
+    (folder / "optimizer.pt").write_bytes(b"not read by loading")
+    (folder / "README.md").write_text("a model")
+    assert weights_identity(str(folder), last_block=1) == first
+    late = {f for n, f in index.items() if ".layers.3." in n}
+    early = {f for n, f in index.items() if ".layers.3." not in n}
+    for shard in late - early:  # only block 3: never read by a capture of blocks 0..1
+        (folder / shard).unlink()
+    assert weights_identity(str(folder), last_block=1) == first
+    name = next(n for n in index if n.endswith("layers.0.mlp.up_proj.weight"))
+    rescale_tensor(folder / index[name], name)
+    assert weights_identity(str(folder), last_block=1) != first
+    gpt2 = model_dir("gpt2")
+    assert weights_identity(str(gpt2)) == weights_identity(str(gpt2))  # the same bytes
+
+
+def test_another_compute_dtype_is_another_capture_and_inspect_shows_it(world):
+    data, root = world["tmp"] / "tokens.npy", world["tmp"] / "root"
+    assert capture(world, data, root).returncode == 0  # float32
+    half = capture(world, data, root, "--dtype", "bfloat16")
+    assert half.returncode == 0, half.stderr
+    assert "Already captured" not in half.stdout and "Captured" in half.stdout
+    stores = saev_stores(root)
+    assert len(stores) == 2
+    shown = {}
+    for name in stores:
+        proc = run_cli("inspect", root / name)
+        assert proc.returncode == 0, proc.stderr
+        (line,) = [x for x in proc.stdout.splitlines() if x.strip().startswith("compute dtype")]
+        shown[name] = line.split()[-1]
+    assert sorted(shown.values()) == ["bfloat16", "float32"]
+    # a format whose store is --out refuses, naming the dtype
+    pkl = world["tmp"] / "acts-pkl"
+    assert capture(world, data, pkl, "--format", "pickle").returncode == 0
+    before = snapshot(pkl)
+    proc = capture(world, data, pkl, "--format", "pickle", "--dtype", "bfloat16")
+    assert_one_line_error(proc, "another compute dtype (--dtype: float32 there, bfloat16 now)")
+    assert snapshot(pkl) == before
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "saelens", "activault", "zarr"])
+def test_a_refusal_after_a_corpus_edit_says_the_data_changed(world, fmt):
+    """The store at --out was made from the corpus before the edit: refused in one line
+    that says the data changed (a finished Activault run is not offered a resume)."""
+    data, out = world["tmp"] / "tokens.npy", world["tmp"] / f"acts-{fmt}"
+    assert capture(world, data, out, *FORMATS[fmt]).returncode == 0
+    before = snapshot(out)
+    _edit_npy(data)
+    proc = capture(world, data, out, *FORMATS[fmt])
+    line = assert_one_line_error(proc, "the data changed (the digest of its token ids")
+    assert "resume" not in line
+    assert snapshot(out) == before
