@@ -416,3 +416,68 @@ def test_cp_mistakes_give_one_line_and_exit_2(s3, saev_local, tmp_path):
         proc = cp(*args)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------- identity on s3:// (issue 38)
+
+#: format -> capture options; saev names its store under the URL by its record, the
+#: others write theirs at the URL (zarr: URL/activations.zarr)
+S3_FORMATS = {
+    "saev": (),
+    "pickle": ("--format", "pickle"),
+    "saelens": ("--format", "saelens"),
+    "zarr": ("--format", "zarr"),
+    "activault": ("--format", "activault"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", list(S3_FORMATS))
+def test_s3_out_answers_only_the_same_capture(s3, model_dir, tmp_path, fmt):
+    """What is at ``--out s3://...`` answers "Already captured" only for its own record, as
+    on a local disk: after a corpus edit, or with another model and layer at the same URL,
+    saev captures anew beside it and every other format refuses in one line saying what
+    differs, its store left as it was (``inspect`` still shows the model it holds)."""
+    env = {
+        **os.environ,
+        "ACTSTORE_CACHE": str(tmp_path / "cache"),
+        "TQDM_DISABLE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": pythonpath(),
+    }
+    data, url = tmp_path / "tokens.npy", s3.url("acts")
+    np.save(data, np.random.default_rng(0).integers(4, 300, size=(6, 16)))
+
+    def capture(model: str = "gpt2", layer: str = "1"):
+        args = ["capture", "--model", str(model_dir(model)), "--dataset", str(data)]
+        args += ["--layers", layer, "--context-length", "16", "--batch-size", "2"]
+        args += ["--out", url, "--no-progress", *S3_FORMATS[fmt]]
+        return run_actstore(*args, env=env, timeout=300)
+
+    def one_error_line(proc) -> str:
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        return line
+
+    first = capture()
+    assert first.returncode == 0, first.stderr
+    again = capture()
+    assert again.returncode == 0 and "Already captured" in again.stdout, again.stderr
+    held = s3.keys("acts/")
+    ids = np.load(data)
+    ids[3, 5] = 7 if ids[3, 5] != 7 else 8
+    np.save(data, ids)
+    edited = capture()
+    other = capture("llama", "2")
+    assert "Already captured" not in edited.stdout + other.stdout
+    if fmt == "saev":  # named under the URL: each capture its own store
+        assert edited.returncode == 0 and other.returncode == 0, edited.stderr + other.stderr
+        stores = {k.split("/")[1] for k in s3.keys("acts/") if k.endswith(MANIFEST)}
+        assert len(stores) == 3
+        return
+    assert "the data changed (the digest of its token ids" in one_error_line(edited)
+    line = one_error_line(other)
+    assert "another model" in line and "other sites (resid.1 there, resid.2 now)" in line
+    assert s3.keys("acts/") == held
+    shown = run_actstore("inspect", url, env=env, timeout=300)
+    assert shown.returncode == 0 and str(model_dir("gpt2")) in shown.stdout, shown.stderr
