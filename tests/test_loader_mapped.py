@@ -1,0 +1,200 @@
+"""The loader's mapped read path: rows gathered straight from the page cache, each block
+checked where it lies once per epoch. What that check guarantees (a block that changed
+before its check is refused), what it does not (a change in place after the check is
+served in that epoch and caught in the next), and that a file shrunk under the mapping is
+an error, not a ``SIGBUS``; bounded resident memory; both read paths serve the same."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from saev_fixtures import saev_writer
+from test_loader import T, expected, write_store
+
+from actstore.batch import Batch
+from actstore.errors import CorruptStoreError
+from actstore.formats.saev import SaevMetadata, SaevReader
+from actstore.formats.saev.layout import encode_data
+from actstore.loader import ActivationDataLoader, ActivationLoader
+
+FORK = multiprocessing.get_context("fork")
+ROW = 8 * 4  # D = 8 float32
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A fresh two-layer store per test (the tests change its files)."""
+    return write_store(tmp_path / "s", n=23)
+
+
+def writable(path):
+    path.chmod(path.stat().st_mode | stat.S_IWUSR)  # published files are read-only
+    return path
+
+
+def block_of(loader, reader, row):
+    """(shard file, byte offset) of storage row ``row`` at the loader's site."""
+    i = int(np.searchsorted(loader.layout.first_row, row, side="right") - 1)
+    extent = reader.block_extent(loader.layout.blocks[0][i])
+    return reader.path / extent.name, extent.offset + (row - loader.layout.first_row[i]) * ROW
+
+
+def test_a_block_changed_before_its_check_is_refused(store):
+    reader, _ = store
+    loader = ActivationLoader(reader, site=5, batch_size=7, pool_blocks=2, return_index=True)
+    assert loader.mapped
+    path, at = block_of(loader, reader, 3 * T + 2)
+    with open(writable(path), "r+b") as f:
+        f.seek(at + 4)
+        f.write(b"\x00\x00\x80\x7f")  # one value becomes +inf
+    with pytest.raises(CorruptStoreError, match="is not the block published there"):
+        list(loader)
+
+
+def test_a_change_in_place_after_the_check_is_served_then_caught_next_epoch(store):
+    """A window's blocks are checked where they lie before any of its rows is served, and
+    its rows are then gathered from the same page-cache pages. A file changed in place
+    after that check (published files are read-only: it takes a chmod) shows in this
+    epoch's batches, and the block's next check, in the next epoch, refuses it."""
+    reader, acts = store
+    options = {"site": 5, "batch_size": 4, "pool_blocks": 4, "return_index": True}
+    loader = ActivationLoader(reader, **options)
+    plan, after = loader.plan(0), loader.plan(1)
+    batches = iter(loader)
+    first = next(batches)  # window 0 (4 blocks) checked, 4 of its rows served
+    served = set(first.rows.tolist())
+    # a row of window 0 not served yet, in a block the next epoch does not read ahead
+    # (its first window is read as this one ends: checked before the change)
+    early = set(after.window_blocks(0).tolist())
+    block = next(int(i) for i in plan.window_blocks(0) if int(i) not in early)
+    row = next(r for r in range(block * T, block * T + T) if r not in served)
+    path, at = block_of(loader, reader, row)
+    with open(writable(path), "r+b") as f:
+        f.seek(at)
+        f.write(np.float32(-12345.0).tobytes())
+    seen = None
+    for batch in batches:
+        hit = np.flatnonzero(batch.rows.numpy() == row)
+        if len(hit):
+            seen = batch.acts[hit[0], 0].item()
+        else:  # every other row is served as stored
+            np.testing.assert_array_equal(batch.acts.numpy(), expected(acts, batch.rows, 1))
+    assert seen == -12345.0  # the change shows (not checked again within the epoch)
+    with pytest.raises(CorruptStoreError, match="is not the block published there"):
+        list(loader)  # the next epoch checks the block again
+
+
+def _read_after_truncation(path, seed, shard, keep, queue):
+    loader = ActivationLoader(SaevReader(path), site=5, batch_size=T, pool_blocks=1, seed=seed)
+    batches = iter(loader)
+    next(batches)  # window 0 served, window 1 being made ready
+    os.truncate(shard, keep)
+    try:
+        for _ in batches:
+            pass
+        queue.put("no error")
+    except CorruptStoreError as err:
+        queue.put(str(err))
+
+
+def test_a_file_shrunk_under_the_mapping_is_an_error_not_a_crash(tmp_path):
+    """Touching a mapped page past the end of a file kills the process (SIGBUS); the
+    loader faults each window in before gathering from it, which the kernel refuses for
+    such pages, so a file truncated while being read stops the epoch with one error. In a
+    child process: a SIGBUS must not take pytest down."""
+    reader, _ = write_store(tmp_path / "s", n=40, per_shard=40)  # one shard of 4 pages
+    # keep the first page: examples 0-9 at layer 5 (bytes (2e+1)*192 onwards) stay whole
+    keep = 4096
+    whole = {e for e in range(40) if (2 * e + 2) * 192 <= keep}
+
+    def plan(seed):
+        return ActivationLoader(reader, site=5, batch_size=T, pool_blocks=1, seed=seed).plan(0)
+
+    # windows 0 and 1 (served and made ready before the truncation) stay whole
+    seed = next(s for s in range(2000) if set(plan(s).block_order[:2].tolist()) <= whole)
+    queue = FORK.Queue()
+    shard = writable(reader.path / "acts000000.bin")
+    child = FORK.Process(
+        target=_read_after_truncation, args=(reader.path, seed, shard, keep, queue)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0, f"the reader died (exit {child.exitcode})"
+    message = queue.get(timeout=5)
+    assert "acts000000.bin is shorter than when it was opened" in message, message
+
+
+def region_rss(loader):
+    """Resident bytes of this process in the loader's mapped region (from smaps)."""
+    region = loader._buffers[1].region
+    lo, hi = region.base, region.base + region.nbytes
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = lo <= start and end <= hi
+        elif inside and head == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_a_served_window_leaves_the_process(tmp_path):
+    """Pages of a served window are dropped from the process's page tables (they stay in
+    the page cache): a long epoch does not leave the whole store in the resident set."""
+    n, t, d = 96, 64, 256  # blocks of 64 KiB (one example at one layer), 24 MiB in all
+    md = SaevMetadata(
+        family="gpt2", ckpt="tiny", layers=(2, 3), patches_per_ex=t, cls_token=False,
+        d_model=d, n_examples=n, patches_per_shard=48 * t * 2, data=encode_data({}),
+        dataset="/nowhere",
+    )  # fmt: skip
+    writer = saev_writer(md, tmp_path)
+    acts = torch.randn(n, t, d)
+    writer.write(Batch(acts={"resid.2": acts, "resid.3": acts}, example_ids=np.arange(n)))
+    reader = SaevReader(writer.close())
+    loader = ActivationLoader(reader, site=3, batch_size=256, pool_blocks=8)
+    assert loader.mapped
+    for _ in loader:
+        pass
+    resident = region_rss(loader)
+    assert resident < n * t * d * 4 // 3, resident  # a few windows (8 blocks) of 96 blocks
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_both_read_paths_serve_the_same_stream(store, monkeypatch, workers):
+    """Gathering from the mapped shards or from windows read into buffers
+    (``ACTSTORE_MAP=0``) is the same stream, value for value, with and without workers,
+    bfloat16 and normalised included."""
+    reader, _ = store
+    options = {
+        "sites": [5, 2],
+        "batch_size": 10,
+        "pool_blocks": 3,
+        "mix": 2,
+        "drop_cls": True,
+        "dtype": "bfloat16",
+        "normalize": "standardize",
+        "return_index": True,
+    }
+
+    def epoch():
+        loader = ActivationLoader(SaevReader(reader.path), **options)
+        data = ActivationDataLoader(loader, num_workers=workers)
+        got = [(b.acts.clone(), b.rows.clone()) for b in data]
+        return loader.mapped, got
+
+    mapped, a = epoch()
+    monkeypatch.setenv("ACTSTORE_MAP", "0")
+    read, b = epoch()
+    assert mapped and not read
+    assert len(a) == len(b)
+    for (x, r), (y, s) in zip(a, b):
+        assert torch.equal(r, s) and torch.equal(x, y)
+    rows = torch.cat([r for _, r in a])
+    assert sorted(rows.tolist()) == [i for i in range(23 * T) if i % T]
