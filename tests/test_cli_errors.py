@@ -125,6 +125,7 @@ CASES = {
         ],
         "layer 9 is out of range for a model with 4 blocks",
     ),
+    # the two sites that collide, not every site (issue 38, 12)
     "same layer twice": (
         [
             "capture",
@@ -133,11 +134,11 @@ CASES = {
             "--dataset",
             "{data}",
             "--layers",
-            "3,-1",
+            "0,3,-1",
             "--out",
             "{out}",
         ],
-        "name the same site twice",
+        "sites resid.3 and resid.-1 both name resid.3; give it once",
     ),
     "unknown site kind": (
         ["capture", "--model", "{model}", "--dataset", "{data}", "--sites", "bogus.1"],
@@ -544,6 +545,43 @@ def test_already_captured_is_answered_without_torch_and_never_stale(world):
     shutil.rmtree(store)
     fourth = run_cli(*args)
     assert fourth.returncode == 0 and fourth.stdout.startswith("Captured "), fourth.stdout
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "activault"])
+def test_finished_zarr_and_activault_captures_are_answered_from_the_memo(world, fmt):
+    """Issue 38 (12): like every other format's, a finished zarr or Activault capture is
+    answered "Already captured" from the memo, before torch or transformers load."""
+    args = _capture_args(world, "--max-examples", "8", "--format", fmt)
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    environ = {**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1"}
+    again = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "actstore", *args],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+        check=False,
+    )
+    assert again.returncode == 0 and again.stdout.startswith("Already captured"), again.stdout
+    loaded = _imported(again.stderr)
+    assert "torch" not in loaded and "transformers" not in loaded
+
+
+def test_a_corrupt_image_mid_capture_leaves_no_empty_out(world, model_dir, image_folder):
+    """Issue 38 (12): an image that does not decode, met after the writer opened, is one
+    line; the --out the capture created, left empty, is removed again."""
+    folder = world["tmp"] / "images"
+    shutil.copytree(image_folder, folder)
+    broken = sorted(p for p in folder.rglob("*") if p.is_file())[9]  # past the first batches
+    broken.write_bytes(broken.read_bytes()[:40])
+    for fmt in ("saev", "zarr"):
+        out = world["tmp"] / "new" / f"acts-{fmt}"
+        argv = ["capture", "--model", str(model_dir("clip")), "--dataset", str(folder)]
+        argv += ["--layers", "1", "--batch-size", "4", "--format", fmt, "--out", str(out)]
+        proc = run_cli(*argv, "--no-progress", env={"HF_HUB_OFFLINE": "1"})
+        assert_one_line_error(proc, str(broken))
+        assert not (world["tmp"] / "new").exists(), fmt
 
 
 # ------------------------------------------------------------- convert

@@ -82,3 +82,32 @@ def test_a_dataset_edited_to_the_same_size_and_mtime_is_not_answered(world):
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert (data.stat().st_size, data.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
     assert recall(params) is None
+
+
+@pytest.mark.parametrize(
+    ("index_files", "at_the_top"),
+    [
+        ((".zmetadata", "manifest.json"), (".zmetadata", ".zattrs")),  # zarr
+        (("cfg.json", "metadata.json"), ("cfg.json",)),  # Activault: metadata.json per hook
+    ],
+)
+def test_a_store_whose_index_files_are_not_all_at_its_top_is_memoised(
+    world, index_files, at_the_top
+):
+    """Issue 38 (12): zarr and Activault stores hold some of their format's index files
+    below their top (or not at all), so their captures were never memoised; the root
+    manifest (written anew at every publication) and the index files at the top answer."""
+    params, store = world["params"], world["store"]
+    for name in (*MANIFESTS, "actstore-blocks.xxh3"):
+        (store / name).unlink()
+    for name in at_the_top:
+        (store / name).write_text(name)
+    remember(params, store, "summary", index_files)
+    assert recall(params) == Memo(str(store), "summary")
+    _replace(store / at_the_top[0], "rewritten")
+    assert recall(params) is None
+    remember(params, store, "summary", index_files)
+    (store / "actstore-manifest.json").unlink()  # no root manifest: never answered
+    assert recall(params) is None
+    remember(params, store, "summary", index_files)
+    assert recall(params) is None

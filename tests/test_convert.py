@@ -284,3 +284,32 @@ def test_conversion_keeps_examples_and_cls(source, tmp_path):
         True,
         "dinov2",
     )
+
+
+def test_a_conversion_to_activault_keeps_every_row_or_publishes_nothing(tmp_path):
+    """Issue 38 (4): ``convert <saev> out --to activault`` published the run, then failed
+    with "the stores hold different numbers of rows": Activault files are all one size and
+    the writer dropped the tail under one file. A conversion now picks a file size that
+    holds every row, and a size given that cannot is refused before anything is written."""
+    import os
+
+    from forked import pythonpath, run_actstore
+
+    from actstore.formats.activault import ActivaultOptions
+    from actstore.formats.activault.writer import file_shape
+
+    plan = make_plan(n_examples=100, tokens_per_example=16)
+    src = write_store("saev", tmp_path / "src", plan, make_acts(plan))
+    rows, seq = file_shape(plan, ActivaultOptions())
+    assert (100 * 16) % (rows * seq)  # the default file size leaves a tail
+    done = convert(src, tmp_path / "av", to="activault", progress=False)
+    assert done.verified and done.rows == {str(s): 100 * 16 for s in plan.sites}
+    assert open_store(done.location).n_rows(plan.sites[0]) == 100 * 16
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "TQDM_DISABLE": "1"}
+    target = tmp_path / "av7"
+    args = ["convert", src, str(target), "--to", "activault", "--opt", "rows_per_file=7"]
+    proc = run_actstore(*args, "--no-progress", env=env, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "rows_per_file=5" in line and "keeps every row" in line
+    assert not target.exists()

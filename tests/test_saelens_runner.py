@@ -270,3 +270,26 @@ def test_a_cache_saelens_wrote_trains_the_same_way(model_dir, tmp_path, monkeypa
         _, cache_ = runner.model.run_with_cache(torch.as_tensor(tokens[:2]), names_filter=[column])
     stored = np.asarray(datasets.load_from_disk(str(out)).with_format("numpy")[column][:2])
     torch.testing.assert_close(cache_[column], torch.as_tensor(stored), rtol=1e-5, atol=1e-5)
+
+
+def test_the_runner_warns_of_too_few_tokens_only_when_the_store_holds_too_few(
+    cache, tmp_path, monkeypatch
+):
+    """Issue 38 (12): SAELens compares the dataset's samples (contexts) with the training
+    tokens, so it warned that a store holding more tokens than training needs holds too
+    few; the runner compares tokens with tokens."""
+    import warnings
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    _, store = cache
+    held = N_EXAMPLES * CONTEXT
+    common = {"hook": HOOK, "d_sae": 16, "train_batch_size_tokens": 16}
+    common |= {"store_batch_size_prompts": 2, "n_batches_in_buffer": 2}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        training_runner(store, training_tokens=held // 2, **common)  # > samples, < tokens
+    texts = [str(w.message) for w in seen]
+    assert not [t for t in texts if "fewer" in t], texts
+    with pytest.warns(UserWarning, match=rf"holds {held:,} tokens .* fewer than training_tokens"):
+        training_runner(store, training_tokens=held * 2, **common)
