@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -291,7 +292,6 @@ def test_a_conversion_to_activault_keeps_every_row_or_publishes_nothing(tmp_path
     with "the stores hold different numbers of rows": Activault files are all one size and
     the writer dropped the tail under one file. A conversion now picks a file size that
     holds every row, and a size given that cannot is refused before anything is written."""
-    import os
 
     from forked import pythonpath, run_actstore
 
@@ -313,3 +313,16 @@ def test_a_conversion_to_activault_keeps_every_row_or_publishes_nothing(tmp_path
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "rows_per_file=5" in line and "keeps every row" in line
     assert not target.exists()
+
+
+@pytest.mark.parametrize("fmt", ["saev", "activault"])
+def test_withdraw_removes_a_store_it_published(tmp_path, fmt):
+    """What a conversion whose verification fails calls on the store it just published:
+    nothing of it is left (its root manifest goes first)."""
+    from actstore.convert import withdraw
+
+    plan = make_plan()
+    location = write_store(fmt, tmp_path / "out", plan, make_acts(plan))
+    assert open_store(location).n_examples == plan.n_examples
+    withdraw(location)
+    assert not os.path.exists(location)

@@ -481,3 +481,36 @@ def test_s3_out_answers_only_the_same_capture(s3, model_dir, tmp_path, fmt):
     assert s3.keys("acts/") == held
     shown = run_actstore("inspect", url, env=env, timeout=300)
     assert shown.returncode == 0 and str(model_dir("gpt2")) in shown.stdout, shown.stderr
+
+
+@pytest.mark.slow
+def test_the_local_s3_server_recipe_runs(tmp_path):
+    """docs/s3.md's recipe, run as it is written: the suite's S3 server on its own, a
+    bucket, a capture of the embedded model to it, listed back."""
+    import subprocess
+    import sys
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "s3.md").read_text()
+    block = text.split("<!-- s3-test-server -->\n```bash\n", 1)[1].split("```", 1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+    env.update(
+        PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+        PYTHONPATH=pythonpath(),
+        ACTSTORE_CACHE=str(tmp_path / "cache"),
+        TQDM_DISABLE="1",
+        HF_HUB_OFFLINE="1",
+    )
+    proc = subprocess.run(
+        ["bash", "-e", "-c", block],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    captured, listed = proc.stdout.split("python -c", 1)  # capture's last line, then ls
+    assert "Captured 16 examples" in captured
+    listed = listed.split("\n", 1)[1]
+    assert "s3://acts/minilm" in listed and "saelens" in listed.lower(), proc.stdout

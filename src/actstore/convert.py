@@ -1,4 +1,8 @@
-"""Convert a store from any format to any other, streaming, then verify the result.
+"""Convert a store between formats, streaming, then verify the result: every row, or a
+one-line refusal where the target cannot hold what the store holds (sites it does not
+store, examples of different lengths into a fixed-length format), before anything is
+written where the target's options say so (:meth:`FormatWriter.convert_options`); a
+conversion whose verification fails removes the store it published (:func:`withdraw`).
 
 Conversion is written once against the contracts every format keeps: the source reader's
 blocks (rows example-major, then token; blocks at the same index of two sites cover the
