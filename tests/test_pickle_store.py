@@ -342,7 +342,7 @@ def test_crashed_capture_resumes_to_identical_shards(tmp_path):
 def test_refuses_to_mix_with_other_data(tmp_path):
     out, plan, _ = write(tmp_path / "acts")
     other = make_plan(d_model=4)
-    with pytest.raises(StoreExistsError, match="already holds something else"):
+    with pytest.raises(StoreExistsError, match="holds another capture"):
         PickleWriter(other, out, PickleOptions(samples_per_shard=PER_SHARD))
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")

@@ -130,7 +130,7 @@ def test_a_merge_into_a_store_of_another_capture_is_refused(tmp_path):
     run = tmp_path / "run"
     write_run(run)
     other = write_store(tmp_path / "other" / "activations.zarr", r_max=5)
-    with pytest.raises(StoreExistsError, match="already holds something else"):
+    with pytest.raises(StoreExistsError, match="holds another capture"):
         merge_run(run, other, progress=False)
     assert ZarrReader(run).manifest["merged"] is None
 
