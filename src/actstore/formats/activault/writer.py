@@ -299,7 +299,7 @@ class ActivaultWriter(FormatWriter):
             if getattr(record, name) != getattr(expected, name)
         ]
         if differ:
-            words = [f"another {name} (--opt)" for name in differ if name != "plan"]
+            words = [f"a different {name} (--opt {name})" for name in differ if name != "plan"]
             if "plan" in differ:
                 words += _plan_words(record.plan, expected.plan)
             if record.complete:
