@@ -9,6 +9,14 @@ each against a baseline measured in the same run.
 Each pair is measured ``--repeats`` times interleaved and the median is reported.
 
     python benchmarks/bench_digest.py --images 300
+
+With ``--weights`` (issue 38), the identity of a model's weights instead
+(``actstore.capture.identity.weights_identity``: the bytes of the files loading reads),
+from the page cache and from the disk (each file's pages dropped first with
+``posix_fadvise(DONTNEED)``), for the embedded model and for a GPT-2-size checkpoint
+(548 MB, as ``gpt2``'s ``model.safetensors``), against loading the embedded model:
+
+    python benchmarks/bench_digest.py --weights
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -31,12 +40,72 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _drop_pages(folder: str) -> None:
+    """Evict ``folder``'s files from the page cache (their next read comes from the disk)."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def weights(repeats: int) -> None:
+    """The weights identity of the embedded model and of a GPT-2-size checkpoint, warm and
+    cold, against loading the embedded model (blocks 0..5, float32, CPU)."""
+    import json
+    import shutil
+
+    from actstore.capture import identity
+    from actstore.capture.models import load_model
+    from actstore.hub import resolve_checkpoint
+
+    def timed(folder: str, cold: bool) -> float:
+        def run() -> None:
+            identity._DONE.clear()  # the per-process memo: every run reads the bytes
+            if cold:
+                _drop_pages(folder)
+            identity.weights_identity(folder)
+
+        return _median(run, repeats)
+
+    load = _median(lambda: load_model("embedded", sites=["resid.5"]), repeats)
+    with tempfile.TemporaryDirectory() as scratch:
+        embedded = shutil.copytree(resolve_checkpoint("embedded"), os.path.join(scratch, "e"))
+        gpt2 = os.path.join(scratch, "gpt2")
+        os.mkdir(gpt2)
+        with open(os.path.join(gpt2, "config.json"), "w") as f:
+            json.dump({"model_type": "gpt2", "n_layer": 12, "n_embd": 768}, f)
+        rng = np.random.default_rng(0)
+        with open(os.path.join(gpt2, "model.safetensors"), "wb") as f:
+            # 548 MB of incompressible bytes, as gpt2's file
+            f.writelines(rng.bytes(1_000_000) for _ in range(548))
+        for name, folder in (("embedded (90.9 MB)", embedded), ("GPT-2 size (548 MB)", gpt2)):
+            size = sum(
+                os.path.getsize(os.path.join(folder, n))
+                for n in identity.weight_files(Path(folder))
+            )
+            warm, cold = timed(folder, False), timed(folder, True)
+            print(
+                f"weights {name}: {size / 1e6:.1f} MB digested; page cache {warm * 1e3:.0f} ms "
+                f"({size / warm / 1e9:.2f} GB/s), disk {cold * 1e3:.0f} ms "
+                f"({size / cold / 1e9:.2f} GB/s); loading the embedded model {load * 1e3:.0f} ms"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", action="store_true", help="the weights identity instead")
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
+    if args.weights:
+        weights(args.repeats)
+        return
     from PIL import Image
     from transformers import AutoTokenizer
 
