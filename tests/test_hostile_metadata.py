@@ -22,6 +22,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_fault_property import BUILDERS, writable_copy
@@ -182,3 +183,38 @@ def test_an_empty_manifest_key_is_refused_not_read_as_no_key(copy_of, capsys, mo
         assert err.strip().splitlines() == [err.strip()] and "set but empty" in err, err
     with pytest.raises(ActstoreError, match="set but empty"):
         open_store(store)
+
+
+# ---------------------------------------------------------------------------- item 8
+
+
+def _edit_json(path: Path, edit: Callable[[Any], None]) -> None:
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc, indent=2))
+
+
+def _num_tokens_plus_one(doc: Any) -> None:
+    doc["shards"][0]["num_tokens"] += 1
+
+
+def _classes_one(doc: Any) -> None:
+    doc["extraction_config"]["actstore"]["classes"] = 1
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [(_num_tokens_plus_one, "declares 31 tokens"), (_classes_one, "classes must be a list")],
+    ids=["num_tokens+1", "classes=1"],
+)
+def test_pkl_gz_metadata_edits_are_faults_not_tracebacks(copy_of, capsys, edit, says):
+    """pkl.gz metadata.json with a shard's num_tokens + 1, or classes = 1, the manifest
+    rewritten over it: a FAULT line (was: a ValueError/TypeError traceback from verify and
+    inspect)."""
+    store = copy_of("pickle")
+    _edit_json(store / "metadata.json", edit)
+    resign(store)
+    faults = verify_faults(store, capsys)
+    assert any(says in f for f in faults), faults
+    assert says in inspect_error(store, capsys)
+    refused_at_open(store)

@@ -34,6 +34,7 @@ from typing import Any
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, ProtocolVersionError
 from ...sites import Site
+from ..metacheck import MAX_DIM, Fields
 
 VERSION = "1.0"
 METADATA = "metadata.json"
@@ -268,7 +269,12 @@ class PickleMetadata:
             if key not in doc:
                 raise CorruptStoreError(f"{source} lacks the required field {key!r}")
         version = doc["version"]
-        if not isinstance(version, str) or version.split(".")[0] != VERSION.split(".")[0]:
+        if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
+            raise CorruptStoreError(
+                f"{source}: version must be a string such as {VERSION!r}, not {version!r}; the "
+                "metadata was edited or damaged: restore it or re-create the store"
+            )
+        if version.split(".")[0] != VERSION.split(".")[0]:
             raise ProtocolVersionError(
                 f"{source} has version {version!r}; this reader implements {VERSION} and "
                 "cannot read another major version"
@@ -284,6 +290,7 @@ class PickleMetadata:
         dist = doc.get("distributed_config") or {}
         if not isinstance(dist, dict):
             raise CorruptStoreError(f"{source}: distributed_config must be an object")
+        _check_configs(doc["extraction_config"], dist, source)
         shards = tuple(ShardInfo.from_dict(s, source=source) for s in doc["shards"])
         for attr in ("shard_id", "filename"):
             values = [getattr(s, attr) for s in shards]
@@ -305,6 +312,55 @@ class PickleMetadata:
             shards=shards,
             statistics=doc["statistics"],
         )
+
+
+def _check_configs(config: dict[str, Any], dist: dict[str, Any], source: str) -> None:
+    """The fields of ``extraction_config`` and ``distributed_config`` a reader uses, each of
+    its type and in range (the spec's, then actstore's own record when present)."""
+    f = Fields(config, f"{source}: extraction_config")
+    params = f.obj("model_params", optional=True)
+    if params is not None:
+        p = Fields(params, f"{source}: extraction_config.model_params")
+        p.count("hidden_size", lo=1, hi=MAX_DIM, optional=True)
+        p.count("num_hidden_layers", lo=1, hi=MAX_DIM, optional=True)
+    f.counts("layers_extracted", hi=MAX_DIM, optional=True)
+    f.count("max_seq_length", lo=1, hi=MAX_DIM, optional=True)
+    f.count("batch_size", lo=1, optional=True)
+    own = f.obj("actstore", optional=True)
+    if own:
+        a = Fields(own, f"{source}: extraction_config.actstore")
+        a.text("modality")
+        a.count("n_examples")
+        a.count("tokens_per_example", lo=1, hi=MAX_DIM)
+        a.count("samples_per_shard", lo=1)
+        for key in ("has_cls", "has_labels", "has_tokens"):
+            a.flag(key)
+        a.obj("data")
+        a.texts("classes", optional=True)
+    d = Fields(dist, f"{source}: distributed_config")
+    d.count("machine_id", optional=True)
+    d.count("total_machines", lo=1, optional=True)
+    d.count("samples_per_machine", optional=True)
+    d.count("num_hosts", lo=1, optional=True)
+    d.flag("multihost", optional=True)
+    d.text("mesh_type", optional=True)
+    ranges = [("distributed_config", dist)]
+    machines = dist.get("machines")
+    if machines is not None:
+        if not isinstance(machines, list):
+            raise d.fault("machines", "a list of objects", machines)
+        for k, machine in enumerate(machines):
+            m = Fields(machine, f"{source}: distributed_config.machines[{k}]")
+            m.count("machine_id")
+            m.count("num_samples")
+            ranges.append((f"distributed_config.machines[{k}]", machine))
+    for where, holder in ranges:
+        span = Fields(holder, f"{source}: {where}").counts("example_range", optional=True)
+        if span is not None and (len(span) != 2 or span[0] > span[1]):
+            raise CorruptStoreError(
+                f"{source}: {where}.example_range must be [start, stop], not {span}; the "
+                "metadata was edited or damaged: restore it or re-create the store"
+            )
 
 
 def _is_int(value: Any) -> bool:

@@ -31,6 +31,7 @@ import gzip
 import hashlib
 import io
 import os
+import re
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -55,11 +56,14 @@ from ..base import Block, ReaderBase, VerifyReport
 from .layout import (
     MAX_SHARD_BYTES,
     METADATA,
+    VERSION,
     PickleMetadata,
     ShardInfo,
+    distributed_config,
     is_shard_filename,
     layer_key,
     plan_sites,
+    shard_filename,
 )
 
 if TYPE_CHECKING:
@@ -162,6 +166,15 @@ class PickleReader(ReaderBase):
                 raise CorruptStoreError(
                     f"{self.files.url_of(METADATA)}: the shards hold {md.n_samples} samples, the "
                     f"capture declared {declared}; restore the metadata or re-capture"
+                )
+            width = md.actstore["tokens_per_example"]  # checked an int by the parse
+            wrong = [i for i in self.shards if i.num_tokens != i.num_samples * width]
+            if wrong:
+                raise CorruptStoreError(
+                    f"{self.files.url_of(METADATA)}: shard {wrong[0].filename} declares "
+                    f"{wrong[0].num_tokens} tokens, but its {wrong[0].num_samples} samples of "
+                    f"{width} tokens are {wrong[0].num_samples * width}: the metadata was "
+                    "edited; restore it or re-capture"
                 )
 
     def _max_shard_bytes(self, info: ShardInfo) -> int:
@@ -356,6 +369,13 @@ class PickleReader(ReaderBase):
                 reference = ids
             elif ids != reference:
                 raise CorruptStoreError(f"shard {file}: layers list different samples")
+            rows = sum(int(item["activation"].shape[0]) for item in items)
+            if info.num_tokens is not None and rows != info.num_tokens:
+                raise CorruptStoreError(
+                    f"shard {file}: {layer_key(layer)} holds {rows} tokens, metadata.json says "
+                    f"{info.num_tokens} (num_tokens): the metadata was edited; restore it or "
+                    "re-capture"
+                )
 
     def shard_rows(self, index: int) -> int:
         """Rows (tokens) per layer in shard ``index``."""
@@ -553,6 +573,7 @@ class PickleReader(ReaderBase):
             if is_shard_filename(name) and name not in listed:
                 report.faults.append(f"{name} is not listed in {METADATA}")
         non_finite = 0
+        held: dict[int, tuple[list[int], list[Any]]] = {}  # shard -> sample ids, machine ids
         for index, info in enumerate(self.shards):
             self._cache.pop(index, None)
             try:
@@ -560,6 +581,11 @@ class PickleReader(ReaderBase):
             except (CorruptStoreError, UnsafeDataError) as err:
                 report.faults.append(str(err))
                 continue
+            first = data[layer_key(info.layers[0])] if info.layers else []
+            held[index] = (
+                [int(item["sample_idx"]) for item in first],
+                [(item.get("metadata") or {}).get("machine_id") for item in first],
+            )
             for layer in info.layers:
                 for item in data[layer_key(layer)]:
                     non_finite += int(
@@ -588,9 +614,112 @@ class PickleReader(ReaderBase):
                 report.faults.append(f"statistics.{key} is {totals[key]}, the store has {want}")
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
+        if self.metadata.actstore and len(held) == len(self.shards):
+            report.faults += [f"{METADATA}: {f}" for f in self._metadata_faults(held)]
         self.verify_statistics(report)
         self.verify_record(report)
         return report
+
+    def _metadata_faults(self, held: dict[int, tuple[list[int], list[Any]]]) -> list[str]:
+        """What ``metadata.json`` says of the shards, against the shards (``held``: each
+        shard's sample ids and items' machine ids, as decoded): every field actstore's
+        writer derives from the data (shard entries, distributed_config, the statistics'
+        totals), for a store actstore wrote. Only the creation time and the extraction
+        duration are not derived from the data; they must be a time and a number."""
+        md, faults = self.metadata, []
+        edited = "the metadata was edited; restore it or re-capture"
+        if md.version != VERSION:
+            faults.append(f"version is {md.version!r}; actstore writes {VERSION!r}: {edited}")
+        if not re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", md.created_at):
+            faults.append(f"created_at {md.created_at!r} is not a UTC time: {edited}")
+        for index, info in enumerate(self.shards):
+            ids = held[index][0]
+            if info.filename != shard_filename(info.shard_id, info.compressed):
+                faults.append(
+                    f"shard entry {info.shard_id} names {info.filename!r}, not "
+                    f"{shard_filename(info.shard_id, info.compressed)!r}: {edited}"
+                )
+            if ids and list(info.sample_id_range) != [min(ids), max(ids)]:
+                faults.append(
+                    f"shard {info.filename} declares sample ids {list(info.sample_id_range)}; "
+                    f"it holds {min(ids)}..{max(ids)}: {edited}"
+                )
+        faults += self._distributed_faults(held, edited)
+        totals = md.statistics
+        want = {
+            "total_shards": len(self.shards),
+            "total_samples": md.n_samples,
+            "total_size_bytes": sum(s.size_bytes for s in self.shards),
+            "layers_extracted": list(md.layers),
+        }
+        for key, value in want.items():
+            if key not in totals or totals[key] != value:
+                faults.append(f"statistics.{key} is {totals.get(key)!r}, the store has {value}")
+        seconds = totals.get("extraction_duration_seconds")
+        if not (
+            isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 <= seconds
+        ):
+            faults.append(f"statistics.extraction_duration_seconds {seconds!r} is not a duration")
+        return list(dict.fromkeys(faults))
+
+    def _distributed_faults(
+        self, held: dict[int, tuple[list[int], list[Any]]], edited: str
+    ) -> list[str]:
+        """``distributed_config`` against the shards: the example range they hold and the
+        machine each item says wrote it."""
+        dist = self.metadata.distributed_config
+        by_machine: dict[Any, list[int]] = {}
+        for ids, machines in held.values():
+            for i, m in zip(ids, machines):
+                by_machine.setdefault(m, []).append(i)
+        if "machines" not in dist:
+            lo = min((min(ids) for ids, _ in held.values() if ids), default=0)
+            hi = max((max(ids) + 1 for ids, _ in held.values() if ids), default=0)
+            machine, per = dist.get("machine_id"), dist.get("samples_per_machine")
+            want = distributed_config(
+                machine_id=machine if isinstance(machine, int) else -1,
+                total_machines=dist.get("total_machines"),  # type: ignore[arg-type]
+                samples_per_machine=per,  # type: ignore[arg-type]
+                example_range=(lo, hi),
+            )
+            faults = []
+            if dist != want or set(by_machine) != {machine}:
+                faults.append(
+                    f"distributed_config {dist} does not describe the shards (machine "
+                    f"{sorted(by_machine, key=str)} wrote samples {lo}..{hi - 1}): {edited}"
+                )
+            elif not (
+                isinstance(per, int)
+                and machine * per == lo
+                and hi == min(lo + per, md_examples(self))
+                and machine < dist["total_machines"]
+                and dist["total_machines"] * per >= md_examples(self)
+            ):
+                faults.append(
+                    f"distributed_config: machine {machine} of {dist['total_machines']} with "
+                    f"{per} samples per machine cannot hold samples {lo}..{hi - 1}: {edited}"
+                )
+            return faults
+        want_machines = [
+            {
+                "machine_id": m,
+                "example_range": [min(ids), max(ids) + 1],
+                "num_samples": len(ids),
+            }
+            for m, ids in sorted(by_machine.items(), key=lambda kv: str(kv[0]))
+        ]
+        expected = {
+            "machine_id": None,
+            "total_machines": len(by_machine),
+            "multihost": False,
+            "num_hosts": len(by_machine),
+            "mesh_type": "1d",
+            "samples_per_machine": dist.get("samples_per_machine"),
+            "machines": want_machines,
+        }
+        if dist != expected:
+            return [f"distributed_config does not describe the merged shards: {edited}"]
+        return []
 
     def _has_stats(self, layer: int, report: VerifyReport) -> bool:
         try:
@@ -602,6 +731,11 @@ class PickleReader(ReaderBase):
             report.faults.append(f"statistics of layer {layer} have vectors of the wrong length")
             return False
         return stats is not None
+
+
+def md_examples(reader: PickleReader) -> int:
+    """Examples of the whole capture a store (or one machine's part of it) belongs to."""
+    return int(reader.metadata.actstore.get("n_examples") or 0)
 
 
 class _ItemLabels(LazyRows):
