@@ -30,6 +30,7 @@ from ..devicecopy import Staging, copies_for
 from ..errors import ConfigError
 from ..formats import open_store
 from ..formats.base import Extent, SiteLike
+from ..formats.pipeline import StageClock
 from ..order import EpochPlan, batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
 from ..storage.mapped import available as can_map
@@ -264,6 +265,9 @@ class ActivationLoader(IterableDataset):
         self._slots: tuple[int, SharedSlots] | None = None  # (pid, this worker's batch slots)
         # where batches are gathered when the caller owns that memory (``actstore serve``)
         self._destination: Callable[[], np.ndarray] | None = None
+        #: set to a :class:`~actstore.formats.pipeline.StageClock` to sum the CPU time of
+        #: each stage of the read path in this process (``benchmarks/bench_read_stages.py``)
+        self.clock: StageClock | None = None
         # the next epoch's consumer, its first window already being read: (pid, what it
         # serves: epoch, worker, consumers, rows, buffers; the consumer); never pickled
         self._next: tuple[int, tuple[Any, ...], Consumer] | None = None
@@ -490,7 +494,7 @@ class ActivationLoader(IterableDataset):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_buffers": None, "_slots": None, "_next": None}
+        return {**self.__dict__, "_buffers": None, "_slots": None, "_next": None, "clock": None}
 
     # ------------------------------------------------------------------ the seam used by
     # ActivationDataLoader (main process) and serve
@@ -677,6 +681,7 @@ class ActivationLoader(IterableDataset):
             io_threads=cfg.io_threads,
             finish=finish,
             read_blocks=self.run_blocks,
+            clock=self.clock,
         )
 
     def _primed_consumer(self, key: tuple[Any, ...]) -> Consumer | None:

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ConfigError
 from ..formats.base import Block, Extent, ReaderBase
+from ..formats.pipeline import StageClock
 from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
 from ..storage.mapped import MappedFiles
 from .buffers import NUMPY_STORAGE, Buffers, allocate_pinned, allocate_private
@@ -252,15 +253,18 @@ class Consumer:
         io_threads: int,
         finish: Finish,
         read_blocks: int = 1,
+        clock: StageClock | None = None,
     ) -> None:
         self.layout, self.plan, self.finish = layout, plan, finish
         self.batch_size = batch_size
+        self.clock = clock
         self._io = ThreadPoolExecutor(max(1, io_threads), thread_name_prefix="actstore-io")
         options = {
             "n_sites": layout.n_sites,
             "d_model": layout.d_model,
             "return_index": finish.return_index,
             "read_blocks": read_blocks,
+            "clock": clock,
         }
         self.windows: Windows
         if buffers.region is not None and layout.extents is not None:
@@ -347,11 +351,11 @@ class Consumer:
                 self._drop_primed()
         ahead = [self.on_read_all]
 
-        def prefetch(need: int = 2) -> None:
+        def prefetch(need: int = 2, *, wait: bool = False) -> None:
             # keep the window being served and the next one ready (more only while one
-            # batch spans them); the first window may wait for its buffer
+            # batch spans them); a window a batch needs now may wait for its buffer
             while todo and len(ready) < need:
-                window = self.windows.open(todo[0], wait=not ready)
+                window = self.windows.open(todo[0], wait=wait or not ready)
                 if window is None:
                     return
                 todo.popleft()
@@ -368,7 +372,7 @@ class Consumer:
                 pos, j = at, 0
                 while pos < end:
                     if j == len(ready):
-                        prefetch(j + 1)
+                        prefetch(j + 1, wait=True)
                     window = ready[j]
                     base = int(plan.row_starts[window.w])
                     stop_w = int(plan.row_starts[window.w + 1])
@@ -402,7 +406,9 @@ class Consumer:
         for window, lo, hi in parts:
             offsets, rows = window.wait()
             index = torch.from_numpy(offsets[lo * n_sites : hi * n_sites])
-            self._copy_rows(window.src, index, flat[at : at + len(index)])
+            self.windows.timed(
+                "gather", self._copy_rows, window.src, index, flat[at : at + len(index)]
+            )
             at += len(index)
             if rows is not None:
                 ids.append(rows[lo:hi])

@@ -26,11 +26,13 @@ import abc
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..formats.base import Block, Extent
+from ..formats.pipeline import StageClock
 from ..order import EpochPlan
 from ..storage.mapped import MappedFiles
 from .buffers import Buffers
@@ -89,11 +91,20 @@ class Windows(abc.ABC):
         d_model: int,
         return_index: bool,
         read_blocks: int,
+        clock: StageClock | None = None,
     ) -> None:
         self.units, self.plan, self.io = units, plan, io
         self.n_sites, self.d_model = n_sites, d_model
         self.return_index = return_index
         self.read_blocks = max(1, read_blocks)
+        #: CPU seconds per stage (``benchmarks/bench_read_stages.py``), when measuring
+        self.clock = clock
+
+    def timed(self, stage: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, its CPU time added to ``stage`` when measuring."""
+        if self.clock is None:
+            return fn(*args, **kwargs)
+        return self.clock.timed(stage, lambda: fn(*args, **kwargs))
 
     @abc.abstractmethod
     def open(self, w: int, *, allocate: bool = True, wait: bool = True) -> Window | None:
@@ -168,8 +179,14 @@ class Windows(abc.ABC):
 
 
 class MappedWindows(Windows):
-    """Windows read where they lie: the store's files mapped, each block faulted in ahead
-    of use and checked against the manifest (``check``) once per epoch."""
+    """Windows read where they lie: the store's files mapped, each window faulted in ahead
+    of use and each block checked against the manifest (``check``) once per epoch.
+
+    A window is faulted in (``MADV_POPULATE_READ``) by one task, stretch after stretch in
+    storage order: one sequential stream the kernel reads ahead in large folios (pages
+    faulted in from several threads at once, or read ahead by ``fadvise``, land in
+    small pages: measured 5-10x the CPU to map and walk them later). Each stretch's blocks
+    are checked on the other read threads as soon as it is in."""
 
     def __init__(
         self,
@@ -194,76 +211,87 @@ class MappedWindows(Windows):
             [[(region.offset(e.name) + e.offset) // self.item for e in site] for site in extents],
             dtype=np.int64,
         ).reshape(len(extents), -1)
-        #: blocks already checked this epoch (site, block) -> the check
+        #: the check of each block checked this epoch: (site, block) -> its future
         self._checked: dict[tuple[int, int], Future] = {}
-
-    def _span(self, s: int, i: int) -> tuple[str, int, int]:
-        """``(file, first byte in the region, bytes)`` of block ``i`` of site ``s``."""
-        e = self.extents[s][i]
-        return (
-            e.name,
-            self.region.offset(e.name) + e.offset,
-            self.blocks[s][i].n_rows * self.row_bytes,
-        )
 
     def open(self, w: int, *, allocate: bool = True, wait: bool = True) -> Window:
         pieces = self._pieces(w)
         blocks = [i for i, _ in pieces]
         runs = [[blocks[j] for j in run] for run in self._runs(blocks, once=True)]
-        ready: list[Future] = []
-        spans: list[tuple[int, int]] = []
+        checks: list[Future] = []
+        stretches: list[tuple[str, int, int, list[tuple[int, int, Future | None]]]] = []
         for s in range(self.n_sites):
             for run in runs:
-                for i in run:  # map files here: the kernel starts reading ahead at once
-                    self.region.offset(self.extents[s][i].name)
-                spans.extend(self._stretches(s, run))
-                if self.check is None:
-                    ready.append(self.io.submit(self._ready, s, run, False))
-                    continue
-                new = [i for i in run if (s, i) not in self._checked]
-                if new:
-                    future = self.io.submit(self._ready, s, new, True)
-                    self._checked.update({(s, i): future for i in new})
-                if len(new) < len(run):  # checked in an earlier window: fault in again
-                    ready.append(
-                        self.io.submit(self._ready, s, [i for i in run if i not in new], False)
-                    )
-                ready.extend(self._checked[(s, i)] for i in run)
-        for start, nbytes in spans:
-            self.region.will_need(start, nbytes)
-        order = self.io.submit(self._order, w, pieces, self.start[:, blocks])
+                jobs: list[tuple[int, int, Future | None]] = []
+                for i in run:
+                    future = None
+                    if self.check is not None:
+                        if (s, i) not in self._checked:
+                            future = self._checked[(s, i)] = Future()
+                        checks.append(self._checked[(s, i)])
+                    jobs.append((s, i, future))
+                stretches.extend(self._stretches(jobs))
+        stretches.sort(key=lambda stretch: stretch[:2])  # storage order
+        fault = self.io.submit(self.timed, "fault-in", self._fault_in, stretches)
+        order = self.io.submit(self.timed, "order", self._order, w, pieces, self.start[:, blocks])
+        spans = [(self.region.offset(name) + offset, n) for name, offset, n, _ in stretches]
         return Window(
             w=w,
             src=self.src,
             order=order,
-            ready=list(dict.fromkeys(ready)),
+            ready=[fault, *dict.fromkeys(checks)],
             done=lambda: self._let_go(spans),
         )
 
-    def _stretches(self, s: int, run: list[int]) -> list[tuple[int, int]]:
-        """Byte ranges of the region holding blocks ``run`` of site ``s``, adjacent
-        blocks merged into one range."""
-        out: list[tuple[int, int]] = []
-        for i in run:
-            _, start, nbytes = self._span(s, i)
-            if out and out[-1][0] + out[-1][1] == start:
-                out[-1] = (out[-1][0], out[-1][1] + nbytes)
+    def _stretches(
+        self, jobs: list[tuple[int, int, Future | None]]
+    ) -> list[tuple[str, int, int, list[tuple[int, int, Future | None]]]]:
+        """``(file, byte offset, bytes, jobs)`` holding the blocks of ``jobs`` (``(site,
+        block, its check or None)``), blocks adjacent in one file merged into one stretch."""
+        out: list[tuple[str, int, int, list[tuple[int, int, Future | None]]]] = []
+        for s, i, future in jobs:
+            e, nbytes = self.extents[s][i], self.blocks[s][i].n_rows * self.row_bytes
+            if out and out[-1][0] == e.name and out[-1][1] + out[-1][2] == e.offset:
+                name, offset, size, mine = out[-1]
+                out[-1] = (name, offset, size + nbytes, [*mine, (s, i, future)])
             else:
-                out.append((start, nbytes))
+                out.append((e.name, e.offset, nbytes, [(s, i, future)]))
         return out
 
-    def _ready(self, s: int, blocks: list[int], check: bool) -> None:
-        """Fault blocks of site ``s`` in and (``check``) check each against the
-        manifest, where it lies."""
-        for i in blocks:
-            name, start, nbytes = self._span(s, i)
-            self.region.populate(name, start, nbytes)
-            if check and self.check is not None:
-                self.check(name, self.extents[s][i].offset, self.region.view(start, nbytes))
+    def _fault_in(
+        self, stretches: list[tuple[str, int, int, list[tuple[int, int, Future | None]]]]
+    ) -> None:
+        """Fault the stretches in, in order; start each block's check once its stretch is in."""
+        try:
+            for name, offset, nbytes, jobs in stretches:
+                self.region.populate(name, self.region.offset(name) + offset, nbytes)
+                for s, i, future in jobs:
+                    if future is not None:
+                        self.io.submit(self._check_block, s, i, future)
+        except BaseException as err:  # the window's checks cannot run: say why there too
+            for *_, jobs in stretches:
+                for _, _, future in jobs:
+                    if future is not None and not future.done():
+                        future.set_exception(err)
+            raise
+
+    def _check_block(self, s: int, i: int, future: Future) -> None:
+        """Check block ``i`` of site ``s`` where it lies; the outcome goes to ``future``."""
+        assert self.check is not None
+        e = self.extents[s][i]
+        view = self.region.view(
+            self.region.offset(e.name) + e.offset, self.blocks[s][i].n_rows * self.row_bytes
+        )
+        try:
+            self.timed("verify", self.check, e.name, e.offset, view)
+        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the block
+            future.set_exception(err)
+        else:
+            future.set_result(None)
 
     def _let_go(self, spans: list[tuple[int, int]]) -> None:
         for start, nbytes in spans:
-            self.region.let_go(start, nbytes)
+            self.timed("let-go", self.region.let_go, start, nbytes)
 
 
 class PooledWindows(Windows):
@@ -312,11 +340,15 @@ class PooledWindows(Windows):
         for s in range(self.n_sites):
             for run in self._runs([i for i, _ in pieces]):
                 tasks = [(pieces[j][0], pieces[j][1], int(at[j])) for j in run]
-                ready.append(self.io.submit(self._read, s, tasks, out[s], whole))
+                ready.append(
+                    self.io.submit(self.timed, "read", self._read, s, tasks, out[s], whole)
+                )
         d = self.d_model
         starts = (np.arange(self.n_sites, dtype=np.int64)[:, None] * n_rows + at[None, :-1]) * d
         # whole blocks: a unit's row r at its row r; slabs: the rows read one after another
-        order = self.io.submit(self._order, w, pieces, starts, packed=not whole)
+        order = self.io.submit(
+            self.timed, "order", self._order, w, pieces, starts, packed=not whole
+        )
         release = self.pools.release
         return Window(
             w=w,

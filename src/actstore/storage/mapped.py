@@ -44,15 +44,16 @@ from ..errors import CorruptStoreError, StorageError
 from .storefiles import StoreFiles
 
 PAGE = mmap.PAGESIZE
-#: Files are placed at multiples of this (2 MiB): where the page cache holds a file in
-#: large folios, the kernel can then map them with huge-page entries (one entry and one
-#: TLB slot per 2 MiB, not 512): measured 4x faster gathers than page-aligned places.
+#: Files are placed at multiples of this (2 MiB) and advised ``MADV_HUGEPAGE``: the kernel
+#: then reads them into the page cache in 2 MiB folios and maps each with one page-table
+#: entry, not 512 (measured: faulting a warm window in 0.001 s of CPU per GB instead of
+#: 0.08-0.14, and letting it go 0.0007 instead of 0.03-0.04).
 ALIGN = 2 << 20
 _LINUX = sys.platform.startswith("linux")
 _PROT_NONE = 0
 _MAP_FIXED = 0x10  # Linux
 _MAP_NORESERVE = 0x4000  # Linux
-_MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22  # POPULATE_READ: Linux 5.14+
+_MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_READ = 4, 14, 22  # POPULATE_READ: Linux 5.14+
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -177,6 +178,9 @@ class MappedFiles:
                             f"cannot map {self.files.url_of(name)}: {os.strerror(err)}; set "
                             "ACTSTORE_MAP=0 to read into buffers"
                         )
+                    # read and mapped in 2 MiB folios where the kernel can (THP for files;
+                    # refused quietly where it cannot): one page-table entry per 2 MiB
+                    _LIBC.madvise(got, size, _MADV_HUGEPAGE)
             finally:
                 os.close(fd)
             self._mapped.add(name)
@@ -221,10 +225,10 @@ class MappedFiles:
             return
         raise StorageError(f"cannot read {self.files.url_of(name)}: {os.strerror(err)}")
 
-    def will_need(self, start: int, nbytes: int) -> None:
-        """Ask the kernel to start reading ``[start, start + nbytes)`` into the page cache
-        (readahead; returns at once)."""
-        self._advise(start, nbytes, _MADV_WILLNEED)
+    def will_need(self, name: str, offset: int, nbytes: int) -> None:
+        """Ask the kernel to start reading bytes ``[offset, offset + nbytes)`` of file
+        ``name`` into the page cache (readahead; returns at once)."""
+        self.files.will_need(name, offset, nbytes)
 
     def let_go(self, start: int, nbytes: int) -> None:
         """Drop this process's page-table entries of ``[start, start + nbytes)`` (the data

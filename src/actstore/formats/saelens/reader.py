@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
@@ -43,6 +44,7 @@ from ...sites import Site
 from ...stats import RunningStats
 from ..arrays import LazyRows
 from ..base import Block, Extent, ReaderBase, VerifyReport, scratch
+from ..metacheck import MAX_COUNT, Fields, is_int
 from .layout import (
     BLOCK_BYTES,
     FORMAT_TAG,
@@ -75,6 +77,18 @@ def detect(files) -> bool:
     except (CorruptStoreError, AttributeError):
         return False
     return any(isinstance(f, dict) and f.get("_type") == "Array2D" for f in features.values())
+
+
+def _features_text(features: Any) -> str:
+    """A row's features in brief: ``column: shape dtype`` (``length`` for sequences)."""
+    out = []
+    for name, feature in features.items():
+        shape = getattr(feature, "shape", None) or getattr(feature, "length", None)
+        dtype = getattr(feature, "dtype", None) or getattr(
+            getattr(feature, "feature", None), "dtype", "?"
+        )
+        out.append(f"{name}: {shape} {dtype}")
+    return ", ".join(out)
 
 
 class SaelensReader(ReaderBase):
@@ -117,6 +131,8 @@ class SaelensReader(ReaderBase):
             raise CorruptStoreError(
                 f"{self.url} holds no Array2D activation column (columns: {list(features)})"
             )
+        if ours:
+            self._check_index_files(features)
         shapes = {tuple(features[c].shape) for c in self.columns}
         dtypes = {features[c].dtype for c in self.columns}
         if len(shapes) > 1 or len(dtypes) > 1:
@@ -140,10 +156,68 @@ class SaelensReader(ReaderBase):
         self._starts: np.ndarray | None = None
         self._statistics: dict[str, Any] | None = None
 
-    def _open_own(self) -> SaelensLayout:
+    def _check_index_files(self, features: Any) -> None:
+        """In a cache actstore wrote, ``dataset_info.json``'s features and ``state.json``
+        are what its writer derives from ``actstore.json``'s layout and the files' digests:
+        an edited feature (a shape, the token ids' length) or file list is a fault, even
+        with the manifest rewritten over it (``actstore.json`` itself is checked against
+        the published summary and store id)."""
+        source = self.files.url_of(SIDECAR)
         record = self.checks.read_json(SIDECAR)
-        layout = SaelensLayout.from_dict(record.get("layout"), source=self.files.url_of(SIDECAR))
-        listed = record.get("files") or []
+        if not isinstance(record, dict):
+            raise CorruptStoreError(f"{source} is not a JSON object; restore it or re-capture")
+        layout = SaelensLayout.from_dict(record.get("layout"), source=source)
+        if features != layout.features():
+            raise CorruptStoreError(
+                f"{self.files.url_of(INFO)}: its features "
+                f"({_features_text(features)}) are not the ones {SIDECAR}'s layout gives "
+                f"({_features_text(layout.features())}): the file was edited; restore it or "
+                "re-capture"
+            )
+        manifest = self.checks.manifest
+        if manifest is None:
+            return
+        try:
+            digests = "".join(manifest.files[n].digest for n in self.arrow_files)
+        except KeyError as err:
+            raise CorruptStoreError(
+                f"{self.files.url_of(STATE)} lists {err}, which the root manifest does not: "
+                "the file was edited; restore it or re-capture"
+            ) from None
+        want = {
+            "_data_files": [{"filename": n} for n in self.arrow_files],
+            "_fingerprint": xxhash.xxh3_64_hexdigest(digests.encode()),
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }
+        if self.checks.read_json(STATE) != want:
+            raise CorruptStoreError(
+                f"{self.files.url_of(STATE)} is not what the writer derives from the store's "
+                "files (its fingerprint or fields differ): the file was edited; restore it or "
+                "re-capture"
+            )
+
+    def _open_own(self) -> SaelensLayout:
+        source = self.files.url_of(SIDECAR)
+        record = self.checks.read_json(SIDECAR)
+        layout = SaelensLayout.from_dict(
+            Fields(record, source).obj("layout"), source=self.files.url_of(SIDECAR)
+        )
+        listed = Fields(record, source).obj_list("files")
+        for k, entry in enumerate(listed):
+            e = Fields(entry, f"{source}: files[{k}]")
+            e.text("name")
+            e.count("n_examples")
+            e.count("bytes")
+            at = e._get("values_at", False)
+            if not isinstance(at, list) or not all(
+                isinstance(a, list) and all(is_int(x) and 0 <= x <= MAX_COUNT for x in a)
+                for a in at
+            ):
+                raise e.fault("values_at", "a list of lists of byte offsets", at)
         if tuple(layout.columns) != self.columns or [e.get("name") for e in listed] != list(
             self.arrow_files
         ):
