@@ -345,7 +345,7 @@ def measure_mix(
             if i + 1 == 24:
                 break
         window = loader.plan(0).window_rows(0)
-        pairs[mix] = (float(np.mean(fractions)), window, loader.memory_bytes)
+        pairs[mix] = (float(np.mean(fractions)), window, window * row_bytes)
     runs: dict[tuple[int, bool, str], list[float]] = {}
     for rep in range(args.repeats):
         for cache in caches:
@@ -625,10 +625,8 @@ def main(argv: list[str] | None = None) -> None:
     results["latency"] = {row[0] + "/" + row[1]: row[2] for row in latency}
     print()
     print(table(["what", "cache", "seconds", "target"], latency))
-    print(
-        f"\nmemory bound per consumer: {loader.memory_bytes / 2**20:.0f} MiB "
-        f"(2 windows x {loader.pool_blocks} blocks x block bytes)"
-    )
+    how = "mapped: batch buffers only" if loader.mapped else "2 windows + batch buffers"
+    print(f"\nprivate memory per consumer: {loader.memory_bytes / 2**20:.0f} MiB ({how})")
 
     if not args.skip_mixing:
         mixing = measure_mixing(path, args, layer)
@@ -658,7 +656,7 @@ def print_mix(path, args, layer, caches, files, results: dict[str, object]) -> N
     rows, raw = measure_mix(path, args, layer, caches, files)
     results["mix"] = raw
     verifies = [v.strip() for v in args.mix_verify.split(",") if v.strip()]
-    header = ["mix", "pool memory", "same-example pairs", "formula", "ideal uniform"]
+    header = ["mix", "window", "same-example pairs", "formula", "ideal uniform"]
     header += [f"rows/s verify {v}, {c} (vs mix 1, range)" for v in verifies for c in caches]
     print()
     print(table(header, rows))

@@ -103,6 +103,36 @@ def loader_epoch(loader: ActivationLoader, epoch: int) -> tuple[int, Timer]:
     return rows, t
 
 
+def saelens_store(reader: SaelensReader, store: Path, args: argparse.Namespace):
+    """SAELens's ActivationsStore over the cache (None when sae-lens is not installed)."""
+    try:
+        from sae_lens.training.activations_store import ActivationsStore
+    except ImportError:
+        print("sae-lens is not installed: no ActivationsStore row")
+        return None
+    n_rows = sum(b.n_rows for b in reader.blocks(reader.sites[0]))
+    return ActivationsStore(
+        model=None,
+        dataset=None,
+        streaming=False,
+        hook_name=reader.native_name(reader.sites[0]),
+        hook_head_index=None,
+        context_size=args.context,
+        d_in=args.d_model,
+        # its shuffle buffer holds n_batches_in_buffer x context rows: as many as the
+        # loader's default 256 MiB window
+        n_batches_in_buffer=max(20, (256 << 20) // (args.d_model * 4) // args.context),
+        total_training_tokens=10 * n_rows,
+        store_batch_size_prompts=32,
+        train_batch_size_tokens=args.loader_batch,
+        prepend_bos=False,
+        normalize_activations="none",
+        device=torch.device("cpu"),
+        dtype="float32",
+        cached_activations_path=str(store),
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-saelens-"))
@@ -188,6 +218,21 @@ def main(argv: list[str] | None = None) -> None:
             "",
         ]
     )
+    # the peer: SAELens's own ActivationsStore over the same cache, warm, shuffling as many
+    # rows as the loader's window, for as many rows as one epoch
+    peer = saelens_store(reader, store, args)
+    if peer is not None:
+        sequential_read(files)
+        wanted = sum(b.n_rows for b in reader.blocks(reader.sites[0])) // args.loader_batch
+        with Timer() as t:
+            for _ in range(wanted):
+                peer.next_batch()
+        peer_mb = wanted * args.loader_batch * args.d_model * 4 / 1e6 / t.seconds
+        n, t = loader_epoch(loader, 3)
+        ours = n * args.d_model * 4 / 1e6 / t.seconds
+        rows.append(["SAELens ActivationsStore, same cache (warm)", peer_mb, ""])
+        rows.append(["ActivationLoader, same cache, right after it (warm)", ours, ""])
+        rows.append(["  ActivationLoader / ActivationsStore", f"{ours / peer_mb:.1f}x", ""])
     print("\nreading (MB/s of activations; the files also hold token ids)")
     print(table(["what", "MB/s", "vs sequential"], rows))
     if not args.dir:

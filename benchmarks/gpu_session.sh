@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# One GPU session (issues 24 and 29), at most 8 minutes: every CUDA test (within 3
-# minutes), then bench_gpu.py --quick (under 4 minutes on an H100/H200: capture rows, the
-# loader into CUDA in process / with workers / through `serve`, and SAE training fed by
-# each of them against resident batches, fp32 and bf16 autocast). From the repository
-# root on the GPU machine, as one command:
+# One GPU session (issues 24, 29 and 37), at most 9 minutes: every CUDA test (within 150
+# s), then bench_gpu.py --quick (under 4 minutes on an H100/H200: capture rows, the loader
+# into CUDA in process / with workers / through `serve`, and SAE training fed by each of
+# them against resident batches, fp32 and bf16 autocast), then the warm verified loader
+# on all cores against the best page-cache read (bench_loader.py, 2 GiB, in process and
+# 4 workers, 90 s) and the read path's stage table (bench_read_stages.py: CPU s/GB per
+# stage, cold and warm, 80 s). From the repository root on the GPU machine, as one
+# command:
 #
 #   bash benchmarks/gpu_session.sh
 #
 # Logs and bench_gpu.json go to $OUT (the device tool's folder) or /tmp/actstore-gpu-session.
-# Optional, when the session has time left: LOADER=1 adds the warm verified loader rows on
-# all cores (bench_loader.py, 2 GiB, about 50 s); FULL=1 runs bench_gpu.py without --quick
+# LOADER=0 skips the two loader benchmarks; FULL=1 runs bench_gpu.py without --quick
 # (every format and the heavy case: 4-7 minutes more). BENCH_ARGS=--small tries the
 # benchmark on a CPU.
 #
@@ -40,21 +42,25 @@ ulimit -l | tee -a "$out/gpu.txt"
 status=0
 # 1. every CUDA test first (the modules holding them; the others import test-only packages)
 stamp "pytest -m cuda"
-timeout --kill-after=10 "${TEST_TIMEOUT:-180}" python3 -m pytest -m cuda -v -p no:cacheprovider \
+timeout --kill-after=10 "${TEST_TIMEOUT:-150}" python3 -m pytest -m cuda -v -p no:cacheprovider \
     -o addopts="" --durations=10 tests/test_gpu.py tests/test_loader.py tests/test_loader_device.py \
     2>&1 | tee "$out/pytest_cuda.log" || status=1
 # 2. the quick benchmark
 stamp "bench_gpu.py"
 quick=--quick
 [ -n "${FULL:-}" ] && quick=
-timeout --kill-after=10 "${BENCH_TIMEOUT:-270}" python3 benchmarks/bench_gpu.py $quick ${BENCH_ARGS:-} \
+timeout --kill-after=10 "${BENCH_TIMEOUT:-240}" python3 benchmarks/bench_gpu.py $quick ${BENCH_ARGS:-} \
     --json "$out/bench_gpu.json" 2>&1 | tee "$out/bench_gpu.log" || status=1
-# 3. optional: verified warm reads on all cores, against the best page-cache read
-if [ -n "${LOADER:-}" ]; then
+# 3. verified warm reads on all cores, against the best page-cache read; the stage table
+if [ "${LOADER:-1}" != 0 ]; then
     stamp "bench_loader.py"
     timeout --kill-after=10 "${LOADER_TIMEOUT:-90}" python3 benchmarks/bench_loader.py \
         --data-dir /tmp/actstore-bl --gib 2 --repeats 2 --skip-naive --skip-cold --skip-mixing \
-        --workers 4 2>&1 | tee "$out/bench_loader_warm.log" || status=1
+        --workers 4 --mix "" 2>&1 | tee "$out/bench_loader_warm.log" || status=1
+    stamp "bench_read_stages.py"
+    timeout --kill-after=10 "${STAGES_TIMEOUT:-80}" python3 benchmarks/bench_read_stages.py \
+        --data-dir /tmp/actstore-bl --gib 2 --torch-threads 4 --configs mapped,bf16,workers \
+        --json "$out/bench_read_stages.json" 2>&1 | tee "$out/bench_read_stages.log" || status=1
 fi
 stamp "done (status $status)"
 exit $status

@@ -182,7 +182,7 @@ def test_loader_on_cuda_serves_every_row_once_with_exact_values(store, workers):
     assert [r.tolist() for _, r in again] == plain
 
 
-def test_pinned_batches_are_views_of_registered_pools(store):
+def test_pinned_batches_are_gathered_into_registered_buffers(store):
     reader, acts = store
     loader = ActivationLoader(
         reader, site=5, batch_size=16, pool_blocks=3, pin_memory=True, return_index=True
@@ -194,8 +194,9 @@ def test_pinned_batches_are_views_of_registered_pools(store):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_no_pinned_memory_is_left_behind_across_epochs(store, workers):
-    """Each pool is registered once for the loader's life (workers persist by default with
-    device="cuda", so their pools do too) and released with it."""
+    """Each batch buffer (each worker slot) is registered once for the loader's life
+    (workers persist by default with device="cuda", so their slots do too) and released
+    with it."""
     reader, _ = store
     gc.collect()
     before = pinned_bytes()
@@ -209,10 +210,10 @@ def test_no_pinned_memory_is_left_behind_across_epochs(store, workers):
             pass
         gc.collect()
         held.append(pinned_bytes() - before)
-        if workers:  # exactly the workers' pools and slots this process maps, once each
+        if workers:  # exactly the workers' slots this process maps, once each
             assert held[-1] == data.host_bytes()
         del x
-    assert max(held) > 0  # pools were registered ...
+    assert max(held) > 0  # buffers were registered ...
     if not workers:
         assert held[-1] <= held[1]  # ... and the epochs after the first add none
     del data
