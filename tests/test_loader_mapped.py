@@ -197,3 +197,40 @@ def test_both_read_paths_serve_the_same_stream(store, monkeypatch, workers):
         assert torch.equal(r, s) and torch.equal(x, y)
     rows = torch.cat([r for _, r in a])
     assert sorted(rows.tolist()) == [i for i in range(23 * T) if i % T]
+
+
+def _epoch_under_a_memory_limit(path, extra, queue):
+    import resource
+
+    vm = next(
+        line
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmSize")
+    )
+    limit = int(vm.split()[1]) * 1024 + extra
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    loader = ActivationLoader(SaevReader(path), batch_size=256, pool_blocks=2, io_threads=1)
+    rows = sum(len(b) for b in loader)
+    queue.put((loader._buffers[1].region is None, rows))
+
+
+def test_a_store_with_no_room_to_map_is_read_into_buffers(tmp_path):
+    """Where the address space cannot hold the store (``ulimit -v``, as some clusters
+    set), the loader says so once and reads windows into buffers instead (in a child
+    process: the limit is the process's)."""
+    n, t, d = 256, 64, 1024  # 64 MiB of one layer, blocks of 1 MiB
+    md = SaevMetadata(
+        family="gpt2", ckpt="tiny", layers=(3,), patches_per_ex=t, cls_token=False,
+        d_model=d, n_examples=n, patches_per_shard=n * t, data=encode_data({}),
+        dataset="/nowhere",
+    )  # fmt: skip
+    writer = saev_writer(md, tmp_path)
+    writer.write(Batch(acts={"resid.3": torch.randn(n, t, d)}, example_ids=np.arange(n)))
+    path = writer.close()
+    queue = FORK.Queue()
+    child = FORK.Process(target=_epoch_under_a_memory_limit, args=(path, 40 << 20, queue))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0
+    read, rows = queue.get(timeout=5)
+    assert read and rows == n * t

@@ -14,6 +14,7 @@ shared slot, or a ``serve`` ring slot, so a batch crosses a process boundary wit
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -24,13 +25,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 from ..formats.base import Block, Extent, ReaderBase
 from ..formats.pipeline import StageClock
 from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
 from ..storage.mapped import MappedFiles
 from .buffers import NUMPY_STORAGE, Buffers, allocate_pinned, allocate_private
 from .windows import MappedWindows, PooledWindows, Units, Window, Windows
+
+log = logging.getLogger(__name__)
 
 #: Bytes of float32 rows gathered per step when batches are cast or normalised on the way
 #: (a cache-sized piece: gathered, converted and written out while it is hot).
@@ -210,8 +213,11 @@ class BufferSet:
         if layout.extents is not None:
             reader = layout.reader
             names = dict.fromkeys(e.name for site in layout.extents for e in site)
-            self.region = MappedFiles(reader.files, {n: _file_size(reader, n) for n in names})
-        else:
+            try:
+                self.region = MappedFiles(reader.files, {n: _file_size(reader, n) for n in names})
+            except StorageError as err:  # no address space for it (ulimit -v): read instead
+                log.warning("%s; reading windows into buffers instead", err)
+        if self.region is None:
             # batches are gathered out of them: no view of a window buffer leaves this process
             self.pools = Buffers(window_shape(layout, pool_blocks), layout.dtype, private=True)
             self.pools.reserve(2)  # a window being served and the next one being read

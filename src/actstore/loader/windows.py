@@ -182,11 +182,12 @@ class MappedWindows(Windows):
     """Windows read where they lie: the store's files mapped, each window faulted in ahead
     of use and each block checked against the manifest (``check``) once per epoch.
 
-    A window is faulted in (``MADV_POPULATE_READ``) by one task, stretch after stretch in
-    storage order: one sequential stream the kernel reads ahead in large folios (pages
-    faulted in from several threads at once, or read ahead by ``fadvise``, land in
-    small pages: measured 5-10x the CPU to map and walk them later). Each stretch's blocks
-    are checked on the other read threads as soon as it is in."""
+    Each stretch of consecutive blocks of a window is one read task: fault it in
+    (``MADV_POPULATE_READ``, which reads it from the disk when it is not in the page cache),
+    then check its blocks while they are in cache; ``io_threads`` tasks run at once. The
+    mapping is advised ``MADV_HUGEPAGE``, so the kernel reads and maps it in 2 MiB folios
+    even with several tasks faulting one file (without it, concurrent faults thrash the
+    file's readahead and land in 4 KiB pages: measured 5-10x the CPU to map and walk)."""
 
     def __init__(
         self,
@@ -211,83 +212,62 @@ class MappedWindows(Windows):
             [[(region.offset(e.name) + e.offset) // self.item for e in site] for site in extents],
             dtype=np.int64,
         ).reshape(len(extents), -1)
-        #: the check of each block checked this epoch: (site, block) -> its future
+        #: the task that checked each block checked this epoch: (site, block) -> its future
         self._checked: dict[tuple[int, int], Future] = {}
 
     def open(self, w: int, *, allocate: bool = True, wait: bool = True) -> Window:
         pieces = self._pieces(w)
         blocks = [i for i, _ in pieces]
         runs = [[blocks[j] for j in run] for run in self._runs(blocks, once=True)]
-        checks: list[Future] = []
-        stretches: list[tuple[str, int, int, list[tuple[int, int, Future | None]]]] = []
+        ready: list[Future] = []
+        spans: list[tuple[int, int]] = []
         for s in range(self.n_sites):
             for run in runs:
-                jobs: list[tuple[int, int, Future | None]] = []
-                for i in run:
-                    future = None
-                    if self.check is not None:
-                        if (s, i) not in self._checked:
-                            future = self._checked[(s, i)] = Future()
-                        checks.append(self._checked[(s, i)])
-                    jobs.append((s, i, future))
-                stretches.extend(self._stretches(jobs))
-        stretches.sort(key=lambda stretch: stretch[:2])  # storage order
-        fault = self.io.submit(self.timed, "fault-in", self._fault_in, stretches)
+                jobs = [(i, self.check is not None and (s, i) not in self._checked) for i in run]
+                for name, offset, nbytes, mine in self._stretches(s, jobs):
+                    future = self.io.submit(self._ready, s, name, offset, nbytes, mine)
+                    ready.append(future)
+                    self._checked.update({(s, i): future for i, check in mine if check})
+                    spans.append((self.region.offset(name) + offset, nbytes))
+                # blocks checked by an earlier window's task: served once that check is done
+                ready.extend(self._checked[(s, i)] for i, _ in jobs if (s, i) in self._checked)
         order = self.io.submit(self.timed, "order", self._order, w, pieces, self.start[:, blocks])
-        spans = [(self.region.offset(name) + offset, n) for name, offset, n, _ in stretches]
         return Window(
             w=w,
             src=self.src,
             order=order,
-            ready=[fault, *dict.fromkeys(checks)],
+            ready=list(dict.fromkeys(ready)),
             done=lambda: self._let_go(spans),
         )
 
     def _stretches(
-        self, jobs: list[tuple[int, int, Future | None]]
-    ) -> list[tuple[str, int, int, list[tuple[int, int, Future | None]]]]:
-        """``(file, byte offset, bytes, jobs)`` holding the blocks of ``jobs`` (``(site,
-        block, its check or None)``), blocks adjacent in one file merged into one stretch."""
-        out: list[tuple[str, int, int, list[tuple[int, int, Future | None]]]] = []
-        for s, i, future in jobs:
+        self, s: int, jobs: list[tuple[int, bool]]
+    ) -> list[tuple[str, int, int, list[tuple[int, bool]]]]:
+        """``(file, byte offset, bytes, jobs)`` holding the blocks of ``jobs`` (``(block,
+        whether to check it)``) of site ``s``, blocks adjacent in one file merged."""
+        out: list[tuple[str, int, int, list[tuple[int, bool]]]] = []
+        for i, check in jobs:
             e, nbytes = self.extents[s][i], self.blocks[s][i].n_rows * self.row_bytes
             if out and out[-1][0] == e.name and out[-1][1] + out[-1][2] == e.offset:
                 name, offset, size, mine = out[-1]
-                out[-1] = (name, offset, size + nbytes, [*mine, (s, i, future)])
+                out[-1] = (name, offset, size + nbytes, [*mine, (i, check)])
             else:
-                out.append((e.name, e.offset, nbytes, [(s, i, future)]))
+                out.append((e.name, e.offset, nbytes, [(i, check)]))
         return out
 
-    def _fault_in(
-        self, stretches: list[tuple[str, int, int, list[tuple[int, int, Future | None]]]]
+    def _ready(
+        self, s: int, name: str, offset: int, nbytes: int, jobs: list[tuple[int, bool]]
     ) -> None:
-        """Fault the stretches in, in order; start each block's check once its stretch is in."""
-        try:
-            for name, offset, nbytes, jobs in stretches:
-                self.region.populate(name, self.region.offset(name) + offset, nbytes)
-                for s, i, future in jobs:
-                    if future is not None:
-                        self.io.submit(self._check_block, s, i, future)
-        except BaseException as err:  # the window's checks cannot run: say why there too
-            for *_, jobs in stretches:
-                for _, _, future in jobs:
-                    if future is not None and not future.done():
-                        future.set_exception(err)
-            raise
-
-    def _check_block(self, s: int, i: int, future: Future) -> None:
-        """Check block ``i`` of site ``s`` where it lies; the outcome goes to ``future``."""
-        assert self.check is not None
-        e = self.extents[s][i]
-        view = self.region.view(
-            self.region.offset(e.name) + e.offset, self.blocks[s][i].n_rows * self.row_bytes
-        )
-        try:
-            self.timed("verify", self.check, e.name, e.offset, view)
-        except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the block
-            future.set_exception(err)
-        else:
-            future.set_result(None)
+        """Fault a stretch of file ``name`` in, then check the blocks of it to check."""
+        start = self.region.offset(name) + offset
+        self.timed("fault-in", self.region.populate, name, start, nbytes)
+        for i, check in jobs:
+            if check and self.check is not None:
+                e = self.extents[s][i]
+                view = self.region.view(
+                    start + e.offset - offset, self.blocks[s][i].n_rows * self.row_bytes
+                )
+                self.timed("verify", self.check, name, e.offset, view)
 
     def _let_go(self, spans: list[tuple[int, int]]) -> None:
         for start, nbytes in spans:

@@ -134,7 +134,7 @@ class MappedFiles:
             err = ctypes.get_errno()
             raise StorageError(
                 f"cannot reserve {self.nbytes / 2**30:.1f} GiB of address space to map "
-                f"{files.url}: {os.strerror(err)}; set ACTSTORE_MAP=0 to read into buffers"
+                f"{files.url}: {os.strerror(err)} (a virtual memory limit, ulimit -v?)"
             )
         lead = -base % ALIGN
         _unmap(base, lead)
