@@ -541,3 +541,30 @@ def test_a_refusal_after_a_corpus_edit_says_the_data_changed(world, fmt):
     line = assert_one_line_error(proc, "the data changed (the digest of its token ids")
     assert "resume" not in line
     assert snapshot(out) == before
+
+
+def test_a_hub_model_is_identified_by_its_revision(world):
+    """A Hub id is identified by the commit its cached files come from (nothing is read
+    or downloaded for it): the same id at a new revision is another capture."""
+    hub = world["tmp"] / "hub"
+    repo = hub / "models--org--tiny-gpt2"
+    (repo / "refs").mkdir(parents=True)
+
+    def publish(revision: str) -> None:
+        shutil.copytree(world["gpt2"], repo / "snapshots" / revision)
+        (repo / "refs" / "main").write_text(revision)
+
+    first, second = "1" * 40, "2" * 40
+    publish(first)
+    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    data, root = world["tmp"] / "tokens.npy", world["tmp"] / "root"
+    proc = capture(world, data, root, env=env, model="org/tiny-gpt2")
+    assert proc.returncode == 0, proc.stderr
+    import actstore
+
+    (store,) = saev_stores(root)
+    assert actstore.open_store(root / store).capture_plan().data["weights"] == {"revision": first}
+    publish(second)
+    again = capture(world, data, root, env=env, model="org/tiny-gpt2")
+    assert again.returncode == 0 and "Already captured" not in again.stdout, again.stderr
+    assert len(saev_stores(root)) == 2
