@@ -218,3 +218,25 @@ def test_pkl_gz_metadata_edits_are_faults_not_tracebacks(copy_of, capsys, edit, 
     assert any(says in f for f in faults), faults
     assert says in inspect_error(store, capsys)
     refused_at_open(store)
+
+
+def _feature_shape(doc: Any) -> None:
+    doc["features"]["blocks.1.hook_resid_post"]["shape"] = [6, 9]
+
+
+def _token_length(doc: Any) -> None:
+    doc["features"]["token_ids"]["length"] = 5
+
+
+@pytest.mark.parametrize("edit", [_feature_shape, _token_length], ids=["shape", "token_ids.length"])
+def test_saelens_feature_edits_are_faults_not_usage_errors(copy_of, capsys, edit):
+    """A SAELens dataset_info.json feature edited (an activation column's shape: was exit 2,
+    "columns differ", a usage error; token_ids' length: passed verify), manifest rewritten:
+    the features are what actstore.json's layout gives, so it is a FAULT (exit 1)."""
+    store = copy_of("saelens")
+    _edit_json(store / "dataset_info.json", edit)
+    resign(store)
+    faults = verify_faults(store, capsys)
+    assert any("dataset_info.json: its features" in f for f in faults), faults
+    assert "dataset_info.json" in inspect_error(store, capsys)
+    refused_at_open(store)

@@ -97,6 +97,15 @@ class Fields:
             raise self.fault(key, "an object", value)
         return value
 
+    def obj_list(self, key: str, *, optional: bool = False) -> Any:
+        """A list of objects."""
+        value = self._get(key, optional)
+        if value is None and optional:
+            return None
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            raise self.fault(key, "a list of objects", value)
+        return value
+
     def counts(self, key: str, *, hi: int = MAX_COUNT, optional: bool = False) -> Any:
         """A list of ints in ``0..hi``."""
         value = self._get(key, optional)

@@ -33,6 +33,7 @@ from typing import Any
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError
 from ...sites import Site
+from ..metacheck import MAX_DIM, Fields
 
 STATE = "state.json"
 INFO = "dataset_info.json"
@@ -179,20 +180,27 @@ class SaelensLayout:
 
     @classmethod
     def from_dict(cls, doc: Any, *, source: str = SIDECAR) -> SaelensLayout:
+        """The layout ``actstore.json`` records, each field of its type and in range (a
+        hostile value is one :class:`CorruptStoreError`)."""
+        f = Fields(doc, f"{source}: layout")
         try:
-            return cls(
-                sites=tuple(str(s) for s in doc["sites"]),
-                context_size=int(doc["context_size"]),
-                d_in=int(doc["d_in"]),
-                dtype=str(doc["dtype"]),
-                n_examples=int(doc["n_examples"]),
-                examples_per_shard=int(doc["examples_per_shard"]),
-                examples_per_block=int(doc["examples_per_block"]),
-                has_tokens=bool(doc["has_tokens"]),
-                family=str(doc.get("family", "")),
+            layout = cls(
+                sites=tuple(f.texts("sites")),
+                context_size=f.count("context_size", lo=1, hi=MAX_DIM),
+                d_in=f.count("d_in", lo=1, hi=MAX_DIM),
+                dtype=f.text("dtype"),
+                n_examples=f.count("n_examples"),
+                examples_per_shard=f.count("examples_per_shard", lo=1),
+                examples_per_block=f.count("examples_per_block", lo=1),
+                has_tokens=f.flag("has_tokens"),
+                family=f.text("family", optional=True) or "",
             )
+            columns = layout.columns  # every site parses and has a hook name
         except (KeyError, TypeError, ValueError, ConfigError) as err:
             raise CorruptStoreError(f"{source}: malformed layout ({err}); re-capture") from err
+        if not layout.sites or len(set(columns)) != len(columns):
+            raise CorruptStoreError(f"{source}: malformed layout (sites {list(layout.sites)})")
+        return layout
 
 
 def choose_layout(

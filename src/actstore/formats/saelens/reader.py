@@ -57,6 +57,8 @@ from .layout import (
     SaelensLayout,
     hook_site,
 )
+from .writer import _ranges
+from .writer import _values_at as _values_at_of
 
 
 def detect(files) -> bool:
@@ -184,7 +186,7 @@ class SaelensReader(ReaderBase):
                 f"{self.files.url_of(STATE)} lists {err}, which the root manifest does not: "
                 "the file was edited; restore it or re-capture"
             ) from None
-        want = {
+        want: dict[str, Any] = {
             "_data_files": [{"filename": n} for n in self.arrow_files],
             "_fingerprint": xxhash.xxh3_64_hexdigest(digests.encode()),
             "_format_columns": None,
@@ -346,6 +348,17 @@ class SaelensReader(ReaderBase):
                 f"{self.files.url_of(SIDECAR)}: values_at of {self.arrow_files[index]} does not "
                 "match its record batches; restore the store or re-capture"
             )
+        entry = self.checks.entry(self.arrow_files[index])
+        if entry is not None and entry.ranges is not None and self.layout is not None:
+            # each block's values where the published blocks are, in the writer's order
+            flat = [x for a in at for x in a]
+            blocks = _ranges(at, self.layout, self.record["files"][index]["n_examples"])  # type: ignore[index]
+            if flat != sorted(set(flat)) or not set(blocks) <= set(entry.ranges):
+                raise CorruptStoreError(
+                    f"{self.files.url_of(SIDECAR)}: values_at of {self.arrow_files[index]} "
+                    "does not point at the blocks the root manifest publishes: it was edited; "
+                    "restore it or re-capture"
+                )
         return at
 
     def close(self) -> None:
@@ -599,9 +612,12 @@ class SaelensReader(ReaderBase):
                     scan["non_finite"] += int(values.size - np.count_nonzero(np.isfinite(values)))
 
     def verify_content(self, report: VerifyReport) -> None:
-        """Row counts against the layout (and, for foreign caches, each file parsed)."""
+        """Row counts against the layout (and, for foreign caches, each file parsed); in
+        actstore's caches, what the sidecar says of each Arrow file against the file."""
         scan = self.__dict__.pop("_scan", {"non_finite": 0})
         non_finite = scan["non_finite"]
+        if self.layout is not None:
+            report.faults += self._sidecar_faults()
         if self.layout is None:
             for f, name in enumerate(self.arrow_files):
                 try:
@@ -614,7 +630,12 @@ class SaelensReader(ReaderBase):
                     report.faults.append(str(err))
                 report.files_checked += 1
                 report.bytes_checked += self.files.require(name)
-        elif self.files.exists(STATISTICS):  # the statistics against the shapes
+        elif not self.files.exists(STATISTICS):
+            report.faults.append(
+                f"{STATISTICS} is missing: actstore's writer stores every site's statistics; "
+                "restore it or re-capture"
+            )
+        else:  # the statistics against the shapes
             try:
                 for site in self.sites:
                     stats = self.site_statistics(site)
@@ -630,6 +651,41 @@ class SaelensReader(ReaderBase):
                 report.faults.append(f"{STATISTICS} is malformed: {err}")
         if non_finite:
             report.notes.append(f"{non_finite} activation values are NaN or infinite")
+
+    def _sidecar_faults(self) -> list[str]:
+        """``actstore.json``'s ``values_at`` recomputed from each Arrow file with the
+        writer's own code, and ``dataset_info.json``'s fields besides the features empty
+        (as the writer leaves them)."""
+        faults = []
+        info = self.files.read_json(INFO)
+        text = ("citation", "description", "homepage", "license")  # "" as datasets writes
+        filled = sorted(
+            k
+            for k, v in info.items()
+            if k != "features" and (v != "" if k in text else v not in ("", None, {}, []))
+        )
+        if filled:
+            faults.append(
+                f"{INFO}: {', '.join(filled)} {'is' if len(filled) == 1 else 'are'} set, where "
+                "actstore's writer leaves them empty: the file was edited; restore it or "
+                "re-capture"
+            )
+        import pyarrow as pa
+
+        if self.layout is None or self.record is None:
+            return faults
+        for f, name in enumerate(self.arrow_files):
+            try:
+                got = _values_at_of(self.files.map(name), self.layout)
+            except (pa.ArrowException, ValueError, OSError, KeyError, IndexError) as err:
+                faults.append(f"{name} is not a readable Arrow stream ({err!r})")
+                continue
+            if got != self.record["files"][f]["values_at"]:
+                faults.append(
+                    f"{SIDECAR}: values_at of {name} is not where the file holds its values: "
+                    "it was edited; restore it or re-capture"
+                )
+        return faults
 
 
 class _TokenRows(LazyRows):
