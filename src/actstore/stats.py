@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ConfigError, CorruptStoreError
+from .forksafe import ForkSafeLock
 
 if TYPE_CHECKING:
     import torch
@@ -204,7 +205,7 @@ class RunMoments:
 
 
 _blocks: dict[tuple[int, int], list[np.ndarray]] = {}
-_blocks_lock = threading.Lock()
+_blocks_lock = ForkSafeLock()
 
 
 def _take_block(k: int, d: int) -> np.ndarray:

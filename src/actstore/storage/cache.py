@@ -26,7 +26,6 @@ import logging
 import mmap
 import os
 import re
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import xxhash
 
 from ..errors import ConfigError
+from ..forksafe import ForkSafeLock
 from .local import atomic_write
 from .lock import FileLock
 
@@ -85,7 +85,7 @@ class BlockCache:
             raise ConfigError(f"cannot create the cache directory {self.directory}: {err}") from err
         self.max_bytes = int(max_bytes)
         self.stats = CacheStats()
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         self._added = self.max_bytes  # sweep after the first store
 
     @classmethod

@@ -33,6 +33,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptStoreError, StoreNotFoundError
+from ..forksafe import ForkSafeLock
 from .local import parse_json
 from .manifest import (
     BLOCKS,
@@ -82,14 +83,14 @@ class Integrity:
         self._digests: dict[str, np.ndarray] = {}
         self._plain: dict[str, np.ndarray] = {}
         self._all: np.ndarray | None = None
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_digests": {}, "_plain": {}, "_all": None, "_lock": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     @classmethod
     def open(
@@ -514,7 +515,7 @@ class Integrity:
 VERIFY_STREAMS = 4
 
 _WARNED: set[str] = set()
-_WARN_LOCK = threading.Lock()
+_WARN_LOCK = ForkSafeLock()
 
 
 def _warn_once(url: str, message: str) -> None:

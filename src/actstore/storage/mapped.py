@@ -34,13 +34,13 @@ import errno
 import mmap
 import os
 import sys
-import threading
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from ..errors import CorruptStoreError, StorageError
+from ..forksafe import ForkSafeLock
 from .storefiles import StoreFiles
 
 PAGE = mmap.PAGESIZE
@@ -142,7 +142,7 @@ class MappedFiles:
         base += lead
         self.base: int = base
         self._mapped: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
         raw = (ctypes.c_char * self.nbytes).from_address(base)
         raw.owner = _Reservation(base, self.nbytes)  # type: ignore[attr-defined]
         self._memory = memoryview(raw).cast("B")

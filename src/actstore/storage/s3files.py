@@ -8,13 +8,13 @@ coalescing nearby ranges into few GETs. With a :class:`~actstore.storage.cache.B
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ConfigError, CorruptStoreError
+from ..forksafe import ForkSafeLock
 from .cache import BlockCache
 from .object import MiB, S3Store, is_internal, join_key
 from .storefiles import StoreFiles, bytes_view, new_buffer
@@ -47,14 +47,14 @@ class S3Files(StoreFiles):
         self._listing: dict[str, tuple[int, str]] | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = os.getpid()
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pool": None, "_lock": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def key(self, name: str) -> str:
         return join_key(self.prefix, name)

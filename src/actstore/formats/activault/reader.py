@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ import numpy as np
 
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
+from ...forksafe import ForkSafeLock
 from ...hub import local_tokenizer
 from ...sites import Site
 from ...stats import RunningStats
@@ -153,7 +153,7 @@ class ActivaultReader(ReaderBase):
         """cfg.json (its commit record), each hook's metadata.json and listing, checked."""
         self.store, prefix = open_location(self.location.url, self.s3)
         self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        self._pool_lock = ForkSafeLock()
         self._pid = os.getpid()
         self.store.check_bucket()
         #: The hook folder this reader was opened on (None: the whole run).
@@ -763,7 +763,7 @@ class ActivaultReader(ReaderBase):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._pool_lock = threading.Lock()
+        self._pool_lock = ForkSafeLock()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown

@@ -6,13 +6,13 @@ import builtins
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from ...errors import ConfigError, StorageError, StoreNotFoundError, UnsupportedError, require
+from ...forksafe import ForkSafeLock
 from .base import ObjectInfo, ObjectStore
 from .config import S3Config, env
 from .retry import AUTH_CODES, MISSING_CODES, Retrier, describe_error
@@ -25,7 +25,7 @@ T = TypeVar("T")
 #: What a conditional request returns inside the retrier when the service lacks the feature.
 _UNSUPPORTED = object()
 
-_SESSION_LOCK = threading.Lock()
+_SESSION_LOCK = ForkSafeLock()
 _SESSION: tuple[int, Any] | None = None
 
 
@@ -99,7 +99,7 @@ class S3Store(ObjectStore):
         self._retry = Retrier(self.config)
         self._client: Any = None
         self._pid = os.getpid()
-        self._client_lock = threading.Lock()
+        self._client_lock = ForkSafeLock()
 
     @property
     def bucket_name(self) -> str:  # type: ignore[override]
@@ -126,7 +126,7 @@ class S3Store(ObjectStore):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._client_lock = threading.Lock()
+        self._client_lock = ForkSafeLock()
         self._retry = Retrier(self.config)
 
     @property
