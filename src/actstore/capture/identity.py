@@ -28,13 +28,13 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
 from typing import Any
 
 from ..hub import resolve_checkpoint
+from ..storage.local import load_json
 from .data.digest import blobs_digest, files_digest
 
 #: Files a checkpoint's weights may be kept in (read only when loading reads them).
@@ -119,7 +119,7 @@ def _indexed(index: Path, last_block: int | None) -> list[str]:
     """The shards of a sharded checkpoint's ``index`` holding a tensor a capture of blocks
     ``0..last_block`` may need (shards of later blocks only are never opened)."""
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = load_json(index.read_bytes())["weight_map"]
         items = [(str(k), str(v)) for k, v in dict(weight_map).items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []  # the index itself is digested; loading says what is wrong with it
