@@ -8,9 +8,8 @@ time of the thread that runs each stage, summed over threads); torch's intra-op 
 are set to ``--torch-threads`` (default 1) so the gather's CPU is the calling thread's.
 The stages:
 
-- ``readahead``: asking the kernel to read the next window ahead (``MADV_WILLNEED``);
-- ``fault-in``: mapping the window's pages (``MADV_POPULATE_READ``; it waits for the disk
-  when cold);
+- ``fault-in``: mapping the window's pages (``MADV_POPULATE_READ``; it reads them from the
+  disk when cold, so part of it is waiting);
 - ``verify``: xxh3 of each block where it lies, against the manifest;
 - ``read``: windows read into buffers (``ACTSTORE_MAP=0``; checked as they are read);
 - ``order``: each window's permutation and the offsets of its rows;
@@ -53,7 +52,7 @@ from actstore.formats.saev import SaevReader
 from actstore.loader import ActivationDataLoader
 from actstore.loader.serve import ServedLoader, start_server
 
-STAGES = ("readahead", "fault-in", "verify", "read", "order", "gather", "let-go")
+STAGES = ("fault-in", "verify", "read", "order", "gather", "let-go")
 CONFIGS: dict[str, dict] = {  # name -> (what the table says, options)
     "mapped": {"label": "in process, mapped, checked"},
     "unchecked": {"label": "in process, mapped, unchecked", "verify": False},

@@ -8,9 +8,9 @@ rows are served in a permuted order. Batches are gathered from it row by row
 - :class:`MappedWindows` (local stores whose readers say where a block's rows lie raw,
   :meth:`~actstore.formats.base.ReaderBase.block_extent`): the store's files are mapped
   (:class:`~actstore.storage.mapped.MappedFiles`) and the window's rows are read where they
-  lie in the page cache. Getting a window ready is asking the kernel to read it ahead,
-  faulting it in, and checking each block against the store's manifest once per epoch,
-  all on the read threads while the previous window is gathered from.
+  lie in the page cache. Getting a window ready is faulting it in (which reads it from
+  the disk when it is not cached) and checking each block against the store's manifest
+  once per epoch, on the read threads while the previous window is gathered from.
 - :class:`PooledWindows` (every other store: object storage, compressed or encoded
   formats): the window's units are read (checked, decoded) into a reused buffer in storage
   order, then gathered from like a mapped window.
