@@ -240,3 +240,41 @@ def test_saelens_feature_edits_are_faults_not_usage_errors(copy_of, capsys, edit
     assert any("dataset_info.json: its features" in f for f in faults), faults
     assert "dataset_info.json" in inspect_error(store, capsys)
     refused_at_open(store)
+
+
+# ---------------------------------------------------------------------------- item 7
+
+HOOK = "models.layers.1.post"
+
+
+@pytest.mark.parametrize("field", ["d_in", "sequence_length", "batch_size"])
+def test_activault_hook_metadata_fields_are_checked_against_the_files(copy_of, capsys, field):
+    """An Activault hook's metadata.json with d_in or sequence_length edited (the shape its
+    reader uses left alone), manifest rewritten: was passed by verify; now each field must
+    be what actstore writes for the files' shape and cfg.json's commit record."""
+    store = copy_of("activault")
+    _edit_json(store / HOOK / "metadata.json", lambda doc: doc.update({field: doc[field] + 1}))
+    resign(store)
+    faults = verify_faults(store, capsys)
+    assert any(field in f and "metadata.json" in f for f in faults), faults
+    assert "metadata.json" in inspect_error(store, capsys)
+    refused_at_open(store)
+
+
+def test_activault_statistics_replaced_by_nothing_is_a_fault_not_none(copy_of, capsys):
+    """statistics.json replaced by {} (no count, as Activault's own files), manifest
+    rewritten: was passed by verify, and reader.statistics(site) answered None where the
+    published run had exact statistics. A run actstore wrote always has them."""
+    store = copy_of("activault")
+    (store / HOOK / "statistics.json").write_text("{}")
+    resign(store)
+    faults = verify_faults(store, capsys)
+    assert any("holds no exact statistics" in f for f in faults), faults
+    with (
+        open_store(store) as reader,
+        pytest.raises(ActstoreError, match="holds no exact statistics"),
+    ):
+        reader.statistics("resid.1")
+    (store / HOOK / "statistics.json").unlink()
+    resign(store)
+    assert any("statistics.json is missing" in f for f in verify_faults(store, capsys))

@@ -76,10 +76,10 @@ MANIFEST_SIZE = r"cfg\.json has \d+ bytes, the manifest says \d+"
 
 @pytest.mark.parametrize(
     "edit, at_open, message",
-    [  # impossible values are refused as the record is parsed, before the manifest
-        ({"groups": -3}, r"impossible values .*groups=-3", r"impossible values .*groups=-3"),
+    [  # impossible values are refused as the record is parsed (typed), before the manifest
+        ({"groups": -3}, r"groups must be a whole number .*not -3", r"groups must be .*not -3"),
         ({"groups": 1}, MANIFEST_SIZE, "files beyond the 1 its complete cfg.json commits"),
-        ({"rows_per_file": 0}, "rows_per_file=0", "rows_per_file=0"),
+        ({"rows_per_file": 0}, "rows_per_file must be .*not 0", "rows_per_file must be .*not 0"),
     ],
 )
 def test_edited_cfg_json_is_corrupt_never_fewer_rows(run, edit, at_open, message):

@@ -16,6 +16,8 @@ Example:
 from __future__ import annotations
 
 import math
+import re
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,7 +25,11 @@ import numpy as np
 
 from ...errors import CorruptStoreError
 from ...stats import RunningStats
+from ..metacheck import MAX_COUNT, MAX_DIM, Fields
 from .layout import parse_dtype
+
+#: Most megabatch files a run may commit per hook (a record naming more is damaged).
+MAX_FILES = 1 << 32
 
 #: Version of the ``actstore`` section in cfg.json.
 RUN_RECORD_VERSION = 2
@@ -94,10 +100,25 @@ class HookMetadata:
         return out
 
     @classmethod
-    def from_dict(cls, doc: Any, *, source: str) -> HookMetadata:
-        """Validate what a reader needs; ``shape`` wins over the per-batch fields."""
+    def from_dict(cls, doc: Any, *, source: str, exact: bool = False) -> HookMetadata:
+        """Validate what a reader needs; ``shape`` wins over the per-batch fields (an
+        Activault run's ``batch_size`` is its capture batch). ``exact`` (a run actstore
+        wrote): every field is the one actstore writes for that shape, so an edited
+        ``d_in``, ``sequence_length`` or ``batch_size`` is a fault too."""
         if not isinstance(doc, dict):
             raise CorruptStoreError(f"{source} is not a JSON object")
+        md = cls._parse(doc, source=source)
+        if exact and doc != md.to_dict():
+            differ = sorted(k for k in {*doc, *md.to_dict()} if doc.get(k) != md.to_dict().get(k))
+            raise CorruptStoreError(
+                f"{source}: {', '.join(differ)} {'does' if len(differ) == 1 else 'do'} not "
+                f"describe its files (shape {list(md.shape)}): it was edited; restore it or "
+                "capture again"
+            )
+        return md
+
+    @classmethod
+    def _parse(cls, doc: dict[str, Any], *, source: str) -> HookMetadata:
         missing = [k for k in ("shape", "dtype", "bytes_per_file") if k not in doc]
         if missing:
             hint = (
@@ -107,15 +128,16 @@ class HookMetadata:
                 else ""
             )
             raise CorruptStoreError(f"{source} lacks {', '.join(missing)}{hint}")
+        f = Fields(doc, source)
+        shape = f.counts("shape", hi=MAX_COUNT)
+        ids_shape = f.counts("input_ids_shape", hi=MAX_COUNT, optional=True) or shape[:2]
+        nbytes = f.count("bytes_per_file")
+        batches_per_file = f.count("batches_per_file", lo=1, optional=True) or 1
         try:
-            shape = [int(x) for x in doc["shape"]]
-            ids_shape = [int(x) for x in doc.get("input_ids_shape", shape[:2])]
-            nbytes = int(doc["bytes_per_file"])
-            batches_per_file = int(doc.get("batches_per_file", 1))
-            parse_dtype(doc["dtype"])
+            parse_dtype(f.text("dtype"))
         except (TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source} is malformed: {err}") from err
-        if len(shape) != 3 or min(shape) < 1:
+        if len(shape) != 3 or min(shape) < 1 or max(shape[1:]) > MAX_DIM:
             problem = f"shape {shape} is not [rows, seq, d]"
         elif ids_shape != shape[:2]:
             problem = f"input_ids_shape {ids_shape} does not match shape {shape}"
@@ -149,9 +171,16 @@ def statistics_to_dict(stats: RunningStats) -> dict[str, Any]:
     }
 
 
-def statistics_from_dict(doc: Any, *, source: str) -> RunningStats | None:
-    """Inverse of :func:`statistics_to_dict`; None for Activault's count-less files."""
+def statistics_from_dict(doc: Any, *, source: str, exact: bool = False) -> RunningStats | None:
+    """Inverse of :func:`statistics_to_dict`; None for Activault's count-less files.
+    ``exact`` (a run actstore wrote, which always stores its exact statistics): a file
+    without them is a fault, never None."""
     if not isinstance(doc, dict) or "count" not in doc:
+        if exact:
+            raise CorruptStoreError(
+                f"{source} holds no exact statistics (no count), where actstore's writer "
+                "stored them: it was edited or replaced; restore it or capture again"
+            )
         return None
     try:
         mean = np.asarray(doc["mean"], dtype=np.float64)
@@ -224,8 +253,34 @@ class RunRecord:
 
     @classmethod
     def from_dict(cls, doc: Any, *, source: str) -> RunRecord:
+        f = Fields(doc, f"{source}: the 'actstore' section")
+        version = f.count("version", lo=1, hi=1 << 16)
+        f.count("groups", hi=MAX_FILES)
+        for key in ("next_example", "next_skip"):
+            f.count(key)
+        f.count("dropped_tokens", optional=True)
+        f.count("num_runs", lo=1, optional=True)
+        f.count("rows_per_file", lo=1)
+        f.count("sequence_length", lo=1, hi=MAX_DIM)
+        f.text("dtype")
+        f.flag("complete")
+        f.flag("token_mask", optional=True)
+        f.obj("plan")
+        hooks = f.obj("hooks")
+        if not hooks or not all(isinstance(v, str) for v in hooks.values()):
+            raise f.fault("hooks", "an object of hook folder -> site name", hooks)
+        digests = f.obj("digests", optional=True) or {}
+        if not all(
+            isinstance(v, list)
+            and all(isinstance(x, str) and re.fullmatch(r"[0-9a-f]{16}", x) for x in v)
+            for v in digests.values()
+        ):
+            raise f.fault("digests", "an object of hook -> 16-hex-digit file digests", digests)
         try:
-            version = int(doc["version"])
+            uuid.UUID(f.text("run_id"))
+        except ValueError:
+            raise f.fault("run_id", "a UUID", doc["run_id"]) from None
+        try:
             if version > RUN_RECORD_VERSION:
                 raise CorruptStoreError(
                     f"{source} was written by a newer actstore (record version {doc['version']}); "

@@ -52,12 +52,14 @@ from ...storage.manifest import MANIFEST
 from ...storage.object import MiB, base_name, join_key, open_location, parent_key
 from ..arrays import LazyRows
 from ..base import Block, ReaderBase, VerifyReport, summary_of
+from ..metacheck import plan_from_dict
 from .layout import (
     CFG,
     METADATA,
     STATISTICS,
     DataFile,
     data_file_name,
+    dtype_name,
     group_uuid,
     hook_site,
     load_megabatch,
@@ -278,7 +280,13 @@ class ActivaultReader(ReaderBase):
             if self.record is not None and self.record.groups == 0:
                 raise CorruptStoreError(f"{self.store.url(prefix)} has no file committed yet")
             raise StoreNotFoundError(f"{self.store.url(md_key)} does not exist")
-        md = HookMetadata.from_dict(self._json(f"{hook}/{METADATA}"), source=self.store.url(md_key))
+        md = HookMetadata.from_dict(
+            self._json(f"{hook}/{METADATA}"),
+            source=self.store.url(md_key),
+            exact=self.record is not None,
+        )
+        if self.record is not None:
+            self._check_hook_metadata(md, self.store.url(md_key))
         found: dict[str, StoredFile] = {}
         strays = []
         for obj in self.store.list(prefix + "/"):
@@ -326,6 +334,36 @@ class ActivaultReader(ReaderBase):
                 strays[0],
             )
         return HookListing(hook, prefix, md, tuple(files), tuple(strays), tuple(uncommitted))
+
+    def _check_hook_metadata(self, md: HookMetadata, source: str) -> None:
+        """A hook's ``metadata.json`` against the run's commit record: the shape and dtype
+        of every file, and the batches per file, are the record's."""
+        rec = self.record
+        if rec is None:
+            return
+        plan = self.capture_plan_of_record()
+        want = HookMetadata.for_shape(
+            rows=rec.rows_per_file,
+            seq=rec.sequence_length,
+            d=plan.d_model,
+            dtype=dtype_name(parse_dtype(rec.dtype)),
+            batches_per_file=max(1, rec.rows_per_file // plan.batch_size),
+        ).with_bytes(md.file_bytes)
+        if md != want:
+            raise CorruptStoreError(
+                f"{source} says files of {list(md.shape)} {md.dtype} ({md.batches_per_file} "
+                f"batches each), but cfg.json's commit record {list(want.shape)} {want.dtype} "
+                f"({want.batches_per_file}): it was edited; restore it or capture again"
+            )
+
+    def capture_plan_of_record(self) -> CapturePlan:
+        """The capture plan cfg.json's commit record holds, typed and checked."""
+        cached = self.__dict__.get("_record_plan")
+        if cached is None:
+            plan = self.record.plan if self.record is not None else None
+            cached = plan_from_dict(plan, f"{self.store.url(self.run_prefix)}/{CFG}")
+            self.__dict__["_record_plan"] = cached
+        return cached
 
     def _check_alignment(self) -> None:
         """Record whether block i of every hook is the same group of tokens."""
@@ -441,7 +479,7 @@ class ActivaultReader(ReaderBase):
         first = next(iter(self.listings.values()))
         rows = len(first.files) * first.metadata.tokens_per_file
         if self.record is not None:
-            plan = CapturePlan.from_json_dict(self.record.plan)
+            plan = self.capture_plan_of_record()
             # token ids are the files' input_ids, placed by example only in whole examples
             whole = rows == plan.n_examples * plan.tokens_per_example
             return dataclasses.replace(plan, has_tokens=plan.has_tokens and whole, has_labels=False)
@@ -576,10 +614,16 @@ class ActivaultReader(ReaderBase):
         (its file has no count, and its std leaves out within-batch variance)."""
         listing = self.listings[self._site_hooks[site]]
         key = join_key(listing.prefix, STATISTICS)
+        exact = self.record is not None and self.checks.manifest is not None
         if self.store.size(key) is None:
+            if exact:
+                raise CorruptStoreError(
+                    f"{self.store.url(key)} is missing, where actstore's writer stored the "
+                    "hook's exact statistics: restore it or capture again"
+                )
             return None
         return statistics_from_dict(
-            self._json(f"{listing.hook}/{STATISTICS}"), source=self.store.url(key)
+            self._json(f"{listing.hook}/{STATISTICS}"), source=self.store.url(key), exact=exact
         )
 
     # ------------------------------------------------------------------ summaries

@@ -157,27 +157,53 @@ def _digest_faults(record: RunRecord, manifest: RootManifest, hooks: list[str]) 
 
 
 def _cfg_faults(cfg: dict[str, Any], record: RunRecord) -> list[str]:
-    """cfg.json's own keys (Activault's totals, hook list, shapes) against what its commit
-    record gives."""
+    """cfg.json against what the writer writes for its commit record: every key of
+    Activault's (totals, hook list, shapes, batches per file, cleaning flags) and the
+    ``actstore`` section itself, field for field. Only the run's name and bucket depend on
+    where the run lies now (a copy keeps them): they must be strings."""
     try:
+        batch_size = int(record.plan["batch_size"])
         want = run_cfg(
             record,
             run_name=cfg["run_name"],
             bucket=cfg["data_config"]["bucket_name"],
-            batch_size=int(record.plan.get("batch_size", cfg["data_config"]["batch_size"])),
-            batches_per_file=int(cfg["upload_config"]["batches_per_upload"]),
+            batch_size=batch_size,
+            batches_per_file=max(1, record.rows_per_file // max(batch_size, 1)),
         )
     except (KeyError, TypeError, ValueError) as err:
         return [f"cfg.json is malformed: {err!r} is missing or not a number"]
-    differ = sorted(k for k in want if k != "actstore" and cfg.get(k) != want[k])
-    if not differ:
-        return []
-    return [
-        (
+    faults = []
+    if not isinstance(cfg["run_name"], str) or not isinstance(
+        want["data_config"]["bucket_name"], str
+    ):
+        faults.append("cfg.json: run_name and data_config.bucket_name must be strings")
+    differ = sorted(k for k in {*want, *cfg} if k != "actstore" and cfg.get(k) != want.get(k))
+    if differ:
+        faults.append(
             f"cfg.json's {', '.join(differ)} disagree{'s' * (len(differ) == 1)} with its commit "
             "record: cfg.json was edited; restore it or capture again"
         )
-    ]
+    section = cfg.get("actstore")
+    if section != record.to_dict():
+        keys = (
+            sorted(
+                k
+                for k in {*section, *record.to_dict()}
+                if section.get(k) != record.to_dict().get(k)
+            )
+            if isinstance(section, dict)
+            else ["actstore"]
+        )
+        faults.append(
+            f"cfg.json's actstore section holds {', '.join(keys)} other than its commit record "
+            "reads them: cfg.json was edited; restore it or capture again"
+        )
+    if not record.complete:
+        faults.append(
+            "cfg.json says the run is unfinished, but it was published (its root manifest is "
+            "written when the run completes): cfg.json was edited; restore it or capture again"
+        )
+    return faults
 
 
 __all__ = [

@@ -313,7 +313,27 @@ class SaevReader(ReaderBase):
     def classes(self) -> list[str] | None:
         if not self.files.exists("classes.json"):
             return None
-        return self.checks.read_json("classes.json")
+        names = self.checks.read_json("classes.json")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CorruptStoreError(
+                f"{self.files.url_of('classes.json')} must hold a list of class names; it was "
+                "edited or damaged: restore it or re-create the store"
+            )
+        return names
+
+    def stored_record(self) -> tuple[str, Any] | None:
+        """The writer's capture record (what the store id is the digest of): metadata.json
+        as published and the side files it wrote (token ids, labels, class names). So an
+        edited metadata.json is a fault wherever the store lies, not only when its
+        directory is named by the content hash."""
+        if self.checks.manifest is None:
+            return None
+        return "metadata.json", {
+            "metadata": self.files.read_json("metadata.json"),
+            "tokens": self.files.exists("tokens.bin"),
+            "labels": self.files.exists("labels.bin"),
+            "classes": self.classes,
+        }
 
     def statistics_shards(self) -> list[int] | None:
         """Rows of each shard file (its examples' tokens): how the writer folded the
