@@ -64,16 +64,19 @@ def test_a_change_in_place_after_the_check_is_served_then_caught_next_epoch(stor
     epoch's batches, and the block's next check, in the next epoch, refuses it."""
     reader, acts = store
     options = {"site": 5, "batch_size": 4, "pool_blocks": 4, "return_index": True}
+    stream = [b.rows.tolist() for b in ActivationLoader(reader, **options)]  # the order
     loader = ActivationLoader(reader, **options)
     plan, after = loader.plan(0), loader.plan(1)
     batches = iter(loader)
-    first = next(batches)  # window 0 (4 blocks) checked, 4 of its rows served
-    served = set(first.rows.tolist())
-    # a row of window 0 not served yet, in a block the next epoch does not read ahead
-    # (its first window is read as this one ends: checked before the change)
+    next(batches)  # window 0 (4 blocks) checked, its first batch served, one more gathered
+    # a row of window 0 served in its 4th batch or later, in a block the next epoch does
+    # not read ahead (its first window is checked as this one ends: before the change)
     early = set(after.window_blocks(0).tolist())
-    block = next(int(i) for i in plan.window_blocks(0) if int(i) not in early)
-    row = next(r for r in range(block * T, block * T + T) if r not in served)
+    later = {r for batch in stream[3 : plan.window_rows(0) // 4] for r in batch}
+    row = next(
+        r for i in plan.window_blocks(0).tolist() if i not in early
+        for r in range(i * T, i * T + T) if r in later
+    )  # fmt: skip
     path, at = block_of(loader, reader, row)
     with open(writable(path), "r+b") as f:
         f.seek(at)

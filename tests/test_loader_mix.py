@@ -117,7 +117,7 @@ def test_multi_example_blocks_and_runs(single, batch, pool, mix, run):
     largest = -(-T // mix)
     rows = window_shape(loader.layout, pool)[1]
     assert rows * T == window_shape(plain.layout, pool)[1] * largest * mix
-    assert loader.memory_bytes == plain.memory_bytes == 3 * batch * 8 * 4
+    assert loader.memory_bytes == plain.memory_bytes == 4 * batch * 8 * 4
     plan = loader.plan(0)
     assert max(plan.window_rows(w) for w in range(plan.n_windows)) <= pool * mix * largest * 7
 

@@ -35,8 +35,8 @@ MAX_SLOTS = 1024
 #: Where torch keeps shared memory (its ``file_descriptor`` strategy).
 SHM = "/dev/shm"
 #: Batch slots a worker fills in turn while you hold none: the one you use, the one
-#: being sent, the one being gathered, and the DataLoader's prefetch.
-WORKER_SLOTS = 4
+#: being sent, the DataLoader's prefetch, the one being gathered and the one ahead.
+WORKER_SLOTS = 5
 
 _FIXED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn")
 
@@ -53,11 +53,13 @@ class ActivationDataLoader(DataLoader):
     a side stream while the previous one is in use; slots that cannot be pinned are copied
     through a pinned staging buffer.
     Batching, shuffling and ``drop_last`` belong to the ActivationLoader.
-    With ``persistent_workers=True`` the workers (and their filled pools) outlive an
-    epoch; each new iteration tells them the current position through shared memory.
-    It is the default where batches are pinned or go to CUDA: each slot is then registered
-    once for the DataLoader's life (fresh workers would bring fresh memory every epoch,
-    each registered and released again: measured 0.75 of the CPU loader's rate on an H200).
+    With ``persistent_workers=True`` (the default here, unlike torch's DataLoader) the
+    workers outlive an epoch with their mapped files, slots and threads, and each reads
+    its next epoch's first window while the last batches are used; each new iteration
+    tells them the current position through shared memory. Fresh workers every epoch
+    (``persistent_workers=False``) start from nothing: where batches are pinned or go to
+    CUDA, each slot is then registered and released again every epoch (measured 0.75 of
+    the CPU loader's rate on an H200).
     """
 
     def __init__(self, dataset: ActivationLoader, *, num_workers: int = 0, **kwargs: Any) -> None:
@@ -75,8 +77,7 @@ class ActivationDataLoader(DataLoader):
         pinned = kwargs.pop("pin_memory", False)
         if num_workers > 0:  # workers never pin or move: this process does
             pinned = pinned or finish.pin_memory
-            if pinned or finish.device is not None:  # slots registered once, not per epoch
-                kwargs.setdefault("persistent_workers", True)
+            kwargs.setdefault("persistent_workers", True)  # see the class docstring
         elif finish.pin_memory or finish.device is not None:  # the loader already does
             pinned = False
         # with workers, batches arrive in shared slots: this process pins them itself

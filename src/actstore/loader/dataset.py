@@ -305,8 +305,9 @@ class ActivationLoader(IterableDataset):
 
     @property
     def memory_bytes(self) -> int:
-        """Private memory one consumer holds, about: three batch buffers (the batch you
-        hold, the next one, one more while the loop variable still holds the last), plus,
+        """Private memory one consumer holds, about: four batch buffers (the batch you
+        hold, the one gathered ahead, the one being gathered, one more while the loop
+        variable still holds the last), plus,
         where windows are read into buffers (not :attr:`mapped`), two windows of the
         largest blocks (``pool_blocks * mix`` of the largest slabs). Batches you keep
         add one buffer each."""
@@ -314,7 +315,7 @@ class ActivationLoader(IterableDataset):
         if not self.mapped:
             shape = window_shape(self.layout, self.pool_blocks)
             windows = 2 * int(np.prod(shape)) * self.layout.dtype.itemsize
-        return windows + 3 * self.batch_bytes
+        return windows + 4 * self.batch_bytes
 
     def plan(self, epoch: int):
         """The order of epoch ``epoch`` (see :mod:`actstore.order`)."""
@@ -705,6 +706,8 @@ class ActivationLoader(IterableDataset):
         if os.environ.get("ACTSTORE_READ_AHEAD", "1") == "0":  # to measure without it
             return True
         info = get_worker_info()
+        if info is not None and (self._link is None or self._link.position is None):
+            return True  # a worker that ends with its epoch: a window read ahead is lost
         worker = 0 if info is None else info.id  # a new epoch starts at the DataLoader's worker 0
         span = worker_span(
             self._rank_span(), worker=worker, num_workers=num_workers, batch_size=self.batch_size

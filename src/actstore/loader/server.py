@@ -166,8 +166,8 @@ class Server:
     def run(self) -> None:
         """Create the ring, wait for the K consumers, serve, and clean up when done."""
         shared = self.shared = self._create()
-        self._g = 0  # the batch being gathered into its ring slot
-        self.loader.deliver_into(lambda: self._slot(shared, self._g))
+        self._taken = 0  # the next batch to be gathered (the loader gathers one ahead)
+        self.loader.deliver_into(lambda: self._slot(shared))
         log.info(
             "serving %s as %r to %d consumers (%s), ring of %d batches (%s)",
             self.loader.reader,
@@ -223,7 +223,7 @@ class Server:
         words[_H_START] = words[_H_PRODUCED] = start
         words[_H_STATUS] = _RUNNING
         log.info("%d consumers attached; serving from batch %d", k, start)
-        g = self._g = start
+        g = self._taken = start
         loader = self.loader
         if per_epoch and (end < 0 or g < end):
             state = loader.state_dict()
@@ -232,7 +232,7 @@ class Server:
             while end < 0 or g < end:
                 for batch in loader:  # gathered into slot g % slots (see _slot)
                     self._put(shared, g, batch)
-                    g = self._g = g + 1
+                    g += 1
                     if g == end:
                         break
         words[_H_STATUS] = _FINISHED
@@ -242,9 +242,12 @@ class Server:
                 return
             time.sleep(0.01)
 
-    def _slot(self, shared: _Shared, g: int) -> np.ndarray:
-        """Ring slot ``g % slots``, once no live consumer needs the batch it holds (and one
-        consumer is there), marked as being written: where batch ``g`` is gathered."""
+    def _slot(self, shared: _Shared) -> np.ndarray:
+        """Ring slot ``g % slots`` of the next batch ``g`` to be gathered, once no live
+        consumer needs the batch it holds (and one consumer is there), marked as being
+        written: where batch ``g`` is gathered."""
+        g = self._taken
+        self._taken += 1
         r, s = shared.r, g % shared.r
         backoff = _Backoff()
         while True:
