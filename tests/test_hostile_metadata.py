@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from test_fault_property import BUILDERS, writable_copy
 
@@ -278,3 +279,57 @@ def test_activault_statistics_replaced_by_nothing_is_a_fault_not_none(copy_of, c
     (store / HOOK / "statistics.json").unlink()
     resign(store)
     assert any("statistics.json is missing" in f for f in verify_faults(store, capsys))
+
+
+ZARRAY = "arrays/prompt_len/.zarray"
+
+
+def _garbage(store: Path) -> None:
+    (store / ZARRAY).write_bytes(b"garbage, not JSON")
+
+
+def _dtype_in_the_file(store: Path) -> None:
+    _edit_json(store / ZARRAY, lambda doc: doc.update(dtype="<i2"))
+
+
+def _dtype_everywhere(store: Path) -> None:
+    _dtype_in_the_file(store)
+    _edit_json(store / ".zmetadata", lambda doc: doc["metadata"][ZARRAY].update(dtype="<i2"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (_garbage, "is not valid JSON"),
+        (_dtype_in_the_file, "differs from its entry in .zmetadata"),
+        (_dtype_everywhere, "dtype is not what actstore writes"),
+    ],
+    ids=["garbage", "dtype-in-.zarray", "dtype-in-.zarray-and-.zmetadata"],
+)
+def test_zarr_array_metadata_is_checked(copy_of, capsys, edit, says):
+    """A zarr .zarray replaced by garbage or its dtype edited, manifest rewritten: passed
+    verify, and zarr-python reading without consolidated metadata then returned other
+    values. Every node's file must equal its .zmetadata entry, and every entry what the
+    writer writes for the layout (an edit of both is refused at open)."""
+    store = copy_of("zarr")
+    edit(store)
+    resign(store)
+    faults = verify_faults(store, capsys)
+    assert any(says in f for f in faults), faults
+    if edit is _dtype_everywhere:
+        assert says in inspect_error(store, capsys)
+        refused_at_open(store)
+
+
+def test_zarr_python_reads_the_arrays_folder_of_an_untouched_store(built):
+    """What docs/zarr.md says of plain zarr-python: the per-sample arrays and activations
+    under arrays/ read with it, with or without consolidated metadata."""
+    zarr = pytest.importorskip("zarr")
+    store = built("zarr")
+    with open_store(store) as reader:
+        lengths, first = reader.lengths("prompt"), reader.read(0, reader.sites[0], "prompt")
+    for consolidated in (True, False):
+        group = zarr.open_group(str(store), mode="r", zarr_format=2, use_consolidated=consolidated)
+        np.testing.assert_array_equal(group["arrays/prompt_len"][:], lengths)
+        acts = group["arrays/prompt_activations"][0, 0, : lengths[0]]
+        np.testing.assert_array_equal(acts, first)

@@ -268,10 +268,25 @@ class ZarrLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "layout") -> ZarrLayout:
+        """The layout a store records, each field of its type and in range."""
+        from ..metacheck import MAX_DIM, Fields
+
+        f = Fields(data, f"{source} (layout)")
+        missing = [k for k in _LAYOUT_FIELDS if k not in data]
+        if missing:
+            raise CorruptStoreError(f"{source} lacks the layout field {missing[0]!r}")
         try:
-            return cls(**{f: data[f] for f in _LAYOUT_FIELDS})
-        except KeyError as err:
-            raise CorruptStoreError(f"{source} lacks the layout field {err}") from None
+            return cls(
+                n_samples=f.count("n_samples", lo=1),
+                sites=tuple(f.texts("sites")),
+                layers=tuple(f.counts("layers", hi=MAX_DIM)),
+                hidden_size=f.count("hidden_size", lo=1, hi=MAX_DIM),
+                p_max=f.count("p_max", hi=MAX_DIM),
+                r_max=f.count("r_max", hi=MAX_DIM),
+                t_chunk_prompt=f.count("t_chunk_prompt", lo=1, hi=MAX_DIM),
+                t_chunk_response=f.count("t_chunk_response", lo=1, hi=MAX_DIM),
+                prompt_keep=f.text("prompt_keep"),
+            )
         except (TypeError, ValueError) as err:
             raise CorruptStoreError(f"{source} has an invalid layout: {err}") from None
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from ...storage.integrity import Integrity
 from ...storage.location import Location, refuse_partial
 from ...storage.manifest import block_keys
 from ..base import PIECE_SLOT, scratch
+from ..metacheck import Fields, is_int
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
@@ -45,11 +47,13 @@ from .layout import (
     LENGTHS,
     PARTS,
     SCHEMA_VERSION,
+    TOKEN_IDS,
     ZarrLayout,
     chunk_id,
     chunk_key,
     chunksums_name,
 )
+from .store import OPTIONAL_ARRAYS, sample_arrays
 
 
 @dataclass
@@ -100,6 +104,7 @@ class StoreMeta:
             separators=separators,
             offset=offset,
         )
+        store.check_sample_count()
         for part in PARTS:
             lengths = store.array(LENGTHS[part])
             cap = layout.max_len(part)
@@ -120,6 +125,21 @@ class StoreMeta:
     @property
     def n_samples(self) -> int:
         return self.layout.n_samples
+
+    def check_sample_count(self) -> None:
+        """The samples the layout declares are no more than the store's files can hold (its
+        chunk digest files, one per writer shard, and the lengths' chunk files), before
+        any per-sample array is allocated: a layout edited to claim 10**12 samples is an
+        error, not a memory exhaustion."""
+        names = self.files.list()
+        held = max(sum(n.startswith(f"meta/chunksums/{part}.") for n in names) for part in PARTS)
+        held = max(held, *(sum(n.startswith(LENGTHS[p] + "/") for n in names) for p in PARTS))
+        if self.layout.n_samples > held * self.sample_rows:
+            raise CorruptStoreError(
+                f"{self.location}: the layout declares {self.layout.n_samples} samples, but "
+                f"its files hold at most {held * self.sample_rows}: the metadata was edited; "
+                "restore it or re-create the store"
+            )
 
     def url_of(self, name: str) -> str:
         return self.files.url_of(name)
@@ -273,20 +293,28 @@ def parse_zmetadata(
             f"{where}/.zmetadata has no 'metadata' mapping; re-create the store"
         )
     attrs = meta.get(".zattrs") or {}
+    if not isinstance(attrs, dict):
+        raise CorruptStoreError(f"{where}/.zattrs is not a JSON object; re-create the store")
     if attrs.get("format") != FORMAT_TAG:
         raise CorruptStoreError(
             f"{where} is a zarr store but not an actstore prompt/response "
             f"store (attribute format={attrs.get('format')!r})"
         )
-    version = str(attrs.get("schema_version", ""))
+    version = attrs.get("schema_version")
+    if not isinstance(version, str) or not re.fullmatch(r"\d+\.\d+", version):
+        raise CorruptStoreError(
+            f"{where}/.zattrs: schema_version {version!r} is not a version such as "
+            f"{SCHEMA_VERSION!r}; the store was altered: restore it or re-create the store"
+        )
+    _check_attr_types(attrs, f"{where}/.zattrs")
     if version.split(".")[0] != SCHEMA_VERSION.split(".")[0]:
         raise ProtocolVersionError(
             f"{where} has schema_version {version!r}; this actstore reads "
             f"{SCHEMA_VERSION.split('.')[0]}.x; upgrade actstore"
         )
     layout = ZarrLayout.from_dict(attrs.get("layout", {}), source=f"{where}/.zattrs")
-    if list(attrs.get("sites", layout.sites)) != list(layout.sites) or list(
-        attrs.get("layers", layout.layers)
+    if attrs.get("sites", list(layout.sites)) != list(layout.sites) or attrs.get(
+        "layers", list(layout.layers)
     ) != list(layout.layers):
         raise CorruptStoreError(
             f"{where}/.zattrs lists sites {attrs.get('sites')} (layers {attrs.get('layers')}), "
@@ -297,7 +325,111 @@ def parse_zmetadata(
         separators[part] = _check_zarray(
             meta, ACTIVATIONS[part], layout.shape(part), list(layout.chunk_shape(part)), where
         )
+    check_nodes(meta, attrs, layout, where)
     return meta, attrs, layout, separators
+
+
+def _check_attr_types(attrs: dict[str, Any], where: str) -> None:
+    """The attributes readers use, each of its type (a hostile value is one error)."""
+    f = Fields(attrs, where)
+    for key in ("model_id", "model_family", "dataset", "dataset_root", "fingerprint"):
+        f.text(key, optional=True)
+    f.count("model_num_layers", lo=1, optional=True)
+    for part in PARTS:
+        f.count(f"{part}_truncated_count", optional=True)
+    f.texts("optional_arrays", optional=True)
+    f.texts("text_files", optional=True)
+    shard = f.obj("shard", optional=True)
+    if shard is not None:
+        s = Fields(shard, f"{where}: shard")
+        for key in ("index", "start", "stop"):
+            s.count(key)
+
+
+def expected_nodes(
+    layout: ZarrLayout, *, token_ids: bool, optional: Any, sample_rows: int, separator: str
+) -> dict[str, Any]:
+    """Every node of a store's consolidated metadata but the group's attributes, as the
+    writer's zarr-python writes it (:func:`.store.create_arrays`): the groups, and each
+    array's ``.zarray`` (shape, chunks, dtype, fill value, no compression) and ``.zattrs``."""
+    arrays: dict[str, tuple[tuple[int, ...], tuple[int, ...], np.dtype, Any]] = {
+        ACTIVATIONS[part]: (layout.shape(part), layout.chunk_shape(part), ACT_DTYPE, 0.0)
+        for part in PARTS
+    }
+    rows = max(1, min(sample_rows, layout.n_samples))
+    for name, (row, dtype, fill) in sample_arrays(
+        layout, token_ids=token_ids, optional=optional
+    ).items():
+        arrays[name] = ((layout.n_samples, *row), (rows, *row), dtype, fill)
+    out: dict[str, Any] = {".zgroup": {"zarr_format": 2}, "arrays/.zattrs": {}}
+    out["arrays/.zgroup"] = {"zarr_format": 2}
+    for name, (shape, chunks, dtype, fill) in arrays.items():
+        out[f"{name}/.zarray"] = {
+            "shape": list(shape),
+            "chunks": list(chunks),
+            "dtype": dtype.str,
+            "fill_value": "" if dtype.kind == "S" else fill,  # zarr: b"" as base64
+            "order": "C",
+            "filters": None,
+            "dimension_separator": separator,
+            "compressor": None,
+            "zarr_format": 2,
+        }
+        out[f"{name}/.zattrs"] = {}
+    return out
+
+
+def check_nodes(
+    meta: dict[str, Any], attrs: dict[str, Any], layout: ZarrLayout, where: str
+) -> None:
+    """Every node the consolidated metadata lists is one actstore writes, with the metadata
+    it writes (:func:`expected_nodes`): a per-sample array of another dtype, shape, fill
+    value or chunking (which zarr-python would read as other values), or a node actstore
+    does not write, is a :class:`CorruptStoreError`. Only the group's attributes are
+    checked elsewhere (``verify``: against the store id)."""
+    optional = attrs.get("optional_arrays", [])
+    if not set(optional) <= set(OPTIONAL_ARRAYS):  # a list of strings: checked on parse
+        raise CorruptStoreError(
+            f"{where}/.zattrs: optional_arrays {optional!r} names arrays actstore does not "
+            "write; the store was altered"
+        )
+    lengths = meta.get(f"{LENGTHS['prompt']}/.zarray")
+    chunks = lengths.get("chunks") if isinstance(lengths, dict) else None
+    if not (isinstance(chunks, list) and chunks and is_int(chunks[0]) and chunks[0] >= 1):
+        raise CorruptStoreError(f"{where}/{LENGTHS['prompt']}: chunks {chunks!r} are malformed")
+    separator = meta[f"{ACTIVATIONS['prompt']}/.zarray"].get("dimension_separator", ".")
+    want = expected_nodes(
+        layout,
+        token_ids=f"{TOKEN_IDS['prompt']}/.zarray" in meta,
+        optional=optional,
+        sample_rows=chunks[0],
+        separator=separator,
+    )
+    got = {k: v for k, v in meta.items() if k != ".zattrs"}
+    inline = {"metadata": {}, "must_understand": False, "kind": "inline"}
+    group = got.get("arrays/.zgroup")
+    if isinstance(group, dict) and group.get("consolidated_metadata") == inline:
+        # zarr-python 3 notes its (empty) inline index in the group's entry
+        got["arrays/.zgroup"] = {k: v for k, v in group.items() if k != "consolidated_metadata"}
+    extra, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+    if extra or missing:
+        raise CorruptStoreError(
+            f"{where}/.zmetadata lists {extra[:3] or 'no'} nodes actstore does not write and "
+            f"lacks {missing[:3] or 'none'} of those it does: the store was altered; restore "
+            "it or re-create the store"
+        )
+    for key in sorted(want):
+        if got[key] != want[key]:
+            fields = sorted(
+                k
+                for k in {*want[key], *got[key]}
+                if not isinstance(got[key], dict) or got[key].get(k) != want[key].get(k)
+            )
+            raise CorruptStoreError(
+                f"{where}/{key}: {', '.join(fields)} {'is' if len(fields) == 1 else 'are'} not "
+                "what actstore writes for this store's layout, so zarr-python would read other "
+                "values: the store was altered; restore it or re-create the store"
+            )
 
 
 def _check_zarray(meta: dict, name: str, shape: tuple, chunks: list, path: str) -> str:

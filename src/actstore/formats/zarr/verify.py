@@ -4,21 +4,25 @@ text files, statistics and non-finite values."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 import xxhash
 
 from ...batch import sample_key
-from ...errors import CorruptStoreError
+from ...errors import CorruptStoreError, StoreNotFoundError
 from ...stats import RunningStats, merge_all
 from ...storage.local import load_json
+from ...storage.manifest import store_id_of
 from ..base import VerifyReport
+from ..metacheck import Fields
 from ..recompute import compare_statistics
 from ..shard import ShardStats
 from .layout import (
     ACT_DTYPE,
     ACTIVATIONS,
+    CONFIG_FILE,
     DIGEST,
     FULL_LENGTHS,
     LENGTHS,
@@ -65,7 +69,181 @@ def _verify_store(store: StoreMeta, report: VerifyReport, progress: Any) -> int:
             )
     _verify_texts(store, report)
     _verify_optional_arrays(store, report)
+    report.faults += [f for f in metadata_faults(store) if f not in report.faults]
     return non_finite
+
+
+#: Attributes the writer adds after the fingerprint is taken (from the stored samples, the
+#: clock, the files written), and those it leaves out of it (provenance).
+_LATER = ("created_at", "optional_arrays", "text_files")
+_UNHASHED = ("git_commit", "actstore_version", "fingerprint", "shard")
+
+
+def metadata_faults(store: StoreMeta) -> list[str]:
+    """Every metadata file of the store against what the data and the root manifest give:
+    each node's own file (``.zattrs``, ``.zarray``, ``.zgroup``: what zarr-python reads
+    without consolidated metadata) equal to its entry in ``.zmetadata``; the group's
+    attributes and ``meta/config.json`` giving the fingerprint the attributes record, and
+    that fingerprint with the layout, arrays and shard size giving the manifest's store id;
+    the truncation counts, optional arrays and text files against the data; the provenance
+    fields (creation time, version, commit) of their types."""
+    from .options import ZarrOptions
+    from .writer import fingerprint
+
+    faults = _node_file_faults(store)
+    manifest = store.checks.manifest
+    if manifest is None:
+        return faults
+    attrs, where = store.attrs, store.url_of(".zattrs")
+    edited = "the store's metadata was edited; restore it or re-create the store"
+    try:
+        config = store.files.read_json(CONFIG_FILE)
+        data, options = _config_faults(store, config, faults)
+    except (CorruptStoreError, StoreNotFoundError) as err:
+        return [*faults, str(err)]
+    shard = attrs.get("shard")
+    if shard is None:  # one store: its attributes are those the fingerprint was taken of
+        keep = {k: v for k, v in attrs.items() if k not in _LATER}
+        # the dataset description is config.json's less its root, unless the source's own
+        # description named a root (config.json keeps one key: the source's, then)
+        root = data.pop("root", None)
+        try:
+            taken = [
+                fingerprint(keep, data, ZarrOptions(**options)),  # root: the store's root
+                fingerprint(keep, {**data, "root": root}, ZarrOptions(**options)),
+            ]
+        except (TypeError, ValueError) as err:
+            return [
+                *faults,
+                f"{store.url_of(CONFIG_FILE)}: options are malformed ({err}): {edited}",
+            ]
+        if attrs.get("fingerprint") not in taken or (
+            attrs.get("fingerprint") == taken[0] and root != attrs.get("dataset_root")
+        ):
+            faults.append(
+                f"{where}: the attributes and {CONFIG_FILE} do not give the fingerprint the "
+                f"store records (model, dataset, options, layout or length choice): {edited}"
+            )
+        samples = [0, store.layout.n_samples]
+    else:
+        try:
+            samples = [int(shard["start"]), int(shard["stop"])]
+        except (KeyError, TypeError, ValueError):
+            return [*faults, f"{where}: shard {shard!r} is malformed: {edited}"]
+    record = {
+        "fingerprint": attrs.get("fingerprint"),
+        "layout": store.layout.to_dict(),
+        "optional": attrs.get("optional_arrays"),
+        "token_ids": store.exists(f"{TOKEN_IDS['prompt']}/.zarray"),
+        "samples": samples,
+        "shard_rows": store.sample_rows,
+    }
+    if store_id_of(record) != manifest.store_id:
+        faults.append(
+            f"{where}: the capture record the attributes hold (fingerprint, layout, arrays, "
+            f"shard size) is not the one the store was published with: {edited}"
+        )
+    faults += _derived_attr_faults(store, edited)
+    return faults
+
+
+def _node_file_faults(store: StoreMeta) -> list[str]:
+    """Each node's metadata file against its entry in the consolidated metadata."""
+    faults = []
+    nodes = (".zarray", ".zattrs", ".zgroup")
+    listed = {n for n in store.files.list() if n.rpartition("/")[2] in nodes}
+    for key, entry in sorted(store.zmeta.items()):
+        if key not in listed:
+            faults.append(
+                f"{store.url_of(key)} is missing (zarr-python reads it when it opens the store "
+                "without consolidated metadata): restore it or re-create the store"
+            )
+            continue
+        try:
+            own = store.files.read_json(key)
+        except CorruptStoreError as err:
+            faults.append(str(err))
+            continue
+        if _node(own) != _node(entry):
+            faults.append(
+                f"{store.url_of(key)} differs from its entry in .zmetadata, so zarr-python "
+                "would read the store differently without consolidated metadata: it was edited; "
+                "restore it or re-create the store"
+            )
+    for name in sorted(listed - set(store.zmeta)):
+        faults.append(f"{store.url_of(name)} is a node .zmetadata does not list: remove it")
+    return faults
+
+
+def _node(doc: Any) -> Any:
+    """A node's metadata less zarr 3's inline index of a group (``consolidated_metadata``,
+    kept in ``.zmetadata``'s copy only)."""
+    if isinstance(doc, dict) and "consolidated_metadata" in doc:
+        return {k: v for k, v in doc.items() if k != "consolidated_metadata"}
+    return doc
+
+
+def _config_faults(
+    store: StoreMeta, config: Any, faults: list[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``meta/config.json`` against the attributes and layout; returns its dataset
+    description (less the root) and options, which the fingerprint covers."""
+    where = store.url_of(CONFIG_FILE)
+    f = Fields(config, where)
+    model = Fields(f.obj("model"), f"{where}: model")
+    dataset = dict(f.obj("dataset"))
+    options = f.obj("options")
+    model.text("modality")
+    model.flag("has_cls")
+    f.texts("classes", optional=True)
+    f.count("batch_size", lo=1, optional=True)
+    attrs, lay = store.attrs, store.layout
+    want = {
+        "model.ckpt": (model.doc.get("ckpt"), attrs.get("model_id")),
+        "model.family": (model.doc.get("family"), attrs.get("model_family")),
+        "model.n_layers": (model.doc.get("n_layers"), attrs.get("model_num_layers")),
+        "model.d_model": (model.doc.get("d_model"), lay.hidden_size),
+        "sites": (config.get("sites"), list(lay.sites)),
+    }
+    if attrs.get("shard") is None:
+        want["layout"] = (config.get("layout"), lay.to_dict())
+    differ = [k for k, (got, expected) in want.items() if got != expected]
+    if differ:
+        faults.append(
+            f"{where}: {', '.join(differ)} {'does' if len(differ) == 1 else 'do'} not match the "
+            "store's attributes and layout: it was edited; restore it or re-create the store"
+        )
+    return dataset, options
+
+
+def _derived_attr_faults(store: StoreMeta, edited: str) -> list[str]:
+    """The attributes the writer derives from the stored samples and files."""
+    from .writer import truncation_attrs_from_counts
+
+    attrs, lay, where = store.attrs, store.layout, store.url_of(".zattrs")
+    faults = []
+    try:
+        full = {p: store.array(FULL_LENGTHS[p]) for p in PARTS}
+    except CorruptStoreError as err:
+        return [str(err)]
+    if all(v is not None for v in full.values()):
+        counts = {p: int(np.count_nonzero(np.asarray(full[p]) > lay.max_len(p))) for p in PARTS}
+        want = truncation_attrs_from_counts(counts, lay.n_samples)
+        wrong = sorted(k for k, v in want.items() if attrs.get(k) != v)
+        if wrong:
+            faults.append(f"{where}: {', '.join(wrong)} do not match the stored lengths: {edited}")
+    texts = [TEXT_FILES[p] for p in PARTS if store.exists(TEXT_FILES[p])]
+    if attrs.get("text_files") != texts:
+        faults.append(f"{where}: text_files does not list the text files the store holds: {edited}")
+    made = attrs.get("created_at")
+    if not isinstance(made, str) or not re.fullmatch(
+        r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", made
+    ):
+        faults.append(f"{where}: created_at {made!r} is not a time: {edited}")
+    for key in ("actstore_version", "git_commit"):
+        if attrs.get(key) is not None and not isinstance(attrs.get(key), str):
+            faults.append(f"{where}: {key} {attrs.get(key)!r} is not a string: {edited}")
+    return faults
 
 
 def _load_chunk_digests(store: StoreMeta, report: VerifyReport) -> None:
