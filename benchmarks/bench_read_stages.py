@@ -88,6 +88,20 @@ def _cpu(who: int) -> float:
     return u.ru_utime + u.ru_stime
 
 
+def _workers_cpu(data) -> float:
+    """CPU seconds of a DataLoader's live worker processes (persistent workers are not
+    reaped at the end of an epoch, so their usage is read from /proc)."""
+    iterator = getattr(data, "_iterator", None)
+    total = 0.0
+    for process in getattr(iterator, "_workers", []) or []:
+        try:
+            fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _served(name: str, c: int, results) -> None:
     """A serve consumer: times each epoch and its own CPU."""
     torch.set_num_threads(1)
@@ -120,7 +134,7 @@ def child(args: argparse.Namespace, name: str) -> None:
         workers = int(config.get("workers", 0))
         data = ActivationDataLoader(loader, num_workers=workers) if workers else loader
         rows, t0 = 0, time.perf_counter()
-        cpu0, kids0 = _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+        cpu0, kids0 = _cpu(resource.RUSAGE_SELF), _workers_cpu(data)
         for batch in data:
             rows += len(batch)
         seconds = time.perf_counter() - t0
@@ -132,7 +146,7 @@ def child(args: argparse.Namespace, name: str) -> None:
                 "cache": cache,
                 "gb_per_s": gb / seconds,
                 "process": process,
-                "workers": (_cpu(resource.RUSAGE_CHILDREN) - kids0) / gb if workers else None,
+                "workers": (_workers_cpu(data) - kids0) / gb if workers else None,
                 "stages": stages,
             }
         )
