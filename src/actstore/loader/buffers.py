@@ -33,8 +33,8 @@ NUMPY_STORAGE = {torch.float32: np.float32, torch.float16: np.float16, torch.bfl
 
 
 class Buffers:
-    """Arrays of one shape and dtype, reused only once no view of them is alive (here, and,
-    given ``held``, in another process: ``held(i)`` is true while it still uses array i)."""
+    """Arrays of one shape and dtype, reused only once no view of them is alive
+    (``private``: no view ever leaves the pipeline, so an array is free once released)."""
 
     def __init__(
         self,
@@ -42,19 +42,11 @@ class Buffers:
         dtype: np.dtype | type,
         *,
         allocate: Callable[[int, np.dtype], np.ndarray] | None = None,
-        held: Callable[[int], bool] | None = None,
-        limit: int | None = None,
-        pause: Callable[[], None] | None = None,
         private: bool = False,
     ) -> None:
         self.shape, self.dtype = shape, np.dtype(dtype)
-        #: no view of an array ever leaves the pipeline: one is free once released
         self._private = private
         self._allocate = allocate or allocate_private
-        self._held = held
-        #: at most this many arrays: at the limit, ``acquire`` waits (calling ``pause``)
-        #: for one to come free instead of allocating
-        self._limit, self._pause = limit, pause
         self._arrays: list[np.ndarray] = []
         self._roots: list[np.ndarray] = []  # the array every view's ``.base`` points to
         self._idle_refs: list[int] = []  # references to a root when no view is alive
@@ -73,26 +65,17 @@ class Buffers:
         """Whether array ``i`` is neither in use by the pipeline nor referenced."""
         if self._busy[i]:
             return False
-        if self._private:
-            return True
-        idle = sys.getrefcount(self._roots[i]) == self._idle_refs[i]
-        return idle and not (self._held and self._held(i))
+        return self._private or sys.getrefcount(self._roots[i]) == self._idle_refs[i]
 
     def acquire(self, *, allocate: bool = True, wait: bool = True) -> int | None:
         """Index of a free array (allocating one if none is free and ``allocate``; with
         ``wait=False``, None rather than wait for a reserved array still being made)."""
-        while True:
-            for i in range(len(self._arrays)):
-                if self.free(i):
-                    self._busy[i] = True
-                    return i
-            if not allocate or (self._reserved and not wait and not self._reserved[0].done()):
-                return None
-            if self._limit is None or len(self._arrays) < self._limit:
-                break
-            if self._pause is None:
-                return None
-            self._pause()  # every array in use and no more may be made: wait for one
+        for i in range(len(self._arrays)):
+            if self.free(i):
+                self._busy[i] = True
+                return i
+        if not allocate or (self._reserved and not wait and not self._reserved[0].done()):
+            return None
         if self._reserved:
             root = self._reserved.popleft().result()
         else:
@@ -105,11 +88,9 @@ class Buffers:
         return len(self._arrays) - 1
 
     def take(self) -> int:
-        """:meth:`acquire` on buffers without a ``limit``: a free array's index, allocating
-        one when none is free (so never None)."""
+        """A free array's index, allocating one when none is free."""
         i = self.acquire()
-        if i is None:
-            raise AssertionError("Buffers.take needs buffers without a limit")
+        assert i is not None  # allocate=True, wait=True always gives one
         return i
 
     def release(self, i: int) -> None:
