@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +334,223 @@ def test_zarr_python_reads_the_arrays_folder_of_an_untouched_store(built):
         np.testing.assert_array_equal(group["arrays/prompt_len"][:], lengths)
         acts = group["arrays/prompt_activations"][0, 0, : lengths[0]]
         np.testing.assert_array_equal(acts, first)
+
+
+# ---------------------------------------------------------------------------- the fuzz
+
+#: Whole-file replacements: hostile nesting and numbers, bytes that are not UTF-8 or not
+#: JSON, JSON of the wrong type.
+WHOLE = {
+    "deep": DEEP,
+    "5000-digit": BIG_NUMBER,
+    "not-utf8": b'{"a": "\xff\xfe"}',
+    "not-json": b'{"cut": [1, 2',
+    "wrong-type": b"[]",
+}
+
+#: Values a field is replaced by: every JSON type, out-of-range numbers, nesting.
+HOSTILE: list[Any] = [
+    None,
+    -1,
+    10**30,
+    "x",
+    [],
+    {},
+    True,
+    1.5,
+    json.loads("[" * 70 + "0" + "]" * 70),  # past the parser's depth, inside a file
+    "\u00e9\u0000\ud7ff",
+]
+
+#: Fields whose edit a rewritten manifest still gets past (docs/reliability.md lists them,
+#: and test_what_a_rewrite_without_a_key_still_gets_past shows each): a value of the right
+#: type that nothing derives from the data. ``(format, file, field path)``.
+GETS_PAST: set[tuple[str, str, str]] = set()
+
+
+#: Each format's metadata files the fuzz edits (every JSON and metadata file but the
+#: chunk-level repeats of zarr's per-array nodes, of which two arrays stand for all).
+def _metadata_files(fmt: str, store: Path) -> list[str]:
+    names = []
+    for path in sorted(store.rglob("*")):
+        name = path.relative_to(store).as_posix()
+        if not path.is_file():
+            continue
+        if path.suffix in (".json", ".jsonl") or path.name in (
+            ".zarray",
+            ".zattrs",
+            ".zgroup",
+            ".zmetadata",
+        ):
+            if name == MANIFEST:
+                continue  # edited as it is (below): a rewrite writes it
+            one_of_many = name.startswith("arrays/") and name.count("/") == 2
+            if (
+                fmt == "zarr"
+                and one_of_many
+                and not name.startswith(("arrays/prompt_len/", "arrays/sample_key/"))
+            ):
+                continue  # two arrays stand for all
+            if fmt == "activault" and "/" in name and not name.startswith("models.layers.1."):
+                continue  # one hook folder stands for all
+            names.append(name)
+    return names
+
+
+def _leaves(doc: Any, path: tuple = ()) -> Iterator[tuple]:
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            yield from _leaves(value, (*path, key))
+    elif isinstance(doc, list) and doc:
+        yield path
+        yield from _leaves(doc[0], (*path, 0))
+    else:
+        yield path
+
+
+def _set(doc: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    inner = doc
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return doc
+
+
+#: Fields edited per file (evenly spaced over its leaves), and whole-file replacements.
+PER_FILE = 4
+WHOLE_PER_FILE = 2
+
+
+def _cases(fmt: str, store: Path) -> Iterator[tuple[str, str, str, bytes, bool]]:
+    """``(file, what, path, new bytes, rewrite the manifest)`` for every edit of ``fmt``."""
+    files = _metadata_files(fmt, store)
+    kinds = list(WHOLE.items())
+    for name in [MANIFEST, *files]:
+        seed = zlib.crc32(name.encode())
+        for k in range(WHOLE_PER_FILE):  # the kinds taken in turn across a format's files
+            what, data = kinds[(seed + k) % len(kinds)]
+            rewrite = name != MANIFEST and (seed + k) % 2 == 1
+            yield name, what, "", data, rewrite
+    for name in [MANIFEST, *files]:
+        raw = (store / name).read_bytes()
+        if name.endswith(".jsonl"):
+            doc = json.loads(raw.split(b"\n", 1)[0])
+        else:
+            doc = json.loads(raw)
+        leaves = list(_leaves(doc))
+        step = max(1, len(leaves) // PER_FILE)
+        for i, path in enumerate(leaves[::step][:PER_FILE]):
+            value = HOSTILE[(zlib.crc32(name.encode()) + i) % len(HOSTILE)]
+            edited = _set(json.loads(json.dumps(doc)), path, value)
+            if edited == doc and json.dumps(edited) == json.dumps(doc):
+                continue  # the value it holds already
+            text = json.dumps(edited, ensure_ascii=False).encode("utf-8", "surrogatepass")
+            if name.endswith(".jsonl"):
+                text = text + b"\n" + raw.split(b"\n", 1)[1]
+            yield (
+                name,
+                f"{'/'.join(map(str, path)) or '<root>'}={value!r:.12}",
+                "/".join(map(str, path)),
+                text,
+                name != MANIFEST,  # the manifest edited as it is: a rewrite writes it
+            )
+
+
+REFUSED = "refused"
+
+
+def _read_everything(store: Path) -> list[Any] | None:
+    """Every read path a user takes, through the API; None if the store is refused. Any
+    exception but an actstore error fails the test."""
+    try:
+        reader = open_store(store)
+    except ActstoreError:
+        return None
+    seen: list[Any] = []
+    with reader:
+        for read in (
+            lambda: reader.shape,
+            reader.describe,
+            reader.capture_plan,
+            lambda: [reader.statistics(s) and reader.statistics(s).mean for s in reader.sites],
+            lambda: [reader.read_block(reader.blocks(s)[0]) for s in reader.sites],
+            lambda: reader.tokens is not None and np.asarray(reader.tokens[0]),
+            lambda: reader.tokens_per_example and reader[0, reader.sites[0], 0],
+        ):
+            try:
+                seen.append(read())
+            except ActstoreError:
+                seen.append(REFUSED)
+    return seen
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+@pytest.fixture
+def entry_points_once(monkeypatch):
+    """importlib.metadata's scan of the installed packages for plugin formats, done once
+    for the test (every command and open looks them up: ~50 ms a time, hundreds of times
+    here); nothing is installed while it runs."""
+    import functools
+    import importlib.metadata
+
+    monkeypatch.setattr(
+        importlib.metadata,
+        "entry_points",
+        functools.lru_cache(maxsize=None)(importlib.metadata.entry_points),
+    )
+
+
+@pytest.mark.usefixtures("entry_points_once")
+@pytest.mark.parametrize("fmt", list(BUILDERS))
+def test_fuzz_every_metadata_file_of_every_format(built, tmp_path, capsys, fmt):
+    """Every JSON and metadata file of a store (the root manifest included), replaced whole
+    by hostile bytes (as it is, or with the manifest rewritten over it) and field by field
+    by hostile values (manifest rewritten): no command or read raises anything but an
+    actstore error; ``verify`` exits 1 with a FAULT line unless the edited field is one
+    :data:`GETS_PAST` lists, and then every read returns what the untouched store does;
+    ``inspect`` exits 0, or 2 with one line."""
+    store = writable_copy(built(fmt), tmp_path / built(fmt).name)
+    reference = _read_everything(store)
+    assert reference is not None and not any(x is REFUSED for x in reference)
+    own = {
+        n: (store / n).read_bytes()
+        for n in (MANIFEST, "actstore-blocks.xxh3")
+        if (store / n).exists()
+    }
+    problems = []
+    for name, what, path, data, rewrite in _cases(fmt, store):
+        original = (store / name).read_bytes()
+        (store / name).write_bytes(data)
+        try:
+            if rewrite:
+                resign(store)
+            code, err = actstore("verify", str(store), "--no-progress", capsys=capsys)
+            assert "Traceback" not in err, err
+            case = f"{name} {what}{' (manifest rewritten)' if rewrite else ''}"
+            seen = _read_everything(store)
+            if code == 0:
+                if (fmt, name, path) not in GETS_PAST:
+                    problems.append(f"{case}: verify passed")
+                elif seen is None or not all(map(_same, seen, reference)):
+                    problems.append(f"{case}: verify passed but reads changed")
+            elif code != 1 or not any(line.startswith("FAULT: ") for line in err.splitlines()):
+                problems.append(f"{case}: verify exit {code}: {err.strip()[-300:]}")
+            code, err = actstore("inspect", str(store), capsys=capsys)
+            lines = [line for line in err.splitlines() if line.strip()]
+            if code not in (0, 2) or (code == 2 and len(lines) != 1):
+                problems.append(f"{case}: inspect exit {code}: {err.strip()[-300:]}")
+        finally:
+            (store / name).write_bytes(original)
+            for own_name, own_data in own.items():
+                (store / own_name).chmod(0o644)
+                (store / own_name).write_bytes(own_data)
+    assert not problems, "\n".join(problems)

@@ -37,6 +37,7 @@ from ...stats import RunningStats, merge_all
 from ...storage.integrity import Integrity
 from ...storage.local import load_json
 from ..base import Block, ReaderBase, VerifyReport, summary_of
+from ..metacheck import Fields
 from .layout import (
     ACT_DTYPE,
     CONFIG_FILE,
@@ -185,7 +186,22 @@ class ZarrReader(ReaderBase):
     def config(self) -> dict[str, Any]:
         """``meta/config.json`` of the first store ({} if absent)."""
         first = self.stores[0]
-        return first.checks.read_json(CONFIG_FILE) if first.exists(CONFIG_FILE) else {}
+        if not first.exists(CONFIG_FILE):
+            return {}
+        doc = first.checks.read_json(CONFIG_FILE)
+        f = Fields(doc, first.url_of(CONFIG_FILE))
+        model = f.obj("model", optional=True)
+        if model is not None:
+            m = Fields(model, f"{first.url_of(CONFIG_FILE)}: model")
+            for key in ("ckpt", "family", "modality"):
+                m.text(key, optional=True)
+            m.count("n_layers", lo=1, optional=True)
+            m.flag("has_cls", optional=True)
+        f.obj("dataset", optional=True)
+        f.obj("options", optional=True)
+        f.texts("classes", optional=True)
+        f.count("batch_size", lo=1, optional=True)
+        return doc
 
     @property
     def sites(self) -> tuple[Site, ...]:
