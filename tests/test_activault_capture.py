@@ -145,6 +145,7 @@ def test_cli_capture_to_a_local_directory_without_cleaning(tmp_path, model_dir, 
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == [
         "actstore-manifest.json",  # the root manifest, written last
+        "actstore-positions.npy",  # where each example's tokens lie (actstore's own)
         "cfg.json",
         "models.layers.1.post",
         "models.layers.3.post",

@@ -461,8 +461,9 @@ def compare_stores(
     total = sum(b.n_rows for name in src_names for b in source.blocks(name))
     # one stream per site, advanced in turn: block i of every site is read together, so a
     # reader that decodes whole shards (pkl.gz) decodes each once
+    held = _stored_positions(source, target, plan, src_names[0], dst_names[0])
     streams = {
-        str(site): _aligned(_row_chunks(source, a), _row_chunks(target, b))
+        str(site): _aligned(_row_chunks(source, a), _stored_rows(_row_chunks(target, b), held))
         for site, a, b in zip(plan.sites, src_names, dst_names)
     }
     with tqdm(
@@ -505,6 +506,41 @@ def as_stored(rows: np.ndarray, dtype: str) -> np.ndarray:
     if rows.dtype == np.float32 and np.dtype(dtype) == np.float32:
         return rows
     return rows.astype(dtype).astype(np.float32)
+
+
+def _stored_positions(
+    source: Any, target: Any, plan: CapturePlan, a: Site, b: Site
+) -> np.ndarray | None:
+    """Flat bool ``[n x T]``: the positions a source that stores only some of them
+    (``source.token_mask``) holds, when the target holds every position (it did not drop
+    the others: they are NaN there); None when both hold the same rows."""
+    mask = source.token_mask
+    if mask is None:
+        return None
+    held = sum(block.n_rows for block in target.blocks(b))
+    if held == sum(block.n_rows for block in source.blocks(a)):
+        return None
+    if held != plan.n_examples * plan.tokens_per_example:
+        raise CorruptStoreError("the stores hold different numbers of rows")
+    return np.asarray(mask[:], dtype=bool).reshape(-1)
+
+
+def _stored_rows(chunks: Iterator[np.ndarray], stored: np.ndarray | None) -> Iterator[np.ndarray]:
+    """The rows of ``chunks`` at the ``stored`` positions (all of them when None); the
+    others must be NaN (the source stores no value there)."""
+    if stored is None:
+        yield from chunks
+        return
+    at = 0
+    for rows in chunks:
+        keep = stored[at : at + len(rows)]
+        at += len(rows)
+        if not np.isnan(rows[~keep]).all():
+            raise CorruptStoreError(
+                "the converted store holds values where the source stores none; the "
+                "conversion is not faithful"
+            )
+        yield rows[keep]
 
 
 def _row_chunks(reader: Any, site: Site) -> Iterator[np.ndarray]:

@@ -429,6 +429,14 @@ class ReaderBase(abc.ABC):
         return None
 
     @property
+    def token_mask(self) -> Any:
+        """Bool ``[n_examples, T]``: the positions whose values the store holds, for a
+        store that holds only some (Activault after token cleaning: ``reader[...]`` is NaN
+        elsewhere, and its blocks hold the stored positions in order); None (the
+        default): every position is stored."""
+        return None
+
+    @property
     def classes(self) -> list[str] | None:
         """Class names for ``labels``."""
         return None

@@ -32,7 +32,10 @@ from .layout import parse_dtype
 MAX_FILES = 1 << 32
 
 #: Version of the ``actstore`` section in cfg.json.
-RUN_RECORD_VERSION = 2
+RUN_RECORD_VERSION = 3
+#: The record version since which runs have root manifests and file digests (2), and
+#: keep their token positions (3: ``actstore-positions.npy``).
+DIGESTS_SINCE, POSITIONS_SINCE = 2, 3
 
 
 @dataclass(frozen=True, kw_only=True)

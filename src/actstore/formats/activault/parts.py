@@ -27,6 +27,7 @@ from .metadata import (
     statistics_from_dict,
     statistics_to_dict,
 )
+from .positions import POSITIONS, decode, encode
 from .writer import ActivaultWriter, file_shape, write_run_manifest
 
 
@@ -103,6 +104,25 @@ class _Rebased(WriterBase):
 
     def abort(self) -> None:
         self.inner.abort()
+
+
+def _merge_positions(
+    store: Any, runs: list[str], records: list[RunRecord], prefix: str, tokens: int
+) -> None:
+    """The parts' positions files joined in part order, each part's stream rows shifted
+    past the files of the parts before it (every part dropped its own tail); none when a
+    part has none (captured by an older actstore)."""
+    tables, offset = [], 0
+    for run, rec in zip(runs, records):
+        key = join_key(run, POSITIONS)
+        if store.size(key) is None:
+            return
+        table = decode(store.get(key), tokens, store.url(key))
+        table["first"] += offset
+        tables.append(table)
+        offset += rec.groups * rec.tokens_per_file
+    if tables:
+        store.put(join_key(prefix, POSITIONS), encode(np.concatenate(tables)))
 
 
 def part_format() -> PartFormat:
@@ -226,6 +246,7 @@ def part_format() -> PartFormat:
                 store.put_json(
                     join_key(prefix, hook, STATISTICS), statistics_to_dict(merge_all(known))
                 )
+        _merge_positions(store, runs, records, prefix, int(plan.get("tokens_per_example", 0)))
         done = dataclasses.replace(record, complete=True, digests=digests)
         write_cfg(done)
         write_run_manifest(store, prefix, done, merged_store_id, int(plan.get("d_model", 0)))

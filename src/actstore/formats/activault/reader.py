@@ -33,14 +33,14 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...batch import CapturePlan
+from ...batch import Batch, CapturePlan
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ...forksafe import ForkSafeLock
 from ...hub import local_tokenizer
@@ -67,7 +67,15 @@ from .layout import (
     parse_data_file,
     parse_dtype,
 )
-from .metadata import RUN_RECORD_VERSION, HookMetadata, RunRecord, statistics_from_dict
+from .metadata import (
+    DIGESTS_SINCE,
+    POSITIONS_SINCE,
+    RUN_RECORD_VERSION,
+    HookMetadata,
+    RunRecord,
+    statistics_from_dict,
+)
+from .positions import POSITIONS, Positions, decode
 from .verify import (
     check_statistics,
     file_statistics,
@@ -209,11 +217,7 @@ class ActivaultReader(ReaderBase):
             )
         else:  # a run with a root manifest is checked, whatever its cfg.json claims
             version = RUN_RECORD_VERSION if self.record is None else self.record.version
-            if (
-                version < RUN_RECORD_VERSION
-                and self.verify_reads
-                and not self.files.exists(MANIFEST)
-            ):
+            if version < DIGESTS_SINCE and self.verify_reads and not self.files.exists(MANIFEST):
                 raise CorruptStoreError(
                     f"{self.store.url(self.run_prefix)} was written by an older actstore (run "
                     f"record version {version}, before root manifests), so its files cannot be "
@@ -438,19 +442,89 @@ class ActivaultReader(ReaderBase):
         return (
             f"{self.url} holds {rows} tokens per hook, not {plan.n_examples} examples x "
             f"{plan.tokens_per_example}: token cleaning dropped some (or the last file was "
-            "partial), so token positions are lost and reader[example, site, token] cannot "
-            "place them; read blocks(site), or capture with --no-clean and a rows_per_file "
-            "that divides the examples"
+            f"partial), and the run has no {POSITIONS} (it was captured by an actstore that "
+            "did not keep token positions), so reader[example, site, token] cannot place "
+            "them; read blocks(site), or capture the run again"
         )
 
     @property
-    def tokens(self) -> _InputIds | None:
+    def positions(self) -> Positions | None:
+        """Where each example's tokens lie (:mod:`.positions`), for runs actstore wrote
+        since it keeps them; None for older runs and Activault's own. Read (and checked)
+        once, when first needed."""
+        if self.record is None:
+            return None
+        found = self.__dict__.get("_positions", False)
+        if found is not False:
+            return found  # type: ignore[no-any-return]
+        key = join_key(self.run_prefix, POSITIONS)
+        found = None
+        if self.store.size(key) is None and self.record.version >= POSITIONS_SINCE:
+            raise CorruptStoreError(
+                f"{self.store.url(key)} is missing: the run's token positions (where each "
+                "example's tokens lie) are lost; restore it or capture again"
+            )
+        if self.store.size(key) is not None:
+            plan = self.capture_plan_of_record()
+            source = self.store.url(key)
+            data = (
+                self.checks.read_bytes(POSITIONS)
+                if self.checks.enabled
+                else bytes(self.store.get(key))
+            )
+            found = Positions(
+                decode(data, plan.tokens_per_example, source, plan.n_examples),
+                plan.tokens_per_example,
+            )
+            faults = found.faults(self.n_rows(self.sites[0]), source)
+            if faults:
+                raise CorruptStoreError(faults[0])
+        self.__dict__["_positions"] = found
+        return found
+
+    def read_examples(
+        self, examples: np.ndarray, sites: Sequence[Site], tokens: slice | np.ndarray
+    ) -> np.ndarray:
+        """``reader[...]``: each (example, position) read from the row the positions file
+        places it at (checked like any block), NaN where nothing is stored (a token the
+        cleaning dropped, or one in the tail past the last file). Runs without a positions
+        file read by the base's layout (whole examples only)."""
+        positions = self.positions
+        if positions is None:
+            return super().read_examples(examples, sites, tokens)
+        picked = np.arange(positions.tokens)[tokens] if isinstance(tokens, slice) else tokens
+        rows = positions.rows(examples, picked)
+        out = np.full((len(examples), len(sites), len(picked), self.d_model), np.nan, self.dtype)
+        stored = rows >= 0
+        for j, site in enumerate(sites):
+            blocks = self.site_blocks(site)
+            per = blocks[0].n_rows if blocks else 1
+            which = rows // per
+            dest = out[:, j]
+            for k in np.unique(which[stored]).tolist():
+                mine = stored & (which == k)
+                dest[mine] = self._read_into_scratch(blocks[k])[rows[mine] - k * per]
+        return out
+
+    @property
+    def token_mask(self) -> LazyRows | None:
+        """Bool ``[n_examples, T]``: the positions whose values the run stores (False where
+        token cleaning dropped the token, or in the dropped tail), for runs with a positions
+        file; ``reader[...]`` is NaN where it is False."""
+        positions = self.positions
+        return None if positions is None else _StoredMask(positions)
+
+    @property
+    def tokens(self) -> LazyRows | None:
         """Token ids ``[n_examples, T]`` (int64), from the ``input_ids`` of the first hook's
         files (each file read, checked and decoded when a row of it is indexed), for runs
         of whole examples; None when the capture kept no token ids or token positions were
         lost (token cleaning)."""
         if not self.capture_plan().has_tokens:
             return None
+        positions = self.positions
+        if positions is not None:
+            return _PositionIds(positions)
         return _InputIds(self)
 
     def file_input_ids(self, index: int) -> np.ndarray:
@@ -480,8 +554,9 @@ class ActivaultReader(ReaderBase):
         rows = len(first.files) * first.metadata.tokens_per_file
         if self.record is not None:
             plan = self.capture_plan_of_record()
-            # token ids are the files' input_ids, placed by example only in whole examples
-            whole = rows == plan.n_examples * plan.tokens_per_example
+            # token ids are the positions file's, or the files' input_ids placed by example
+            # (in whole examples only)
+            whole = self.positions is not None or rows == plan.n_examples * plan.tokens_per_example
             return dataclasses.replace(plan, has_tokens=plan.has_tokens and whole, has_labels=False)
         md = first.metadata
         sites = self.sites
@@ -503,10 +578,17 @@ class ActivaultReader(ReaderBase):
             batch_size=md.batch_size,
         )
 
-    def example_batches(self, batch_size: int, start: int = 0) -> None:
-        """None: conversion rebuilds examples from blocks, which holds only for a run that
-        stores exactly its plan's examples; :class:`ConfigError` for one that does not."""
+    def example_batches(self, batch_size: int, start: int = 0) -> Iterator[Batch] | None:
+        """With a positions file: the examples as capture batches, each position's value
+        where the run stores one and NaN elsewhere, ``token_mask`` True where it stores
+        one (so an Activault target stores exactly these tokens again), token ids from the
+        positions file. Without one, None: conversion rebuilds examples from blocks, which
+        holds only for a run that stores exactly its plan's examples (:class:`ConfigError`
+        for one that does not)."""
         plan = self.capture_plan()
+        positions = self.positions
+        if positions is not None:
+            return self._position_batches(positions, plan, batch_size, start)
         rows = self.n_rows(self.sites[0])
         if rows != plan.n_examples * plan.tokens_per_example:
             raise ConfigError(
@@ -514,6 +596,24 @@ class ActivaultReader(ReaderBase):
                 f"{plan.tokens_per_example} (token cleaning dropped some, or the last file was "
                 "partial): only runs of whole examples convert; capture with --no-clean and "
                 "a rows_per_file that divides the examples to convert it"
+            )
+        return None
+
+    def _position_batches(
+        self, positions: Positions, plan: CapturePlan, batch_size: int, start: int
+    ) -> Iterator[Batch]:
+        every = np.arange(positions.tokens)
+        for lo in range(start, plan.n_examples, batch_size):
+            ids = np.arange(lo, min(lo + batch_size, plan.n_examples))
+            values = self.read_examples(ids, list(self.sites), every)
+            yield Batch(
+                acts={
+                    str(site): torch.from_numpy(np.ascontiguousarray(values[:, j]))
+                    for j, site in enumerate(self.sites)
+                },
+                example_ids=ids,
+                token_ids=positions.ids(ids) if plan.has_tokens else None,
+                token_mask=positions.stored(ids),
             )
 
     def metadata(self, site: Any) -> HookMetadata:
@@ -701,6 +801,13 @@ class ActivaultReader(ReaderBase):
             }
             for h, lst in self.listings.items()
         }
+        try:
+            positions = self.positions
+        except CorruptStoreError as err:
+            report.faults.append(str(err))
+            positions = None
+        for scan in self._scan.values():
+            scan["positions"] = positions
         n_files, n_bytes = self.checks.verify(
             report.faults, progress=progress, on_chunk=self.scan_chunk
         )
@@ -741,6 +848,16 @@ class ActivaultReader(ReaderBase):
         except CorruptStoreError as err:
             scan.setdefault("faults", []).append(str(err))
             return
+        positions = scan.get("positions")
+        if positions is not None and mb["input_ids"] is not None:
+            per = listing.metadata.tokens_per_file
+            want = positions.ids_of_rows(index * per, (index + 1) * per)
+            if not np.array_equal(mb["input_ids"].reshape(-1).numpy(), want):
+                scan.setdefault("faults", []).append(
+                    f"{hook}/{base_name(listing.files[index].key)}: its tokens are not the ones "
+                    f"{POSITIONS} places there: the positions "
+                    "were edited; restore them or capture again"
+                )
         states = mb["states"]
         scan["non_finite"] += int((~torch.isfinite(states.to(torch.float32))).sum())
         scan["stats"][index] = file_statistics(states)
@@ -788,7 +905,23 @@ class ActivaultReader(ReaderBase):
                     record=self._json(f"{hook}/{STATISTICS}"),
                 )
         if self.record is not None and self.checks.manifest is not None:
-            for fault in record_faults(self.cfg, self.record, self.checks.manifest, self.hooks):
+            found = record_faults(self.cfg, self.record, self.checks.manifest, self.hooks)
+            positions = self.__dict__.get("_positions")
+            if positions is not None:
+                rec = self.record
+                found += [
+                    f"cfg.json's {fault} ({POSITIONS} says otherwise): cfg.json or the positions "
+                    "were edited; restore them or capture again"
+                    for fault in positions.record_faults(
+                        rec.groups * rec.tokens_per_file,
+                        rec.next_example,
+                        rec.next_skip,
+                        rec.dropped_tokens,
+                        rec.token_mask,
+                        merged=merged,
+                    )
+                ]
+            for fault in found:
                 if fault not in report.faults:
                     report.faults.append(fault)
 
@@ -812,6 +945,28 @@ class ActivaultReader(ReaderBase):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
+
+
+class _PositionIds(LazyRows):
+    """``reader.tokens`` of a run with a positions file: every example's ``T`` token ids."""
+
+    def __init__(self, positions: Positions) -> None:
+        super().__init__(np.int64, (len(positions), positions.tokens))
+        self.positions = positions
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        return self.positions.ids(index)
+
+
+class _StoredMask(LazyRows):
+    """``reader.token_mask``: the positions of each example the run stores values of."""
+
+    def __init__(self, positions: Positions) -> None:
+        super().__init__(np.bool_, (len(positions), positions.tokens))
+        self.positions = positions
+
+    def rows(self, index: np.ndarray) -> np.ndarray:
+        return self.positions.stored(index)
 
 
 class _InputIds(LazyRows):

@@ -24,7 +24,7 @@ from ...stats import RunningStats, merge_all
 from ...storage.manifest import store_id_of
 from ..recompute import compare_statistics
 from .layout import data_file_name, group_uuid, hook_site
-from .metadata import RUN_RECORD_VERSION, RunRecord, run_cfg, statistics_to_dict
+from .metadata import DIGESTS_SINCE, RunRecord, run_cfg, statistics_to_dict
 from .upload import group_statistics
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def record_faults(
             f"{manifest.store_id}): cfg.json was edited; restore it or capture again"
         )
     faults += _site_faults(record)
-    if record.complete and record.version >= RUN_RECORD_VERSION:
+    if record.complete and record.version >= DIGESTS_SINCE:
         faults += _digest_faults(record, manifest, hooks)
     faults += _cfg_faults(cfg, record)
     return faults

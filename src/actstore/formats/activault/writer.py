@@ -101,6 +101,7 @@ from .layout import (
     parse_dtype,
 )
 from .metadata import (
+    DIGESTS_SINCE,
     RUN_RECORD_VERSION,
     HookMetadata,
     RunRecord,
@@ -109,6 +110,17 @@ from .metadata import (
     statistics_to_dict,
 )
 from .options import ActivaultOptions
+from .positions import (
+    PIECES,
+    POSITIONS,
+    build,
+    decode,
+    encode,
+    join,
+    piece_name,
+    piece_start,
+    positions_dtype,
+)
 from .upload import (
     HookUploader,
     Packer,
@@ -179,6 +191,10 @@ class ActivaultWriter(FormatWriter):
             keep=options.queue_files + options.upload_threads,
         )
         self._stats: dict[str, RunningStats] = {}  # set here or by _resume
+        #: positions records of examples no committed piece holds yet (from _pos_lo on)
+        self._pos_pending: list[np.ndarray] = []
+        self._pos_lo = 0
+        self._stream = 0  # stream rows of the kept tokens handed to the packer
         self._cfg_written = True  # a new run writes it with its first group
         self.identity = {
             "hooks": self.hooks,
@@ -258,6 +274,8 @@ class ActivaultWriter(FormatWriter):
         else:
             self._resume(cfg_key)
         self._position = Position(self.record.next_example, self.record.next_skip)
+        self._pos_lo = self.record.next_example
+        self._stream = self.record.groups * self.tokens_per_file - self.record.next_skip
         self._next_example = self.record.next_example
         self._skip = self.record.next_skip
         self._emitted = self.record.groups
@@ -287,9 +305,10 @@ class ActivaultWriter(FormatWriter):
             )
         record = RunRecord.from_dict(doc["actstore"], source=self.store.url(cfg_key))
         if record.version < RUN_RECORD_VERSION:
+            lacks = "file digests" if record.version < DIGESTS_SINCE else "token positions"
             raise StoreExistsError(
                 f"{self.location} was written by an older actstore (run record version "
-                f"{record.version}, without file digests) and cannot be resumed or completed "
+                f"{record.version}, without {lacks}) and cannot be resumed or completed "
                 "here; capture into a new run"
             )
         expected = self._new_record()
@@ -326,6 +345,10 @@ class ActivaultWriter(FormatWriter):
             log.info("%s is already complete; nothing to write", self.location)
             return
         aborted = self.store.abort_incomplete(self.run_prefix + "/")
+        for obj in self.store.list(self._key(PIECES) + "/"):  # of uncommitted groups
+            start = piece_start(obj.key)
+            if start is None or start >= record.next_example:
+                self.store.delete(obj.key)
         self._stats = {h: self._recover_hook(h, record) for h in self.hooks}
         self.record = record  # as the first attempt wrote it: a resumed run is byte-identical
         self._write_cfg()
@@ -483,6 +506,9 @@ class ActivaultWriter(FormatWriter):
             if batch.token_mask is None
             else np.array(batch.token_mask, dtype=bool, copy=True)
         )
+        with self._lock:  # where each example's kept tokens go (before any skip)
+            self._pos_pending.append(build(mask, batch.token_ids, first=self._stream))
+        self._stream += int(mask.sum())
         if self._skip:  # the first kept tokens of this example are stored already
             row = mask[0]
             row[np.flatnonzero(row)[: self._skip]] = False
@@ -595,6 +621,7 @@ class ActivaultWriter(FormatWriter):
                 ).with_bytes(self._metadata_bytes[hook])
                 self.store.put_json(join_key(self._hook_prefix(hook), METADATA), md.to_dict())
         example, skip = pending["position"]
+        self._put_piece(example)  # before cfg.json commits the position past them
         digests = {h: [*self.record.digests.get(h, []), stored[h].digest] for h in self.hooks}
         with self._lock:
             record = replace(
@@ -612,6 +639,49 @@ class ActivaultWriter(FormatWriter):
                 self.record, groups=group + 1, next_example=example, next_skip=skip, digests=digests
             )
             self._committed.notify_all()
+
+    def _take_positions(self, upto: int) -> np.ndarray:
+        """The positions records of examples ``_pos_lo .. upto`` (taken off the pending)."""
+        with self._lock:
+            table = (
+                np.concatenate(self._pos_pending)
+                if self._pos_pending
+                else np.zeros(0, positions_dtype(self.plan.tokens_per_example))
+            )
+            n = upto - self._pos_lo
+            taken, rest = table[:n], table[n:]
+            self._pos_pending = [rest] if len(rest) else []
+            self._pos_lo = upto
+        return taken
+
+    def _put_piece(self, upto: int) -> None:
+        """Put the positions of the examples a commit ends past (``_pos_lo .. upto``)."""
+        if upto <= self._pos_lo:
+            return
+        start = self._pos_lo
+        table = self._take_positions(upto)
+        self.store.put(self._key(PIECES, piece_name(start, upto)), encode(table))
+
+    def _write_positions(self) -> None:
+        """``actstore-positions.npy`` of the whole run: the committed pieces, then the
+        examples after the last commit (their tokens stored only up to the files' end)."""
+        total = self.record.groups * self.tokens_per_file
+        start, n = self._pos_lo, self._next_example
+        tail = self._take_positions(n)
+        kept = np.unpackbits(tail["kept"], axis=1, count=self.plan.tokens_per_example)
+        counts = kept.sum(axis=1, dtype=np.int64)
+        tail["stored"] = np.clip(total - tail["first"], 0, counts)
+        pieces = [(start, n, tail)]
+        for obj in self.store.list(self._key(PIECES) + "/"):
+            begin = piece_start(obj.key)
+            if begin is None:
+                continue
+            table = decode(
+                self.store.get(obj.key), self.plan.tokens_per_example, self.store.url(obj.key)
+            )
+            pieces.append((begin, begin + len(table), table))
+        joined = join(pieces, self.plan.tokens_per_example, n, self.location)
+        self.store.put(self._key(POSITIONS), encode(joined))
 
     def _write_cfg(self, record: RunRecord | None = None) -> None:
         bucket = self.store.bucket_name
@@ -637,7 +707,9 @@ class ActivaultWriter(FormatWriter):
 
     def _write_manifest(self) -> None:
         """The root manifest of the complete run, put last: every committed file (its
-        keyed digest from the commit record), each hook's metadata and statistics, cfg.json."""
+        keyed digest from the commit record), each hook's metadata and statistics, cfg.json,
+        the positions file; the positions pieces removed first."""
+        self.store.delete_tree(self._key(PIECES))
         write_run_manifest(
             self.store, self.run_prefix, self.record, self.store_id, self.plan.d_model
         )
@@ -670,6 +742,7 @@ class ActivaultWriter(FormatWriter):
                 dropped,
                 self.tokens_per_file,
             )
+        self._write_positions()
         with self._lock:
             self.record = replace(self.record, complete=True, dropped_tokens=dropped)
             self._write_cfg()
@@ -755,6 +828,8 @@ def write_run_manifest(
             if store.size(key) is not None:
                 builder.add_bytes(f"{hook}/{name}", store.get(key))
     builder.add_bytes(CFG, store.get(join_key(run_prefix, CFG)))
+    if store.size(join_key(run_prefix, POSITIONS)) is not None:
+        builder.add_bytes(POSITIONS, store.get(join_key(run_prefix, POSITIONS)))
     rows = record.groups * record.tokens_per_file
     summary = summary_of(
         sites=[Site.parse(s) for s in record.hooks.values()],
