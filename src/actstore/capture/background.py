@@ -21,16 +21,38 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import queue
 import threading
 import time
 from typing import Any, Self
 
 from ..batch import Batch
-from ..errors import CaptureError, ConfigError
+from ..errors import ActstoreError, CaptureError, ConfigError
 from ..formats.base import WriterBase
 
 _DONE = object()
+
+
+#: Errors of a disk that cannot take more (full, over a quota, past a file-size limit).
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def writer_failed(err: BaseException) -> CaptureError:
+    """The one line a capture ends with when its writer failed (on its thread, or as it
+    finished): what failed and, for a full disk, what to do.
+
+    Example:
+        >>> print(writer_failed(OSError(errno.ENOSPC, "No space left on device")))
+        the writer failed: [Errno 28] No space left on device; free space (or choose another --out) and rerun the same command: it resumes from the finished shards
+    """
+    hint = ""
+    if isinstance(err, OSError) and err.errno in _DISK_FULL:
+        hint = (
+            "; free space (or choose another --out) and rerun the same command: it resumes "
+            "from the finished shards"
+        )
+    return CaptureError(f"the writer failed: {err}{hint}")
 
 
 class BackgroundWriter:
@@ -60,7 +82,7 @@ class BackgroundWriter:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise CaptureError(f"the writer failed: {self._error}") from self._error
+            raise writer_failed(self._error) from self._error
 
     def put(self, batch: Batch) -> None:
         """Queue ``batch`` for writing; blocks while the queue is full."""
@@ -86,10 +108,18 @@ class BackgroundWriter:
         self._thread.join()
 
     def close(self) -> Any:
-        """Wait for queued batches, then close the writer (publishing its output)."""
+        """Wait for queued batches, then close the writer (publishing its output). A disk
+        error as it finishes (a full disk, a quota or file-size limit: the last shards and
+        the index are written here) is one :class:`CaptureError`, as during the capture;
+        the shards already finished stay for a rerun to resume."""
         self._finish()
         self._raise_if_failed()
-        return self.writer.close()
+        try:
+            return self.writer.close()
+        except OSError as err:
+            if isinstance(err, ActstoreError):
+                raise
+            raise writer_failed(err) from err
 
     def abort(self) -> None:
         """Stop after the batches already queued, without publishing."""
