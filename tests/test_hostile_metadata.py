@@ -365,7 +365,21 @@ HOSTILE: list[Any] = [
 #: Fields whose edit a rewritten manifest still gets past (docs/reliability.md lists them,
 #: and test_what_a_rewrite_without_a_key_still_gets_past shows each): a value of the right
 #: type that nothing derives from the data. ``(format, file, field path)``.
-GETS_PAST: set[tuple[str, str, str]] = set()
+GETS_PAST: set[tuple[str, str, str]] = {
+    ("pickle", "metadata.json", "created_at"),
+    ("pickle", "metadata.json", "statistics/extraction_duration_seconds"),
+    ("pickle", "metadata.json", "distributed_config/total_machines"),
+    ("pickle", "metadata.json", "distributed_config/samples_per_machine"),
+    ("zarr", ".zmetadata", "metadata/.zattrs/created_at"),
+    ("zarr", ".zmetadata", "metadata/.zattrs/git_commit"),
+    ("zarr", ".zmetadata", "metadata/.zattrs/actstore_version"),
+    ("zarr", "meta/config.json", "model/modality"),
+    ("zarr", "meta/config.json", "model/has_cls"),
+    ("zarr", "meta/config.json", "classes"),
+    ("zarr", "meta/config.json", "batch_size"),
+    ("activault", "cfg.json", "run_name"),
+    ("activault", "cfg.json", "data_config/bucket_name"),
+}
 
 
 #: Each format's metadata files the fuzz edits (every JSON and metadata file but the
@@ -554,3 +568,120 @@ def test_fuzz_every_metadata_file_of_every_format(built, tmp_path, capsys, fmt):
                 (store / own_name).chmod(0o644)
                 (store / own_name).write_bytes(own_data)
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------- what gets past
+
+
+def _zattrs(edit: Callable[[Any], None]) -> Callable[[Path], None]:
+    """An edit of the group's attributes made where zarr-python reads them: its own file
+    and its entry in .zmetadata alike."""
+
+    def apply(store: Path) -> None:
+        _edit_json(store / ".zattrs", edit)
+        _edit_json(store / ".zmetadata", lambda doc: edit(doc["metadata"][".zattrs"]))
+
+    return apply
+
+
+def _json_edit(name: str, edit: Callable[[Any], None]) -> Callable[[Path], None]:
+    return lambda store: _edit_json(store / name, edit)
+
+
+def _tokens_edited(store: Path) -> None:
+    data = bytearray((store / "tokens.bin").read_bytes())
+    data[0] ^= 1
+    (store / "tokens.bin").write_bytes(bytes(data))
+
+
+def _values_and_statistics_edited(store: Path) -> None:
+    """One stored value changed, and the statistics recomputed over the changed values with
+    actstore's own code: every check is a recomputation anyone can redo."""
+    from actstore.formats.recompute import sharded_statistics
+
+    data = bytearray((store / "acts000000.bin").read_bytes())
+    data[2] ^= 0x40
+    (store / "acts000000.bin").write_bytes(bytes(data))
+    resign(store)
+    with open_store(store, verify_reads=False) as reader:
+        stats = sharded_statistics(reader, reader.statistics_shards())
+    doc = {"sites": {str(site.layer): st.to_dict() for site, st in stats.items()}}
+    (store / "statistics.json").write_text(json.dumps(doc))
+
+
+def _extras_edited(store: Path) -> None:
+    data = bytearray((store / "arrays/hallu_label/0").read_bytes())
+    data[0] ^= 1
+    (store / "arrays/hallu_label/0").write_bytes(bytes(data))
+
+
+def _sites_swapped(store: Path) -> None:
+    """The two layers' slabs exchanged in every shard, and their statistics with them."""
+    meta = json.loads((store / "metadata.json").read_text())
+    t = meta["patches_per_ex"] + int(meta["cls_token"])
+    for path in sorted(store.glob("acts*.bin")):
+        acts = np.fromfile(path, dtype="<f4").reshape(-1, len(meta["layers"]), t, meta["d_model"])
+        acts[:, [0, 1]] = acts[:, [1, 0]]
+        acts.tofile(path)
+    _edit_json(
+        store / "statistics.json",
+        lambda d: d.update(sites=dict(zip(d["sites"], reversed(list(d["sites"].values()))))),
+    )
+
+
+#: docs/reliability.md's list of what a rewritten manifest still gets past, one edit each.
+STILL_GETS_PAST: dict[str, tuple[str, Callable[[Path], None]]] = {
+    "pkl.gz creation time": (
+        "pickle",
+        _json_edit("metadata.json", lambda d: d.update(created_at="2000-01-01T00:00:00Z")),
+    ),
+    "pkl.gz extraction duration": (
+        "pickle",
+        _json_edit(
+            "metadata.json", lambda d: d["statistics"].update(extraction_duration_seconds=9.5)
+        ),
+    ),
+    "pkl.gz split into another number of machines giving the same shards": (
+        "pickle",
+        _json_edit("metadata.json", lambda d: d["distributed_config"].update(total_machines=2)),
+    ),
+    "zarr creation time": (
+        "zarr",
+        _zattrs(lambda a: a.update(created_at="2000-01-01T00:00:00+00:00")),
+    ),
+    "zarr commit and version": ("zarr", _zattrs(lambda a: a.update(git_commit="0" * 40))),
+    "zarr modality, CLS flag, classes and batch size": (
+        "zarr",
+        _json_edit(
+            "meta/config.json",
+            lambda d: (d.update(classes=["a"], batch_size=7), d["model"].update(has_cls=True)),
+        ),
+    ),
+    "Activault run name and bucket": (
+        "activault",
+        _json_edit(
+            "cfg.json",
+            lambda d: (d.update(run_name="other"), d["data_config"].update(bucket_name="b")),
+        ),
+    ),
+    "token ids": ("saev", _tokens_edited),
+    "per-sample extras (zarr hallu_label)": ("zarr", _extras_edited),
+    "two sites' values exchanged with their statistics": ("saev", _sites_swapped),
+    "values with their statistics recomputed": ("saev", _values_and_statistics_edited),
+}
+
+
+@pytest.mark.usefixtures("entry_points_once")
+@pytest.mark.parametrize("case", list(STILL_GETS_PAST))
+def test_what_a_rewrite_without_a_key_still_gets_past(copy_of, capsys, monkeypatch, case):
+    """Each edit docs/reliability.md says a manifest rewritten without a key still gets
+    past: ``verify`` passes it. With ``ACTSTORE_MANIFEST_KEY`` set for writer and reader,
+    the rewritten manifest is refused."""
+    fmt, edit = STILL_GETS_PAST[case]
+    store = copy_of(fmt)
+    edit(store)
+    resign(store)
+    code, err = actstore("verify", str(store), "--no-progress", capsys=capsys)
+    assert code == 0 and "FAULT" not in err, err
+    monkeypatch.setenv(KEY_ENV, "the key")
+    assert any("is not signed with the key" in f for f in verify_faults(store, capsys))

@@ -691,6 +691,7 @@ class PickleReader(ReaderBase):
             elif not (
                 isinstance(per, int)
                 and isinstance(machine, int)
+                and isinstance(dist.get("total_machines"), int)
                 and machine * per == lo
                 and hi == min(lo + per, md_examples(self))
                 and machine < dist["total_machines"]

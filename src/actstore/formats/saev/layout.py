@@ -28,6 +28,7 @@ import base64
 import hashlib
 import json
 import math
+import re
 import struct
 import warnings
 from dataclasses import dataclass, field, fields, replace
@@ -319,8 +320,8 @@ def _is_type(value: Any, typ: type) -> bool:
 def _check_protocol(value: Any, source: str) -> None:
     if value is None:
         return  # saev's code defaults a missing protocol to 2.1
-    if not isinstance(value, str):
-        raise CorruptStoreError(f"{source}: protocol must be a string like '2.1'")
+    if not isinstance(value, str) or not re.fullmatch(r"\d+(\.\d+)?", value):
+        raise CorruptStoreError(f"{source}: protocol must be a version like '2.1', not {value!r}")
     major, _, minor = value.partition(".")
     want_major, _, want_minor = PROTOCOL.partition(".")
     if major != want_major:
