@@ -27,7 +27,7 @@ import torch
 
 from ..errors import ConfigError, StorageError
 from ..formats.base import Block, Extent, ReaderBase
-from ..formats.pipeline import StageClock
+from ..formats.pipeline import StageClock, cpu_pool
 from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
 from ..storage.mapped import MappedFiles
 from .buffers import NUMPY_STORAGE, Buffers, allocate_pinned, allocate_private
@@ -268,12 +268,7 @@ class Consumer:
         #: gathers batches one ahead, on one torch thread: its intra-op threads only
         #: contend with the read threads for the cores (measured: 2 threads gathered
         #: slower than 1 and spent 0.3 CPU s/GB more)
-        self._gatherer = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="actstore-gather",
-            initializer=torch.set_num_threads,
-            initargs=(1,),
-        )
+        self._gatherer = cpu_pool(1, name="actstore-gather")
         options = {
             "n_sites": layout.n_sites,
             "d_model": layout.d_model,

@@ -35,8 +35,11 @@ Example:
     >>> for batch in make_batches(plan, make_acts(plan)):
     ...     w.write(batch)
     >>> run = w.close()
-    >>> sorted(os.listdir(run)), len(os.listdir(run / "models.layers.1.post"))  # 6 files + 2 json
-    (['actstore-manifest.json', 'cfg.json', 'models.layers.1.post', 'models.layers.3.post'], 8)
+    >>> sorted(os.listdir(run))  # doctest: +NORMALIZE_WHITESPACE
+    ['actstore-manifest.json', 'actstore-positions.npy', 'cfg.json',
+     'models.layers.1.post', 'models.layers.3.post']
+    >>> len(os.listdir(run / "models.layers.1.post"))  # 6 files + 2 json
+    8
 """
 
 from __future__ import annotations

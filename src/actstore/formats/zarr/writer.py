@@ -304,7 +304,7 @@ class ZarrWriter(ShardedWriter):
                 "optional": list(self.optional),
                 "token_ids": self.token_ids,
                 "samples": [start, stop],
-                "shard_rows": self.rows,
+                "shard_rows": max(1, min(self.rows, self.layout.n_samples)),  # the chunk
             },
             examples_per_shard=self.rows,
             example_range=example_range,
