@@ -602,6 +602,29 @@ def test_worker_batches_arrive_in_reused_shared_slots(single):
     assert len(data._slots) <= 2 * 5  # in use, sent, being gathered, ahead, prefetched
 
 
+def test_persistent_workers_left_early_again_and_again_reuse_their_slots(single):
+    """A training loop that breaks out after a few batches, many times: the batches in
+    flight the DataLoader drops each time free their slots again (they stayed taken, up to
+    ``MAX_SLOTS`` per worker of /dev/shm), and every batch still holds its rows."""
+    reader, acts = single
+    options = {"batch_size": 5, "pool_blocks": 2, "return_index": True}
+    data = ActivationDataLoader(
+        ActivationLoader(reader, **options), num_workers=2, persistent_workers=True
+    )
+    held = []
+    for i in range(20):
+        for k, (x, r) in enumerate(data):
+            np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
+            if i % 5 == 0:
+                held.append((x, r))  # some batches kept across the breaks
+            if k == i % 3:
+                break
+    for x, r in held:
+        np.testing.assert_array_equal(x.numpy(), expected(acts, r.numpy(), 0))
+    taken = int((data._link.slot_flags != 0).sum())
+    assert taken <= len(held) + 2 * 5 and len(data._slots) <= len(held) + 2 * 5
+
+
 def test_runs_of_blocks_keep_every_row_once_and_old_states_resume(single):
     reader, acts = single
     loader = ActivationLoader(reader, batch_size=8, pool_blocks=4, run_blocks=2, return_index=True)

@@ -461,3 +461,27 @@ def test_a_consumer_killed_and_rejoined_at_many_points_gets_exactly_its_rows(sto
         for p in others:
             p.kill()
         server.join(30)
+
+
+def test_a_server_waiting_for_room_in_its_ring_stops_on_ctrl_c(store, tmp_path):
+    """The server gathers batches one ahead on a thread, waiting there for a ring slot
+    while its consumer holds every one: Ctrl-C (SIGINT) still ends it, files removed."""
+    reader, _ = store
+    server = start_server(
+        reader, name="ci", consumers=1, slots=2, directory=tmp_path, context="fork", **OPTIONS
+    )
+    try:
+        loader = ServedLoader("ci", 0, directory=tmp_path)
+        next(iter(loader))  # then holds its place: the ring stays full
+        ring = tmp_path / "actstore-serve-ci.ring"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not ring.exists():
+            time.sleep(0.01)
+        time.sleep(0.5)  # the server is now waiting for room
+        os.kill(server.pid, signal.SIGINT)
+        server.join(20)
+        assert server.exitcode is not None, "the server did not stop on SIGINT"
+        assert not ring.exists()
+        loader.close()
+    finally:
+        server.kill()

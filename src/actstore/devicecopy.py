@@ -9,8 +9,8 @@
   :class:`ThreadCopies` keeps the same contract for any other device by copying on one
   thread (so what is built on :class:`Copies` runs, and is tested, on the CPU);
   :func:`copies_for` picks one for a device.
-- :func:`pin` registers host memory that the caller owns (a window pool, a shared-memory
-  batch, the ``serve`` ring) with the CUDA runtime once, so copies from it run at the DMA
+- :func:`pin` registers host memory that the caller owns (a batch buffer, a shared-memory
+  batch slot, the ``serve`` ring) with the CUDA runtime once, so copies from it run at the DMA
   engine's rate with no staging copy; the registration ends when the array is freed.
   :func:`can_pin_files_under` tells whether files mapped from a directory can be pinned at
   all (Linux pins only memory-backed files: tmpfs, hugetlbfs).

@@ -4,7 +4,8 @@ A DataLoader worker is a ``fork`` of the process that made the loader, and inher
 readers with every lock in them. A lock that another thread of the parent held at the
 moment of the fork (a read-ahead thread checking a block, say) stays held forever in the
 child, whose first use of it then hangs. A :class:`ForkSafeLock` is a plain
-``threading.Lock`` in the process that made it, and a new, free one in any other.
+``threading.Lock`` in the process that made it, and a new, free one in a forked child
+(replaced in the child as it starts, before any thread of its own can use it).
 
 Example:
     >>> lock = ForkSafeLock()
@@ -17,33 +18,29 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any
 
 
 class ForkSafeLock:
-    """``threading.Lock`` semantics, made anew (free) the first time it is used in a
-    process other than the one that made it. Picklable: an unpickled one is new too."""
+    """``threading.Lock`` semantics, made anew (free) in a forked child. Picklable: an
+    unpickled one is new too."""
 
     def __init__(self) -> None:
-        self._pid = os.getpid()
         self._lock = threading.Lock()
-
-    def _current(self) -> threading.Lock:
-        if self._pid != os.getpid():  # a forked child: the parent's state is meaningless
-            self._pid, self._lock = os.getpid(), threading.Lock()
-        return self._lock
+        _ALL.add(self)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        return self._current().acquire(blocking, timeout)
+        return self._lock.acquire(blocking, timeout)
 
     def release(self) -> None:
-        self._current().release()
+        self._lock.release()
 
     def locked(self) -> bool:
-        return self._current().locked()
+        return self._lock.locked()
 
     def __enter__(self) -> bool:
-        return self._current().__enter__()
+        return self._lock.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
@@ -53,3 +50,15 @@ class ForkSafeLock:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
+
+
+#: Every live :class:`ForkSafeLock`, given a free lock in a forked child.
+_ALL: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
+
+
+def _fresh_after_fork() -> None:
+    for lock in list(_ALL):
+        lock._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_after_fork)

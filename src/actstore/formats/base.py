@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from ..errors import ConfigError, IndexOutOfRangeError, InvalidIndexError, LayerNotStoredError
 from ..sites import Site
@@ -44,6 +43,8 @@ from ..storage.location import Location, refuse_partial
 
 if TYPE_CHECKING:
     import os
+
+    import torch
 
     from ..batch import Batch, CapturePlan
     from ..stats import RunningStats
@@ -65,9 +66,10 @@ class Block:
 
 @dataclass(frozen=True)
 class Extent:
-    """Where a block's rows lie raw in one of the store's files: ``n_rows`` contiguous rows
-    of ``d_model`` little-endian values of ``dtype`` from byte ``offset`` of file ``name``,
-    covering whole blocks of the store's manifest (so they are checked where they lie)."""
+    """Where a block's rows lie raw in one of the store's files: the block's ``n_rows``
+    contiguous rows of ``d_model`` little-endian values of ``dtype`` from byte ``offset`` of
+    file ``name``, covering whole blocks of the store's manifest (so they are checked where
+    they lie)."""
 
     name: str
     offset: int

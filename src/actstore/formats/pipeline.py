@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import CaptureError, ConfigError
+from ..forksafe import ForkSafeLock
 from ..storage.manifest import (
     BlockHasher,
     FileEntry,
@@ -195,7 +196,7 @@ def _one_torch_thread() -> None:
         _on_new_thread(torch.set_num_threads, before)
 
 
-_THREADS_LOCK = threading.Lock()
+_THREADS_LOCK = ForkSafeLock()  # the gather thread of a forked DataLoader worker takes it
 
 
 def _on_new_thread(fn: Callable[..., Any], *args: Any) -> None:

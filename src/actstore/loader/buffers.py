@@ -113,7 +113,9 @@ class SharedSlots:
     """A DataLoader worker's batch slots: shared-memory arrays the main process maps once
     and hands out as zero-copy views. ``flags[i]`` is 1 from the moment the worker fills
     slot ``i`` until the main process has dropped every view of the batch it sent there
-    (it clears the flag), so a slot is refilled only once nobody can see it."""
+    (it clears the flag), so a slot is refilled only once nobody can see it. Between
+    iterations of persistent workers the main process marks the slots it still holds 2
+    (:meth:`reclaim`)."""
 
     def __init__(self, flags: np.ndarray, shape: tuple[int, ...], dtype: np.dtype | type) -> None:
         self.flags, self.shape, self.dtype = flags, shape, np.dtype(dtype)
@@ -137,6 +139,14 @@ class SharedSlots:
             time.sleep(0.001)  # every slot held by the main process: wait for one
         self.flags[i] = 1
         return self._arrays[i]
+
+    def reclaim(self) -> None:
+        """As a persistent worker starts an iteration: slots filled for batches the main
+        process never received (a DataLoader drops what is in flight when an iteration
+        is left early) are free again; their memory goes with their next batch."""
+        stale = np.flatnonzero(self.flags[: len(self._arrays)] == 1)
+        self.flags[stale] = 0
+        self.sent.difference_update(stale.tolist())
 
     def _new(self) -> int:
         count = int(np.prod(self.shape))

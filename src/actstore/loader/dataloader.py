@@ -121,6 +121,9 @@ class ActivationDataLoader(DataLoader):
             self._new_ring(loader)  # new worker processes
         else:  # persistent workers start the epoch with the slots you no longer hold
             self._hand_back()
+            assert self._link is not None
+            for worker, slot in self._delivered:  # held: kept by the workers' reclaim()
+                self._link.slot_flags[worker, slot] = 2
         loader.begin(self.num_workers)  # persistent workers read the position it publishes
         epoch = loader.epoch
         batches = self._received(super().__iter__())

@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..devicecopy import Staging, copies_for
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 from ..formats import open_store
 from ..formats.base import Extent, SiteLike
 from ..formats.pipeline import StageClock
@@ -108,8 +108,8 @@ class LoaderConfig:
     return_index: bool = False
     """Yield :class:`LoaderBatch` ``(acts, rows)`` with each row's storage index."""
     pin_memory: bool = False
-    """Yield batches in pinned memory (needs CUDA): the window pools and batch buffers are
-    registered with CUDA once, so batches are still views of them (no copy)."""
+    """Yield batches in pinned memory (needs CUDA): the batch buffers are registered with
+    CUDA once, so batches are still views of them (no copy)."""
     device: str | None = None
     """Move batches there (``"cuda"``): pinned as above, each batch is copied on a side
     stream while the previous one is in use (see :mod:`actstore.loader.device`). Any other
@@ -263,8 +263,10 @@ class ActivationLoader(IterableDataset):
         # shared memory (see _fill_ring), and pinning and the device act in its process
         self._link: WorkerLink | None = None
         self._slots: tuple[int, SharedSlots] | None = None  # (pid, this worker's batch slots)
+        self._filling: Generator[RingBatch, None, None] | None = None  # a worker's iteration
         # where batches are gathered when the caller owns that memory (``actstore serve``)
         self._destination: Callable[[], np.ndarray] | None = None
+        self._cancel: Callable[[], None] | None = None
         #: set to a :class:`~actstore.formats.pipeline.StageClock` to sum the CPU time of
         #: each stage of the read path in this process (``benchmarks/bench_read_stages.py``)
         self.clock: StageClock | None = None
@@ -294,8 +296,11 @@ class ActivationLoader(IterableDataset):
     @property
     def mapped(self) -> bool:
         """Whether batches are gathered straight from the store's mapped files (local
-        stores whose format stores rows raw), rather than from windows read into buffers."""
-        return self.layout.extents is not None
+        stores whose format stores rows raw), rather than from windows read into buffers
+        (as where the files cannot be mapped: no address space left under ``ulimit -v``)."""
+        if self.layout.extents is None:
+            return False
+        return self._buffers is None or self._buffers[1].region is not None
 
     @property
     def batch_bytes(self) -> int:
@@ -477,11 +482,16 @@ class ActivationLoader(IterableDataset):
             self._buffers = (os.getpid(), self._new_buffers())
         return self._buffers[1]
 
-    def deliver_into(self, take: Callable[[], np.ndarray] | None) -> None:
+    def deliver_into(
+        self, take: Callable[[], np.ndarray] | None, cancel: Callable[[], None] | None = None
+    ) -> None:
         """Gather each batch into the array ``take()`` returns (``[batch_size, n_sites,
         D]`` of the output dtype's storage; memory the caller owns and shares, e.g.
-        ``actstore serve``'s ring slots) in this process; None: into its own buffers."""
+        ``actstore serve``'s ring slots) in this process; None: into its own buffers.
+        ``take()`` may wait for room; ``cancel()`` must then make it raise (called when
+        an iteration ends with a batch still being gathered)."""
         self._destination = take
+        self._cancel = cancel
 
     def _new_buffers(self) -> BufferSet:
         # pinned where batches are pinned or moved to CUDA in this process: never in a
@@ -495,7 +505,10 @@ class ActivationLoader(IterableDataset):
         )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_buffers": None, "_slots": None, "_next": None, "clock": None}
+        return {
+            **self.__dict__,
+            **dict.fromkeys(("_buffers", "_slots", "_filling", "_next", "clock")),
+        }
 
     # ------------------------------------------------------------------ the seam used by
     # ActivationDataLoader (main process) and serve
@@ -549,23 +562,33 @@ class ActivationLoader(IterableDataset):
         )
         if self._link is None:
             return batches
-        return self._fill_ring(batches, self._link, info.id)
+        previous, self._filling = self._filling, None
+        self._filling = self._fill_ring(batches, self._link, info.id, previous)
+        return self._filling
 
     def _fill_ring(
-        self, batches: Iterator[Any], link: WorkerLink, worker: int
-    ) -> Iterator[RingBatch]:
+        self,
+        batches: Iterator[Any],
+        link: WorkerLink,
+        worker: int,
+        previous: Generator[RingBatch, None, None] | None,
+    ) -> Generator[RingBatch, None, None]:
         """Worker process: each batch was gathered into one of this worker's shared slots
         (:meth:`_worker_slots`); send where it lies (the slot's memory itself only with its
         first batch), never the data. The main process clears ``link.slot_flags[worker,
         s]`` once it has dropped the batch, and the slot is filled again only then."""
         slots = self._worker_slots(link, worker)
+        if previous is not None:  # a persistent worker's last iteration, perhaps left
+            previous.close()  # early: its gathers end, and the slots of batches the
+            slots.reclaim()  # main process never received are free again
         for batch in batches:
             acts, rows = (
                 (batch.acts, batch.rows) if isinstance(batch, LoaderBatch) else (batch, None)
             )
             del batch
             s = slots.locate(acts)
-            assert s is not None, "worker batches are gathered into shared slots"
+            if s is None:  # never send a place that does not hold this batch
+                raise StorageError("a worker's batch was not gathered into its shared slots")
             fresh = s not in slots.sent
             slots.sent.add(s)
             message = RingBatch(
@@ -638,7 +661,7 @@ class ActivationLoader(IterableDataset):
         log.debug(
             "epoch %d, worker %d/%d: rows %d..%d", epoch, worker, num_workers, start, span.stop
         )
-        batches = consumer.batches(start, span.stop, take)
+        batches = consumer.batches(start, span.stop, take, self._cancel)
         if finish.device is not None:  # the next batch's copy runs while this one is used
             # batches from memory that could not be pinned go through a staging buffer
             batches = to_device(batches, copies_for(finish.device), Staging(finish.device))
@@ -705,6 +728,8 @@ class ActivationLoader(IterableDataset):
         it is being read (or reading ahead is off); False while no pool is free."""
         if os.environ.get("ACTSTORE_READ_AHEAD", "1") == "0":  # to measure without it
             return True
+        if self._buffers is None or self._buffers[1] is not buffers:
+            return True  # closed (close() inside the loop): nothing is read ahead
         info = get_worker_info()
         if info is not None and (self._link is None or self._link.position is None):
             return True  # a worker that ends with its epoch: a window read ahead is lost
@@ -745,6 +770,8 @@ def _extents(reader: Any, blocks: tuple[list[Any], ...]) -> tuple[list[Extent], 
         if len({e.dtype for e in found}) > 1 or any(e.offset % n for e, n in zip(found, items)):
             return None  # rows of several dtypes, or not aligned to their values
         out.append(found)
+    if len({site[0].dtype for site in out if site}) > 1:
+        return None  # sites stored in different dtypes: windows gather one dtype
     return tuple(out)
 
 

@@ -6,11 +6,11 @@ and yields them on the device. The copy of the next batch is started on a side s
 runs while the trainer computes; the trainer's stream waits for a batch's copy only when
 it uses the batch, and the host never waits except to let go of a batch's host memory
 once its copy is finished (usually long before). Host batches that lie in pinned memory
-(the loader's window pools, workers' shared memory and the ``serve`` ring, registered
+(the loader's batch buffers, workers' shared slots and the ``serve`` ring, registered
 with :func:`~actstore.devicecopy.pin`) are copied by DMA with no staging copy.
 
 At most two batches are held in host memory at once, and a host batch is released only
-after its copy finished, so a window pool is never reused under a copy. Batches whose
+after its copy finished, so a batch buffer is never reused under a copy. Batches whose
 memory could not be pinned (``ulimit -l``, a ring on a disk file system,
 ``ACTSTORE_PIN=0``) are first copied into a :class:`~actstore.devicecopy.Staging` buffer
 (pinned), and their host memory is released at once.

@@ -1,7 +1,8 @@
 """One consumer's read path: windows made ready ahead, batches gathered from them.
 
 A window's rows are never copied into a window buffer in serving order: each batch is
-gathered (``torch.index_select``, off the GIL, on torch's threads) straight from where the
+gathered (``torch.index_select``, off the GIL, on a gather thread of its own running one
+batch ahead with one torch thread) straight from where the
 rows lie (the page cache, for a mapped store; a reused read buffer otherwise: see
 :mod:`.windows`) into the batch's own buffer, with the dtype cast and the normalisation
 done chunk by chunk on the way (:meth:`Consumer._gather`). While one window is gathered
@@ -216,7 +217,9 @@ class BufferSet:
             try:
                 self.region = MappedFiles(reader.files, {n: _file_size(reader, n) for n in names})
             except StorageError as err:  # no address space for it (ulimit -v): read instead
-                log.warning("%s; reading windows into buffers instead", err)
+                if not _warned_unmapped:  # once per process, not per worker or epoch
+                    log.warning("%s; reading windows into buffers instead", err)
+                    _warned_unmapped.append(True)
         if self.region is None:
             # batches are gathered out of them: no view of a window buffer leaves this process
             self.pools = Buffers(window_shape(layout, pool_blocks), layout.dtype, private=True)
@@ -341,11 +344,17 @@ class Consumer:
     # ------------------------------------------------------------------ serving batches
 
     def batches(
-        self, start: int, stop: int, take: Callable[[], np.ndarray]
+        self,
+        start: int,
+        stop: int,
+        take: Callable[[], np.ndarray],
+        cancel: Callable[[], None] | None = None,
     ) -> Generator[Any, None, None]:
         """Batches of ``batch_size`` stream rows from ``start`` (the last one ends at
         ``stop`` and may be short), each gathered into an array ``take()`` gives
-        (``[batch_size, n_sites, D]`` of the output dtype's storage)."""
+        (``[batch_size, n_sites, D]`` of the output dtype's storage). ``cancel()`` is
+        called when batches are left unserved while a ``take()`` may still wait: it must
+        make that ``take()`` raise."""
         plan, size = self.plan, self.batch_size
         if start >= stop:
             return
@@ -364,7 +373,8 @@ class Consumer:
 
         def prefetch(need: int = 2, *, wait: bool = False) -> None:
             # keep the window being served and the next one ready (more only while one
-            # batch spans them); a window a batch needs now may wait for its buffer
+            # batch spans them: a window a batch needs now is made at once, in a new
+            # buffer where windows are read into buffers and none is free)
             while todo and len(ready) < need:
                 window = self.windows.open(todo[0], wait=wait or not ready)
                 if window is None:
@@ -413,13 +423,19 @@ class Consumer:
                     if len(pending) < 2 and at < stop:
                         continue  # gather one batch ahead before handing one out
                 future, done = pending.popleft()
-                batch = future.result()
+                try:
+                    batch = future.result()
+                except BaseException:
+                    ready.extendleft(reversed(done))  # settled below with the rest
+                    raise
                 for window in done:
                     window.done()
                 del done
                 yield batch
                 del batch
         finally:
+            if cancel is not None and any(not f.done() for f, _ in pending):
+                cancel()  # a destination that waits for room (serve's ring) stops waiting
             for future, done in pending:
                 future.exception()  # gathers read window buffers: finished before they go
                 ready.extendleft(reversed(done))
@@ -491,6 +507,9 @@ class Consumer:
             rows = max(self.layout.n_sites, CHUNK_BYTES // (4 * d))
             found = self._steps[dtype] = torch.empty((rows + self.layout.n_sites, d), dtype=dtype)
         return found
+
+
+_warned_unmapped: list[bool] = []
 
 
 def _settle(window: Window) -> None:

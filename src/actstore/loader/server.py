@@ -11,6 +11,7 @@ import logging
 import mmap
 import multiprocessing
 import os
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -131,7 +132,7 @@ class Server:
             raise ServeError(
                 f"the ring needs {need / 2**20:.0f} MiB under {cfg.directory} but "
                 f"{free / 2**20:.0f} MiB is free; free some, pass a larger directory, or use "
-                "fewer slots or a smaller pool_blocks"
+                "fewer slots or a smaller batch_size"
             )
         tmp_ring = self.ring_path.with_suffix(f".ring.{os.getpid()}")
         tmp_ctl = self.ctl_path.with_suffix(f".ctl.{os.getpid()}")
@@ -167,7 +168,8 @@ class Server:
         """Create the ring, wait for the K consumers, serve, and clean up when done."""
         shared = self.shared = self._create()
         self._taken = 0  # the next batch to be gathered (the loader gathers one ahead)
-        self.loader.deliver_into(lambda: self._slot(shared))
+        self._stopping = threading.Event()  # set when serving ends with a gather waiting
+        self.loader.deliver_into(lambda: self._slot(shared), cancel=self._stopping.set)
         log.info(
             "serving %s as %r to %d consumers (%s), ring of %d batches (%s)",
             self.loader.reader,
@@ -258,6 +260,8 @@ class Server:
                     if pids.any() and not holders.any():
                         shared.slot[s, 0] = -1  # being written: a rejoining consumer sees it
                         break
+            if self._stopping.is_set():  # Ctrl-C or a failure while this slot was awaited
+                raise ServeError(f"server {self.config.name!r} stopped serving")
             if backoff.check():
                 self._live(shared)
             backoff.sleep()
@@ -267,7 +271,8 @@ class Server:
         """Publish batch ``g``, gathered into its ring slot (:meth:`_slot`)."""
         acts, rows = batch
         s, n = g % shared.r, len(rows)
-        assert acts.data_ptr() == shared.acts[s].ctypes.data, "batches are gathered in place"
+        if acts.data_ptr() != shared.acts[s].ctypes.data:  # never publish another slot's
+            raise ServeError(f"batch {g} was not gathered into its ring slot {s}")
         shared.ids[s, :n] = rows.numpy()
         shared.slot[s, 1] = n
         shared.slot[s, 0] = g

@@ -223,14 +223,14 @@ class MappedWindows(Windows):
         spans: list[tuple[int, int]] = []
         for s in range(self.n_sites):
             for run in runs:
-                jobs = [(i, self.check is not None and (s, i) not in self._checked) for i in run]
+                jobs = [(i, self.check is not None and not self._checking(s, i)) for i in run]
                 for name, offset, nbytes, mine in self._stretches(s, jobs):
                     future = self.io.submit(self._ready, s, name, offset, nbytes, mine)
                     ready.append(future)
                     self._checked.update({(s, i): future for i, check in mine if check})
                     spans.append((self.region.offset(name) + offset, nbytes))
                 # blocks checked by an earlier window's task: served once that check is done
-                ready.extend(self._checked[(s, i)] for i, _ in jobs if (s, i) in self._checked)
+                ready.extend(self._checked[(s, i)] for i, _ in jobs if self._checking(s, i))
         order = self.io.submit(self.timed, "order", self._order, w, pieces, self.start[:, blocks])
         return Window(
             w=w,
@@ -239,6 +239,12 @@ class MappedWindows(Windows):
             ready=list(dict.fromkeys(ready)),
             done=lambda: self._let_go(spans),
         )
+
+    def _checking(self, s: int, i: int) -> bool:
+        """Whether block ``i`` of site ``s`` is checked (or being checked) this epoch by
+        a task that was not cancelled (a window let go unserved cancels its tasks)."""
+        found = self._checked.get((s, i))
+        return found is not None and not found.cancelled()
 
     def _stretches(
         self, s: int, jobs: list[tuple[int, bool]]

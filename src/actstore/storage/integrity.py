@@ -349,7 +349,13 @@ class Integrity:
         view = memoryview(data).cast("B")  # type: ignore[arg-type]
         entry = self._require(name)
         unit = entry.unit
-        one = entry.ranges is None and unit and not offset % unit and len(view) == unit
+        one = (
+            entry.ranges is None
+            and unit
+            and not offset % unit
+            and len(view) == unit
+            and offset + unit <= entry.size  # else the general way names what is wrong
+        )
         # one whole block (what the loader checks): one hash, one comparison; a mismatch
         # goes the general way, which names the block
         if one and xxhash.xxh3_64_intdigest(view) == int(self._unkeyed(name)[offset // unit]):

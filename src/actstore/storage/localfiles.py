@@ -349,13 +349,6 @@ class LocalFiles(StoreFiles):
     def open_read(self, name: str) -> int:
         return self._open(name)
 
-    def will_need(self, name: str, offset: int, length: int) -> None:
-        # POSIX_FADV_WILLNEED: the kernel reads the range in large folios (a mapping's
-        # MADV_WILLNEED reads it a page at a time: measured 5x the CPU to map and walk)
-        if length > 0:
-            with self.descriptor(name) as fd:
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-
     def read_range(self, name, offset, length, out=None, *, cache=True) -> memoryview:
         view = new_buffer(length) if out is None else bytes_view(out)
         if len(view) != length:

@@ -142,6 +142,7 @@ class MappedFiles:
         base += lead
         self.base: int = base
         self._mapped: set[str] = set()
+        self._closed = False
         self._lock = ForkSafeLock()
         raw = (ctypes.c_char * self.nbytes).from_address(base)
         raw.owner = _Reservation(base, self.nbytes)  # type: ignore[attr-defined]
@@ -155,9 +156,15 @@ class MappedFiles:
             self._map(name)
         return self._at[name]
 
+    def _open(self) -> None:
+        """Refuse use after :meth:`close` (the reservation may be gone: never touch it)."""
+        if self._closed:
+            raise StorageError(f"the mapped files of {self.files.url} were closed")
+
     def _map(self, name: str) -> None:
         assert _LIBC is not None
         with self._lock:
+            self._open()
             if name in self._mapped:
                 return
             size = self._sizes[name]
@@ -190,6 +197,7 @@ class MappedFiles:
         ``e`` holds elements ``e .. e + width - 1``, so the row that starts at byte ``b``
         of the region is row ``b // itemsize`` (``index_select`` gathers rows that start
         anywhere). Only rows inside mapped files may be read."""
+        self._open()
         key = (dtype, width)
         found = self._elements.get(key)
         if found is None:
@@ -201,6 +209,7 @@ class MappedFiles:
 
     def view(self, start: int, nbytes: int) -> memoryview:
         """Bytes ``[start, start + nbytes)`` of the region (inside one mapped file)."""
+        self._open()
         return self._memory[start : start + nbytes]
 
     def populate(self, name: str, start: int, nbytes: int) -> None:
@@ -208,6 +217,7 @@ class MappedFiles:
         the page cache), so gathers from it do not stop on page faults. A range beyond
         the end of a file that shrank since it was mapped is a :class:`CorruptStoreError`
         here, instead of a ``SIGBUS`` at the first touch."""
+        self._open()
         if not _POPULATE[0] or nbytes <= 0:
             return
         assert _LIBC is not None
@@ -225,24 +235,20 @@ class MappedFiles:
             return
         raise StorageError(f"cannot read {self.files.url_of(name)}: {os.strerror(err)}")
 
-    def will_need(self, name: str, offset: int, nbytes: int) -> None:
-        """Ask the kernel to start reading bytes ``[offset, offset + nbytes)`` of file
-        ``name`` into the page cache (readahead; returns at once)."""
-        self.files.will_need(name, offset, nbytes)
-
     def let_go(self, start: int, nbytes: int) -> None:
         """Drop this process's page-table entries of ``[start, start + nbytes)`` (the data
         stays in the page cache; a later touch maps it again)."""
         self._advise(start, nbytes, _MADV_DONTNEED)
 
     def _advise(self, start: int, nbytes: int, advice: int) -> None:
-        if nbytes > 0 and _LIBC is not None:
+        if nbytes > 0 and _LIBC is not None and not self._closed:
             lo = start - start % PAGE
             _LIBC.madvise(self.base + lo, start + nbytes - lo, advice)
 
     def close(self) -> None:
         """Let go of the mapped files: the region is unmapped once no tensor or view of it
         is left."""
+        self._closed = True
         self._elements.clear()
         self._bytes = np.empty(0, dtype=np.uint8)
         self._memory = memoryview(b"")

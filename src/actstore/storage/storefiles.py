@@ -77,11 +77,6 @@ class StoreFiles(abc.ABC):
         read as they are touched), the fetched bytes on object storage."""
         return memoryview(self.read_bytes(name))
 
-    def will_need(self, name: str, offset: int, length: int) -> None:
-        """Ask for ``[offset, offset + length)`` of ``name`` to be read ahead (the kernel's
-        readahead into the page cache on local disk; returns at once). Does nothing where
-        there is no such thing (object storage)."""
-
     def open_read(self, name: str) -> int:
         """A new read-only descriptor of ``name`` (the caller closes it), for a memory map
         (:mod:`actstore.storage.mapped`); only where :attr:`mappable`."""
