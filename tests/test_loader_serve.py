@@ -431,7 +431,12 @@ def test_a_consumer_killed_and_rejoined_at_many_points_gets_exactly_its_rows(sto
         for i, (die_after, lead) in enumerate(
             [(2, 0), (3, 0), (4, 0), (2, 0), (3, 1), (2, 3), (5, 6), (3, 9), (4, 14), (3, 20)]
         ):
-            allow.value = position + die_after + lead + 1
+            # the others run to `lead` batches past where consumer 2 resumes, and hold
+            # there while it rejoins (at first the server waits for all three to attach)
+            allow.value = position + lead + 1
+            deadline = time.monotonic() + 30
+            while position and min(counts) < allow.value and time.monotonic() < deadline:
+                time.sleep(0.001)
             out = tmp_path / f"rejoin-{i}.pkl"
             proc = FORK.Process(target=rejoiner, args=("rj", tmp_path, saved, out, die_after))
             proc.start()
@@ -440,16 +445,13 @@ def test_a_consumer_killed_and_rejoined_at_many_points_gets_exactly_its_rows(sto
             results += [g for g in got if not isinstance(g, str)]
             if isinstance(got[-1], str):  # refused: the position left the ring
                 assert "no longer held" in got[-1] and "restart the server" in got[-1], got[-1]
-                # the others hold up to `slots` batches past their own cursors: 0 behind
-                # them, consumer 2's batch is always held; further behind, it is held only
-                # if consumer 2 is back before the server finds it gone and runs ahead
+                # the others hold their cursors, and the server `slots` batches past
+                # them: 0 behind them, consumer 2's batch is always held; further
+                # behind, only if it is back before the server finds it gone
                 assert lead > 0, f"a rejoin {lead} batches behind was refused: {got[-1]}"
                 break
             assert proc.exitcode == -signal.SIGKILL
             position += die_after
-            deadline = time.monotonic() + 30
-            while min(counts) < allow.value - 1 and time.monotonic() < deadline:
-                time.sleep(0.001)  # the others run ahead while consumer 2 is dead
         assert len(results) >= 2 + 3 + 4 + 2  # the rejoins 0 batches behind worked
         rows = [r.tolist() for r, _ in results]
         assert rows == stream(reader, 3, **options)[: len(rows)]
