@@ -161,7 +161,7 @@ class Server:
         os.rename(tmp_ring, self.ring_path)
         shared = _Shared(tmp_ctl, self.ring_path, settings=self._settings())
         # every slot's memory taken now, while consumers attach: not a page fault per page
-        # while serving (the first pass over a 640 MiB ring slows a one-epoch run)
+        # while serving (the first pass over the ring cost warm one-epoch runs a quarter)
         populate(shared.ring.ctypes.data, shared.ring.nbytes)
         shared.text[: len(text)] = np.frombuffer(text, dtype=np.uint8)
         shared.slot[:, 0] = -1
