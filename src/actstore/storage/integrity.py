@@ -112,6 +112,11 @@ class Integrity:
                 f"{files.url_of(outside[0])} is a symlink out of the store; a store's files must "
                 "lie inside it: copy the file in or re-create the store"
             )
+        if files.size(MANIFEST) is None and ours:
+            # never called missing on one listing: a listing over a faulty network can
+            # come back short (seen under injected resets); list once more first
+            files.refresh()
+            listing = files.listing()
         if files.size(MANIFEST) is None:
             if ours and verify_reads:
                 raise CorruptStoreError(

@@ -113,6 +113,10 @@ class StoreFiles(abc.ABC):
         """:meth:`list` and :meth:`symlinks` at once (one walk of a local tree)."""
         return self.list(), self.symlinks()
 
+    def refresh(self) -> None:
+        """Forget a listing kept from an earlier call (object storage keeps one): the
+        next call lists again. Nothing is kept by default."""
+
     def read_bytes(self, name: str) -> bytes:
         """The whole of ``name``."""
         size = self.require(name)
