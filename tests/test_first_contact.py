@@ -56,6 +56,16 @@ def test_a_corpus_line_actstore_cannot_read_is_one_line(tmp_path, model_dir, nam
     assert snapshot(tmp_path) == before
 
 
+def pickle_capture(model_dir, text_file, out: Path, *extra: str) -> list[str]:
+    """The command line of a 400-example pkl.gz capture of layers 1 and 3 into ``out``."""
+    return [
+        *(sys.executable, "-m", "actstore", "capture", "--model", str(model_dir("gpt2"))),
+        *("--dataset", str(text_file), "--layers", "1,3", "--format", "pickle", *extra),
+        *("--max-examples", "400", "--context-length", "64", "--no-space-check"),
+        *("--no-progress", "--out", str(out)),
+    ]
+
+
 #: Inside a mount namespace of its own: a 3 MiB tmpfs as the output; a pkl.gz capture of
 #: about 6 MB fills it; the store is then listed, the tmpfs grown, and the same command
 #: rerun. Prints one JSON line of what happened.
@@ -88,30 +98,7 @@ def test_pickle_onto_a_full_disk_is_one_line_and_keeps_what_was_stored(
         pytest.skip("unshare is not installed")
     disk = tmp_path / "disk"
     disk.mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "actstore",
-        "capture",
-        "--model",
-        str(model_dir("gpt2")),
-        "--dataset",
-        str(text_file),
-        "--layers",
-        "1,3",
-        "--format",
-        "pickle",
-        "--opt",
-        "samples_per_shard=50",
-        "--max-examples",
-        "400",
-        "--context-length",
-        "64",
-        "--no-space-check",
-        "--no-progress",
-        "--out",
-        str(disk / "acts"),
-    ]
+    command = pickle_capture(model_dir, text_file, disk / "acts", "--opt", "samples_per_shard=50")
     env = {**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [
@@ -155,28 +142,7 @@ def test_a_file_size_limit_while_finishing_is_one_line(tmp_path, model_dir, text
 
     out = tmp_path / "acts"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "actstore",
-            "capture",
-            "--model",
-            str(model_dir("gpt2")),
-            "--dataset",
-            str(text_file),
-            "--layers",
-            "1,3",
-            "--format",
-            "pickle",
-            "--max-examples",
-            "400",
-            "--context-length",
-            "64",
-            "--no-space-check",
-            "--no-progress",
-            "--out",
-            str(out),
-        ],
+        pickle_capture(model_dir, text_file, out),
         preexec_fn=limit,
         capture_output=True,
         text=True,
