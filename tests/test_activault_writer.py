@@ -228,7 +228,7 @@ def test_statistics_folded_on_a_pool_equal_the_sequential_fold_bit_for_bit(dtype
 
     import torch
 
-    from actstore.formats.activault.upload import fold_statistics, group_statistics
+    from actstore.formats.wholefiles import fold_statistics, statistics_of
     from actstore.stats import RunningStats
 
     d = 2048  # 512 rows per chunk: this megabatch folds in 3 chunks, the last short
@@ -237,7 +237,7 @@ def test_statistics_folded_on_a_pool_equal_the_sequential_fold_bit_for_bit(dtype
     expected = RunningStats.of(states.reshape(-1, d).to(torch.float32).numpy())
     with ThreadPoolExecutor(3) as pool:
         pooled = fold_statistics(states, pool)()
-    for got in (pooled, group_statistics(states)):
+    for got in (pooled, statistics_of(states)):
         assert got.count == expected.count == 1200
         assert got.mean.tobytes() == expected.mean.tobytes()
         assert got.m2.tobytes() == expected.m2.tobytes()
@@ -251,30 +251,25 @@ def test_megabatch_streams_write_exactly_what_serialize_megabatch_holds(tmp_path
     import torch
 
     from actstore.formats.activault.layout import serialize_megabatch, write_megabatch
-    from actstore.formats.activault.upload import (
-        _FileStream,
-        _MemoryStream,
-        keyed_digest,
-    )
+    from actstore.formats.activault.upload import _MemoryStream
     from actstore.formats.pipeline import StageClock
-    from actstore.storage.manifest import BlockHasher
-    from actstore.storage.writeback import DirectFile
+    from actstore.formats.wholefiles import StagedFile, commit_files
+    from actstore.storage.manifest import keyed_digest
 
     # 12 or 6 MiB of states: around the page cache in staged buffers of 8 MiB, the tail not
     states = torch.randn(24, 128, 1024).to(getattr(torch, dtype))
     ids = torch.arange(24 * 128).reshape(24, 128)
     expected = serialize_megabatch(states, ids).getvalue()
     digest = keyed_digest("f" * 16, "h/x.pt", expected)
-    fd = os.open(tmp_path / "x.pt", os.O_WRONLY | os.O_CREAT, 0o644)
-    file = DirectFile(tmp_path / "x.pt", fd)
-    stream = _FileStream(file, BlockHasher("f" * 16, "h/x.pt", 0), StageClock())
+    stream = StagedFile(tmp_path / "x.pt", "f" * 16, "h/x.pt", StageClock())
     write_megabatch(states, ids, stream)
     stream.finish()
-    file.close()
-    os.close(fd)
-    if file.align:
-        assert file.direct_bytes == len(expected) - len(expected) % file.align
+    assert not (tmp_path / "x.pt").exists()  # staged until committed
+    commit_files([stream])
+    if stream.align:
+        assert stream.direct_bytes == len(expected) - len(expected) % stream.align
     assert (tmp_path / "x.pt").read_bytes() == expected and stream.digest() == digest
+    assert [p.name for p in tmp_path.iterdir()] == ["x.pt"]
     small = _MemoryStream(100)  # grown as needed
     write_megabatch(states, ids, small)
     assert bytes(small.view()) == expected

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 from ..errors import CaptureError, ConfigError
 from ..forksafe import ForkSafeLock
@@ -57,6 +58,7 @@ from ..storage.manifest import (
     hash_file_blocks,
     hash_ranges,
     manifest_key,
+    present_digest,
 )
 from ..storage.writeback import (
     SYNCFS_ABOVE,
@@ -413,20 +415,35 @@ class ShardOutput:
         self._adopted[name] = (unit, listed)
         self._order.append(name)
 
-    def put(self, name: str, data: Buffer) -> None:
+    def put(
+        self, name: str, data: Buffer, *, ident: str | None = None, skip_zero: bool = False
+    ) -> int:
         """Write file ``name`` whole, in one go, on an I/O thread (created, written,
         closed: no descriptor is held for the thousands of small files of a zarr shard;
         writeback started from :data:`PUT_WRITEBACK_FROM` bytes). Made durable at commit
-        with the shard's other files; not listed in the manifest (the format checks it
-        through digests of its own). ``data`` must stay unchanged until the writer returns
-        from the batch."""
+        with the shard's other files; not listed in the manifest: returns its keyed digest
+        as block 0 of ``ident`` (default ``name``; never 0,
+        :func:`~actstore.storage.manifest.present_digest`), which the format keeps in its
+        own index and hands back on resume (:meth:`ShardedWriter.put_files`), where the
+        pipeline checks it. ``skip_zero``: a buffer of only zero bits is not written (a
+        chunk left to its fill value) and 0 is returned. Hashed on the caller's thread (a
+        sink puts from the CPU pool, :meth:`map`); ``data`` must stay unchanged until the
+        writer returns from the batch."""
         view = _bytes_view(data)
-        with self._lock:  # sinks put from the CPU pool too (:meth:`map`)
+        t0 = time.thread_time()
+        plain = xxhash.xxh3_64_intdigest(view)
+        if skip_zero and plain == _zero_digest(len(view)) and not np.frombuffer(view, "u1").any():
+            self.pools.clock.add("hash", time.thread_time() - t0)
+            return 0
+        digest = present_digest(self.store_id, name if ident is None else ident, view, plain=plain)
+        self.pools.clock.add("hash", time.thread_time() - t0)
+        with self._lock:
             if name in self.files or name in self._adopted:
                 raise CaptureError(f"shard file {name} declared twice")
             self._adopted[name] = (0, False)  # durable at commit like an adopted file
             self._order.append(name)
             self._batch.append(self.pools.io.submit(self._put, self.directory / name, view))
+        return digest
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``[fn(item) for item in items]``, run on the CPU pool (a format's per-sample
@@ -638,6 +655,26 @@ def _split(views: list[memoryview], at: int, unit: int) -> list[tuple[list[memor
         size += len(v)
     parts.append((group, start, size))
     return parts
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_digest(nbytes: int) -> int:
+    """The unkeyed xxh3-64 of ``nbytes`` zero bytes (a buffer hashing to it is checked for
+    zero bits)."""
+    return xxhash.xxh3_64_intdigest(bytes(nbytes))
+
+
+def put_intact(path: Path, store_id: str, ident: str, digest: int) -> bool:
+    """On resume: file ``path``, put as ``ident`` (:meth:`ShardOutput.put`), holds what its
+    recorded ``digest`` says: the same bytes, or absent where the digest is 0 (a chunk
+    left to its fill value)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return digest == 0
+    except OSError:
+        return False
+    return digest != 0 and present_digest(store_id, ident, data) == digest
 
 
 def _bytes_view(data: Buffer) -> memoryview:

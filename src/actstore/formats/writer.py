@@ -57,7 +57,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -115,6 +115,7 @@ from .pipeline import (
     check_settings,
     copy_rows,
     empty_tensor,
+    put_intact,
 )
 from .shard import ShardSink, ShardStats, WrittenFile
 
@@ -467,8 +468,8 @@ class ShardedWriter(FormatWriter):
         )
 
     def shard_intact(self, entry: dict[str, Any]) -> bool:
-        """On resume: whether recorded shard ``entry``'s files still hash to their digests
-        (formats that keep more than the listed files extend it: zarr's chunks)."""
+        """On resume: whether recorded shard ``entry``'s files still hash to their digests,
+        and the files it put whole (:meth:`put_files`: zarr's chunks) to theirs."""
         try:
             for name, doc in entry["files"].items():
                 want = FileEntry.from_dict(doc, f"{self.partial / PROGRESS} ({name})")
@@ -482,9 +483,20 @@ class ShardedWriter(FormatWriter):
                 if got.digest != want.digest:
                     return False
                 self._digests[name] = digests
-        except (CorruptStoreError, KeyError, TypeError, AttributeError):
+            puts = self.put_files(entry)
+        except (CorruptStoreError, KeyError, TypeError, ValueError, AttributeError):
             return False
-        return True
+        if puts is None:
+            return False
+        return all(put_intact(self.partial / n, self.store_id, i, d) for n, i, d in puts)
+
+    def put_files(self, entry: dict[str, Any]) -> Iterable[tuple[str, str, int]] | None:
+        """On resume: every file recorded shard ``entry`` put whole
+        (:meth:`ShardOutput.put`), as ``(name, ident, digest)`` read from the format's own
+        index of them, 0 for a file that must be absent (its fill value); None when that
+        index cannot be read (the shard is written again). The pipeline checks each.
+        Default: none."""
+        return ()
 
     def shard_bounds(self, index: int) -> tuple[int, int]:
         """Example ids ``[lo, hi)`` of shard ``index``."""

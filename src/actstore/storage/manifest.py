@@ -87,6 +87,22 @@ def block_keys(store_id: str, name: str, first: int, count: int) -> np.ndarray:
     )
 
 
+def keyed_digest(store_id: str, name: str, data: Any, *, plain: int | None = None) -> int:
+    """The keyed digest of ``data`` held whole as block 0 of ``name``: the digest the root
+    manifest records for a one-block file, and the one a format keeps for a file or chunk
+    it lists itself (an Activault megabatch file, a zarr chunk). ``plain``: the unkeyed
+    xxh3-64 of ``data`` when the caller has it already."""
+    if plain is None:
+        plain = xxhash.xxh3_64_intdigest(data)
+    return plain ^ int(block_keys(store_id, name, 0, 1)[0])
+
+
+def present_digest(store_id: str, name: str, data: Any, *, plain: int | None = None) -> int:
+    """:func:`keyed_digest`, never 0: where a table of digests marks a chunk that was not
+    stored with 0 (zarr's chunk digests), a stored chunk whose digest is 0 records 1."""
+    return keyed_digest(store_id, name, data, plain=plain) or 1
+
+
 def digest_ranges(
     view: memoryview, bounds: Sequence[tuple[int, int]], keys: np.ndarray
 ) -> np.ndarray:

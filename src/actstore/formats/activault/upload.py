@@ -13,24 +13,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 from ...errors import CaptureError
-from ...stats import Moments, RunningStats, moments
-from ...storage.local import AtomicFile
-from ...storage.manifest import BlockHasher, block_keys
+from ...stats import RunningStats
+from ...storage.manifest import keyed_digest
 from ...storage.object import (
     ObjectStore,
     join_key,
 )
-from ...storage.writeback import Appender, DirectFile
 from ..pipeline import StageClock, copy_rows, empty_bytes, empty_tensor
+from ..wholefiles import StagedFile, fold_statistics
 from .layout import (
     data_file_name,
     tensor_bytes,
@@ -43,12 +41,6 @@ else:
     from ..._lazy import torch
 
 log = logging.getLogger(__name__)
-
-
-def keyed_digest(store_id: str, name: str, data: Any) -> int:
-    """The keyed digest of a one-block file ``name`` (``hook/file.pt``) of run ``store_id``,
-    as the root manifest records it."""
-    return xxhash.xxh3_64_intdigest(data) ^ int(block_keys(store_id, name, 0, 1)[0])
 
 
 @dataclass
@@ -73,7 +65,7 @@ class Stored:
     nbytes: int
     stats: RunningStats
     digest: str
-    staged: AtomicFile | None = None
+    staged: StagedFile | None = None
 
 
 class HookUploader:
@@ -188,23 +180,19 @@ class HookUploader:
             self.busy_s += time.perf_counter() - start
         self.on_done(result)
 
-    def _write_local(self, job: UploadJob, file: str, name: str) -> tuple[AtomicFile, str, int]:
-        """torch.save into a temporary file beside ``file`` (committed later)."""
+    def _write_local(self, job: UploadJob, file: str, name: str) -> tuple[StagedFile, str, int]:
+        """torch.save into a staged file beside ``file`` (committed later)."""
         assert self.directory is not None
         self.directory.mkdir(parents=True, exist_ok=True)
-        staged = AtomicFile(self.directory / file, durable=False)
+        stream = StagedFile(self.directory / file, self.store_id, name, self.clock)
         try:
-            stream = _FileStream(
-                DirectFile(staged.tmp, staged.fd), BlockHasher(self.store_id, name, 0), self.clock
-            )
             try:
                 self.clock.timed("encode", write_megabatch, job.states, job.input_ids, stream)
-                stream.finish()
             finally:
-                stream.file.close()
-            return staged, f"{stream.digest():016x}", stream.size
+                stream.finish()
+            return stream, f"{stream.digest():016x}", stream.size
         except BaseException:
-            staged.discard()
+            stream.discard()
             raise
 
     def _put(self, job: UploadJob, key: str, name: str) -> tuple[str, int]:
@@ -240,50 +228,6 @@ class HookUploader:
             self._stops_sent += 1
         for t in self._threads:
             t.join()
-
-
-class _FileStream(io.RawIOBase):
-    """What ``torch.save`` writes a local megabatch file through: appended around the page
-    cache where the file system allows (:class:`~actstore.storage.writeback.Appender`),
-    digested in order as written. The caller may reuse a buffer once a write returns
-    (``torch.save`` hands views of short-lived buffers too); :meth:`finish` writes what
-    is staged."""
-
-    def __init__(self, file: DirectFile, hasher: BlockHasher, clock: StageClock) -> None:
-        self.file, self._hasher, self._clock = file, hasher, clock
-        self._appender = Appender(file)
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:  # type: ignore[override]
-        view = memoryview(data).cast("B")
-        n = len(view)
-        t0 = time.thread_time()
-        self._appender.write(view)
-        t1 = time.thread_time()
-        self._hasher.update(view)
-        t2 = time.thread_time()
-        self._clock.add("write", t1 - t0)
-        self._clock.add("hash", t2 - t1)
-        self.size += n
-        return n
-
-    def tell(self) -> int:
-        return self.size
-
-    def flush(self) -> None:
-        pass
-
-    def finish(self) -> None:
-        """Write what is staged (before the file is made durable)."""
-        t0 = time.thread_time()
-        self._appender.finish()
-        self._clock.add("write", time.thread_time() - t0)
-
-    def digest(self) -> int:
-        return int(self._hasher.digests()[0])
 
 
 class _MemoryStream(io.RawIOBase):
@@ -428,39 +372,3 @@ class Packer:
                 full.append((self._states, self._ids))
                 self.fill = 0
         return full
-
-
-def group_statistics(states: torch.Tensor) -> RunningStats:
-    """Statistics of one megabatch's stored values (exactly what a reader sees). A run's
-    statistics are these merged in group order, so a resumed run's are bit-identical."""
-    return fold_statistics(states, None)()
-
-
-def fold_statistics(
-    states: torch.Tensor, pool: Executor | None, clock: StageClock | None = None
-) -> Callable[[], RunningStats]:
-    """Start folding the statistics of ``states`` (``[..., d]``, stored dtype): runs of
-    :attr:`~actstore.stats.RunningStats.rows_per_chunk` rows from the first, each run's
-    :func:`~actstore.stats.chunk_moments` on ``pool`` (GIL-free; inline when None),
-    merged in run order by the returned function. Equal to ``RunningStats.of`` of the
-    values widened to float32, bit for bit, whatever the pool."""
-    rows = states.reshape(-1, states.shape[-1])
-    d = rows.shape[1]
-    per = RunningStats(d).rows_per_chunk
-    parts: list[Future | Moments] = []
-    for lo in range(0, rows.shape[0], per):
-        chunk = rows[lo : lo + per]
-        if pool is None:
-            parts.append(moments(chunk))
-        elif clock is not None:
-            parts.append(pool.submit(clock.timed, "statistics", moments, chunk))
-        else:
-            parts.append(pool.submit(moments, chunk))
-
-    def finish() -> RunningStats:
-        stats = RunningStats(d)
-        for p in parts:
-            stats.add(p.result() if isinstance(p, Future) else p)
-        return stats
-
-    return finish

@@ -23,9 +23,9 @@ from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ...storage.manifest import store_id_of
 from ..recompute import compare_statistics
+from ..wholefiles import statistics_of
 from .layout import data_file_name, group_uuid, hook_site
 from .metadata import DIGESTS_SINCE, RunRecord, run_cfg, statistics_to_dict
-from .upload import group_statistics
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +41,7 @@ def one_process_run_id(store_id: str) -> str:
 
 def file_statistics(states: torch.Tensor) -> RunningStats:
     """One megabatch file's statistics, as the writer folds them (merged in group order)."""
-    return group_statistics(states)
+    return statistics_of(states)
 
 
 def merged_statistics(per_file: dict[int, RunningStats], n_files: int) -> RunningStats | None:

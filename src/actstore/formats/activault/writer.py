@@ -68,7 +68,6 @@ from ...errors import (
 from ...faults import point
 from ...sites import Site
 from ...stats import RunningStats
-from ...storage.local import fsync_dir
 from ...storage.location import Location
 from ...storage.manifest import (
     BLOCKS,
@@ -76,6 +75,7 @@ from ...storage.manifest import (
     FileEntry,
     ManifestBuilder,
     file_digest,
+    keyed_digest,
     store_id_of,
 )
 from ...storage.object import (
@@ -87,9 +87,10 @@ from ...storage.object import (
     join_key,
     open_location,
 )
-from ...storage.writeback import pool_size, sync_files
+from ...storage.writeback import pool_size
 from ..base import FormatWriter, summary_of
 from ..pipeline import StageClock, check_settings, cpu_pool
+from ..wholefiles import commit_files, statistics_of
 from .layout import (
     CFG,
     METADATA,
@@ -130,8 +131,6 @@ from .upload import (
     Position,
     Stored,
     UploadJob,
-    group_statistics,
-    keyed_digest,
 )
 
 if TYPE_CHECKING:
@@ -420,7 +419,7 @@ class ActivaultWriter(FormatWriter):
                     "committed (changed or damaged since); capture into a new run"
                 )
             states = load_megabatch(data, source=self.store.url(key))["states"]
-            stats = stats.merge(group_statistics(states))
+            stats = stats.merge(statistics_of(states))
         return stats
 
     # ------------------------------------------------------------------ writing
@@ -604,12 +603,7 @@ class ActivaultWriter(FormatWriter):
         local disk), metadata (first time), cfg.json, statistics."""
         stored: dict[str, Stored] = pending["stored"]
         staged = [s.staged for s in stored.values() if s.staged is not None]
-        if staged:
-            sync_files([f.fd for f in staged])
-            for f in staged:
-                f.commit()  # durable=False: the rename alone, the bytes are synced above
-            for directory in sorted({f.path.parent for f in staged}):
-                fsync_dir(directory)
+        commit_files(staged)
         group = self.record.groups
         for hook, s in stored.items():
             self._metadata_bytes.setdefault(hook, s.nbytes)

@@ -31,13 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ...errors import ConfigError, CorruptStoreError, ProtocolVersionError, StoreNotFoundError
 from ...storage.files import StoreFiles
 from ...storage.integrity import Integrity
 from ...storage.location import Location, refuse_partial
-from ...storage.manifest import block_keys
+from ...storage.manifest import present_digest
 from ..base import PIECE_SLOT, scratch
 from ..metacheck import Fields, is_int
 from .layout import (
@@ -270,8 +269,8 @@ class StoreMeta:
             n_read += chunk_bytes
             if sums is not None:
                 store_id = self.checks.manifest.store_id  # type: ignore[union-attr]
-                key = int(block_keys(store_id, chunk_id(part, local, layer_idx, c), 0, 1)[0])
-                if ((xxhash.xxh3_64_intdigest(buf) ^ key) or 1) != sums[c]:
+                ident = chunk_id(part, local, layer_idx, c)
+                if present_digest(store_id, ident, buf) != sums[c]:
                     raise CorruptStoreError(
                         f"chunk {self.url_of(name)} (sample {local}, layer {layer_idx}, chunk {c}, "
                         f"bytes 0-{chunk_bytes}) is not the chunk published there (changed, "

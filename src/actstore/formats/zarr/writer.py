@@ -48,7 +48,7 @@ import json
 import logging
 import os
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +63,6 @@ from ...stats import RunningStats
 from ...storage import atomic_write_json
 from ...storage.local import load_json
 from ...storage.location import Location
-from ...storage.manifest import block_keys
 from ..pipeline import ShardOutput
 from ..shard import ShardSink
 from ..writer import ShardedWriter
@@ -359,49 +358,28 @@ class ZarrWriter(ShardedWriter):
     def manifest_skip(self) -> tuple[str, ...]:
         return tuple(ACTIVATIONS.values())
 
-    def shard_intact(self, entry: dict[str, Any]) -> bool:
-        """On resume: the shard's recorded files hash to their digests (the base's check,
-        which covers its chunk digest files) and so does every activation chunk of its
-        samples, which the progress record does not list: a shard with a damaged, missing
-        or stray chunk is written again, as in every format."""
-        if not super().shard_intact(entry):
-            return False
-        try:
-            index = int(entry["index"])
-        except (KeyError, TypeError, ValueError):
-            return False
-        return all(self._chunks_intact(index, part) for part in PARTS)
-
-    def _chunks_intact(self, index: int, part: str) -> bool:
-        """Every activation chunk of ``part`` in writer shard ``index`` of the partial
-        directory is as its chunk digests record: stored and equal, or absent."""
+    def put_files(self, entry: dict[str, Any]) -> Iterable[tuple[str, str, int]] | None:
+        """Every activation chunk of the shard's samples, as its chunk digest files record
+        it (stored with its digest, or 0: absent), which the progress record does not
+        list: a shard with a damaged, missing or stray chunk is written again."""
+        index = int(entry["index"])
         lay = self.layout
         lo, hi = (x - self.id_offset for x in self.shard_bounds(index))
-        folder = self.partial / ACTIVATIONS[part]
-        try:
-            sums = np.load(self.partial / chunksums_name(part, index), allow_pickle=False)
-            separator = load_json((folder / ".zarray").read_bytes()).get("dimension_separator", ".")
-        except (OSError, ValueError, AttributeError):
-            return False
-        if sums.shape != (hi - lo, lay.n_layers, lay.n_chunks(part)) or sums.dtype != "<u8":
-            return False
-        for i, layer, c in np.ndindex(*sums.shape):
-            want = int(sums[i, layer, c])
-            path = folder / chunk_key((lo + i, layer, c, 0), separator)
+        found = []
+        for part in PARTS:
+            folder = ACTIVATIONS[part]
             try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                if want:
-                    return False
-                continue
-            except OSError:
-                return False
-            if not want or len(data) != lay.chunk_nbytes(part):
-                return False  # a chunk the digests say was never stored, or a cut one
-            key = int(block_keys(self.store_id, chunk_id(part, lo + i, layer, c), 0, 1)[0])
-            if ((xxhash.xxh3_64_intdigest(data) ^ key) or 1) != want:
-                return False
-        return True
+                sums = np.load(self.partial / chunksums_name(part, index), allow_pickle=False)
+                zarray = (self.partial / folder / ".zarray").read_bytes()
+                separator = load_json(zarray).get("dimension_separator", ".")
+            except (OSError, ValueError, AttributeError):
+                return None
+            if sums.shape != (hi - lo, lay.n_layers, lay.n_chunks(part)) or sums.dtype != "<u8":
+                return None
+            for i, layer, c in np.ndindex(*sums.shape):
+                name = f"{folder}/{chunk_key((lo + i, layer, c, 0), separator)}"
+                found.append((name, chunk_id(part, lo + i, layer, c), int(sums[i, layer, c])))
+        return found
 
     def discard_after(self, directory: Path, position: int) -> None:
         first = position - self.id_offset
@@ -529,8 +507,6 @@ class _ZarrShard(ShardSink):
         self.sums = {
             p: np.zeros((self.n_rows, lay.n_layers, lay.n_chunks(p)), dtype="<u8") for p in PARTS
         }
-        #: digest of a chunk of zeros: a chunk hashing to it is checked for zero bits
-        self.zero_digest = {p: xxhash.xxh3_64_intdigest(bytes(lay.chunk_nbytes(p))) for p in PARTS}
         self._zeros = bytes(max(lay.p_max, lay.r_max) * lay.hidden_size * ACT_DTYPE.itemsize)
         self._chunks: dict[str, list[str]] = {p: [] for p in PARTS}
         self.rows: dict[str, list[np.ndarray]] = {}
@@ -604,12 +580,12 @@ class _ZarrShard(ShardSink):
     ) -> list[str]:
         """Put sample ``b``'s stored chunks of ``part`` (every layer), recording each
         chunk's keyed digest (0 for a chunk not stored); returns the names put."""
-        w, lay = self.w, self.w.layout
+        lay = self.w.layout
         t_chunk, n_chunks = lay.t_chunk(part), lay.n_chunks(part)
         if n_chunks == 0:
             return []
         folder, separator = ACTIVATIONS[part], self.separator[part]
-        zero_digest, sums = self.zero_digest[part], self.sums[part]
+        sums = self.sums[part]
         start, count = span
         i, names = first + b, []
         for layer, half in enumerate(halves):
@@ -621,15 +597,13 @@ class _ZarrShard(ShardSink):
                 else:  # the chunk the sample's tokens end in: a zero-padded copy
                     data = np.zeros((t_chunk, lay.hidden_size), ACT_DTYPE)
                     data[: count - t0] = tokens[t0:]
-                digest = xxhash.xxh3_64_intdigest(data.data)
-                if digest == zero_digest and not data.view(np.uint16).any():
-                    continue  # only +0.0: zarr leaves it to the fill value
-                cid = chunk_id(part, i, layer, c)
-                key = int(block_keys(w.store_id, cid, 0, 1)[0])
-                sums[i - self.lo, layer, c] = (digest ^ key) or 1
                 name = f"{folder}/{chunk_key((i, layer, c, 0), separator)}"
-                out.put(name, data)
-                names.append(name)
+                cid = chunk_id(part, i, layer, c)
+                # a chunk of only +0.0 is not put: zarr leaves it to the fill value
+                digest = out.put(name, data, ident=cid, skip_zero=True)
+                sums[i - self.lo, layer, c] = digest
+                if digest:
+                    names.append(name)
         return names
 
     def _content_digest(
