@@ -47,8 +47,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import SAEV_SHARDS, files_under, table
 from bench_loader import build_store, drop_cache, make_loader, stream_read
 
-from actstore.formats.pipeline import StageClock
 from actstore.formats.saev import SaevReader
+from actstore.formats.threads import StageClock
 from actstore.loader import ActivationDataLoader
 from actstore.loader.serve import ServedLoader, start_server
 

@@ -17,11 +17,12 @@ the same run:
    ``os.sync()`` first, and deletes them afterwards, so no repetition finds the previous
    one's pages. ratio = raw seconds / writer seconds (>= 0.9 is the goal), median of the
    per-repetition ratios.
-2. ``stages``: the same writers into tmpfs (``--tmpfs``; no disk): CPU seconds per GB of
+2. ``stages``: the same writers into tmpfs (``--tmpfs``; no disk; ``--stage-on
+   tmpfs,disk`` also onto ``--dir``): CPU seconds per GB of
    stored bytes per pipeline stage (``ShardedWriter.stage_seconds()``: cast, encode,
    statistics, write, hash, commit, summed over threads) next to the process's whole CPU,
    and throughput with the writer's pools at 1..N threads (``ACTSTORE_WRITER_THREADS``,
-   read by :class:`actstore.formats.pipeline.Pools`), thread counts interleaved.
+   read by :class:`actstore.formats.threads.Pools`), thread counts interleaved.
 3. ``sites24``: every site of a 24-layer model (saev, ``--sites24-d``), small shards so
    there are many: the same ratio to the raw write, and the wall time of each shard's
    journal append (``.partial/progress.jsonl``, one line per shard, appended, on the commit
@@ -66,7 +67,7 @@ from _common import table
 
 from actstore.batch import Batch, CapturePlan
 from actstore.formats import get_format
-from actstore.formats.pipeline import THREADS_ENV
+from actstore.formats.threads import THREADS_ENV
 from actstore.sites import Site
 from actstore.storage.writeback import DIRECT_ENV, direct_alignment_in, pool_size
 from actstore.testing import make_plan
@@ -456,10 +457,10 @@ def part_disk(args, pool: Pool, root: Path, results: dict) -> None:
         )
 
 
-def part_stages(args, pool: Pool, root: Path, results: dict) -> None:
+def part_stages(args, pool: Pool, root: Path, results: dict, where: str = "tmpfs") -> None:
     counts = sorted({1, *args.threads})
     print(
-        f"\n== 2. into tmpfs ({root}): CPU s per GB stored, per stage, and throughput at "
+        f"\n== 2. into {where} ({root}): CPU s per GB stored, per stage, and throughput at "
         f"{counts} writer threads (median of {args.stage_repeats}, thread counts interleaved)",
         flush=True,
     )
@@ -485,7 +486,7 @@ def part_stages(args, pool: Pool, root: Path, results: dict) -> None:
                 + f", process {row['cpu_per_GB']:.2f} (load {row['load_median']:.1f})",
                 flush=True,
             )
-    results["stages"] = rows
+    results["stages" if where == "tmpfs" else f"stages_{where}"] = rows
     if not rows:
         return
     print()
@@ -523,8 +524,7 @@ def part_stages(args, pool: Pool, root: Path, results: dict) -> None:
 
 
 def stage_cell(row: dict, stage: str) -> str:
-    """A stage's CPU s/GB, or "-" where the writer has no stage clock (not on the
-    pipeline: activault today)."""
+    """A stage's CPU s/GB, or "-" where the writer's clock has no such stage."""
     return f"{row['per_GB'][stage]:.2f}" if stage in row["per_GB"] else "-"
 
 
@@ -692,6 +692,9 @@ def main() -> None:
     p.add_argument("--threads", type=csv(int), default=[pool_size()], help="tmpfs thread counts")
     p.add_argument("--dir", default=None, help="directory on the disk to measure")
     p.add_argument("--tmpfs", default="/dev/shm", help="tmpfs directory for part 2")
+    p.add_argument(
+        "--stage-on", type=csv(), default=["tmpfs"], help="part 2 into tmpfs, the disk or both"
+    )
     p.add_argument("--sites", type=csv(int), default=[6, 12], help="blocks captured (parts 1, 2)")
     p.add_argument("--layers", type=int, default=24, help="model blocks")
     p.add_argument("--tokens", type=int, default=256, help="tokens per example")
@@ -727,7 +730,8 @@ def main() -> None:
         if "disk" in args.parts:
             part_disk(args, pool, disk, results)
         if "stages" in args.parts:
-            part_stages(args, pool, shm, results)
+            for where in args.stage_on:
+                part_stages(args, pool, shm if where == "tmpfs" else disk, results, where)
         if "sites24" in args.parts:
             part_sites24(args, pool, disk, results)
         if "direct" in args.parts:

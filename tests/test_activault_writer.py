@@ -252,7 +252,7 @@ def test_megabatch_streams_write_exactly_what_serialize_megabatch_holds(tmp_path
 
     from actstore.formats.activault.layout import serialize_megabatch, write_megabatch
     from actstore.formats.activault.upload import _MemoryStream
-    from actstore.formats.pipeline import StageClock
+    from actstore.formats.threads import StageClock
     from actstore.formats.wholefiles import StagedFile, commit_files
     from actstore.storage.manifest import keyed_digest
 

@@ -508,22 +508,6 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-@pytest.fixture
-def entry_points_once(monkeypatch):
-    """importlib.metadata's scan of the installed packages for plugin formats, done once
-    for the test (every command and open looks them up: ~50 ms a time, hundreds of times
-    here); nothing is installed while it runs."""
-    import functools
-    import importlib.metadata
-
-    monkeypatch.setattr(
-        importlib.metadata,
-        "entry_points",
-        functools.lru_cache(maxsize=None)(importlib.metadata.entry_points),
-    )
-
-
-@pytest.mark.usefixtures("entry_points_once")
 @pytest.mark.parametrize("fmt", list(BUILDERS))
 def test_fuzz_every_metadata_file_of_every_format(built, tmp_path, capsys, fmt):
     """Every JSON and metadata file of a store (the root manifest included), replaced whole
@@ -671,7 +655,6 @@ STILL_GETS_PAST: dict[str, tuple[str, Callable[[Path], None]]] = {
 }
 
 
-@pytest.mark.usefixtures("entry_points_once")
 @pytest.mark.parametrize("case", list(STILL_GETS_PAST))
 def test_what_a_rewrite_without_a_key_still_gets_past(copy_of, capsys, monkeypatch, case):
     """Each edit docs/reliability.md says a manifest rewritten without a key still gets

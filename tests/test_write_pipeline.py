@@ -21,9 +21,9 @@ from actstore.batch import Batch
 from actstore.errors import ConfigError
 from actstore.formats import open_store
 from actstore.formats.journal import PROGRESS, read_journal, recorded_shards
-from actstore.formats.pipeline import cpu_pool, empty_tensor
 from actstore.formats.saev import SaevOptions, SaevWriter
 from actstore.formats.shard import ShardStats
+from actstore.formats.threads import cpu_pool, empty_tensor
 from actstore.stats import BLOCK_BYTES, RunningStats, chunk_moments
 from actstore.storage.location import Location
 from actstore.testing import make_plan

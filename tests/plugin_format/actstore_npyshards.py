@@ -16,18 +16,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from actstore.batch import Batch, CapturePlan
-from actstore.errors import CorruptStoreError, StoreNotFoundError
-from actstore.formats.base import Block, ReaderBase
-from actstore.formats.parts import sharded_part_format
-from actstore.formats.pipeline import ShardOutput
-from actstore.formats.registry import FormatSpec
-from actstore.formats.shard import ShardSink
-from actstore.formats.writer import ShardedWriter
-from actstore.sites import Site
-from actstore.stats import RunningStats
-from actstore.storage import atomic_write_json
-from actstore.storage.location import Location
+from actstore.formats.api import (
+    Batch,
+    Block,
+    CapturePlan,
+    CorruptStoreError,
+    FormatSpec,
+    Location,
+    ReaderBase,
+    RunningStats,
+    ShardedWriter,
+    ShardOutput,
+    ShardRecord,
+    ShardSink,
+    Site,
+    StoreNotFoundError,
+    atomic_write_json,
+    sharded_part_format,
+)
 
 INDEX = "index.json"
 
@@ -106,14 +112,14 @@ class NpyWriter(ShardedWriter):
         return out
 
     def write_index(
-        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+        self, directory: Path, shards: Sequence[ShardRecord], stats: dict[Site, RunningStats]
     ) -> None:
         atomic_write_json(
             directory / INDEX,
             {
                 "format": "npyshards",
                 "plan": self.plan.to_json_dict(),
-                "shards": [e["n_examples"] for e in shards],
+                "shards": [e.n_examples for e in shards],
                 "statistics": {str(s): st.to_dict() for s, st in stats.items()},
             },
         )

@@ -43,7 +43,7 @@ from ..batch import CapturePlan
 from ..errors import ConfigError, OtherCaptureError, StorageError, StoreNotFoundError
 from ..formats.base import WriterBase
 from ..formats.identity import explain_other_capture
-from ..formats.pipeline import check_settings
+from ..formats.threads import check_settings
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 from ..sites import Site
 from .data import ExampleSource
@@ -114,25 +114,18 @@ def check_output(out: str, what: str = "--out") -> None:
 
 #: The file every store actstore publishes holds (``actstore.storage.manifest``).
 _ROOT_MANIFEST = "actstore-manifest.json"
-#: Names whose presence at the top of a directory makes it worth asking every format
-#: whether it is a store (asking lists the whole tree): index files of the formats and
-#: of the stores other tools write (saev, SAELens's datasets cache, zarr, Activault).
-_STORE_MARKERS = frozenset(
-    {
-        _ROOT_MANIFEST,
-        "metadata.json",
-        "shards.json",
-        "cfg.json",
-        "dataset_info.json",
-        "state.json",
-        ".zgroup",
-        ".zattrs",
-        "zarr.json",
-    }
-)
 
 
-def _store_at(path: Path, markers: frozenset[str] = _STORE_MARKERS) -> str | None:
+def _store_markers() -> frozenset[str]:
+    """Names whose presence at the top of a directory makes it worth asking every format
+    whether it is a store (asking lists the whole tree): the root manifest and each
+    format's :attr:`~actstore.formats.registry.FormatSpec.store_markers`."""
+    from ..formats.registry import available_formats
+
+    return frozenset({_ROOT_MANIFEST, *(m for s in available_formats() for m in s.store_markers)})
+
+
+def _store_at(path: Path, markers: frozenset[str] | None = None) -> str | None:
     """The format of the store at ``path`` ("unfinished" for a writer's partial
     directory), or None; only a directory holding one of ``markers`` is asked."""
     from ..storage.location import final_of_partial
@@ -143,7 +136,7 @@ def _store_at(path: Path, markers: frozenset[str] = _STORE_MARKERS) -> str | Non
         names = set(os.listdir(path))
     except OSError:
         return None
-    if not names & markers:
+    if not names or not names & (_store_markers() if markers is None else markers):
         return None
     from ..formats.registry import format_of
 

@@ -36,6 +36,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -60,6 +61,9 @@ FORMAT_NAMES = ("saev", "zarr", "pickle", "activault", "saelens")
 
 #: The entry-point group an installed package declares its formats in (see above).
 ENTRY_POINT_GROUP = "actstore.formats"
+
+#: The last scan of the installed packages' entry points, and the ``sys.path`` it saw.
+_SCANNED: tuple[tuple[str, ...], dict[str, importlib.metadata.EntryPoint]] | None = None
 
 #: Plugins that failed to load, each reported once per process.
 _BROKEN_WARNED: set[str] = set()
@@ -98,6 +102,10 @@ class FormatSpec:
     manifests: tuple[str, ...] = ("metadata.json",)
     """The format's own index files, which its peers' readers open first: copies and
     uploads write them just before the root manifest, which always goes last."""
+    markers: tuple[str, ...] = ()
+    """Names at the top of a directory that mark a store of this format as it or its peers
+    write it (preflight asks :attr:`detect` only of a directory holding one, since asking
+    lists the whole tree); default: :attr:`manifests`."""
     writes_remote: bool = False
     """The writer writes ``s3://`` locations itself (else they are staged locally and
     uploaded by :class:`~actstore.formats.s3_staged.StagedS3Writer`)."""
@@ -130,6 +138,11 @@ class FormatSpec:
         )
 
     @property
+    def store_markers(self) -> tuple[str, ...]:
+        """:attr:`markers`, or :attr:`manifests` where the format gives none."""
+        return self.markers or self.manifests
+
+    @property
     def last_files(self) -> tuple[str, ...]:
         """Names a copy sends last, in order: the format's index, then the root manifest."""
         return (*self.manifests, MANIFEST)
@@ -158,7 +171,17 @@ def unregister_format(name: str) -> None:
 def plugin_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     """The installed plugin formats: name -> entry point of the group
     :data:`ENTRY_POINT_GROUP`, sorted by name (nothing is imported). A plugin may not take
-    a built-in format's name (it is left out, with a warning naming its package)."""
+    a built-in format's name (it is left out, with a warning naming its package). The
+    installed packages are scanned once per process (a scan reads every package's
+    metadata: ~50 ms), again only when ``sys.path`` changes."""
+    global _SCANNED
+    key = tuple(sys.path)
+    if _SCANNED is None or _SCANNED[0] != key:
+        _SCANNED = (key, _scan_entry_points())
+    return dict(_SCANNED[1])
+
+
+def _scan_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     found: dict[str, importlib.metadata.EntryPoint] = {}
     for ep in sorted(
         importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..batch import Batch
+from ..errors import CorruptStoreError
 from ..sites import Site
 from ..stats import Moments, RunMoments, RunningStats, moments
 from ..storage.manifest import FileEntry
@@ -23,7 +24,8 @@ from ..storage.manifest import FileEntry
 if TYPE_CHECKING:
     import torch
 
-    from .pipeline import ShardOutput, StageClock
+    from .pipeline import ShardOutput
+    from .threads import StageClock
 else:
     from .._lazy import torch
 
@@ -37,6 +39,75 @@ class WrittenFile:
     entry: FileEntry
     digests: np.ndarray
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """One finished shard, as the journal records it once its files are durable and as
+    :meth:`~actstore.formats.writer.ShardedWriter.write_index` receives it at publication
+    (in shard order, a part's shards numbered as in the whole store)."""
+
+    #: the shard's number in the whole store
+    index: int
+    n_examples: int
+    #: its listed files (name relative to the store -> manifest entry), in the order the
+    #: sink declared them
+    files: Mapping[str, FileEntry]
+    #: what the sink's :meth:`ShardSink.info` said of each listed file (JSON values)
+    info: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    #: files the sink put whole (:meth:`~actstore.formats.pipeline.ShardOutput.put`: zarr's
+    #: chunks), checked through digests the format keeps in its own listed files
+    chunks: tuple[str, ...] = ()
+    #: each side file's size once this shard was written (``tokens.bin``...)
+    sides: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    #: this shard's statistics per site (``str(site)`` -> :meth:`RunningStats.to_packed`)
+    stats: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def site_stats(self, site: Site) -> RunningStats:
+        """This shard's statistics of ``site``."""
+        return RunningStats.from_dict(dict(self.stats[str(site)]))
+
+    def to_doc(self) -> dict[str, Any]:
+        """The record as JSON (the journal's line, less its ``elapsed``; ``part.json``)."""
+        return {
+            "index": self.index,
+            "n_examples": self.n_examples,
+            "files": {name: e.to_dict() for name, e in self.files.items()},
+            "chunks": list(self.chunks),
+            "info": {name: dict(i) for name, i in self.info.items()},
+            "sides": dict(self.sides),
+            "stats": {site: dict(st) for site, st in self.stats.items()},
+        }
+
+    @classmethod
+    def from_doc(cls, doc: Any, source: str) -> ShardRecord:
+        """The record of a journal line or ``part.json`` entry; a malformed one is a
+        :class:`~actstore.errors.CorruptStoreError` naming ``source``."""
+        try:
+            files = {
+                str(n): FileEntry.from_dict(e, f"{source} ({n})") for n, e in doc["files"].items()
+            }
+            record = cls(
+                index=_whole(doc["index"]),
+                n_examples=_whole(doc["n_examples"]),
+                files=files,
+                info={str(n): dict(i) for n, i in doc.get("info", {}).items()},
+                chunks=tuple(str(c) for c in doc.get("chunks", ())),
+                sides={str(n): _whole(v) for n, v in doc.get("sides", {}).items()},
+                stats={str(s): dict(st) for s, st in doc.get("stats", {}).items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CorruptStoreError(f"{source} has a malformed shard record ({err!r})") from err
+        if record.index < 0 or record.n_examples < 0 or set(record.info) - set(files):
+            raise CorruptStoreError(f"{source} has a malformed shard record (index {record.index})")
+        return record
+
+
+def _whole(value: Any) -> int:
+    """A JSON whole number (not a bool, not a float)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{value!r} is not a whole number")
+    return value
 
 
 class ShardSink(abc.ABC):

@@ -26,7 +26,7 @@ from ..stats import Moments, RunningStats, moments
 from ..storage.local import AtomicFile, fsync_dir
 from ..storage.manifest import BlockHasher
 from ..storage.writeback import Appender, DirectFile, sync_files
-from .pipeline import StageClock
+from .threads import StageClock
 
 if TYPE_CHECKING:
     import torch

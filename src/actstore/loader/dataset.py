@@ -30,7 +30,7 @@ from ..devicecopy import Staging, copies_for
 from ..errors import ConfigError, StorageError
 from ..formats import open_store
 from ..formats.base import Extent, SiteLike
-from ..formats.pipeline import StageClock
+from ..formats.threads import StageClock
 from ..order import EpochPlan, batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
 from ..storage.mapped import available as can_map
@@ -267,7 +267,7 @@ class ActivationLoader(IterableDataset):
         # where batches are gathered when the caller owns that memory (``actstore serve``)
         self._destination: Callable[[], np.ndarray] | None = None
         self._cancel: Callable[[], None] | None = None
-        #: set to a :class:`~actstore.formats.pipeline.StageClock` to sum the CPU time of
+        #: set to a :class:`~actstore.formats.threads.StageClock` to sum the CPU time of
         #: each stage of the read path in this process (``benchmarks/bench_read_stages.py``)
         self.clock: StageClock | None = None
         # the next epoch's consumer, its first window already being read: (pid, what it

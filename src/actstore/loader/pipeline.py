@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ConfigError, StorageError
 from ..formats.base import Block, Extent, ReaderBase
-from ..formats.pipeline import StageClock, cpu_pool
+from ..formats.threads import StageClock, cpu_pool
 from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
 from ..storage.mapped import MappedFiles
 from .buffers import NUMPY_STORAGE, Buffers, allocate_pinned, allocate_private

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..formats.base import Block, Extent
-from ..formats.pipeline import StageClock
+from ..formats.threads import StageClock
 from ..order import EpochPlan
 from ..storage.mapped import MappedFiles
 from .buffers import Buffers

@@ -27,7 +27,7 @@ from ...storage.object import (
     ObjectStore,
     join_key,
 )
-from ..pipeline import StageClock, copy_rows, empty_bytes, empty_tensor
+from ..threads import StageClock, copy_rows, empty_bytes, empty_tensor
 from ..wholefiles import StagedFile, fold_statistics
 from .layout import (
     data_file_name,
@@ -302,7 +302,7 @@ class Packer:
 
     Rows are cast to the stored dtype as they are copied in (one pass, no concatenation;
     token cleaning's gather included), on ``pool``'s threads
-    (:func:`~actstore.formats.pipeline.copy_rows`); a full buffer is handed out as is (it
+    (:func:`~actstore.formats.threads.copy_rows`); a full buffer is handed out as is (it
     owns exactly its storage, as torch.save needs).
     """
 

@@ -89,7 +89,7 @@ from ...storage.object import (
 )
 from ...storage.writeback import pool_size
 from ..base import FormatWriter, summary_of
-from ..pipeline import StageClock, check_settings, cpu_pool
+from ..threads import StageClock, check_settings, cpu_pool
 from ..wholefiles import commit_files, statistics_of
 from .layout import (
     CFG,

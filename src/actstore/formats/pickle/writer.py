@@ -47,7 +47,7 @@ from ...stats import RunningStats
 from ...storage import FileHasher, atomic_write_bytes
 from ...storage.location import Location
 from ..pipeline import ShardOutput
-from ..shard import ShardSink
+from ..shard import ShardRecord, ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     MAX_SHARD_BYTES,
@@ -173,17 +173,15 @@ class PickleWriter(ShardedWriter):
         return _PickleShard(self, index, directory)
 
     def write_index(
-        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+        self, directory: Path, shards: Sequence[ShardRecord], stats: dict[Site, RunningStats]
     ) -> None:
         """``metadata.json``: the spec's metadata, shard entries in sample order."""
-        infos = [
-            ShardInfo.from_dict(e["info"][name]["shard"]) for e in shards for name in e["files"]
-        ]
+        infos = [ShardInfo.from_dict(e.info[name]["shard"]) for e in shards for name in e.files]
         by_machine: dict[int, list[ShardInfo]] = {}
         per = self.per_machine
         for e in shards:
-            for name in e["files"]:
-                info = e["info"][name]
+            for name in e.files:
+                info = e.info[name]
                 by_machine.setdefault(info["machine_id"], []).append(
                     ShardInfo.from_dict(info["shard"])
                 )

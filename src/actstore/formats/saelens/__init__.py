@@ -22,6 +22,7 @@ FORMAT = FormatSpec(
     writer=SaelensWriter,
     parts=part_format,
     manifests=(STATE,),
+    markers=(STATE, "dataset_info.json"),
 )
 
 __all__ = [

@@ -40,7 +40,7 @@ from ...stats import RunningStats
 from ...storage import atomic_write_bytes, atomic_write_json
 from ...storage.location import Location
 from ..pipeline import ShardOutput
-from ..shard import ShardSink
+from ..shard import ShardRecord, ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     FORMAT_TAG,
@@ -128,15 +128,15 @@ class SaelensWriter(ShardedWriter):
         return _ArrowFile(self.layout, self.layout.file_name(index))
 
     def write_index(
-        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+        self, directory: Path, shards: Sequence[ShardRecord], stats: dict[Site, RunningStats]
     ) -> None:
         """``state.json`` and ``dataset_info.json`` (as ``save_to_disk`` writes them),
         ``statistics.json`` and ``actstore.json``."""
         from datasets.info import DatasetInfo
         from datasets.utils.py_utils import asdict
 
-        names = [name for e in shards for name in e["files"]]
-        digests = "".join(e["files"][n]["digest"] for e in shards for n in e["files"])
+        names = [name for e in shards for name in e.files]
+        digests = "".join(f.digest for e in shards for f in e.files.values())
         state: dict[str, Any] = {
             "_data_files": [{"filename": n} for n in names],
             # datasets' fingerprint only keys its cache; this one is a pure function of the data
@@ -160,12 +160,12 @@ class SaelensWriter(ShardedWriter):
         record["files"] = [
             {
                 "name": name,
-                "n_examples": e["n_examples"],
-                "bytes": e["files"][name]["size"],
-                "values_at": e["info"][name]["values_at"],
+                "n_examples": e.n_examples,
+                "bytes": f.size,
+                "values_at": e.info[name]["values_at"],
             }
             for e in shards
-            for name in e["files"]
+            for name, f in e.files.items()
         ]
         atomic_write_json(directory / SIDECAR, record)
 

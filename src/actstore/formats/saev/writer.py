@@ -41,7 +41,7 @@ from ...stats import RunningStats
 from ...storage import atomic_write_bytes, atomic_write_json
 from ...storage.location import Location
 from ..pipeline import ShardOutput
-from ..shard import ShardSink
+from ..shard import ShardRecord, ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     DEFAULT_PATCHES_PER_SHARD,
@@ -239,11 +239,11 @@ class SaevWriter(ShardedWriter):
         return md.tokens_per_ex * 4 if name == "tokens.bin" else md.patches_per_ex
 
     def write_index(
-        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+        self, directory: Path, shards: Sequence[ShardRecord], stats: dict[Site, RunningStats]
     ) -> None:
         atomic_write_json(
             directory / "shards.json",
-            [{"name": shard_name(e["index"]), "n_examples": e["n_examples"]} for e in shards],
+            [{"name": shard_name(e.index), "n_examples": e.n_examples} for e in shards],
         )
         atomic_write_json(
             directory / STATISTICS,

@@ -45,6 +45,7 @@ FORMAT = FormatSpec(
     stored_dtype="float16",
     parts=part_format,
     manifests=(".zmetadata", "manifest.json"),
+    markers=(".zmetadata", "manifest.json", ".zgroup", ".zattrs", "zarr.json"),
 )
 
 __all__ = [

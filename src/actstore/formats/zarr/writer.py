@@ -64,7 +64,7 @@ from ...storage import atomic_write_json
 from ...storage.local import load_json
 from ...storage.location import Location
 from ..pipeline import ShardOutput
-from ..shard import ShardSink
+from ..shard import ShardRecord, ShardSink
 from ..writer import ShardedWriter
 from .layout import (
     ACT_DTYPE,
@@ -358,11 +358,11 @@ class ZarrWriter(ShardedWriter):
     def manifest_skip(self) -> tuple[str, ...]:
         return tuple(ACTIVATIONS.values())
 
-    def put_files(self, entry: dict[str, Any]) -> Iterable[tuple[str, str, int]] | None:
+    def put_files(self, entry: ShardRecord) -> Iterable[tuple[str, str, int]] | None:
         """Every activation chunk of the shard's samples, as its chunk digest files record
         it (stored with its digest, or 0: absent), which the progress record does not
         list: a shard with a damaged, missing or stray chunk is written again."""
-        index = int(entry["index"])
+        index = entry.index
         lay = self.layout
         lo, hi = (x - self.id_offset for x in self.shard_bounds(index))
         found = []
@@ -449,7 +449,7 @@ class ZarrWriter(ShardedWriter):
         return out
 
     def write_index(
-        self, directory: Path, shards: Sequence[dict[str, Any]], stats: dict[Site, RunningStats]
+        self, directory: Path, shards: Sequence[ShardRecord], stats: dict[Site, RunningStats]
     ) -> None:
         """``meta/statistics.json``, ``meta/config.json``, the group's attributes, then the
         consolidated metadata (``.zmetadata``)."""
@@ -462,7 +462,7 @@ class ZarrWriter(ShardedWriter):
         )
         atomic_write_json(directory / CONFIG_FILE, self.config)
         counts = {
-            p: sum(int(e["info"][_shard_marker(e)]["truncated"][p]) for e in shards) for p in PARTS
+            p: sum(int(e.info[_shard_marker(e)]["truncated"][p]) for e in shards) for p in PARTS
         }
         attrs = {**self.attrs, **layout_attrs(lay)}
         attrs.update(truncation_attrs_from_counts(counts, lay.n_samples))
@@ -476,9 +476,9 @@ class ZarrWriter(ShardedWriter):
         consolidate(directory)
 
 
-def _shard_marker(entry: dict[str, Any]) -> str:
+def _shard_marker(entry: ShardRecord) -> str:
     """The file of a shard record that carries the shard's info (its first chunk digests)."""
-    return next(n for n in entry["files"] if n.startswith("meta/chunksums/"))
+    return next(n for n in entry.files if n.startswith("meta/chunksums/"))
 
 
 class _ZarrShard(ShardSink):
