@@ -175,7 +175,7 @@ class ShardStats:
         self.per = RunningStats(d).rows_per_chunk
         self._parts: dict[Site, list[Future | Moments]] = {s: [] for s in self.sites}
         self._runs = {s: RunMoments(d) for s in self.sites}  # the run spanning batches
-        self._pending: list[Any] = []  # accumulating tasks that end no run
+        self._unsettled: list[Any] = []  # every task since the last settle
         self._fill = 0  # rows of the current run so far
 
     def update(self, rows: Mapping[Site, np.ndarray | torch.Tensor]) -> None:
@@ -194,7 +194,8 @@ class ShardStats:
             pieces = [p for p in (part[:head], part[n - tail :]) if len(p)]
             if pieces:  # head then tail, in order, on one task: they share the run
                 task = self._submit(self._accumulate, self._runs[site], pieces, ends)
-                (self._parts[site] if ends else self._pending).append(task)
+                if ends:  # else it only accumulates: settle waits for it all the same
+                    self._parts[site].append(task)
             for lo in range(head, head + full, self.per):
                 self._parts[site].append(self._submit(moments, part[lo : lo + self.per]))
         self._fill = tail if ends or not head else self._fill + head
@@ -213,15 +214,18 @@ class ShardStats:
         if self.pool is None:
             return fn(*args)
         if self.clock is not None:
-            return self.pool.submit(self.clock.timed, "statistics", fn, *args)
-        return self.pool.submit(fn, *args)
+            task = self.pool.submit(self.clock.timed, "statistics", fn, *args)
+        else:
+            task = self.pool.submit(fn, *args)
+        self._unsettled.append(task)
+        return task
 
     def settle(self) -> None:
-        """Wait until no run still reads the rows given to :meth:`update`."""
-        pending, self._pending = self._pending, []
-        for p in [*pending, *(p for parts in self._parts.values() for p in parts)]:
-            if isinstance(p, Future):
-                p.result()
+        """Wait until no run still reads the rows given to :meth:`update` (the tasks
+        submitted since the last settle: O(sites) per batch, not O(runs of the shard))."""
+        unsettled, self._unsettled = self._unsettled, []
+        for task in unsettled:
+            task.result()
 
     def finish(self) -> dict[Site, RunningStats]:
         """The shard's statistics (the runs merged in order)."""
