@@ -9,28 +9,47 @@ whose record was edited (hooks remapped or reordered, digests removed or changed
 longer gives the manifest's store id or the files' digests, and hook folders swapped
 give files whose digests are not the ones recorded for their hook, even when the root
 manifest was rewritten over the edit (without ``ACTSTORE_MANIFEST_KEY``).
+
+:class:`ActivaultVerify` is the reader's ``verify``: every file against the root manifest,
+each megabatch decoded as it is read, then these checks.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import xxhash
 
-from ...errors import ConfigError
+from ...errors import ConfigError, CorruptStoreError
 from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ...storage.manifest import store_id_of
+from ...storage.object import base_name
+from ..base import VerifyReport
 from ..recompute import compare_statistics
 from ..wholefiles import statistics_of
-from .layout import data_file_name, group_uuid, hook_site
+from .examples import ActivaultExamples
+from .fetch import check_megabatch
+from .layout import (
+    STATISTICS,
+    data_file_name,
+    group_uuid,
+    hook_site,
+    load_megabatch,
+    parse_data_file,
+)
 from .metadata import DIGESTS_SINCE, RunRecord, run_cfg, statistics_to_dict
+from .positions import POSITIONS
 
 if TYPE_CHECKING:
     import torch
 
     from ...storage.manifest import RootManifest
+else:
+    from ..._lazy import torch
 
 
 def one_process_run_id(store_id: str) -> str:
@@ -206,7 +225,154 @@ def _cfg_faults(cfg: dict[str, Any], record: RunRecord) -> list[str]:
     return faults
 
 
+class ActivaultVerify(ActivaultExamples):
+    """``verify`` of a run: its files against the root manifest, each megabatch decoded."""
+
+    def verify(self, *, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Every file of the run against its root manifest (one download each), then each
+        megabatch decoded: shapes, dtypes, NaN/Inf, each hook's statistics recomputed from
+        its files the writer's way (bit for bit), stray objects, group alignment across
+        hooks, and cfg.json against its commit record and its files
+        (:mod:`.verify`). A run without a manifest (Activault's own) is decoded file by
+        file and reported as unverifiable."""
+        report = VerifyReport(self.url)
+        report.notes.extend(self.notes)
+        self._scan: dict[str, Any] = {
+            h: {
+                "stats": {},
+                "non_finite": 0,
+                "bufs": {},
+                "index": {base_name(f.key): i for i, f in enumerate(lst.files)},
+            }
+            for h, lst in self.listings.items()
+        }
+        try:
+            positions = self.positions
+        except CorruptStoreError as err:
+            report.faults.append(str(err))
+            positions = None
+        for scan in self._scan.values():
+            scan["positions"] = positions
+        n_files, n_bytes = self.checks.verify(
+            report.faults, progress=progress, on_chunk=self.scan_chunk
+        )
+        report.files_checked, report.bytes_checked = n_files, n_bytes
+        if self.checks.manifest is None:  # decode what there is, unverified
+            for hook, listing in self.listings.items():
+                for i, f in enumerate(listing.files):
+                    data = self.fetch(hook, i)
+                    self._decoded(hook, i, bytes(data))
+                    report.files_checked += 1
+                    report.bytes_checked += f.size
+                    if progress is not None:
+                        progress(f.size)
+        self.verify_content(report)
+        return report
+
+    def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
+        """Gather each megabatch file as verify reads it (files are read several at a
+        time: one buffer each); decode it when whole."""
+        hook, _, base = name.rpartition("/")
+        scan = getattr(self, "_scan", {}).get(hook)
+        if scan is None or parse_data_file(base) is None:
+            return
+        index = scan["index"].get(base)
+        if index is None:
+            return
+        buf = scan["bufs"].setdefault(base, bytearray())
+        buf += data
+        if len(buf) == self.listings[hook].metadata.bytes_per_file:
+            del scan["bufs"][base]
+            self._decoded(hook, index, bytes(buf))
+
+    def _decoded(self, hook: str, index: int, data: bytes) -> None:
+        scan = self._scan[hook]
+        listing = self.listings[hook]
+        try:
+            mb = check_megabatch(load_megabatch(data, source=hook), listing.metadata, hook)
+        except CorruptStoreError as err:
+            scan.setdefault("faults", []).append(str(err))
+            return
+        positions = scan.get("positions")
+        if positions is not None and mb["input_ids"] is not None:
+            per = listing.metadata.tokens_per_file
+            want = positions.ids_of_rows(index * per, (index + 1) * per)
+            if not np.array_equal(mb["input_ids"].reshape(-1).numpy(), want):
+                scan.setdefault("faults", []).append(
+                    f"{hook}/{base_name(listing.files[index].key)}: its tokens are not the ones "
+                    f"{POSITIONS} places there: the positions "
+                    "were edited; restore them or capture again"
+                )
+        states = mb["states"]
+        scan["non_finite"] += int((~torch.isfinite(states.to(torch.float32))).sum())
+        scan["stats"][index] = file_statistics(states)
+
+    def verify_content(self, report: VerifyReport) -> None:
+        merged = (
+            self.record is not None
+            and self.checks.manifest is not None
+            and (self.record.run_id != one_process_run_id(self.checks.manifest.store_id))
+        )
+        for hook, listing in self.listings.items():
+            scan = self._scan[hook]
+            report.faults.extend(scan.get("faults", []))
+            for name in listing.strays:
+                report.faults.append(
+                    f"{hook}/{name} is not a megabatch file; Activault's reader would read it "
+                    "as one: remove it"
+                )
+            for name in listing.uncommitted:
+                report.faults.append(
+                    f"{hook}/{name} belongs to no committed group (left by an interrupted "
+                    "capture); rerun that capture to clean it up, or delete it"
+                )
+            if scan["non_finite"]:
+                report.notes.append(
+                    f"{hook}: {scan['non_finite']} activation values are NaN or infinite"
+                )
+            try:
+                stored = self.site_statistics(self._hook_site(hook))
+            except CorruptStoreError as err:  # reported with the rest, not raised
+                report.faults.append(str(err))
+                continue
+            if stored is None:
+                report.notes.append(f"{hook}: no exact statistics.json (count missing) to check")
+                continue
+            recomputed = merged_statistics(scan["stats"], len(listing.files))
+            if recomputed is not None:
+                check_statistics(
+                    report.faults,
+                    f"{hook}/{STATISTICS}",
+                    hook,
+                    stored,
+                    recomputed,
+                    merged=merged,
+                    record=self._json(f"{hook}/{STATISTICS}"),
+                )
+        if self.record is not None and self.checks.manifest is not None:
+            found = record_faults(self.cfg, self.record, self.checks.manifest, self.hooks)
+            positions = self.__dict__.get("_positions")
+            if positions is not None:
+                rec = self.record
+                found += [
+                    f"cfg.json's {fault} ({POSITIONS} says otherwise): cfg.json or the positions "
+                    "were edited; restore them or capture again"
+                    for fault in positions.record_faults(
+                        rec.groups * rec.tokens_per_file,
+                        rec.next_example,
+                        rec.next_skip,
+                        rec.dropped_tokens,
+                        rec.token_mask,
+                        merged=merged,
+                    )
+                ]
+            for fault in found:
+                if fault not in report.faults:
+                    report.faults.append(fault)
+
+
 __all__ = [
+    "ActivaultVerify",
     "check_statistics",
     "file_statistics",
     "merged_statistics",
