@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,14 @@ import actstore  # noqa: F401 - sets reproducible MKL/OpenMP defaults before tor
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# torch sets this the first time anything in this process imports torch._inductor (an
+# in-process capture does); set from the start, to torch's own default, the environment
+# the forked runs see (tests/forked.py keys its helpers by it) stays the same all session,
+# so the helper that imported torch once is not started a second time.
+os.environ.setdefault(
+    "TORCHINDUCTOR_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser()),
+)
 
 from tiny_models import make_image_folder, save_text_model, save_vision_model
 
@@ -43,6 +53,22 @@ def _session_memo_dir(tmp_path_factory):
     os.environ["ACTSTORE_MEMO_DIR"] = str(tmp_path_factory.mktemp("memo"))
     yield
     os.environ.pop("ACTSTORE_MEMO_DIR", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_hub_cache(tmp_path_factory):
+    """The Hugging Face Hub cache of this session (``$HF_HUB_CACHE``), empty but for what a
+    test puts there: the suite never reads the user's cache, and a test that publishes a
+    Hub id into it (a ``models--org--name/snapshots/<commit>/`` folder of its own) runs the
+    real command forked from the helper every run shares (tests/forked.py keys its helpers
+    by the ``HF_`` variables: a run with an ``HF_HUB_CACHE`` of its own starts another)."""
+    before = os.environ.get("HF_HUB_CACHE")
+    os.environ["HF_HUB_CACHE"] = str(tmp_path_factory.mktemp("hf-hub"))
+    yield Path(os.environ["HF_HUB_CACHE"])
+    if before is None:
+        os.environ.pop("HF_HUB_CACHE", None)
+    else:
+        os.environ["HF_HUB_CACHE"] = before
 
 
 @pytest.fixture(scope="session")

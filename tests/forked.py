@@ -363,6 +363,15 @@ def _preload() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    # transformers builds its table of checkpoint conversions (some thousand regular
+    # expressions compiled: most of a second) the first time a process loads a model, and
+    # keeps it: built here once (plain Python, no torch operation), each run finds it built
+    # as it finds the modules imported, and what it holds is what the run would build
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return
+    get_checkpoint_conversion_mapping("gpt2")
 
 
 #: Imported by the helper (a run imports the rest itself).
@@ -382,7 +391,18 @@ PRELOAD = (
     "tokenizers",
     "safetensors.torch",
     "PIL.Image",
+    # what the saelens and zarr formats import when used, and a capture's checks
+    "datasets",
+    "zarr",
+    "numcodecs",
+    "pydantic.main",
+    "pydantic.type_adapter",
+    "pydantic.json_schema",
     "actstore.capture",
+    "actstore.capture.preflight",
+    "actstore.cli.capture_memo",
+    "actstore.dist.run",
+    "actstore.formats.identity",
     "actstore.capture.runner",
     "actstore.capture.models",
     "actstore.formats",

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import struct
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -546,8 +547,10 @@ def test_a_refusal_after_a_corpus_edit_says_the_data_changed(world, fmt):
 def test_a_hub_model_is_identified_by_its_revision(world):
     """A Hub id is identified by the commit its cached files come from (nothing is read
     or downloaded for it): the same id at a new revision is another capture."""
-    hub = world["tmp"] / "hub"
-    repo = hub / "models--org--tiny-gpt2"
+    # published into the session's $HF_HUB_CACHE (tests/conftest.py) under a name of this
+    # test's own: the command runs forked from the helper the other runs share
+    name = f"tiny-gpt2-{uuid.uuid4().hex[:12]}"
+    repo = Path(os.environ["HF_HUB_CACHE"]) / f"models--org--{name}"
     (repo / "refs").mkdir(parents=True)
 
     def publish(revision: str) -> None:
@@ -556,15 +559,14 @@ def test_a_hub_model_is_identified_by_its_revision(world):
 
     first, second = "1" * 40, "2" * 40
     publish(first)
-    env = {"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
     data, root = world["tmp"] / "tokens.npy", world["tmp"] / "root"
-    proc = capture(world, data, root, env=env, model="org/tiny-gpt2")
+    proc = capture(world, data, root, model=f"org/{name}")
     assert proc.returncode == 0, proc.stderr
     import actstore
 
     (store,) = saev_stores(root)
     assert actstore.open_store(root / store).capture_plan().data["weights"] == {"revision": first}
     publish(second)
-    again = capture(world, data, root, env=env, model="org/tiny-gpt2")
+    again = capture(world, data, root, model=f"org/{name}")
     assert again.returncode == 0 and "Already captured" not in again.stdout, again.stderr
     assert len(saev_stores(root)) == 2
