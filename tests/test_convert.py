@@ -296,7 +296,7 @@ def test_a_conversion_to_activault_keeps_every_row_or_publishes_nothing(tmp_path
     from forked import pythonpath, run_actstore
 
     from actstore.formats.activault import ActivaultOptions
-    from actstore.formats.activault.writer import file_shape
+    from actstore.formats.activault.run import file_shape
 
     plan = make_plan(n_examples=100, tokens_per_example=16)
     src = write_store("saev", tmp_path / "src", plan, make_acts(plan))

@@ -28,7 +28,8 @@ from .metadata import (
     statistics_to_dict,
 )
 from .positions import POSITIONS, decode, encode
-from .writer import ActivaultWriter, file_shape, write_run_manifest
+from .run import file_shape, write_run_manifest
+from .writer import ActivaultWriter
 
 
 def _store_id(store: Any, run: str) -> str:

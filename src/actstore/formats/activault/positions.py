@@ -28,11 +28,16 @@ Example:
 from __future__ import annotations
 
 import io
-from typing import Any
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...errors import CorruptStoreError
+
+if TYPE_CHECKING:
+    from ...storage.object import ObjectStore
 
 POSITIONS = "actstore-positions.npy"
 PIECES = "actstore-positions.parts"
@@ -232,3 +237,62 @@ def join(pieces: list[tuple[int, int, np.ndarray]], tokens: int, n: int, source:
     if at != n:
         raise CorruptStoreError(f"{source}: positions end at example {at}, not {n}")
     return np.concatenate(parts) if parts else np.zeros(0, positions_dtype(tokens))
+
+
+class PositionLog:
+    """The positions of the examples a capture hands an Activault run, kept as it goes: the
+    records of examples no committed piece holds yet, a piece put at each commit
+    (:data:`PIECES`), the whole table (:data:`POSITIONS`) at close. ``key(*parts)``: a key
+    below the run; ``first``: the first example not yet in a piece."""
+
+    def __init__(
+        self, store: ObjectStore, key: Callable[..., str], tokens_per_example: int, first: int
+    ) -> None:
+        self.store, self.key, self.tokens = store, key, tokens_per_example
+        self._lock = threading.Lock()
+        self._pending: list[np.ndarray] = []  # records of examples from _lo on
+        self._lo = first
+
+    def add(self, table: np.ndarray) -> None:
+        """The records of the next examples handed to the writer (:func:`build`)."""
+        with self._lock:
+            self._pending.append(table)
+
+    def _take(self, upto: int) -> np.ndarray:
+        """The records of examples ``_lo .. upto``, taken off the pending ones."""
+        with self._lock:
+            table = (
+                np.concatenate(self._pending)
+                if self._pending
+                else np.zeros(0, positions_dtype(self.tokens))
+            )
+            n = upto - self._lo
+            taken, rest = table[:n], table[n:]
+            self._pending = [rest] if len(rest) else []
+            self._lo = upto
+        return taken
+
+    def put_piece(self, upto: int) -> None:
+        """Put the positions of the examples a commit ends past (``_lo .. upto``)."""
+        if upto <= self._lo:
+            return
+        start = self._lo
+        self.store.put(self.key(PIECES, piece_name(start, upto)), encode(self._take(upto)))
+
+    def write_table(self, total: int, end: int) -> None:
+        """Put the whole run's table: the committed pieces, then the examples after the
+        last commit up to ``end`` (their tokens stored only up to the files' ``total``)."""
+        start = self._lo
+        tail = self._take(end)
+        kept = np.unpackbits(tail["kept"], axis=1, count=self.tokens)
+        counts = kept.sum(axis=1, dtype=np.int64)
+        tail["stored"] = np.clip(total - tail["first"], 0, counts)
+        pieces = [(start, end, tail)]
+        for obj in self.store.list(self.key(PIECES) + "/"):
+            begin = piece_start(obj.key)
+            if begin is None:
+                continue
+            table = decode(self.store.get(obj.key), self.tokens, self.store.url(obj.key))
+            pieces.append((begin, begin + len(table), table))
+        joined = join(pieces, self.tokens, end, self.store.url(self.key()))
+        self.store.put(self.key(POSITIONS), encode(joined))

@@ -60,22 +60,12 @@ from ...batch import Batch, CapturePlan
 from ...errors import (
     ActstoreError,
     CaptureError,
-    ConfigError,
-    CorruptStoreError,
-    OtherCaptureError,
     StoreExistsError,
 )
 from ...faults import point
-from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
 from ...storage.manifest import (
-    BLOCKS,
-    MANIFEST,
-    FileEntry,
-    ManifestBuilder,
-    file_digest,
-    keyed_digest,
     store_id_of,
 )
 from ...storage.object import (
@@ -88,43 +78,33 @@ from ...storage.object import (
     open_location,
 )
 from ...storage.writeback import pool_size
-from ..base import FormatWriter, summary_of
+from ..base import FormatWriter
 from ..threads import StageClock, check_settings, cpu_pool
-from ..wholefiles import commit_files, statistics_of
+from ..wholefiles import commit_files
 from .layout import (
     CFG,
     METADATA,
     STATISTICS,
     check_hook_prefixes,
-    data_file_name,
     dtype_name,
     group_uuid,
     hook_name,
-    load_megabatch,
-    parse_data_file,
     parse_dtype,
 )
 from .metadata import (
-    DIGESTS_SINCE,
-    RUN_RECORD_VERSION,
     HookMetadata,
     RunRecord,
     run_cfg,
-    statistics_from_dict,
     statistics_to_dict,
 )
 from .options import ActivaultOptions
 from .positions import (
     PIECES,
-    POSITIONS,
+    PositionLog,
     build,
-    decode,
-    encode,
-    join,
-    piece_name,
-    piece_start,
-    positions_dtype,
 )
+from .resume import RunResume
+from .run import conversion_options, file_shape, write_run_manifest
 from .upload import (
     HookUploader,
     Packer,
@@ -141,7 +121,7 @@ else:
 log = logging.getLogger(__name__)
 
 
-class ActivaultWriter(FormatWriter):
+class ActivaultWriter(RunResume, FormatWriter):
     """Writer for one Activault run (``s3://bucket/run``, ``file://...`` or a directory).
 
     Attributes ``resume_from`` (examples whose kept tokens are all stored, or the example a
@@ -193,9 +173,6 @@ class ActivaultWriter(FormatWriter):
             keep=options.queue_files + options.upload_threads,
         )
         self._stats: dict[str, RunningStats] = {}  # set here or by _resume
-        #: positions records of examples no committed piece holds yet (from _pos_lo on)
-        self._pos_pending: list[np.ndarray] = []
-        self._pos_lo = 0
         self._stream = 0  # stream rows of the kept tokens handed to the packer
         self._cfg_written = True  # a new run writes it with its first group
         self.identity = {
@@ -226,29 +203,8 @@ class ActivaultWriter(FormatWriter):
 
     @classmethod
     def convert_options(cls, plan: CapturePlan, options: Any) -> ActivaultOptions:
-        """Files of whole examples that hold every converted row: every Activault file is
-        the same size and the writer drops a tail under one file, so a conversion picks
-        ``rows_per_file`` dividing the examples (the largest at most the default) and
-        refuses, in one line, a ``rows_per_file`` or ``sequence_length`` given that would
-        drop rows (a conversion is of every row or of none)."""
-        options = options or ActivaultOptions()
-        rows, seq = file_shape(plan, options)
-        tokens, n = plan.tokens_per_example, plan.n_examples
-        if (n * tokens) % (rows * seq) == 0:
-            return options
-        fits = max(k for k in range(1, min(rows, n) + 1) if n % k == 0)
-        if not options.rows_per_file and seq == tokens:
-            return replace(options, rows_per_file=fits)
-        hint = (
-            f"give --opt rows_per_file={fits} (it divides the {n} examples)"
-            if seq == tokens
-            else f"leave sequence_length at the store's {tokens} tokens per example"
-        )
-        raise ConfigError(
-            f"Activault files of {rows} rows x {seq} tokens would leave the last "
-            f"{(n * tokens) % (rows * seq)} of the store's {n * tokens} rows out (every file "
-            f"is the same size); a conversion keeps every row: {hint}"
-        )
+        """:func:`~actstore.formats.activault.run.conversion_options`."""
+        return conversion_options(plan, options)
 
     # ------------------------------------------------------------------ open / resume
 
@@ -276,7 +232,9 @@ class ActivaultWriter(FormatWriter):
         else:
             self._resume(cfg_key)
         self._position = Position(self.record.next_example, self.record.next_skip)
-        self._pos_lo = self.record.next_example
+        self._positions = PositionLog(
+            self.store, self._key, self.plan.tokens_per_example, self.record.next_example
+        )
         self._stream = self.record.groups * self.tokens_per_file - self.record.next_skip
         self._next_example = self.record.next_example
         self._skip = self.record.next_skip
@@ -297,132 +255,6 @@ class ActivaultWriter(FormatWriter):
         # files but no cfg.json is refused): opening a writer creates nothing
         self._cfg_written = False
         log.info("new Activault run %s (hooks: %s)", self.location, ", ".join(self.hooks))
-
-    def _resume(self, cfg_key: str) -> None:
-        doc = self.store.get_json(cfg_key)
-        if not isinstance(doc, dict) or "actstore" not in doc:
-            raise StoreExistsError(
-                f"{self.location} is an Activault run not written by actstore; it cannot be "
-                "resumed or extended: choose a new run name"
-            )
-        record = RunRecord.from_dict(doc["actstore"], source=self.store.url(cfg_key))
-        if record.version < RUN_RECORD_VERSION:
-            lacks = "file digests" if record.version < DIGESTS_SINCE else "token positions"
-            raise StoreExistsError(
-                f"{self.location} was written by an older actstore (run record version "
-                f"{record.version}, without {lacks}) and cannot be resumed or completed "
-                "here; capture into a new run"
-            )
-        expected = self._new_record()
-        differ = [
-            name
-            for name in ("hooks", "rows_per_file", "sequence_length", "dtype", "plan")
-            if getattr(record, name) != getattr(expected, name)
-        ]
-        if differ:
-            words = [f"a different {name} (--opt {name})" for name in differ if name != "plan"]
-            if "plan" in differ:
-                words += _plan_words(record.plan, expected.plan)
-            if record.complete:
-                then = (
-                    "it is finished and left as it is: choose a new run name, or move it "
-                    "away to capture anew"
-                )
-            else:
-                then = (
-                    "it is unfinished: rerun that capture (same model, weights, dataset, "
-                    "dtype, sites and options) to resume it, or choose a new run name"
-                )
-            raise OtherCaptureError(
-                f"{self.location} holds another capture: {'; '.join(words)}; {then}",
-                location=str(self.location),
-            )
-        self.record = record
-        if record.complete:
-            if self.store.size(self._key(MANIFEST)) is None:  # a crash before the manifest
-                self._write_manifest()
-            self.complete = True
-            self.resume_from = self.plan.n_examples
-            self._write_lock.release()
-            log.info("%s is already complete; nothing to write", self.location)
-            return
-        aborted = self.store.abort_incomplete(self.run_prefix + "/")
-        for obj in self.store.list(self._key(PIECES) + "/"):  # of uncommitted groups
-            start = piece_start(obj.key)
-            if start is None or start >= record.next_example:
-                self.store.delete(obj.key)
-        self._stats = {h: self._recover_hook(h, record) for h in self.hooks}
-        self.record = record  # as the first attempt wrote it: a resumed run is byte-identical
-        self._write_cfg()
-        self.resume_from = record.next_example
-        log.info(
-            "resuming %s after %d committed files per hook (example %d, %d tokens into it; "
-            "%d unfinished uploads aborted)",
-            self.location,
-            record.groups,
-            record.next_example,
-            record.next_skip,
-            aborted,
-        )
-
-    def _recover_hook(self, hook: str, record: RunRecord) -> RunningStats:
-        """Delete files of uncommitted groups; check committed ones; catch statistics up."""
-        prefix = self._hook_prefix(hook)
-        keep = {
-            data_file_name(group_uuid(record.run_id, g), g + 1): g for g in range(record.groups)
-        }
-        sizes: dict[str, int] = {}
-        for obj in self.store.list(prefix + "/"):
-            name = obj.key[len(prefix) + 1 :]
-            if name in keep:
-                sizes[name] = obj.size
-            elif parse_data_file(name) is not None:
-                log.info("deleting %s (uploaded after the last commit)", self.store.url(obj.key))
-                self.store.delete(obj.key)
-        if record.groups == 0:
-            return RunningStats(self.plan.d_model)
-        md = HookMetadata.from_dict(
-            self.store.get_json(join_key(prefix, METADATA)),
-            source=self.store.url(join_key(prefix, METADATA)),
-        )
-        self._metadata_bytes[hook] = md.file_bytes
-        for name, g in keep.items():
-            if sizes.get(name) != md.bytes_per_file:
-                raise CorruptStoreError(
-                    f"{self.store.url(join_key(prefix, name))} (committed group {g}) is "
-                    f"{'missing' if name not in sizes else f'{sizes[name]} bytes'}, expected "
-                    f"{md.bytes_per_file} bytes; the run is damaged: capture into a new run"
-                )
-        stats_key = join_key(prefix, STATISTICS)
-        stats = None
-        if self.store.size(stats_key) is not None:
-            stats = statistics_from_dict(
-                self.store.get_json(stats_key), source=self.store.url(stats_key)
-            )
-        stats = stats or RunningStats(self.plan.d_model)
-        done, rest = divmod(stats.count, self.tokens_per_file)
-        if rest or done > record.groups:
-            raise CorruptStoreError(
-                f"{self.store.url(stats_key)} counts {stats.count} tokens, which is not the "
-                f"{record.groups} committed files of {self.tokens_per_file} tokens; the run is "
-                "damaged: capture into a new run"
-            )
-        digests = record.digests.get(hook, [])
-        for g in range(done, record.groups):  # statistics lag the commit by at most a group
-            name = data_file_name(group_uuid(record.run_id, g), g + 1)
-            key = join_key(prefix, name)
-            data = self.store.get(key)
-            keyed = keyed_digest(self.store_id, f"{hook}/{name}", data)
-            if g < len(digests) and keyed != int(digests[g], 16):
-                raise CorruptStoreError(
-                    f"{self.store.url(key)} (committed group {g}) is not the file that was "
-                    "committed (changed or damaged since); capture into a new run"
-                )
-            states = load_megabatch(data, source=self.store.url(key))["states"]
-            stats = stats.merge(statistics_of(states))
-        return stats
-
-    # ------------------------------------------------------------------ writing
 
     def _fail(self, err: BaseException) -> None:
         with self._lock:
@@ -508,8 +340,8 @@ class ActivaultWriter(FormatWriter):
             if batch.token_mask is None
             else np.array(batch.token_mask, dtype=bool, copy=True)
         )
-        with self._lock:  # where each example's kept tokens go (before any skip)
-            self._pos_pending.append(build(mask, batch.token_ids, first=self._stream))
+        # where each example's kept tokens go (before any skip)
+        self._positions.add(build(mask, batch.token_ids, first=self._stream))
         self._stream += int(mask.sum())
         if self._skip:  # the first kept tokens of this example are stored already
             row = mask[0]
@@ -618,7 +450,7 @@ class ActivaultWriter(FormatWriter):
                 ).with_bytes(self._metadata_bytes[hook])
                 self.store.put_json(join_key(self._hook_prefix(hook), METADATA), md.to_dict())
         example, skip = pending["position"]
-        self._put_piece(example)  # before cfg.json commits the position past them
+        self._positions.put_piece(example)  # before cfg.json commits the position past them
         digests = {h: [*self.record.digests.get(h, []), stored[h].digest] for h in self.hooks}
         with self._lock:
             record = replace(
@@ -636,49 +468,6 @@ class ActivaultWriter(FormatWriter):
                 self.record, groups=group + 1, next_example=example, next_skip=skip, digests=digests
             )
             self._committed.notify_all()
-
-    def _take_positions(self, upto: int) -> np.ndarray:
-        """The positions records of examples ``_pos_lo .. upto`` (taken off the pending)."""
-        with self._lock:
-            table = (
-                np.concatenate(self._pos_pending)
-                if self._pos_pending
-                else np.zeros(0, positions_dtype(self.plan.tokens_per_example))
-            )
-            n = upto - self._pos_lo
-            taken, rest = table[:n], table[n:]
-            self._pos_pending = [rest] if len(rest) else []
-            self._pos_lo = upto
-        return taken
-
-    def _put_piece(self, upto: int) -> None:
-        """Put the positions of the examples a commit ends past (``_pos_lo .. upto``)."""
-        if upto <= self._pos_lo:
-            return
-        start = self._pos_lo
-        table = self._take_positions(upto)
-        self.store.put(self._key(PIECES, piece_name(start, upto)), encode(table))
-
-    def _write_positions(self) -> None:
-        """``actstore-positions.npy`` of the whole run: the committed pieces, then the
-        examples after the last commit (their tokens stored only up to the files' end)."""
-        total = self.record.groups * self.tokens_per_file
-        start, n = self._pos_lo, self._next_example
-        tail = self._take_positions(n)
-        kept = np.unpackbits(tail["kept"], axis=1, count=self.plan.tokens_per_example)
-        counts = kept.sum(axis=1, dtype=np.int64)
-        tail["stored"] = np.clip(total - tail["first"], 0, counts)
-        pieces = [(start, n, tail)]
-        for obj in self.store.list(self._key(PIECES) + "/"):
-            begin = piece_start(obj.key)
-            if begin is None:
-                continue
-            table = decode(
-                self.store.get(obj.key), self.plan.tokens_per_example, self.store.url(obj.key)
-            )
-            pieces.append((begin, begin + len(table), table))
-        joined = join(pieces, self.plan.tokens_per_example, n, self.location)
-        self.store.put(self._key(POSITIONS), encode(joined))
 
     def _write_cfg(self, record: RunRecord | None = None) -> None:
         bucket = self.store.bucket_name
@@ -739,7 +528,7 @@ class ActivaultWriter(FormatWriter):
                 dropped,
                 self.tokens_per_file,
             )
-        self._write_positions()
+        self._positions.write_table(self.record.groups * self.tokens_per_file, self._next_example)
         with self._lock:
             self.record = replace(self.record, complete=True, dropped_tokens=dropped)
             self._write_cfg()
@@ -794,108 +583,3 @@ def _published(location: str) -> Path | str:
     """What ``close()`` returns: the run's directory, or its URL on object storage."""
     loc = Location.parse(location)
     return loc.path() if loc.is_local else loc.url
-
-
-def write_run_manifest(
-    store: ObjectStore, run_prefix: str, record: RunRecord, store_id: str, d_model: int
-) -> None:
-    """Put the root manifest of the complete run ``record`` describes (its last object)."""
-    builder = ManifestBuilder(format="activault", store_id=store_id, record=store_id)
-    for hook in record.hooks:
-        md = HookMetadata.from_dict(
-            store.get_json(join_key(run_prefix, hook, METADATA)),
-            source=store.url(join_key(run_prefix, hook, METADATA)),
-        )
-        digests = record.digests.get(hook, [])
-        if len(digests) != record.groups:
-            raise CorruptStoreError(
-                f"{store.url(run_prefix)}: cfg.json records {len(digests)} file digests of "
-                f"{hook} for {record.groups} committed files; capture the run again"
-            )
-        for g, text in enumerate(digests):
-            name = f"{hook}/{data_file_name(group_uuid(record.run_id, g), g + 1)}"
-            value = np.array([int(text, 16)], dtype="<u8")
-            builder.add(
-                name,
-                FileEntry(size=md.file_bytes, digest=file_digest(value), single=text),
-                value,
-            )
-        for name in (METADATA, STATISTICS):
-            key = join_key(run_prefix, hook, name)
-            if store.size(key) is not None:
-                builder.add_bytes(f"{hook}/{name}", store.get(key))
-    builder.add_bytes(CFG, store.get(join_key(run_prefix, CFG)))
-    if store.size(join_key(run_prefix, POSITIONS)) is not None:
-        builder.add_bytes(POSITIONS, store.get(join_key(run_prefix, POSITIONS)))
-    rows = record.groups * record.tokens_per_file
-    summary = summary_of(
-        sites=[Site.parse(s) for s in record.hooks.values()],
-        d_model=d_model,
-        dtype=record.dtype,
-        rows=rows,
-    )
-    manifest, blocks = builder.build(summary=summary)
-    if blocks is not None:
-        store.put(join_key(run_prefix, BLOCKS), blocks)
-    store.put(join_key(run_prefix, MANIFEST), manifest)
-
-
-#: Largest default megabatch file (Activault's 70B configs write 4 GiB files; smaller files
-#: keep the reader's prefetch memory and the dropped tail small).
-DEFAULT_FILE_BYTES = 256 << 20
-
-
-def _plan_words(held: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """What differs between two capture plans kept in run records, in words."""
-    from ...batch import plan_differences
-
-    try:
-        words = plan_differences(
-            CapturePlan.from_json_dict(held), CapturePlan.from_json_dict(wanted)
-        )
-    except (KeyError, TypeError, ValueError, ActstoreError):
-        words = []
-    if words:
-        return words
-    keys = [k for k in wanted if held.get(k) != wanted.get(k)]
-    return [f"another capture plan ({', '.join(keys)})"]
-
-
-def file_shape(plan: CapturePlan, options: ActivaultOptions) -> tuple[int, int]:
-    """(rows, tokens per row) of every megabatch file a capture ``plan`` writes.
-
-    Example:
-        >>> from actstore.testing import make_plan
-        >>> file_shape(make_plan(tokens_per_example=128), ActivaultOptions(rows_per_file=4))
-        (4, 128)
-    """
-    seq = options.sequence_length or plan.tokens_per_example
-    rows = options.rows_per_file or default_rows_per_file(
-        plan.batch_size,
-        seq,
-        plan.d_model,
-        parse_dtype(options.dtype),
-        total_tokens=plan.n_examples * plan.tokens_per_example,
-    )
-    return rows, seq
-
-
-def default_rows_per_file(
-    batch_size: int, seq: int, d: int, dtype: torch.dtype, *, total_tokens: int | None = None
-) -> int:
-    """8 capture batches of rows, but at most 256 MiB per file and, for small captures, at
-    most a sixteenth of the data (so the dropped tail, under one file, stays small).
-
-    Example:
-        >>> default_rows_per_file(32, 128, 384, torch.bfloat16)
-        256
-        >>> default_rows_per_file(4, 2048, 8192, torch.bfloat16)
-        8
-        >>> default_rows_per_file(32, 128, 384, torch.bfloat16, total_tokens=1000 * 128)
-        62
-    """
-    row_bytes = seq * d * torch.empty(0, dtype=dtype).element_size()
-    rows = min(8 * batch_size, DEFAULT_FILE_BYTES // row_bytes)
-    if total_tokens is not None:
-        rows = min(rows, total_tokens // (16 * seq))
-    return max(1, rows)

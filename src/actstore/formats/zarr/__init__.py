@@ -19,9 +19,10 @@ from ..registry import FormatSpec
 from .layout import ZarrLayout, choose_layout
 from .options import ZarrOptions
 from .parts import part_format
+from .plan import plan_store
 from .reader import ZarrReader, detect
 from .shards import merge_run, shard_ranges, write_manifest, write_shards
-from .writer import ZarrWriter, plan_store
+from .writer import ZarrWriter
 
 if TYPE_CHECKING:
     from .dataset import ZarrPairDataset

@@ -4,7 +4,7 @@ arrays and ``.zmetadata``); publication is :class:`~actstore.formats.writer.Shar
 Example:
     >>> import tempfile
     >>> from actstore.formats.zarr import ZarrOptions
-    >>> from actstore.formats.zarr.writer import plan_store
+    >>> from actstore.formats.zarr.plan import plan_store
     >>> from actstore.testing import make_plan
     >>> layout = plan_store(make_plan(), ZarrOptions())[0]
     >>> tmp = tempfile.TemporaryDirectory()

@@ -88,7 +88,7 @@ def metadata_faults(store: StoreMeta) -> list[str]:
     the truncation counts, optional arrays and text files against the data; the provenance
     fields (creation time, version, commit) of their types."""
     from .options import ZarrOptions
-    from .writer import fingerprint
+    from .plan import fingerprint
 
     faults = _node_file_faults(store)
     manifest = store.checks.manifest
@@ -218,7 +218,7 @@ def _config_faults(
 
 def _derived_attr_faults(store: StoreMeta, edited: str) -> list[str]:
     """The attributes the writer derives from the stored samples and files."""
-    from .writer import truncation_attrs_from_counts
+    from .plan import truncation_attrs_from_counts
 
     attrs, lay, where = store.attrs, store.layout, store.url_of(".zattrs")
     faults = []
