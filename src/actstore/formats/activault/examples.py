@@ -15,9 +15,7 @@ from ...sites import Site
 from ...storage.object import join_key
 from ..arrays import LazyRows
 from .fetch import ActivaultFiles
-from .metadata import (
-    POSITIONS_SINCE,
-)
+from .metadata import POSITIONS_SINCE
 from .positions import POSITIONS, Positions, decode
 
 if TYPE_CHECKING:

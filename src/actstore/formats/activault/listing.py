@@ -36,12 +36,7 @@ from .layout import (
     parse_data_file,
     parse_dtype,
 )
-from .metadata import (
-    DIGESTS_SINCE,
-    RUN_RECORD_VERSION,
-    HookMetadata,
-    RunRecord,
-)
+from .metadata import DIGESTS_SINCE, RUN_RECORD_VERSION, HookMetadata, RunRecord
 
 if TYPE_CHECKING:
     import torch
