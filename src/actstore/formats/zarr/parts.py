@@ -9,9 +9,9 @@ from ...errors import CorruptStoreError
 from ...storage.integrity import Integrity
 from ...storage.location import Location
 from ..parts import PartFormat, PartInfo, Slice
+from .index import MANIFEST
 from .layout import CONFIG_FILE
 from .meta import parse_zmetadata
-from .reader import MANIFEST
 from .shards import SHARDS_DIR, shard_ranges, write_manifest
 from .writer import ZarrWriter
 
