@@ -12,6 +12,10 @@ truncated shard is reported up front with the file named. Stores saev itself wro
 manifest: they open with one warning and read unverified (``verify_reads=False`` does the
 same for any store, and then random access reads only the rows asked for).
 
+:class:`SaevReader` is built in layers: :mod:`.index` (metadata.json and shards.json,
+checked), :mod:`.verify` (``verify``'s scan and content checks); this module adds reads,
+blocks, scatter reads, ``gather``, token ids, labels, statistics and ``describe``.
+
 Example:
     >>> import tempfile
     >>> from actstore.testing import FormatCase, make_acts, make_batches, make_plan
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -37,22 +40,17 @@ import numpy as np
 import torch
 
 from ...batch import CapturePlan
-from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError, UnsafeDataError
+from ...errors import ConfigError, CorruptStoreError, UnsafeDataError
 from ...sites import Site
 from ...stats import RunningStats
 from ..arrays import RowFile
-from ..base import Block, Extent, ReaderBase, VerifyReport, as_indices, place, scratch
-from .layout import SaevMetadata, shard_name
+from ..base import Block, Extent, ReaderBase, as_indices, place, scratch
+from .layout import shard_name
+from .verify import SaevVerify
 from .writer import STATISTICS
 
 log = logging.getLogger(__name__)
 _SLAB_WARNED = threading.Event()  # the verified slab fallback is announced once per process
-
-_HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
-#: Files only actstore writes into a saev directory (a store holding one is ours).
-OWN_MARKERS = ("statistics.json", "tokens.bin", "actstore-manifest.json")
-#: The checksum file of actstore before the root manifest (such stores are refused by name).
-OLD_CHECKSUMS = "checksums.xxh128"
 
 
 def detect(files) -> bool:
@@ -69,7 +67,7 @@ def detect(files) -> bool:
     )
 
 
-class SaevReader(ReaderBase):
+class SaevReader(SaevVerify):
     """Read access to one saev directory, local or ``s3://bucket/prefix``. Picklable: worker
     processes reopen files lazily.
 
@@ -80,147 +78,12 @@ class SaevReader(ReaderBase):
 
     format_name = "saev"
 
-    def open_index(self) -> None:
-        """metadata.json and shards.json read and checked, every shard's size too."""
-        if not self.files.exists("metadata.json"):
-            raise StoreNotFoundError(
-                f"{self.url} holds no saev store (no metadata.json): a wrong path, or an "
-                "unfinished copy (finish it with actstore cp)"
-            )
-        if (
-            self.verify_reads
-            and self.files.exists(OLD_CHECKSUMS)
-            and not self.files.exists("actstore-manifest.json")
-        ):
-            raise CorruptStoreError(
-                f"{self.url} was written by an older actstore (it has {OLD_CHECKSUMS}, not a "
-                "root manifest): re-capture it, or open it with verify_reads=False"
-            )
-        self.open_checks(ours=any(self.files.exists(n) for n in OWN_MARKERS))
-        self.metadata = SaevMetadata.from_json_dict(
-            self.checks.read_json("metadata.json"), source=self.files.url_of("metadata.json")
-        )
-        self.shard_counts = self._read_shards_json()
-        self._check_sizes()
-        self._statistics: dict[str, Any] | None = None
-
-    # ------------------------------------------------------------------ validation
-
-    def _read_shards_json(self) -> list[int]:
-        md, source = self.metadata, self.files.url_of("shards.json")
-        doc = self.checks.read_json("shards.json")
-        if not isinstance(doc, list) or not all(
-            isinstance(e, dict)
-            and isinstance(e.get("name"), str)
-            and isinstance(e.get("n_examples"), int)
-            for e in doc
-        ):
-            raise CorruptStoreError(f"{source} must be a list of {{name, n_examples}} objects")
-        if (
-            md.dialect == "saev"
-            and len(doc) == md.n_shards + 1
-            and md.n_shards
-            and md.n_examples % md.examples_per_shard == 0
-            and doc[-1] == {"name": shard_name(md.n_shards), "n_examples": 0}
-        ):
-            # saev's own ShardWriter opens one more (all-zero) shard when the last one fills
-            # exactly and lists it with 0 examples; its readers ignore it, and so do we.
-            doc = doc[:-1]
-        if len(doc) != md.n_shards:
-            raise CorruptStoreError(
-                f"{source} lists {len(doc)} shards; metadata ({md.n_examples} examples, "
-                f"{md.examples_per_shard} per shard) implies {md.n_shards}"
-            )
-        for i, entry in enumerate(doc):
-            if entry["name"] != shard_name(i) or entry["n_examples"] != md.shard_examples(i):
-                raise CorruptStoreError(
-                    f"{source} entry {i} is {entry}; expected name {shard_name(i)} with "
-                    f"{md.shard_examples(i)} examples"
-                )
-        return [e["n_examples"] for e in doc]
-
-    def _check_sizes(self) -> None:
-        md = self.metadata
-        listed = self.files.list()  # one listing, not a stat per shard
-        for i in range(md.n_shards):
-            url = self.files.url_of(shard_name(i))
-            size, want = listed.get(shard_name(i)), md.shard_nbytes(i)
-            if size is None:
-                raise StoreNotFoundError(f"shard {url} is missing; restore it or re-capture")
-            if size != want:
-                raise CorruptStoreError(
-                    f"shard {url} has {size} bytes, expected {want} "
-                    f"({'truncated' if size < want else 'too long'}); restore it or re-capture"
-                )
-        for name, row in (("tokens.bin", md.tokens_per_ex * 4), ("labels.bin", md.patches_per_ex)):
-            size = listed.get(name)
-            if size is not None and size != md.n_examples * row:
-                raise CorruptStoreError(
-                    f"{self.files.url_of(name)} has {size} bytes, expected {md.n_examples * row}"
-                )
-
-    # ------------------------------------------------------------------ properties
-
-    @property
-    def dialect(self) -> str:
-        """``"protocol"`` (the document) or ``"saev"`` (saev's released code)."""
-        return self.metadata.dialect
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return self.metadata.layers
-
-    @property
-    def sites(self) -> tuple[Site, ...]:
-        """The stored residual-stream layers (saev's "layers") as ``resid.L`` sites."""
-        return tuple(Site("resid", layer) for layer in self.metadata.layers)
-
-    def native_name(self, site: Site) -> str:
-        return str(site.layer)
-
-    @property
-    def family(self) -> str:
-        return self.metadata.family
-
-    @property
-    def n_model_layers(self) -> int:
-        """saev metadata does not record the model's depth: negative layers count from the
-        deepest stored layer (``-1`` is it)."""
-        return max(self.metadata.layers) + 1
-
-    @property
-    def d_model(self) -> int:
-        return self.metadata.d_model
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype("<f4")
-
-    @property
-    def n_examples(self) -> int:
-        return self.metadata.n_examples
-
-    @property
-    def tokens_per_ex(self) -> int:
-        return self.metadata.tokens_per_ex
-
-    @property
-    def tokens_per_example(self) -> int:
-        return self.metadata.tokens_per_ex
-
-    def n_rows(self, site: Any) -> int:
-        self.site(site)
-        return self.metadata.n_examples * self.metadata.tokens_per_ex
-
     def __repr__(self) -> str:
         n, _layers, t, d = self.shape
         return (
             f"SaevReader({self.url!r}, dialect={self.dialect!r}, n_examples={n}, "
             f"layers={list(self.layers)}, tokens={t}, d_model={d})"
         )
-
-    def _layer_index(self, site: Site) -> int:
-        return self.metadata.layers.index(site.layer)
 
     # ------------------------------------------------------------------ reads
 
@@ -599,51 +462,3 @@ class SaevReader(ReaderBase):
             "cls_token": md.cls_token,
             "shards": f"{md.n_shards} x up to {md.examples_per_shard} examples",
         }
-
-    # ------------------------------------------------------------------ verify
-
-    def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
-        """Count non-finite values and check the zero padding after the last example."""
-        if not (name.startswith("acts") and name.endswith(".bin")):
-            return
-        md = self.metadata
-        valid_bytes = self.shard_counts[int(name[4:10])] * md.example_nbytes
-        valid = max(0, min(len(data), valid_bytes - offset))
-        values = np.frombuffer(data[: valid - valid % 4], dtype="<f4")
-        scan = self.__dict__.setdefault("_scan", {"non_finite": 0, "bad_pad": set()})
-        scan["non_finite"] += int(values.size - np.count_nonzero(np.isfinite(values)))
-        if valid < len(data) and np.frombuffer(data[valid:], dtype=np.uint8).any():
-            scan["bad_pad"].add(name)
-
-    def verify_content(self, report: VerifyReport) -> None:
-        """The directory name against the content hash, the statistics against the shapes,
-        zero padding (saev dialect) and non-finite values."""
-        md = self.metadata
-        expected_hash = md.content_hash()
-        name = self.location.name
-        if _HASH_NAME.match(name) and name != expected_hash:
-            report.faults.append(
-                f"directory name {name} differs from the metadata hash {expected_hash}: "
-                "metadata.json was edited after publication"
-            )
-        if self.files.exists(STATISTICS):
-            try:
-                for site in self.sites:
-                    stats = self.site_statistics(site)
-                    want = md.n_examples * md.tokens_per_ex
-                    if stats is None or stats.count != want or stats.d != md.d_model:
-                        raise CorruptStoreError(
-                            f"layer {site.layer} counts {stats and stats.count} rows of width "
-                            f"{stats and stats.d}, expected {want} of {md.d_model}"
-                        )
-                    if stats.mean.shape != (md.d_model,) or stats.m2.shape != (md.d_model,):
-                        raise CorruptStoreError(
-                            f"layer {site.layer} has vectors of the wrong length"
-                        )
-            except (CorruptStoreError, KeyError, TypeError, AttributeError, ValueError) as err:
-                report.faults.append(f"{STATISTICS} is malformed: {err}")
-        scan = self.__dict__.pop("_scan", {"non_finite": 0, "bad_pad": set()})
-        for shard in sorted(scan["bad_pad"]):
-            report.faults.append(f"{shard}: padding after the last example is not zero")
-        if scan["non_finite"]:
-            report.notes.append(f"{scan['non_finite']} activation values are NaN or infinite")
