@@ -170,10 +170,12 @@ class ShardStats:
         d: int,
         pool: Executor | None = None,
         clock: StageClock | None = None,
+        tasks: int = 1,
     ) -> None:
         self.sites, self.d, self.pool, self.clock = tuple(sites), d, pool, clock
+        self.tasks = max(1, int(tasks))
         self.per = RunningStats(d).rows_per_chunk
-        self._parts: dict[Site, list[Future | Moments]] = {s: [] for s in self.sites}
+        self._parts: dict[Site, list[Future | _Picked | Moments]] = {s: [] for s in self.sites}
         self._runs = {s: RunMoments(d) for s in self.sites}  # the run spanning batches
         self._unsettled: list[Any] = []  # every task since the last settle
         self._fill = 0  # rows of the current run so far
@@ -190,24 +192,33 @@ class ShardStats:
         ends = head > 0 and self._fill + head == self.per
         full = (n - head) // self.per * self.per
         tail = n - head - full
+        small = []  # (site, pieces): head then tail, in order, on one task: they share the run
         for site, part in arrays.items():
             pieces = [p for p in (part[:head], part[n - tail :]) if len(p)]
-            if pieces:  # head then tail, in order, on one task: they share the run
-                task = self._submit(self._accumulate, self._runs[site], pieces, ends)
-                if ends:  # else it only accumulates: settle waits for it all the same
-                    self._parts[site].append(task)
+            if pieces:
+                small.append((site, pieces))
             for lo in range(head, head + full, self.per):
                 self._parts[site].append(self._submit(moments, part[lo : lo + self.per]))
+        # the sites' pieces in at most `tasks` tasks (a few per batch, not one per site)
+        for k in range(min(self.tasks, len(small))):
+            group = small[k :: self.tasks]
+            jobs = [(self._runs[site], pieces) for site, pieces in group]
+            task = self._submit(self._accumulate, jobs, ends)
+            if ends:  # else it only accumulates: settle waits for it all the same
+                for i, (site, _) in enumerate(group):
+                    self._parts[site].append(_Picked(task, i))
         self._fill = tail if ends or not head else self._fill + head
 
     @staticmethod
-    def _accumulate(run: RunMoments, pieces: list[Rows], ends: bool) -> Moments | None:
-        """Add the head piece (ending the run when ``ends``: its moments are returned),
-        then the tail piece, which starts the next run."""
-        run.add(pieces[0])
-        out = run.result() if ends else None
-        for piece in pieces[1:]:
-            run.add(piece)
+    def _accumulate(jobs: list[tuple[RunMoments, list[Rows]]], ends: bool) -> list[Moments | None]:
+        """For each site's run: add the head piece (ending the run when ``ends``: its
+        moments are returned), then the tail piece, which starts the next run."""
+        out: list[Moments | None] = []
+        for run, pieces in jobs:
+            run.add(pieces[0])
+            out.append(run.result() if ends else None)
+            for piece in pieces[1:]:
+                run.add(piece)
         return out
 
     def _submit(self, fn: Any, *args: Any) -> Any:  # a Future, or the result inline
@@ -234,12 +245,23 @@ class ShardStats:
         for site, parts in self._parts.items():
             stats = RunningStats(self.d)
             for p in parts:
-                stats.add(p.result() if isinstance(p, Future) else p)  # type: ignore[arg-type]
+                stats.add(p.result() if isinstance(p, (Future, _Picked)) else p)  # type: ignore[arg-type]
             if self._fill:
                 stats.add(self._runs[site].result())
             out[site] = stats
         self._fill = 0
         return out
+
+
+class _Picked:
+    """Item ``i`` of a task's (or an inline call's) list of results."""
+
+    def __init__(self, task: Any, i: int) -> None:
+        self.task, self.i = task, i
+
+    def result(self) -> Any:
+        found = self.task.result() if isinstance(self.task, Future) else self.task
+        return found[self.i]
 
 
 def _float_rows(rows: np.ndarray | torch.Tensor) -> Rows:

@@ -346,7 +346,9 @@ class ShardedWriter(Resume, Publication, PartMerge):
                 self._direct_align = direct_alignment_in(self.partial)
             sink = self._sink = self.open_shard(index, self.partial)
             out = self._out = ShardOutput(self.partial, self.store_id, pools)
-            stats = self._stats = ShardStats(self.sites, self.plan.d_model, pools.cpu, self.clock)
+            stats = self._stats = ShardStats(
+                self.sites, self.plan.d_model, pools.cpu, self.clock, tasks=pools.threads
+            )
             sink.open(out)
             self._in_shard, self._shard_index = 0, index
         assert self._pools is not None
