@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from actstore.formats.base import WriterBase
+from actstore.formats.writerbase import WriterBase
 
 if TYPE_CHECKING:
     from actstore.batch import CapturePlan

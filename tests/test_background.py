@@ -13,7 +13,7 @@ import torch
 from actstore.batch import Batch
 from actstore.capture import BackgroundWriter
 from actstore.errors import CaptureError, StoreNotFoundError
-from actstore.formats.base import WriterBase
+from actstore.formats.writerbase import WriterBase
 
 
 class SlowWriter(WriterBase):

@@ -56,9 +56,10 @@ from .errors import (
     OtherCaptureError,
 )
 from .formats import open_store
-from .formats.base import ReaderBase, WriterBase
+from .formats.base import ReaderBase
 from .formats.identity import explain_other_capture
 from .formats.registry import FormatSpec, available_formats, detect_format, get_format
+from .formats.writerbase import WriterBase
 from .progress import bar_switch
 from .sites import Site
 from .storage.location import Location

@@ -29,7 +29,7 @@ from typing import Any, Self
 
 from ..batch import Batch
 from ..errors import ActstoreError, CaptureError, ConfigError
-from ..formats.base import WriterBase
+from ..formats.writerbase import WriterBase
 
 _DONE = object()
 

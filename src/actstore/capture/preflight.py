@@ -41,9 +41,9 @@ from urllib.parse import urlparse
 
 from ..batch import CapturePlan
 from ..errors import ConfigError, OtherCaptureError, StorageError, StoreNotFoundError
-from ..formats.base import WriterBase
 from ..formats.identity import explain_other_capture
 from ..formats.threads import check_settings
+from ..formats.writerbase import WriterBase
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
 from ..sites import Site
 from .data import ExampleSource

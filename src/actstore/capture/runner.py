@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from ..batch import Batch, CapturePlan
 from ..errors import ConfigError, DeviceError
-from ..formats.base import WriterBase
+from ..formats.writerbase import WriterBase
 from ..progress import bar_switch
 from ..sites import Site
 from .background import BackgroundWriter

@@ -177,7 +177,7 @@ def verify(
         UnsafeDataError,
     )
     from ..formats import open_store
-    from ..formats.base import VerifyReport
+    from ..formats.report import VerifyReport
     from ..progress import bar_switch
     from ..storage.location import Location
     from .status_cmd import refuse_output_root

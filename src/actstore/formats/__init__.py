@@ -17,8 +17,11 @@ import os
 from typing import Any
 
 from ..storage.location import Location
-from .base import Block, FormatWriter, ReaderBase, SiteLike, WriterBase
+from .base import ReaderBase
+from .blocks import Block
+from .reading import SiteLike
 from .registry import FormatSpec, available_formats, detect_format, get_format
+from .writerbase import FormatWriter, WriterBase
 
 
 def open_store(location: str | os.PathLike | Location, **kwargs: Any) -> ReaderBase:

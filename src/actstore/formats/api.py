@@ -25,7 +25,8 @@ from ..storage import atomic_write_bytes, atomic_write_json
 from ..storage.files import StoreFiles
 from ..storage.location import Location
 from ..storage.manifest import FileEntry
-from .base import Block, FormatWriter, ReaderBase
+from .base import ReaderBase
+from .blocks import Block
 from .parts import sharded_part_format
 from .pipeline import ShardOutput
 from .registry import FormatSpec, register_format
@@ -33,6 +34,7 @@ from .shard import ShardRecord, ShardSink
 from .threads import StageClock
 from .wholefiles import StagedFile, commit_files, fold_statistics
 from .writer import ShardedWriter
+from .writerbase import FormatWriter
 
 __all__ = [
     "Batch",

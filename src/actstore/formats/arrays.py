@@ -50,7 +50,7 @@ class LazyRows(abc.ABC):
         """Rows ``index`` (an int64 array of valid row numbers), read and checked."""
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        from .base import as_indices
+        from .blocks import as_indices
 
         key = key if isinstance(key, tuple) else (key,)
         rows = as_indices(key[0], len(self), "row")

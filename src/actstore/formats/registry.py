@@ -50,8 +50,9 @@ from ..storage.manifest import MANIFEST
 if TYPE_CHECKING:
     from ..batch import CapturePlan
     from ..storage.files import StoreFiles
-    from .base import FormatWriter, ReaderBase, WriterBase
+    from .base import ReaderBase
     from .parts import PartFormat
+    from .writerbase import FormatWriter, WriterBase
 
 log = logging.getLogger(__name__)
 

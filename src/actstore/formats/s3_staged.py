@@ -44,7 +44,7 @@ from ..storage.manifest import MANIFEST, RootManifest
 from ..storage.object import S3Config, S3Store, join_key, open_location
 from ..storage.s3lock import DEFAULT_LEASE_S, S3Lock
 from ..storage.upload import BackgroundUploader
-from .base import WriterBase
+from .writerbase import WriterBase
 
 log = logging.getLogger(__name__)
 

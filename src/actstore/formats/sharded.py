@@ -21,11 +21,12 @@ from ..batch import Batch, CapturePlan
 from ..sites import Site
 from ..stats import RunningStats, merge_all
 from ..storage.lock import StoreLock
-from .base import FormatWriter, summary_of
 from .journal import append_journal, write_journal
 from .pipeline import ShardOutput
+from .report import summary_of
 from .shard import ShardRecord, ShardSink, ShardStats
 from .threads import Pools, StageClock
+from .writerbase import FormatWriter
 
 if TYPE_CHECKING:
     import torch

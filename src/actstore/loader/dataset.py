@@ -29,7 +29,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..devicecopy import Staging, copies_for
 from ..errors import ConfigError, StorageError
 from ..formats import open_store
-from ..formats.base import Extent, SiteLike
+from ..formats.blocks import Extent
+from ..formats.reading import SiteLike
 from ..formats.threads import StageClock
 from ..order import EpochPlan, batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site

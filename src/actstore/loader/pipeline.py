@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, StorageError
-from ..formats.base import Block, Extent, ReaderBase
+from ..formats.base import ReaderBase
+from ..formats.blocks import Block, Extent
 from ..formats.threads import StageClock, cpu_pool
 from ..order import EpochPlan, slab_bounds, slab_of, slab_rows
 from ..storage.mapped import MappedFiles

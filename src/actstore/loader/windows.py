@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..formats.base import Block, Extent
+from ..formats.blocks import Block, Extent
 from ..formats.threads import StageClock
 from ..order import EpochPlan
 from ..storage.mapped import MappedFiles

@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from ..batch import Batch, CapturePlan
-from ..formats.base import ReaderBase, WriterBase
+from ..formats.base import ReaderBase
 from ..formats.registry import FormatSpec, get_format
+from ..formats.writerbase import WriterBase
 from ..sites import Site
 from ..storage.location import Location
 from ..storage.manifest import OWN_FILES

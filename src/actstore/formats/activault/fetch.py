@@ -14,7 +14,7 @@ from ...errors import ConfigError, CorruptStoreError
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.object import MiB, base_name, join_key
-from ..base import Block
+from ..blocks import Block
 from .layout import STATISTICS, load_megabatch, parse_dtype
 from .listing import ActivaultListing
 from .metadata import HookMetadata, statistics_from_dict

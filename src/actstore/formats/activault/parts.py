@@ -17,8 +17,8 @@ from ...errors import ConfigError, CorruptStoreError
 from ...stats import merge_all
 from ...storage.manifest import rekey
 from ...storage.object import base_name, join_key, open_location, parent_key
-from ..base import WriterBase
 from ..parts import PartFormat, PartInfo, aligned_slices
+from ..writerbase import WriterBase
 from .layout import CFG, METADATA, STATISTICS, data_file_name, group_uuid
 from .metadata import (
     HookMetadata,

@@ -43,7 +43,7 @@ from ...forksafe import ForkSafeLock
 from ...hub import local_tokenizer
 from ...storage.location import Location
 from ...storage.object import MiB
-from ..base import summary_of
+from ..report import summary_of
 from .layout import CFG, METADATA
 from .verify import ActivaultVerify
 

@@ -27,7 +27,7 @@ from ...storage.object import (
     ObjectStore,
     join_key,
 )
-from ..base import summary_of
+from ..report import summary_of
 from .layout import (
     CFG,
     METADATA,

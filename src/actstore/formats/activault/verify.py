@@ -28,8 +28,8 @@ from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ...storage.manifest import store_id_of
 from ...storage.object import base_name
-from ..base import VerifyReport
 from ..recompute import compare_statistics
+from ..report import VerifyReport
 from ..wholefiles import statistics_of
 from .examples import ActivaultExamples
 from .fetch import check_megabatch

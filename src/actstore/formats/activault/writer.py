@@ -78,9 +78,9 @@ from ...storage.object import (
     open_location,
 )
 from ...storage.writeback import pool_size
-from ..base import FormatWriter
 from ..threads import StageClock, check_settings, cpu_pool
 from ..wholefiles import commit_files
+from ..writerbase import FormatWriter
 from .layout import (
     CFG,
     METADATA,

@@ -44,7 +44,7 @@ from ...sites import Site
 from ...stats import RunningStats
 from ...storage.location import Location
 from ..arrays import LazyRows
-from ..base import Block
+from ..blocks import Block
 from .layout import METADATA, is_shard_filename, layer_key, plan_sites
 from .verify import PickleVerify
 

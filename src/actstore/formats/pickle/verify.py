@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import CorruptStoreError, UnsafeDataError
-from ..base import VerifyReport
+from ..report import VerifyReport
 from .layout import (
     METADATA,
     VERSION,

@@ -45,7 +45,8 @@ from ...errors import ConfigError, CorruptStoreError
 from ...sites import Site
 from ...stats import RunningStats
 from ..arrays import LazyRows
-from ..base import Block, Extent, ReaderBase, scratch
+from ..base import ReaderBase
+from ..blocks import Block, Extent, scratch
 from .index import _chunk_values
 from .layout import BLOCK_BYTES, FORMAT_TAG, INFO, SIDECAR, STATE, STATISTICS, TOKENS, ColumnSite
 from .verify import SaelensVerify

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import CorruptStoreError
-from ..base import VerifyReport
+from ..report import VerifyReport
 from .index import SaelensIndex, _chunk_values
 from .layout import INFO, SIDECAR, STATISTICS
 from .writer import _values_at as _values_at_of

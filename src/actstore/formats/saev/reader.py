@@ -44,7 +44,8 @@ from ...errors import ConfigError, CorruptStoreError, UnsafeDataError
 from ...sites import Site
 from ...stats import RunningStats
 from ..arrays import RowFile
-from ..base import Block, Extent, ReaderBase, as_indices, place, scratch
+from ..base import ReaderBase
+from ..blocks import Block, Extent, as_indices, place, scratch
 from .layout import shard_name
 from .verify import SaevVerify
 from .writer import STATISTICS

@@ -9,7 +9,7 @@ import re
 import numpy as np
 
 from ...errors import CorruptStoreError
-from ..base import VerifyReport
+from ..report import VerifyReport
 from .index import SaevIndex
 from .writer import STATISTICS
 

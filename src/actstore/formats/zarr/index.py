@@ -13,8 +13,9 @@ from ...errors import ConfigError, CorruptStoreError, IndexOutOfRangeError, Stor
 from ...sites import Site
 from ...stats import RunningStats
 from ...storage.integrity import Integrity
-from ..base import ReaderBase, summary_of
+from ..base import ReaderBase
 from ..metacheck import Fields
+from ..report import summary_of
 from .layout import ACT_DTYPE, CONFIG_FILE, PARTS, RUN_FORMAT_TAG, STORE_NAME
 from .meta import StoreMeta
 

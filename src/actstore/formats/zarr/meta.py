@@ -37,7 +37,7 @@ from ...storage.files import StoreFiles
 from ...storage.integrity import Integrity
 from ...storage.location import Location, refuse_partial
 from ...storage.manifest import present_digest
-from ..base import PIECE_SLOT, scratch
+from ..blocks import PIECE_SLOT, scratch
 from ..metacheck import Fields, is_int
 from .layout import (
     ACT_DTYPE,

@@ -39,7 +39,8 @@ from ...batch import Batch, CapturePlan
 from ...errors import ConfigError, CorruptStoreError
 from ...sites import Site
 from ...stats import RunningStats, merge_all
-from ..base import Block, VerifyReport
+from ..blocks import Block
+from ..report import VerifyReport
 from .access import ZarrAccess
 from .index import MANIFEST
 from .layout import (

@@ -15,9 +15,9 @@ from ...errors import CorruptStoreError, StoreNotFoundError
 from ...stats import RunningStats, merge_all
 from ...storage.local import load_json
 from ...storage.manifest import store_id_of
-from ..base import VerifyReport
 from ..metacheck import Fields
 from ..recompute import compare_statistics
+from ..report import VerifyReport
 from ..shard import ShardStats
 from .layout import (
     ACT_DTYPE,
