@@ -13,6 +13,7 @@ backend reads, ``.stop()``); :func:`make_bucket` creates a bucket (container) on
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -22,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HOST = "127.0.0.1"
 #: Azurite's well-known development account (public, documented by Microsoft).
@@ -187,6 +189,43 @@ def start_azurite(timeout: float = 90.0) -> Emulator:
         f"AccountKey={AZURITE_KEY};BlobEndpoint={endpoint};"
     )
     return Emulator("az", endpoint, process, {"AZURE_STORAGE_CONNECTION_STRING": connection})
+
+
+_bucket_ids = itertools.count()
+
+
+@dataclass
+class BucketEnv:
+    """A fresh bucket (container) on an emulator: what a test of ``gs://`` or ``az://``
+    gets, with the emulator's variables set for the test."""
+
+    emulator: Emulator
+    bucket: str
+
+    @property
+    def scheme(self) -> str:
+        return self.emulator.scheme
+
+    def url(self, *parts: str) -> str:
+        return "/".join([f"{self.scheme}://{self.bucket}", *[p.strip("/") for p in parts if p]])
+
+
+#: Variables that would point a client elsewhere than the emulator.
+_OTHER_VARS = {
+    "gs": ("GOOGLE_APPLICATION_CREDENTIALS",),
+    "az": ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"),
+}
+
+
+def new_bucket(emulator: Emulator, monkeypatch: Any) -> BucketEnv:
+    """A fresh bucket on ``emulator``; its variables set with ``monkeypatch`` (pytest's)."""
+    for name in _OTHER_VARS[emulator.scheme]:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in emulator.env.items():
+        monkeypatch.setenv(name, value)
+    env = BucketEnv(emulator, f"actstore-test-{os.getpid()}-{next(_bucket_ids)}")
+    make_bucket(emulator, env.bucket)
+    return env
 
 
 def make_bucket(emulator: Emulator, name: str) -> None:

@@ -345,9 +345,13 @@ class GCSStore(ObjectStore):
         return body, str(blob.generation), age
 
     def delete_if(self, key: str, etag: str) -> bool:
-        """Delete ``key`` only at generation ``etag`` (a conditional delete)."""
+        """Delete ``key`` only at generation ``etag`` (a conditional delete, after a look at
+        the generation: fake-gcs-server ignores the condition on deletes)."""
 
         def delete() -> bool:
+            blob = self.client.get_blob(key)
+            if blob is None or str(blob.generation) != etag:
+                return False
             try:
                 self._blob(key).delete(if_generation_match=int(etag))
             except Exception as err:
