@@ -116,14 +116,19 @@ def test_cli_cp_ls_verify(remote, saev_local, tmp_path):
 
 def test_what_is_not_wired_yet_is_refused_in_one_line(remote, saev_local, tmp_path):
     local, _ = saev_local
-    with pytest.raises(ConfigError, match=f"capture cannot write to {remote.scheme}:// yet"):
+    with pytest.raises(ConfigError, match=f"not written to {remote.scheme}:// directly yet"):
         get_format("saev").open_writer(make_plan(), remote.url("cap"))
     env = {**os.environ, "PYTHONPATH": pythonpath(), "TQDM_DISABLE": "1"}
     word = "bucket" if remote.scheme == "gs" else "container"
     for args, message in (
-        ((local, f"{remote.scheme}://no-such-bucket/x"), f"{word} 'no-such-bucket' does not exist"),
-        ((local, f"{remote.scheme}://acc@box/x"), f"give the {word} alone"),
+        (
+            ("cp", local, f"{remote.scheme}://no-such-bucket/x"),
+            f"{word} 'no-such-bucket' does not exist",
+        ),
+        (("cp", local, f"{remote.scheme}://acc@box/x"), f"give the {word} alone"),
+        (("cp", local, remote.url("x"), "--endpoint-url", "http://127.0.0.1:1"), "is for s3://"),
+        (("convert", local, remote.url("p"), "--to", "pickle"), "directly yet"),
     ):
-        proc = run_actstore("cp", *args, env=env, timeout=None)
+        proc = run_actstore(*args, env=env, timeout=None)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -49,7 +49,9 @@ def _hook_summary(store, prefix: str) -> dict[str, Any]:
 
 @app.command("ls")
 def ls(
-    location: str = typer.Argument(..., help="s3://bucket[/run[/hook]], file:///path or a path."),
+    location: str = typer.Argument(
+        ..., help="s3://bucket[/run[/hook]] (or gs://, az://), file:///path or a path."
+    ),
     show_all: bool = typer.Option(False, "--all", help="List every file, not the first 10."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     endpoint_url: str = typer.Option(
@@ -70,9 +72,10 @@ def ls(
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
-    from ..storage.object import S3Config, is_internal, join_key, open_location
+    from ..storage.object import is_internal, join_key, open_location
+    from .common import s3_options
 
-    store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
+    store, prefix = open_location(location, s3_options(endpoint_url, location))
     if store.local_root is None:
         store.check_bucket()
     elif not (store.local_root / prefix).exists():

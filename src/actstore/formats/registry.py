@@ -114,8 +114,8 @@ class FormatSpec:
         location = Location.parse(out)
         if location.scheme not in ("file", "s3"):
             raise ConfigError(
-                f"capture cannot write to {location.scheme}:// yet: capture to a local directory, "
-                f"then `actstore cp DIR {location.url}`"
+                f"stores are not written to {location.scheme}:// directly yet: write it to a local "
+                f"directory, then `actstore cp DIR {location.url}`"
             )
         if location.is_local or self.writes_remote:
             return self.writer.from_plan(plan, location, options)
