@@ -12,7 +12,9 @@ from forked import pythonpath, run_actstore
 from test_saev_store import T, make_acts, write_store
 from typer.testing import CliRunner
 
+from actstore.capture import CaptureConfig
 from actstore.cli import app
+from actstore.dist.run import capture_part
 from actstore.errors import ConfigError
 from actstore.formats import get_format, open_store, verify_store
 from actstore.formats.saev import SaevReader
@@ -118,6 +120,15 @@ def test_what_is_not_wired_yet_is_refused_in_one_line(remote, saev_local, tmp_pa
     local, _ = saev_local
     with pytest.raises(ConfigError, match=f"not written to {remote.scheme}:// directly yet"):
         get_format("saev").open_writer(make_plan(), remote.url("cap"))
+    with pytest.raises(ConfigError, match="directly yet"):  # a machine of a distributed capture
+        capture_part(
+            CaptureConfig(model="unused", dataset="unused"),
+            "saev",
+            remote.url("dist"),
+            None,
+            machine_id=0,
+            n_machines=2,
+        )
     env = {**os.environ, "PYTHONPATH": pythonpath(), "TQDM_DISABLE": "1"}
     word = "bucket" if remote.scheme == "gs" else "container"
     for args, message in (
