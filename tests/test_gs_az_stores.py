@@ -23,6 +23,8 @@ from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.location import Location
 from actstore.testing import make_plan
+from actstore.testing.emulators import free_port, make_bucket, start_gcs
+from actstore.testing.s3 import FaultyProxy
 
 
 @pytest.fixture(params=["gcs", "azure"])
@@ -143,3 +145,36 @@ def test_what_is_not_wired_yet_is_refused_in_one_line(remote, saev_local, tmp_pa
         proc = run_actstore(*args, env=env, timeout=None)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_reads_survive_connection_resets_through_the_proxy(remote, saev_local, monkeypatch):
+    local, acts = saev_local
+    server = remote.emulator
+    if remote.scheme == "gs":
+        # fake-gcs-server answers path-style reads only for the Host it was started with:
+        # a server of its own, whose public host is the proxy
+        port = free_port()
+        proxy = FaultyProxy(port)
+        server = start_gcs(port=port, public_host=f"127.0.0.1:{proxy.port}")
+        make_bucket(server, remote.bucket)
+    else:
+        port = int(server.endpoint.split(":")[2].split("/")[0])
+        proxy = FaultyProxy(port)
+    try:
+        for name, value in server.env.items():  # the server, through the proxy
+            monkeypatch.setenv(name, value.replace(f":{port}", f":{proxy.port}"))
+        url = remote.url("acts", local.name)
+        copy_store(local, url, threads=4)
+        reader, here = SaevReader(url), SaevReader(local)
+        proxy.reset_connections(times=3, after_bytes=200)
+        for block in reader.blocks(5):
+            np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
+        np.testing.assert_array_equal(reader[[3, 20], 2], acts[[3, 20], 0])
+        assert proxy.injected["reset"] == 3
+        proxy.refuse(2)
+        assert SaevReader(url).verify().ok  # a new reader: new clients, new connections
+        assert proxy.injected["refuse"] == 2
+    finally:
+        proxy.close()
+        if server is not remote.emulator:
+            server.stop()

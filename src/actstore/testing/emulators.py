@@ -101,9 +101,13 @@ def gcs_binary() -> Path:
     return binary
 
 
-def start_gcs(timeout: float = 60.0) -> Emulator:
-    """fake-gcs-server on 127.0.0.1 (in memory); ``env``: STORAGE_EMULATOR_HOST."""
-    port = free_port()
+def start_gcs(
+    timeout: float = 60.0, *, port: int | None = None, public_host: str | None = None
+) -> Emulator:
+    """fake-gcs-server on 127.0.0.1 (in memory); ``env``: STORAGE_EMULATOR_HOST.
+    ``public_host``: the ``HOST:PORT`` clients reach it by (a proxy in front of it: the
+    server answers path-style object reads only to requests for that host)."""
+    port = port or free_port()
     process = subprocess.Popen(
         [
             str(gcs_binary()),
@@ -115,8 +119,8 @@ def start_gcs(timeout: float = 60.0) -> Emulator:
             HOST,
             "-port",
             str(port),
-            "-public-host",
-            f"{HOST}:{port}",
+            "-public-host",  # the only Host it serves XML-style reads (obstore's) to
+            public_host or f"{HOST}:{port}",
             "-log-level",
             "error",
         ],
