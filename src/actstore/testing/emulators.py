@@ -13,6 +13,7 @@ backend reads, ``.stop()``); :func:`make_bucket` creates a bucket (container) on
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import shutil
@@ -45,13 +46,37 @@ class Emulator:
     env: dict[str, str] = field(default_factory=dict)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        _stop(self.process)
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    """Start a server; its output goes to a temporary file (a pipe nobody reads would fill
+    and stall it), kept on the process as ``log`` and read back if it fails to start."""
+    import tempfile
+
+    log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    process.log = log  # type: ignore[attr-defined]
+    atexit.register(_stop, process)  # no server outlives the interpreter that started it
+    return process
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _output(process: subprocess.Popen) -> str:
+    log = getattr(process, "log", None)
+    if log is None:
+        return ""
+    log.seek(0)
+    return log.read().decode(errors="replace")[-2000:]
 
 
 def free_port() -> int:
@@ -65,8 +90,7 @@ def _wait(process: subprocess.Popen, url: str, what: str, timeout: float) -> Non
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            out = process.stdout.read().decode(errors="replace") if process.stdout else ""
-            raise RuntimeError(f"{what} exited with {process.returncode}: {out[-2000:]}")
+            raise RuntimeError(f"{what} exited with {process.returncode}: {_output(process)}")
         try:
             urllib.request.urlopen(url, timeout=2).close()
             return
@@ -108,7 +132,7 @@ def start_gcs(
     ``public_host``: the ``HOST:PORT`` clients reach it by (a proxy in front of it: the
     server answers path-style object reads only to requests for that host)."""
     port = port or free_port()
-    process = subprocess.Popen(
+    process = _spawn(
         [
             str(gcs_binary()),
             "-scheme",
@@ -123,9 +147,7 @@ def start_gcs(
             public_host or f"{HOST}:{port}",
             "-log-level",
             "error",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        ]
     )
     endpoint = f"http://{HOST}:{port}"
     _wait(process, f"{endpoint}/storage/v1/b", "fake-gcs-server", timeout)
@@ -177,7 +199,7 @@ def start_azurite(timeout: float = 90.0) -> Emulator:
     """Azurite's blob service on 127.0.0.1 (in memory); ``env``:
     AZURE_STORAGE_CONNECTION_STRING."""
     port = free_port()
-    process = subprocess.Popen(
+    process = _spawn(
         [
             *azurite_command(),
             "--inMemoryPersistence",
@@ -190,9 +212,7 @@ def start_azurite(timeout: float = 90.0) -> Emulator:
             "--skipApiVersionCheck",
             "--loose",
             "--silent",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        ]
     )
     endpoint = f"http://{HOST}:{port}/{AZURITE_ACCOUNT}"
     _wait(process, f"{endpoint}?comp=list", "azurite-blob", timeout)
