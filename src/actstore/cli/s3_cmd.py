@@ -138,15 +138,13 @@ def _output_root(location: str, store, prefix: str, dirs: list[str]) -> dict[str
     status`` finds them: every published store of any format, with its shape and size, and
     every unfinished one. None when there is none, or on object storage (where the folder
     listing names them)."""
-    from ..storage.object import LocalStore
-
     stores: list[dict[str, Any]] = []
     unfinished: list[dict[str, Any]] = []
-    if not isinstance(store, LocalStore):
+    if store.local_root is None:
         return None  # object storage: the folder listing below names them
     from .status_cmd import find_stores
 
-    for entry in find_stores(store.root / prefix):
+    for entry in find_stores(store.local_root / prefix):
         if entry.finished:
             found = _store_summary(str(entry.path), str(entry.path)) or {}
             stores.append({"store": str(entry.path), "format": entry.fmt, **found})
