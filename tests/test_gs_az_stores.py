@@ -5,6 +5,7 @@ and ``ls`` through the CLI, and what is not wired yet refused in one line."""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from actstore.loader import ActivationLoader
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.location import Location
+from actstore.storage.object import AzureConfig, GCSConfig
 from actstore.testing import make_plan
 from actstore.testing.emulators import free_port, make_bucket, start_gcs
 from actstore.testing.s3 import FaultyProxy
@@ -174,6 +176,21 @@ def test_reads_survive_connection_resets_through_the_proxy(remote, saev_local, m
         proxy.refuse(2)
         assert SaevReader(url).verify().ok  # a new reader: new clients, new connections
         assert proxy.injected["refuse"] == 2
+        # a stalled response: given up after read_timeout_s, tried again
+        quick = {"read_timeout_s": 1.0, "backoff_s": 0.01}
+        options = (
+            GCSConfig(endpoint_url=proxy.endpoint, **quick)
+            if remote.scheme == "gs"
+            else AzureConfig(
+                connection_string=os.environ["AZURE_STORAGE_CONNECTION_STRING"], **quick
+            )
+        )
+        files = open_files(url, s3=options, cache=False)
+        files.list()  # listed before the stall: the stalled response is the read's
+        proxy.stall(1, 4.0)
+        start = time.monotonic()
+        assert files.read_bytes("acts000001.bin") == (local / "acts000001.bin").read_bytes()
+        assert proxy.injected["stall"] == 1 and time.monotonic() - start < 4.0
     finally:
         proxy.close()
         if server is not remote.emulator:

@@ -86,7 +86,10 @@ class ObstoreStore(ObjectStore):
         cfg = self.config
         client: dict[str, Any] = {
             "connect_timeout": dt.timedelta(seconds=cfg.connect_timeout_s),
-            "timeout": dt.timedelta(seconds=cfg.read_timeout_s),
+            # a stall: no byte for read_timeout_s (obstore's default caps each whole
+            # request at 30 s instead, too short for a large object on a slow link)
+            "read_timeout": dt.timedelta(seconds=cfg.read_timeout_s),
+            "timeout": dt.timedelta(hours=6),
         }
         if endpoint is not None and endpoint.startswith("http://"):
             client["allow_http"] = True
