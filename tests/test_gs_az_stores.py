@@ -166,13 +166,15 @@ def test_reads_survive_connection_resets_through_the_proxy(remote, saev_local, m
         for name, value in server.env.items():  # the server, through the proxy
             monkeypatch.setenv(name, value.replace(f":{port}", f":{proxy.port}"))
         url = remote.url("acts", local.name)
-        copy_store(local, url, threads=4)
+        proxy.reset_connections(times=2, after_bytes=100)  # uploads whose reply is cut
+        copy_store(local, url, threads=4, check_store=verify_store)
+        assert proxy.injected["reset"] == 2
         reader, here = SaevReader(url), SaevReader(local)
         proxy.reset_connections(times=3, after_bytes=200)
         for block in reader.blocks(5):
             np.testing.assert_array_equal(reader.read_block(block), here.read_block(block))
         np.testing.assert_array_equal(reader[[3, 20], 2], acts[[3, 20], 0])
-        assert proxy.injected["reset"] == 3
+        assert proxy.injected["reset"] == 5
         proxy.refuse(2)
         assert SaevReader(url).verify().ok  # a new reader: new clients, new connections
         assert proxy.injected["refuse"] == 2

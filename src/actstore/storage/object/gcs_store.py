@@ -168,6 +168,14 @@ class GCSStore(ObjectStore):
         client._http.mount("https://", adapter)
         return client.bucket(self.bucket)
 
+    def _retry(self) -> Any:
+        """The SDK's retry policy for a whole-object upload (idempotent here: the same bytes
+        again; the SDK retries only conditional uploads by default). A resumable upload
+        retries each chunk; a simple one is sent again whole."""
+        cfg = self.config
+        retry = require("google.cloud.storage.retry", "gcs").DEFAULT_RETRY
+        return retry.with_delay(initial=cfg.backoff_s, maximum=cfg.backoff_max_s)
+
     def _blob(self, key: str) -> Any:
         return self.client.blob(key)
 
@@ -264,7 +272,7 @@ class GCSStore(ObjectStore):
             "PUT",
             key,
             lambda: blob.upload_from_file(
-                io.BytesIO(view), size=len(view), rewind=False, checksum=None
+                io.BytesIO(view), size=len(view), checksum=None, retry=self._retry()
             ),
         )
 
@@ -272,7 +280,11 @@ class GCSStore(ObjectStore):
         """A resumable upload read from ``chunks``, finalised only after the last."""
         blob = self._blob(key)
         blob.chunk_size = self.config.part_size
-        self._call("PUT", key, lambda: blob.upload_from_file(_ChunkReader(chunks), checksum=None))
+        self._call(
+            "PUT",
+            key,
+            lambda: blob.upload_from_file(_ChunkReader(chunks), checksum=None, retry=self._retry()),
+        )
 
     def delete(self, key: str) -> None:
         try:
