@@ -61,7 +61,9 @@ def test_cp_up_read_verify_and_cp_down(remote, saev_local, tmp_path):
     # a rerun sends nothing; a missing object is sent again
     again = copy_store(local, url, check_store=verify_store)
     assert (again.copied, again.skipped) == (0, len(names))
-    assert again.verified.endswith(f"; {len(names)} files already there compared by size only")
+    assert again.verified.endswith(
+        f"; {len(names)} files already there matched by content (read back)"
+    )
     Location.parse(url).object_store()[0].delete(
         Location.parse(url).object_store()[1] + "/acts000002.bin"
     )
@@ -73,6 +75,18 @@ def test_cp_up_read_verify_and_cp_down(remote, saev_local, tmp_path):
     assert down.copied == len(names)
     for name in names:
         assert (back / name).read_bytes() == (local / name).read_bytes()
+    # a same-sized file with other bytes at the destination is found and replaced, both ways
+    damaged = bytearray((back / "acts000001.bin").read_bytes())
+    damaged[100] ^= 1
+    (back / "acts000001.bin").write_bytes(bytes(damaged))
+    again = copy_store(url, back, check_store=verify_store)
+    assert (again.copied, again.skipped) == (1, len(names) - 1)
+    assert (back / "acts000001.bin").read_bytes() == (local / "acts000001.bin").read_bytes()
+    store, prefix = Location.parse(url).object_store()
+    store.put(f"{prefix}/acts000002.bin", bytes((local / "acts000002.bin").stat().st_size))
+    again = copy_store(local, url, check_store=verify_store)
+    assert (again.copied, again.skipped) == (1, len(names) - 1)
+    assert open_files(url).read_bytes("acts000002.bin") == (local / "acts000002.bin").read_bytes()
 
 
 def test_large_file_streams_up_in_parts(remote, tmp_path):

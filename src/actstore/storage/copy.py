@@ -228,11 +228,12 @@ def copy_store(
         check = [n for n in kept if n not in just_sent]
         versions = {n: landed[n].version for n in check}
         dest = open_files(dst, s3=s3, cache=False)
-        if _by_content(source) and _by_content(dest):
+        both_remote = source.local_path is None and dest.local_path is None
+        if both_remote or (_by_content(source) and _by_content(dest)):
             stale, trusted = _stale(source, dest, check, versions, part_bytes)
-            todo += stale
-        elif check:  # a backend without MD5 ETags: the format's checks read the copy back
-            trusted = f"; {len(check)} files already there compared by size only"
+        else:  # a backend without MD5 ETags: both sides read and hashed
+            stale, trusted = _stale_read_back(source, dest, check, threads)
+        todo += stale
     resumable = {n for n in todo if listing[n] > part_bytes}  # copied part by part
     _remove_leftovers(store, prefix, temps, resumable)
     # the index files, then the root manifest, last and in that order: the destination is
@@ -622,6 +623,33 @@ def _by_content(files: StoreFiles) -> bool:
     """Whether the bytes of ``files`` can be compared without reading both sides: local
     files (hashed), or objects whose version is an MD5 ETag (S3)."""
     return files.local_path is not None or files.md5_versions
+
+
+def _read_hash(files: StoreFiles, name: str) -> str:
+    """The xxh3-128 of the bytes of ``name``, read through ``files``."""
+    hasher = xxhash.xxh3_128()
+    for chunk in files.iter_chunks(name):
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _stale_read_back(
+    source: StoreFiles, dest: StoreFiles, names: list[str], threads: int
+) -> tuple[list[str], str]:
+    """Which of ``names``, already at the destination with the source's size, hold other
+    bytes, where one side's versions say nothing of the bytes (``gs://``, ``az://``): both
+    sides read and hashed (a read instead of a copy). Returns them and a note."""
+    if not names:
+        return [], ""
+
+    def differs(name: str) -> bool:
+        return _read_hash(source, name) != _read_hash(dest, name)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="actstore-cp-check") as pool:
+        stale = [n for n, bad in zip(names, pool.map(differs, names)) if bad]
+    for name in stale:
+        log.warning("%s at the destination holds other bytes than the source; copying it", name)
+    return stale, f"; {len(names) - len(stale)} files already there matched by content (read back)"
 
 
 def _stale(
