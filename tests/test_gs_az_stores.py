@@ -24,7 +24,8 @@ from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.location import Location
 from actstore.storage.object import AzureConfig, GCSConfig
-from actstore.testing import make_plan
+from actstore.testing import FormatCase, make_plan
+from actstore.testing import make_acts as make_acts_kit
 from actstore.testing.emulators import free_port, make_bucket, start_gcs
 from actstore.testing.s3 import FaultyProxy
 
@@ -211,3 +212,21 @@ def test_reads_survive_connection_resets_through_the_proxy(remote, saev_local, m
         proxy.close()
         if server is not remote.emulator:
             server.stop()
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "saelens", "zarr", "activault"])
+def test_every_format_reads_back_from_the_remote_copy(remote, fmt, tmp_path):
+    """Each built-in format written locally, copied up, read and verified there (saev:
+    above)."""
+    case = FormatCase(fmt)
+    plan = case.plan()
+    acts = make_acts_kit(plan)
+    local = case.write(tmp_path / fmt, plan, case.batches(plan, acts))
+    url = remote.url(fmt)
+    copy_store(local, url, threads=4, check_store=verify_store)
+    there, here = open_store(url), open_store(local)
+    assert type(there) is type(here) and there.shape == here.shape
+    for site in here.sites:
+        for a, b in zip(there.blocks(site), here.blocks(site), strict=True):
+            np.testing.assert_array_equal(there.read_block(a), here.read_block(b))
+    assert there.verify().ok
