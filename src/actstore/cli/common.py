@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..errors import ConfigError
 
 
@@ -38,3 +40,26 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def s3_options(endpoint_url: str | None, *locations: str) -> Any:
+    """The ``S3Config`` of ``--endpoint-url``; a one-line :class:`ConfigError` when it is
+    given for a ``gs://`` or ``az://`` location (their endpoints come from
+    ``STORAGE_EMULATOR_HOST`` / ``AZURE_STORAGE_CONNECTION_STRING``).
+
+    Example:
+        >>> s3_options("http://127.0.0.1:9000", "s3://b/x", "/tmp/y").endpoint_url
+        'http://127.0.0.1:9000'
+    """
+    from ..storage.object import S3Config, split_location
+
+    if endpoint_url:
+        for location in locations:
+            scheme, bucket, _ = split_location(location)
+            if bucket is not None and scheme != "s3":
+                raise ConfigError(
+                    f"--endpoint-url is for s3:// locations, not {location}: set "
+                    f"{'STORAGE_EMULATOR_HOST' if scheme == 'gs' else 'AZURE_STORAGE_CONNECTION_STRING'} "
+                    "instead"
+                )
+    return S3Config(endpoint_url=endpoint_url)

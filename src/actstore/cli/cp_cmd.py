@@ -1,17 +1,22 @@
-"""``actstore cp``: copy a whole store between local disk and S3, either direction."""
+"""``actstore cp``: copy a whole store between local disk and object storage (``s3://``,
+``gs://``, ``az://``), either direction."""
 
 from __future__ import annotations
 
 import typer
 
 from .application import app
-from .common import human_bytes
+from .common import human_bytes, s3_options
 
 
 @app.command("cp")
 def cp(
-    src: str = typer.Argument(..., help="The store to copy: a directory or s3://bucket/prefix."),
-    dst: str = typer.Argument(..., help="Where the copy goes: a directory or s3://bucket/prefix."),
+    src: str = typer.Argument(
+        ..., help="The store to copy: a directory, s3://, gs:// or az://bucket/prefix."
+    ),
+    dst: str = typer.Argument(
+        ..., help="Where the copy goes: a directory, s3://, gs:// or az://bucket/prefix."
+    ),
     threads: int = typer.Option(16, help="Parts copied at once."),
     part_mb: int = typer.Option(16, help="Part size in MiB (>= 5, an S3 limit)."),
     verify: bool = typer.Option(True, help="Check sizes, ETags and the store's checksums."),
@@ -34,6 +39,7 @@ def cp(
     Examples:
       actstore cp actstore-data/3f1c0e s3://bucket/acts/3f1c0e
       actstore cp s3://bucket/acts/3f1c0e /scratch/3f1c0e
+      actstore cp actstore-data/3f1c0e gs://bucket/acts/3f1c0e   # or az://container/...
     """
     from functools import partial
 
@@ -45,9 +51,9 @@ def cp(
     from ..storage.copy import copy_store
     from ..storage.files import open_files
     from ..storage.manifest import MANIFEST
-    from ..storage.object import MiB, S3Config
+    from ..storage.object import MiB
 
-    s3 = S3Config(endpoint_url=endpoint_url)
+    s3 = s3_options(endpoint_url, src, dst)
     total = sum(open_files(src, s3=s3, cache=False).list().values())
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="cp", **bar_switch(progress)) as bar:

@@ -49,7 +49,9 @@ def _hook_summary(store, prefix: str) -> dict[str, Any]:
 
 @app.command("ls")
 def ls(
-    location: str = typer.Argument(..., help="s3://bucket[/run[/hook]], file:///path or a path."),
+    location: str = typer.Argument(
+        ..., help="s3://bucket[/run[/hook]] (or gs://, az://), file:///path or a path."
+    ),
     show_all: bool = typer.Option(False, "--all", help="List every file, not the first 10."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     endpoint_url: str = typer.Option(
@@ -70,19 +72,13 @@ def ls(
     """
     from ..errors import StoreNotFoundError
     from ..formats.activault.layout import CFG, METADATA
-    from ..storage.object import (
-        LocalStore,
-        S3Config,
-        S3Store,
-        is_internal,
-        join_key,
-        open_location,
-    )
+    from ..storage.object import is_internal, join_key, open_location
+    from .common import s3_options
 
-    store, prefix = open_location(location, S3Config(endpoint_url=endpoint_url))
-    if isinstance(store, S3Store):
+    store, prefix = open_location(location, s3_options(endpoint_url, location))
+    if store.local_root is None:
         store.check_bucket()
-    elif isinstance(store, LocalStore) and not (store.root / prefix).exists():
+    elif not (store.local_root / prefix).exists():
         raise StoreNotFoundError(f"{store.url(prefix)} does not exist")
     described = _store_summary(location, store.url(prefix))
     if described is not None:
@@ -142,15 +138,13 @@ def _output_root(location: str, store, prefix: str, dirs: list[str]) -> dict[str
     status`` finds them: every published store of any format, with its shape and size, and
     every unfinished one. None when there is none, or on object storage (where the folder
     listing names them)."""
-    from ..storage.object import LocalStore
-
     stores: list[dict[str, Any]] = []
     unfinished: list[dict[str, Any]] = []
-    if not isinstance(store, LocalStore):
+    if store.local_root is None:
         return None  # object storage: the folder listing below names them
     from .status_cmd import find_stores
 
-    for entry in find_stores(store.root / prefix):
+    for entry in find_stores(store.local_root / prefix):
         if entry.finished:
             found = _store_summary(str(entry.path), str(entry.path)) or {}
             stores.append({"store": str(entry.path), "format": entry.fmt, **found})

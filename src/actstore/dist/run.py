@@ -22,6 +22,7 @@ from typing import Any
 from ..capture import CaptureConfig, capture
 from ..errors import ConfigError
 from ..formats.registry import get_format
+from ..storage.location import Location, refuse_unwritable
 from .parts import MissingPartsError, is_published, merge_store, part_format
 from .split import Slice
 
@@ -69,6 +70,7 @@ def capture_part(
     """Capture slice ``machine_id`` of ``n_machines`` into its part (see module docstring)."""
     if not 0 <= machine_id < n_machines:
         raise ConfigError(f"machine id {machine_id} is outside 0..{n_machines - 1}")
+    refuse_unwritable(Location.parse(out))
     spec, layout = get_format(fmt), part_format(fmt)
     seen: dict[str, Any] = {}
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, MissingDependencyError, StoreNotFoundError
-from ..storage.location import Location
+from ..storage.location import Location, refuse_unwritable
 from ..storage.manifest import MANIFEST
 
 if TYPE_CHECKING:
@@ -121,6 +121,7 @@ class FormatSpec:
         """The writer of ``plan`` for output ``out`` (local, ``file://`` or ``s3://``)."""
         options = options if options is not None else self.options()
         location = Location.parse(out)
+        refuse_unwritable(location)
         if location.is_local or self.writes_remote:
             return self.writer.from_plan(plan, location, options)
         from .s3_staged import StagedS3Writer, staging_root

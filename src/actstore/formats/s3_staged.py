@@ -41,7 +41,7 @@ from ..storage import remove_tree
 from ..storage.cache import CACHE_ENV
 from ..storage.copy import copy_store
 from ..storage.manifest import MANIFEST, RootManifest
-from ..storage.object import S3Config, S3Store, join_key, open_location
+from ..storage.object import S3Config, join_key, open_location
 from ..storage.s3lock import DEFAULT_LEASE_S, S3Lock
 from ..storage.upload import BackgroundUploader
 from .writerbase import WriterBase
@@ -78,7 +78,7 @@ class StagedS3Writer(WriterBase):
         self.dest, self.s3, self.keep_local, self.threads = url.rstrip("/"), s3, keep_local, threads
         self.subdir, self.last = subdir.strip("/"), tuple(last)
         store, self._prefix = open_location(url, s3)
-        if not isinstance(store, S3Store):
+        if store.scheme != "s3":
             raise ConfigError(f"{url} is not an s3:// location")
         store.check_bucket()
         self.store = store

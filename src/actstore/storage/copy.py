@@ -62,7 +62,7 @@ from ..faults import point
 from .files import StoreFiles, open_files
 from .local import IO_CHUNK, atomic_write_bytes, fsync_dir
 from .manifest import MANIFEST
-from .object import LocalStore, MiB, S3Config, S3Store, is_internal, join_key, open_location
+from .object import MiB, ObjectStore, StorageOptions, is_internal, join_key, open_location
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +99,10 @@ def _temp_owner(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), tag
 
 
-def _local_temps(store: Any, prefix: str) -> list[str]:
+def _local_temps(store: ObjectStore, prefix: str) -> list[str]:
     """The hidden temporary files (``.*.tmp``) below a local destination (listings leave
     them out); none for object storage, where unfinished uploads are not objects."""
-    if not isinstance(store, LocalStore):
+    if store.local_root is None:
         return []
     root = Path(store.url(prefix))
     found = []
@@ -164,7 +164,7 @@ def copy_store(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    s3: S3Config | None = None,
+    s3: StorageOptions | None = None,
     threads: int = 16,
     part_bytes: int = DEFAULT_PART_BYTES,
     verify: bool = True,
@@ -173,7 +173,8 @@ def copy_store(
     sent: dict[str, str] | None = None,
     last: Sequence[str] = PUBLISH_LAST,
 ) -> CopyReport:
-    """Copy every file of the store at ``src`` to ``dst`` (local paths or ``s3://`` URLs).
+    """Copy every file of the store at ``src`` to ``dst`` (local paths or object storage
+    URLs: ``s3://``, ``gs://``, ``az://``; ``s3``: the remote side's backend settings).
 
     ``progress(n_bytes)`` is called as bytes land. ``check_store(location)``, given, runs
     the format's own verification on the local side (raising on a fault) and returns
@@ -210,8 +211,7 @@ def copy_store(
             "the file (or the store) and copy again"
         )
     store, prefix = open_location(dst, s3)
-    if isinstance(store, S3Store):
-        store.check_bucket()
+    store.check_bucket()
     if str(src).rstrip("/") == str(dst).rstrip("/"):
         raise ConfigError("source and destination are the same location")
     base = prefix.rstrip("/") + "/" if prefix else ""
@@ -228,7 +228,11 @@ def copy_store(
         check = [n for n in kept if n not in just_sent]
         versions = {n: landed[n].version for n in check}
         dest = open_files(dst, s3=s3, cache=False)
-        stale, trusted = _stale(source, dest, check, versions, part_bytes)
+        both_remote = source.local_path is None and dest.local_path is None
+        if both_remote or (_by_content(source) and _by_content(dest)):
+            stale, trusted = _stale(source, dest, check, versions, part_bytes)
+        else:  # a backend without MD5 ETags: both sides read and hashed
+            stale, trusted = _stale_read_back(source, dest, check, threads)
         todo += stale
     resumable = {n for n in todo if listing[n] > part_bytes}  # copied part by part
     _remove_leftovers(store, prefix, temps, resumable)
@@ -267,7 +271,7 @@ class FileCopier:
     def __init__(
         self,
         source: StoreFiles,
-        store: Any,
+        store: ObjectStore,
         prefix: str,
         part_bytes: int,
         progress: Callable[[int], None] | None,
@@ -276,7 +280,7 @@ class FileCopier:
     ) -> None:
         self.source, self.store, self.prefix = source, store, prefix
         self.part_bytes, self.progress = part_bytes, progress
-        self.hash = hashlib.md5 if etags else None
+        self.hash = hashlib.md5 if etags and store.capabilities.md5_etags else None
         self.etags: dict[str, str] = {}
         self.parts_reused = 0
         """Parts of earlier, interrupted copies kept (not sent again)."""
@@ -312,16 +316,16 @@ class FileCopier:
         key = join_key(self.prefix, name)
         part = self.part_bytes
         offsets = list(range(0, size, part)) or [0]
-        if isinstance(self.store, S3Store):
-            return self._start_s3(pool, name, key, size, offsets)
-        if isinstance(self.store, LocalStore):
+        if self.store.local_root is not None:
             return self._start_local(pool, name, key, size, offsets)
-        raise ConfigError(f"cannot copy to {self.store.root_url}")  # pragma: no cover
+        return self._start_remote(pool, name, key, size, offsets)
 
-    def _start_s3(
+    def _start_remote(
         self, pool: ThreadPoolExecutor, name: str, key: str, size: int, offsets: list[int]
     ) -> tuple[list[Future], Any, Any]:
-        store: S3Store = self.store
+        store = self.store
+        if len(offsets) > 1 and not store.capabilities.multipart:
+            return self._start_streamed(pool, name, key, size, offsets)
         if len(offsets) == 1:  # one PUT
 
             def put() -> bytes:
@@ -367,10 +371,30 @@ class FileCopier:
 
         return futures, finish, keep
 
+    def _start_streamed(
+        self, pool: ThreadPoolExecutor, name: str, key: str, size: int, offsets: list[int]
+    ) -> tuple[list[Future], Any, Any]:
+        """A large file to a backend without resumable parts: read part by part and
+        streamed into one upload that the backend completes atomically at the end."""
+
+        def chunks() -> Any:
+            for offset in offsets:
+                data = self.source.read_range(
+                    name, offset, min(self.part_bytes, size - offset), cache=False
+                )
+                yield data
+                point("copy.part_sent")
+                self._done(len(data))
+
+        def send() -> None:
+            self.store.put_chunks(key, chunks())
+
+        return [pool.submit(send)], lambda _: None, lambda: None
+
     def _resumable(self, key: str, size: int, n_parts: int) -> tuple[str, dict[int, str]]:
         """An unfinished upload of ``key`` to continue, with the ETags of its parts that
         have the size this copy gives them; else a new upload and no parts."""
-        store: S3Store = self.store
+        store = self.store
         try:
             pending = store.pending_upload(key)
         except StorageError as err:  # e.g. no s3:ListBucketMultipartUploads permission
@@ -595,6 +619,39 @@ def _content_tag(files: StoreFiles, name: str, like: str, part_bytes: int | None
     return hasher.hexdigest()
 
 
+def _by_content(files: StoreFiles) -> bool:
+    """Whether the bytes of ``files`` can be compared without reading both sides: local
+    files (hashed), or objects whose version is an MD5 ETag (S3)."""
+    return files.local_path is not None or files.md5_versions
+
+
+def _read_hash(files: StoreFiles, name: str) -> str:
+    """The xxh3-128 of the bytes of ``name``, read through ``files``."""
+    hasher = xxhash.xxh3_128()
+    for chunk in files.iter_chunks(name):
+        hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _stale_read_back(
+    source: StoreFiles, dest: StoreFiles, names: list[str], threads: int
+) -> tuple[list[str], str]:
+    """Which of ``names``, already at the destination with the source's size, hold other
+    bytes, where one side's versions say nothing of the bytes (``gs://``, ``az://``): both
+    sides read and hashed (a read instead of a copy). Returns them and a note."""
+    if not names:
+        return [], ""
+
+    def differs(name: str) -> bool:
+        return _read_hash(source, name) != _read_hash(dest, name)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="actstore-cp-check") as pool:
+        stale = [n for n, bad in zip(names, pool.map(differs, names)) if bad]
+    for name in stale:
+        log.warning("%s at the destination holds other bytes than the source; copying it", name)
+    return stale, f"; {len(names) - len(stale)} files already there matched by content (read back)"
+
+
 def _stale(
     source: StoreFiles,
     dest: StoreFiles,
@@ -628,7 +685,7 @@ def _stale(
 
 def _verify(
     source: StoreFiles,
-    store: Any,
+    store: ObjectStore,
     prefix: str,
     listing: dict[str, int],
     etags: dict[str, str],
@@ -638,6 +695,7 @@ def _verify(
     and the format's own checksums on the local side. Returns what was checked."""
     base = prefix.rstrip("/") + "/" if prefix else ""
     landed = {o.key[len(base) :]: o for o in store.list(base)}
+    md5 = store.capabilities.md5_etags
     faults = []
     for name, size in listing.items():
         obj = landed.get(name)
@@ -646,7 +704,7 @@ def _verify(
                 f"{name}: {'missing' if obj is None else f'{obj.size} bytes'} at the "
                 f"destination, {size} at the source"
             )
-        elif name in etags and obj.version and obj.version != etags[name]:
+        elif md5 and name in etags and obj.version and obj.version != etags[name]:
             faults.append(f"{name}: the stored ETag {obj.version} is not that of the bytes sent")
     if faults:
         raise CorruptStoreError(
@@ -654,13 +712,13 @@ def _verify(
             "run the same copy again to resume"
         )
     done = f"{len(listing)} sizes"
-    if isinstance(store, S3Store):
+    if md5:
         done += f", {len(etags)} ETags"
     if check_store is None:
         return done
     # the destination's own checks on local disk; for an upload, the source's (its ETags
     # match the bytes checked); both remote: the destination's, read back
     checked = source.url if source.local_path is not None else store.url(prefix)
-    if isinstance(store, LocalStore):
+    if store.local_root is not None or not md5:  # no ETags vouch for an upload: read it back
         checked = store.url(prefix)
     return done + ", " + check_store(checked)

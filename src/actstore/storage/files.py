@@ -28,8 +28,8 @@ import os
 
 from .localfiles import GAP_BYTES, Descriptors, LocalFiles, PathFiles
 from .location import Location
-from .object import S3Config
-from .s3files import MERGE_GAP, PART_BYTES, S3Files
+from .object import StorageOptions
+from .s3files import MERGE_GAP, PART_BYTES, ObjectFiles, S3Files
 from .storefiles import StoreFiles
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "PART_BYTES",
     "Descriptors",
     "LocalFiles",
+    "ObjectFiles",
     "PathFiles",
     "S3Files",
     "StoreFiles",
@@ -50,11 +51,12 @@ def open_files(
     *,
     cache_dir: str | os.PathLike | None = None,
     cache_bytes: int | str | None = None,
-    s3: S3Config | None = None,
+    s3: StorageOptions | None = None,
     threads: int = 16,
     cache: bool = True,
 ) -> StoreFiles:
-    """The files at ``location``: a local directory, ``file://`` URL or ``s3://bucket/prefix``.
+    """The files at ``location``: a local directory, ``file://`` URL or ``s3://bucket/prefix``
+    (``gs://``, ``az://``...; ``s3``: that backend's settings).
 
     ``cache_dir`` (default ``$ACTSTORE_CACHE``) turns on the local cache tier for remote
     stores, capped at ``cache_bytes`` (default ``$ACTSTORE_CACHE_MAX`` or 10 GiB);

@@ -1,5 +1,6 @@
 """Where a store lives: one :class:`Location` type for a local path, a ``file://`` URL and
-``s3://bucket/prefix``, in the spirit of zarr-python's ``StorePath`` (a store plus a path).
+``s3://bucket/prefix`` (or ``gs://``, ``az://``: any scheme of
+:mod:`~actstore.storage.object.registry`), in the spirit of zarr-python's ``StorePath`` (a store plus a path).
 
 Formats never branch on local versus remote: they read a store's bytes through
 :meth:`Location.files` (:mod:`actstore.storage.files`), which serves both, and writers stage
@@ -19,14 +20,14 @@ Example:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ConfigError, CorruptStoreError
 from .cache import BlockCache
 from .localfiles import LocalFiles
-from .object import ObjectStore, S3Config, S3Store, open_location, split_location
-from .s3files import S3Files
+from .object import ObjectStore, S3Config, StorageOptions, open_location, split_location
+from .s3files import ObjectFiles
 from .storefiles import StoreFiles
 
 #: Suffix of the directory a store is written in before it is published.
@@ -35,29 +36,47 @@ PARTIAL_SUFFIX = ".partial"
 
 @dataclass(frozen=True)
 class Location:
-    """A store's place: ``url`` is an absolute local path or ``s3://bucket/prefix``."""
+    """A store's place: ``url`` is an absolute local path or ``SCHEME://bucket/prefix``
+    (canonical scheme: ``s3``, ``gs``, ``az``)."""
 
     url: str
     s3: S3Config | None = field(default=None, compare=False, repr=False)
     """S3 settings for an ``s3://`` location (None: from the environment)."""
+    options: StorageOptions | None = field(default=None, compare=False, repr=False)
+    """Another backend's settings (``GCSConfig``, ``AzureConfig``; None: from the
+    environment)."""
 
     @classmethod
     def parse(
-        cls, location: str | os.PathLike | Location, *, s3: S3Config | None = None
+        cls, location: str | os.PathLike | Location, *, s3: StorageOptions | None = None
     ) -> Location:
         """The location a user wrote: a path, ``file:///path`` or ``s3://bucket/prefix``
-        (parsed by :func:`~actstore.storage.object.split_location`, as
-        :func:`~actstore.storage.object.open_location` parses it)."""
+        (``gs://``, ``az://``...; parsed by :func:`~actstore.storage.object.split_location`,
+        as :func:`~actstore.storage.object.open_location` parses it)."""
         if isinstance(location, Location):
-            return location if s3 is None else cls(location.url, s3)
-        bucket, rest = split_location(location)
-        return cls(f"s3://{bucket}/{rest}".rstrip("/") if bucket is not None else rest, s3)
+            return location if s3 is None else cls._with(location.url, s3)
+        scheme, bucket, rest = split_location(location)
+        if bucket is None:
+            return cls._with(rest, s3)
+        return cls._with(f"{scheme}://{bucket}/{rest}".rstrip("/"), s3)
+
+    @classmethod
+    def _with(cls, url: str, options: StorageOptions | None) -> Location:
+        if options is None or isinstance(options, S3Config):
+            return cls(url, options)
+        return cls(url, None, options)
 
     # ------------------------------------------------------------------ parts
 
     @property
+    def scheme(self) -> str:
+        """``file`` for local disk, else the object store's (``s3``, ``gs``, ``az``)."""
+        scheme, sep, _ = self.url.partition("://")
+        return scheme if sep else "file"
+
+    @property
     def is_local(self) -> bool:
-        return not self.url.startswith("s3://")
+        return self.scheme == "file"
 
     @property
     def local_path(self) -> Path | None:
@@ -77,18 +96,19 @@ class Location:
     @property
     def parent(self) -> Location:
         if self.is_local:
-            return Location(str(Path(self.url).parent), self.s3)
-        bucket, _, prefix = self.url.removeprefix("s3://").partition("/")
+            return replace(self, url=str(Path(self.url).parent))
+        root = f"{self.scheme}://"
+        bucket, _, prefix = self.url.removeprefix(root).partition("/")
         if not prefix:
             raise ConfigError(f"{self.url} is a bucket; it has no parent")
-        return Location(f"s3://{bucket}/{prefix.rpartition('/')[0]}".rstrip("/"), self.s3)
+        return replace(self, url=f"{root}{bucket}/{prefix.rpartition('/')[0]}".rstrip("/"))
 
     def child(self, *names: str) -> Location:
         """The location ``names`` below this one (``/``-separated parts)."""
         parts = [p.strip("/") for p in names if p and p.strip("/")]
         if not parts:
             return self
-        return Location(self.url.rstrip("/") + "/" + "/".join(parts), self.s3)
+        return replace(self, url=self.url.rstrip("/") + "/" + "/".join(parts))
 
     def __str__(self) -> str:
         return self.url
@@ -100,7 +120,7 @@ class Location:
 
     def object_store(self) -> tuple[ObjectStore, str]:
         """The object store holding this location and its key prefix inside it."""
-        return open_location(self.url, self.s3)
+        return open_location(self.url, self.options or self.s3)
 
     def files(
         self,
@@ -111,16 +131,15 @@ class Location:
         threads: int = 16,
     ) -> StoreFiles:
         """The files below this location, read by byte range: :class:`LocalFiles` or
-        :class:`S3Files`. ``cache_dir`` (default ``$ACTSTORE_CACHE``) turns on the local
+        :class:`ObjectFiles` (any object store). ``cache_dir`` (default ``$ACTSTORE_CACHE``) turns on the local
         cache tier for remote stores, capped at ``cache_bytes`` (default
         ``$ACTSTORE_CACHE_MAX`` or 10 GiB); ``cache=False``: no cache tier whatever the
         environment says."""
         if self.is_local:
             return LocalFiles(self.url)
         store, prefix = self.object_store()
-        assert isinstance(store, S3Store)
         tier = BlockCache.open(cache_dir, cache_bytes) if cache else None
-        return S3Files(store, prefix, cache=tier, threads=threads)
+        return ObjectFiles(store, prefix, cache=tier, threads=threads)
 
     def exists(self) -> bool:
         """Whether anything is stored here (a directory, or any object under the prefix)."""
@@ -135,6 +154,21 @@ def partial_of(final: Location | str | os.PathLike) -> Location:
     beside it (every writer and ``actstore status`` use this one name)."""
     final = Location.parse(final)
     return final.parent.child(f".{final.name}{PARTIAL_SUFFIX}")
+
+
+#: Schemes a writer (capture, convert, a distributed capture) writes to directly; stores go
+#: to the others with ``actstore cp`` (their backends read, copy and lock, see docs/s3.md).
+WRITABLE_SCHEMES = ("file", "s3")
+
+
+def refuse_unwritable(location: Location) -> None:
+    """A one-line :class:`ConfigError` for a store written straight to object storage other
+    than ``s3://`` (not wired yet): write it locally, then ``actstore cp`` it."""
+    if location.scheme not in WRITABLE_SCHEMES:
+        raise ConfigError(
+            f"stores are not written to {location.scheme}:// directly yet: write it to a local "
+            f"directory, then `actstore cp DIR {location.url}`"
+        )
 
 
 def refuse_partial(location: Location) -> None:

@@ -1,5 +1,5 @@
-"""The files of one store under ``s3://bucket/prefix``, read by byte range:
-:class:`S3Files` lists the prefix once (names, sizes, ETags), then serves ``read_range``
+"""The files of one store under ``s3://bucket/prefix`` (or any object store's URL), read by
+byte range: :class:`ObjectFiles` (also called :class:`S3Files`) lists the prefix once (names, sizes, ETags), then serves ``read_range``
 with concurrent ranged GETs straight into the caller's buffer, and ``read_ranges`` by
 coalescing nearby ranges into few GETs. With a :class:`~actstore.storage.cache.BlockCache`
 (``cache_dir=`` or ``$ACTSTORE_CACHE``) ranges fetched once are kept on local disk.
@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import ConfigError, CorruptStoreError
 from ..forksafe import ForkSafeLock
 from .cache import BlockCache
-from .object import MiB, S3Store, is_internal, join_key
+from .object import MiB, ObjectStore, is_internal, join_key
 from .storefiles import StoreFiles, bytes_view, new_buffer
 
 #: Ranges longer than this are split into parts fetched concurrently.
@@ -25,15 +25,16 @@ PART_BYTES = 8 * MiB
 MERGE_GAP = 256 << 10
 
 
-class S3Files(StoreFiles):
-    """The objects under ``s3://bucket/prefix/``: listed once, read with ranged GETs.
+class ObjectFiles(StoreFiles):
+    """The objects under ``SCHEME://bucket/prefix/`` of any :class:`ObjectStore`: listed
+    once, read with ranged GETs.
 
     Picklable (worker processes make their own client, threads and cache handle).
     """
 
     def __init__(
         self,
-        store: S3Store,
+        store: ObjectStore,
         prefix: str,
         *,
         cache: BlockCache | None = None,
@@ -55,6 +56,10 @@ class S3Files(StoreFiles):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = ForkSafeLock()
+
+    @property
+    def md5_versions(self) -> bool:  # type: ignore[override]
+        return self.store.capabilities.md5_etags
 
     def key(self, name: str) -> str:
         return join_key(self.prefix, name)
@@ -186,3 +191,7 @@ class S3Files(StoreFiles):
         if self._pool is not None and self._pool_pid == os.getpid():
             self._pool.shutdown(wait=False)
         self._pool = None
+
+
+#: The name it had when S3 was the only object store.
+S3Files = ObjectFiles

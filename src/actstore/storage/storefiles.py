@@ -28,6 +28,8 @@ class StoreFiles(abc.ABC):
     local_path: Path | None = None
     #: Whether :meth:`open_read` gives descriptors that can be memory-mapped (local files).
     mappable: bool = False
+    #: Whether :meth:`version` is the MD5 ETag of the bytes (S3), comparable with a hash.
+    md5_versions: bool = False
 
     @abc.abstractmethod
     def list(self) -> dict[str, int]:

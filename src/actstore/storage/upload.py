@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .copy import DEFAULT_PART_BYTES, FileCopier, multipart_etag
 from .files import PathFiles
-from .object import S3Store
+from .object import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class BackgroundUploader:
 
     def __init__(
         self,
-        store: S3Store,
+        store: ObjectStore,
         prefix: str,
         *,
         threads: int = 8,
@@ -120,7 +120,8 @@ class BackgroundUploader:
                 return
             self._files.add(name, path)
             copier.run(pool, [name], {name: size})
-            self.etags[name] = copier.etags[name]
+            if name in copier.etags:  # backends with MD5 ETags
+                self.etags[name] = copier.etags[name]
             self._stat[name] = (path, _signature(st))
             self.sent.append(name)
             log.debug("uploaded %s", self.store.url(f"{self.prefix}/{name}"))

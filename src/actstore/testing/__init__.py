@@ -22,12 +22,18 @@ that keeps no reference to a batch, resumes to the same store, and, killed at ea
 fault points (:mod:`.crash`), reruns to the same bytes; one writer at a time; parts merged;
 conversion both ways; a round trip through ``s3://``. A failing rule names what broke.
 
+:class:`BackendSuite` (:mod:`.backend`) is the same for object storage backends: the
+contract every backend (``s3://``, ``gs://``, ``az://``...) keeps, run against a real server
+on 127.0.0.1 (:mod:`.emulators` starts fake-gcs-server and Azurite; the plugin's ``gcs`` and
+``azure`` fixtures give a fresh bucket).
+
 :mod:`.data` builds the synthetic captures (:func:`make_plan`, :func:`rich_overrides`,
 :func:`make_acts`, :func:`make_batches`) and :func:`resign` rewrites a store's root
 manifest over edited files (for tests of what the manifest can and cannot catch). Needs
 pytest.
 """
 
+from .backend import BackendSuite
 from .case import FormatCase
 from .data import (
     CLASSES,
@@ -54,6 +60,7 @@ __all__ = [
     "N_EXAMPLES",
     "N_TOKENS",
     "SITES",
+    "BackendSuite",
     "ConformanceSuite",
     "FormatCase",
     "make_acts",

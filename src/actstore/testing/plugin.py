@@ -14,6 +14,11 @@ Fixtures:
 * ``s3_proxy``: like ``s3`` but the endpoint is a :class:`~actstore.testing.s3.FaultyProxy`.
 * ``conformance_s3_url``: ``name -> s3://...`` in the test's bucket, what the kit's S3 rule
   writes to (staging goes under the test's tmp directory).
+* ``gcs_server`` / ``azurite_server``: one fake-gcs-server / Azurite on 127.0.0.1 per
+  session (:mod:`actstore.testing.emulators`), started on first use.
+* ``gcs`` / ``azure``: a fresh bucket (container) per test (a
+  :class:`~actstore.testing.emulators.BucketEnv`), with ``STORAGE_EMULATOR_HOST`` /
+  ``AZURE_STORAGE_CONNECTION_STRING`` set to the server.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from .emulators import BucketEnv, new_bucket, start_azurite, start_gcs
 from .s3 import FaultyProxy, S3Env, new_env, start_server
 
 
@@ -64,3 +70,31 @@ def s3_proxy(s3_server, monkeypatch) -> Iterator[S3Env]:
     yield env
     proxy.close()
     s3_server.faults.clear()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """One fake-gcs-server on 127.0.0.1 (in memory) for the whole session."""
+    server = start_gcs()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite_server():
+    """One Azurite blob service on 127.0.0.1 (in memory) for the whole session."""
+    server = start_azurite()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gcs(gcs_server, monkeypatch) -> BucketEnv:
+    """A fresh bucket; STORAGE_EMULATOR_HOST points at the server."""
+    return new_bucket(gcs_server, monkeypatch)
+
+
+@pytest.fixture
+def azure(azurite_server, monkeypatch) -> BucketEnv:
+    """A fresh container; AZURE_STORAGE_CONNECTION_STRING points at the server."""
+    return new_bucket(azurite_server, monkeypatch)

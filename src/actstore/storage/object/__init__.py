@@ -1,6 +1,10 @@
-"""Object storage with one small API for S3-compatible buckets and local directories.
+"""Object storage with one small API for S3-compatible buckets, Google Cloud Storage, Azure
+Blob Storage and local directories.
 
-A location is ``s3://bucket/key/prefix``, ``file:///abs/path`` or a plain path.
+A location is ``s3://bucket/key/prefix``, ``gs://bucket/prefix``, ``az://container/prefix``
+(also spelt ``gcs://``, ``abfs://``), ``file:///abs/path`` or a plain path; the scheme picks
+the backend from one table (:mod:`.registry`), and what each backend can do beyond the
+basics is in its :class:`Capabilities`.
 :func:`open_location` turns it into an :class:`ObjectStore` plus the key prefix inside it,
 so format code is written once and works on S3 and on local disk alike:
 
@@ -19,7 +23,10 @@ so format code is written once and works on S3 and on local disk alike:
 S3 credentials and endpoint come from :class:`S3Config`, whose defaults read the usual
 variables: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``,
 ``S3_ENDPOINT_URL`` (Activault's name) or ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, and
-``AWS_REGION`` / ``AWS_DEFAULT_REGION``.
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``; ``gs://`` from :class:`GCSConfig`
+(``GOOGLE_APPLICATION_CREDENTIALS``, ``STORAGE_EMULATOR_HOST``), ``az://`` from
+:class:`AzureConfig` (``AZURE_STORAGE_CONNECTION_STRING``, or ``AZURE_STORAGE_ACCOUNT_NAME``
+and ``AZURE_STORAGE_ACCOUNT_KEY``).
 
 Example:
     >>> store, prefix = open_location("/tmp/actstore-doc/run")
@@ -35,22 +42,34 @@ from pathlib import Path
 
 from .base import (
     LOCK_NAME,
+    Capabilities,
     ObjectInfo,
     ObjectStore,
     base_name,
     is_internal,
-    is_remote,
     join_key,
     parent_key,
+)
+from .config import AzureConfig, GCSConfig, MiB, S3Config, StorageOptions
+from .local_store import LocalStore
+from .registry import (
+    Backend,
+    backend,
+    is_remote,
+    open_bucket,
+    register_backend,
+    remote_schemes,
     split_location,
 )
-from .config import MiB, S3Config
-from .local_store import LocalStore
 from .retry import Retrier
 from .s3_store import S3Store
 
 __all__ = [
     "LOCK_NAME",
+    "AzureConfig",
+    "Backend",
+    "Capabilities",
+    "GCSConfig",
     "LocalStore",
     "MiB",
     "ObjectInfo",
@@ -58,31 +77,39 @@ __all__ = [
     "Retrier",
     "S3Config",
     "S3Store",
+    "StorageOptions",
+    "backend",
     "base_name",
     "is_internal",
     "is_remote",
     "join_key",
+    "open_bucket",
     "open_location",
     "parent_key",
+    "register_backend",
+    "remote_schemes",
     "split_location",
 ]
 
 
 def open_location(
-    location: str | os.PathLike, s3: S3Config | None = None
+    location: str | os.PathLike, s3: StorageOptions | None = None
 ) -> tuple[ObjectStore, str]:
     """The store holding ``location`` and the key prefix of ``location`` inside it.
 
-    ``s3://bucket/a/b`` -> (S3 store of ``bucket``, ``"a/b"``); a local path or ``file://``
-    URL -> (store rooted at the parent directory, the last path component).
+    ``s3://bucket/a/b`` -> (S3 store of ``bucket``, ``"a/b"``), likewise ``gs://`` and
+    ``az://``; a local path or ``file://`` URL -> (store rooted at the parent directory,
+    the last path component). ``s3``: the backend's settings (:class:`S3Config`,
+    :class:`GCSConfig`, :class:`AzureConfig`; settings of another backend's type are
+    ignored, that backend's defaults read from the environment).
 
     Example:
         >>> store, prefix = open_location("file:///tmp/x/run")
         >>> store.root_url, prefix
         ('/tmp/x', 'run')
     """
-    bucket, rest = split_location(str(location))
+    scheme, bucket, rest = split_location(str(location))
     if bucket is not None:
-        return S3Store(bucket, s3 or S3Config()), rest
+        return open_bucket(scheme, bucket, s3), rest
     path = Path(rest)
     return LocalStore(path.parent), path.name

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import abc
 import builtins
-import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import urlparse
+from pathlib import Path
+from typing import Any, ClassVar
 
-from ...errors import ConfigError
+from ...errors import UnsupportedError
 from .config import MiB
 
 
@@ -25,13 +24,60 @@ class ObjectInfo:
     """Changes when the object is replaced: the ETag on S3 ("" where unknown)."""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond whole-object put, get, size and delete: callers ask
+    these, never the backend's class.
+
+    Example:
+        >>> Capabilities(conditional_create=True).multipart
+        False
+    """
+
+    ranged_reads: bool = True
+    """``get_range`` fetches only the bytes asked for (else the whole object is read)."""
+    listing: bool = True
+    """``list`` and ``list_dirs`` work (a read-only HTTP backend may have neither)."""
+    conditional_create: bool = False
+    """``put_if`` / ``delete_if`` / ``get_with_age`` work: a create that fails when the
+    key exists and an update only while the version is unchanged (what the write lock
+    needs)."""
+    multipart: bool = False
+    """Resumable uploads part by part (``create_upload``, ``upload_part``,
+    ``complete_upload``, ``pending_upload``, ``abort_upload``): an interrupted copy of a
+    large file resumes. Without it large objects go through ``put_chunks`` (still atomic)."""
+    md5_etags: bool = False
+    """``ObjectInfo.version`` of an object is S3's ETag: the MD5 of its bytes (of the
+    parts' MD5s for multipart uploads), so a copy checks what landed without reading it."""
+
+
 class ObjectStore(abc.ABC):
-    """Bytes by key. Subclasses: :class:`S3Store` and :class:`LocalStore`."""
+    """Bytes by key, one bucket (or directory) of one backend. Backends:
+    :class:`~.s3_store.S3Store`, :class:`~.local_store.LocalStore` and the
+    :mod:`~.obstore_store` ones (``gs://``, ``az://``); :mod:`~.registry` picks one by URL
+    scheme. What a backend can do beyond the abstract methods is in :attr:`capabilities`;
+    the optional methods below raise :class:`~actstore.errors.UnsupportedError` where it
+    says no. :class:`actstore.testing.BackendSuite` is the contract as tests.
+    """
 
     #: Human-readable root, e.g. ``s3://bucket`` or ``/data``.
     root_url: str
     #: The bucket's name ("" for a local directory).
     bucket_name: str = ""
+    #: The URL scheme of the backend (``s3``, ``gs``, ``az``; ``file`` locally).
+    scheme: ClassVar[str] = ""
+    #: What the backend can do (see :class:`Capabilities`).
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    @property
+    def local_root(self) -> Path | None:
+        """The directory on local disk holding the keys, or None for object storage."""
+        return None
+
+    @property
+    def retries(self) -> int:
+        """Transient faults retried by this store so far (0 where not counted)."""
+        return 0
 
     @abc.abstractmethod
     def url(self, key: str) -> str:
@@ -127,6 +173,55 @@ class ObjectStore(abc.ABC):
         """The write lock of the store at ``prefix`` (a lock file beside a local store, a
         lease object on S3): an object with ``release()``."""
 
+    def put_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+        """Publish the concatenation of ``chunks`` under ``key`` atomically; backends that
+        can stream it (a multipart upload completed at the end) override this."""
+        self.put(key, b"".join(bytes(c) for c in chunks))
+
+    # Conditional requests (capabilities.conditional_create): the write lock's primitives.
+
+    def _refuse(self, what: str) -> UnsupportedError:
+        return UnsupportedError(f"{self.root_url} does not support {what}")
+
+    def put_if(self, key: str, data: bytes, *, etag: str | None) -> str | None:
+        """PUT ``data`` only if ``key`` does not exist (``etag=None``) or still has version
+        ``etag``. The new version, or None when the condition does not hold."""
+        raise self._refuse("conditional writes")
+
+    def get_with_age(self, key: str) -> tuple[bytes, str, float] | None:
+        """``(body, version, age_s)`` of ``key`` (age since last written), or None."""
+        raise self._refuse("conditional writes")
+
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete ``key`` only if its version is still ``etag``; False if it changed."""
+        raise self._refuse("conditional writes")
+
+    # Resumable multipart uploads (capabilities.multipart).
+
+    def create_upload(self, key: str) -> str:
+        """Start a multipart upload of ``key``; its upload id."""
+        raise self._refuse("resumable multipart uploads")
+
+    def upload_part(
+        self, key: str, upload_id: str, number: int, data: Any, *, of: int | None = None
+    ) -> str:
+        """Send part ``number`` (1-based); its ETag."""
+        raise self._refuse("resumable multipart uploads")
+
+    def complete_upload(
+        self, key: str, upload_id: str, etags: builtins.list[str], size: int
+    ) -> None:
+        """Publish ``key`` from its parts (ETags in part order)."""
+        raise self._refuse("resumable multipart uploads")
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Drop an unfinished upload."""
+        raise self._refuse("resumable multipart uploads")
+
+    def pending_upload(self, key: str) -> tuple[str, dict[int, tuple[str, int]]] | None:
+        """The newest unfinished upload of ``key`` and its parts, or None."""
+        raise self._refuse("resumable multipart uploads")
+
     def get_json(self, key: str) -> Any:
         """Parse the object as UTF-8 JSON (:class:`CorruptStoreError` if it is not, read
         twice: a body mangled in transit, seen under injected resets, is fetched again)."""
@@ -187,44 +282,3 @@ def is_internal(name: str) -> bool:
         (True, False)
     """
     return base_name(name) == LOCK_NAME
-
-
-def is_remote(location: str) -> bool:
-    """True for ``s3://`` URLs."""
-    return str(location).startswith("s3://")
-
-
-def split_location(location: str | os.PathLike) -> tuple[str | None, str]:
-    """The one parser of a location as a user writes it (:meth:`Location.parse
-    <actstore.storage.location.Location.parse>` and :func:`open_location
-    <actstore.storage.object.open_location>` both call it): ``(bucket, prefix)`` for
-    ``s3://bucket/prefix`` (the prefix without surrounding ``/``), ``(None, path)`` for a
-    plain path or ``file:///path``: ``~`` expanded, made absolute and normalised, but not
-    resolved (a symlinked directory keeps the name it was given). A
-    :class:`~actstore.errors.ConfigError` for a URL without a bucket, another scheme, an
-    empty location or the file system root (a store lives in a directory under it).
-
-    Example:
-        >>> split_location("s3://bucket/runs/a/"), split_location("file:///tmp/x/../acts")
-        (('bucket', 'runs/a'), (None, '/tmp/acts'))
-    """
-    text = os.fspath(location)
-    if text.startswith("s3://"):
-        parsed = urlparse(text)
-        if not parsed.netloc:
-            raise ConfigError(f"{text!r} names no bucket; write s3://BUCKET/prefix")
-        return parsed.netloc, parsed.path.strip("/")
-    if "://" in text:
-        parsed = urlparse(text)
-        if parsed.scheme != "file":
-            raise ConfigError(
-                f"unsupported URL scheme {parsed.scheme!r} in {text!r}; use "
-                "s3://bucket/prefix, file:///path or a plain path"
-            )
-        text = parsed.path
-    if not text:
-        raise ConfigError("an empty location; give a directory or an s3:// URL")
-    path = os.path.abspath(os.path.expanduser(text))
-    if os.path.dirname(path) == path:
-        raise ConfigError(f"{text!r} is the file system root; give a directory under it")
-    return None, path

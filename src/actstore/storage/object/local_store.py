@@ -23,9 +23,15 @@ class LocalStore(ObjectStore):
     multipart uploads, and :meth:`abort_incomplete` removes them.
     """
 
+    scheme = "file"
+
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
         self.root_url = str(self.root)
+
+    @property
+    def local_root(self) -> Path:
+        return self.root
 
     def clone(self) -> LocalStore:
         return LocalStore(self.root)

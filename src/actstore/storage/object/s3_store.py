@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 from ...errors import ConfigError, StorageError, StoreNotFoundError, UnsupportedError, require
 from ...forksafe import ForkSafeLock
-from .base import ObjectInfo, ObjectStore
+from .base import Capabilities, ObjectInfo, ObjectStore
 from .config import S3Config, env
 from .retry import AUTH_CODES, MISSING_CODES, Retrier, describe_error
 from .s3lock import S3Lock
@@ -91,6 +91,11 @@ class S3Store(ObjectStore):
     Retries are done here (botocore's own are turned off) so that every transient fault,
     including a body cut short mid-download, follows one documented policy.
     """
+
+    scheme = "s3"
+    capabilities = Capabilities(
+        ranged_reads=True, listing=True, conditional_create=True, multipart=True, md5_etags=True
+    )
 
     def __init__(self, bucket: str, config: S3Config | None = None) -> None:
         self.bucket = bucket
@@ -313,7 +318,11 @@ class S3Store(ObjectStore):
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": prefix,
+                "MaxKeys": self.config.list_page_size,
+            }
             if token:
                 kwargs["ContinuationToken"] = token
             page = self._call(
@@ -330,7 +339,12 @@ class S3Store(ObjectStore):
         names: list[str] = []
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": base,
+                "Delimiter": "/",
+                "MaxKeys": self.config.list_page_size,
+            }
             if token:
                 kwargs["ContinuationToken"] = token
             page = self._call(

@@ -1,4 +1,6 @@
-"""An exclusive write lock on object storage: one capture writes an ``s3://`` store at a time.
+"""An exclusive write lock on object storage: one capture writes an ``s3://`` store at a time
+(any backend whose ``capabilities.conditional_create`` holds takes the same lock: ``gs://``
+and ``az://`` too).
 
 Object storage has no ``flock``, so the lock is a small JSON object,
 ``<store prefix>/.actstore-lock.json``, holding the holder's host, pid, start time, a random
@@ -53,7 +55,8 @@ _TRIES = 8
 
 class ConditionalStore(Protocol):
     """What the lock needs of a store: conditional writes and deletes, and reads that give
-    the object's age by the server's clock (:class:`~.s3_store.S3Store` has them)."""
+    the object's age (every :class:`~.base.ObjectStore` whose ``capabilities`` have
+    ``conditional_create``; S3 by the server's clock)."""
 
     root_url: str
 
