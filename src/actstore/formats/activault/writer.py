@@ -69,7 +69,6 @@ from ...storage.manifest import (
     store_id_of,
 )
 from ...storage.object import (
-    LocalStore,
     ObjectStore,
     S3Config,
     base_name,
@@ -280,7 +279,7 @@ class ActivaultWriter(RunResume, FormatWriter):
         opts = self.options
         if self._pool is None:
             self._pool = cpu_pool(pool_size())
-        local = isinstance(self.store, LocalStore)
+        local = self.store.local_root is not None
         for hook in self.hooks:
             prefix = self._hook_prefix(hook)
             self._uploaders[hook] = HookUploader(
