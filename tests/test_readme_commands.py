@@ -65,8 +65,13 @@ def _stand_ins(tmp_path: Path, uid: int) -> tuple[Path, Path]:
     return bin_dir, log
 
 
+def _stand_in(bin_dir: Path, name: str) -> None:
+    (bin_dir / name).write_text("#!/bin/sh\n")
+    (bin_dir / name).chmod(0o755)
+
+
 @pytest.mark.parametrize(("uid", "sudo"), [(0, False), (1000, True)])
-def test_install_step_installs_chromium_with_sudo_only_when_not_root(tmp_path, uid, sudo):
+def test_install_step_installs_chromium_and_node_with_sudo_only_when_not_root(tmp_path, uid, sudo):
     install = fenced_block("tests")[0]
     bin_dir, log = _stand_ins(tmp_path, uid)
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
@@ -75,16 +80,28 @@ def test_install_step_installs_chromium_with_sudo_only_when_not_root(tmp_path, u
     apt = [c for c in calls if c.startswith("apt-get")]
     assert apt == [
         "apt-get update",
-        "apt-get install -y chromium python3-venv",
+        "apt-get install -y chromium python3-venv nodejs npm",
     ]
     assert (calls.count("sudo apt-get") + calls.count("sudo env") == 2) is sudo
 
 
-def test_install_step_skips_apt_when_chromium_is_there(tmp_path):
+def test_install_step_leaves_a_node_already_there(tmp_path):
+    """npm present (node from elsewhere, e.g. nodesource): only chromium is installed, so
+    apt never replaces that node with Debian's."""
+    install = fenced_block("tests")[0]
+    bin_dir, log = _stand_ins(tmp_path, 0)
+    _stand_in(bin_dir, "npm")
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    subprocess.run(["/bin/bash", "-euo", "pipefail", "-c", install], env=env, check=True)
+    apt = [c for c in log.read_text().splitlines() if c.startswith("apt-get")]
+    assert apt == ["apt-get update", "apt-get install -y chromium python3-venv"]
+
+
+def test_install_step_skips_apt_when_chromium_and_npm_are_there(tmp_path):
     install = fenced_block("tests")[0]
     bin_dir, log = _stand_ins(tmp_path, 1000)
-    (bin_dir / "chromium").write_text("#!/bin/sh\n")
-    (bin_dir / "chromium").chmod(0o755)
+    _stand_in(bin_dir, "chromium")
+    _stand_in(bin_dir, "npm")
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
     subprocess.run(["/bin/bash", "-euo", "pipefail", "-c", install], env=env, check=True)
     assert not log.exists()
