@@ -17,8 +17,9 @@ Example:
 
 from __future__ import annotations
 
+from .config import DEFAULT_POOL_BYTES, LoaderConfig
 from .dataloader import ActivationDataLoader
-from .dataset import DEFAULT_POOL_BYTES, ActivationLoader, LoaderConfig
+from .dataset import ActivationLoader
 from .pipeline import LoaderBatch
 from .serve import ServedLoader, serve, start_server
 

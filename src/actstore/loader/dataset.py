@@ -13,13 +13,11 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -30,12 +28,18 @@ from ..devicecopy import Staging, copies_for
 from ..errors import ConfigError, StorageError
 from ..formats import open_store
 from ..formats.blocks import Extent
-from ..formats.reading import SiteLike
 from ..formats.threads import StageClock
-from ..order import EpochPlan, batches_done_by_worker, plan_epoch, rank_span, worker_span
+from ..order import batches_done_by_worker, plan_epoch, rank_span, worker_span
 from ..sites import Site
 from ..storage.mapped import available as can_map
 from .buffers import NUMPY_STORAGE, SharedSlots
+from .config import (
+    DEFAULT_POOL_BYTES,
+    DEFAULT_RUN_BYTES,
+    OUT_DTYPES,
+    LoaderConfig,
+    _rank_and_world,
+)
 from .device import to_device
 from .pipeline import (
     BufferSet,
@@ -50,101 +54,13 @@ from .pipeline import (
     unit_rows,
     window_shape,
 )
+from .position import LoaderPosition
+from .readahead import ReadAhead, _moves
 
 log = logging.getLogger(__name__)
 
-#: Bytes of one shuffle window when ``pool_blocks`` is not given.
-DEFAULT_POOL_BYTES = 256 << 20
-#: Bytes of one run of consecutive blocks (one sequential read) when ``run_blocks`` is not given.
-DEFAULT_RUN_BYTES = 16 << 20
-NORMALIZE = ("standardize", "mean_norm")
-OUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-STATE_VERSION = 1
 
-
-@dataclass(frozen=True, kw_only=True)
-class LoaderConfig:
-    """Options of :class:`ActivationLoader` (all keyword-only)."""
-
-    site: SiteLike | None = None
-    """The site to read, in any spelling :meth:`actstore.sites.Site.parse` takes (``5``,
-    ``"resid.5"``, ``"blocks.5.hook_resid_post"``, ``-1``) or the reader's own name. None:
-    the store's only site. Batches are ``[B, D]``."""
-    sites: tuple[SiteLike, ...] | None = None
-    """Several sites aligned on the same tokens (crosscoders): batches ``[B, len(sites), D]``."""
-    batch_size: int = 4096
-    pool_blocks: int | None = None
-    """Blocks per shuffle window (K). None: as many as fit in 256 MiB. Memory is about
-    ``2 x K x block bytes x n_sites`` per consumer (one window served, one being read)."""
-    run_blocks: int | None = None
-    """Blocks are shuffled in runs of this many consecutive blocks (read as one sequential
-    stretch). None: as many as fit in 16 MiB, at most ``pool_blocks``. 1 shuffles single
-    blocks. Runs do not change how many examples a window mixes."""
-    mix: int = 1
-    """Split every block into this many slabs and fill a window with ``pool_blocks * mix``
-    slabs of as many blocks: the same memory, rows from ``mix`` times as many examples per
-    window (a batch's same-example pair rate drops about ``mix``-fold) at the cost of
-    ``mix`` times smaller reads. On a store whose blocks hold whole examples of ``T``
-    tokens (saev) slab ``j`` is tokens ``[j*T//mix, (j+1)*T//mix)`` of each example, so
-    ``mix`` may be at most ``T``; elsewhere a slab is one of ``mix`` contiguous row ranges.
-    1: whole blocks (the order of earlier versions). See :mod:`actstore.order`."""
-    seed: int = 0
-    epoch: int = 0
-    """The epoch to start at (see :meth:`ActivationLoader.set_epoch`)."""
-    drop_cls: bool = False
-    """Leave out CLS-token rows (needs a reader that marks them, e.g. saev ViT stores)."""
-    drop_last: bool = False
-    """Serve only full batches; every rank then serves the same number of batches."""
-    dtype: str = "float32"
-    """Output dtype: ``float32``, ``bfloat16`` or ``float16``."""
-    normalize: str | None = None
-    """None, ``"standardize"`` (``(x - mean) / std`` per dimension, stored statistics) or
-    ``"mean_norm"`` (every row times ``sqrt(D) / mean L2 norm``, so the mean norm is sqrt(D))."""
-    rank: int | None = None
-    """This process's rank; None: ``torch.distributed``'s if initialised, else 0."""
-    world_size: int | None = None
-    """Number of ranks; None: ``torch.distributed``'s if initialised, else 1."""
-    io_threads: int = 4
-    """Threads reading blocks in parallel (per consumer process)."""
-    return_index: bool = False
-    """Yield :class:`LoaderBatch` ``(acts, rows)`` with each row's storage index."""
-    pin_memory: bool = False
-    """Yield batches in pinned memory (needs CUDA): the batch buffers are registered with
-    CUDA once, so batches are still views of them (no copy)."""
-    device: str | None = None
-    """Move batches there (``"cuda"``): pinned as above, each batch is copied on a side
-    stream while the previous one is in use (see :mod:`actstore.loader.device`). Any other
-    device: copied there on a background thread."""
-
-    def __post_init__(self) -> None:
-        if self.site is not None and self.sites is not None:
-            raise ConfigError("give site (one) or sites (several), not both")
-        if self.sites is not None:
-            sites = tuple(self.sites)
-            if not sites or len(set(sites)) != len(sites):
-                raise ConfigError(f"sites must be distinct and non-empty, not {list(sites)}")
-            object.__setattr__(self, "sites", sites)
-        for name in ("batch_size", "io_threads", "mix"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
-        for name in ("pool_blocks", "run_blocks"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
-        if self.seed < 0 or self.epoch < 0:
-            raise ConfigError("seed and epoch must be >= 0")
-        if self.dtype not in OUT_DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(OUT_DTYPES)}, not {self.dtype!r}")
-        if self.normalize is not None and self.normalize not in NORMALIZE:
-            raise ConfigError(
-                f"normalize must be None or one of {NORMALIZE}, not {self.normalize!r}"
-            )
-        if (
-            self.pin_memory or (self.device and torch.device(self.device).type == "cuda")
-        ) and not torch.cuda.is_available():
-            raise ConfigError("pin_memory and device='cuda' need CUDA, which is not available")
-
-
-class ActivationLoader(IterableDataset):
+class ActivationLoader(LoaderPosition, ReadAhead, IterableDataset):
     """Uniformly shuffled batches of activation rows, at sequential-read speed.
 
     Reads whole blocks (one sequential read each) in a shuffled order and shuffles rows
@@ -392,80 +308,6 @@ class ActivationLoader(IterableDataset):
         normalisation, pinning, device)."""
         return self._finish
 
-    # ------------------------------------------------------------------ epochs and state
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its beginning at the next iteration."""
-        if epoch < 0:
-            raise ConfigError(f"epoch must be >= 0, not {epoch}")
-        self.epoch, self._batches_done, self._saved_workers = int(epoch), 0, None
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this rank stands: epoch and batches served, plus what the order depends on.
-
-        Under worker processes take the state from :class:`ActivationDataLoader` (it
-        counts the batches the workers delivered); a plain ``DataLoader`` cannot."""
-        return {
-            "version": STATE_VERSION,
-            "epoch": self.epoch,
-            "batches": self._batches_done,
-            "num_workers": self._saved_workers or 1,
-            **self.fingerprint(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly where ``state`` was taken (O(1): no reads are replayed)."""
-        if not isinstance(state, dict) or not {"version", "epoch", "batches"} <= set(state):
-            keys = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(
-                f"this is not an ActivationLoader state ({keys}); pass what "
-                "ActivationLoader.state_dict() or ActivationDataLoader.state_dict() "
-                "returned"
-            )
-        if state.get("version") != STATE_VERSION:
-            raise ConfigError(
-                f"loader state version {state.get('version')!r} is not "
-                f"{STATE_VERSION}: another actstore version saved it"
-            )
-        # states saved before runs and slabs existed: single whole blocks
-        mine = self.fingerprint()
-        # states saved before the store was part of it belong to this one
-        state = {"run_blocks": 1, "mix": 1, "store": mine["store"], **state}
-        wrong = [
-            f"{k}={state.get(k)!r} (this loader: {v!r})"
-            for k, v in mine.items()
-            if state.get(k) != v
-        ]
-        if wrong:
-            raise ConfigError(
-                "the saved state belongs to a different order: "
-                + "; ".join(wrong)
-                + ". Build the loader with the same options"
-            )
-        if not 0 <= state["batches"] <= len(self):
-            raise ConfigError(f"state says {state['batches']} batches served of {len(self)}")
-        self.epoch, self._batches_done = int(state["epoch"]), int(state["batches"])
-        self._saved_workers = int(state["num_workers"])
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What this loader's order depends on (part of :meth:`state_dict`): a saved
-        position continues only on a loader with the same fingerprint."""
-        cfg = self.config
-        sizes = self.layout.kept_rows.astype("<i8").tobytes()
-        return {
-            "seed": cfg.seed,
-            "batch_size": cfg.batch_size,
-            "pool_blocks": self.pool_blocks,
-            "run_blocks": self.run_blocks,
-            "mix": self.layout.mix,
-            "world_size": self.world_size,
-            "drop_last": cfg.drop_last,
-            "drop_cls": cfg.drop_cls,
-            "sites": [str(s) for s in self.sites],
-            "blocks": hashlib.sha256(sizes).hexdigest()[:16],
-            "store": _store_key(self.reader),
-        }
-
     def __repr__(self) -> str:
         return (
             f"ActivationLoader(sites={list(self.sites)}, rows={self.n_rows}, "
@@ -520,35 +362,6 @@ class ActivationLoader(IterableDataset):
         places in shared memory, and pinning and the move to the device happen in the
         main process. None: detach (the loader runs in its own process again)."""
         self._link = link
-
-    def begin(self, num_consumers: int) -> None:
-        """Main process, before ``num_consumers`` consumers (worker processes, or 1: this
-        process) start an iteration: check that the saved position was reached with as
-        many, move on to the next epoch if the last one was served completely, and
-        publish the position to persistent workers."""
-        self._check_workers(num_consumers)
-        if self._batches_done >= len(self) > 0:  # the last epoch was served completely
-            self.set_epoch(self.epoch + 1)
-        self._saved_workers = num_consumers
-        if self._link is not None and self._link.position is not None:
-            position = [self.epoch, self._batches_done, num_consumers]
-            self._link.position.copy_(torch.tensor(position, dtype=torch.int64))
-
-    def count_batch(self) -> None:
-        """Main process: one more batch of this iteration reached the user."""
-        self._batches_done += 1
-
-    def end_iteration(self, epoch: int) -> None:
-        """Main process: the iteration over epoch ``epoch`` served its last batch; the next
-        one starts the following epoch (unless :meth:`set_epoch` chose another)."""
-        if self.epoch == epoch:
-            self.set_epoch(epoch + 1)
-
-    def _read_position(self) -> None:
-        """Worker process: take the position the main process published."""
-        if self._link is not None and self._link.position is not None:
-            epoch, batches, workers = self._link.position.tolist()
-            self.epoch, self._batches_done, self._saved_workers = epoch, batches, workers or None
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -621,14 +434,6 @@ class ActivationLoader(IterableDataset):
             self._check_workers(num_workers)
         return self._generate(worker, num_workers, count)
 
-    def _check_workers(self, num_workers: int) -> None:
-        if self._batches_done and self._saved_workers not in (None, num_workers):
-            raise ConfigError(
-                f"this position was reached with {self._saved_workers} consumer(s) and cannot "
-                f"continue with {num_workers}: the order of batches depends on the number of "
-                "DataLoader workers (num_workers=0 counts as 1); resume with the same number"
-            )
-
     def _generate(self, worker: int, num_workers: int, count: bool) -> Iterator[Any]:
         cfg, epoch = self.config, self.epoch
         plan = self.plan(epoch)
@@ -689,73 +494,6 @@ class ActivationLoader(IterableDataset):
         if buffers is not None and buffers[0] == os.getpid():
             buffers[1].close()
 
-    @property
-    def read_ahead(self) -> int | None:
-        """The epoch whose first window this process is reading ahead (an epoch iterated to
-        its end starts the next one's read at once), or None."""
-        primed = self._next
-        return None if primed is None or primed[0] != os.getpid() else int(primed[1][0])
-
-    def _consumer(self, plan: EpochPlan, buffers: BufferSet, finish: Finish) -> Consumer:
-        cfg = self.config
-        return Consumer(
-            self.layout,
-            plan,
-            buffers,
-            batch_size=cfg.batch_size,
-            io_threads=cfg.io_threads,
-            finish=finish,
-            read_blocks=self.run_blocks,
-            clock=self.clock,
-        )
-
-    def _primed_consumer(self, key: tuple[Any, ...]) -> Consumer | None:
-        """The consumer :meth:`_prime_next_epoch` made, if it serves exactly ``key``."""
-        primed, self._next = self._next, None
-        if primed is None:
-            return None
-        pid, primed_key, consumer = primed
-        if pid == os.getpid() and primed_key == key:
-            return consumer
-        if pid == os.getpid():
-            consumer.close()
-        return None
-
-    def _prime_next_epoch(
-        self, epoch: int, num_workers: int, buffers: BufferSet, finish: Finish
-    ) -> bool:
-        """Start reading ``epoch``'s first window now (into a free pool: no memory is
-        added), so the trainer's next epoch starts without waiting for a read. True once
-        it is being read (or reading ahead is off); False while no pool is free."""
-        if os.environ.get("ACTSTORE_READ_AHEAD", "1") == "0":  # to measure without it
-            return True
-        if self._buffers is None or self._buffers[1] is not buffers:
-            return True  # closed (close() inside the loop): nothing is read ahead
-        info = get_worker_info()
-        if info is not None and (self._link is None or self._link.position is None):
-            return True  # a worker that ends with its epoch: a window read ahead is lost
-        worker = 0 if info is None else info.id  # a new epoch starts at the DataLoader's worker 0
-        span = worker_span(
-            self._rank_span(), worker=worker, num_workers=num_workers, batch_size=self.batch_size
-        )
-        key = (epoch, worker, num_workers, span.start, span.stop, id(buffers), _moves(finish))
-        if self._next is not None and self._next[0] == os.getpid() and self._next[1] == key:
-            return True  # already being read
-        if span.start >= span.stop:
-            return True  # nothing to read
-        if buffers.pools is not None and not any(
-            buffers.pools.free(i) for i in range(len(buffers.pools))
-        ):
-            return False  # every window buffer still in use: again after the next batch
-        consumer = self._consumer(self.plan(epoch), buffers, finish)
-        if not consumer.prime(span.start, span.stop):
-            consumer.close()
-            return buffers.pools is None  # no window with rows, or no buffer after all
-        if self._next is not None and self._next[0] == os.getpid():
-            self._next[2].close()
-        self._next = (os.getpid(), key, consumer)
-        return True
-
 
 def _extents(reader: Any, blocks: tuple[list[Any], ...]) -> tuple[list[Extent], ...] | None:
     """Where every block lies raw, when the store's files can be mapped here and its
@@ -774,32 +512,3 @@ def _extents(reader: Any, blocks: tuple[list[Any], ...]) -> tuple[list[Extent], 
     if len({site[0].dtype for site in out if site}) > 1:
         return None  # sites stored in different dtypes: windows gather one dtype
     return tuple(out)
-
-
-def _store_key(reader: Any) -> str:
-    """Which store a position belongs to: its manifest's store id (the same for a copy of
-    it), else a digest of its file names and sizes (stores other tools wrote)."""
-    manifest = reader.checks.manifest
-    if manifest is not None:
-        return str(manifest.store_id)
-    listing = json.dumps(reader.files.list(), sort_keys=True).encode()
-    return hashlib.sha256(listing).hexdigest()[:16]
-
-
-def _moves(finish: Finish) -> tuple[bool, str | None]:
-    """What a consumer's ``finish`` does with batches beyond the loader's fixed options."""
-    return finish.pin_memory, None if finish.device is None else str(finish.device)
-
-
-def _rank_and_world(config: LoaderConfig) -> tuple[int, int]:
-    rank, world = config.rank, config.world_size
-    if rank is None or world is None:
-        dist = torch.distributed
-        initialised = dist.is_available() and dist.is_initialized()
-        if rank is None:
-            rank = dist.get_rank() if initialised else 0
-        if world is None:
-            world = dist.get_world_size() if initialised else 1
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world}")
-    return rank, world

@@ -20,7 +20,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..storage.lock import FileLock
 from .buffers import NUMPY_STORAGE
-from .dataset import OUT_DTYPES, ActivationLoader
+from .config import OUT_DTYPES
+from .dataset import ActivationLoader
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ import numpy as np
 from ..errors import ConfigError, ServeError
 from ..storage.lock import pid_alive
 from .buffers import populate
-from .dataset import ActivationLoader, LoaderConfig
+from .config import LoaderConfig
+from .dataset import ActivationLoader
 from .pipeline import LoaderBatch
 from .ring import (
     _FAILED,
