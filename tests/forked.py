@@ -20,6 +20,11 @@ is read at import time (:data:`IMPORT_TIME_PREFIXES`) are forked from different 
 helper could stand in for one: a ``PYTHONPATH`` entry that would shadow a module the helper
 has imported, interpreter options (``-X importtime``: pass them and a fresh interpreter
 honours them), or ``ACTSTORE_FORKED=0`` in this process's environment.
+
+A run whose environment sets ``ACTSTORE_FORKED_PRELOAD`` (module names, comma separated)
+is forked from a helper that imported those and nothing else: a run that makes installed
+packages look absent first thing (``sys.modules[name] = None``) needs a helper that never
+imported them, nor anything that asked whether they are there; ``torch`` is such a module.
 """
 
 from __future__ import annotations
@@ -352,8 +357,14 @@ def _read(stream: Any, size: int) -> bytes:
 def _preload() -> None:
     """What runs import before they do anything: the commands, torch, transformers' model
     machinery and the families the tests use, and the formats (imports only: no torch
-    operation runs here)."""
+    operation runs here); or only the modules ``ACTSTORE_FORKED_PRELOAD`` names."""
     import importlib
+
+    only = os.environ.get("ACTSTORE_FORKED_PRELOAD")
+    if only is not None:
+        for name in filter(None, only.split(",")):
+            importlib.import_module(name)
+        return
 
     from actstore.cli import load_app
 

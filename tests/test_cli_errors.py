@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from forked import run_actstore
+from forked import run_actstore, run_python
 
 from actstore.capture.preflight import check_space
 from actstore.errors import StorageError
@@ -385,18 +385,14 @@ main()
 
 
 def run_cli_without(blocked: list[str], *args: str, cwd: Path):
-    """The real command in an environment where the ``blocked`` packages are not installed."""
+    """The real command in an environment where the ``blocked`` packages are not installed:
+    a process of its own, forked from a helper that imported torch and nothing else (none
+    of the blocked packages, nothing that asked for them: tests/forked.py), so it meets
+    them absent as a fresh interpreter running ``_WITHOUT`` would."""
     code = _WITHOUT.format(blocked=set(blocked), args=list(args))
     environ = {**os.environ, "PYTHONPATH": str(SRC), "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=environ,
-        timeout=300,
-        check=False,
-    )
+    environ["ACTSTORE_FORKED_PRELOAD"] = "torch"
+    return run_python("-c", code, cwd=cwd, env=environ, timeout=300)
 
 
 MISSING = {
