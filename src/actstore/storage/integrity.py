@@ -34,19 +34,16 @@ import xxhash
 
 from ..errors import CorruptStoreError, StoreNotFoundError
 from ..forksafe import ForkSafeLock
+from .digests import KeyedHasher, block_keys, digest_ranges, file_digest
 from .local import parse_json
-from .manifest import (
+from .rootmanifest import (
     BLOCKS,
     BLOCKS_MAGIC,
     MANIFEST,
     OWN_FILES,
     WHOLE_BLOCKS_BYTES,
     FileEntry,
-    KeyedHasher,
     RootManifest,
-    block_keys,
-    digest_ranges,
-    file_digest,
     jsonable,
     skipped,
 )
