@@ -111,7 +111,8 @@ def main() -> None:
 
     from actstore.capture import CaptureConfig
     from actstore.capture.data.digest import files_digest, token_digest
-    from actstore.capture.preflight import _stand_in, read_model_config
+    from actstore.capture.modelfacts import read_model_config
+    from actstore.capture.preflight import _stand_in
     from actstore.capture.runner import packed_source
 
     facts = read_model_config("embedded")

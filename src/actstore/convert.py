@@ -286,7 +286,7 @@ def convert(
     ``--out``: a directory, or a URL for object storage). ``sites`` picks the sites to
     convert (default: all). Rerunning an interrupted conversion resumes it; a finished one
     is only verified."""
-    from .capture.preflight import check_not_inside_a_store, check_output
+    from .capture.outdir import check_not_inside_a_store, check_output
 
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, not {batch_size}")
@@ -321,7 +321,7 @@ def _convert(
     options = options if options is not None else dst_spec.options()
     # every row or none: a format of fixed-size files picks one that holds them all
     options = dst_spec.writer.convert_options(plan, options)
-    from .capture.preflight import check_out_target
+    from .capture.outdir import check_out_target
 
     check_out_target(str(target), dst_spec, options, plan, what="the target")
     writer = open_target(dst_spec, plan, str(target), options, source, src_spec.name)

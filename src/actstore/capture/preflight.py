@@ -30,141 +30,31 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import socket
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from ..batch import CapturePlan
 from ..errors import ConfigError, OtherCaptureError, StorageError, StoreNotFoundError
 from ..formats.identity import explain_other_capture
 from ..formats.threads import check_settings
 from ..formats.writerbase import WriterBase
-from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
+from ..hub import quiet_transformers
 from ..sites import Site
 from .data import ExampleSource
 from .identity import weights_identity
+from .modelfacts import ModelFacts, check_sites, read_model_config
+from .outdir import (
+    check_not_inside_a_store,
+    check_out_target,
+    check_output,
+    check_space,
+    store_bytes,
+)
 from .runner import CaptureConfig
 
 log = logging.getLogger(__name__)
-
-#: Bytes per stored value, by the format's stored dtype.
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelFacts:
-    """What config.json says, before any weights load."""
-
-    ckpt: str
-    """The name recorded in stores (the hub id for ``embedded``)."""
-    path: str
-    """What ``from_pretrained`` is given (a directory for ``embedded``)."""
-    model_type: str
-    family: str
-    """``LoadedModel.family``: clip/siglip/dinov2 for vision towers, else the model type."""
-    is_vision: bool
-    has_cls: bool
-    patch_size: int | None
-    """Vision towers: pixels per patch side (tokens = patches + CLS)."""
-    n_layers: int
-    d_model: int
-    vocab_size: int | None = None
-    """Text models: rows of the input embedding (pre-tokenized ids must be below it)."""
-
-
-def is_url(location: str) -> bool:
-    """True for ``s3://...`` and other URLs (no local checks apply)."""
-    return "://" in str(location)
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def check_output(out: str, what: str = "--out") -> None:
-    """``out`` (named ``what`` in messages) is a directory, or can be created, and a file
-    can be written there."""
-    if is_url(out):
-        return
-    path = Path(out).expanduser().absolute()
-    if path.exists() and not path.is_dir():
-        raise ConfigError(
-            f"{what} {out} is an existing file; give a directory (it is created if missing)"
-        )
-    base = _nearest_existing(path)
-    if not base.is_dir():
-        raise ConfigError(f"{what} {out} cannot be created: {base} is a file, not a directory")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".actstore-write-test-", dir=base)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise ConfigError(
-            f"{what} {out} is not writable ({base}: {err.strerror or err}); "
-            "choose a directory you can write to"
-        ) from None
-
-
-#: The file every store actstore publishes holds (``actstore.storage.manifest``).
-_ROOT_MANIFEST = "actstore-manifest.json"
-
-
-def _store_markers() -> frozenset[str]:
-    """Names whose presence at the top of a directory makes it worth asking every format
-    whether it is a store (asking lists the whole tree): the root manifest and each
-    format's :attr:`~actstore.formats.registry.FormatSpec.store_markers`."""
-    from ..formats.registry import available_formats
-
-    return frozenset({_ROOT_MANIFEST, *(m for s in available_formats() for m in s.store_markers)})
-
-
-def _store_at(path: Path, markers: frozenset[str] | None = None) -> str | None:
-    """The format of the store at ``path`` ("unfinished" for a writer's partial
-    directory), or None; only a directory holding one of ``markers`` is asked."""
-    from ..storage.location import final_of_partial
-
-    if final_of_partial(path.name) is not None:
-        return "unfinished"
-    try:
-        names = set(os.listdir(path))
-    except OSError:
-        return None
-    if not names or not names & (_store_markers() if markers is None else markers):
-        return None
-    from ..formats.registry import format_of
-
-    spec = format_of(path)
-    if spec is not None:
-        return spec.name
-    return "actstore" if _ROOT_MANIFEST in names else None
-
-
-def check_not_inside_a_store(out: str, what: str = "--out") -> None:
-    """``out`` (named ``what``) is not inside a store or an unfinished one: whatever is
-    written there would change a store it does not belong to."""
-    if is_url(out):
-        return
-    path = Path(out).expanduser().absolute()
-    for parent in path.parents:  # a store actstore published (asking lists the whole tree)
-        kind = _store_at(parent, frozenset({_ROOT_MANIFEST}))
-        if kind is None:
-            continue
-        if kind == "unfinished":
-            raise ConfigError(
-                f"{what} {out} is inside {parent}, an unfinished capture's directory; "
-                "give a directory outside it"
-            )
-        raise ConfigError(
-            f"{what} {out} is inside the {kind} store {parent}; writing there would change "
-            "that store: give a directory outside it"
-        )
 
 
 def probe_plan(facts: ModelFacts, sites: tuple[Site, ...]) -> CapturePlan:
@@ -224,54 +114,6 @@ def check_format_takes_sites(
     if resid and _writer_refusal(spec, probe_plan(facts, resid), options) is not None:
         return  # refused for another reason, which the probe plan may not show
     raise refusal
-
-
-def check_out_target(
-    out: str, spec: Any, options: Any, plan: CapturePlan, what: str = "--out"
-) -> None:
-    """What ``out`` (named ``what``) holds fits what format ``spec`` does with it, or one
-    line: a format whose store is the output itself (pkl.gz, SAELens, Activault, zarr's
-    ``*.zarr``) takes a new or empty directory, or its own store there (finished:
-    reported; unfinished: resumed; another capture's: refused by the writer); a format that
-    writes its store under the output as a root (saev's ``<hash>``, zarr's
-    ``activations.zarr``) takes any directory that is not itself a store. A store of
-    another format, or foreign files, are never written into. ``plan`` is the capture's
-    (or :func:`probe_plan`'s: where the store goes depends on the format, not the data)."""
-    if is_url(out):
-        return
-    path = Path(out).expanduser().absolute()
-    if not path.is_dir():
-        return
-    from ..storage.location import Location
-
-    try:
-        store = Location.parse(spec.writer.store_location(plan, Location.parse(path), options))
-        at_out = store.path() == path
-    except ConfigError:
-        store, at_out = None, True
-    kind = _store_at(path)
-    if at_out:
-        if kind == spec.name:
-            return  # its own store: finished (reported), unfinished or another capture
-        if kind is None and not any(path.iterdir()):
-            return
-        held = f"the {kind} store" if kind else "files that are not a store"
-        raise ConfigError(
-            f"{what} {out} holds {held}; a {spec.name} store is written at {what} itself, "
-            "never into other files: give a new or empty directory"
-        )
-    if kind is not None:
-        raise ConfigError(
-            f"{what} {out} is a {kind} store, not an output root; a {spec.name} store is "
-            f"written inside {what}: give the store's parent or a new directory"
-        )
-    store_path = store.path() if store is not None else path
-    inner = _store_at(store_path) if store_path.is_dir() else None
-    if inner is not None and inner != spec.name:
-        raise ConfigError(
-            f"{what} {out}: {store_path}, where the {spec.name} store goes, is a {inner} "
-            "store; give another directory"
-        )
 
 
 def check_device(device: str) -> None:
@@ -337,104 +179,6 @@ def check_dataset(dataset: str) -> None:
                 f.read(1)
     except OSError as err:
         raise ConfigError(f"dataset {dataset} is not readable ({err.strerror or err})") from None
-
-
-def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def go_offline_if_hub_unreachable(timeout: float = 3.0) -> None:
-    """Turn on huggingface_hub's offline mode when its endpoint cannot be reached, so a
-    model that is not cached fails at once instead of after minutes of retries."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return
-    except OSError:
-        pass
-    log.debug("%s is unreachable; Hugging Face hub offline mode on", host)
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    if "huggingface_hub" in sys.modules:
-        sys.modules["huggingface_hub"].constants.HF_HUB_OFFLINE = True
-
-
-def read_model_config(model: str) -> ModelFacts:
-    """Read ``model``'s config.json (local directory, cache, or hub) without its weights."""
-    path = resolve_checkpoint(model)
-    local = Path(path).expanduser()
-    if path.startswith(("/", ".", "~")) and not local.exists():
-        raise StoreNotFoundError(
-            f"--model {model}: no such directory; give a directory holding config.json "
-            "or a Hugging Face model id"
-        )
-    if not local.is_dir():
-        go_offline_if_hub_unreachable()
-    from transformers import AutoConfig
-
-    try:
-        with quiet_transformers():
-            config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        if Path(path).expanduser().exists():
-            raise StoreNotFoundError(
-                f"--model {model}: {path} holds no usable config.json ({err})"
-            ) from None
-        where = (
-            "and the Hugging Face hub is unreachable (offline)"
-            if _hub_offline()
-            else "nor on the Hugging Face hub"
-        )
-        raise StoreNotFoundError(
-            f"model {model!r} is not on this machine {where}; give a local model directory, "
-            f"or download it first (`hf download {model}`) where there is network"
-        ) from None
-    vision = getattr(config, "vision_config", None) or config
-    n_layers = getattr(vision, "num_hidden_layers", None) or getattr(config, "n_layer", None)
-    d_model = getattr(vision, "hidden_size", None) or getattr(config, "n_embd", None)
-    if not n_layers or not d_model:
-        raise ConfigError(f"--model {model}: config.json gives no layer count or hidden size")
-    from .models import VISION_FAMILIES
-
-    family = next(
-        (name for name, (types, _) in VISION_FAMILIES.items() if config.model_type in types),
-        config.model_type,
-    )
-    is_vision = family in VISION_FAMILIES
-    return ModelFacts(
-        ckpt=EMBEDDED_MODEL_ID if model == EMBEDDED_MODEL else model,
-        path=path,
-        model_type=config.model_type,
-        family=family,
-        is_vision=is_vision,
-        has_cls=is_vision and VISION_FAMILIES[family][1],
-        patch_size=getattr(vision, "patch_size", None) if is_vision else None,
-        n_layers=int(n_layers),
-        d_model=int(d_model),
-        vocab_size=None if is_vision else _vocab_size(config),
-    )
-
-
-def _vocab_size(config: Any) -> int | None:
-    value = getattr(config, "vocab_size", None)
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
-def check_sites(sites: tuple[str, ...], facts: ModelFacts) -> tuple[Site, ...]:
-    """Absolute sites as the model's family means them (a TransformerLens name means what it
-    means there: BERT's ``hook_resid_post`` is ``resid_post``), each in range for the model's
-    blocks and one its family has, none twice."""
-    from .sitemap import check_sites as check_family
-
-    resolved = check_family(facts.family, (Site.parse(s).resolve(facts.n_layers) for s in sites))
-    for i, site in enumerate(resolved):
-        if site in resolved[:i]:
-            first = sites[resolved.index(site)]
-            raise ConfigError(f"sites {first} and {sites[i]} both name {site}; give it once")
-    return resolved
 
 
 def check_prompt_response(config: CaptureConfig, facts: ModelFacts) -> None:
@@ -544,34 +288,6 @@ def weightless_plan(
         has_cls=facts.has_cls,
     )
     return plan, source
-
-
-def store_bytes(plan: CapturePlan, stored_dtype: str) -> int:
-    """Upper estimate of a store's size: every site's vectors plus token ids."""
-    values = plan.n_examples * len(plan.sites) * plan.tokens_per_example * plan.d_model
-    tokens = plan.n_examples * plan.tokens_per_example * 4 if plan.has_tokens else 0
-    return values * _ITEMSIZE.get(stored_dtype, 4) + tokens
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
-def check_space(out: str, need: int) -> None:
-    """Refuse when the file system of ``out`` has less than ``need`` bytes free."""
-    if is_url(out) or need <= 0:
-        return
-    base = _nearest_existing(Path(out).expanduser().absolute())
-    free = shutil.disk_usage(base).free
-    if free < need:
-        raise StorageError(
-            f"--out {out}: the store needs about {_size(need)} but {base} has {_size(free)} "
-            "free; free some space, choose another --out, or pass --no-space-check"
-        )
 
 
 @dataclass(kw_only=True)
