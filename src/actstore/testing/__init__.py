@@ -50,7 +50,8 @@ from .data import (
     resign,
     rich_overrides,
 )
-from .suite import DESCRIBE_KEYS, ConformanceSuite
+from .reading_rules import DESCRIBE_KEYS
+from .suite import ConformanceSuite
 
 __all__ = [
     "CLASSES",
