@@ -164,6 +164,34 @@ def test_shard_statistics_are_the_runs_folded_whole_however_batches_cut_them(dty
         pool.shutdown()
 
 
+def test_a_batch_that_ends_a_run_and_holds_whole_ones_merges_them_in_order():
+    """A batch whose head ends the run the batches before began, then holds whole runs:
+    the ended run is merged before them (float sums of three or more runs depend on the
+    order), whatever the executor and however many tasks the sites share."""
+    d = 64
+    per = RunningStats(d).rows_per_chunk
+    sites = make_plan().sites[:2]
+    values = torch.randn(3 * per + 10, d, generator=torch.Generator().manual_seed(7)).numpy()
+    want = RunningStats(d)
+    for lo in range(0, len(values), per):
+        want.add(chunk_moments(values[lo : lo + per]))
+    pool = cpu_pool(2)
+    try:
+        for executor, tasks in ((None, 1), (pool, 1), (pool, 2)):
+            stats, at = ShardStats(sites, d, executor, tasks=tasks), 0
+            for size in (per + 3, 2 * per + 2, 5):  # the second ends run 1 and holds run 2
+                stats.update({s: values[at : at + size] for s in sites})
+                stats.settle()
+                at += size
+            for site, got in stats.finish().items():
+                assert got.count == want.count, site
+                assert got.mean.tobytes() == want.mean.tobytes(), (site, tasks)
+                assert got.m2.tobytes() == want.m2.tobytes(), (site, tasks)
+                assert got.norm_mean == want.norm_mean, (site, tasks)
+    finally:
+        pool.shutdown()
+
+
 def test_statistics_do_not_depend_on_threads_or_batch_sizes(tmp_path, monkeypatch):
     plan = make_plan()
     acts = _acts(plan)

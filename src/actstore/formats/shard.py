@@ -197,9 +197,8 @@ class ShardStats:
             pieces = [p for p in (part[:head], part[n - tail :]) if len(p)]
             if pieces:
                 small.append((site, pieces))
-            for lo in range(head, head + full, self.per):
-                self._parts[site].append(self._submit(moments, part[lo : lo + self.per]))
-        # the sites' pieces in at most `tasks` tasks (a few per batch, not one per site)
+        # the sites' pieces in at most `tasks` tasks (a few per batch, not one per site);
+        # a run the head piece ends comes before this batch's full runs, in order
         for k in range(min(self.tasks, len(small))):
             group = small[k :: self.tasks]
             jobs = [(self._runs[site], pieces) for site, pieces in group]
@@ -207,6 +206,9 @@ class ShardStats:
             if ends:  # else it only accumulates: settle waits for it all the same
                 for i, (site, _) in enumerate(group):
                     self._parts[site].append(_Picked(task, i))
+        for site, part in arrays.items():
+            for lo in range(head, head + full, self.per):
+                self._parts[site].append(self._submit(moments, part[lo : lo + self.per]))
         self._fill = tail if ends or not head else self._fill + head
 
     @staticmethod
