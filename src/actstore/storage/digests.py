@@ -19,10 +19,11 @@ import xxhash
 def store_id_of(record: Any) -> str:
     """A store's id: 16 hex digits of the xxh3-64 of its capture record (deterministic, so a
     resumed or merged store gets the id an uninterrupted one gets)."""
-    return xxhash.xxh3_64_hexdigest(_canonical(record))
+    return xxhash.xxh3_64_hexdigest(canonical_json(record))
 
 
-def _canonical(doc: Any) -> bytes:
+def canonical_json(doc: Any) -> bytes:
+    """``doc`` as the bytes its digests are taken over: JSON, keys sorted, no spaces."""
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 

@@ -20,7 +20,7 @@ import xxhash
 
 from .._version import __version__
 from ..errors import ConfigError, CorruptStoreError
-from .digests import _canonical
+from .digests import canonical_json
 from .local import load_json
 
 MANIFEST = "actstore-manifest.json"
@@ -153,10 +153,10 @@ class RootManifest:
 
     def to_bytes(self) -> bytes:
         body = self.body()
-        body["self"] = xxhash.xxh3_128_hexdigest(_canonical(body))
+        body["self"] = xxhash.xxh3_128_hexdigest(canonical_json(body))
         key = manifest_key()
         if key is not None:
-            body["hmac"] = hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
+            body["hmac"] = hmac.new(key, canonical_json(body), hashlib.sha256).hexdigest()
         return _layout(body)
 
     @staticmethod
@@ -191,7 +191,7 @@ class RootManifest:
             raise CorruptStoreError(f"{source} is not an actstore root manifest")
         signature = doc.pop("hmac", None)
         own = doc.pop("self", None)
-        if own != xxhash.xxh3_128_hexdigest(_canonical(doc)):
+        if own != xxhash.xxh3_128_hexdigest(canonical_json(doc)):
             raise CorruptStoreError(
                 f"{source} does not match its own digest: the root manifest was edited or "
                 "damaged; restore it or re-create the store"
@@ -199,7 +199,7 @@ class RootManifest:
         key = manifest_key()
         if key is not None:
             signed = {**doc, "self": own}
-            want = hmac.new(key, _canonical(signed), hashlib.sha256).hexdigest()
+            want = hmac.new(key, canonical_json(signed), hashlib.sha256).hexdigest()
             if not isinstance(signature, str) or not hmac.compare_digest(
                 signature.encode("utf-8", "surrogatepass"), want.encode()
             ):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import abc
 import builtins
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ...errors import UnsupportedError
+from ...forksafe import ForkSafeLock
 from .config import MiB
 
 
@@ -282,3 +284,29 @@ def is_internal(name: str) -> bool:
         (True, False)
     """
     return base_name(name) == LOCK_NAME
+
+
+class ClientSlot:
+    """The SDK client of one object store, made on first use in each process: a forked
+    process or an unpickled copy makes its own (the slot pickles empty), and concurrent
+    first uses make one."""
+
+    def __init__(self) -> None:
+        self._client: Any = None
+        self._pid = os.getpid()
+        self._lock = ForkSafeLock()
+
+    def get(self, make: Callable[[], Any]) -> Any:
+        """This process's client, made by ``make()`` the first time."""
+        if self._client is None or self._pid != os.getpid():
+            with self._lock:
+                if self._client is None or self._pid != os.getpid():
+                    self._client = make()
+                    self._pid = os.getpid()
+        return self._client
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]

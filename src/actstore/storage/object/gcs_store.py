@@ -29,8 +29,7 @@ from ...errors import (
     StoreNotFoundError,
     require,
 )
-from ...forksafe import ForkSafeLock
-from .base import Capabilities, ObjectInfo, ObjectStore
+from .base import Capabilities, ClientSlot, ObjectInfo, ObjectStore
 from .config import GCSConfig
 from .obstore_store import GCSReads
 from .s3lock import S3Lock
@@ -97,22 +96,11 @@ class GCSStore(ObjectStore):
         self.config = config or GCSConfig()
         self.root_url = f"gs://{bucket}"
         self.reads = GCSReads(bucket, self.config)
-        self._client: Any = None
-        self._pid = os.getpid()
-        self._client_lock = ForkSafeLock()
+        self._clients = ClientSlot()
 
     @property
     def bucket_name(self) -> str:  # type: ignore[override]
         return self.bucket
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = {**self.__dict__, "_client": None}
-        del state["_client_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._client_lock = ForkSafeLock()
 
     def clone(self) -> GCSStore:
         return GCSStore(self.bucket, self.config)
@@ -128,12 +116,7 @@ class GCSStore(ObjectStore):
     @property
     def client(self) -> Any:
         """The SDK's bucket handle (created on first use in each process)."""
-        if self._client is None or self._pid != os.getpid():
-            with self._client_lock:
-                if self._client is None or self._pid != os.getpid():
-                    self._client = self._make_client()
-                    self._pid = os.getpid()
-        return self._client
+        return self._clients.get(self._make_client)
 
     def _make_client(self) -> Any:
         storage = require("google.cloud.storage", "gcs")

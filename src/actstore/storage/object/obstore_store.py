@@ -28,8 +28,7 @@ from ...errors import (
     UnsupportedError,
     require,
 )
-from ...forksafe import ForkSafeLock
-from .base import Capabilities, ObjectInfo, ObjectStore
+from .base import Capabilities, ClientSlot, ObjectInfo, ObjectStore
 from .config import AzureConfig, GCSConfig
 from .s3lock import S3Lock
 
@@ -51,32 +50,16 @@ class ObstoreStore(ObjectStore):
     def __init__(self, bucket: str) -> None:
         self.bucket = bucket
         self.root_url = f"{self.scheme}://{bucket}"
-        self._client: Any = None
-        self._pid = os.getpid()
-        self._client_lock = ForkSafeLock()
+        self._clients = ClientSlot()
 
     @property
     def bucket_name(self) -> str:  # type: ignore[override]
         return self.bucket
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = {**self.__dict__, "_client": None}
-        del state["_client_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._client_lock = ForkSafeLock()
-
     @property
     def client(self) -> Any:
         """The obstore store (created on first use in each process)."""
-        if self._client is None or self._pid != os.getpid():
-            with self._client_lock:
-                if self._client is None or self._pid != os.getpid():
-                    self._client = self._make_client(require("obstore.store", self.extra))
-                    self._pid = os.getpid()
-        return self._client
+        return self._clients.get(lambda: self._make_client(require("obstore.store", self.extra)))
 
     def _make_client(self, stores: Any) -> Any:
         raise NotImplementedError

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 from ...errors import ConfigError, StorageError, StoreNotFoundError, UnsupportedError, require
 from ...forksafe import ForkSafeLock
-from .base import Capabilities, ObjectInfo, ObjectStore
+from .base import Capabilities, ClientSlot, ObjectInfo, ObjectStore
 from .config import S3Config, env
 from .retry import AUTH_CODES, MISSING_CODES, Retrier, describe_error
 from .s3lock import S3Lock
@@ -102,9 +102,7 @@ class S3Store(ObjectStore):
         self.config = config or S3Config()
         self.root_url = f"s3://{bucket}"
         self._retry = Retrier(self.config)
-        self._client: Any = None
-        self._pid = os.getpid()
-        self._client_lock = ForkSafeLock()
+        self._clients = ClientSlot()
 
     @property
     def bucket_name(self) -> str:  # type: ignore[override]
@@ -125,13 +123,12 @@ class S3Store(ObjectStore):
         return S3Lock.acquire(self, prefix, break_lock=break_lock)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {**self.__dict__, "_client": None}
-        del state["_client_lock"], state["_retry"]
+        state = dict(self.__dict__)
+        del state["_retry"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._client_lock = ForkSafeLock()
         self._retry = Retrier(self.config)
 
     @property
@@ -142,12 +139,7 @@ class S3Store(ObjectStore):
     @property
     def client(self) -> Any:
         """The boto3 S3 client (created on first use in each process)."""
-        if self._client is None or self._pid != os.getpid():
-            with self._client_lock:
-                if self._client is None or self._pid != os.getpid():
-                    self._client = self._make_client()
-                    self._pid = os.getpid()
-        return self._client
+        return self._clients.get(self._make_client)
 
     def _make_client(self) -> Any:
         boto3 = require("boto3", "s3")
