@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from actstore.storage.object import S3Config, S3Store
-from actstore.storage.object.s3_store import ViewBody
+from actstore.storage.object.body import ViewBody
 from actstore.storage.upload import BackgroundUploader
 
 MiB = 1 << 20

@@ -7,10 +7,11 @@ A sink hands :class:`ShardOutput` named byte buffers at known offsets of named f
 zarr's chunks). The pipeline owns everything else, once for
 every format:
 
-* **threads** (:mod:`~actstore.formats.threads`): a pool of CPU workers (:func:`~actstore.storage.writeback.pool_size`: this
-  process's CPUs) for statistics, hashing and a format's own encoding work
-  (:meth:`ShardOutput.submit`); a pool of I/O streams for positional writes
-  (``pwritev``), several at once where one stream does not reach the disk;
+* **threads** (:mod:`~actstore.formats.threads`): a pool of CPU workers
+  (:func:`~actstore.storage.writeback.pool_size`: this process's CPUs) for statistics,
+  hashing and a format's own encoding work (:meth:`ShardOutput.submit`); a pool of I/O
+  streams for positional writes (``pwritev``), several at once where one stream does not
+  reach the disk;
 * **hashing**: block-aligned writes are digested on the I/O thread that writes them, in
   parallel (a block's keyed digest depends only on its bytes and its place); streams are
   digested in order as they are written;
@@ -21,9 +22,9 @@ every format:
 * **rolling writeback**: every other range written is handed to the kernel's writeback at
   once (:func:`~actstore.storage.writeback.start_writeback`), so a shard's ``fsync`` waits
   only for its tail;
-* **commit**: :class:`CommitStage` runs on its own thread: it waits for the shard's writes,
-  makes its files durable, and records it (the writer's journal), in shard order, while
-  the next shard is being written.
+* **commit**: the writer's commit stage (:mod:`~actstore.formats.writer`) runs on its own
+  thread: it waits for the shard's writes, makes its files durable, and records it (the
+  writer's journal), in shard order, while the next shard is being written.
 
 No format module opens, writes, fsyncs or hashes a shard file itself.
 """

@@ -160,9 +160,9 @@ class ShardStats:
     from the shard's start: the result does not depend on how batches split the shard, nor
     on how many threads fold the runs. A run that lies whole in a batch is folded by
     :func:`~actstore.stats.chunk_moments` on ``pool``; a run that spans batches is
-    accumulated piece by piece (:class:`~actstore.stats.RunMoments`, one task per site
-    and batch, bit-identical, no copy of the rows); runs are merged in order at
-    :meth:`finish`."""
+    accumulated piece by piece (:class:`~actstore.stats.RunMoments`; the sites' pieces of a
+    batch in at most ``tasks`` tasks, bit-identical, no copy of the rows); runs are
+    merged in order at :meth:`finish`."""
 
     def __init__(
         self,
@@ -235,7 +235,7 @@ class ShardStats:
 
     def settle(self) -> None:
         """Wait until no run still reads the rows given to :meth:`update` (the tasks
-        submitted since the last settle: O(sites) per batch, not O(runs of the shard))."""
+        submitted since the last settle: this batch's, not every run of the shard's)."""
         unsettled, self._unsettled = self._unsettled, []
         for task in unsettled:
             task.result()
@@ -247,7 +247,8 @@ class ShardStats:
         for site, parts in self._parts.items():
             stats = RunningStats(self.d)
             for p in parts:
-                stats.add(p.result() if isinstance(p, (Future, _Picked)) else p)  # type: ignore[arg-type]
+                done = p.result() if isinstance(p, (Future, _Picked)) else p
+                stats.add(done)  # type: ignore[arg-type]
             if self._fill:
                 stats.add(self._runs[site].result())
             out[site] = stats

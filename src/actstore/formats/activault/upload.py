@@ -186,14 +186,12 @@ class HookUploader:
         self.directory.mkdir(parents=True, exist_ok=True)
         stream = StagedFile(self.directory / file, self.store_id, name, self.clock)
         try:
-            try:
-                self.clock.timed("encode", write_megabatch, job.states, job.input_ids, stream)
-            finally:
-                stream.finish()
-            return stream, f"{stream.digest():016x}", stream.size
+            self.clock.timed("encode", write_megabatch, job.states, job.input_ids, stream)
+            stream.finish()
         except BaseException:
-            stream.discard()
+            stream.discard()  # the encoder's error is the one raised
             raise
+        return stream, f"{stream.digest():016x}", stream.size
 
     def _put(self, job: UploadJob, key: str, name: str) -> tuple[str, int]:
         """torch.save into one buffer (no copy beyond the tensors'), then one upload."""

@@ -18,6 +18,8 @@ import builtins
 import datetime as dt
 import io
 import os
+import random
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -170,7 +172,7 @@ class GCSStore(ObjectStore):
         where = self.url(key) if key is not None else self.root_url
         endpoint = self.config.resolved_endpoint() or "Google Cloud Storage"
         try:
-            return fn()
+            return self._parsed(fn)
         except ActstoreError:
             raise
         except exc.NotFound as err:
@@ -195,6 +197,25 @@ class GCSStore(ObjectStore):
                 f"{what} {where} failed ({_first_line(err)}); check the network, "
                 f"{self.config.endpoint_setting()} ({endpoint}) and that the service is up"
             ) from err
+
+    def _parsed(self, fn: Callable[[], T]) -> T:
+        """``fn()``, run again (with the config's backoff, up to ``max_attempts``) when the
+        SDK fails on a response body it could not use: a connection cut right after the
+        headers leaves an empty body, which the SDK hands its JSON consumers as ``b""``
+        (they then fail with ``AttributeError``/``ValueError``); every other error is the
+        caller's."""
+        cfg = self.config
+        for attempt in range(1, cfg.max_attempts + 1):
+            try:
+                return fn()
+            except (AttributeError, ValueError) as err:
+                if attempt == cfg.max_attempts:
+                    raise StorageError(
+                        f"{self.root_url} sent {cfg.max_attempts} responses the client could "
+                        f"not read ({type(err).__name__}: {err}); check the network"
+                    ) from err
+                time.sleep(random.uniform(0, min(cfg.backoff_max_s, cfg.backoff_s * 2**attempt)))
+        raise AssertionError("unreachable")
 
     # -------------------------------------------------------------- reads
 
