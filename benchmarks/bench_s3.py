@@ -86,7 +86,7 @@ def bench_capture(c, bucket: str, server_pid: int, tmp: Path, args) -> None:
     PUT/multipart of the files it publishes, with its part size and threads; medians of
     interleaved repetitions, with client and server CPU."""
     from actstore.formats.registry import get_format
-    from actstore.formats.s3_staged import StagedS3Writer
+    from actstore.formats.staged import StagedWriter
     from actstore.storage.upload import DEFAULT_PART_BYTES
 
     n = args.capture_examples
@@ -101,7 +101,7 @@ def bench_capture(c, bucket: str, server_pid: int, tmp: Path, args) -> None:
         local.write(batch)
     local_dir = Path(local.close())
     nbytes = sum(f.stat().st_size for f in local_dir.iterdir())
-    threads = StagedS3Writer.__init__.__kwdefaults__["threads"]
+    threads = StagedWriter.__init__.__kwdefaults__["threads"]
     part = DEFAULT_PART_BYTES
 
     def raw(i: int) -> None:

@@ -236,10 +236,10 @@ def run_writer(
     if journal is not None and hasattr(writer, "_append_journal"):
         append = writer._append_journal
 
-        def timed_append(entry: dict[str, Any]) -> None:
+        def timed_append(entry: Any) -> None:  # a ShardRecord
             s = time.perf_counter()
             append(entry)
-            journal.append((int(entry["index"]), time.perf_counter() - s, journal_size(writer)))
+            journal.append((int(entry.index), time.perf_counter() - s, journal_size(writer)))
 
         writer._append_journal = timed_append  # the commit thread calls it per shard
     try:

@@ -26,8 +26,8 @@ from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.formats import open_store, verify_store
 from actstore.formats.journal import recorded_shards
 from actstore.formats.registry import get_format
-from actstore.formats.s3_staged import StagedS3Writer
 from actstore.formats.saelens import SaelensOptions, SaelensReader, SaelensWriter
+from actstore.formats.staged import StagedWriter
 from actstore.loader import ActivationLoader
 from actstore.sites import Site
 from actstore.storage.copy import copy_store
@@ -67,10 +67,10 @@ def requests(s3, since: int) -> list[tuple[str, str]]:
     return [(m, p.rpartition("/")[2]) for m, p, _ in s3.faults.requests[since:]]
 
 
-def open_writer(url: str, plan) -> StagedS3Writer:
+def open_writer(url: str, plan) -> StagedWriter:
     """What capture opens for an ``s3://`` output: the local writer, staged and uploaded."""
     writer = get_format("saelens").open_writer(plan, url, OPTIONS)
-    assert isinstance(writer, StagedS3Writer)
+    assert isinstance(writer, StagedWriter)
     return writer
 
 

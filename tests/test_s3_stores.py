@@ -367,7 +367,7 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
     from test_pickle_store import PER_SHARD
 
     from actstore.formats.pickle import PickleOptions, PickleWriter
-    from actstore.formats.s3_staged import StagedS3Writer
+    from actstore.formats.staged import StagedWriter
     from actstore.testing import make_acts as make_plan_acts
     from actstore.testing import make_batches
 
@@ -378,7 +378,7 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
     def make(directory):
         return PickleWriter(plan, Path(directory), PickleOptions(samples_per_shard=PER_SHARD))
 
-    crashed = StagedS3Writer(url, make, staging=staging)
+    crashed = StagedWriter(url, make, staging=staging)
     for batch in batches[:3]:
         crashed.write(batch)
     crashed.abort()
@@ -386,7 +386,7 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
     assert set(s3.keys("pk/")) <= {"pk/shard_0001.pkl.gz", "pk/shard_0002.pkl.gz"}
     with pytest.raises(StoreNotFoundError):
         open_store(url)
-    resumed = StagedS3Writer(url, make, staging=staging)
+    resumed = StagedWriter(url, make, staging=staging)
     assert resumed.resume_from == 10 and not resumed.complete
     for batch in batches:
         resumed.write(batch)
@@ -396,7 +396,7 @@ def test_pickle_writer_to_s3_resumes_and_publishes_only_when_complete(s3, tmp_pa
     assert isinstance(remote, PickleReader) and remote.verify().ok
     for name in (f"shard_{i:04d}.pkl.gz" for i in range(1, 6)):
         assert remote.files.read_bytes(name) == (reference / name).read_bytes(), name
-    again = StagedS3Writer(url, make, staging=staging)
+    again = StagedWriter(url, make, staging=staging)
     assert again.complete and again.close() == url
 
 

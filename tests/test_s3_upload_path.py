@@ -78,7 +78,7 @@ class _SlowStore(S3Store):
             time.sleep(0.2)
             if self.fail and key.endswith(self.fail):
                 raise OSError(f"refused {key}")
-            super().put(key, data)
+            return super().put(key, data)
         finally:
             with self._count:
                 self.in_flight -= 1

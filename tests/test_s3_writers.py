@@ -26,7 +26,7 @@ from actstore.errors import CaptureError, StoreLockedError
 from actstore.formats import open_store, verify_store
 from actstore.formats.pickle import PickleOptions, PickleReader, PickleWriter
 from actstore.formats.registry import get_format
-from actstore.formats.s3_staged import StagedS3Writer
+from actstore.formats.staged import StagedWriter
 from actstore.storage.copy import copy_store
 from actstore.storage.files import open_files
 from actstore.storage.manifest import MANIFEST
@@ -81,7 +81,7 @@ def _plant_lock(s3, prefix: str, *, host="gpu-node-7", pid=4242, lease_s=60.0) -
 def test_pickle_shards_are_on_s3_before_close_and_sent_once(s3, tmp_path):
     plan = make_plan()
     url = s3.url("pk")
-    writer = StagedS3Writer(url, _pickle_maker(plan), staging=tmp_path / "staging")
+    writer = StagedWriter(url, _pickle_maker(plan), staging=tmp_path / "staging")
     assert f"pk/{LOCK_NAME}" in s3.keys("pk/")  # the destination is locked while writing
     for batch in make_batches(plan, make_plan_acts(plan)):
         writer.write(batch)
@@ -134,7 +134,7 @@ def test_upload_error_surfaces_at_close_and_a_rerun_publishes(s3, tmp_path):
     plan = make_plan()
     url, staging = s3.url("err"), tmp_path / "staging"
     s3.faults.fail(method="PUT", path_contains="shard_0002", status=403, code="AccessDenied")
-    writer = StagedS3Writer(url, _pickle_maker(plan), staging=staging)
+    writer = StagedWriter(url, _pickle_maker(plan), staging=staging)
     for batch in make_batches(plan, make_plan_acts(plan)):
         writer.write(batch)  # the capture never sees the failing upload
     with pytest.raises(CaptureError) as caught:
@@ -144,7 +144,7 @@ def test_upload_error_surfaces_at_close_and_a_rerun_publishes(s3, tmp_path):
     assert len(message.splitlines()) == 1
     assert "err/metadata.json" not in s3.keys("err/")
     assert f"err/{LOCK_NAME}" not in s3.keys("err/")
-    again = StagedS3Writer(url, _pickle_maker(plan), staging=staging)
+    again = StagedWriter(url, _pickle_maker(plan), staging=staging)
     assert again.complete  # the staged store was published locally: only uploads are left
     before = len(s3.faults.requests)
     assert again.close() == url
@@ -159,11 +159,11 @@ from actstore.testing import make_acts, make_batches, make_plan
 from test_pickle_store import PER_SHARD
 from pathlib import Path
 from actstore.formats.pickle import PickleOptions, PickleWriter
-from actstore.formats.s3_staged import StagedS3Writer
+from actstore.formats.staged import StagedWriter
 from actstore.storage.files import open_files
 
 plan = make_plan()
-writer = StagedS3Writer(
+writer = StagedWriter(
     sys.argv[1],
     lambda d: PickleWriter(plan, Path(d), PickleOptions(samples_per_shard=PER_SHARD)),
     staging=sys.argv[2],
@@ -190,7 +190,7 @@ def test_kill_9_resumes_exactly_and_sends_no_shard_twice(s3, tmp_path, caplog):
     assert f"k9/{LOCK_NAME}" in left and "k9/metadata.json" not in left  # dead holder's lock
     before = len(s3.faults.requests)
     with caplog.at_level(logging.WARNING, logger="actstore.storage.s3lock"):
-        resumed = StagedS3Writer(url, _pickle_maker(plan), staging=staging)
+        resumed = StagedWriter(url, _pickle_maker(plan), staging=staging)
     assert "that process is dead" in caplog.text
     assert resumed.resume_from > 0
     for batch in make_batches(plan, make_plan_acts(plan)):
@@ -210,14 +210,14 @@ def test_a_changed_file_on_s3_is_sent_again_on_resume(s3, tmp_path):
     """Same size, different bytes (ETag differs): a resumed upload replaces it."""
     plan = make_plan()
     url, staging = s3.url("etag"), tmp_path / "staging"
-    crashed = StagedS3Writer(url, _pickle_maker(plan), staging=staging)
+    crashed = StagedWriter(url, _pickle_maker(plan), staging=staging)
     for batch in make_batches(plan, make_plan_acts(plan))[:3]:
         crashed.write(batch)
     crashed.abort()
     local = (tmp_path / ".staging.partial" / "shard_0001.pkl.gz").read_bytes()  # unfinished
     forged = bytes(b ^ 0xFF for b in local)
     s3.client().put_object(Bucket=s3.bucket, Key="etag/shard_0001.pkl.gz", Body=forged)
-    resumed = StagedS3Writer(url, _pickle_maker(plan), staging=staging)
+    resumed = StagedWriter(url, _pickle_maker(plan), staging=staging)
     for batch in make_batches(plan, make_plan_acts(plan)):
         resumed.write(batch)
     resumed.close()
@@ -231,15 +231,15 @@ def test_a_changed_file_on_s3_is_sent_again_on_resume(s3, tmp_path):
 def test_a_second_writer_is_refused_with_one_line_naming_the_holder(s3, tmp_path):
     plan = make_plan()
     url = s3.url("lk")
-    first = StagedS3Writer(url, _pickle_maker(plan), staging=tmp_path / "a")
+    first = StagedWriter(url, _pickle_maker(plan), staging=tmp_path / "a")
     with pytest.raises(StoreLockedError) as caught:
-        StagedS3Writer(url, _pickle_maker(plan), staging=tmp_path / "b")
+        StagedWriter(url, _pickle_maker(plan), staging=tmp_path / "b")
     message = str(caught.value)
     assert f"pid {os.getpid()} on host {socket.gethostname()}" in message
     assert url in message and "--break-lock" in message and len(message.splitlines()) == 1
     first.abort()
     assert f"lk/{LOCK_NAME}" not in s3.keys("lk/")
-    StagedS3Writer(url, _pickle_maker(plan), staging=tmp_path / "b").abort()
+    StagedWriter(url, _pickle_maker(plan), staging=tmp_path / "b").abort()
 
 
 def _cli_capture(model_dir, text_file, out, *extra):
@@ -273,10 +273,10 @@ def test_a_stale_lock_is_taken_over_with_a_warning(s3, tmp_path, caplog):
     _plant_lock(s3, "st", lease_s=1.0)
     plan = make_plan()
     with pytest.raises(StoreLockedError, match="gpu-node-7"):
-        StagedS3Writer(s3.url("st"), _pickle_maker(plan), staging=tmp_path / "a")
+        StagedWriter(s3.url("st"), _pickle_maker(plan), staging=tmp_path / "a")
     time.sleep(2.2)  # the holder's lease runs out (server clock: one-second resolution)
     with caplog.at_level(logging.WARNING, logger="actstore.storage.s3lock"):
-        writer = StagedS3Writer(s3.url("st"), _pickle_maker(plan), staging=tmp_path / "a")
+        writer = StagedWriter(s3.url("st"), _pickle_maker(plan), staging=tmp_path / "a")
     assert "pid 4242 on host gpu-node-7" in caplog.text and "lease" in caplog.text
     record = json.loads(
         s3.client().get_object(Bucket=s3.bucket, Key=f"st/{LOCK_NAME}")["Body"].read()
@@ -288,7 +288,7 @@ def test_a_stale_lock_is_taken_over_with_a_warning(s3, tmp_path, caplog):
 def test_the_holder_refreshes_its_lock_and_learns_it_was_taken_over(s3, tmp_path, monkeypatch):
     plan = make_plan()
     url, key = s3.url("hb"), f"hb/{LOCK_NAME}"
-    writer = StagedS3Writer(url, _pickle_maker(plan), staging=tmp_path / "a", lease_s=0.4)
+    writer = StagedWriter(url, _pickle_maker(plan), staging=tmp_path / "a", lease_s=0.4)
 
     def etag() -> str:
         return s3.client().head_object(Bucket=s3.bucket, Key=key)["ETag"]
@@ -400,10 +400,10 @@ def test_a_service_without_conditional_writes_gets_the_logged_fallback(s3, tmp_p
     s3.faults.fail(method="PUT", path_contains=LOCK_NAME, status=501, code="NotImplemented")
     plan = make_plan()
     with caplog.at_level(logging.WARNING, logger="actstore.storage.s3lock"):
-        writer = StagedS3Writer(s3.url("nc"), _pickle_maker(plan), staging=tmp_path / "a")
+        writer = StagedWriter(s3.url("nc"), _pickle_maker(plan), staging=tmp_path / "a")
     assert "does not support conditional writes" in caplog.text
     assert f"nc/{LOCK_NAME}" in s3.keys("nc/")
     with pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
-        StagedS3Writer(s3.url("nc"), _pickle_maker(plan), staging=tmp_path / "b")
+        StagedWriter(s3.url("nc"), _pickle_maker(plan), staging=tmp_path / "b")
     writer.abort()
     assert f"nc/{LOCK_NAME}" not in s3.keys("nc/")

@@ -32,7 +32,7 @@ from actstore.errors import CorruptStoreError, StoreNotFoundError
 from actstore.faults import CRASH_EXIT
 from actstore.formats import open_store, verify_store
 from actstore.formats.registry import get_format
-from actstore.formats.s3_staged import StagedS3Writer
+from actstore.formats.staged import StagedWriter
 from actstore.formats.zarr import ZarrReader, ZarrWriter, shard_ranges, write_manifest
 from actstore.loader import ActivationLoader
 from actstore.storage.copy import copy_store
@@ -274,9 +274,9 @@ writer.sync()
 """
 
 
-def _open(url: str) -> StagedS3Writer:
+def _open(url: str) -> StagedWriter:
     writer = get_format("zarr").open_writer(zarr_plan(), url, zarr_options())
-    assert isinstance(writer, StagedS3Writer)
+    assert isinstance(writer, StagedWriter)
     return writer
 
 

@@ -108,8 +108,8 @@ class FormatSpec:
     write it (preflight asks :attr:`detect` only of a directory holding one, since asking
     lists the whole tree); default: :attr:`manifests`."""
     writes_remote: bool = False
-    """The writer writes ``s3://`` locations itself (else they are staged locally and
-    uploaded by :class:`~actstore.formats.s3_staged.StagedS3Writer`)."""
+    """The writer writes object storage locations (``s3://``, ``gs://``...) itself (else
+    they are staged locally and uploaded by :class:`~actstore.formats.staged.StagedWriter`)."""
 
     def open_reader(self, location: str | os.PathLike | Location, **kwargs: Any) -> ReaderBase:
         make: Callable[..., ReaderBase] = self.reader  # each reader's own signature (above)
@@ -118,19 +118,19 @@ class FormatSpec:
     def open_writer(
         self, plan: CapturePlan, out: str | os.PathLike | Location, options: Any = None
     ) -> WriterBase:
-        """The writer of ``plan`` for output ``out`` (local, ``file://`` or ``s3://``)."""
+        """The writer of ``plan`` for output ``out`` (local, ``file://`` or object storage)."""
         options = options if options is not None else self.options()
         location = Location.parse(out)
         refuse_unwritable(location)
         if location.is_local or self.writes_remote:
             return self.writer.from_plan(plan, location, options)
-        from .s3_staged import StagedS3Writer, staging_root
+        from .staged import StagedWriter, staging_root
 
         # staged under the destination's own name, so the store lands where it would there
         staging = Location.parse(staging_root(location.url) / (location.name or "store"))
         final = self.writer.store_location(plan, location, options)
         subdir = final.url[len(location.url) :].strip("/")
-        return StagedS3Writer(
+        return StagedWriter(
             location.url,
             lambda directory: self.writer.from_plan(plan, Location.parse(directory), options),
             staging=staging.url,

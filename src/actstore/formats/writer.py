@@ -10,8 +10,8 @@ module per job: this one (construction, the write loop, the commit stage),
 :mod:`~actstore.formats.merge`:
 
 * **where**: the store is published at :meth:`~ShardedWriter.store_location` (a local
-  directory; ``s3://`` outputs are staged locally and uploaded by
-  :class:`~actstore.formats.s3_staged.StagedS3Writer`), written before that in
+  directory; object storage outputs are staged locally and uploaded by
+  :class:`~actstore.formats.staged.StagedWriter`), written before that in
   ``.<name>.partial/`` beside it (:func:`~actstore.storage.location.partial_of`);
 * **the lock** (:class:`~actstore.storage.lock.StoreLock`) from open to publish or abort;
 * **nothing on disk** until the first :meth:`~ShardedWriter.write` (a refused capture

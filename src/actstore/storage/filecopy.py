@@ -62,6 +62,9 @@ class FileCopier:
         self.part_bytes, self.progress = part_bytes, progress
         self.hash = hashlib.md5 if etags and store.capabilities.md5_etags else None
         self.etags: dict[str, str] = {}
+        self.versions: dict[str, str] = {}
+        """Name -> the version the backend gave each object sent (where it gives one): the
+        object at that version holds the bytes read to send it."""
         self.parts_reused = 0
         """Parts of earlier, interrupted copies kept (not sent again)."""
         self._lock = threading.Lock()
@@ -84,6 +87,11 @@ class FileCopier:
                     errors.append(err)
         if errors:
             raise errors[0]
+
+    def _landed(self, name: str, version: str) -> None:
+        if version:
+            with self._lock:
+                self.versions[name] = version
 
     def _done(self, n: int) -> None:
         if self.progress is not None:
@@ -110,7 +118,7 @@ class FileCopier:
 
             def put() -> bytes:
                 data = self.source.read_range(name, 0, size, cache=False)
-                store.put(key, data)
+                self._landed(name, store.put(key, data))
                 self._done(size)
                 return self.hash(data).digest() if self.hash else b""
 
@@ -167,7 +175,7 @@ class FileCopier:
                 self._done(len(data))
 
         def send() -> None:
-            self.store.put_chunks(key, chunks())
+            self._landed(name, self.store.put_chunks(key, chunks()))
 
         return [pool.submit(send)], lambda _: None, lambda: None
 

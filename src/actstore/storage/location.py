@@ -156,18 +156,17 @@ def partial_of(final: Location | str | os.PathLike) -> Location:
     return final.parent.child(f".{final.name}{PARTIAL_SUFFIX}")
 
 
-#: Schemes a writer (capture, convert, a distributed capture) writes to directly; stores go
-#: to the others with ``actstore cp`` (their backends read, copy and lock, see docs/s3.md).
-WRITABLE_SCHEMES = ("file", "s3")
-
-
 def refuse_unwritable(location: Location) -> None:
-    """A one-line :class:`ConfigError` for a store written straight to object storage other
-    than ``s3://`` (not wired yet): write it locally, then ``actstore cp`` it."""
-    if location.scheme not in WRITABLE_SCHEMES:
+    """A one-line :class:`ConfigError` for a store written straight to a backend that
+    cannot take writes (its ``capabilities.writes`` is False, e.g. a read-only HTTP
+    backend): write it locally, then ``actstore cp`` it somewhere writable."""
+    if location.is_local:
+        return
+    store, _ = location.object_store()
+    if not store.capabilities.writes:
         raise ConfigError(
-            f"stores are not written to {location.scheme}:// directly yet: write it to a local "
-            f"directory, then `actstore cp DIR {location.url}`"
+            f"{location.scheme}:// is read-only here: write the store to a local directory "
+            "or a writable bucket instead"
         )
 
 

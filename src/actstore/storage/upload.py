@@ -3,13 +3,13 @@
 :class:`BackgroundUploader` takes ``(name, path)`` pairs (a writer's sealed files, see
 ``WriterBase.sealed_files``) through :meth:`~BackgroundUploader.offer`, which only queues
 them: the caller never waits on the network. Files are started in the order offered,
-several at once (up to ``threads``), each as a multipart upload whose parts share the
-uploader's own part pool of ``threads`` (:class:`~actstore.storage.filecopy.FileCopier`, so an
-interrupted upload of a large file resumes part by part): files smaller than
-``threads`` parts still keep every connection busy, as raw parallel puts would. A file
-already at the destination with the same size and the ETag of the local bytes is not sent
-again (a rerun after ``kill -9``). Errors are kept for :meth:`~BackgroundUploader.finish`
-to report; the uploader starts no file after the first.
+several at once (up to ``threads``), each in parts that share the uploader's own part pool
+of ``threads`` (:class:`~actstore.storage.filecopy.FileCopier`: on S3 an interrupted upload
+of a large file resumes part by part), so files smaller than ``threads`` parts still keep
+every connection busy, as raw parallel puts would. A file already at the destination with
+the same size and the ETag of the local bytes is not sent again (a rerun after ``kill -9``;
+backends without MD5 ETags, ``gs://`` and ``az://``, send it again). Errors are kept for
+:meth:`~BackgroundUploader.finish` to report; the uploader starts no file after the first.
 
 Example:
     >>> up = BackgroundUploader(store, "acts/3f1c")  # doctest: +SKIP
@@ -49,7 +49,8 @@ class BackgroundUploader:
         self.store, self.prefix = store, prefix
         self.threads, self.part_bytes = threads, part_bytes
         self.etags: dict[str, str] = {}
-        """Name -> ETag of every file now at the destination (sent or found there)."""
+        """Name -> version of every file now at the destination (sent or found there): the
+        ETag of its bytes on S3, the version the backend gave the upload elsewhere."""
         self.sent: list[str] = []
         self.found: list[str] = []
         """Files found already uploaded (by an earlier, interrupted run)."""
@@ -113,7 +114,10 @@ class BackgroundUploader:
         try:
             st = path.stat()
             size = st.st_size
-            etag = have[1] if have is not None and have[0] == size else ""
+            # found there: kept only if its ETag is that of the local bytes (S3); backends
+            # without MD5 ETags (gs://, az://) are sent again
+            md5 = self.store.capabilities.md5_etags
+            etag = have[1] if md5 and have is not None and have[0] == size else ""
             if etag and multipart_etag(path, etag) == etag:
                 self.etags[name] = etag
                 self._stat[name] = (path, _signature(st))
@@ -121,8 +125,10 @@ class BackgroundUploader:
                 return
             self._files.add(name, path)
             copier.run(pool, [name], {name: size})
-            if name in copier.etags:  # backends with MD5 ETags
-                self.etags[name] = copier.etags[name]
+            # the MD5 ETag of the bytes read (S3), else the version the backend gave them
+            version = copier.etags.get(name) or copier.versions.get(name)
+            if version:
+                self.etags[name] = version
             self._stat[name] = (path, _signature(st))
             self.sent.append(name)
             log.debug("uploaded %s", self.store.url(f"{self.prefix}/{name}"))
@@ -140,13 +146,17 @@ class BackgroundUploader:
         self._join()
         return self.etags
 
-    def unchanged(self) -> dict[str, str]:
+    def unchanged(self, root: str | os.PathLike[str] | None = None) -> dict[str, str]:
         """:attr:`etags` of the files whose size, modification time and inode are still
-        those they had when they were read to be sent (or checked): the ETag of the bytes
-        now on disk. Call after :meth:`finish`."""
+        those they had when they were read to be sent (or checked): the version of the bytes
+        now on disk. ``root``: the directory the files are now in as ``root/name`` (a
+        writer that published its partial directory by renaming it); default: where they
+        were offered. Call after :meth:`finish`."""
         out = {}
         for name, etag in self.etags.items():
             path, then = self._stat[name]
+            if root is not None:
+                path = Path(root) / name
             try:
                 if _signature(path.stat()) == then:
                     out[name] = etag

@@ -77,14 +77,18 @@ class BackendSuite:
         assert object_store.get_json("kit/doc.json") == {"a": [1, 2], "b": "x"}
 
     def test_overwrite_replaces(self, object_store: ObjectStore) -> None:
-        object_store.put("kit/over.bin", b"first version")
+        first = object_store.put("kit/over.bin", b"first version")
         before = {o.key: o.version for o in object_store.list("kit/over")}
-        object_store.put("kit/over.bin", b"second")
+        second = object_store.put("kit/over.bin", b"second")
         assert object_store.get("kit/over.bin") == b"second"
         assert object_store.size("kit/over.bin") == 6
         after = {o.key: o.version for o in object_store.list("kit/over")}
         if before["kit/over.bin"]:  # a version that changes with the bytes, where kept
             assert after["kit/over.bin"] != before["kit/over.bin"]
+        # a version put returns is the one listings report (what uploaders trust at close)
+        assert first in ("", before["kit/over.bin"]) and second in ("", after["kit/over.bin"])
+        streamed = object_store.put_chunks("kit/over.bin", [b"thi", b"rd"])
+        assert streamed in ("", next(iter(object_store.list("kit/over"))).version)
 
     # ------------------------------------------------------------------ ranged reads
 

@@ -30,7 +30,8 @@ and ``AZURE_STORAGE_ACCOUNT_KEY``).
 
 Example:
     >>> store, prefix = open_location("/tmp/actstore-doc/run")
-    >>> store.put(f"{prefix}/hello.txt", b"hi")
+    >>> store.put(f"{prefix}/hello.txt", b"hi")  # its version: "" on a local disk
+    ''
     >>> store.get(f"{prefix}/hello.txt"), prefix
     (b'hi', 'run')
 """

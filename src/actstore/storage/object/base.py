@@ -36,6 +36,9 @@ class Capabilities:
         False
     """
 
+    writes: bool = True
+    """``put``, ``delete`` and ``copy`` work: stores can be written here (a read-only HTTP
+    backend sets False, and writers refuse it in one line)."""
     ranged_reads: bool = True
     """``get_range`` fetches only the bytes asked for (else the whole object is read)."""
     listing: bool = True
@@ -86,8 +89,11 @@ class ObjectStore(abc.ABC):
         """The location of ``key`` as a user would write it."""
 
     @abc.abstractmethod
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
-        """Publish ``data`` under ``key`` atomically (whole object or nothing)."""
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
+        """Publish ``data`` under ``key`` atomically (whole object or nothing). Returns the
+        new object's version as :meth:`list` will report it ("" where the backend does not
+        say at once): an uploader that read the bytes it sent knows the object at that
+        version holds them."""
 
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
@@ -175,10 +181,11 @@ class ObjectStore(abc.ABC):
         """The write lock of the store at ``prefix`` (a lock file beside a local store, a
         lease object on S3): an object with ``release()``."""
 
-    def put_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
-        """Publish the concatenation of ``chunks`` under ``key`` atomically; backends that
-        can stream it (a multipart upload completed at the end) override this."""
-        self.put(key, b"".join(bytes(c) for c in chunks))
+    def put_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview]) -> str:
+        """Publish the concatenation of ``chunks`` under ``key`` atomically (its version, as
+        :meth:`put`); backends that can stream it (an upload completed at the end) override
+        this."""
+        return self.put(key, b"".join(bytes(c) for c in chunks))
 
     # Conditional requests (capabilities.conditional_create): the write lock's primitives.
 

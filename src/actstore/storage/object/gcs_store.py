@@ -267,7 +267,8 @@ class GCSStore(ObjectStore):
         """Raise a clear error now if the bucket is missing or the credentials are wrong."""
         self._call("LIST", None, lambda: list(self.client.list_blobs(max_results=1)))
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
+        """Publish ``data`` at ``key``; returns the new object's generation."""
         view = memoryview(data).cast("B")
         blob = self._blob(key)
         if len(view) > self.config.multipart_threshold:
@@ -279,9 +280,11 @@ class GCSStore(ObjectStore):
                 io.BytesIO(view), size=len(view), checksum=None, retry=self._retry()
             ),
         )
+        return _generation(blob)
 
-    def put_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
-        """A resumable upload read from ``chunks``, finalised only after the last."""
+    def put_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview]) -> str:
+        """A resumable upload read from ``chunks``, finalised only after the last; returns
+        the new object's generation."""
         blob = self._blob(key)
         blob.chunk_size = self.config.part_size
         self._call(
@@ -289,6 +292,7 @@ class GCSStore(ObjectStore):
             key,
             lambda: blob.upload_from_file(_ChunkReader(chunks), checksum=None, retry=self._retry()),
         )
+        return _generation(blob)
 
     def delete(self, key: str) -> None:
         try:
@@ -380,6 +384,11 @@ class GCSStore(ObjectStore):
             return self._call("conditional DELETE", key, delete)
         except StoreNotFoundError:
             return False
+
+
+def _generation(blob: Any) -> str:
+    """The generation an upload left on ``blob`` (what :meth:`GCSStore.list` reports)."""
+    return "" if blob.generation is None else str(blob.generation)
 
 
 def _first_line(err: BaseException) -> str:

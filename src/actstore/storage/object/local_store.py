@@ -65,7 +65,7 @@ class LocalStore(ObjectStore):
     def url(self, key: str) -> str:
         return str(self._path(key))
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
         path = self._path(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -73,6 +73,7 @@ class LocalStore(ObjectStore):
                 f.write(data)
         except OSError as err:
             raise StorageError(f"cannot write {path}: {err}") from err
+        return ""
 
     def _open(self, key: str):
         try:

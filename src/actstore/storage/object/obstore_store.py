@@ -224,11 +224,12 @@ class ObstoreStore(ObjectStore):
         obs = require("obstore", self.extra)
         self._call("LIST", None, lambda: next(obs.list(self.client, None, chunk_size=1), None))
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
+        """Publish ``data`` at ``key``; returns the new object's ETag."""
         obs = require("obstore", self.extra)
         view = memoryview(data).cast("B")
         multipart = len(view) > self.config.multipart_threshold
-        self._call(
+        result = self._call(
             "PUT",
             key,
             lambda: obs.put(
@@ -239,18 +240,21 @@ class ObstoreStore(ObjectStore):
                 chunk_size=self.config.part_size,
             ),
         )
+        return self._version(result)
 
-    def put_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
-        """Streamed in parts (at most a few parts in memory), completed at the end."""
+    def put_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview]) -> str:
+        """Streamed in parts (at most a few parts in memory), completed at the end; returns
+        the new object's ETag."""
         obs = require("obstore", self.extra)
         parts = (bytes(c) if not isinstance(c, bytes) else c for c in chunks)
-        self._call(
+        result = self._call(
             "PUT",
             key,
             lambda: obs.put(
                 self.client, key, parts, use_multipart=True, chunk_size=self.config.part_size
             ),
         )
+        return self._version(result)
 
     def delete(self, key: str) -> None:
         obs = require("obstore", self.extra)

@@ -316,12 +316,12 @@ class S3Store(ObjectStore):
         """Raise a clear error now if the bucket is missing or the credentials are wrong."""
         self._call("HEAD bucket", None, lambda: self.client.head_bucket(Bucket=self.bucket))
 
-    def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, data: bytes | bytearray | memoryview) -> str:
         """Publish ``data`` at ``key``; it is sent from the caller's buffer (no copy), which
-        must not change until this returns."""
+        must not change until this returns. Returns its ETag."""
         view = memoryview(data).cast("B")
         if len(view) <= self.config.multipart_threshold:
-            self._call(
+            response = self._call(
                 "PUT",
                 key,
                 lambda: self.client.put_object(
@@ -331,10 +331,10 @@ class S3Store(ObjectStore):
                     ContentType="application/octet-stream",
                 ),
             )
-            return
-        self._put_multipart(key, view)
+            return str(response.get("ETag", "")).strip('"')
+        return self._put_multipart(key, view)
 
-    def _put_multipart(self, key: str, view: memoryview) -> None:
+    def _put_multipart(self, key: str, view: memoryview) -> str:
         """Multipart upload: the object appears only when complete; aborted on failure."""
         upload_id = self.create_upload(key)
         size = self.config.part_size
@@ -350,7 +350,7 @@ class S3Store(ObjectStore):
             workers = min(self.config.part_concurrency, len(offsets))
             with ThreadPoolExecutor(workers, thread_name_prefix="actstore-part") as pool:
                 parts = list(pool.map(lambda a: send(*a), enumerate(offsets, start=1)))
-            self._complete(key, upload_id, parts, len(view))
+            return self._complete(key, upload_id, parts, len(view))
         except BaseException:
             self.abort_upload(key, upload_id)
             raise
@@ -403,12 +403,13 @@ class S3Store(ObjectStore):
 
     def _complete(
         self, key: str, upload_id: str, parts: builtins.list[dict[str, Any]], size: int
-    ) -> None:
+    ) -> str:
+        """Complete an upload; the object's ETag ("" when a retry found it done)."""
         botocore_exc = require("botocore.exceptions", "s3")
 
-        def attempt() -> None:
+        def attempt() -> str:
             try:
-                self.client.complete_multipart_upload(
+                response = self.client.complete_multipart_upload(
                     Bucket=self.bucket,
                     Key=key,
                     UploadId=upload_id,
@@ -418,10 +419,11 @@ class S3Store(ObjectStore):
                 # A retried complete whose first try succeeded (response lost) finds no upload.
                 code = err.response.get("Error", {}).get("Code")
                 if code == "NoSuchUpload" and self.size(key) == size:
-                    return
+                    return ""
                 raise
+            return str(response.get("ETag", "")).strip('"')
 
-        self._call("COMPLETE multipart", key, attempt)
+        return self._call("COMPLETE multipart", key, attempt)
 
     def pending_upload(self, key: str) -> tuple[str, dict[int, tuple[str, int]]] | None:
         """The newest unfinished multipart upload of ``key`` and its parts (number ->

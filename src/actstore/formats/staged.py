@@ -1,6 +1,7 @@
-"""Any format's local writer, published to ``s3://`` as it goes.
+"""Any format's local writer, published to object storage (``s3://``, ``gs://``,
+``az://``) as it goes.
 
-:class:`StagedS3Writer` runs the format's own writer (crash protocol unchanged) in a
+:class:`StagedWriter` runs the format's own writer (crash protocol unchanged) in a
 staging directory (:func:`staging_root`), and:
 
 * **uploads in the background**: after each ``write()`` it asks the writer for its
@@ -8,16 +9,19 @@ staging directory (:func:`staging_root`), and:
   :class:`~actstore.storage.upload.BackgroundUploader` (its own thread and part pool), so
   the capture never waits on the network;
 * **holds the destination's write lock** (:class:`~actstore.storage.s3lock.S3Lock`, a
-  lease object in the store's prefix) from open to close: a second capture of the same
-  ``s3://`` store, on any machine, is refused with one line naming the holder;
+  lease object in the store's prefix, taken with the backend's conditional create) from
+  open to close: a second capture of the same store, on any machine, is refused with one
+  line naming the holder;
 * **publishes at close()**: waits for the queued uploads, lets the local writer publish,
   and sends the rest with :func:`~actstore.storage.copy.copy_store` (the format's index,
   then the root manifest last: readers refuse a prefix without it; every object checked
-  against the ETag of its bytes), then drops the staged copy.
+  against the version its upload left, or the ETag of its bytes), then drops the staged
+  copy.
 
 A rerun after ``kill -9`` resumes the staged writer where it stopped; files already on S3
 with the right size and ETag are not sent again, and a large file whose multipart upload
-was cut resumes from the parts already there.
+was cut resumes from the parts already there (``gs://`` and ``az://`` send such files
+again: their versions say nothing of the bytes).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from ..errors import (
 )
 from ..storage import remove_tree
 from ..storage.cache import CACHE_ENV
-from ..storage.copy import copy_store
+from ..storage.copy import CopyReport, copy_store
 from ..storage.manifest import MANIFEST, RootManifest
 from ..storage.object import S3Config, join_key, open_location
 from ..storage.s3lock import DEFAULT_LEASE_S, S3Lock
@@ -57,7 +61,7 @@ def staging_root(url: str) -> Path:
     return root / hashlib.sha1(url.rstrip("/").encode()).hexdigest()[:16]
 
 
-class StagedS3Writer(WriterBase):
+class StagedWriter(WriterBase):
     """``make_local(staging_dir)`` builds the local writer. The store it publishes at
     ``staging_dir / subdir`` goes to ``url / subdir``; :attr:`url` is that location."""
 
@@ -78,13 +82,16 @@ class StagedS3Writer(WriterBase):
         self.dest, self.s3, self.keep_local, self.threads = url.rstrip("/"), s3, keep_local, threads
         self.subdir, self.last = subdir.strip("/"), tuple(last)
         store, self._prefix = open_location(url, s3)
-        if store.scheme != "s3":
-            raise ConfigError(f"{url} is not an s3:// location")
+        if not store.capabilities.writes:
+            raise ConfigError(f"{url} is read-only: stores cannot be written there")
         store.check_bucket()
         self.store = store
         self.staging = Path(staging or staging_root(url)).expanduser().resolve()
         self.inner: WriterBase | None = None
         self.lock: S3Lock | None = None
+        self.report: CopyReport | None = None
+        """What the copy at :meth:`close` sent and checked (the files the background
+        uploads sent are trusted by the version they left, not read back)."""
         self._uploader: BackgroundUploader | None = None
         manifest_key = join_key(self._prefix, self.subdir, MANIFEST)
         self._published = store.size(manifest_key) is not None
@@ -163,8 +170,8 @@ class StagedS3Writer(WriterBase):
                 self.sync()  # every shard sealed so far goes up with the others (errors: below)
                 self._uploader.finish()
             local = Path(str(self.inner.close()))
-            # the ETags of files sent that are still the bytes sent (unchanged since)
-            sent = self._uploader.unchanged() if self._uploader is not None else {}
+            # the versions of files sent that are still the bytes sent (unchanged since)
+            sent = self._sent()
             failed = self._uploader.errors if self._uploader is not None else []
             if failed:
                 name, err = failed[0]
@@ -172,7 +179,7 @@ class StagedS3Writer(WriterBase):
                     f"uploading {name} to {self.url} failed: {err}; the store is complete in "
                     f"{local}: rerun the same capture to upload the rest"
                 ) from err
-            copy_store(
+            self.report = copy_store(
                 local,
                 self.url,
                 s3=self.s3,
@@ -192,6 +199,18 @@ class StagedS3Writer(WriterBase):
         log.info("published %s", self.url)
         self._published = True
         return self.url
+
+    def _sent(self) -> dict[str, str]:
+        """Name (below :attr:`url`) -> version of every file the uploader sent whose local
+        bytes are unchanged since (found where the local writer published them)."""
+        if self._uploader is None:
+            return {}
+        base = f"{self.subdir}/" if self.subdir else ""
+        return {
+            name[len(base) :]: version
+            for name, version in self._uploader.unchanged(self.staging).items()
+            if name.startswith(base)
+        }
 
     def abort(self) -> None:
         """Stop uploading (the file in flight finishes, or stays resumable), stop the local
