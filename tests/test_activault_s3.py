@@ -408,7 +408,7 @@ def test_stream_survives_resets_stalls_and_server_errors(s3_proxy):
     s3_proxy.faults.fail(method="GET", path_contains=".pt", status=503, times=2)
     config = S3Config(read_timeout_s=0.5, backoff_s=0.01)
     stream = ActivaultStream(
-        s3_proxy.url("run"), batch_size=50, seed=3, s3=config, chunk_size=16 << 10
+        s3_proxy.url("run"), batch_size=50, seed=3, storage=config, chunk_size=16 << 10
     )
     faulty = torch.cat(list(stream))
     assert s3_proxy.proxy.injected["reset"] == 4 and s3_proxy.proxy.injected["stall"] == 1
@@ -535,10 +535,10 @@ def test_a_wrong_endpoint_is_named_with_the_setting_to_fix(s3, monkeypatch):
     with pytest.raises(
         StorageError, match=f"cannot reach http://127.0.0.1:{port}.*S3_ENDPOINT_URL"
     ):
-        ActivaultReader(s3.url("run"), s3=fast)
+        ActivaultReader(s3.url("run"), storage=fast)
     monkeypatch.setenv("S3_ENDPOINT_URL", f"127.0.0.1:{port}")  # no scheme
     with pytest.raises(ConfigError, match="S3_ENDPOINT_URL.*http://"):
-        ActivaultReader(s3.url("run"), s3=fast)
+        ActivaultReader(s3.url("run"), storage=fast)
 
 
 def test_corrupt_and_short_files_are_clear_errors(s3):

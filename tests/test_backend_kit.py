@@ -68,7 +68,7 @@ def test_each_backend_gets_its_own_options_and_ignores_another_s():
     gcs = GCSConfig(endpoint_url="http://127.0.0.1:1", list_page_size=7)
     store, prefix = open_location("gs://b/p", gcs)
     assert (store.scheme, prefix, store.config) == ("gs", "p", gcs)  # type: ignore[attr-defined]
-    assert Location.parse("gs://b/p", s3=gcs).object_store()[0].config is gcs  # type: ignore[attr-defined]
+    assert Location.parse("gs://b/p", storage=gcs).object_store()[0].config is gcs  # type: ignore[attr-defined]
     store, _ = open_location("az://box/p", gcs)  # another backend's settings: the defaults
     assert store.config == AzureConfig()  # type: ignore[attr-defined]
     assert store.capabilities.conditional_create and not store.capabilities.multipart

@@ -276,7 +276,7 @@ def test_reads_survive_connection_resets_through_the_proxy(remote, saev_local, m
                 connection_string=os.environ["AZURE_STORAGE_CONNECTION_STRING"], **quick
             )
         )
-        files = open_files(url, s3=options, cache=False)
+        files = open_files(url, storage=options, cache=False)
         files.list()  # listed before the stall: the stalled response is the read's
         proxy.stall(1, 4.0)
         start = time.monotonic()

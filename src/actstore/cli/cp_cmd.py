@@ -53,14 +53,14 @@ def cp(
     from ..storage.manifest import MANIFEST
     from ..storage.object import MiB
 
-    s3 = s3_options(endpoint_url, src, dst)
-    total = sum(open_files(src, s3=s3, cache=False).list().values())
+    storage = s3_options(endpoint_url, src, dst)
+    total = sum(open_files(src, storage=storage, cache=False).list().values())
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="cp", **bar_switch(progress)) as bar:
             report = copy_store(
                 src,
                 dst,
-                s3=s3,
+                storage=storage,
                 threads=threads,
                 part_bytes=part_mb * MiB,
                 verify=verify,

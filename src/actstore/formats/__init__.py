@@ -27,7 +27,7 @@ from .writerbase import FormatWriter, WriterBase
 def open_store(location: str | os.PathLike | Location, **kwargs: Any) -> ReaderBase:
     """Open the store at ``location`` (a path, ``file://`` or ``s3://`` URL) with the reader
     of its format. ``kwargs``: ``verify_reads``, ``cache_dir``, ``cache_bytes``, ``s3``."""
-    location = Location.parse(location, s3=kwargs.get("s3"))
+    location = Location.parse(location, storage=kwargs.get("storage"))
     return detect_format(location).open_reader(location, **kwargs)
 
 

@@ -52,7 +52,7 @@ class ReaderBase(ReaderCore):
     reads a window's blocks in parallel).
 
     Every reader is constructed the same way, here: ``Reader(location, *, verify_reads=True,
-    cache_dir=None, cache_bytes=None, s3=None)`` sets :attr:`location`, :attr:`files` and
+    cache_dir=None, cache_bytes=None, storage=None)`` sets :attr:`location`, :attr:`files` and
     :attr:`verify_reads`, calls the format's :meth:`open_index` (find the index, load the
     root manifest with :meth:`open_checks`, read and validate the index through
     :attr:`checks`), then :meth:`check_summary`. A reader that takes more keywords sets

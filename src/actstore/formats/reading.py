@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..batch import Batch, CapturePlan
     from ..stats import RunningStats
     from ..storage.files import StoreFiles
-    from ..storage.object import S3Config
+    from ..storage.object import StorageOptions
 
 #: Anything :meth:`ReaderBase.site` turns into a stored :class:`Site`.
 SiteLike: TypeAlias = "Site | str | int"
@@ -51,14 +51,14 @@ class ReaderCore(abc.ABC):
         verify_reads: bool = True,
         cache_dir: str | os.PathLike | None = None,
         cache_bytes: int | str | None = None,
-        s3: S3Config | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
-        self.location = Location.parse(location, s3=s3)
+        self.location = Location.parse(location, storage=storage)
         refuse_partial(self.location)
         #: How the store's files are cached (``cache_dir``, ``cache_bytes``), for a format
         #: that opens more file sets (a run's stores, a hook folder's parent).
         self.cache_options: dict[str, Any] = {"cache_dir": cache_dir, "cache_bytes": cache_bytes}
-        self.s3 = s3
+        self.storage = storage
         self.files = self.location.files(**self.cache_options)
         self.verify_reads = verify_reads
         self.checks = Integrity(self.files, None, enabled=False)

@@ -90,7 +90,7 @@ class FormatSpec:
     """True if the files of a location hold a store of this format (a damaged index the
     format would claim counts as True, so its reader names the fault)."""
     reader: type[ReaderBase]
-    """``reader(location, *, verify_reads=True, cache_dir=None, cache_bytes=None, s3=None)``."""
+    """``reader(location, *, verify_reads=True, cache_dir=None, cache_bytes=None, storage=None)``."""
     writer: type[FormatWriter]
     """``writer.from_plan(plan, location, options)``: the writer capture and convert use."""
     stored_dtype: str = "float32"
@@ -135,7 +135,7 @@ class FormatSpec:
             lambda directory: self.writer.from_plan(plan, Location.parse(directory), options),
             staging=staging.url,
             subdir=subdir,
-            s3=location.s3,
+            storage=location.storage,
             last=self.last_files,
         )
 

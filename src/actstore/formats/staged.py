@@ -45,7 +45,7 @@ from ..storage import remove_tree
 from ..storage.cache import CACHE_ENV
 from ..storage.copy import CopyReport, copy_store
 from ..storage.manifest import MANIFEST, RootManifest
-from ..storage.object import S3Config, join_key, open_location
+from ..storage.object import StorageOptions, join_key, open_location
 from ..storage.s3lock import DEFAULT_LEASE_S, S3Lock
 from ..storage.upload import BackgroundUploader
 from .writerbase import WriterBase
@@ -70,7 +70,7 @@ class StagedWriter(WriterBase):
         url: str,
         make_local: Callable[[Path], WriterBase],
         *,
-        s3: S3Config | None = None,
+        storage: StorageOptions | None = None,
         staging: str | os.PathLike | None = None,
         keep_local: bool = False,
         last: tuple[str, ...] = (MANIFEST,),
@@ -79,9 +79,10 @@ class StagedWriter(WriterBase):
         break_lock: bool = False,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
-        self.dest, self.s3, self.keep_local, self.threads = url.rstrip("/"), s3, keep_local, threads
+        self.dest, self.storage, self.keep_local = url.rstrip("/"), storage, keep_local
+        self.threads = threads
         self.subdir, self.last = subdir.strip("/"), tuple(last)
-        store, self._prefix = open_location(url, s3)
+        store, self._prefix = open_location(url, storage)
         if not store.capabilities.writes:
             raise ConfigError(f"{url} is read-only: stores cannot be written there")
         store.check_bucket()
@@ -182,7 +183,7 @@ class StagedWriter(WriterBase):
             self.report = copy_store(
                 local,
                 self.url,
-                s3=self.s3,
+                storage=self.storage,
                 threads=self.threads,
                 sent=sent,
                 last=self.last,

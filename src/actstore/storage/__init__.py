@@ -11,14 +11,26 @@ from .local import (
     read_json,
     remove_tree,
 )
-from .object import LocalStore, ObjectStore, S3Config, S3Store, open_location
+from .object import (
+    AzureConfig,
+    GCSConfig,
+    LocalStore,
+    ObjectStore,
+    S3Config,
+    S3Store,
+    StorageOptions,
+    open_location,
+)
 
 __all__ = [
+    "AzureConfig",
     "FileHasher",
+    "GCSConfig",
     "LocalStore",
     "ObjectStore",
     "S3Config",
     "S3Store",
+    "StorageOptions",
     "atomic_write_bytes",
     "atomic_write_json",
     "fsync_dir",

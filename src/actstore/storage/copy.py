@@ -147,7 +147,7 @@ def copy_store(
     src: str | os.PathLike,
     dst: str | os.PathLike,
     *,
-    s3: StorageOptions | None = None,
+    storage: StorageOptions | None = None,
     threads: int = 16,
     part_bytes: int = DEFAULT_PART_BYTES,
     verify: bool = True,
@@ -179,7 +179,7 @@ def copy_store(
         raise ConfigError(f"threads must be >= 1, not {threads}")
     if part_bytes < 5 * MiB:
         raise ConfigError(f"part_bytes must be >= 5 MiB (an S3 limit), not {part_bytes}")
-    source = open_files(src, s3=s3, threads=threads, cache=False)
+    source = open_files(src, storage=storage, threads=threads, cache=False)
     listing = {
         n: size for n, size in source.list().items() if not _is_temp(n) and not is_internal(n)
     }
@@ -193,7 +193,7 @@ def copy_store(
             + ": a store's files are regular files inside it, so it is not copied; restore "
             "the file (or the store) and copy again"
         )
-    store, prefix = open_location(dst, s3)
+    store, prefix = open_location(dst, storage)
     store.check_bucket()
     if str(src).rstrip("/") == str(dst).rstrip("/"):
         raise ConfigError("source and destination are the same location")
@@ -210,7 +210,7 @@ def copy_store(
         just_sent = {n for n in kept if sent and sent.get(n) == landed[n].version.strip('"')}
         check = [n for n in kept if n not in just_sent]
         versions = {n: landed[n].version for n in check}
-        dest = open_files(dst, s3=s3, cache=False)
+        dest = open_files(dst, storage=storage, cache=False)
         both_remote = source.local_path is None and dest.local_path is None
         if both_remote or (_by_content(source) and _by_content(dest)):
             stale, trusted = _stale(source, dest, check, versions, part_bytes)

@@ -51,7 +51,7 @@ def open_files(
     *,
     cache_dir: str | os.PathLike | None = None,
     cache_bytes: int | str | None = None,
-    s3: StorageOptions | None = None,
+    storage: StorageOptions | None = None,
     threads: int = 16,
     cache: bool = True,
 ) -> StoreFiles:
@@ -62,6 +62,6 @@ def open_files(
     stores, capped at ``cache_bytes`` (default ``$ACTSTORE_CACHE_MAX`` or 10 GiB);
     ``cache=False``: no cache tier whatever the environment says.
     """
-    return Location.parse(location, s3=s3).files(
+    return Location.parse(location, storage=storage).files(
         cache_dir=cache_dir, cache_bytes=cache_bytes, cache=cache, threads=threads
     )

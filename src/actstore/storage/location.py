@@ -26,7 +26,7 @@ from pathlib import Path
 from ..errors import ConfigError, CorruptStoreError
 from .cache import BlockCache
 from .localfiles import LocalFiles
-from .object import ObjectStore, S3Config, StorageOptions, open_location, split_location
+from .object import ObjectStore, StorageOptions, open_location, split_location
 from .s3files import ObjectFiles
 from .storefiles import StoreFiles
 
@@ -40,31 +40,23 @@ class Location:
     (canonical scheme: ``s3``, ``gs``, ``az``)."""
 
     url: str
-    s3: S3Config | None = field(default=None, compare=False, repr=False)
-    """S3 settings for an ``s3://`` location (None: from the environment)."""
-    options: StorageOptions | None = field(default=None, compare=False, repr=False)
-    """Another backend's settings (``GCSConfig``, ``AzureConfig``; None: from the
-    environment)."""
+    storage: StorageOptions | None = field(default=None, compare=False, repr=False)
+    """The backend's settings (``S3Config``, ``GCSConfig``, ``AzureConfig``; None, or
+    another backend's: from the environment)."""
 
     @classmethod
     def parse(
-        cls, location: str | os.PathLike | Location, *, s3: StorageOptions | None = None
+        cls, location: str | os.PathLike | Location, *, storage: StorageOptions | None = None
     ) -> Location:
         """The location a user wrote: a path, ``file:///path`` or ``s3://bucket/prefix``
         (``gs://``, ``az://``...; parsed by :func:`~actstore.storage.object.split_location`,
         as :func:`~actstore.storage.object.open_location` parses it)."""
         if isinstance(location, Location):
-            return location if s3 is None else cls._with(location.url, s3)
+            return location if storage is None else cls(location.url, storage)
         scheme, bucket, rest = split_location(location)
         if bucket is None:
-            return cls._with(rest, s3)
-        return cls._with(f"{scheme}://{bucket}/{rest}".rstrip("/"), s3)
-
-    @classmethod
-    def _with(cls, url: str, options: StorageOptions | None) -> Location:
-        if options is None or isinstance(options, S3Config):
-            return cls(url, options)
-        return cls(url, None, options)
+            return cls(rest, storage)
+        return cls(f"{scheme}://{bucket}/{rest}".rstrip("/"), storage)
 
     # ------------------------------------------------------------------ parts
 
@@ -120,7 +112,7 @@ class Location:
 
     def object_store(self) -> tuple[ObjectStore, str]:
         """The object store holding this location and its key prefix inside it."""
-        return open_location(self.url, self.options or self.s3)
+        return open_location(self.url, self.storage)
 
     def files(
         self,

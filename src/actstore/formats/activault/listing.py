@@ -78,7 +78,7 @@ class ActivaultListing(ReaderBase):
 
     def open_index(self) -> None:
         """cfg.json (its commit record), each hook's metadata.json and listing, checked."""
-        self.store, prefix = open_location(self.location.url, self.s3)
+        self.store, prefix = open_location(self.location.url, self.storage)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = ForkSafeLock()
         self._pid = os.getpid()

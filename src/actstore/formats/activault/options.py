@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ...errors import ConfigError
-from ...storage.object import S3Config
+from ...storage.object import StorageOptions, backend, split_location
 from .layout import DTYPES
 
 
@@ -40,7 +40,7 @@ class ActivaultOptions:
         default=2, metadata={"help": "megabatches queued per hook before the capture waits"}
     )
     max_attempts: int = field(
-        default=8, metadata={"help": "tries per S3 request before the capture fails"}
+        default=8, metadata={"help": "tries per object storage request before the capture fails"}
     )
     part_size_mb: int = field(
         default=32,
@@ -59,13 +59,24 @@ class ActivaultOptions:
         if self.part_size_mb < 5:
             raise ConfigError("part_size_mb must be >= 5 (an S3 limit)")
 
-    def s3_config(self, base: S3Config | None = None) -> S3Config:
-        """``base`` (endpoint, credentials; default: from the environment) with these
-        options' retry and multipart settings. The endpoint is deliberately not an option:
-        set ``S3_ENDPOINT_URL`` so that writing and every later read reach the same one."""
+    def storage_options(self, location: str, base: StorageOptions | None = None) -> StorageOptions:
+        """The settings of ``location``'s backend: ``base`` where it is that backend's
+        (endpoint, credentials), else its defaults from the environment, with these options'
+        retry and multipart settings. The endpoint is deliberately not an option: set the
+        backend's variable (``S3_ENDPOINT_URL``...) so that writing and every later read
+        reach the same one.
+
+        Example:
+            >>> ActivaultOptions(part_size_mb=8).storage_options("gs://b/run").part_size >> 20
+            8
+        """
+        scheme = split_location(location)[0]
+        if scheme == "file":
+            return StorageOptions()
+        entry = backend(scheme)
         part = self.part_size_mb << 20
         return dataclasses.replace(
-            base or S3Config(),
+            entry.options(base),
             max_attempts=self.max_attempts,
             part_size=part,
             multipart_threshold=2 * part,

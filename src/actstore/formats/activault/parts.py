@@ -137,11 +137,11 @@ def part_format() -> PartFormat:
         return math.lcm(rows * seq, plan.tokens_per_example) // plan.tokens_per_example
 
     def final_location(plan, out, options):
-        store, prefix = open_location(out, options.s3_config())
+        store, prefix = open_location(out, options.storage_options(str(out)))
         return store.url(prefix)
 
     def part_writer(plan, final, options, sl):
-        store, prefix = open_location(final, options.s3_config())
+        store, prefix = open_location(final, options.storage_options(str(final)))
         url = store.url(join_key(root_of(prefix), f"part-{sl.start:010d}-{sl.stop:010d}"))
         return _Rebased(ActivaultWriter(plan, url, options), sl.start, sl.stop)
 

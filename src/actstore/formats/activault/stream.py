@@ -46,7 +46,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...storage.location import Location
-from ...storage.object import S3Config
+from ...storage.object import StorageOptions
 from .layout import parse_dtype
 from .reader import ActivaultReader
 
@@ -99,7 +99,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
         drop_last: bool = False,
         dtype: torch.dtype | None = None,
         allow_incomplete: bool = False,
-        s3: S3Config | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1 or mix_files < 1 or prefetch_files < 0 or concurrency < 1:
@@ -119,7 +119,7 @@ class ActivaultStream(torch.utils.data.IterableDataset):
             ActivaultReader(
                 loc,
                 allow_incomplete=allow_incomplete,
-                s3=s3,
+                storage=storage,
                 chunk_size=chunk_size,
                 concurrency=concurrency,
             )

@@ -70,7 +70,7 @@ from ...storage.manifest import (
 )
 from ...storage.object import (
     ObjectStore,
-    S3Config,
+    StorageOptions,
     base_name,
     is_internal,
     join_key,
@@ -133,13 +133,13 @@ class ActivaultWriter(RunResume, FormatWriter):
         out: str | Location,
         options: ActivaultOptions | None = None,
         *,
-        s3: S3Config | None = None,
+        storage: StorageOptions | None = None,
     ) -> None:
         options = options or ActivaultOptions()
         check_settings()  # a bad setting, before anything is made
         self.plan, self.options = plan, options
-        self._s3 = options.s3_config(s3)
-        self.store, self.run_prefix = open_location(str(out), self._s3)
+        self._storage = options.storage_options(str(out), storage)
+        self.store, self.run_prefix = open_location(str(out), self._storage)
         self.location = self.store.url(self.run_prefix)  # a URL or an absolute path
         self.hooks: dict[str, str] = {hook_name(site): str(site) for site in plan.sites}
         check_hook_prefixes(self.hooks)
@@ -198,7 +198,7 @@ class ActivaultWriter(RunResume, FormatWriter):
     ) -> ActivaultWriter:
         """The writer of ``plan`` for the run at ``location`` (a directory or ``s3://``)."""
         location = Location.parse(location)
-        return cls(plan, location.url, options or ActivaultOptions(), s3=location.s3)
+        return cls(plan, location.url, options or ActivaultOptions(), storage=location.storage)
 
     @classmethod
     def convert_options(cls, plan: CapturePlan, options: Any) -> ActivaultOptions:

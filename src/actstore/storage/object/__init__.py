@@ -94,13 +94,13 @@ __all__ = [
 
 
 def open_location(
-    location: str | os.PathLike, s3: StorageOptions | None = None
+    location: str | os.PathLike, storage: StorageOptions | None = None
 ) -> tuple[ObjectStore, str]:
     """The store holding ``location`` and the key prefix of ``location`` inside it.
 
     ``s3://bucket/a/b`` -> (S3 store of ``bucket``, ``"a/b"``), likewise ``gs://`` and
     ``az://``; a local path or ``file://`` URL -> (store rooted at the parent directory,
-    the last path component). ``s3``: the backend's settings (:class:`S3Config`,
+    the last path component). ``storage``: the backend's settings (:class:`S3Config`,
     :class:`GCSConfig`, :class:`AzureConfig`; settings of another backend's type are
     ignored, that backend's defaults read from the environment).
 
@@ -111,6 +111,6 @@ def open_location(
     """
     scheme, bucket, rest = split_location(str(location))
     if bucket is not None:
-        return open_bucket(scheme, bucket, s3), rest
+        return open_bucket(scheme, bucket, storage), rest
     path = Path(rest)
     return LocalStore(path.parent), path.name

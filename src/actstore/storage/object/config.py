@@ -23,13 +23,32 @@ def env(*names: str) -> str | None:
 
 @dataclass(frozen=True, kw_only=True)
 class StorageOptions:
-    """Base of every backend's settings; :mod:`.registry` hands a location's backend the
-    options of its own type (:attr:`scheme`), else that type's defaults (read from the
-    environment)."""
+    """Base of every backend's settings: how hard to retry and how large objects go up,
+    shared by all; each backend adds its endpoint and credentials. :mod:`.registry` hands
+    a location's backend the options of its own type (:attr:`scheme`), else that type's
+    defaults (read from the environment)."""
 
     scheme: ClassVar[str] = ""
     max_attempts: int = 8
-    """Tries per request before giving up."""
+    """Tries per request (and per part) before giving up."""
+    backoff_s: float = 0.1
+    """First backoff; doubles per retry up to ``backoff_max_s``, with full jitter."""
+    backoff_max_s: float = 10.0
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    multipart_threshold: int = 64 * MiB
+    """Objects larger than this are uploaded in parts (the object appears only when
+    complete)."""
+    part_size: int = 16 * MiB
+    """Part size (>= 5 MiB, S3's minimum, for every backend)."""
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, not {self.max_attempts}")
+        if self.part_size < 5 * MiB:
+            raise ConfigError(f"part_size must be >= 5 MiB (an S3 limit), not {self.part_size}")
+        if self.multipart_threshold < self.part_size:
+            raise ConfigError("multipart_threshold must be >= part_size")
 
     def endpoint_setting(self) -> str:
         """Where the endpoint comes from, for error messages (what the user should fix)."""
@@ -55,30 +74,16 @@ class S3Config(StorageOptions):
     """None: $AWS_REGION or $AWS_DEFAULT_REGION, else us-east-1."""
     access_key_id: str | None = field(default=None, repr=False)
     secret_access_key: str | None = field(default=None, repr=False)
-    max_attempts: int = 8
-    """Tries per request (and per multipart part) before giving up."""
     list_page_size: int = 1000
     """Keys per LIST request (S3's maximum; smaller in tests of pagination)."""
-    backoff_s: float = 0.1
-    """First backoff; doubles per retry up to ``backoff_max_s``, with full jitter."""
-    backoff_max_s: float = 10.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
     max_pool_connections: int = 64
-    multipart_threshold: int = 64 * MiB
-    """Objects larger than this are uploaded as multipart uploads."""
     part_size: int = 32 * MiB
     """Multipart part size (S3 requires >= 5 MiB except for the last part)."""
     part_concurrency: int = 4
     """Parts of one object uploaded at once."""
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, not {self.max_attempts}")
-        if self.part_size < 5 * MiB:
-            raise ConfigError(f"part_size must be >= 5 MiB (an S3 limit), not {self.part_size}")
-        if self.multipart_threshold < self.part_size:
-            raise ConfigError("multipart_threshold must be >= part_size")
+        super().__post_init__()
         if not 1 <= self.list_page_size <= 1000:
             raise ConfigError(f"list_page_size must be 1..1000, not {self.list_page_size}")
 
@@ -101,15 +106,6 @@ class S3Config(StorageOptions):
 _ENDPOINT_VARS = ("S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 
 
-def _check_common(options: GCSConfig | AzureConfig) -> None:
-    if options.max_attempts < 1:
-        raise ConfigError(f"max_attempts must be >= 1, not {options.max_attempts}")
-    if options.part_size < 5 * MiB:
-        raise ConfigError(f"part_size must be >= 5 MiB, not {options.part_size}")
-    if options.multipart_threshold < options.part_size:
-        raise ConfigError("multipart_threshold must be >= part_size")
-
-
 @dataclass(frozen=True, kw_only=True)
 class GCSConfig(StorageOptions):
     """How to reach Google Cloud Storage (``gs://``). Fields left ``None`` are read from the
@@ -127,19 +123,16 @@ class GCSConfig(StorageOptions):
     credentials_path: str | None = None
     """A service account key file; None: $GOOGLE_APPLICATION_CREDENTIALS, else the
     machine's default credentials (metadata server)."""
-    max_attempts: int = 8
-    backoff_s: float = 0.1
-    backoff_max_s: float = 10.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    multipart_threshold: int = 64 * MiB
-    """Objects larger than this are uploaded in parts (completed atomically)."""
-    part_size: int = 16 * MiB
     list_page_size: int = 1000
     """Objects per LIST request (the service's maximum; smaller in tests of pagination)."""
 
     def __post_init__(self) -> None:
-        _check_common(self)
+        super().__post_init__()
+        if self.part_size % (256 << 10):
+            raise ConfigError(
+                f"part_size must be a multiple of 256 KiB for gs:// (GCS's chunk unit), not "
+                f"{self.part_size}"
+            )
 
     def resolved_endpoint(self) -> str | None:
         """The endpoint with a scheme (the emulator variable is often written without)."""
@@ -172,16 +165,6 @@ class AzureConfig(StorageOptions):
     account_key: str | None = field(default=None, repr=False)
     endpoint_url: str | None = None
     """None: the connection string's BlobEndpoint, else https://ACCOUNT.blob.core.windows.net."""
-    max_attempts: int = 8
-    backoff_s: float = 0.1
-    backoff_max_s: float = 10.0
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    multipart_threshold: int = 64 * MiB
-    part_size: int = 16 * MiB
-
-    def __post_init__(self) -> None:
-        _check_common(self)
 
     def resolved(self) -> dict[str, str]:
         """``account_name``, ``account_key`` and ``endpoint`` (those known), from the
