@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import xxhash
+
 from actstore.storage.object import AzureConfig, GCSConfig, open_bucket
 from actstore.testing.emulators import make_bucket, start_azurite, start_gcs
 
@@ -107,13 +109,15 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
     from bench_s3 import epoch, interleaved, write_saev
     from obstore import get_range
 
+    from actstore.formats import verify_store
     from actstore.formats.saev import SaevReader
     from actstore.formats.saev.layout import shard_name
     from actstore.loader import ActivationLoader
     from actstore.storage.copy import copy_store
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-backends-"))
-    local = write_saev(tmp / "acts", 512, 64, 512, 128)
+    # one site, 64 tokens, d = 512, float32: 128 KiB per example, shards of 128 examples
+    local = write_saev(tmp / "acts", args.store_mib * 8, 64, 512, 128)
     nbytes = sum(f.stat().st_size for f in local.iterdir())
     store = open_bucket(scheme, bucket, options)
     raw = store.reads.client if scheme == "gs" else store.client  # type: ignore[attr-defined]
@@ -124,25 +128,45 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
         with ThreadPoolExecutor(args.threads) as pool:
             list(pool.map(lambda f: store.put(f"raw{i}/{f.name}", f.read_bytes()), files))
 
-    def raw_down(i: int) -> None:
-        out = tmp / f"raw-down{i}"
+    def raw_down(i: int, durable: bool = True) -> None:
+        """Every file fetched whole and written; ``durable``: fsynced as ``cp`` does (its
+        files survive a crash), the fair baseline; else left in the page cache."""
+        out = tmp / f"raw-down{i}{'' if durable else '-cached'}"
         out.mkdir()
 
         def one(f: Path) -> None:
-            (out / f.name).write_bytes(
-                bytes(get_range(raw, f"raw0/{f.name}", start=0, end=f.stat().st_size))
-            )
+            data = get_range(raw, f"raw0/{f.name}", start=0, end=f.stat().st_size)
+            with open(out / f.name, "wb") as g:
+                g.write(memoryview(data))
+                if durable:
+                    os.fsync(g.fileno())
 
         with ThreadPoolExecutor(args.threads) as pool:
             list(pool.map(one, files))
+        if durable:
+            os.sync()  # the directory entries too (cp fsyncs each directory)
+
+    def raw_verify(_: int) -> None:
+        """Every file of the store fetched whole, in parallel, and hashed (xxh3-128): what
+        checking its bytes needs at the least."""
+        names = {f.name: f.stat().st_size for f in files}
+
+        def one(name: str) -> None:
+            xxhash.xxh3_128(memoryview(get_range(raw, f"acts0/{name}", start=0, end=names[name])))
+
+        with ThreadPoolExecutor(args.threads) as pool:
+            list(pool.map(one, names))
 
     url = f"{scheme}://{bucket}/acts0"
     t_raw_up, t_cp_up = interleaved(
         raw_up, lambda i: copy_store(local, f"{scheme}://{bucket}/acts{i}", **kw)
     )
-    t_raw_down, t_cp_down = interleaved(
-        raw_down, lambda i: copy_store(url, tmp / f"cp-down{i}", **kw)
+    t_raw_down, t_cp_down, t_raw_cached = interleaved(
+        raw_down,
+        lambda i: copy_store(url, tmp / f"cp-down{i}", **kw),
+        lambda i: raw_down(i, durable=False),
     )
+    t_raw_verify, t_verify = interleaved(raw_verify, lambda i: verify_store(url))
     reader = SaevReader(url)
     row = 512 * 4
     ranges = [
@@ -165,15 +189,25 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
             list(pool.map(one, range(len(ranges))))
 
     opts = {"site": 6, "batch_size": 4096, "io_threads": args.threads}
-    t_raw, t_loader = interleaved(raw_gets, lambda i: epoch(ActivationLoader(reader, **opts)))
+    # one epoch of a new loader (its first window read before any batch), and of one whose
+    # windows are an eighth of the store (reads of the next window overlap the batches)
+    eighth = max(1, len(ranges) // 8)
+    t_raw, t_loader, t_windows = interleaved(
+        raw_gets,
+        lambda i: epoch(ActivationLoader(reader, **opts)),
+        lambda i: epoch(ActivationLoader(reader, pool_blocks=eighth, **opts)),
+    )
     mib = nbytes / 2**20
     print(
         f"  {scheme}:// saev store of {mib:.0f} MiB, {args.threads} threads, MiB/s (ratio to raw):"
     )
     for name, ours, base, size in (
         ("loader, 1 epoch", t_loader.seconds, t_raw.seconds, total / 2**20),
+        (f"same, {eighth}-block windows", t_windows.seconds, t_raw.seconds, total / 2**20),
         ("cp up", t_cp_up.seconds, t_raw_up.seconds, mib),
         ("cp down", t_cp_down.seconds, t_raw_down.seconds, mib),
+        ("cp down (vs no fsync)", t_cp_down.seconds, t_raw_cached.seconds, mib),
+        ("verify", t_verify.seconds, t_raw_verify.seconds, mib),
     ):
         print(f"    {name:16s} {size / ours:7.0f} vs raw {size / base:7.0f}  ({base / ours:.2f})")
 
@@ -181,6 +215,7 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--store-mib", type=int, default=64, help="the saev store's size")
     parser.add_argument("--range-mib", type=int, default=4)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
