@@ -5,12 +5,14 @@ straight to the bucket under its write lock."""
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import time
 
 import numpy as np
 import pytest
-from forked import pythonpath, run_actstore
+from forked import pythonpath, run_actstore, run_python
 from test_saev_store import T, make_acts, write_store
 from typer.testing import CliRunner
 
@@ -161,7 +163,9 @@ def test_every_format_is_written_straight_to_the_bucket(remote, fmt, tmp_path, m
             np.testing.assert_array_equal(there.read_block(a), here.read_block(b))
     assert there.verify().ok
     files, mine = open_files(url), open_files(local)
-    assert set(files.list()) == set(mine.list())  # the lock object is gone, nothing added
+    assert set(files.list()) == set(mine.list())  # nothing added, nothing left out
+    store, prefix = Location.parse(remote.url(fmt)).object_store()
+    assert not [o.key for o in store.list(prefix + "/") if LOCK_NAME in o.key]  # released
     # byte for byte, but for what two local writes differ in (metadata with the run's time)
     twice = open_files(case.write(tmp_path / "twice", plan, batches))
     same = [n for n in mine.list() if mine.read_bytes(n) == twice.read_bytes(n)]
@@ -173,9 +177,30 @@ def test_every_format_is_written_straight_to_the_bucket(remote, fmt, tmp_path, m
     assert again.complete and str(again.close()) == url
 
 
-def test_a_second_writer_is_refused_and_a_killed_one_resumes(remote, tmp_path):
-    """The destination's write lock on these backends (conditional create), and a
-    capture cut short resuming to the same store."""
+_KILLED = """
+import os, signal, sys, time
+from actstore.storage.files import open_files
+from actstore.testing import FormatCase, make_acts
+
+case = FormatCase("pickle", options={"samples_per_shard": 5})
+plan = case.plan()
+writer, batches = case.open_writer(sys.argv[1], plan, case.batches(plan, make_acts(plan)))
+for batch in batches[:4]:
+    writer.write(batch)
+writer.sync()  # the finished shards committed and queued for upload
+for _ in range(600):  # let the background upload send them
+    if len([n for n in open_files(sys.argv[1]).list() if n.startswith("shard_")]) >= 2:
+        break
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_second_writer_is_refused_and_a_killed_one_resumes(remote, tmp_path, caplog):
+    """The destination's write lock on these backends (conditional create): a second
+    writer refused in one line naming the holder, the lock released by abort, and a
+    capture killed with SIGKILL (its lock left behind) taken over and resumed to the same
+    store."""
     case = FormatCase("pickle", options={"samples_per_shard": 5})
     plan = case.plan()
     batches = case.batches(plan, make_acts_kit(plan))
@@ -186,20 +211,33 @@ def test_a_second_writer_is_refused_and_a_killed_one_resumes(remote, tmp_path):
     message = str(caught.value)
     assert f"pid {os.getpid()}" in message and "--break-lock" in message
     assert len(message.splitlines()) == 1
-    for batch in batches[:3]:
-        first.write(batch)
-    first.abort()  # the lock released, the staged progress kept
-    assert not [k for k in open_files(url).list() if LOCK_NAME in k]
-    resumed, _ = case.open_writer(url, plan, batches)
-    assert resumed.resume_from > 0
-    for batch in batches:
-        resumed.write(batch)
-    published = str(resumed.close())
+    store, prefix = Location.parse(url).object_store()
+    assert store.size(f"{prefix}/{LOCK_NAME}") is not None  # held while writing
+    first.abort()
+    assert store.size(f"{prefix}/{LOCK_NAME}") is None
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "TQDM_DISABLE": "1"}
+    env["ACTSTORE_CACHE"] = str(tmp_path / "cache")  # the killed capture stages here
+    os.environ["ACTSTORE_CACHE"] = env["ACTSTORE_CACHE"]  # and so does its resumption
+    try:
+        done = run_python("-c", _KILLED, url, env=env, text=False)
+        assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+        assert store.size(f"{prefix}/{LOCK_NAME}") is not None  # the dead holder's lock
+        assert "metadata.json" not in open_files(url).list()
+        with caplog.at_level(logging.WARNING, logger="actstore.storage.s3lock"):
+            resumed, _ = case.open_writer(url, plan, batches)
+        assert "that process is dead" in caplog.text
+        assert resumed.resume_from > 0
+        for batch in batches:
+            resumed.write(batch)
+        published = str(resumed.close())
+    finally:
+        del os.environ["ACTSTORE_CACHE"]
     reference = case.write(tmp_path / "ref", plan, batches)
-    assert open_files(published).list() == open_files(reference).list()
-    for name in open_files(reference).list():
+    there, here = open_files(published), open_files(reference)
+    assert set(there.list()) == set(here.list())
+    for name in here.list():
         if name.startswith("shard_"):
-            assert open_files(published).read_bytes(name) == open_files(reference).read_bytes(name)
+            assert there.read_bytes(name) == here.read_bytes(name), name
     assert open_store(published).verify().ok
 
 
