@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import numpy as np
@@ -342,3 +344,40 @@ def test_every_format_reads_back_from_the_remote_copy(remote, fmt, tmp_path):
         for a, b in zip(there.blocks(site), here.blocks(site), strict=True):
             np.testing.assert_array_equal(there.read_block(a), here.read_block(b))
     assert there.verify().ok
+
+
+@pytest.mark.slow
+def test_ray_capture_of_an_activault_run_onto_gcs(gcs, model_dir, text_file, tmp_path):
+    """`capture --ray local` with two workers writes its parts to gs:// and the last
+    merges them: the run equals one process's capture of the same examples."""
+    pytest.importorskip("ray")
+    ray_tmp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's socket paths have a limit
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "TQDM_DISABLE": "1"}
+    env.update(
+        RAY_AUTH_MODE="disabled",
+        RAY_USAGE_STATS_ENABLED="0",
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        RAY_TMPDIR=ray_tmp,
+    )
+    args = ["capture", "--model", str(model_dir("gpt2")), "--dataset", str(text_file)]
+    args += ["--layers", "1", "--context-length", "8", "--max-examples", "12"]
+    # no token cleaning: every example keeps its 8 tokens, so files of 2 examples tile
+    # each machine's slice and the parts hold exactly one process's rows
+    args += ["--format", "activault", "--opt", "rows_per_file=2", "--no-clean", "--no-progress"]
+    try:
+        proc = run_actstore(
+            *args, "--out", gcs.url("ray"), "--ray", "local", "--workers", "2", env=env
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "with 2 Ray workers; published" in proc.stdout + proc.stderr
+    one = run_actstore(*args, "--out", str(tmp_path / "one"), env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    run, single = open_store(gcs.url("ray")), open_store(tmp_path / "one")
+    assert run.record.complete and run.record.dropped_tokens == 0
+    for site in single.sites:
+        got = np.concatenate([run.read_block(b) for b in run.blocks(site)])
+        want = np.concatenate([single.read_block(b) for b in single.blocks(site)])
+        np.testing.assert_array_equal(got, want)
+    assert run.verify().ok
