@@ -74,3 +74,44 @@ def test_each_backend_gets_its_own_options_and_ignores_another_s():
     assert store.capabilities.conditional_create and not store.capabilities.multipart
     assert open_location("s3://b/p")[0].capabilities.multipart
     assert open_location("/tmp/x")[0].local_root is not None
+
+
+def test_a_backend_that_takes_no_writes_is_refused_by_writers_in_one_line(tmp_path, monkeypatch):
+    """A backend registered with ``capabilities.writes`` False (a read-only mirror) serves
+    reads; a capture or a distributed part pointed at it is refused before anything is
+    written, in one line."""
+    from actstore.capture import CaptureConfig
+    from actstore.dist.run import capture_part
+    from actstore.formats import get_format
+    from actstore.storage.object import Capabilities, LocalStore, StorageOptions, registry
+    from actstore.testing import make_plan
+
+    class ReadOnly(LocalStore):
+        scheme = "ro"
+        capabilities = Capabilities(writes=False)
+
+    monkeypatch.setattr(registry, "_BACKENDS", dict(registry._BACKENDS))
+    monkeypatch.setattr(registry, "_SPELLINGS", dict(registry._SPELLINGS))
+    registry.register_backend(
+        registry.Backend(
+            "ro", "a read-only mirror", StorageOptions, lambda b, _: ReadOnly(tmp_path / b)
+        )
+    )
+    (tmp_path / "mirror" / "x").mkdir(parents=True)
+    (tmp_path / "mirror" / "x" / "a.bin").write_bytes(b"abc")
+    store, prefix = open_location("ro://mirror/x")
+    assert store.get(f"{prefix}/a.bin") == b"abc"
+    for attempt in (
+        lambda: get_format("saev").open_writer(make_plan(), "ro://mirror/x"),
+        lambda: capture_part(
+            CaptureConfig(model="unused", dataset="unused"),
+            "saev",
+            "ro://mirror/x",
+            None,
+            machine_id=0,
+            n_machines=2,
+        ),
+    ):
+        with pytest.raises(ConfigError, match=r"^ro:// is read-only here: write the store"):
+            attempt()
+    assert sorted(p.name for p in (tmp_path / "mirror" / "x").iterdir()) == ["a.bin"]
