@@ -214,6 +214,10 @@ def copy_store(
         both_remote = source.local_path is None and dest.local_path is None
         if both_remote or (_by_content(source) and _by_content(dest)):
             stale, trusted = _stale(source, dest, check, versions, part_bytes)
+        elif source.local_path is not None and store.capabilities.content_md5:
+            # an upload to a backend whose listing gives each object's MD5 (GCS)
+            md5s = {n: landed[n].md5 for n in check}
+            stale, trusted = _stale(source, dest, check, md5s, part_bytes)
         else:  # a backend without MD5 ETags: both sides read and hashed
             stale, trusted = _stale_read_back(source, dest, check, threads)
         todo += stale

@@ -7,9 +7,10 @@ several at once (up to ``threads``), each in parts that share the uploader's own
 of ``threads`` (:class:`~actstore.storage.filecopy.FileCopier`: on S3 an interrupted upload
 of a large file resumes part by part), so files smaller than ``threads`` parts still keep
 every connection busy, as raw parallel puts would. A file already at the destination with
-the same size and the ETag of the local bytes is not sent again (a rerun after ``kill -9``;
-backends without MD5 ETags, ``gs://`` and ``az://``, send it again). Errors are kept for
-:meth:`~BackgroundUploader.finish` to report; the uploader starts no file after the first.
+the same size and the ETag (S3) or listed MD5 (GCS) of the local bytes is not sent again
+(a rerun after ``kill -9``; ``az://``, whose listings say nothing of the bytes, sends it
+again). Errors are kept for :meth:`~BackgroundUploader.finish` to report; the uploader
+starts no file after the first.
 
 Example:
     >>> up = BackgroundUploader(store, "acts/3f1c")  # doctest: +SKIP
@@ -30,7 +31,7 @@ from pathlib import Path
 from .copy import DEFAULT_PART_BYTES, multipart_etag
 from .filecopy import FileCopier
 from .files import PathFiles
-from .object import ObjectStore
+from .object import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class BackgroundUploader:
 
     def _run(self) -> None:
         copier = FileCopier(self._files, self.store, self.prefix, self.part_bytes, None)
-        present: dict[str, tuple[int, str]] | None = None
+        present: dict[str, ObjectInfo] | None = None
         # parts of every file share one pool; up to ``threads`` files are in flight, so
         # the parts of the next file are queued while the last parts of one are sent
         with (
@@ -92,9 +93,7 @@ class BackgroundUploader:
                 try:
                     if present is None:  # one listing: what an interrupted run sent
                         base = self.prefix.rstrip("/") + "/" if self.prefix else ""
-                        present = {
-                            o.key[len(base) :]: (o.size, o.version) for o in self.store.list(base)
-                        }
+                        present = {o.key[len(base) :]: o for o in self.store.list(base)}
                     # (raises once the interpreter is shutting down: the file stays unsent)
                     files.submit(self._send, copier, pool, name, path, present.get(name))
                 except BaseException as err:  # noqa: BLE001 - reported by finish()
@@ -106,7 +105,7 @@ class BackgroundUploader:
         pool: ThreadPoolExecutor,
         name: str,
         path: Path,
-        have: tuple[int, str] | None,
+        have: ObjectInfo | None,
     ) -> None:
         """Send one file (on a file thread; its parts on ``pool``), unless it is there."""
         if self.errors or self._stopping.is_set():
@@ -114,12 +113,8 @@ class BackgroundUploader:
         try:
             st = path.stat()
             size = st.st_size
-            # found there: kept only if its ETag is that of the local bytes (S3); backends
-            # without MD5 ETags (gs://, az://) are sent again
-            md5 = self.store.capabilities.md5_etags
-            etag = have[1] if md5 and have is not None and have[0] == size else ""
-            if etag and multipart_etag(path, etag) == etag:
-                self.etags[name] = etag
+            if have is not None and have.size == size and self._holds(have, path):
+                self.etags[name] = have.version
                 self._stat[name] = (path, _signature(st))
                 self.found.append(name)
                 return
@@ -134,6 +129,14 @@ class BackgroundUploader:
             log.debug("uploaded %s", self.store.url(f"{self.prefix}/{name}"))
         except BaseException as err:  # noqa: BLE001 - reported by finish()
             self.errors.append((name, err))
+
+    def _holds(self, found: ObjectInfo, path: Path) -> bool:
+        """Whether the object ``found`` holds the bytes of ``path``: its ETag is theirs
+        (S3), or the MD5 its listing gives is (GCS); a backend with neither (``az://``)
+        says nothing of the bytes, and the file is sent again."""
+        caps = self.store.capabilities
+        tag = found.version.strip('"') if caps.md5_etags else found.md5 if caps.content_md5 else ""
+        return bool(tag) and multipart_etag(path, tag) == tag
 
     def _join(self) -> None:
         if self._thread is not None:

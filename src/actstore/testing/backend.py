@@ -25,6 +25,7 @@ pickle. Every error is one of :mod:`actstore.errors`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +86,9 @@ class BackendSuite:
         after = {o.key: o.version for o in object_store.list("kit/over")}
         if before["kit/over.bin"]:  # a version that changes with the bytes, where kept
             assert after["kit/over.bin"] != before["kit/over.bin"]
+        if object_store.capabilities.content_md5:  # listed MD5s are the bytes' own
+            listed = next(iter(object_store.list("kit/over")))
+            assert listed.md5 == hashlib.md5(b"second").hexdigest()
         # a version put returns is the one listings report (what uploaders trust at close)
         assert first in ("", before["kit/over.bin"]) and second in ("", after["kit/over.bin"])
         streamed = object_store.put_chunks("kit/over.bin", [b"thi", b"rd"])

@@ -24,6 +24,9 @@ class ObjectInfo:
     size: int
     version: str = ""
     """Changes when the object is replaced: the ETag on S3 ("" where unknown)."""
+    md5: str = ""
+    """The MD5 of the object's bytes, hex, where the listing gives it
+    (``capabilities.content_md5``: GCS's ``md5Hash``); "" elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,9 @@ class Capabilities:
     """Resumable uploads part by part (``create_upload``, ``upload_part``,
     ``complete_upload``, ``pending_upload``, ``abort_upload``): an interrupted copy of a
     large file resumes. Without it large objects go through ``put_chunks`` (still atomic)."""
+    content_md5: bool = False
+    """Listings give each object's :attr:`ObjectInfo.md5` (GCS): a copy or an upload that
+    resumes compares local bytes with an object without reading it."""
     md5_etags: bool = False
     """``ObjectInfo.version`` of an object is S3's ETag: the MD5 of its bytes (of the
     parts' MD5s for multipart uploads), so a copy checks what landed without reading it."""

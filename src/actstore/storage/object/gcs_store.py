@@ -14,6 +14,7 @@ what is left is mapped onto :mod:`actstore.errors`.
 
 from __future__ import annotations
 
+import base64
 import builtins
 import datetime as dt
 import io
@@ -90,7 +91,11 @@ class GCSStore(ObjectStore):
 
     scheme = "gs"
     capabilities = Capabilities(
-        ranged_reads=True, listing=True, conditional_create=True, multipart=False
+        ranged_reads=True,
+        listing=True,
+        conditional_create=True,
+        multipart=False,
+        content_md5=True,
     )
 
     def __init__(self, bucket: str, config: GCSConfig | None = None) -> None:
@@ -248,7 +253,9 @@ class GCSStore(ObjectStore):
             if page is None:
                 return
             for blob in page:
-                yield ObjectInfo(blob.name, int(blob.size), str(blob.generation))
+                yield ObjectInfo(
+                    blob.name, int(blob.size), str(blob.generation), _hex_md5(blob.md5_hash)
+                )
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         base = prefix.rstrip("/") + "/" if prefix.strip("/") else ""
@@ -384,6 +391,11 @@ class GCSStore(ObjectStore):
             return self._call("conditional DELETE", key, delete)
         except StoreNotFoundError:
             return False
+
+
+def _hex_md5(value: str | None) -> str:
+    """GCS's ``md5Hash`` (base64; absent for composite objects) as hex, else ""."""
+    return base64.b64decode(value).hex() if value else ""
 
 
 def _generation(blob: Any) -> str:
