@@ -46,6 +46,17 @@ def saev_local(tmp_path):
     return write_store(tmp_path / "local", acts), acts
 
 
+def assert_same_store(url: str, local) -> None:
+    """The store at ``url`` opens as the one at ``local`` does, serves the same values in
+    every block of every site, and passes its own full verify."""
+    there, here = open_store(url), open_store(local)
+    assert type(there) is type(here) and there.shape == here.shape
+    for site in here.sites:
+        for a, b in zip(there.blocks(site), here.blocks(site), strict=True):
+            np.testing.assert_array_equal(there.read_block(a), here.read_block(b))
+    assert there.verify().ok
+
+
 def test_cp_up_read_verify_and_cp_down(remote, saev_local, tmp_path):
     local, acts = saev_local
     url = remote.url("acts", local.name)
@@ -158,12 +169,7 @@ def test_every_format_is_written_straight_to_the_bucket(remote, fmt, tmp_path, m
         # version its upload left; the closing copy sends the rest and reads nothing back
         assert isinstance(writer, StagedWriter) and writer.report is not None
         assert writer.report.skipped >= 1 and "read back" not in writer.report.verified
-    there, here = open_store(url), open_store(local)
-    assert type(there) is type(here) and there.shape == here.shape
-    for site in here.sites:
-        for a, b in zip(there.blocks(site), here.blocks(site), strict=True):
-            np.testing.assert_array_equal(there.read_block(a), here.read_block(b))
-    assert there.verify().ok
+    assert_same_store(url, local)
     files, mine = open_files(url), open_files(local)
     assert set(files.list()) == set(mine.list())  # nothing added, nothing left out
     store, prefix = Location.parse(remote.url(fmt)).object_store()
@@ -345,12 +351,7 @@ def test_every_format_reads_back_from_the_remote_copy(remote, fmt, tmp_path):
     local = case.write(tmp_path / fmt, plan, case.batches(plan, acts))
     url = remote.url(fmt)
     copy_store(local, url, threads=4, check_store=verify_store)
-    there, here = open_store(url), open_store(local)
-    assert type(there) is type(here) and there.shape == here.shape
-    for site in here.sites:
-        for a, b in zip(there.blocks(site), here.blocks(site), strict=True):
-            np.testing.assert_array_equal(there.read_block(a), here.read_block(b))
-    assert there.verify().ok
+    assert_same_store(url, local)
 
 
 @pytest.mark.slow
