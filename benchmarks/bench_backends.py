@@ -8,7 +8,9 @@ install it to compare with it (left out otherwise).
 
 Then (``--loader``, on by default) the shared loader over a ~64 MiB saev store on each
 emulator against raw parallel ranged GETs (obstore) of the same blocks' bytes with the same
-concurrency, and ``actstore cp`` up and down against the same files sent and fetched raw.
+concurrency, ``actstore cp`` up and down against the same files sent and fetched raw, and
+``verify`` against raw GETs of every file, hashed: ``--repeats`` interleaved repetitions,
+each row the median MiB/s and the median (and range) of the per-repetition ratios.
 
     python benchmarks/bench_backends.py               # 64 MiB in 4 MiB ranges, 8 threads
     python benchmarks/bench_backends.py --mib 128 --threads 16 --no-loader
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -106,7 +109,7 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
     from pathlib import Path
 
     import numpy as np
-    from bench_s3 import epoch, interleaved, write_saev
+    from bench_s3 import epoch, write_saev
     from obstore import get_range
 
     from actstore.formats import verify_store
@@ -158,15 +161,17 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
             list(pool.map(one, names))
 
     url = f"{scheme}://{bucket}/acts0"
-    t_raw_up, t_cp_up = interleaved(
-        raw_up, lambda i: copy_store(local, f"{scheme}://{bucket}/acts{i}", **kw)
+    n = args.repeats
+    t_raw_up, t_cp_up = take_turns(
+        n, raw_up, lambda i: copy_store(local, f"{scheme}://{bucket}/acts{i}", **kw)
     )
-    t_raw_down, t_cp_down, t_raw_cached = interleaved(
+    t_raw_down, t_cp_down, t_raw_cached = take_turns(
+        n,
         raw_down,
         lambda i: copy_store(url, tmp / f"cp-down{i}", **kw),
         lambda i: raw_down(i, durable=False),
     )
-    t_raw_verify, t_verify = interleaved(raw_verify, lambda i: verify_store(url))
+    t_raw_verify, t_verify = take_turns(n, raw_verify, lambda i: verify_store(url))
     reader = SaevReader(url)
     row = 512 * 4
     ranges = [
@@ -192,7 +197,8 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
     # one epoch of a new loader (its first window read before any batch), and of one whose
     # windows are an eighth of the store (reads of the next window overlap the batches)
     eighth = max(1, len(ranges) // 8)
-    t_raw, t_loader, t_windows = interleaved(
+    t_raw, t_loader, t_windows = take_turns(
+        n,
         raw_gets,
         lambda i: epoch(ActivationLoader(reader, **opts)),
         lambda i: epoch(ActivationLoader(reader, pool_blocks=eighth, **opts)),
@@ -202,14 +208,32 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
         f"  {scheme}:// saev store of {mib:.0f} MiB, {args.threads} threads, MiB/s (ratio to raw):"
     )
     for name, ours, base, size in (
-        ("loader, 1 epoch", t_loader.seconds, t_raw.seconds, total / 2**20),
-        (f"same, {eighth}-block windows", t_windows.seconds, t_raw.seconds, total / 2**20),
-        ("cp up", t_cp_up.seconds, t_raw_up.seconds, mib),
-        ("cp down", t_cp_down.seconds, t_raw_down.seconds, mib),
-        ("cp down (vs no fsync)", t_cp_down.seconds, t_raw_cached.seconds, mib),
-        ("verify", t_verify.seconds, t_raw_verify.seconds, mib),
+        ("loader, 1 epoch", t_loader, t_raw, total / 2**20),
+        (f"same, {eighth}-block windows", t_windows, t_raw, total / 2**20),
+        ("cp up", t_cp_up, t_raw_up, mib),
+        ("cp down", t_cp_down, t_raw_down, mib),
+        ("cp down (vs no fsync)", t_cp_down, t_raw_cached, mib),
+        ("verify", t_verify, t_raw_verify, mib),
     ):
-        print(f"    {name:16s} {size / ours:7.0f} vs raw {size / base:7.0f}  ({base / ours:.2f})")
+        ratios = [b / o for b, o in zip(base, ours, strict=True)]
+        print(
+            f"    {name:24s} {size / statistics.median(ours):7.0f} vs raw "
+            f"{size / statistics.median(base):7.0f}  ({statistics.median(ratios):.2f}; "
+            f"{min(ratios):.2f}-{max(ratios):.2f})"
+        )
+
+
+def take_turns(times: int, *runs: Callable[[int], object]) -> list[list[float]]:
+    """Seconds of each of ``times`` repetitions of every ``run(i)``, the runs taking turns
+    in a rotating order (load from other work hits them alike); ratios are then medians of
+    the per-repetition ratios."""
+    out: list[list[float]] = [[] for _ in runs]
+    for i in range(times):
+        for k in [*range(i % len(runs), len(runs)), *range(i % len(runs))]:
+            start = time.perf_counter()
+            runs[k](i)
+            out[k].append(time.perf_counter() - start)
+    return out
 
 
 def main() -> None:
@@ -218,7 +242,9 @@ def main() -> None:
     parser.add_argument("--store-mib", type=int, default=64, help="the saev store's size")
     parser.add_argument("--range-mib", type=int, default=4)
     parser.add_argument("--threads", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="interleaved repetitions (medians reported)"
+    )
     parser.add_argument("--loader", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args()
     size, step = args.mib << 20, args.range_mib << 20
