@@ -3,6 +3,8 @@ server on 127.0.0.1: moto for s3://, fake-gcs-server for gs://, Azurite for az:/
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from actstore.errors import ConfigError
@@ -115,3 +117,44 @@ def test_a_backend_that_takes_no_writes_is_refused_by_writers_in_one_line(tmp_pa
         with pytest.raises(ConfigError, match=r"^ro:// is read-only here: write the store"):
             attempt()
     assert sorted(p.name for p in (tmp_path / "mirror" / "x").iterdir()) == ["a.bin"]
+
+
+def test_gs_without_usable_credentials_is_refused_in_one_line(tmp_path, monkeypatch):
+    """No credentials anywhere, or a key file that is missing or not a key: one line
+    (exit 2 from the CLI) naming what to set, never the SDK's traceback, and never asked
+    again and again as if the network had failed."""
+    from forked import pythonpath, run_actstore
+
+    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud login in it
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    monkeypatch.setenv("NO_GCE_CHECK", "True")  # the metadata server is not asked
+    monkeypatch.setenv("GCE_METADATA_HOST", "127.0.0.1:9")  # (and would be on loopback)
+    monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"^no Google Cloud credentials for gs://somebucket: set"):
+        open_location("gs://somebucket/x")[0].check_bucket()
+    bad = tmp_path / "key.json"
+    bad.write_text('{"not": "a key"}')
+    for path in (bad, tmp_path / "missing.json"):
+        env = {**os.environ, "GOOGLE_APPLICATION_CREDENTIALS": str(path)}
+        env.update(PYTHONPATH=pythonpath(), TQDM_DISABLE="1")
+        proc = run_actstore("ls", "gs://somebucket/x", env=env, timeout=None)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert f"credentials file {path} (from GOOGLE_APPLICATION_CREDENTIALS)" in lines[0]
+        assert lines[0].endswith("give a service account key file")
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/acts", "gs://bucket/acts", "az://box/acts"])
+def test_a_distributed_capture_of_a_directory_format_onto_object_storage_is_refused_at_once(
+    url,
+):
+    """saev's parts live in a shared directory: refused in one line before any model or
+    dataset is opened (neither exists here)."""
+    from actstore.capture import CaptureConfig
+    from actstore.dist.run import capture_part
+
+    config = CaptureConfig(model="no-such-model", dataset="no-such-dataset")
+    with pytest.raises(ConfigError, match=r"^a distributed saev capture writes its parts to a"):
+        capture_part(config, "saev", url, None, machine_id=0, n_machines=2)

@@ -70,8 +70,15 @@ def capture_part(
     """Capture slice ``machine_id`` of ``n_machines`` into its part (see module docstring)."""
     if not 0 <= machine_id < n_machines:
         raise ConfigError(f"machine id {machine_id} is outside 0..{n_machines - 1}")
-    refuse_unwritable(Location.parse(out))
+    location = Location.parse(out)
+    refuse_unwritable(location)
     spec, layout = get_format(fmt), part_format(fmt)
+    if not location.is_local and not layout.remote:  # before the model loads
+        raise ConfigError(
+            f"a distributed {fmt} capture writes its parts to a directory all machines share, "
+            f"not to {location.scheme}://: give --out such a directory, then `actstore cp` the "
+            "store up (Activault runs go to object storage directly)"
+        )
     seen: dict[str, Any] = {}
 
     def open_writer(plan):

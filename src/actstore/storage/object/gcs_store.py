@@ -140,17 +140,33 @@ class GCSStore(ObjectStore):
                     "or https:// URL"
                 )
             kwargs["client_options"] = {"api_endpoint": endpoint}
+        auth = require("google.auth.exceptions", "gcs")
         if credentials_path:
             from google.oauth2 import service_account
 
-            kwargs["credentials"] = service_account.Credentials.from_service_account_file(
-                credentials_path
-            )
+            try:
+                kwargs["credentials"] = service_account.Credentials.from_service_account_file(
+                    credentials_path
+                )
+            except (OSError, ValueError, auth.GoogleAuthError) as err:
+                raise ConfigError(
+                    f"the Google Cloud credentials file {credentials_path} (from "
+                    f"{'GCSConfig.credentials_path' if cfg.credentials_path else 'GOOGLE_APPLICATION_CREDENTIALS'}"
+                    f") cannot be used for {self.root_url}: {_first_line(err).rstrip('.')}; give a service "
+                    "account key file"
+                ) from None
         elif endpoint is not None:  # an emulator: no credentials
             from google.auth.credentials import AnonymousCredentials
 
             kwargs["credentials"] = AnonymousCredentials()
-        client = storage.Client(**kwargs)
+        try:
+            client = storage.Client(**kwargs)
+        except auth.DefaultCredentialsError:
+            raise ConfigError(
+                f"no Google Cloud credentials for {self.root_url}: set "
+                "GOOGLE_APPLICATION_CREDENTIALS to a service account key file, run `gcloud auth "
+                "application-default login`, or set STORAGE_EMULATOR_HOST for an emulator"
+            ) from None
         from requests.adapters import HTTPAdapter
 
         adapter = HTTPAdapter(pool_connections=4, pool_maxsize=64)  # parallel ranged GETs
@@ -213,6 +229,8 @@ class GCSStore(ObjectStore):
         for attempt in range(1, cfg.max_attempts + 1):
             try:
                 return fn()
+            except ActstoreError:
+                raise  # ours, e.g. a ConfigError (a ValueError) naming missing credentials
             except (AttributeError, ValueError) as err:
                 if attempt == cfg.max_attempts:
                     raise StorageError(
