@@ -42,6 +42,7 @@ from torch import nn
 
 from ..errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ..hub import EMBEDDED_MODEL, EMBEDDED_MODEL_ID, quiet_transformers, resolve_checkpoint
+from ..progress import human_bytes
 from ..sites import Site
 from .identity import weights_identity
 from .placement import (
@@ -460,14 +461,6 @@ def check_placement(
     return None
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def _span(blocks: Sequence[int]) -> str:
     if not blocks:
         return "-"
@@ -513,8 +506,8 @@ def memory_report(
         reads = "? from model.safetensors (not downloaded yet; its size is known once it is)"
     else:
         kept, files = checkpoint.read_plan(plan.keep())
-        total = f" of {_size(checkpoint.total_size)}" if checkpoint.total_size else ""
-        amount = "?" if kept is None else _size(kept)
+        total = f" of {human_bytes(checkpoint.total_size)}" if checkpoint.total_size else ""
+        amount = "?" if kept is None else human_bytes(kept)
         n_files = len(checkpoint.files)
         reads = f"{amount}{total} from {len(files)} of {n_files} checkpoint files"
         if kept is None:
@@ -526,17 +519,17 @@ def memory_report(
     lines.append(f"model    {plan.label} ({plan.family}): {loaded} loaded for ")
     lines[-1] += f"{', '.join(map(str, resolved))}; d_model {plan.d_model}, {dtype}"
     lines.append(f"reads    {reads}")
-    lines.append(f"batch    {batch_size} x {tokens} tokens; each site {_size(batch_bytes)}")
+    lines.append(f"batch    {batch_size} x {tokens} tokens; each site {human_bytes(batch_bytes)}")
     lines.append("")
     head = ("device", "blocks", "weights", "sites", "forward~", "total")
     cells = [
-        (r.device, _span(r.blocks), *map(_size, (r.weights, r.sites, r.working, r.total)))
+        (r.device, _span(r.blocks), *map(human_bytes, (r.weights, r.sites, r.working, r.total)))
         for r in rows
     ]
     for row in [head, *cells]:
         lines.append(f"{row[0]:<{width}}  {row[1]:<9}" + "".join(f"{c:>11}" for c in row[2:]))
     queued = queue_size * batch_bytes * len(resolved)
     lines.append("")
-    lines.append(f"host     writer queue: up to {queue_size} batches = {_size(queued)}")
+    lines.append(f"host     writer queue: up to {queue_size} batches = {human_bytes(queued)}")
     lines.append("forward~ = one block's pass, about batch tokens x (4 d_model + 2 intermediate)")
     return "\n".join(lines)

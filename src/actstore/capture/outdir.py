@@ -14,6 +14,7 @@ from typing import Any
 
 from ..batch import CapturePlan
 from ..errors import ConfigError, StorageError
+from ..progress import human_bytes
 
 #: Bytes per stored value, by the format's stored dtype.
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -164,14 +165,6 @@ def store_bytes(plan: CapturePlan, stored_dtype: str) -> int:
     return values * _ITEMSIZE.get(stored_dtype, 4) + tokens
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def check_space(out: str, need: int) -> None:
     """Refuse when the file system of ``out`` has less than ``need`` bytes free."""
     if is_url(out) or need <= 0:
@@ -180,6 +173,6 @@ def check_space(out: str, need: int) -> None:
     free = shutil.disk_usage(base).free
     if free < need:
         raise StorageError(
-            f"--out {out}: the store needs about {_size(need)} but {base} has {_size(free)} "
+            f"--out {out}: the store needs about {human_bytes(need)} but {base} has {human_bytes(free)} "
             "free; free some space, choose another --out, or pass --no-space-check"
         )

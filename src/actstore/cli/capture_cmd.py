@@ -8,8 +8,9 @@ from typing import Any
 import typer
 
 from ..errors import ConfigError
+from ..progress import human_bytes
 from .application import app, lazy_epilog
-from .common import human_bytes, parse_int_list
+from .common import parse_int_list
 
 _EXAMPLES = """\b
 Examples:

@@ -28,20 +28,6 @@ def parse_int_list(text: str, option: str) -> list[int]:
         ) from None
 
 
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``.
-
-    Example:
-        >>> human_bytes(3 * 2**30)
-        '3.0 GiB'
-    """
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
-
-
 def s3_options(endpoint_url: str | None, *locations: str) -> Any:
     """The ``S3Config`` of ``--endpoint-url``; a one-line :class:`ConfigError` when it is
     given for a ``gs://`` or ``az://`` location (their endpoints come from

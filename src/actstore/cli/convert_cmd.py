@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from ..progress import human_bytes
 from .application import app, lazy_epilog
-from .common import human_bytes
 
 
 def _epilog() -> str:

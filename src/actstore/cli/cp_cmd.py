@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import typer
 
+from ..progress import human_bytes
 from .application import app
-from .common import human_bytes, s3_options
+from .common import s3_options
 
 
 @app.command("cp")

@@ -10,8 +10,8 @@ import json
 import numpy as np
 import typer
 
+from ..progress import human_bytes
 from .application import app
-from .common import human_bytes
 
 
 def _site_label(reader, site) -> str:

@@ -10,8 +10,8 @@ from typing import Any
 
 import typer
 
+from ..progress import human_bytes
 from .application import app
-from .common import human_bytes
 
 
 def _hook_summary(store, prefix: str) -> dict[str, Any]:

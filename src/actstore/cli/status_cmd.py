@@ -12,8 +12,8 @@ from pathlib import Path
 
 import typer
 
+from ..progress import human_bytes
 from .application import app
-from .common import human_bytes
 
 #: How deep under an output root stores are looked for (saev's dialect nests 3 levels).
 MAX_DEPTH = 4

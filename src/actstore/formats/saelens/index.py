@@ -9,13 +9,21 @@ import os
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ...errors import ConfigError, CorruptStoreError, StoreNotFoundError
 from ...sites import Site
 from ..base import ReaderBase
 from ..metacheck import MAX_COUNT, Fields, is_int
-from .layout import INFO, SIDECAR, STATE, TOKENS, ColumnSite, SaelensLayout, hook_site
+from .layout import (
+    INFO,
+    SIDECAR,
+    STATE,
+    TOKENS,
+    ColumnSite,
+    SaelensLayout,
+    dataset_state,
+    hook_site,
+)
 from .writer import _ranges
 
 
@@ -117,16 +125,7 @@ class SaelensIndex(ReaderBase):
                 f"{self.files.url_of(STATE)} lists {err}, which the root manifest does not: "
                 "the file was edited; restore it or re-capture"
             ) from None
-        want: dict[str, Any] = {
-            "_data_files": [{"filename": n} for n in self.arrow_files],
-            "_fingerprint": xxhash.xxh3_64_hexdigest(digests.encode()),
-            "_format_columns": None,
-            "_format_kwargs": {},
-            "_format_type": None,
-            "_output_all_columns": False,
-            "_split": None,
-        }
-        if self.checks.read_json(STATE) != want:
+        if self.checks.read_json(STATE) != dataset_state(list(self.arrow_files), digests):
             raise CorruptStoreError(
                 f"{self.files.url_of(STATE)} is not what the writer derives from the store's "
                 "files (its fingerprint or fields differ): the file was edited; restore it or "

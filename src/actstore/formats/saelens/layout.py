@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from ...batch import CapturePlan
 from ...errors import ConfigError, CorruptStoreError
 from ...sites import Site
@@ -278,3 +280,19 @@ def values_offsets(data: Any, block_columns: tuple[str, ...] | list[str]) -> lis
             at.append(flat.to_numpy(zero_copy_only=True).ctypes.data - data.address)
         out.append(at)
     return out
+
+
+def dataset_state(names: list[str], digests: str) -> dict[str, Any]:
+    """``state.json`` as ``datasets``' ``save_to_disk`` writes it for Arrow files ``names``
+    (in order), its fingerprint a pure function of the files' concatenated ``digests``
+    (``datasets`` only keys its cache with it): what the writer writes and the reader
+    checks."""
+    return {
+        "_data_files": [{"filename": n} for n in names],
+        "_fingerprint": xxhash.xxh3_64_hexdigest(digests.encode()),
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }

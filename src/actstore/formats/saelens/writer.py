@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import xxhash
 
 from ...batch import Batch, CapturePlan
 from ...errors import CaptureError, require
@@ -52,6 +51,7 @@ from .layout import (
     VERSION,
     SaelensLayout,
     choose_layout,
+    dataset_state,
     values_offsets,
 )
 from .options import SaelensOptions
@@ -137,16 +137,7 @@ class SaelensWriter(ShardedWriter):
 
         names = [name for e in shards for name in e.files]
         digests = "".join(f.digest for e in shards for f in e.files.values())
-        state: dict[str, Any] = {
-            "_data_files": [{"filename": n} for n in names],
-            # datasets' fingerprint only keys its cache; this one is a pure function of the data
-            "_fingerprint": xxhash.xxh3_64_hexdigest(digests.encode()),
-            "_format_columns": None,
-            "_format_kwargs": {},
-            "_format_type": None,
-            "_output_all_columns": False,
-            "_split": None,
-        }
+        state = dataset_state(names, digests)
         atomic_write_bytes(directory / STATE, json.dumps(state, indent=2, sort_keys=True).encode())
         info = asdict(DatasetInfo(features=self.layout.features()))
         info = {key: info[key] for key in sorted(info)}
