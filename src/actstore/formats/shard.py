@@ -62,9 +62,18 @@ class ShardRecord:
     sides: Mapping[str, int] = dataclasses.field(default_factory=dict)
     #: this shard's statistics per site (``str(site)`` -> :meth:`RunningStats.to_packed`)
     stats: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    #: the same statistics as the writer folded them (the record of a shard this process
+    #: wrote): :meth:`site_stats` then decodes nothing; None for a record read back
+    folded: Mapping[str, RunningStats] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     def site_stats(self, site: Site) -> RunningStats:
-        """This shard's statistics of ``site``."""
+        """This shard's statistics of ``site`` (a copy of what the writer folded, or
+        decoded from :attr:`stats`: the packed form is exact, so both are the same)."""
+        if self.folded is not None:
+            st = self.folded[str(site)]
+            return RunningStats(st.d, st.count, st.mean.copy(), st.m2.copy(), st.norm_mean)
         return RunningStats.from_dict(dict(self.stats[str(site)]))
 
     def to_doc(self) -> dict[str, Any]:

@@ -427,6 +427,7 @@ class ShardedWriter(Resume, Publication, PartMerge):
             chunks=tuple(chunks),
             sides=sides,
             stats={str(s): stats_doc(st) for s, st in stats.items()},
+            folded={str(s): st for s, st in stats.items()},
         )
         self._append_journal(entry)
         self._shards.append(entry)
