@@ -25,6 +25,7 @@ from actstore.errors import (
     UnsafeDataError,
 )
 from actstore.formats import open_store
+from actstore.formats.recompute import same_statistics
 from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data
 from actstore.stats import RunningStats
@@ -347,3 +348,25 @@ def test_block_reads_cover_every_row_once(tmp_path):
         ex, _tok = zip(*(reader.block_rows(b) for b in blocks))
         np.testing.assert_array_equal(np.concatenate(ex), np.repeat(np.arange(N), T))
     assert os.getpid()  # reader handles are per process; see test_loader for workers
+
+
+@pytest.mark.parametrize("dialect", ["protocol", "saev"])
+def test_verify_folds_the_statistics_from_its_one_read_of_the_shards(tmp_path, dialect):
+    """``verify`` folds the statistics while it reads every shard for the manifest (an
+    example split across two of its 8 MiB reads carried over, the saev dialect's zero
+    padding left out) and gets, bit for bit, what the writer stored (and so what reading
+    the store again gives: ``tests/test_verify_recompute.py``): the store is read once."""
+    acts = make_acts(n=45_000)  # 384-byte examples: 8 MiB is no whole number of them
+    md = make_metadata(dialect, n=len(acts), per_shard=30_000)  # shards of 11.5 MB, 5.8 MB
+    writer = saev_writer(md, tmp_path, has_tokens=True)
+    for batch in batches(acts, size=1000):
+        writer.write(batch)
+    reader = SaevReader(writer.close())
+    faults: list[str] = []
+    reader.checks.verify(faults, on_chunk=reader.scan_chunk)
+    folded = reader.scanned_statistics()
+    assert not faults and folded is not None and set(folded) == set(reader.sites)
+    for site in reader.sites:
+        assert same_statistics(folded[site], reader.site_statistics(site))
+    assert reader.scanned_statistics() is None  # taken: a later verify folds anew
+    assert reader.verify().ok

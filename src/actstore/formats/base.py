@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..sites import Site
+from ..stats import RunningStats
 from .blocks import BLOCK_SLOT, PIECE_SLOT, Block, Extent, as_indices, place, scratch
 from .reading import ReaderCore, SiteLike
 from .report import VerifyReport, summary_of
@@ -172,6 +173,10 @@ class ReaderBase(ReaderCore):
                 f"{self.statistics_file}: cannot be checked against the data: {err}"
             )
             return
+        # folded as the bytes were read, when the format does and they all checked out;
+        # else the data is read again (a damaged block is then not folded: its fault is
+        # listed already)
+        scanned = self.scanned_statistics() if shards is not None else None
         try:
             recompute_into(
                 report.faults,
@@ -180,11 +185,18 @@ class ReaderBase(ReaderCore):
                 self.statistics_file,
                 self.site_statistics,
                 self.statistics_record,
+                computed=scanned if not report.faults else None,
             )
         except ActstoreError as err:  # data that cannot be read: a fault, not a crash
             report.faults.append(
                 f"{self.statistics_file}: cannot be recomputed from the data: {err}"
             )
+
+    def scanned_statistics(self) -> dict[Site, RunningStats] | None:
+        """Statistics :meth:`scan_chunk` folded from the data as :meth:`verify` read it,
+        exactly as :meth:`verify_statistics` would recompute them, sparing it a second
+        read of the store; None (the default): they are recomputed from a second read."""
+        return None
 
     def statistics_record(self, site: Site) -> Any:
         """Stored ``site``'s statistics record as the file holds it (values derived from

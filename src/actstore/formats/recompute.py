@@ -264,14 +264,17 @@ def recompute_into(
     where: str,
     stored_of: Callable[[Site], RunningStats | None],
     record_of: Callable[[Site], Any] | None = None,
+    *,
+    computed: dict[Site, RunningStats] | None = None,
 ) -> None:
-    """:func:`sharded_statistics` of every site compared with ``stored_of(site)`` (the
-    stored statistics, or None) and ``record_of(site)`` (the site's record as stored);
-    what cannot be read is a fault (unless the data's faults are already listed)."""
+    """:func:`sharded_statistics` of every site (or ``computed``, when the caller folded
+    them the same way already) compared with ``stored_of(site)`` (the stored statistics,
+    or None) and ``record_of(site)`` (the site's record as stored); what cannot be read is
+    a fault (unless the data's faults are already listed)."""
     if shard_rows is None:
         return
     try:
-        got = sharded_statistics(reader, shard_rows)
+        got = sharded_statistics(reader, shard_rows) if computed is None else computed
         for site, stats in got.items():
             record = None if record_of is None else record_of(site)
             compare_statistics(faults, where, site, stored_of(site), stats, record=record)

@@ -197,8 +197,9 @@ def azurite_command() -> list[str]:
     return [str(binary)]
 
 
-def start_azurite(timeout: float = 90.0) -> Emulator:
-    """Azurite's blob service on 127.0.0.1 (in memory); ``env``:
+def start_azurite(timeout: float = 90.0, *, memory_mib: int = 2048) -> Emulator:
+    """Azurite's blob service on 127.0.0.1 (in memory, at most ``memory_mib`` MiB of blob
+    data, deleted blobs included until Azurite collects them); ``env``:
     AZURE_STORAGE_CONNECTION_STRING."""
     port = free_port()
     process = _spawn(
@@ -206,7 +207,7 @@ def start_azurite(timeout: float = 90.0) -> Emulator:
             *azurite_command(),
             "--inMemoryPersistence",
             "--extentMemoryLimit",
-            "2048",
+            str(memory_mib),
             "--blobHost",
             HOST,
             "--blobPort",

@@ -1,15 +1,20 @@
 """``verify`` of a saev directory beyond its files' bytes: non-finite values and the zero
-padding after the last example, counted as the shards are read; the directory name against
-the content hash; the statistics against the shapes (:class:`SaevVerify`)."""
+padding after the last example, counted as the shards are read, and the statistics folded
+from the same read; the directory name against the content hash; the statistics against
+the shapes (:class:`SaevVerify`)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...errors import CorruptStoreError
+from ...sites import Site
+from ...stats import RunningStats, merge_all
 from ..report import VerifyReport
+from ..shard import ShardStats
 from .index import SaevIndex
 from .writer import STATISTICS
 
@@ -20,17 +25,53 @@ class SaevVerify(SaevIndex):
     """``verify``'s scan and content checks of a saev directory."""
 
     def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
-        """Count non-finite values and check the zero padding after the last example."""
+        """Count non-finite values, check the zero padding after the last example, and fold
+        the examples' statistics (each shard as the writer folded it)."""
         if not (name.startswith("acts") and name.endswith(".bin")):
             return
         md = self.metadata
-        valid_bytes = self.shard_counts[int(name[4:10])] * md.example_nbytes
+        index = int(name[4:10])
+        valid_bytes = self.shard_counts[index] * md.example_nbytes
         valid = max(0, min(len(data), valid_bytes - offset))
         values = np.frombuffer(data[: valid - valid % 4], dtype="<f4")
         scan = self.__dict__.setdefault("_scan", {"non_finite": 0, "bad_pad": set()})
         scan["non_finite"] += int(values.size - np.count_nonzero(np.isfinite(values)))
         if valid < len(data) and np.frombuffer(data[valid:], dtype=np.uint8).any():
             scan["bad_pad"].add(name)
+        if self.__dict__.setdefault("_fold_scans", self.statistics_shards() is not None):
+            folds: dict[int, _ShardFold] = self.__dict__.setdefault("_folds", {})
+            if offset == 0 or index not in folds:  # a file read (again) from its start
+                folds[index] = _ShardFold(
+                    ShardStats(self.sites, md.d_model),
+                    [self._layer_index(site) for site in self.sites],
+                    (len(md.layers), md.tokens_per_ex, md.d_model),
+                )
+            if offset < valid_bytes:
+                folds[index].feed(offset, data[:valid])
+
+    def scanned_statistics(self) -> dict[Site, RunningStats] | None:
+        """The statistics folded as :meth:`scan_chunk` saw every shard's examples whole and
+        in order, merged in shard order as the writer merged them (shards without
+        examples before the last one count as empty parts, as
+        :func:`~actstore.formats.recompute.sharded_statistics` folds them); None when a
+        shard was not seen whole."""
+        folds: dict[int, _ShardFold] = self.__dict__.pop("_folds", {})
+        self.__dict__.pop("_fold_scans", None)
+        md = self.metadata
+        last = max((i for i, count in enumerate(self.shard_counts) if count), default=-1)
+        parts = []
+        for index in range(last + 1):
+            want = self.shard_counts[index] * md.example_nbytes
+            fold = folds.get(index)
+            if fold is None and not want:
+                parts.append(ShardStats(self.sites, md.d_model).finish())
+                continue
+            if fold is None or fold.at != want or fold.carry or fold.broken:
+                return None
+            parts.append(fold.stats.finish())
+        if not parts:
+            return {s: RunningStats(md.d_model) for s in self.sites}
+        return {s: merge_all([p[s] for p in parts]) for s in self.sites}
 
     def verify_content(self, report: VerifyReport) -> None:
         """The directory name against the content hash, the statistics against the shapes,
@@ -64,3 +105,51 @@ class SaevVerify(SaevIndex):
             report.faults.append(f"{shard}: padding after the last example is not zero")
         if scan["non_finite"]:
             report.notes.append(f"{scan['non_finite']} activation values are NaN or infinite")
+
+
+@dataclass
+class _ShardFold:
+    """One shard file's statistics, folded from its bytes as ``verify`` reads them in
+    order (``feed``): whole examples (``[layers, tokens, d]`` float32 each) at a time, an
+    example split across two reads carried over."""
+
+    stats: ShardStats
+    #: each site's layer slot in an example, in the order of ``stats.sites``
+    slots: list[int]
+    #: an example's shape: layers, tokens, d
+    shape: tuple[int, int, int]
+    at: int = 0
+    carry: bytearray = field(default_factory=bytearray)
+    broken: bool = False
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        """Fold the shard's bytes from ``offset`` (the next after those fed before)."""
+        if offset != self.at or self.broken:
+            self.broken = True
+            return
+        self.at += len(data)
+        layers, tokens, d = self.shape
+        example = layers * tokens * d * 4
+        if self.carry:
+            take = min(example - len(self.carry), len(data))
+            self.carry += data[:take]
+            data = data[take:]
+            if len(self.carry) < example:
+                return
+            self._fold(np.frombuffer(self.carry, "<f4"), 1)
+            self.carry = bytearray()
+        whole = len(data) // example
+        if whole:
+            self._fold(np.frombuffer(data[: whole * example], "<f4"), whole)
+        if len(data) > whole * example:
+            self.carry = bytearray(data[whole * example :])
+
+    def _fold(self, values: np.ndarray, n: int) -> None:
+        layers, tokens, d = self.shape
+        slabs = values.reshape(n, layers, tokens, d)
+        self.stats.update(
+            {
+                site: np.ascontiguousarray(slabs[:, slot]).reshape(n * tokens, d)
+                for site, slot in zip(self.stats.sites, self.slots, strict=True)
+            }
+        )
