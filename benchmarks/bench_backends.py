@@ -6,11 +6,15 @@ Azure actstore's, each through ``get_range_into`` as the readers use it. Runs ta
 and the best of ``--repeats`` counts. azure-storage-blob is no dependency of actstore:
 install it to compare with it (left out otherwise).
 
-Then (``--loader``, on by default) the shared loader over a ~64 MiB saev store on each
-emulator against raw parallel ranged GETs (obstore) of the same blocks' bytes with the same
-concurrency, ``actstore cp`` up and down against the same files sent and fetched raw, and
-``verify`` against raw GETs of every file, hashed: ``--repeats`` interleaved repetitions,
-each row the median MiB/s and the median (and range) of the per-repetition ratios.
+Then (``--loader``, on by default) the shared loader over a ~256 MiB saev store on each
+emulator (one epoch of a new loader, with and without its read ahead of the next epoch's
+first window, and with windows of an eighth of the store) against raw
+parallel ranged GETs (obstore) of the same blocks' bytes with the same concurrency,
+``actstore cp`` up and down against the same files sent and fetched raw, and ``verify``
+(and its first pass alone: every file's bytes against the manifest, without the
+statistics recomputed from the data) against raw GETs of every file, hashed: ``--repeats``
+interleaved repetitions, each row the median MiB/s and the median (and range) of the
+per-repetition ratios.
 
     python benchmarks/bench_backends.py               # 64 MiB in 4 MiB ranges, 8 threads
     python benchmarks/bench_backends.py --mib 128 --threads 16 --no-loader
@@ -19,6 +23,7 @@ each row the median MiB/s and the median (and range) of the per-repetition ratio
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -112,7 +117,7 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
     from bench_s3 import epoch, write_saev
     from obstore import get_range
 
-    from actstore.formats import verify_store
+    from actstore.formats import open_store, verify_store
     from actstore.formats.saev import SaevReader
     from actstore.formats.saev.layout import shard_name
     from actstore.loader import ActivationLoader
@@ -162,8 +167,23 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
 
     url = f"{scheme}://{bucket}/acts0"
     n = args.repeats
+
+    def drop(prefix: str) -> Callable[[int], None]:
+        """Delete repetition ``i``'s copy (not the first, which later rows read): the
+        emulators hold every object in memory (Azurite: 2 GiB at most)."""
+
+        def run(i: int) -> None:
+            if i:
+                for info in list(store.list(f"{prefix}{i}/")):
+                    store.delete(info.key)
+
+        return run
+
     t_raw_up, t_cp_up = take_turns(
-        n, raw_up, lambda i: copy_store(local, f"{scheme}://{bucket}/acts{i}", **kw)
+        n,
+        raw_up,
+        lambda i: copy_store(local, f"{scheme}://{bucket}/acts{i}", **kw),
+        after=[drop("raw"), drop("acts")],
     )
     t_raw_down, t_cp_down, t_raw_cached = take_turns(
         n,
@@ -171,7 +191,17 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
         lambda i: copy_store(url, tmp / f"cp-down{i}", **kw),
         lambda i: raw_down(i, durable=False),
     )
-    t_raw_verify, t_verify = take_turns(n, raw_verify, lambda i: verify_store(url))
+
+    def bytes_pass(_: int) -> None:
+        """verify's first pass alone: every file's blocks against the root manifest."""
+        with open_store(url) as store_reader:
+            faults: list[str] = []
+            store_reader.checks.verify(faults, on_chunk=store_reader.scan_chunk)
+            assert not faults, faults
+
+    t_raw_verify, t_verify, t_bytes = take_turns(
+        n, raw_verify, lambda i: verify_store(url), bytes_pass
+    )
     reader = SaevReader(url)
     row = 512 * 4
     ranges = [
@@ -194,13 +224,25 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
             list(pool.map(one, range(len(ranges))))
 
     opts = {"site": 6, "batch_size": 4096, "io_threads": args.threads}
-    # one epoch of a new loader (its first window read before any batch), and of one whose
-    # windows are an eighth of the store (reads of the next window overlap the batches)
+    # one epoch of a new loader (its window mapped and first read before any batch; as
+    # the epoch's last window is read it starts reading the next epoch's first window, the
+    # whole store again here, where one window holds it), the same without that read ahead
+    # (ACTSTORE_READ_AHEAD=0), and one whose windows are an eighth of the store (reads of
+    # the next window overlap the batches; the read ahead is an eighth of the store)
     eighth = max(1, len(ranges) // 8)
-    t_raw, t_loader, t_windows = take_turns(
+
+    def no_read_ahead(_: int) -> None:
+        os.environ["ACTSTORE_READ_AHEAD"] = "0"
+        try:
+            epoch(ActivationLoader(reader, **opts))
+        finally:
+            del os.environ["ACTSTORE_READ_AHEAD"]
+
+    t_raw, t_loader, t_alone, t_windows = take_turns(
         n,
         raw_gets,
         lambda i: epoch(ActivationLoader(reader, **opts)),
+        no_read_ahead,
         lambda i: epoch(ActivationLoader(reader, pool_blocks=eighth, **opts)),
     )
     mib = nbytes / 2**20
@@ -209,11 +251,13 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
     )
     for name, ours, base, size in (
         ("loader, 1 epoch", t_loader, t_raw, total / 2**20),
+        ("same, no read ahead", t_alone, t_raw, total / 2**20),
         (f"same, {eighth}-block windows", t_windows, t_raw, total / 2**20),
         ("cp up", t_cp_up, t_raw_up, mib),
         ("cp down", t_cp_down, t_raw_down, mib),
         ("cp down (vs no fsync)", t_cp_down, t_raw_cached, mib),
         ("verify", t_verify, t_raw_verify, mib),
+        ("verify, bytes pass alone", t_bytes, t_raw_verify, mib),
     ):
         ratios = [b / o for b, o in zip(base, ours, strict=True)]
         print(
@@ -223,23 +267,29 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
         )
 
 
-def take_turns(times: int, *runs: Callable[[int], object]) -> list[list[float]]:
+def take_turns(
+    times: int,
+    *runs: Callable[[int], object],
+    after: list[Callable[[int], object]] | None = None,
+) -> list[list[float]]:
     """Seconds of each of ``times`` repetitions of every ``run(i)``, the runs taking turns
     in a rotating order (load from other work hits them alike); ratios are then medians of
-    the per-repetition ratios."""
+    the per-repetition ratios. ``after[k](i)``, untimed, follows each ``runs[k](i)``."""
     out: list[list[float]] = [[] for _ in runs]
     for i in range(times):
         for k in [*range(i % len(runs), len(runs)), *range(i % len(runs))]:
             start = time.perf_counter()
             runs[k](i)
             out[k].append(time.perf_counter() - start)
+            if after is not None:
+                after[k](i)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
-    parser.add_argument("--store-mib", type=int, default=64, help="the saev store's size")
+    parser.add_argument("--store-mib", type=int, default=256, help="the saev store's size")
     parser.add_argument("--range-mib", type=int, default=4)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument(
@@ -250,7 +300,9 @@ def main() -> None:
     size, step = args.mib << 20, args.range_mib << 20
     data = os.urandom(size)
     ranges = [(s, min(s + step, size)) for s in range(0, size, step)]
-    for start in (start_gcs, start_azurite):
+    # Azurite keeps deleted blobs' memory until it collects them: room for every copy
+    big_azurite = functools.partial(start_azurite, memory_mib=max(2048, 12 * args.store_mib))
+    for start in (start_gcs, big_azurite):
         emulator = start()
         try:
             make_bucket(emulator, "bench-bucket")
