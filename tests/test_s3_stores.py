@@ -3,6 +3,7 @@ exactly once, the local cache tier, ``actstore cp`` both ways, and faults throug
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
@@ -107,6 +108,22 @@ def test_loader_over_s3_serves_every_row_exactly_once(s3, saev_local):
     rows = np.concatenate(rows)
     assert sorted(rows.tolist()) == list(range(len(acts) * T))
     np.testing.assert_array_equal(np.concatenate(xs), acts[:, 1].reshape(-1, acts.shape[-1])[rows])
+
+
+def test_a_loader_dropped_after_its_epoch_stops_reading_ahead(s3, saev_local):
+    """The next epoch's first window, read ahead as an epoch ends, is read no further once
+    the loader is gone: a loader used for one epoch makes no GET after it is dropped."""
+    local, _ = saev_local
+    url = s3.url("acts", local.name)
+    upload(local, url)
+    loader = ActivationLoader(SaevReader(url), site=5, batch_size=16, io_threads=1)
+    assert sum(len(batch) for batch in loader) == 23 * T
+    assert loader.read_ahead == 1  # the next epoch's first window is being read
+    del loader
+    gc.collect()
+    dropped = gets(s3)
+    time.sleep(0.5)
+    assert gets(s3) == dropped
 
 
 def test_dataloader_workers_over_s3_with_a_shared_cache(s3, saev_local, tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 from typing import Any
@@ -43,7 +44,6 @@ from .config import (
 from .device import to_device
 from .pipeline import (
     BufferSet,
-    Consumer,
     Finish,
     Layout,
     LoaderBatch,
@@ -55,7 +55,7 @@ from .pipeline import (
     window_shape,
 )
 from .position import LoaderPosition
-from .readahead import ReadAhead, _moves
+from .readahead import Primed, ReadAhead, _moves
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,8 @@ class ActivationLoader(LoaderPosition, ReadAhead, IterableDataset):
         #: set to a :class:`~actstore.formats.threads.StageClock` to sum the CPU time of
         #: each stage of the read path in this process (``benchmarks/bench_read_stages.py``)
         self.clock: StageClock | None = None
-        # the next epoch's consumer, its first window already being read: (pid, what it
-        # serves: epoch, worker, consumers, rows, buffers; the consumer); never pickled
-        self._next: tuple[int, tuple[Any, ...], Consumer] | None = None
+        # the next epoch's consumer, its first window already being read (never pickled)
+        self._watch_read_ahead()
 
     # ------------------------------------------------------------------ sizes
 
@@ -350,8 +349,18 @@ class ActivationLoader(LoaderPosition, ReadAhead, IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         return {
             **self.__dict__,
-            **dict.fromkeys(("_buffers", "_slots", "_filling", "_next", "clock")),
+            **dict.fromkeys(("_buffers", "_slots", "_filling", "_ahead", "clock")),
         }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._watch_read_ahead()
+
+    def _watch_read_ahead(self) -> None:
+        """A fresh :class:`~actstore.loader.readahead.Primed`, closed when this loader is
+        garbage-collected."""
+        self._ahead = Primed()
+        weakref.finalize(self, self._ahead.close).atexit = False
 
     # ------------------------------------------------------------------ the seam used by
     # ActivationDataLoader (main process) and serve
@@ -487,9 +496,7 @@ class ActivationLoader(LoaderPosition, ReadAhead, IterableDataset):
     def close(self) -> None:
         """Stop reading ahead and let go of this process's buffers and mapped files (made
         again if the loader is iterated later)."""
-        primed, self._next = self._next, None
-        if primed is not None and primed[0] == os.getpid():
-            primed[2].close()
+        self._ahead.close()
         buffers, self._buffers = self._buffers, None
         if buffers is not None and buffers[0] == os.getpid():
             buffers[1].close()

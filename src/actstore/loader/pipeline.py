@@ -514,8 +514,9 @@ _warned_unmapped: list[bool] = []
 
 
 def _settle(window: Window) -> None:
-    """Let a window go that will not be served: its reads finished (they write into its
-    buffer), then the buffer released."""
+    """Let a window go that will not be served: its reads stopped (after the block at hand)
+    and finished (they write into its buffer), then the buffer released."""
+    window.stop.set()
     for future in [*window.ready, window.order]:
         if not future.cancel():
             future.exception()

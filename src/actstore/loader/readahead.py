@@ -25,7 +25,7 @@ class ReadAhead:
     clock: StageClock | None
     _buffers: tuple[int, BufferSet] | None
     _link: WorkerLink | None
-    _next: tuple[int, tuple[Any, ...], Consumer] | None
+    _ahead: Primed
 
     if TYPE_CHECKING:
 
@@ -40,7 +40,7 @@ class ReadAhead:
     def read_ahead(self) -> int | None:
         """The epoch whose first window this process is reading ahead (an epoch iterated to
         its end starts the next one's read at once), or None."""
-        primed = self._next
+        primed = self._ahead.value
         return None if primed is None or primed[0] != os.getpid() else int(primed[1][0])
 
     def _consumer(self, plan: EpochPlan, buffers: BufferSet, finish: Finish) -> Consumer:
@@ -58,7 +58,7 @@ class ReadAhead:
 
     def _primed_consumer(self, key: tuple[Any, ...]) -> Consumer | None:
         """The consumer :meth:`_prime_next_epoch` made, if it serves exactly ``key``."""
-        primed, self._next = self._next, None
+        primed, self._ahead.value = self._ahead.value, None
         if primed is None:
             return None
         pid, primed_key, consumer = primed
@@ -86,7 +86,8 @@ class ReadAhead:
             self._rank_span(), worker=worker, num_workers=num_workers, batch_size=self.batch_size
         )
         key = (epoch, worker, num_workers, span.start, span.stop, id(buffers), _moves(finish))
-        if self._next is not None and self._next[0] == os.getpid() and self._next[1] == key:
+        ahead = self._ahead.value
+        if ahead is not None and ahead[0] == os.getpid() and ahead[1] == key:
             return True  # already being read
         if span.start >= span.stop:
             return True  # nothing to read
@@ -98,10 +99,26 @@ class ReadAhead:
         if not consumer.prime(span.start, span.stop):
             consumer.close()
             return buffers.pools is None  # no window with rows, or no buffer after all
-        if self._next is not None and self._next[0] == os.getpid():
-            self._next[2].close()
-        self._next = (os.getpid(), key, consumer)
+        self._ahead.close()
+        self._ahead.value = (os.getpid(), key, consumer)
         return True
+
+
+class Primed:
+    """The next epoch's consumer while its first window is read ahead: ``value`` is (pid,
+    what it serves, the consumer). :meth:`close` stops it; the loader calls it when it is
+    closed, and when it is garbage-collected (a loader dropped after its last epoch must
+    not go on reading a window nobody will take)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: tuple[int, tuple[Any, ...], Consumer] | None = None
+
+    def close(self) -> None:
+        primed, self.value = self.value, None
+        if primed is not None and primed[0] == os.getpid():
+            primed[2].close()
 
 
 def _moves(finish: Finish) -> tuple[bool, str | None]:

@@ -23,6 +23,7 @@ each site, in serving order), so gathering is the same code for both.
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class Window:
     """Reads and checks that must finish before rows are gathered."""
     done: Callable[[], None] = lambda: None
     """Called once the last batch has been gathered from the window."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    """Set for a window that will not be served: its reads end after the block at hand."""
 
     def wait(self) -> tuple[np.ndarray, np.ndarray | None]:
         """Block until the window can be gathered from (raising what a read raised);
@@ -323,11 +326,12 @@ class PooledWindows(Windows):
         n_rows = self.pools.shape[1]
         ready: list[Future] = []
         out = self.pools[pool]
+        stop = threading.Event()
         for s in range(self.n_sites):
             for run in self._runs([i for i, _ in pieces]):
                 tasks = [(pieces[j][0], pieces[j][1], int(at[j])) for j in run]
                 ready.append(
-                    self.io.submit(self.timed, "read", self._read, s, tasks, out[s], whole)
+                    self.io.submit(self.timed, "read", self._read, s, tasks, out[s], whole, stop)
                 )
         d = self.d_model
         starts = (np.arange(self.n_sites, dtype=np.int64)[:, None] * n_rows + at[None, :-1]) * d
@@ -342,14 +346,22 @@ class PooledWindows(Windows):
             order=order,
             ready=ready,
             done=lambda: release(pool),
+            stop=stop,
         )
 
     def _read(
-        self, s: int, tasks: list[tuple[int, np.ndarray | None, int]], out: np.ndarray, whole: bool
+        self,
+        s: int,
+        tasks: list[tuple[int, np.ndarray | None, int]],
+        out: np.ndarray,
+        whole: bool,
+        stop: threading.Event,
     ) -> None:
         blocks = self.blocks[s]
         if whole:
             for i, _, at in tasks:
+                if stop.is_set():  # a window left unserved: the rest is not read
+                    return
                 block = blocks[i]
                 dest = out[at : at + block.n_rows]
                 got = self.reader.read_block(block, dest)
