@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -185,11 +186,17 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
         lambda i: copy_store(local, f"{scheme}://{bucket}/acts{i}", **kw),
         after=[drop("raw"), drop("acts")],
     )
+
+    def remove(name: str) -> Callable[[int], None]:
+        """Delete repetition ``i``'s download (untimed): the disk is not the bench's."""
+        return lambda i: shutil.rmtree(tmp / name.format(i), ignore_errors=True)
+
     t_raw_down, t_cp_down, t_raw_cached = take_turns(
         n,
         raw_down,
         lambda i: copy_store(url, tmp / f"cp-down{i}", **kw),
         lambda i: raw_down(i, durable=False),
+        after=[remove("raw-down{}"), remove("cp-down{}"), remove("raw-down{}-cached")],
     )
 
     def bytes_pass(_: int) -> None:
@@ -265,6 +272,7 @@ def loader_rows(scheme: str, bucket: str, options, args) -> None:
             f"{size / statistics.median(base):7.0f}  ({statistics.median(ratios):.2f}; "
             f"{min(ratios):.2f}-{max(ratios):.2f})"
         )
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def take_turns(
