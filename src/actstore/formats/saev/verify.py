@@ -45,6 +45,7 @@ class SaevVerify(SaevIndex):
                     ShardStats(self.sites, md.d_model),
                     [self._layer_index(site) for site in self.sites],
                     (len(md.layers), md.tokens_per_ex, md.d_model),
+                    valid_bytes,
                 )
             if offset < valid_bytes:
                 folds[index].feed(offset, data[:valid])
@@ -66,9 +67,9 @@ class SaevVerify(SaevIndex):
             if fold is None and not want:
                 parts.append(ShardStats(self.sites, md.d_model).finish())
                 continue
-            if fold is None or fold.at != want or fold.carry or fold.broken:
+            if fold is None or fold.result is None:
                 return None
-            parts.append(fold.stats.finish())
+            parts.append(fold.result)
         if not parts:
             return {s: RunningStats(md.d_model) for s in self.sites}
         return {s: merge_all([p[s] for p in parts]) for s in self.sites}
@@ -111,21 +112,25 @@ class SaevVerify(SaevIndex):
 class _ShardFold:
     """One shard file's statistics, folded from its bytes as ``verify`` reads them in
     order (``feed``): whole examples (``[layers, tokens, d]`` float32 each) at a time, an
-    example split across two reads carried over."""
+    example split across two reads carried over; :attr:`result` once all ``want`` bytes
+    of its examples were fed in order (the fold's pieces then let go)."""
 
     stats: ShardStats
     #: each site's layer slot in an example, in the order of ``stats.sites``
     slots: list[int]
     #: an example's shape: layers, tokens, d
     shape: tuple[int, int, int]
+    #: bytes of the shard's examples (the padding after them is not folded)
+    want: int
     at: int = 0
     carry: bytearray = field(default_factory=bytearray)
     broken: bool = False
+    result: dict[Site, RunningStats] | None = None
 
     def feed(self, offset: int, data: memoryview) -> None:
         """Fold the shard's bytes from ``offset`` (the next after those fed before)."""
-        if offset != self.at or self.broken:
-            self.broken = True
+        if offset != self.at or self.broken or self.result is not None:
+            self.broken, self.result = True, None
             return
         self.at += len(data)
         layers, tokens, d = self.shape
@@ -143,6 +148,8 @@ class _ShardFold:
             self._fold(np.frombuffer(data[: whole * example], "<f4"), whole)
         if len(data) > whole * example:
             self.carry = bytearray(data[whole * example :])
+        if self.at == self.want and not self.carry:
+            self.result = self.stats.finish()
 
     def _fold(self, values: np.ndarray, n: int) -> None:
         layers, tokens, d = self.shape
