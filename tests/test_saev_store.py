@@ -28,6 +28,9 @@ from actstore.formats import open_store
 from actstore.formats.recompute import same_statistics
 from actstore.formats.saev import SaevMetadata, SaevReader
 from actstore.formats.saev.layout import encode_data
+from actstore.formats.saev.verify import _ShardFold
+from actstore.formats.shard import ShardStats
+from actstore.sites import Site
 from actstore.stats import RunningStats
 
 N, LAYERS, T, D = 23, (2, 5), 6, 8
@@ -370,3 +373,37 @@ def test_verify_folds_the_statistics_from_its_one_read_of_the_shards(tmp_path, d
         assert same_statistics(folded[site], reader.site_statistics(site))
     assert reader.scanned_statistics() is None  # taken: a later verify folds anew
     assert reader.verify().ok
+
+
+def test_verify_fold_is_the_same_however_the_reads_cut_the_shard():
+    """The fold of one shard's bytes fed in reads of any sizes (cutting rows, slabs and
+    examples; one byte at a time included) is bit for bit the writer's fold of each
+    site's rows, whole."""
+    layers, tokens, d, n = 3, 5, 3, 80_000  # rows of 12 bytes, examples of 180; 400,000 rows
+    # a site (runs of 349,525: one run boundary crossed)
+    sites = [Site("resid", 7), Site("resid", 2)]  # stored in slots 2 and 0
+    values = np.random.default_rng(3).standard_normal((n, layers, tokens, d)).astype("<f4")
+    data = memoryview(values.tobytes())
+
+    def folded(cuts):
+        fold = _ShardFold(sites, [2, 0], (layers, tokens, d), len(data))
+        at = 0
+        for end in [*cuts, len(data)]:
+            fold.feed(at, data[at:end])
+            at = end
+        assert fold.result is not None
+        return fold.result
+
+    writer = ShardStats(sites, d)
+    writer.update({sites[0]: values[:, 2].reshape(-1, d), sites[1]: values[:, 0].reshape(-1, d)})
+    want = writer.finish()
+    rng = np.random.default_rng(4)
+    for cuts in (
+        [],
+        sorted(rng.choice(len(data), 30, replace=False).tolist()),
+        [*range(1, 400), 181 * 12 + 5],
+        [180 * 7, 180 * 7 + 12 * 5, 180 * 7 + 12 * 5 + 7],
+    ):
+        got = folded(cuts)
+        for site in sites:
+            assert same_statistics(got[site], want[site])

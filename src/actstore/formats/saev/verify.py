@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...errors import CorruptStoreError
+from ...errors import CorruptStoreError, StoreNotFoundError
 from ...sites import Site
 from ...stats import RunningStats, merge_all
 from ..report import VerifyReport
@@ -23,6 +23,9 @@ _HASH_NAME = re.compile(r"^[0-9a-f]{8}$|^[0-9a-f]{64}$")
 
 class SaevVerify(SaevIndex):
     """``verify``'s scan and content checks of a saev directory."""
+
+    #: whether :meth:`scan_chunk` folds the statistics (set by its first call of a verify)
+    _fold_scans: bool
 
     def scan_chunk(self, name: str, offset: int, data: memoryview) -> None:
         """Count non-finite values, check the zero padding after the last example, and fold
@@ -38,11 +41,16 @@ class SaevVerify(SaevIndex):
         scan["non_finite"] += int(values.size - np.count_nonzero(np.isfinite(values)))
         if valid < len(data) and np.frombuffer(data[valid:], dtype=np.uint8).any():
             scan["bad_pad"].add(name)
-        if self.__dict__.setdefault("_fold_scans", self.statistics_shards() is not None):
+        if "_fold_scans" not in self.__dict__:
+            try:
+                self._fold_scans = self.statistics_shards() is not None
+            except (CorruptStoreError, StoreNotFoundError):  # reported by the checks
+                self._fold_scans = False
+        if self._fold_scans:
             folds: dict[int, _ShardFold] = self.__dict__.setdefault("_folds", {})
             if offset == 0 or index not in folds:  # a file read (again) from its start
                 folds[index] = _ShardFold(
-                    ShardStats(self.sites, md.d_model),
+                    list(self.sites),
                     [self._layer_index(site) for site in self.sites],
                     (len(md.layers), md.tokens_per_ex, md.d_model),
                     valid_bytes,
@@ -111,12 +119,14 @@ class SaevVerify(SaevIndex):
 @dataclass
 class _ShardFold:
     """One shard file's statistics, folded from its bytes as ``verify`` reads them in
-    order (``feed``): whole examples (``[layers, tokens, d]`` float32 each) at a time, an
-    example split across two reads carried over; :attr:`result` once all ``want`` bytes
-    of its examples were fed in order (the fold's pieces then let go)."""
+    order (``feed``), each site on its own (:class:`ShardStats` per site: a site's result
+    does not depend on the others'): whole examples (``[layers, tokens, d]`` float32) a
+    read holds are folded together, an example a read cuts is folded slab by slab, and
+    only a row cut in two is carried over. :attr:`result` once all ``want`` bytes of the
+    shard's examples were fed in order."""
 
-    stats: ShardStats
-    #: each site's layer slot in an example, in the order of ``stats.sites``
+    sites: list[Site]
+    #: each site's layer slot in an example, in the order of ``sites``
     slots: list[int]
     #: an example's shape: layers, tokens, d
     shape: tuple[int, int, int]
@@ -126,37 +136,65 @@ class _ShardFold:
     carry: bytearray = field(default_factory=bytearray)
     broken: bool = False
     result: dict[Site, RunningStats] | None = None
+    folds: list[ShardStats] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        d = self.shape[2]
+        self.folds = [ShardStats([site], d) for site in self.sites]
+        self._site_of = {slot: k for k, slot in enumerate(self.slots)}
 
     def feed(self, offset: int, data: memoryview) -> None:
         """Fold the shard's bytes from ``offset`` (the next after those fed before)."""
         if offset != self.at or self.broken or self.result is not None:
             self.broken, self.result = True, None
             return
-        self.at += len(data)
         layers, tokens, d = self.shape
-        example = layers * tokens * d * 4
-        if self.carry:
-            take = min(example - len(self.carry), len(data))
+        row = d * 4
+        pos = self.at - len(self.carry)  # where the bytes not yet folded start
+        self.at += len(data)
+        if self.carry:  # a row cut by the previous read
+            take = min(row - len(self.carry), len(data))
             self.carry += data[:take]
             data = data[take:]
-            if len(self.carry) < example:
+            if len(self.carry) < row:
                 return
-            self._fold(np.frombuffer(self.carry, "<f4"), 1)
-            self.carry = bytearray()
-        whole = len(data) // example
-        if whole:
-            self._fold(np.frombuffer(data[: whole * example], "<f4"), whole)
-        if len(data) > whole * example:
-            self.carry = bytearray(data[whole * example :])
+            self._rows(pos, np.frombuffer(self.carry, "<f4"))
+            pos, self.carry = pos + row, bytearray()
+        example = layers * tokens * row
+        head = min(len(data), -pos % example)  # to the next example's start
+        self._rows(pos, np.frombuffer(data[: head - head % row], "<f4"))
+        pos, data = pos + head - head % row, data[head - head % row :]
+        if pos % example == 0:
+            whole = len(data) // example
+            if whole:
+                self._examples(np.frombuffer(data[: whole * example], "<f4"), whole)
+                pos, data = pos + whole * example, data[whole * example :]
+            tail = len(data) - len(data) % row
+            self._rows(pos, np.frombuffer(data[:tail], "<f4"))
+            pos, data = pos + tail, data[tail:]
+        self.carry = bytearray(data)  # less than a row
         if self.at == self.want and not self.carry:
-            self.result = self.stats.finish()
+            self.result = {
+                site: fold.finish()[site] for site, fold in zip(self.sites, self.folds, strict=True)
+            }
 
-    def _fold(self, values: np.ndarray, n: int) -> None:
+    def _rows(self, pos: int, values: np.ndarray) -> None:
+        """Fold whole rows starting at byte ``pos`` of the shard, slab by slab (within one
+        example: a slab is one layer's ``tokens`` rows)."""
+        _layers, tokens, d = self.shape
+        slab = tokens * d * 4
+        at = 0
+        while at < len(values):
+            n = min(len(values) - at, (slab - pos % slab) // 4)
+            k = self._site_of.get((pos // slab) % self.shape[0])
+            if k is not None:
+                self.folds[k].update({self.sites[k]: values[at : at + n].reshape(-1, d)})
+            at, pos = at + n, pos + n * 4
+
+    def _examples(self, values: np.ndarray, n: int) -> None:
+        """Fold ``n`` whole examples: each site's rows of all of them at once."""
         layers, tokens, d = self.shape
         slabs = values.reshape(n, layers, tokens, d)
-        self.stats.update(
-            {
-                site: np.ascontiguousarray(slabs[:, slot]).reshape(n * tokens, d)
-                for site, slot in zip(self.stats.sites, self.slots, strict=True)
-            }
-        )
+        for k, slot in enumerate(self.slots):
+            rows = np.ascontiguousarray(slabs[:, slot]).reshape(n * tokens, d)
+            self.folds[k].update({self.sites[k]: rows})
