@@ -10,9 +10,10 @@ The write pipeline casts, writes, digests, folds the statistics, makes files dur
 records progress, resumes and publishes; a format never does any of that itself.
 
 Example:
+    >>> import dataclasses
     >>> from actstore.formats.api import ShardedWriter, ShardRecord, ShardSink
-    >>> sorted(ShardRecord.__dataclass_fields__)[:4]
-    ['chunks', 'files', 'index', 'info']
+    >>> [f.name for f in dataclasses.fields(ShardRecord)][:4]  # what write_index receives
+    ['index', 'n_examples', 'files', 'info']
 """
 
 from __future__ import annotations
