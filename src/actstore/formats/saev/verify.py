@@ -136,12 +136,14 @@ class _ShardFold:
     carry: bytearray = field(default_factory=bytearray)
     broken: bool = False
     result: dict[Site, RunningStats] | None = None
-    folds: list[ShardStats] = field(default_factory=list)
+    #: each site's fold, in the order of ``sites``
+    folds: list[ShardStats] = field(init=False)
+    #: layer slot -> index in ``sites``
+    site_of: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
-        d = self.shape[2]
-        self.folds = [ShardStats([site], d) for site in self.sites]
-        self._site_of = {slot: k for k, slot in enumerate(self.slots)}
+        self.folds = [ShardStats([site], self.shape[2]) for site in self.sites]
+        self.site_of = {slot: k for k, slot in enumerate(self.slots)}
 
     def feed(self, offset: int, data: memoryview) -> None:
         """Fold the shard's bytes from ``offset`` (the next after those fed before)."""
@@ -186,7 +188,7 @@ class _ShardFold:
         at = 0
         while at < len(values):
             n = min(len(values) - at, (slab - pos % slab) // 4)
-            k = self._site_of.get((pos // slab) % self.shape[0])
+            k = self.site_of.get((pos // slab) % self.shape[0])
             if k is not None:
                 self.folds[k].update({self.sites[k]: values[at : at + n].reshape(-1, d)})
             at, pos = at + n, pos + n * 4
